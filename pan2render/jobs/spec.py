@@ -1,0 +1,129 @@
+"""Typed records shared by the batch parser, the ledger and the runner.
+
+The parser (``pan2render.jobs.batch``) turns a YAML batch into these dataclasses once; nothing
+downstream reads raw YAML dicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+ALLOWED_GPUS = (1, 2, 4, 8)
+SAMPLERS = ("unipc", "euler")
+
+# Fields of a resolved job that change the rendered video. The spec hash covers exactly these, so
+# a cosmetic change (a comment, the order of keys) never re-renders a finished job, and any change
+# that would alter the pixels always does.
+RENDER_FIELDS = (
+    "model", "prompt", "negative_prompt", "image_sha256", "seed", "steps", "guidance", "height",
+    "width", "frames", "fps", "flow_shift", "sampler", "crf",
+)
+
+
+@dataclass(frozen=True)
+class SourceLocation:
+    """Where a value came from, for error messages: ``file:line``."""
+
+    file: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a batch file."""
+
+    location: SourceLocation
+    field: str  # dotted path, e.g. "jobs[2].frames"
+    message: str  # what is wrong and what is allowed
+
+    def __str__(self) -> str:
+        return f"{self.location}: {self.field}: {self.message}"
+
+
+class BatchValidationError(Exception):
+    """A batch has one or more problems; all of them are listed, none of the batch ran."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        lines = "\n".join(f"  {p}" for p in problems)
+        super().__init__(f"{len(problems)} problem(s) in the batch:\n{lines}")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One fully resolved job: preset < defaults < job < sweep value already applied."""
+
+    name: str  # readable name given or derived ("job-3"); unique within the batch
+    model: str  # "tiny" or an absolute checkpoint folder
+    prompt: str
+    negative_prompt: str
+    image: str | None  # absolute path of the first-frame image (TI2V), or None
+    image_sha256: str | None  # content hash of the image, so the spec hash follows the pixels
+    seed: int
+    steps: int
+    guidance: float
+    height: int
+    width: int
+    frames: int
+    fps: float
+    flow_shift: float
+    sampler: str  # one of SAMPLERS
+    gpus: int  # one of ALLOWED_GPUS
+    crf: int
+    preset: str
+    sweep: dict[str, Any] = field(default_factory=dict)  # the sweep values applied to this job
+    source: SourceLocation | None = None
+
+    @property
+    def spec_hash(self) -> str:
+        """sha256 over the render-affecting fields, as canonical JSON."""
+        payload = {k: getattr(self, k) for k in RENDER_FIELDS}
+        blob = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    @property
+    def job_id(self) -> str:
+        """Readable, filesystem-safe and deterministic: ``<name>[-<field><value>...]-<hash8>``.
+
+        Only ``[a-z0-9._-]`` survive, the id never starts with a dot, and it is capped in length,
+        so a job's folder can never escape the output folder whatever the job is named.
+        """
+        parts = [self.name] + [f"{k}{v}" for k, v in sorted(self.sweep.items())]
+        readable = _slug("-".join(parts))[:80].strip("-.") or "job"
+        return f"{readable}-{self.spec_hash[:8]}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["source"] = None if self.source is None else {"file": self.source.file, "line": self.source.line}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "JobSpec":
+        d = dict(d)
+        src = d.pop("source", None)
+        return cls(**d, source=None if src is None else SourceLocation(src["file"], int(src["line"])))
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A parsed, validated batch file."""
+
+    path: str
+    model: str
+    preset: str
+    jobs: list[JobSpec]
+
+
+def _slug(text: str) -> str:
+    text = text.lower()
+    text = re.sub(r"[^a-z0-9._-]+", "-", text)
+    text = re.sub(r"-{2,}", "-", text)
+    return text.lstrip(".")
