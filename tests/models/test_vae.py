@@ -1,0 +1,279 @@
+"""WanVAE against diffusers' AutoencoderKLWan: one random state dict, same outputs, same keys.
+
+CPU fp32 at toy widths (base_dim 16, decoder_base_dim 24; z_dim 48, dim_mult and the rest as
+released), 1-3 latent frames of 4x6. Run with ``-s`` to see the printed figures.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import weakref
+
+import pytest
+import torch
+from diffusers import AutoencoderKLWan
+
+from pan2render.models.vae import WanVAE, WanVAEConfig
+
+MAX_REL_ERR = 1e-4  # max|ours - ref| / max|ref|, fp32
+
+# Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json as released (latent stats are WanVAEConfig's
+# defaults, checked against diffusers' convert_wan_to_diffusers.py when they were written down).
+RELEASED_KEYS = {
+    "_class_name": "AutoencoderKLWan",
+    "_diffusers_version": "0.35.0.dev0",
+    "attn_scales": [],
+    "base_dim": 160,
+    "clip_output": False,
+    "decoder_base_dim": 256,
+    "dim_mult": [1, 2, 4, 4],
+    "dropout": 0.0,
+    "in_channels": 12,
+    "is_residual": True,
+    "num_res_blocks": 2,
+    "out_channels": 12,
+    "patch_size": 2,
+    "scale_factor_spatial": 16,
+    "scale_factor_temporal": 4,
+    "temperal_downsample": [False, True, True],
+    "z_dim": 48,
+}
+
+SMALL = WanVAEConfig(base_dim=16, decoder_base_dim=24)
+
+
+def _diffusers_kwargs(cfg: WanVAEConfig) -> dict:
+    # diffusers 0.42.1 has no clip_output argument (it always clamps).
+    return {k: v for k, v in cfg.to_dict().items() if k != "clip_output"}
+
+
+def _random_state_dict(model: torch.nn.Module, *, seed: int) -> dict[str, torch.Tensor]:
+    """Every tensor random (not default init): weights ~ N(0, 1/fan_in), biases ~ N(0, 0.1^2),
+    norm gammas ~ 1 + N(0, 0.3^2). At this scale most decoded pixels fall inside the [-1, 1] clamp
+    (the comparison sees real values) and some hit it (the clamp is exercised)."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, ref in model.state_dict().items():
+        noise = torch.randn(ref.shape, generator=g)
+        if name.endswith("gamma"):
+            sd[name] = 1.0 + 0.3 * noise
+        elif name.endswith("bias"):
+            sd[name] = 0.1 * noise
+        else:
+            sd[name] = noise / math.sqrt(ref[0].numel())
+    return sd
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[WanVAE, AutoencoderKLWan]:
+    torch.manual_seed(0)
+    ref = AutoencoderKLWan(**_diffusers_kwargs(SMALL)).eval()
+    sd = _random_state_dict(ref, seed=1234)
+    ref.load_state_dict(sd, strict=True)
+    ours = WanVAE(SMALL).eval()
+    ours.load_state_dict(sd, strict=True)
+    return ours, ref
+
+
+def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+# ---- config -----------------------------------------------------------------------------------
+
+
+def test_defaults_are_the_released_config_and_load_from_its_json() -> None:
+    released = dict(RELEASED_KEYS)
+    released["latents_mean"] = list(WanVAEConfig().latents_mean)
+    released["latents_std"] = list(WanVAEConfig().latents_std)
+    cfg = WanVAEConfig.from_dict(json.loads(json.dumps(released)))
+    assert cfg == WanVAEConfig()
+    assert cfg.to_dict() == {k: v for k, v in released.items() if not k.startswith("_")}
+    assert len(cfg.latents_mean) == len(cfg.latents_std) == 48
+    assert (cfg.latents_mean[0], cfg.latents_std[0], cfg.latents_std[-1]) == (-0.2289, 0.4765, 0.7744)
+    assert cfg.encoder_dims == [160, 160, 320, 640, 640]
+    assert cfg.decoder_dims == [1024, 1024, 1024, 512, 256]
+    assert [cfg.decoded_frames(t) for t in (1, 2, 31)] == [1, 5, 121]
+    assert cfg.latent_frames(121) == 31
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        ("is_residual", False, "only the Wan2.2 residual VAE"),
+        ("attn_scales", [1.0], "only [] is supported"),
+        ("patch_size", None, "only 2 is supported"),
+        ("patch_size", 1, "only 2 is supported"),
+        ("in_channels", 3, "must be 12"),
+        ("scale_factor_spatial", 8, "must be 16"),
+        ("scale_factor_temporal", 8, "only 4x temporal"),
+        ("temperal_downsample", [False, True], "must be 3 booleans"),
+        ("latents_mean", [0.0] * 16, "must have z_dim=48"),
+        ("base_dim", 0, "positive integer"),
+        ("dropout", 1.5, "must be in [0, 1)"),
+    ],
+)
+def test_config_rejects_unsupported_values(key: str, value: object, says: str) -> None:
+    d = {**RELEASED_KEYS, key: value}
+    with pytest.raises(ValueError) as err:
+        WanVAEConfig.from_dict(d)
+    msg = str(err.value)
+    print(f"{key}={value!r}: {msg}")
+    assert f"WanVAEConfig.{key}" in msg and says in msg
+    if key != "latents_mean":  # a 16-value list is named by its length instead
+        assert repr(value) in msg
+
+
+def test_config_rejects_unknown_keys_but_ignores_diffusers_private_ones() -> None:
+    WanVAEConfig.from_dict({"_class_name": "AutoencoderKLWan", "_name_or_path": "/x"})
+    with pytest.raises(ValueError, match="unknown key.*'base_dims'"):
+        WanVAEConfig.from_dict({"base_dims": 160})
+
+
+# ---- weights ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cfg", [WanVAEConfig(), SMALL], ids=["released", "small"])
+def test_state_dict_keys_and_shapes_equal_diffusers(cfg: WanVAEConfig) -> None:
+    with torch.device("meta"):  # the released size without allocating its 705M parameters
+        ours = WanVAE(cfg).state_dict()
+        ref = AutoencoderKLWan(**_diffusers_kwargs(cfg)).state_dict()
+    print(f"{len(ours)} keys, {sum(v.numel() for v in ours.values()) / 1e6:.1f}M parameters")
+    assert list(ours) == list(ref)
+    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in ref.items()}
+
+
+# ---- parity -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("batch", "latent_frames"), [(1, 1), (2, 2), (1, 3)])
+def test_decode_matches_diffusers(models, batch: int, latent_frames: int) -> None:
+    ours, ref = models
+    z = torch.randn(batch, 48, latent_frames, 4, 6, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = ref.decode(z).sample
+        got = ours.decode(z)
+    err = _rel_err(got, expected)
+    inside = (expected.abs() < 1).float().mean().item()
+    print(f"decode B={batch} T={latent_frames}: {tuple(got.shape)}, max rel err {err:.2e}, "
+          f"{inside:.0%} of pixels inside the clamp")
+    assert got.shape == (batch, 3, 1 + 4 * (latent_frames - 1), 64, 96)
+    assert got.dtype == z.dtype
+    assert err <= MAX_REL_ERR
+    assert got.abs().max() <= 1.0
+    assert inside > 0.5  # most pixels are compared unclamped
+    if latent_frames > 1:
+        assert inside < 1.0  # and the clamp is exercised (the first frame alone stays inside)
+
+
+def test_encode_matches_diffusers_posterior_mean(models) -> None:
+    ours, ref = models
+    x = torch.rand(1, 3, 9, 64, 96, generator=torch.Generator().manual_seed(8)) * 2 - 1
+    with torch.no_grad():
+        expected = ref.encode(x).latent_dist.mean
+        got = ours.encode(x)
+    err = _rel_err(got, expected)
+    print(f"encode: {tuple(got.shape)}, max rel err {err:.2e}")
+    assert got.shape == (1, 48, 3, 4, 6)
+    assert err <= MAX_REL_ERR
+
+
+def test_encode_rejects_shapes_it_cannot_chunk(models) -> None:
+    ours, _ = models
+    with pytest.raises(ValueError, match="8 frames: encode needs 1 \\+ 4k frames"):
+        ours.encode(torch.zeros(1, 3, 8, 64, 64))
+    with pytest.raises(ValueError, match="60x64: encode needs .* multiples of 16"):
+        ours.encode(torch.zeros(1, 3, 5, 60, 64))
+    with pytest.raises(ValueError, match=r"expected \[B, 48, T>=1, h, w\]"):
+        ours.decode(torch.zeros(1, 16, 2, 4, 4))
+
+
+# ---- output buffer and cache ------------------------------------------------------------------
+
+
+def _unregistered_tensors(model: torch.nn.Module) -> list[str]:
+    """Tensors a module holds outside its parameters and buffers (e.g. a leftover causal cache)."""
+    found = []
+    for name, m in model.named_modules():
+        for attr, value in vars(m).items():
+            items = value if isinstance(value, (list, tuple)) else [value]
+            if any(isinstance(v, torch.Tensor) for v in items):
+                found.append(f"{name}.{attr}")
+    return found
+
+
+def test_decode_fills_one_preallocated_video_chunk_by_chunk(models) -> None:
+    ours, _ = models
+    z = torch.randn(1, 48, 3, 4, 6, generator=torch.Generator().manual_seed(9))
+    chunks: list[tuple[int, int, int]] = []
+    with torch.no_grad():
+        video = ours.decode(
+            z, out_dtype=torch.float64, on_chunk=lambda v, a, b: chunks.append((a, b, v.data_ptr()))
+        )
+        plain = ours.decode(z)
+    print(f"chunks written: {[(a, b) for a, b, _ in chunks]}")
+    assert [(a, b) for a, b, _ in chunks] == [(0, 1), (1, 5), (5, 9)]
+    assert {ptr for _, _, ptr in chunks} == {video.data_ptr()}  # one buffer, written in place
+    assert video.dtype == torch.float64
+    assert torch.equal(video, plain.double())
+
+
+def test_cache_is_released_after_encode_and_decode(models) -> None:
+    ours, _ = models
+    with torch.no_grad():
+        ours.decode(torch.randn(1, 48, 2, 4, 6))
+        ours.encode(torch.zeros(1, 3, 5, 32, 32))
+    assert ours._cache is None
+    assert _unregistered_tensors(ours) == []
+
+
+def test_cache_is_released_when_decode_fails(models) -> None:
+    ours, _ = models
+    z = torch.randn(1, 48, 3, 4, 6, generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        expected = ours.decode(z)
+    calls, history = [0], []
+
+    def fail_on_second_chunk(module, args, output) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            history.extend(weakref.ref(t) for t in ours._cache.tensors())
+            raise RuntimeError("injected failure")
+
+    handle = ours.decoder.up_blocks[1].register_forward_hook(fail_on_second_chunk)
+    try:
+        with torch.no_grad(), pytest.raises(RuntimeError, match="injected failure") as failure:
+            ours.decode(z)
+    finally:
+        handle.remove()
+    gc.collect()
+    alive = sum(ref() is not None for ref in history)
+    print(f"cache tensors at the failure: {len(history)}, still alive after it: {alive}")
+    assert failure.traceback  # the traceback (and the decode's frame) is still held here
+    assert len(history) > 0 and alive == 0
+    assert ours._cache is None and _unregistered_tensors(ours) == []
+    with torch.no_grad():
+        assert torch.equal(ours.decode(z), expected)  # nothing stale left behind
+
+
+# ---- latent statistics ------------------------------------------------------------------------
+
+
+def test_latent_normalisation_follows_the_diffusers_pipeline(models) -> None:
+    ours, _ = models
+    cfg = ours.config
+    z = torch.randn(1, 48, 2, 3, 3, generator=torch.Generator().manual_seed(11))
+    # pipeline_wan.py (before decode) and pipeline_wan_i2v.py (after encode), written out.
+    mean = torch.tensor(cfg.latents_mean).view(1, 48, 1, 1, 1).to(z.device, z.dtype)
+    inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, 48, 1, 1, 1).to(z.device, z.dtype)
+    assert torch.equal(ours.normalize_latents(z), (z - mean) * inv_std)
+    assert torch.equal(ours.denormalize_latents(z), z / inv_std + mean)
+    round_trip = ours.denormalize_latents(ours.normalize_latents(z))
+    err = (round_trip - z).abs().max().item()
+    print(f"normalise -> denormalise max abs err {err:.1e}")
+    assert err < 1e-5
+    # bf16 latents: statistics are cast to the latents' dtype first, as the pipeline does.
+    zb = z.bfloat16()
+    assert ours.normalize_latents(zb).dtype == torch.bfloat16
