@@ -1,0 +1,393 @@
+"""The single-process PAN2 pipeline: text conditioning -> flow-matching sampling -> VAE decode.
+
+``PAN2Pipeline.sample`` returns latents in the normalised latent space (what diffusers' WanPipeline
+returns with ``output_type="latent"``); ``PAN2Pipeline.decode`` turns them into uint8 frames
+``[F, H, W, 3]`` converted on the device and copied to the host once. Model code knows nothing of
+Ray; sequence parallelism is applied from outside.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .checkpoint import CheckpointError, instantiate, read_json, resolve_component
+from .dit import PAN2DiT, PAN2DiTConfig
+from .scheduler import SchedulerConfig, make_scheduler
+from .text import TextEncoder
+from .vae import WanVAE, WanVAEConfig
+
+log = logging.getLogger(__name__)
+
+SAMPLERS = ("unipc", "euler")
+ProgressFn = Callable[[int, int], None]
+
+# diffusers keeps these in fp32 when the transformer runs in bf16 (WanTransformer3DModel's
+# _keep_in_fp32_modules): the time embedding, the modulation tables and the norms.
+DIT_KEEP_IN_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
+
+
+def _dtype_of(value: str | torch.dtype) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if value not in names:
+        raise ValueError(f"dtype {value!r} is not supported; use one of {sorted(names)} or 'auto'")
+    return names[value]
+
+
+@dataclass
+class PAN2PipelineConfig:
+    """How and where the pipeline runs; the three fast-path switches default on where they apply."""
+
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    dtype: str | torch.dtype = "auto"  # DiT dtype. "auto": bfloat16 on CUDA, float32 on CPU
+    vae_dtype: str | torch.dtype = "float32"  # reference VAE path; the fast decoder is bf16
+    text_encoder_device: str | None = None  # None: same as device
+    vae_decode_kernel: bool = True  # fast Hopper VAE decoder; falls back (logged once) elsewhere
+    vae_decode_kernel_parallel: bool = True  # split one decode over a sequence-parallel group
+    dit_fused_kernels: bool = True  # fused Triton DiT kernels on CUDA; eager path elsewhere
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        torch.device(self.device)  # raises on a malformed device string
+        if self.dtype == "auto":
+            self.dtype = torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
+        self.dtype = _dtype_of(self.dtype)
+        self.vae_dtype = _dtype_of(self.vae_dtype)
+        if self.text_encoder_device is None:
+            self.text_encoder_device = self.device
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """A validated sampling request (sizes in pixels)."""
+
+    height: int
+    width: int
+    frames: int
+    steps: int
+    guidance: float
+    seed: int
+    sampler: str = "unipc"
+    flow_shift: float | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not _is_int(self.frames) or self.frames < 1 or (self.frames - 1) % 4:
+            problems.append(f"frames={self.frames!r}: must be 4k+1 (1, 5, ..., 17, ..., 121)")
+        for name in ("height", "width"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 32 or v % 32:
+                problems.append(f"{name}={v!r}: must be a positive multiple of 32")
+        if not _is_int(self.steps) or self.steps < 1:
+            problems.append(f"steps={self.steps!r}: must be an integer >= 1")
+        if isinstance(self.guidance, bool) or not isinstance(self.guidance, (int, float)) \
+                or not math.isfinite(self.guidance) or self.guidance < 1:
+            problems.append(f"guidance={self.guidance!r}: must be a number >= 1 (1 means no guidance)")
+        if not _is_int(self.seed) or self.seed < 0:
+            problems.append(f"seed={self.seed!r}: must be a non-negative integer")
+        if self.sampler not in SAMPLERS:
+            problems.append(f"sampler={self.sampler!r}: must be one of {', '.join(SAMPLERS)}")
+        if self.flow_shift is not None and (not isinstance(self.flow_shift, (int, float))
+                                            or isinstance(self.flow_shift, bool) or self.flow_shift <= 0):
+            problems.append(f"flow_shift={self.flow_shift!r}: must be a number > 0")
+        if problems:
+            raise ValueError("invalid sampling request: " + "; ".join(problems))
+
+    @property
+    def latent_frames(self) -> int:
+        return (self.frames - 1) // 4 + 1
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class PAN2Pipeline:
+    """Text -> latents -> uint8 frames for one PAN2 checkpoint, in one process."""
+
+    def __init__(self, *, dit: PAN2DiT, vae: WanVAE, text_encoder: TextEncoder | None,
+                 scheduler_config: SchedulerConfig, config: PAN2PipelineConfig, model_id: str,
+                 expand_timesteps: bool = True):
+        self.dit = dit
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.scheduler_config = scheduler_config
+        self.config = config
+        self.model_id = model_id
+        # Wan2.2 TI2V feeds per-token timesteps (first-frame tokens at 0 when an image conditions).
+        self.expand_timesteps = expand_timesteps
+        self.process_group = None  # set by a sequence-parallel wrapper applied from outside
+        self._warned_fallback = False
+
+    # ----------------------------------------------------------------------------------------
+    # Loading
+    @classmethod
+    def from_pretrained(cls, path: str | Path, config: PAN2PipelineConfig | None = None) -> "PAN2Pipeline":
+        """Load a diffusers-layout checkpoint folder, or ``"tiny"`` for the embedded tiny model."""
+        config = config or PAN2PipelineConfig()
+        if str(path) == "tiny":
+            from .tiny import TINY_VERSION, tiny_checkpoint_path
+
+            root = tiny_checkpoint_path()
+            name = f"tiny-v{TINY_VERSION}"
+        else:
+            root = Path(path).expanduser().resolve()
+            name = root.name
+        if not root.is_dir():
+            raise CheckpointError(f"{root}: checkpoint folder does not exist")
+        index = read_json(root / "model_index.json")
+        dit = load_dit(root, device=config.device, dtype=config.dtype)
+        vae = load_vae(root, device=config.device, dtype=config.vae_dtype)
+        text = TextEncoder.from_pretrained(root, device=config.text_encoder_device, dtype=torch.float32)
+        sched_file = root / "scheduler" / "scheduler_config.json"
+        scheduler_config = SchedulerConfig.from_dict(read_json(sched_file)) if sched_file.is_file() \
+            else SchedulerConfig()
+        model_id = f"{name}-{_checkpoint_digest(root)}"
+        pipe = cls(dit=dit, vae=vae, text_encoder=text, scheduler_config=scheduler_config,
+                   config=config, model_id=model_id,
+                   expand_timesteps=bool(index.get("expand_timesteps", True)))
+        pipe._apply_switches()
+        return pipe
+
+    def _apply_switches(self) -> None:
+        try:
+            from ..kernels import set_fused_kernels
+        except ImportError:  # the kernels package is optional until its issue lands
+            return
+        set_fused_kernels(bool(self.config.dit_fused_kernels))
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.config.device)
+
+    @property
+    def text_encoder_id(self) -> str:
+        if self.text_encoder is None:
+            raise RuntimeError("this pipeline was built without a text encoder; pass prompt_embeds")
+        return self.text_encoder.encoder_id
+
+    # ----------------------------------------------------------------------------------------
+    # Conditioning
+    def encode_prompt(self, prompt: str) -> torch.Tensor:
+        """Prompt -> float32 CPU embeddings ``[512, text_dim]``."""
+        if self.text_encoder is None:
+            raise RuntimeError("this pipeline was built without a text encoder; pass prompt_embeds")
+        return self.text_encoder.encode(prompt)
+
+    def _context(self, embeds: torch.Tensor | None, prompt: str | None) -> torch.Tensor:
+        if embeds is None:
+            if prompt is None:
+                raise ValueError("give either a prompt or its embeddings")
+            embeds = self.encode_prompt(prompt)
+        if embeds.dim() == 2:
+            embeds = embeds[None]
+        want = self.dit.config.text_dim
+        if embeds.dim() != 3 or embeds.shape[0] != 1 or embeds.shape[-1] != want:
+            raise ValueError(f"prompt embeddings must be [512, {want}] or [1, 512, {want}], "
+                             f"got {list(embeds.shape)}")
+        return embeds.to(self.device, self.config.dtype)
+
+    def encode_image(self, image: np.ndarray | torch.Tensor, *, height: int, width: int) -> torch.Tensor:
+        """uint8 ``[H, W, 3]`` image -> normalised first-frame latent ``[1, 48, 1, h, w]``.
+
+        The image is resized to cover ``height x width`` keeping its aspect, then centre-cropped.
+        """
+        img = torch.as_tensor(np.asarray(image))
+        if img.dtype != torch.uint8 or img.dim() != 3 or img.shape[-1] != 3:
+            raise ValueError(f"image must be uint8 [H, W, 3], got {img.dtype} {list(img.shape)}")
+        x = img.permute(2, 0, 1)[None].float() / 127.5 - 1.0  # [1, 3, H, W] in [-1, 1]
+        scale = max(height / x.shape[-2], width / x.shape[-1])
+        size = (max(height, round(x.shape[-2] * scale)), max(width, round(x.shape[-1] * scale)))
+        x = F.interpolate(x, size=size, mode="bilinear", align_corners=False, antialias=True)
+        top, left = (size[0] - height) // 2, (size[1] - width) // 2
+        x = x[..., top:top + height, left:left + width].clamp(-1, 1)
+        vae_dtype = next(self.vae.parameters()).dtype
+        with torch.no_grad():
+            z = self.vae.encode(x[:, :, None].to(self.device, vae_dtype))  # [1, 48, 1, h, w]
+        return self.vae.normalize_latents(z.float())
+
+    # ----------------------------------------------------------------------------------------
+    # Sampling
+    @torch.no_grad()
+    def sample(
+        self,
+        *,
+        prompt: str | None = None,
+        negative_prompt: str = "",
+        prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        image: np.ndarray | torch.Tensor | None = None,
+        height: int,
+        width: int,
+        frames: int,
+        steps: int,
+        guidance: float,
+        seed: int,
+        flow_shift: float | None = None,
+        sampler: str = "unipc",
+        progress: ProgressFn | None = None,
+    ) -> torch.Tensor:
+        """Sample latents: float32 CPU ``[48, T, h, w]`` in the normalised latent space."""
+        req = SampleRequest(height=height, width=width, frames=frames, steps=steps, guidance=guidance,
+                            seed=seed, sampler=sampler, flow_shift=flow_shift)
+        cond = self._context(prompt_embeds, prompt)
+        guided = req.guidance > 1.0
+        uncond = self._context(negative_prompt_embeds, negative_prompt) if guided else None
+
+        z_dim = self.vae.config.z_dim
+        shape = (1, z_dim, req.latent_frames, req.height // 16, req.width // 16)
+        # The noise comes from a CPU generator so it is identical on every device and every rank.
+        gen = torch.Generator(device="cpu").manual_seed(req.seed)
+        latents = torch.randn(shape, generator=gen, dtype=torch.float32).to(self.device)
+
+        first_frame = None
+        if image is not None:
+            first_frame = self.encode_image(image, height=req.height, width=req.width)
+            latents[:, :, :1] = first_frame
+
+        scheduler = make_scheduler(req.sampler, self.scheduler_config)
+        scheduler.set_timesteps(req.steps, flow_shift=req.flow_shift)
+        timesteps = scheduler.timesteps
+        runner = self._make_denoiser(cond, uncond, req.guidance)
+        for i, t in enumerate(timesteps):
+            timestep = self._timestep_for(t, shape, conditioned=first_frame is not None)
+            noise_pred = runner(latents.to(self.config.dtype), timestep)
+            latents = scheduler.step(noise_pred.float(), t, latents)
+            if first_frame is not None:
+                # Re-impose the conditioning frame after every step, as the official Wan2.2 code does.
+                latents[:, :, :1] = first_frame
+            if not bool(torch.isfinite(latents).all()):
+                raise FloatingPointError(
+                    f"non-finite latents at step {i + 1} of {len(timesteps)} (timestep {float(t):.1f}); "
+                    f"try a lower guidance or another seed")
+            if progress is not None:
+                progress(i + 1, len(timesteps))
+        return latents[0].float().cpu()
+
+    def _timestep_for(self, t: torch.Tensor, shape: tuple[int, ...], *, conditioned: bool) -> torch.Tensor:
+        """``[1]`` for plain text-to-video, ``[1, L]`` per token when the first frame is given."""
+        t = t.to(self.device, torch.float32).reshape(1)
+        if not conditioned:
+            return t
+        _, _, frames, h, w = shape
+        pt, ph, pw = self.dit.config.patch_size
+        per_frame = (h // ph) * (w // pw)
+        ts = t.expand(frames // pt * per_frame).clone()
+        ts[:per_frame] = 0.0  # first-frame tokens are clean
+        return ts[None]
+
+    def _make_denoiser(self, cond: torch.Tensor, uncond: torch.Tensor | None,
+                       guidance: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Model call with classifier-free guidance; the text K/V are prepared once per job."""
+        dit = self.dit
+        prepare = getattr(dit, "prepare_context", None)
+        cond_ctx = prepare(cond) if prepare is not None else cond
+        if uncond is None:
+            return lambda x, t: dit(x, t, cond_ctx)
+        uncond_ctx = prepare(uncond) if prepare is not None else uncond
+
+        def guided(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            pred = dit(x, t, cond_ctx)
+            pred_uncond = dit(x, t, uncond_ctx)
+            return pred_uncond + guidance * (pred - pred_uncond)
+
+        return guided
+
+    # ----------------------------------------------------------------------------------------
+    # Decoding
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalised latents ``[48, T, h, w]`` (or ``[1, 48, T, h, w]``) -> uint8 CPU ``[F, H, W, 3]``."""
+        if latents.dim() == 4:
+            latents = latents[None]
+        if latents.dim() != 5 or latents.shape[0] != 1 or latents.shape[1] != self.vae.config.z_dim:
+            raise ValueError(f"latents must be [{self.vae.config.z_dim}, T, h, w], got {list(latents.shape)}")
+        if not bool(torch.isfinite(latents).all()):
+            raise FloatingPointError("non-finite values in the latents to decode")
+        z = self.vae.denormalize_latents(latents.to(self.device, torch.float32))
+        frames = self._decode_fast(z)
+        if frames is None:
+            vae_dtype = next(self.vae.parameters()).dtype
+            video = self.vae.decode(z.to(vae_dtype))  # [1, 3, F, H, W] in [-1, 1]
+            frames = to_uint8_frames(video[0])
+        return frames.cpu()  # the one device -> host copy
+
+    def _decode_fast(self, z: torch.Tensor) -> torch.Tensor | None:
+        """uint8 ``[F, H, W, 3]`` on the device from the fast decoder, or None to fall back."""
+        if not self.config.vae_decode_kernel:
+            return None
+        try:
+            from ..kernels.vae_decode import fast_decode, fast_decode_available
+        except ImportError as e:
+            self._log_fallback(f"the fast decoder is not importable ({e})")
+            return None
+        ok, reason = fast_decode_available(self.device)
+        if not ok:
+            self._log_fallback(reason)
+            return None
+        return fast_decode(self.vae, z, out_dtype=torch.uint8)
+
+    def _log_fallback(self, reason: str) -> None:
+        if not self._warned_fallback:
+            log.info("vae_decode_kernel: using the reference decoder: %s", reason)
+            self._warned_fallback = True
+
+
+def to_uint8_frames(video: torch.Tensor) -> torch.Tensor:
+    """``[3, F, H, W]`` in [-1, 1] -> uint8 ``[F, H, W, 3]`` on the same device."""
+    x = ((video.float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
+    return x.permute(1, 2, 3, 0).contiguous()
+
+
+def load_vae(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> WanVAE:
+    """The Wan2.2 VAE from a checkpoint root or its ``vae/`` folder (safetensors only)."""
+    folder = resolve_component(path, "vae")
+    config = _config_of(folder, WanVAEConfig)
+    return instantiate(lambda: WanVAE(config), folder, device=device, dtype=dtype)
+
+
+def load_dit(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> PAN2DiT:
+    """The PAN2 DiT from a checkpoint root or its ``transformer/`` folder (safetensors only)."""
+    folder = resolve_component(path, "transformer")
+    config = _config_of(folder, PAN2DiTConfig)
+    return instantiate(lambda: PAN2DiT(config), folder, device=device, dtype=dtype,
+                       keep_in_fp32=DIT_KEEP_IN_FP32 if dtype != torch.float32 else ())
+
+
+def _config_of(folder: Path, cls):
+    raw = read_json(folder / "config.json")
+    try:
+        return cls.from_dict(raw)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{folder / 'config.json'}: {e}") from e
+
+
+def _checkpoint_digest(root: Path) -> str:
+    """A cheap, stable id of a checkpoint's weights: configs plus weight file names and sizes."""
+    h = hashlib.sha256()
+    for sub in ("transformer", "vae", "text_encoder", "scheduler"):
+        folder = root / sub
+        if not folder.is_dir():
+            continue
+        for f in sorted(folder.iterdir()):
+            if f.suffix == ".json":
+                h.update(f"{sub}/{f.name}:".encode() + f.read_bytes())
+            elif f.suffix == ".safetensors":
+                h.update(f"{sub}/{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:10]
+
+
+__all__ = ["PAN2Pipeline", "PAN2PipelineConfig", "SampleRequest", "load_dit", "load_vae",
+           "to_uint8_frames"]

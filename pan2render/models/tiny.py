@@ -1,0 +1,181 @@
+"""The embedded ``tiny`` model: a deterministic random-weight PAN2 of the real architecture.
+
+``model: tiny`` must render on a laptop CPU in seconds with no download. It is built once from a
+fixed seed, written as a real diffusers-layout checkpoint (model_index.json, transformer/, vae/,
+text_encoder/, tokenizer/, scheduler/) in the cache folder, and then loaded through exactly the same
+loader as a real checkpoint — so the tiny model exercises the loading path too.
+
+Cache folder: ``$PAN2_RENDER_CACHE`` (default ``~/.cache/pan2-render``), ``models/tiny-v<N>``.
+Bump ``TINY_VERSION`` whenever the configs below change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+TINY_VERSION = 1
+TINY_SEED = 20261130
+
+# Same architecture as Wan2.2-TI2V-5B (48 latent channels, 16x spatial / 4x temporal VAE, patch
+# (1,2,2), Q/K RMSNorm across heads, 3-D RoPE), at toy widths.
+TINY_DIT_CONFIG = {
+    "_class_name": "WanTransformer3DModel",
+    "patch_size": [1, 2, 2],
+    "num_attention_heads": 2,
+    "attention_head_dim": 24,
+    "in_channels": 48,
+    "out_channels": 48,
+    "text_dim": 32,
+    "freq_dim": 32,
+    "ffn_dim": 96,
+    "num_layers": 2,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "image_dim": None,
+    "added_kv_proj_dim": None,
+    "rope_max_seq_len": 1024,
+    "pos_embed_seq_len": None,
+}
+
+TINY_VAE_CONFIG = {
+    "_class_name": "AutoencoderKLWan",
+    "base_dim": 8,
+    "decoder_base_dim": 8,
+    "z_dim": 48,
+    "dim_mult": [1, 2, 4, 4],
+    "num_res_blocks": 1,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+    "dropout": 0.0,
+    "is_residual": True,
+    "in_channels": 12,
+    "out_channels": 12,
+    "patch_size": 2,
+    "scale_factor_temporal": 4,
+    "scale_factor_spatial": 16,
+    # Unit statistics: the tiny model's latents need no re-centring.
+    "latents_mean": [0.0] * 48,
+    "latents_std": [1.0] * 48,
+}
+
+TINY_TEXT_CONFIG = {
+    "d_model": 32,
+    "d_kv": 8,
+    "d_ff": 64,
+    "num_layers": 2,
+    "num_heads": 4,
+    "relative_attention_num_buckets": 8,
+    "relative_attention_max_distance": 32,
+    "dropout_rate": 0.0,
+    "feed_forward_proj": "gated-gelu",
+}
+
+# Wan2.2's released scheduler settings (flow UniPC), with the shift of the PAN2 presets.
+SCHEDULER_CONFIG = {
+    "_class_name": "UniPCMultistepScheduler",
+    "num_train_timesteps": 1000,
+    "prediction_type": "flow_prediction",
+    "use_flow_sigmas": True,
+    "flow_shift": 5.0,
+    "solver_order": 2,
+    "solver_type": "bh2",
+    "predict_x0": True,
+    "lower_order_final": True,
+    "final_sigmas_type": "zero",
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PAN2_RENDER_CACHE", Path.home() / ".cache" / "pan2-render")).expanduser()
+
+
+def tiny_checkpoint_path() -> Path:
+    """The tiny checkpoint folder, written on first use (atomically: build aside, then rename)."""
+    final = cache_root() / "models" / f"tiny-v{TINY_VERSION}"
+    if (final / "model_index.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".tiny-v{TINY_VERSION}-", dir=final.parent))
+    try:
+        write_tiny_checkpoint(staging)
+        try:
+            os.rename(staging, final)  # atomic; fails if another process won the race
+        except OSError:
+            if not (final / "model_index.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def write_tiny_checkpoint(root: Path) -> None:
+    """Write the tiny model's checkpoint folder in the diffusers layout."""
+    from .dit import PAN2DiT, PAN2DiTConfig
+    from .vae import WanVAE, WanVAEConfig
+
+    root.mkdir(parents=True, exist_ok=True)
+    _write_json(root / "model_index.json", {
+        "_class_name": "WanPipeline",
+        "expand_timesteps": True,
+        "boundary_ratio": None,
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "transformer_2": [None, None],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+        "pan2_render_tiny": TINY_VERSION,
+    })
+    torch.manual_seed(TINY_SEED)
+    dit = PAN2DiT(PAN2DiTConfig.from_dict(TINY_DIT_CONFIG))
+    _save_component(root / "transformer", TINY_DIT_CONFIG, dit.state_dict())
+    vae = WanVAE(WanVAEConfig.from_dict(TINY_VAE_CONFIG))
+    _save_component(root / "vae", TINY_VAE_CONFIG, vae.state_dict())
+    _write_json(root / "scheduler" / "scheduler_config.json", SCHEDULER_CONFIG)
+    _write_text_encoder(root)
+
+
+def _save_component(folder: Path, config: dict, state_dict: dict[str, torch.Tensor]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_json(folder / "config.json", config)
+    tensors = {k: v.detach().contiguous().clone() for k, v in state_dict.items()}
+    save_file(tensors, str(folder / "diffusion_pytorch_model.safetensors"))
+
+
+def _write_text_encoder(root: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+
+    # A byte-level tokenizer with no merges: every string has a tokenisation, no files to fetch.
+    specials = ["<pad>", "</s>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.normalizer = normalizers.NFKC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                                   unk_token="<unk>", model_max_length=512)
+    fast.save_pretrained(str(root / "tokenizer"))
+
+    config = UMT5Config(vocab_size=len(vocab), pad_token_id=0, eos_token_id=1,
+                        decoder_start_token_id=0, is_encoder_decoder=False, use_cache=False,
+                        **TINY_TEXT_CONFIG)
+    torch.manual_seed(TINY_SEED + 1)
+    encoder = UMT5EncoderModel(config).eval()
+    encoder.save_pretrained(str(root / "text_encoder"), safe_serialization=True)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")

@@ -1,0 +1,208 @@
+"""PAN2Pipeline: sampling parity with diffusers' WanPipeline, the tiny model, request validation."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pan2render.models import PAN2Pipeline, PAN2PipelineConfig, load_dit, load_vae
+from pan2render.models.scheduler import SchedulerConfig
+from pan2render.models.tiny import SCHEDULER_CONFIG, TINY_DIT_CONFIG, TINY_VAE_CONFIG
+
+
+def _max_rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours.double() - ref.double()).abs().max() / ref.double().abs().max())
+
+
+def _randomise(module: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.5 / max(1, p.shape[-1]) ** 0.5) + (p.dim() == 1) * 0.1)
+
+
+@pytest.fixture(scope="module")
+def reference_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """diffusers' own models with random weights, saved by diffusers in its layout.
+
+    Returns the folder and the diffusers modules themselves (diffusers' from_pretrained needs
+    accelerate for these classes, which we do not depend on).
+    """
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+    root = tmp_path_factory.mktemp("ref-ckpt")
+    dit_cfg = {k: v for k, v in TINY_DIT_CONFIG.items() if not k.startswith("_")}
+    vae_cfg = {k: v for k, v in TINY_VAE_CONFIG.items() if not k.startswith("_")}
+    # Non-trivial latent statistics, so the (de)normalisation is exercised.
+    gen = torch.Generator().manual_seed(3)
+    vae_cfg["latents_mean"] = (torch.randn(48, generator=gen) * 0.3).tolist()
+    vae_cfg["latents_std"] = (torch.rand(48, generator=gen) + 0.5).tolist()
+    dit = WanTransformer3DModel(**dit_cfg)
+    _randomise(dit, seed=4)
+    dit.save_pretrained(str(root / "transformer"))
+    vae = AutoencoderKLWan(**vae_cfg)
+    _randomise(vae, seed=5)
+    vae.save_pretrained(str(root / "vae"))
+    return root, dit.eval(), vae.eval()
+
+
+def _ours(root: Path) -> PAN2Pipeline:
+    config = PAN2PipelineConfig(device="cpu", dtype=torch.float32)
+    return PAN2Pipeline(dit=load_dit(root), vae=load_vae(root), text_encoder=None,
+                        scheduler_config=SchedulerConfig.from_dict(SCHEDULER_CONFIG), config=config,
+                        model_id="reference-test", expand_timesteps=False)
+
+
+def test_guided_sampling_matches_diffusers_wanpipeline(reference_checkpoint) -> None:
+    from diffusers import UniPCMultistepScheduler, WanPipeline
+
+    root, ref_dit, ref_vae = reference_checkpoint
+    scheduler_kwargs = {k: v for k, v in SCHEDULER_CONFIG.items() if not k.startswith("_")}
+    ref_pipe = WanPipeline(
+        tokenizer=None, text_encoder=None,
+        transformer=ref_dit, vae=ref_vae,
+        scheduler=UniPCMultistepScheduler(**scheduler_kwargs),
+    )
+    gen = torch.Generator().manual_seed(11)
+    cond = torch.randn(1, 512, TINY_DIT_CONFIG["text_dim"], generator=gen)
+    uncond = torch.randn(1, 512, TINY_DIT_CONFIG["text_dim"], generator=gen)
+    kwargs = dict(height=64, width=96, frames=17, steps=4, guidance=2.5, seed=7)
+    ref = ref_pipe(prompt_embeds=cond, negative_prompt_embeds=uncond, height=64, width=96,
+                   num_frames=17, num_inference_steps=4, guidance_scale=2.5,
+                   generator=torch.Generator().manual_seed(7), output_type="latent").frames
+    ours = _ours(root).sample(prompt_embeds=cond[0], negative_prompt_embeds=uncond[0], **kwargs)
+    err = _max_rel(ours, ref[0])
+    print(f"4-step guided UniPC sampling vs WanPipeline: max rel err {err:.2e}, shape {list(ours.shape)}")
+    assert ours.shape == ref[0].shape == (48, 5, 4, 6)
+    assert err <= 1e-4
+
+
+def test_decode_matches_diffusers_decode(reference_checkpoint) -> None:
+    root, _, ref_vae = reference_checkpoint
+    pipe = _ours(root)
+    latents = torch.randn(48, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    frames = pipe.decode(latents)
+    mean = torch.tensor(ref_vae.config.latents_mean).view(1, 48, 1, 1, 1)
+    std = torch.tensor(ref_vae.config.latents_std).view(1, 48, 1, 1, 1)
+    with torch.no_grad():
+        video = ref_vae.decode(latents[None] * std + mean).sample  # [1, 3, F, H, W]
+    ref = ((video[0].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0)
+    diff = (frames.int() - ref.int()).abs().max().item()
+    print(f"decode to uint8 vs diffusers: max abs diff {diff} (of 255), shape {list(frames.shape)}")
+    assert frames.dtype == torch.uint8 and frames.shape == (9, 64, 64, 3)
+    assert diff <= 1  # rounding boundary only
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> PAN2Pipeline:
+    import os
+
+    os.environ["PAN2_RENDER_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    t0 = time.perf_counter()
+    pipe = PAN2Pipeline.from_pretrained("tiny", PAN2PipelineConfig(device="cpu"))
+    print(f"tiny model: first build + load {time.perf_counter() - t0:.2f} s")
+    return pipe
+
+
+def test_tiny_model_renders_in_seconds(tiny: PAN2Pipeline) -> None:
+    from pan2render.models.tiny import tiny_checkpoint_path
+
+    root = tiny_checkpoint_path()
+    for part in ("model_index.json", "transformer/config.json", "vae/diffusion_pytorch_model.safetensors",
+                 "text_encoder/config.json", "tokenizer/tokenizer.json", "scheduler/scheduler_config.json"):
+        assert (root / part).is_file(), part
+    t0 = time.perf_counter()
+    reloaded = PAN2Pipeline.from_pretrained("tiny", PAN2PipelineConfig(device="cpu"))
+    t_load = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    steps_seen = []
+    latents = reloaded.sample(prompt="a red fox in the snow", height=64, width=64, frames=17, steps=8,
+                              guidance=2.5, seed=3, progress=lambda i, n: steps_seen.append((i, n)))
+    t_sample = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    frames = reloaded.decode(latents)
+    t_decode = time.perf_counter() - t0
+    print(f"tiny model on CPU: load {t_load:.2f} s, 8-step guided sample {t_sample:.2f} s, "
+          f"decode {t_decode:.2f} s (17x64x64)")
+    assert latents.shape == (48, 5, 4, 4) and latents.dtype == torch.float32
+    assert frames.shape == (17, 64, 64, 3) and frames.dtype == torch.uint8
+    assert steps_seen == [(i, 8) for i in range(1, 9)]
+    assert reloaded.model_id == tiny.model_id and reloaded.model_id.startswith("tiny-v")
+    # Deterministic: the same request gives the same latents; another seed does not.
+    again = tiny.sample(prompt="a red fox in the snow", height=64, width=64, frames=17, steps=8,
+                        guidance=2.5, seed=3)
+    other = tiny.sample(prompt="a red fox in the snow", height=64, width=64, frames=17, steps=8,
+                        guidance=2.5, seed=4)
+    assert torch.equal(again, latents)
+    assert not torch.allclose(other, latents)
+
+
+def test_prompt_embeddings_are_zero_past_the_prompt(tiny: PAN2Pipeline) -> None:
+    emb = tiny.encode_prompt("a cat")
+    assert emb.shape == (512, 32) and emb.dtype == torch.float32
+    nonzero = emb.abs().sum(-1) > 0
+    assert nonzero[:6].all() and not nonzero[6:].any()  # 5 byte tokens + </s>
+
+
+def test_guidance_one_runs_one_forward_per_step(tiny: PAN2Pipeline, monkeypatch) -> None:
+    calls = []
+    forward = tiny.dit.forward
+    monkeypatch.setattr(tiny.dit, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    tiny.sample(prompt="x", height=32, width=32, frames=5, steps=3, guidance=1.0, seed=0)
+    assert len(calls) == 3
+    calls.clear()
+    tiny.sample(prompt="x", height=32, width=32, frames=5, steps=3, guidance=2.0, seed=0)
+    assert len(calls) == 6
+
+
+def test_non_finite_latents_name_the_step(tiny: PAN2Pipeline, monkeypatch) -> None:
+    calls = []
+    forward = tiny.dit.forward
+
+    def poisoned(*a, **k):
+        calls.append(1)
+        out = forward(*a, **k)
+        return out * float("nan") if len(calls) == 3 else out
+
+    monkeypatch.setattr(tiny.dit, "forward", poisoned)
+    with pytest.raises(FloatingPointError, match=r"non-finite latents at step 3 of 4"):
+        tiny.sample(prompt="x", height=32, width=32, frames=5, steps=4, guidance=1.0, seed=0)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(frames=16), "frames=16: must be 4k+1"),
+    (dict(height=48), "height=48: must be a positive multiple of 32"),
+    (dict(width=0), "width=0: must be a positive multiple of 32"),
+    (dict(steps=0), "steps=0: must be an integer >= 1"),
+    (dict(guidance=0.5), "guidance=0.5: must be a number >= 1"),
+    (dict(seed=-1), "seed=-1: must be a non-negative integer"),
+    (dict(seed=1.5), "seed=1.5: must be a non-negative integer"),
+    (dict(sampler="ddim"), "sampler='ddim': must be one of unipc, euler"),
+])
+def test_bad_requests_are_refused(tiny: PAN2Pipeline, bad: dict, message: str) -> None:
+    req = dict(prompt="x", height=32, width=32, frames=5, steps=2, guidance=1.0, seed=0)
+    req.update(bad)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tiny.sample(**req)
+
+
+def test_first_frame_image_is_imposed(tiny: PAN2Pipeline) -> None:
+    image = np.random.default_rng(0).integers(0, 256, size=(40, 50, 3), dtype=np.uint8)
+    latents = tiny.sample(prompt="x", image=image, height=32, width=64, frames=9, steps=3,
+                          guidance=2.0, seed=1)
+    first = tiny.encode_image(image, height=32, width=64)[0, :, 0].cpu()
+    assert torch.allclose(latents[:, 0], first)
+    plain = tiny.sample(prompt="x", height=32, width=64, frames=9, steps=3, guidance=2.0, seed=1)
+    assert not torch.allclose(plain[:, 1:], latents[:, 1:])  # the image conditions the rest
+
+
+def test_euler_sampler_runs_and_differs(tiny: PAN2Pipeline) -> None:
+    req = dict(prompt="x", height=32, width=32, frames=5, steps=4, guidance=2.0, seed=0)
+    a = tiny.sample(sampler="unipc", **req)
+    b = tiny.sample(sampler="euler", **req)
+    assert torch.isfinite(b).all() and not torch.allclose(a, b)
