@@ -1,0 +1,18 @@
+"""Batch specs: YAML parsing, validation, presets, sweep expansion and job ids (the ledger lives in
+``pan2render.jobs.ledger``)."""
+
+from pan2render.jobs.batch import list_presets, load_batch
+from pan2render.jobs.spec import (
+    ALLOWED_GPUS,
+    SAMPLERS,
+    Batch,
+    BatchValidationError,
+    JobSpec,
+    Problem,
+    SourceLocation,
+)
+
+__all__ = [
+    "ALLOWED_GPUS", "SAMPLERS", "Batch", "BatchValidationError", "JobSpec", "Problem", "SourceLocation",
+    "list_presets", "load_batch",
+]

@@ -1,0 +1,718 @@
+"""YAML batch files -> validated, fully resolved ``JobSpec``s.
+
+A batch names a ``model``, a ``preset``, optional ``defaults``, a ``jobs`` list and/or a
+``prompts_file``, and an optional ``sweep`` (field -> list of values, a cartesian product applied
+to every job). Each job field resolves as: built-in default < preset < defaults < job < sweep value.
+
+Everything is checked before anything runs, and every problem is collected with its ``file:line``
+before one ``BatchValidationError`` is raised. YAML is read with ``yaml.SafeLoader`` only; we
+compose the node tree ourselves so every value keeps the line it was written on.
+
+Choices a user can rely on:
+- A job without ``seed`` gets seed 0 (from the built-in defaults), so a batch renders the same
+  videos on every run; set ``seed`` in ``defaults`` or sweep it to vary.
+- A job without ``name`` is named after the first words of its prompt ("a-red-fox-runs-through"),
+  with ``-2``, ``-3`` for repeats in file order: the name stays stable when jobs are re-ordered, so
+  job ids (name + sweep values + spec hash) stay stable too.
+- Relative paths (model folder, image, prompts_file) resolve against the folder of the file that
+  names them. ``check_files=False`` skips the existence checks for the model folder and images
+  (resuming on a machine that lacks them); the prompts file is still read, it defines the jobs.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import hashlib
+import importlib.resources
+import itertools
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from pan2render.jobs.spec import (
+    ALLOWED_GPUS,
+    SAMPLERS,
+    Batch,
+    BatchValidationError,
+    JobSpec,
+    Problem,
+    SourceLocation,
+)
+
+TINY_MODEL = "tiny"
+# Seeds are stored in the SQLite ledger (signed 64-bit INTEGER) and fed to torch.Generator.
+MAX_SEED = 2**63 - 1
+
+TOP_LEVEL_KEYS = ("model", "preset", "defaults", "jobs", "prompts_file", "sweep")
+JOB_KEYS = (
+    "prompt", "name", "negative_prompt", "image", "seed", "steps", "guidance", "height", "width",
+    "frames", "fps", "flow_shift", "sampler", "gpus", "crf",
+)
+# `defaults` sets anything a job may set except what identifies the job itself.
+DEFAULTS_KEYS = tuple(k for k in JOB_KEYS if k not in ("prompt", "name"))
+SWEEP_KEYS = DEFAULTS_KEYS
+# Presets hold render settings only: not paths (they have no folder of their own) and not seeds.
+PRESET_KEYS = ("description",) + tuple(k for k in DEFAULTS_KEYS if k not in ("image", "seed"))
+PRESET_REQUIRED = ("steps", "guidance", "height", "width", "frames", "fps", "flow_shift", "sampler", "crf")
+BUILTIN_DEFAULTS: dict[str, Any] = {"negative_prompt": "", "image": None, "seed": 0, "gpus": 1}
+
+
+# --------------------------------------------------------------------------------------------------
+# YAML with line numbers
+
+
+@dataclass
+class _Node:
+    """A YAML value with its 1-based line: a scalar, ``dict[str, _Node]`` or ``list[_Node]``.
+
+    For a mapping value the line is its key's line (where ``frames: 20`` is written); for a list
+    item it is the item's first line.
+    """
+
+    value: Any
+    line: int
+
+    def __repr__(self) -> str:  # messages show what the user wrote, not our wrapper
+        return repr(self.value)
+
+
+# Tags the safe loader resolves by itself; anything else (``!!python/...``, ``!custom``) is refused.
+_COLLECTION_TAGS = ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq")
+
+
+class _YamlReader:
+    """Composes one YAML document with SafeLoader and converts it to ``_Node``s, noting problems."""
+
+    def __init__(self, display: str, problems: list[Problem]):
+        self.display = display
+        self.problems = problems
+
+    def read(self, text: str) -> _Node | None:
+        loader = yaml.SafeLoader(text)
+        try:
+            root = loader.get_single_node()
+            if root is None:
+                return None
+            return self._convert(loader, root, root.start_mark.line + 1, {}, set())
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            line = mark.line + 1 if mark is not None else 1
+            what = " ".join(str(s) for s in (exc.context, exc.problem) if s)
+            if isinstance(exc, yaml.constructor.ConstructorError):  # e.g. a !!python tag
+                self._problem(line, "(yaml)", f"{what}; use plain YAML values (strings, numbers, lists, mappings)")
+            else:
+                self._problem(line, "(yaml)", f"YAML syntax error: {what}; fix the file at this line")
+            return None
+        except yaml.YAMLError as exc:
+            self._problem(1, "(yaml)", f"YAML error: {exc}")
+            return None
+        finally:
+            loader.dispose()
+
+    def _problem(self, line: int, fld: str, message: str) -> None:
+        self.problems.append(Problem(SourceLocation(self.display, line), fld, message))
+
+    def _convert(self, loader: yaml.SafeLoader, node: yaml.Node, line: int, memo: dict[int, Any],
+                 active: set[int]) -> _Node:
+        # Aliases share node objects: memoising keeps "billion laughs" documents linear, and the
+        # active set catches an alias that points into its own anchor.
+        if id(node) in active:
+            raise yaml.constructor.ConstructorError(None, None, "recursive alias", node.start_mark)
+        if not isinstance(node, yaml.ScalarNode) and node.tag not in _COLLECTION_TAGS:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"tag {node.tag!r} is not allowed (plain YAML only)", node.start_mark)
+        if isinstance(node, yaml.MappingNode):
+            if id(node) not in memo:
+                active.add(id(node))
+                memo[id(node)] = self._mapping(loader, node, memo, active)
+                active.discard(id(node))
+            return _Node(memo[id(node)], line)
+        if isinstance(node, yaml.SequenceNode):
+            if id(node) not in memo:
+                active.add(id(node))
+                memo[id(node)] = [self._convert(loader, item, item.start_mark.line + 1, memo, active)
+                                  for item in node.value]
+                active.discard(id(node))
+            return _Node(memo[id(node)], line)
+        return _Node(loader.construct_object(node, deep=True), line)
+
+    def _mapping(self, loader: yaml.SafeLoader, node: yaml.MappingNode, memo: dict[int, Any],
+                 active: set[int]) -> dict[str, _Node]:
+        own: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = loader.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str) and key in own:
+                self._problem(line, key, f"key {key!r} appears twice (first on line {own[key]}); keep one")
+            own.setdefault(key, line)
+        loader.flatten_mapping(node)  # resolves `<<: *anchor` merges; own keys come last and win
+        out: dict[str, _Node] = {}
+        for key_node, value_node in node.value:
+            key = loader.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, str):
+                self._problem(line, str(key), f"keys must be strings, got {key!r} ({type(key).__name__}); quote it")
+                continue
+            out[key] = self._convert(loader, value_node, line, memo, active)
+        return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Field rules
+
+
+class _Bad(Exception):
+    """A value broke its field's rule; the message says what is allowed."""
+
+
+def _type_name(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool; YAML reads yes/no/on/off/true/false as booleans"
+    return "null" if value is None else type(value).__name__
+
+
+def _as_int(value: Any, allowed: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):  # YAML `yes` is a bool, not 1
+        raise _Bad(f"got {value!r} ({_type_name(value)}); allowed: {allowed}")
+    return value
+
+
+def _as_float(value: Any, allowed: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _Bad(f"got {value!r} ({_type_name(value)}); allowed: {allowed}")
+    return float(value)  # 5 and 5.0 must hash alike
+
+
+def _as_str(value: Any, allowed: str, *, non_empty: bool) -> str:
+    if not isinstance(value, str):
+        raise _Bad(f"got {value!r} ({_type_name(value)}); allowed: {allowed}")
+    if non_empty and not value.strip():
+        raise _Bad(f"is empty; allowed: {allowed}")
+    return value
+
+
+def _nearest_4k1(n: int) -> str:
+    lo = max(1, (n - 1) // 4 * 4 + 1)
+    return f"{lo} or {lo + 4}" if lo != n else str(n)
+
+
+def _nearest_32(n: int) -> str:
+    lo = n // 32 * 32
+    return f"{lo} or {lo + 32}" if lo > 0 else "32"
+
+
+def _check_seed(v: Any) -> int:
+    allowed = f"an integer in 0..{MAX_SEED}"
+    n = _as_int(v, allowed)
+    if not 0 <= n <= MAX_SEED:
+        raise _Bad(f"got {n}; allowed: {allowed}")
+    return n
+
+
+def _check_steps(v: Any) -> int:
+    n = _as_int(v, "an integer >= 1 (sampling steps)")
+    if n < 1:
+        raise _Bad(f"got {n}; allowed: an integer >= 1 (sampling steps)")
+    return n
+
+
+def _check_guidance(v: Any) -> float:
+    allowed = "a number >= 1.0 (1.0 turns classifier-free guidance off)"
+    x = _as_float(v, allowed)
+    if x < 1.0:
+        raise _Bad(f"got {x}; allowed: {allowed}")
+    return x
+
+
+def _check_size(v: Any) -> int:
+    # The VAE downsamples 16x and the DiT patchifies 2x2 on top: pixels must split into 32s.
+    allowed = "a positive multiple of 32 (VAE 16x times DiT patch 2), e.g. 704, 1248"
+    n = _as_int(v, allowed)
+    if n <= 0 or n % 32:
+        raise _Bad(f"got {n} (nearest: {_nearest_32(n)}); allowed: {allowed}")
+    return n
+
+
+def _check_frames(v: Any) -> int:
+    # The causal VAE keeps the first frame and packs every further 4 frames into one latent frame.
+    allowed = "4k+1 frames (1, 5, ..., 17, ..., 81, ..., 121)"
+    n = _as_int(v, allowed)
+    if n < 1 or (n - 1) % 4:
+        raise _Bad(f"got {n} (nearest: {_nearest_4k1(n)}); allowed: {allowed}")
+    return n
+
+
+def _positive_float(what: str) -> Callable[[Any], float]:
+    def check(v: Any) -> float:
+        allowed = f"a number > 0 ({what})"
+        x = _as_float(v, allowed)
+        if x <= 0:
+            raise _Bad(f"got {x}; allowed: {allowed}")
+        return x
+
+    return check
+
+
+def _one_of(choices: tuple[Any, ...], convert: Callable[[Any, str], Any]) -> Callable[[Any], Any]:
+    allowed = "one of " + ", ".join(str(c) for c in choices)
+
+    def check(v: Any) -> Any:
+        x = convert(v, allowed)
+        if x not in choices:
+            hint = _did_you_mean(str(x), [str(c) for c in choices])
+            raise _Bad(f"got {x!r}{hint}; allowed: {allowed}")
+        return x
+
+    return check
+
+
+def _check_crf(v: Any) -> int:
+    allowed = "an integer in 0..51 (libx264 quality, lower is better; 18 is near lossless)"
+    n = _as_int(v, allowed)
+    if not 0 <= n <= 51:
+        raise _Bad(f"got {n}; allowed: {allowed}")
+    return n
+
+
+_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "prompt": lambda v: _as_str(v, "a non-empty string", non_empty=True),
+    "name": lambda v: _as_str(v, "a non-empty string", non_empty=True),
+    "negative_prompt": lambda v: _as_str(v, "a string (may be empty)", non_empty=False),
+    "image": lambda v: _as_str(v, "a path to an image file (relative to this file)", non_empty=True),
+    "description": lambda v: _as_str(v, "a string", non_empty=False),
+    "seed": _check_seed,
+    "steps": _check_steps,
+    "guidance": _check_guidance,
+    "height": _check_size,
+    "width": _check_size,
+    "frames": _check_frames,
+    "fps": _positive_float("frames per second of the mp4"),
+    "flow_shift": _positive_float("flow-matching timestep shift; 5.0 for 720p, 3.0 for 480p"),
+    "sampler": _one_of(SAMPLERS, lambda v, a: _as_str(v, a, non_empty=True)),
+    "gpus": _one_of(ALLOWED_GPUS, _as_int),
+    "crf": _check_crf,
+}
+
+
+def _did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    if not close and len(word) >= 3:  # a truncated name: "tiny" for "tiny-preview"
+        close = [c for c in choices if c.startswith(word)][:1]
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# --------------------------------------------------------------------------------------------------
+# Presets
+
+
+def _preset_dir() -> Any:
+    """The packaged presets folder (package data, so an installed wheel finds it)."""
+    try:
+        return importlib.resources.files("pan2render") / "configs" / "presets"
+    except (NotADirectoryError, TypeError):
+        # A stale editable install can leave pan2render registered as a namespace package, which
+        # importlib.resources (3.11) cannot open; the folder beside this file is the same data.
+        return Path(__file__).resolve().parents[1] / "configs" / "presets"
+
+
+@functools.cache
+def _load_presets() -> dict[str, dict[str, Any]]:
+    presets: dict[str, dict[str, Any]] = {}
+    problems: list[Problem] = []
+    for res in sorted(_preset_dir().iterdir(), key=lambda r: r.name):
+        if not res.name.endswith(".yaml"):
+            continue
+        display = str(res)
+        reader = _YamlReader(display, problems)
+        root = reader.read(res.read_text(encoding="utf-8"))
+        if root is None or not isinstance(root.value, dict):
+            problems.append(Problem(SourceLocation(display, 1), "(preset)", "a preset must be a mapping of job fields"))
+            continue
+        values = _fields(root.value, PRESET_KEYS, "", display, problems)
+        for key in PRESET_REQUIRED:
+            if key not in values:
+                problems.append(Problem(SourceLocation(display, 1), key, f"preset lacks required field {key!r}"))
+        presets[res.name[: -len(".yaml")]] = values
+    if problems:  # a shipped preset is broken: a bug in this package, reported like a batch problem
+        raise BatchValidationError(problems)
+    return presets
+
+
+def list_presets() -> dict[str, dict[str, Any]]:
+    """Every shipped preset: name -> its fields (coerced values, plus ``description``)."""
+    return {name: dict(values) for name, values in _load_presets().items()}
+
+
+# --------------------------------------------------------------------------------------------------
+# The batch
+
+
+def _fields(mapping: dict[str, _Node], allowed_keys: tuple[str, ...], prefix: str, display: str,
+            problems: list[Problem]) -> dict[str, Any]:
+    """Validate every key of one mapping; return the coerced values of the good ones."""
+    out: dict[str, Any] = {}
+    for key, node in mapping.items():
+        where = SourceLocation(display, node.line)
+        if key not in allowed_keys:
+            hint = _did_you_mean(key, allowed_keys)
+            message = f"unknown key {key!r}{hint}; allowed: {', '.join(allowed_keys)}"
+            problems.append(Problem(where, prefix + key, message))
+            continue
+        try:
+            out[key] = _CHECKS[key](node.value)
+        except _Bad as exc:
+            problems.append(Problem(where, prefix + key, str(exc)))
+    return out
+
+
+@dataclass
+class _RawJob:
+    """One job entry before resolution: its own validated fields and where it was written."""
+
+    fields: dict[str, Any]
+    location: SourceLocation
+    label: str  # "jobs[2]" or "prompts_file[5]" for messages
+    base_dir: Path  # relative image paths resolve against this folder
+    lines: dict[str, int]  # field -> line it is written on, for messages
+
+
+@dataclass
+class _Ctx:
+    display: str  # the batch path as the user gave it, for messages
+    base_dir: Path  # absolute folder of the batch file
+    check_files: bool
+    problems: list[Problem] = field(default_factory=list)
+    image_hashes: dict[str, str] = field(default_factory=dict)  # per load: an edited image re-hashes
+
+    def problem(self, line: int, fld: str, message: str, display: str | None = None) -> None:
+        self.problems.append(Problem(SourceLocation(display or self.display, line), fld, message))
+
+
+def load_batch(path: str | Path, *, check_files: bool = True) -> Batch:
+    """Parse, validate and resolve a batch file; raise BatchValidationError listing every problem."""
+    batch_path = Path(path)
+    ctx = _Ctx(display=str(path), base_dir=batch_path.absolute().parent, check_files=check_files)
+    text = _read_text(batch_path, ctx.display, ctx.problems, what="batch file")
+    root = None if text is None else _YamlReader(ctx.display, ctx.problems).read(text)
+    if ctx.problems:
+        raise BatchValidationError(ctx.problems)
+    if root is None or not isinstance(root.value, dict):
+        ctx.problem(root.line if root else 1, "(batch)",
+                    "a batch must be a YAML mapping with keys: " + ", ".join(TOP_LEVEL_KEYS))
+        raise BatchValidationError(ctx.problems)
+    top: dict[str, _Node] = root.value
+    for key, node in top.items():
+        if key not in TOP_LEVEL_KEYS:
+            ctx.problem(node.line, key, f"unknown top-level key {key!r}{_did_you_mean(key, TOP_LEVEL_KEYS)}; "
+                                        f"allowed: {', '.join(TOP_LEVEL_KEYS)}")
+
+    model = _parse_model(top.get("model"), ctx)
+    preset_name, preset = _parse_preset(top.get("preset"), ctx)
+    defaults = _parse_defaults(top.get("defaults"), ctx)
+    raw_jobs = _parse_jobs(top.get("jobs"), ctx) + _parse_prompts_file(top.get("prompts_file"), ctx)
+    sweep = _parse_sweep(top.get("sweep"), ctx)
+    defaults_lines = {k: n.line for k, n in top["defaults"].value.items()} if defaults else {}
+    for raw in [*raw_jobs, _RawJob(defaults, SourceLocation(ctx.display, 1), "defaults", ctx.base_dir,
+                                   defaults_lines)]:
+        _resolve_image(raw, ctx)
+    if not raw_jobs and not any(p.field.startswith(("jobs", "prompts_file")) for p in ctx.problems):
+        # (a `jobs:` that is not a list, or an unreadable prompts file, is reported already)
+        line = (top.get("jobs") or top.get("prompts_file") or root).line
+        ctx.problem(line, "jobs", "the batch has no jobs: add a `jobs:` list (each with a `prompt`) "
+                                  "or a `prompts_file`")
+    _name_jobs(raw_jobs, ctx)
+    if ctx.problems:
+        raise BatchValidationError(_sorted(ctx))
+
+    jobs = _expand(raw_jobs, model=model, preset_name=preset_name, preset=preset, defaults=defaults,
+                   sweep=sweep, ctx=ctx)
+    _check_unique(jobs, ctx)
+    if ctx.problems:
+        raise BatchValidationError(_sorted(ctx))
+    return Batch(path=str(batch_path.absolute()), model=model, preset=preset_name, jobs=jobs)
+
+
+def _sorted(ctx: _Ctx) -> list[Problem]:
+    # Batch file first, in line order; then other files (prompts file, presets) in line order.
+    return sorted(ctx.problems, key=lambda p: (p.location.file != ctx.display, p.location.file, p.location.line))
+
+
+def _read_text(path: Path, display: str, problems: list[Problem], *, what: str,
+               location: SourceLocation | None = None, fld: str = "(file)") -> str | None:
+    where = location or SourceLocation(display, 1)
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        problems.append(Problem(where, fld, f"{what} {str(path)!r} does not exist"))
+    except IsADirectoryError:
+        problems.append(Problem(where, fld, f"{what} {str(path)!r} is a folder, not a file"))
+    except UnicodeDecodeError as exc:
+        problems.append(Problem(where, fld, f"{what} {str(path)!r} is not UTF-8 text "
+                                            f"({exc.reason} at byte {exc.start})"))
+    except OSError as exc:
+        problems.append(Problem(where, fld, f"cannot read {what} {str(path)!r}: {exc.strerror}"))
+    return None
+
+
+def _parse_model(node: _Node | None, ctx: _Ctx) -> str:
+    allowed = "'tiny' (the embedded toy model) or a checkpoint folder in the diffusers layout"
+    if node is None:
+        ctx.problem(1, "model", f"missing; allowed: {allowed}")
+        return TINY_MODEL
+    if not isinstance(node.value, str) or not node.value.strip():
+        ctx.problem(node.line, "model", f"got {node.value!r} ({_type_name(node.value)}); allowed: {allowed}")
+        return TINY_MODEL
+    if node.value == TINY_MODEL:
+        return TINY_MODEL
+    folder = (ctx.base_dir / Path(node.value).expanduser()).resolve()
+    if ctx.check_files:
+        if not folder.is_dir():
+            ctx.problem(node.line, "model", f"checkpoint folder {str(folder)!r} does not exist; allowed: {allowed}")
+        elif not (folder / "model_index.json").is_file():
+            ctx.problem(node.line, "model", f"{str(folder)!r} has no model_index.json, so it is not a "
+                                            f"diffusers checkpoint folder; allowed: {allowed}")
+    return str(folder)
+
+
+def _parse_preset(node: _Node | None, ctx: _Ctx) -> tuple[str, dict[str, Any]]:
+    presets = _load_presets()
+    allowed = "one of " + ", ".join(sorted(presets))
+    if node is None:
+        ctx.problem(1, "preset", f"missing; allowed: {allowed}")
+        return "", {}
+    if not isinstance(node.value, str) or node.value not in presets:
+        hint = _did_you_mean(node.value, sorted(presets)) if isinstance(node.value, str) else ""
+        ctx.problem(node.line, "preset", f"unknown preset {node.value!r}{hint}; allowed: {allowed}")
+        return "", {}
+    values = {k: v for k, v in presets[node.value].items() if k != "description"}
+    return node.value, values
+
+
+def _parse_defaults(node: _Node | None, ctx: _Ctx) -> dict[str, Any]:
+    if node is None:
+        return {}
+    if not isinstance(node.value, dict):
+        ctx.problem(node.line, "defaults", f"must be a mapping of job fields ({', '.join(DEFAULTS_KEYS)})")
+        return {}
+    return _fields(node.value, DEFAULTS_KEYS, "defaults.", ctx.display, ctx.problems)
+
+
+def _parse_jobs(node: _Node | None, ctx: _Ctx) -> list[_RawJob]:
+    if node is None:
+        return []
+    if not isinstance(node.value, list):
+        ctx.problem(node.line, "jobs", "must be a list of jobs, each a mapping with at least `prompt`")
+        return []
+    raw: list[_RawJob] = []
+    for i, item in enumerate(node.value):
+        label = f"jobs[{i}]"
+        where = SourceLocation(ctx.display, item.line)
+        if isinstance(item.value, str):  # shorthand: `- a prompt`
+            item = _Node({"prompt": _Node(item.value, item.line)}, item.line)
+        if not isinstance(item.value, dict):
+            ctx.problem(item.line, label, f"got {item.value!r} ({_type_name(item.value)}); allowed: a mapping "
+                                          "with `prompt` and optional " + ", ".join(JOB_KEYS[1:]))
+            continue
+        fields = _fields(item.value, JOB_KEYS, label + ".", ctx.display, ctx.problems)
+        if "prompt" not in item.value:
+            ctx.problem(item.line, label + ".prompt", "missing; every job needs a non-empty `prompt`")
+        # Kept even when broken, so that its name still takes part in the duplicate check.
+        raw.append(_RawJob(fields, where, label, ctx.base_dir, {k: n.line for k, n in item.value.items()}))
+    return raw
+
+
+def _parse_prompts_file(node: _Node | None, ctx: _Ctx) -> list[_RawJob]:
+    """One prompt a line (blank and ``#`` lines skipped), or ``.jsonl`` rows of job fields."""
+    if node is None:
+        return []
+    if not isinstance(node.value, str) or not node.value.strip():
+        ctx.problem(node.line, "prompts_file", f"got {node.value!r}; allowed: a path to a .txt (one prompt a line) "
+                                               "or .jsonl (one job object a line) file, relative to this batch")
+        return []
+    path = (ctx.base_dir / Path(node.value).expanduser()).resolve()
+    text = _read_text(path, ctx.display, ctx.problems, what="prompts file",
+                      location=SourceLocation(ctx.display, node.line), fld="prompts_file")
+    if text is None:
+        return []
+    # Rows are located in the prompts file as written relative to the batch: "jobs/prompts.txt:3".
+    display = str(Path(ctx.display).parent / node.value)
+    raw: list[_RawJob] = []
+    is_jsonl = path.suffix.lower() == ".jsonl"
+    rows = 0
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        label = f"prompts_file[{rows}]"  # the n-th row (0-based) after skipping blanks and comments
+        rows += 1
+        where = SourceLocation(display, lineno)
+        if not is_jsonl:
+            raw.append(_RawJob({"prompt": stripped}, where, label, path.parent, {"prompt": lineno}))
+            continue
+        try:
+            row = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            ctx.problem(lineno, label, f"not valid JSON ({exc.msg} at column {exc.colno}); each line of a "
+                                       ".jsonl prompts file is one object like {\"prompt\": \"...\", \"seed\": 1}",
+                        display)
+            continue
+        if not isinstance(row, dict):
+            ctx.problem(lineno, label, f"got {_type_name(row)}; allowed: a JSON object with `prompt` and "
+                                       "optional " + ", ".join(JOB_KEYS[1:]), display)
+            continue
+        fields = _fields({str(k): _Node(v, lineno) for k, v in row.items()}, JOB_KEYS, label + ".", display,
+                         ctx.problems)
+        if "prompt" not in row:
+            ctx.problem(lineno, label + ".prompt", "missing; every row needs a non-empty `prompt`", display)
+        raw.append(_RawJob(fields, where, label, path.parent, {k: lineno for k in row}))
+    return raw
+
+
+def _parse_sweep(node: _Node | None, ctx: _Ctx) -> dict[str, list[Any]]:
+    if node is None:
+        return {}
+    if not isinstance(node.value, dict):
+        ctx.problem(node.line, "sweep", "must be a mapping field -> list of values, e.g. {seed: [0, 1]}")
+        return {}
+    sweep: dict[str, list[Any]] = {}
+    for key, values in node.value.items():
+        fld = f"sweep.{key}"
+        if key not in SWEEP_KEYS:
+            ctx.problem(values.line, fld, f"cannot sweep unknown field {key!r}{_did_you_mean(key, SWEEP_KEYS)}; "
+                                          f"allowed: {', '.join(SWEEP_KEYS)}")
+            continue
+        if not isinstance(values.value, list) or not values.value:
+            ctx.problem(values.line, fld, f"got {values.value!r}; allowed: a non-empty list of values, "
+                                          f"e.g. {key}: [a, b]")
+            continue
+        good: list[Any] = []
+        for i, item in enumerate(values.value):
+            try:
+                good.append(_CHECKS[key](item.value))
+            except _Bad as exc:
+                ctx.problem(item.line, f"{fld}[{i}]", str(exc))
+                continue
+            image = (ctx.base_dir / Path(good[-1]).expanduser()) if key == "image" else None
+            if image is not None and ctx.check_files and not image.is_file():
+                ctx.problem(item.line, f"{fld}[{i}]", f"image {str(image.resolve())!r} does not exist; allowed: a "
+                                                      "path to an image file, relative to this batch")
+        repeated = sorted({repr(v) for v in good if good.count(v) > 1})
+        if repeated:
+            ctx.problem(values.line, fld, f"values {', '.join(repeated)} appear more than once; each sweep value "
+                                          "must be distinct")
+        sweep[key] = good
+    return sweep
+
+
+def _sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _resolve_image(raw: _RawJob, ctx: _Ctx) -> None:
+    """Make ``image`` absolute (against the file that named it) and check it exists."""
+    image = raw.fields.get("image")
+    if image is None:
+        return
+    path = (raw.base_dir / Path(image).expanduser()).resolve()
+    raw.fields["image"] = str(path)
+    if ctx.check_files and not path.is_file():
+        ctx.problem(raw.lines.get("image", raw.location.line), raw.label + ".image",
+                    f"image {str(path)!r} does not exist; allowed: a path to an image file, relative to the "
+                    "file that names it", raw.location.file)
+
+
+def _derived_name(prompt: str) -> str:
+    words = re.findall(r"[a-z0-9]+", prompt.lower())[:6]
+    return "-".join(words)[:48].strip("-") or "job"
+
+
+def _name_jobs(raw_jobs: list[_RawJob], ctx: _Ctx) -> None:
+    """Check given names are unique; name the rest after their prompt, unique in file order."""
+    seen: dict[str, SourceLocation] = {}
+    for raw in raw_jobs:
+        name = raw.fields.get("name")
+        if name is None:
+            continue
+        line = raw.lines.get("name", raw.location.line)
+        if name in seen:
+            ctx.problem(line, raw.label + ".name",
+                        f"duplicate job name {name!r} (first used at {seen[name]}); job names must be unique",
+                        raw.location.file)
+        else:
+            seen[name] = SourceLocation(raw.location.file, line)
+    taken = set(seen)
+    for raw in raw_jobs:
+        if "name" in raw.fields or "prompt" not in raw.fields:
+            continue
+        base = _derived_name(raw.fields["prompt"])
+        name, n = base, 1
+        while name in taken:
+            n += 1
+            name = f"{base}-{n}"
+        taken.add(name)
+        raw.fields["name"] = name
+
+
+def _expand(raw_jobs: list[_RawJob], *, model: str, preset_name: str, preset: dict[str, Any],
+            defaults: dict[str, Any], sweep: dict[str, list[Any]], ctx: _Ctx) -> list[JobSpec]:
+    """Resolve every job under every sweep combination: built-in < preset < defaults < job < sweep."""
+    keys = list(sweep)
+    combos = [dict(zip(keys, values)) for values in itertools.product(*(sweep[k] for k in keys))]
+    jobs: list[JobSpec] = []
+    for raw in raw_jobs:
+        for combo in combos:  # [{}] when there is no sweep
+            merged = {**BUILTIN_DEFAULTS, **preset, **defaults, **raw.fields, **combo}
+            if "image" in combo and combo["image"] is not None:
+                merged["image"] = str((ctx.base_dir / Path(combo["image"]).expanduser()).resolve())
+            image = merged["image"]
+            if image is not None and image not in ctx.image_hashes and Path(image).is_file():
+                ctx.image_hashes[image] = _sha256_file(image)
+            image_sha = None if image is None else ctx.image_hashes.get(image)
+            jobs.append(JobSpec(
+                name=merged["name"], model=model, prompt=merged["prompt"],
+                negative_prompt=merged["negative_prompt"], image=image, image_sha256=image_sha,
+                seed=merged["seed"], steps=merged["steps"], guidance=merged["guidance"],
+                height=merged["height"], width=merged["width"], frames=merged["frames"], fps=merged["fps"],
+                flow_shift=merged["flow_shift"], sampler=merged["sampler"], gpus=merged["gpus"],
+                crf=merged["crf"], preset=preset_name, sweep=dict(combo), source=raw.location,
+            ))
+    return jobs
+
+
+def _describe(job: JobSpec) -> str:
+    sweep = "".join(f" {k}={v}" for k, v in job.sweep.items())
+    return f"{job.name!r}{' with' + sweep if sweep else ''}"
+
+
+def _check_unique(jobs: list[JobSpec], ctx: _Ctx) -> None:
+    """Two resolved jobs that would render the same video (or share an id) are a mistake."""
+    by_render: dict[tuple[str, int], JobSpec] = {}
+    by_id: dict[str, JobSpec] = {}
+    for job in jobs:
+        assert job.source is not None
+        key = (job.spec_hash, job.gpus)
+        if key in by_render:
+            first = by_render[key]
+            ctx.problem(job.source.line, "jobs",
+                        f"job {_describe(job)} resolves to exactly the same render as job {_describe(first)} "
+                        f"({first.source}); remove one or change its prompt, seed or settings",
+                        job.source.file)
+            continue
+        by_render[key] = job
+        if job.job_id in by_id:
+            other = by_id[job.job_id].source
+            ctx.problem(job.source.line, "jobs", f"job id {job.job_id!r} is used twice (also {other}); "
+                                                 "rename one of the jobs", job.source.file)
+        by_id[job.job_id] = job

@@ -1,0 +1,222 @@
+"""mp4 encode / probe / thumbnails with PyAV (libx264, yuv420p).
+
+A video counts as done only once it decodes to the expected number of frames, so every write goes
+to a temp name in the destination folder, is flushed, fsynced and decoded back, and only then
+``os.replace``d onto the final name: a crash at any point leaves either the old file or the new
+one, never a half-written mp4 under the final name (DESIGN.md section 8).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+import tempfile
+import zlib
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import av
+import numpy as np
+
+# Frame rates are stored as exact rationals in the container; 1001 keeps NTSC-style rates
+# (24000/1001, 30000/1001) exact and maps 24.0 to 24/1.
+_FPS_MAX_DENOMINATOR = 1001
+
+
+class MediaError(Exception):
+    """An mp4 could not be written, or a file on disk is not a complete, decodable mp4."""
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    """What a decodable mp4 holds. ``frames`` is counted by decoding, not read from the header."""
+
+    frames: int
+    width: int
+    height: int
+    fps: float
+
+
+def encode_mp4(frames: Any, path: str | os.PathLike[str], *, fps: float, crf: int) -> None:
+    """Write ``frames`` (uint8 RGB ``[F, H, W, 3]``, numpy or torch) to ``path`` as H.264 mp4.
+
+    The file appears under ``path`` only after it has been decoded back and found to hold ``F``
+    frames of ``W x H``; on any error no temp file is left behind and an existing ``path`` is
+    untouched. Raises MediaError.
+    """
+    video = _as_uint8_video(frames)
+    num_frames, height, width, _ = video.shape
+    rate = _fps_fraction(fps)
+    if isinstance(crf, bool) or not isinstance(crf, int) or not 0 <= crf <= 51:
+        raise MediaError(f"crf={crf!r} is not an integer in 0..51 (libx264's range; 18 is near lossless)")
+    dest = Path(path)
+    if not dest.parent.is_dir():
+        raise MediaError(f"cannot write {dest}: folder {dest.parent} does not exist")
+
+    # A unique temp name in the same folder, so the final os.replace is an atomic rename on one
+    # filesystem; the leading dot keeps half-written files out of casual listings.
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    except OSError as exc:
+        raise MediaError(f"cannot create a temp file beside {dest}: {exc}") from exc
+    os.close(fd)  # PyAV opens the file by name; mkstemp only reserves a unique name
+    tmp = Path(tmp_name)
+    try:
+        _write_h264(video, tmp, rate=rate, crf=crf)
+        _fsync_file(tmp)
+        info = probe_mp4(tmp)
+        if (info.frames, info.width, info.height) != (num_frames, width, height):
+            raise MediaError(
+                f"encoded {dest.name} decodes to {info.frames} frames of {info.width}x{info.height}, "
+                f"expected {num_frames} frames of {width}x{height}; the encoder lost frames"
+            )
+        os.replace(tmp, dest)
+        _fsync_dir(dest.parent)
+    except OSError as exc:  # fsync or rename: e.g. dest is a folder, or the disk is full
+        tmp.unlink(missing_ok=True)
+        raise MediaError(f"writing {dest} failed: {exc}") from exc
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def probe_mp4(path: str | os.PathLike[str]) -> VideoInfo:
+    """Open and fully decode ``path``; MediaError if it is missing, corrupt or truncated.
+
+    Decoding every frame is the only reliable truncation check: with ``+faststart`` the header
+    (moov) sits at the front and still announces every frame after the tail has been cut off.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise MediaError(f"no video at {p}")
+    try:
+        with av.open(str(p), mode="r") as container:
+            if not container.streams.video:
+                raise MediaError(f"{p} has no video stream (truncated, or not a video); re-encode it")
+            stream = container.streams.video[0]
+            if stream.codec_context is None:  # header cut before the codec parameters
+                raise MediaError(f"{p} is truncated or corrupt: its video stream has no codec parameters; re-encode it")
+            declared = int(stream.frames or 0)
+            rate = stream.average_rate or stream.guessed_rate
+            width, height = stream.codec_context.width, stream.codec_context.height
+            decoded = sum(1 for _ in container.decode(stream))
+    except MediaError:
+        raise
+    except (av.FFmpegError, OSError, ValueError, EOFError) as exc:
+        raise MediaError(f"{p} is not a decodable mp4 ({type(exc).__name__}: {exc}); re-encode it") from exc
+    if decoded == 0:
+        raise MediaError(f"{p} decodes to 0 frames; re-encode it")
+    if declared and decoded != declared:
+        raise MediaError(
+            f"{p} is truncated or corrupt: its header declares {declared} frames but only {decoded} "
+            "decode; re-encode it"
+        )
+    return VideoInfo(frames=decoded, width=width, height=height, fps=float(rate) if rate else 0.0)
+
+
+def thumbnail_strip(path: str | os.PathLike[str], n: int = 6, height: int = 96) -> bytes:
+    """PNG bytes: ``n`` frames spread evenly from first to last, scaled to ``height``, side by side."""
+    if n < 1 or height < 2:
+        raise MediaError(f"thumbnail_strip needs n >= 1 and height >= 2, got n={n}, height={height}")
+    p = Path(path)
+    info = probe_mp4(p)
+    # Evenly spaced frame indices, first and last included ([0] for n == 1).
+    wanted = sorted({round(i * (info.frames - 1) / max(n - 1, 1)) for i in range(n)})
+    thumb_w = max(1, round(info.width * height / info.height))
+    picked: list[np.ndarray] = []
+    try:
+        with av.open(str(p), mode="r") as container:
+            for i, frame in enumerate(container.decode(container.streams.video[0])):
+                if i in wanted:
+                    small = frame.reformat(width=thumb_w, height=height, format="rgb24")
+                    picked.append(small.to_ndarray())  # [height, thumb_w, 3] uint8
+    except (av.FFmpegError, OSError, ValueError) as exc:
+        raise MediaError(f"cannot read frames of {p}: {exc}") from exc
+    strip = np.concatenate(picked, axis=1)  # [height, len(picked) * thumb_w, 3]
+    return png_bytes(strip)
+
+
+def png_bytes(rgb: np.ndarray) -> bytes:
+    """Encode a uint8 ``[H, W, 3]`` array as an 8-bit RGB PNG (no filtering, zlib level 6)."""
+    if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
+        raise MediaError(f"png_bytes needs uint8 [H, W, 3], got {rgb.dtype} {tuple(rgb.shape)}")
+    h, w, _ = rgb.shape
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    # Every scanline is prefixed with filter type 0 (None).
+    raw = np.concatenate([np.zeros((h, 1), np.uint8), rgb.reshape(h, w * 3)], axis=1).tobytes()
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)  # 8 bits, colour type 2 = RGB
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b"")
+
+
+def _as_uint8_video(frames: Any) -> np.ndarray:
+    if hasattr(frames, "detach"):  # torch.Tensor, without importing torch here
+        frames = frames.detach().cpu().numpy()
+    video = np.asarray(frames)
+    if video.dtype != np.uint8:
+        raise MediaError(f"frames must be uint8 RGB, got dtype {video.dtype}; "
+                         "convert with (x * 255).round().clamp(0, 255).to(torch.uint8)")
+    if video.ndim != 4 or video.shape[3] != 3 or video.shape[0] < 1:
+        raise MediaError(f"frames must have shape [F >= 1, H, W, 3], got {tuple(video.shape)}")
+    _, h, w, _ = video.shape
+    if h % 2 or w % 2 or h < 2 or w < 2:
+        raise MediaError(
+            f"frame size {w}x{h} has an odd side; yuv420p needs even width and height "
+            "(presets use multiples of 32): crop or pad the frames"
+        )
+    return np.ascontiguousarray(video)
+
+
+def _fps_fraction(fps: float) -> Fraction:
+    if isinstance(fps, bool) or not isinstance(fps, (int, float, Fraction)) or not math.isfinite(fps) or fps <= 0:
+        raise MediaError(f"fps={fps!r} must be a finite number > 0 (e.g. 24)")
+    rate = Fraction(fps).limit_denominator(_FPS_MAX_DENOMINATOR)
+    if rate <= 0:
+        raise MediaError(f"fps={fps!r} is too small to store as a frame rate (denominator <= {_FPS_MAX_DENOMINATOR})")
+    return rate
+
+
+def _write_h264(video: np.ndarray, path: Path, *, rate: Fraction, crf: int) -> None:
+    num_frames, height, width, _ = video.shape
+    try:
+        # +faststart puts the index at the front so the report's <video> tags play at once.
+        with av.open(str(path), mode="w", format="mp4", options={"movflags": "+faststart"}) as container:
+            stream = container.add_stream("libx264", rate=rate)
+            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+            stream.options = {"crf": str(crf)}
+            for i in range(num_frames):
+                frame = av.VideoFrame.from_ndarray(video[i], format="rgb24")
+                frame.pts = i  # in units of 1/rate: frame i is shown at i / fps seconds
+                for packet in stream.encode(frame):  # rgb24 -> yuv420p happens inside encode
+                    container.mux(packet)
+            for packet in stream.encode(None):  # flush: x264 holds back frames for B-frame lookahead
+                container.mux(packet)
+    except (av.FFmpegError, OSError, ValueError) as exc:
+        raise MediaError(f"libx264 encode to {path} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(folder: Path) -> None:
+    # Makes the rename itself durable; some filesystems refuse fsync on a directory, harmlessly.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,497 @@
+"""Batch files: validation (every problem at once, with file:line), presets, precedence, sweeps,
+prompts files and job ids."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pan2render.jobs import BatchValidationError, JobSpec, Problem, list_presets, load_batch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _write(folder: Path, text: str, name: str = "batch.yaml") -> Path:
+    path = folder / name
+    path.write_text(textwrap.dedent(text).lstrip("\n"), encoding="utf-8")
+    return path
+
+
+def _problems(path: Path, **kw: object) -> list[Problem]:
+    with pytest.raises(BatchValidationError) as info:
+        load_batch(path, **kw)
+    problems = info.value.problems
+    print(f"\n{info.value}")  # the user-facing message, for the log
+    return problems
+
+
+def _find(problems: list[Problem], *, line: int, field: str, file: str | None = None) -> Problem:
+    for p in problems:
+        if p.location.line == line and p.field == field and (file is None or p.location.file.endswith(file)):
+            return p
+    raise AssertionError(f"no problem at line {line} field {field!r} among:\n" + "\n".join(map(str, problems)))
+
+
+def _assert_says(problem: Problem, *fragments: str) -> None:
+    text = str(problem)  # what the user sees: "file:line: field: message"
+    for frag in fragments:
+        assert frag in text, f"{frag!r} missing from {text!r}"
+
+
+HEADER = """
+model: tiny
+preset: tiny-preview
+"""
+
+
+# --------------------------------------------------------------------------------------------------
+# One test per bad-input case: each names file:line, the field and what is allowed.
+
+# (job line to insert, field, fragments the message must contain)
+BAD_JOB_FIELDS = {
+    "unknown-key": ("guidence: 3.0", "jobs[0].guidence", ["unknown key 'guidence'", "did you mean 'guidance'",
+                                                          "allowed:", "flow_shift"]),
+    "steps-string": ("steps: '50'", "jobs[0].steps", ["'50' (str)", "an integer >= 1"]),
+    "steps-zero": ("steps: 0", "jobs[0].steps", ["got 0", "an integer >= 1"]),
+    "seed-bool": ("seed: yes", "jobs[0].seed", ["True (bool", "an integer in 0.."]),
+    "seed-negative": ("seed: -1", "jobs[0].seed", ["got -1", "an integer in 0..9223372036854775807"]),
+    "seed-float": ("seed: 1.5", "jobs[0].seed", ["1.5 (float)", "an integer in 0.."]),
+    "frames-not-4k1": ("frames: 20", "jobs[0].frames", ["got 20", "17 or 21", "4k+1"]),
+    "frames-float": ("frames: 17.0", "jobs[0].frames", ["17.0 (float)", "4k+1"]),
+    "height-not-32": ("height: 70", "jobs[0].height", ["got 70", "64 or 96", "multiple of 32"]),
+    "width-zero": ("width: 0", "jobs[0].width", ["got 0", "positive multiple of 32"]),
+    "width-negative": ("width: -64", "jobs[0].width", ["got -64", "positive multiple of 32"]),
+    "guidance-below-1": ("guidance: 0.5", "jobs[0].guidance", ["got 0.5", "a number >= 1.0"]),
+    "guidance-nan": ("guidance: .nan", "jobs[0].guidance", ["nan", "a number >= 1.0"]),
+    "guidance-bool": ("guidance: true", "jobs[0].guidance", ["(bool", "a number >= 1.0"]),
+    "crf-high": ("crf: 52", "jobs[0].crf", ["got 52", "0..51"]),
+    "crf-negative": ("crf: -1", "jobs[0].crf", ["got -1", "0..51"]),
+    "fps-zero": ("fps: 0", "jobs[0].fps", ["got 0.0", "a number > 0"]),
+    "fps-string": ("fps: fast", "jobs[0].fps", ["'fast' (str)", "a number > 0"]),
+    "flow-shift-negative": ("flow_shift: -5", "jobs[0].flow_shift", ["got -5.0", "a number > 0"]),
+    "sampler-unknown": ("sampler: eular", "jobs[0].sampler", ["'eular'", "did you mean 'euler'",
+                                                              "one of unipc, euler"]),
+    "gpus-3": ("gpus: 3", "jobs[0].gpus", ["got 3", "one of 1, 2, 4, 8"]),
+    "gpus-16": ("gpus: 16", "jobs[0].gpus", ["got 16", "one of 1, 2, 4, 8"]),
+    "prompt-empty": ("prompt: '   '", "jobs[0].prompt", ["is empty", "a non-empty string"]),
+    "prompt-number": ("prompt: 42", "jobs[0].prompt", ["42 (int)", "a non-empty string"]),
+    "negative-prompt-list": ("negative_prompt: [a]", "jobs[0].negative_prompt", ["(list)", "a string"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_JOB_FIELDS))
+def test_bad_job_field_names_line_field_and_allowed(tmp_path: Path, case: str) -> None:
+    line_text, field, fragments = BAD_JOB_FIELDS[case]
+    key = line_text.split(":")[0]
+    prompt = "" if key == "prompt" else "    prompt: a cat\n"
+    path = _write(tmp_path, HEADER + "jobs:\n  - name: one\n" + prompt + f"    {line_text}\n")
+    problems = _problems(path)
+    assert len(problems) == 1, problems
+    bad_line = 5 if key == "prompt" else 6
+    _assert_says(_find(problems, line=bad_line, field=field), f"batch.yaml:{bad_line}", field, *fragments)
+
+
+def test_unknown_top_level_key_suggests(tmp_path: Path) -> None:
+    path = _write(tmp_path, HEADER + "default:\n  seed: 1\njobs:\n  - prompt: a cat\n")
+    p = _find(_problems(path), line=3, field="default")
+    _assert_says(p, "batch.yaml:3", "did you mean 'defaults'", "allowed: model, preset, defaults, jobs")
+
+
+def test_unknown_key_in_defaults_suggests(tmp_path: Path) -> None:
+    path = _write(tmp_path, HEADER + "defaults:\n  flowshift: 3\njobs:\n  - prompt: a cat\n")
+    _assert_says(_find(_problems(path), line=4, field="defaults.flowshift"), "batch.yaml:4",
+                 "did you mean 'flow_shift'")
+
+
+def test_unknown_preset_lists_known_ones(tmp_path: Path) -> None:
+    path = _write(tmp_path, "model: tiny\npreset: pan2-720\njobs:\n  - prompt: a cat\n")
+    _assert_says(_find(_problems(path), line=2, field="preset"), "batch.yaml:2", "unknown preset 'pan2-720'",
+                 "did you mean 'pan2-720p'", "pan2-480p", "pan2-720p", "tiny-preview", "wan22-ti2v-720p")
+
+
+def test_missing_model_and_preset(tmp_path: Path) -> None:
+    path = _write(tmp_path, "jobs:\n  - prompt: a cat\n")
+    problems = _problems(path)
+    _assert_says(_find(problems, line=1, field="model"), "missing", "'tiny'", "checkpoint folder")
+    _assert_says(_find(problems, line=1, field="preset"), "missing", "tiny-preview")
+
+
+def test_missing_checkpoint_folder(tmp_path: Path) -> None:
+    path = _write(tmp_path, "model: ckpt/pan2\npreset: tiny-preview\njobs:\n  - prompt: a cat\n")
+    _assert_says(_find(_problems(path), line=1, field="model"), "batch.yaml:1",
+                 str(tmp_path / "ckpt" / "pan2"), "does not exist", "diffusers layout")
+    (tmp_path / "ckpt" / "pan2").mkdir(parents=True)
+    _assert_says(_find(_problems(path), line=1, field="model"), "no model_index.json")
+    (tmp_path / "ckpt" / "pan2" / "model_index.json").write_text("{}")
+    batch = load_batch(path)
+    assert batch.model == str(tmp_path / "ckpt" / "pan2") == batch.jobs[0].model
+
+
+def test_missing_image(tmp_path: Path) -> None:
+    path = _write(tmp_path, HEADER + "jobs:\n  - prompt: a cat\n    image: frames/first.png\n")
+    _assert_says(_find(_problems(path), line=5, field="jobs[0].image"), "batch.yaml:5",
+                 str(tmp_path / "frames" / "first.png"), "does not exist", "a path to an image file")
+
+
+def test_missing_image_in_defaults_and_sweep(tmp_path: Path) -> None:
+    path = _write(tmp_path, HEADER + "defaults:\n  image: a.png\njobs:\n  - prompt: a cat\n"
+                                     "sweep:\n  image: [b.png]\n")
+    problems = _problems(path)
+    _assert_says(_find(problems, line=4, field="defaults.image"), "a.png", "does not exist")
+    _assert_says(_find(problems, line=8, field="sweep.image[0]"), "b.png", "does not exist")
+
+
+def test_missing_prompts_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, HEADER + "prompts_file: prompts.txt\n")
+    _assert_says(_find(_problems(path), line=3, field="prompts_file"), "batch.yaml:3",
+                 str(tmp_path / "prompts.txt"), "does not exist")
+
+
+def test_check_files_false_skips_model_and_image_checks(tmp_path: Path) -> None:
+    path = _write(tmp_path, "model: ../elsewhere/ckpt\npreset: tiny-preview\n"
+                            "jobs:\n  - prompt: a cat\n    image: first.png\n")
+    assert len(_problems(path)) == 2
+    batch = load_batch(path, check_files=False)
+    job = batch.jobs[0]
+    assert job.image == str(tmp_path / "first.png") and job.image_sha256 is None
+    assert batch.model == str((tmp_path / "../elsewhere/ckpt").resolve())
+
+
+def test_duplicate_job_names(tmp_path: Path) -> None:
+    path = _write(tmp_path, HEADER + "jobs:\n  - name: fox\n    prompt: a fox\n"
+                                     "  - name: fox\n    prompt: another fox\n")
+    _assert_says(_find(_problems(path), line=6, field="jobs[1].name"), "batch.yaml:6",
+                 "duplicate job name 'fox'", "first used at", "batch.yaml:4", "must be unique")
+
+
+def test_identical_resolved_jobs_are_duplicates(tmp_path: Path) -> None:
+    # Different names, same render: one of them would be wasted GPU time.
+    path = _write(tmp_path, HEADER + "jobs:\n  - name: a\n    prompt: a fox\n    seed: 0\n"
+                                     "  - name: b\n    prompt: a fox\n")
+    p = _find(_problems(path), line=7, field="jobs")
+    _assert_says(p, "batch.yaml:7", "'b'", "same render as job 'a'", "batch.yaml:4", "change its prompt, seed")
+
+
+def test_sweep_that_makes_jobs_identical_is_reported(tmp_path: Path) -> None:
+    # The sweep value overrides the job's own steps, so both jobs collapse into one render.
+    path = _write(tmp_path, HEADER + "jobs:\n  - name: a\n    prompt: fox\n    steps: 4\n"
+                                     "  - name: b\n    prompt: fox\n    steps: 6\nsweep:\n  steps: [2]\n")
+    _assert_says(_find(_problems(path), line=7, field="jobs"), "'b' with steps=2", "same render as job 'a'")
+
+
+@pytest.mark.parametrize("text", ["jobs: []\n", "", "prompts_file: empty.txt\n"], ids=["empty-list", "no-jobs",
+                                                                                       "empty-prompts-file"])
+def test_empty_batch(tmp_path: Path, text: str) -> None:
+    (tmp_path / "empty.txt").write_text("# only a comment\n\n")
+    path = _write(tmp_path, HEADER + text)
+    problems = _problems(path)
+    assert len(problems) == 1
+    _assert_says(problems[0], "batch.yaml:", "no jobs", "`jobs:` list", "prompts_file")
+
+
+def test_missing_prompt(tmp_path: Path) -> None:
+    path = _write(tmp_path, HEADER + "jobs:\n  - name: fox\n    seed: 1\n")
+    _assert_says(_find(_problems(path), line=4, field="jobs[0].prompt"), "batch.yaml:4", "missing",
+                 "non-empty `prompt`")
+
+
+def test_job_that_is_not_a_mapping(tmp_path: Path) -> None:
+    path = _write(tmp_path, HEADER + "jobs:\n  - [a, b]\n")
+    _assert_says(_find(_problems(path), line=4, field="jobs[0]"), "(list)", "a mapping with `prompt`")
+
+
+@pytest.mark.parametrize(
+    "text,line,fragment",
+    [("model: tiny\npreset: [tiny-preview\njobs: []\n", 3, "YAML syntax error"),
+     ("model: tiny\n  preset: tiny-preview\n", 2, "YAML syntax error"),
+     ("model: tiny\npreset: tiny-preview\njobs:\n\t- prompt: x\n", 4, "YAML syntax error")],
+    ids=["unclosed-bracket", "bad-indent", "tab"],
+)
+def test_yaml_syntax_error_has_line(tmp_path: Path, text: str, line: int, fragment: str) -> None:
+    problems = _problems(_write(tmp_path, text))
+    assert len(problems) == 1
+    _assert_says(problems[0], f"batch.yaml:{line}", "(yaml)", fragment, "fix the file")
+
+
+def test_python_tags_are_refused(tmp_path: Path) -> None:
+    # The safe loader never builds Python objects from tags.
+    path = _write(tmp_path, HEADER + "jobs:\n  - prompt: !!python/object/apply:os.system ['echo hi']\n")
+    _assert_says(_problems(path)[0], "batch.yaml:4", "(yaml)", "python/object/apply")
+
+
+def test_duplicate_yaml_key(tmp_path: Path) -> None:
+    path = _write(tmp_path, HEADER + "jobs:\n  - prompt: a cat\n    seed: 1\n    seed: 2\n")
+    _assert_says(_find(_problems(path), line=6, field="seed"), "batch.yaml:6", "appears twice", "line 5")
+
+
+def test_sweep_over_unknown_field(tmp_path: Path) -> None:
+    path = _write(tmp_path, HEADER + "jobs:\n  - prompt: a cat\nsweep:\n  guidence: [2.0, 3.0]\n")
+    _assert_says(_find(_problems(path), line=6, field="sweep.guidence"), "batch.yaml:6",
+                 "cannot sweep unknown field", "did you mean 'guidance'", "allowed:", "seed")
+
+
+@pytest.mark.parametrize("value", ["[]", "3", "{a: 1}"], ids=["empty-list", "scalar", "mapping"])
+def test_sweep_needs_a_non_empty_list(tmp_path: Path, value: str) -> None:
+    path = _write(tmp_path, HEADER + f"jobs:\n  - prompt: a cat\nsweep:\n  seed: {value}\n")
+    _assert_says(_find(_problems(path), line=6, field="sweep.seed"), "batch.yaml:6", "a non-empty list")
+
+
+def test_sweep_values_are_validated_and_distinct(tmp_path: Path) -> None:
+    path = _write(tmp_path, HEADER + "jobs:\n  - prompt: a cat\nsweep:\n  frames: [17, 18]\n  seed: [1, 1]\n")
+    problems = _problems(path)
+    _assert_says(_find(problems, line=6, field="sweep.frames[1]"), "got 18", "4k+1")
+    _assert_says(_find(problems, line=7, field="sweep.seed"), "appear more than once")
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "ok"}\n{"prompt": "x", "gpus": 3}\nnot json\n')
+    path = _write(tmp_path, """
+        model: tiny
+        preset: tiny-preview
+        defaults:
+          crf: 60
+        jobs:
+          - name: a
+            prompt: a cat
+            frames: 16
+            height: 100
+          - name: a
+            prompt: ""
+          - prompt: a dog
+            sampler: ddim
+            colour: red
+        prompts_file: rows.jsonl
+        sweep:
+          guidance: [0.0, 3.0]
+          nope: [1]
+        """)
+    problems = _problems(path)
+    expected = [
+        (4, "defaults.crf"), (8, "jobs[0].frames"), (9, "jobs[0].height"), (10, "jobs[1].name"),
+        (11, "jobs[1].prompt"), (13, "jobs[2].sampler"), (14, "jobs[2].colour"), (17, "sweep.guidance[0]"),
+        (18, "sweep.nope"),
+    ]
+    for line, field in expected:
+        _find(problems, line=line, field=field, file="batch.yaml")
+    _find(problems, line=2, field="prompts_file[1].gpus", file="rows.jsonl")
+    _find(problems, line=3, field="prompts_file[2]", file="rows.jsonl")
+    assert len(problems) == len(expected) + 2, "\n".join(map(str, problems))
+    # Listed batch file first, in line order.
+    lines = [p.location.line for p in problems if p.location.file.endswith("batch.yaml")]
+    assert lines == sorted(lines)
+
+
+def test_missing_batch_file(tmp_path: Path) -> None:
+    problems = _problems(tmp_path / "nope.yaml")
+    _assert_says(problems[0], "nope.yaml:1", "does not exist")
+
+
+# --------------------------------------------------------------------------------------------------
+# Presets
+
+
+def test_presets_have_the_documented_values() -> None:
+    presets = list_presets()
+    print({k: {f: v for f, v in p.items() if f != "negative_prompt"} for k, p in presets.items()})
+    assert set(presets) == {"pan2-720p", "pan2-480p", "wan22-ti2v-720p", "tiny-preview"}
+    expect = {
+        "pan2-720p": dict(height=704, width=1248, frames=121, fps=24.0, steps=50, guidance=2.5, flow_shift=5.0,
+                          sampler="unipc"),
+        "pan2-480p": dict(height=480, width=832, frames=121, fps=24.0, steps=50, guidance=2.5, flow_shift=3.0,
+                          sampler="unipc"),
+        "wan22-ti2v-720p": dict(height=704, width=1280, frames=121, fps=24.0, steps=50, guidance=5.0,
+                                flow_shift=5.0, sampler="unipc"),
+        "tiny-preview": dict(height=64, width=64, frames=17, fps=8.0, steps=8, guidance=2.5, flow_shift=5.0,
+                             sampler="unipc"),
+    }
+    for name, values in expect.items():
+        assert {k: presets[name][k] for k in values} == values, name
+        assert presets[name]["description"]
+
+
+def test_preset_copies_are_identical() -> None:
+    # The package copy is the one loaded (and shipped in the wheel); configs/presets mirrors it.
+    packaged = {p.name: p.read_bytes() for p in (REPO / "pan2render/configs/presets").glob("*.yaml")}
+    browsable = {p.name: p.read_bytes() for p in (REPO / "configs/presets").glob("*.yaml")}
+    assert packaged.keys() == browsable.keys()
+    for name in packaged:
+        assert packaged[name] == browsable[name], (
+            f"configs/presets/{name} differs from pan2render/configs/presets/{name}; edit the package copy "
+            "and run: cp pan2render/configs/presets/*.yaml configs/presets/")
+
+
+# --------------------------------------------------------------------------------------------------
+# Resolution
+
+
+def test_precedence_preset_defaults_job_sweep(tmp_path: Path) -> None:
+    path = _write(tmp_path, """
+        model: tiny
+        preset: tiny-preview
+        defaults:
+          steps: 4
+          guidance: 3.0
+          crf: 20
+        jobs:
+          - name: a
+            prompt: a cat
+            guidance: 4.0
+            crf: 30
+        sweep:
+          crf: [40]
+        """)
+    (job,) = load_batch(path).jobs
+    got = {k: getattr(job, k) for k in ("frames", "steps", "guidance", "crf", "seed", "gpus", "negative_prompt")}
+    print(got)
+    # frames: preset; steps: defaults; guidance: job; crf: sweep; seed/gpus/negative_prompt: built-in.
+    assert got == dict(frames=17, steps=4, guidance=4.0, crf=40, seed=0, gpus=1, negative_prompt="")
+    assert job.preset == "tiny-preview" and job.model == "tiny" and job.sweep == {"crf": 40}
+    assert str(job.source) == f"{path}:8"
+
+
+def test_sweep_is_a_cartesian_product_over_every_job(tmp_path: Path) -> None:
+    (tmp_path / "more.txt").write_text("a third prompt\n")
+    path = _write(tmp_path, HEADER + textwrap.dedent("""
+        jobs:
+          - {name: a, prompt: one}
+          - {name: b, prompt: two}
+        prompts_file: more.txt
+        sweep:
+          guidance: [2, 3.5]
+          seed: [0, 1, 2]
+        """))
+    jobs = load_batch(path).jobs
+    print([j.job_id for j in jobs])
+    assert len(jobs) == 3 * 2 * 3
+    for name in ("a", "b", "a-third-prompt"):
+        combos = [(j.guidance, j.seed) for j in jobs if j.name == name]
+        assert combos == [(2.0, 0), (2.0, 1), (2.0, 2), (3.5, 0), (3.5, 1), (3.5, 2)]
+    assert jobs[0].sweep == {"guidance": 2.0, "seed": 0}
+    assert len({j.job_id for j in jobs}) == len(jobs)
+    assert jobs[0].job_id.startswith("a-guidance2.0-seed0-")
+
+
+def test_ids_are_deterministic_across_loads_and_folders(tmp_path: Path) -> None:
+    text = HEADER + "jobs:\n  - name: fox\n    prompt: a fox\n  - prompt: a red kite\nsweep:\n  seed: [0, 1]\n"
+    first = load_batch(_write(tmp_path, text)).jobs
+    again = load_batch(_write(tmp_path, text)).jobs
+    (tmp_path / "other").mkdir()
+    moved = load_batch(_write(tmp_path / "other", "# a comment changes nothing\n" + text, "renamed.yaml")).jobs
+    ids = [j.job_id for j in first]
+    print(ids)
+    assert ids == [j.job_id for j in again] == [j.job_id for j in moved]
+    assert ids[2].startswith("a-red-kite-seed0-")  # unnamed: named after its prompt
+    # Re-ordering the jobs keeps every id: names do not depend on the position.
+    reordered = HEADER + "jobs:\n  - prompt: a red kite\n  - name: fox\n    prompt: a fox\nsweep:\n  seed: [0, 1]\n"
+    assert sorted(j.job_id for j in load_batch(_write(tmp_path, reordered)).jobs) == sorted(ids)
+
+
+def test_numbers_are_canonical_so_5_and_5_0_hash_alike(tmp_path: Path) -> None:
+    a = load_batch(_write(tmp_path, HEADER + "jobs:\n  - {prompt: x, guidance: 5, fps: 8}\n", "a.yaml")).jobs[0]
+    b = load_batch(_write(tmp_path, HEADER + "jobs:\n  - {prompt: x, guidance: 5.0, fps: 8.0}\n", "b.yaml")).jobs[0]
+    assert a.spec_hash == b.spec_hash and isinstance(a.guidance, float)
+    c = load_batch(_write(tmp_path, HEADER + "jobs:\n  - {prompt: x, guidance: 5.5}\n", "c.yaml")).jobs[0]
+    assert c.spec_hash != a.spec_hash
+
+
+def test_repeated_unnamed_prompts_get_numbered_names(tmp_path: Path) -> None:
+    path = _write(tmp_path, HEADER + "jobs:\n  - {prompt: A fox!, seed: 1}\n  - {prompt: a fox, seed: 2}\n"
+                                     "  - {name: a-fox-3, prompt: x}\n  - {prompt: A FOX, seed: 3}\n")
+    assert [j.name for j in load_batch(path).jobs] == ["a-fox", "a-fox-2", "a-fox-3", "a-fox-4"]
+
+
+def test_image_is_resolved_and_hashed(tmp_path: Path) -> None:
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "first.png").write_bytes(b"pixels v1")
+    path = _write(tmp_path, HEADER + "jobs:\n  - {prompt: x, image: img/first.png}\n")
+    job = load_batch(path).jobs[0]
+    assert job.image == str(tmp_path / "img" / "first.png") and job.image_sha256 is not None
+    (tmp_path / "img" / "first.png").write_bytes(b"pixels v2")
+    assert load_batch(path).jobs[0].spec_hash != job.spec_hash  # new pixels, new render
+
+
+def test_prompts_file_txt(tmp_path: Path) -> None:
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "prompts.txt").write_text("# header\n\nA fox in snow\n   \n  a kite over hills  \n# end\n")
+    path = _write(tmp_path, HEADER + "prompts_file: p/prompts.txt\ndefaults:\n  seed: 9\n")
+    jobs = load_batch(path).jobs
+    print([(j.name, str(j.source)) for j in jobs])
+    assert [j.prompt for j in jobs] == ["A fox in snow", "a kite over hills"]
+    assert [j.source.line for j in jobs] == [3, 5]
+    assert all(j.source.file.endswith("p/prompts.txt") and j.seed == 9 for j in jobs)
+
+
+def test_prompts_file_jsonl_rows_carry_fields(tmp_path: Path) -> None:
+    rows = [{"prompt": "a fox", "seed": 5, "name": "fox"}, {"prompt": "a kite", "steps": 2, "guidance": 4}]
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    path = _write(tmp_path, HEADER + "jobs:\n  - {name: first, prompt: yaml job}\nprompts_file: rows.jsonl\n")
+    jobs = load_batch(path).jobs
+    assert [j.name for j in jobs] == ["first", "fox", "a-kite"]
+    assert (jobs[1].seed, jobs[2].steps, jobs[2].guidance, jobs[2].seed) == (5, 2, 4.0, 0)
+    assert str(jobs[2].source) == str(tmp_path / "rows.jsonl") + ":2"
+
+
+def test_prompts_file_jsonl_bad_rows(tmp_path: Path) -> None:
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "a", "frames": 18}\n\n["a list"]\n{"seed": 1}\n{bad\n')
+    problems = _problems(_write(tmp_path, HEADER + "prompts_file: rows.jsonl\n"))
+    _assert_says(_find(problems, line=1, field="prompts_file[0].frames"), "rows.jsonl:1", "4k+1")
+    _assert_says(_find(problems, line=3, field="prompts_file[1]"), "rows.jsonl:3", "a JSON object")
+    _assert_says(_find(problems, line=4, field="prompts_file[2].prompt"), "rows.jsonl:4", "missing")
+    _assert_says(_find(problems, line=5, field="prompts_file[3]"), "rows.jsonl:5", "not valid JSON")
+
+
+def test_yaml_anchors_and_merge_keys(tmp_path: Path) -> None:
+    path = _write(tmp_path, HEADER + textwrap.dedent("""
+        jobs:
+          - &base {name: a, prompt: a fox, steps: 3, seed: 4}
+          - <<: *base
+            name: b
+            seed: 5
+        """))
+    a, b = load_batch(path).jobs
+    assert (b.prompt, b.steps, b.seed) == ("a fox", 3, 5) and a.seed == 4
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "/abs", "..", ".", "", "a/../../b", "\x00nul",
+                                  "C:\\windows\\x", "x" * 10_000, "猫の動画", ".hidden"])
+def test_hostile_names_give_ids_inside_the_folder(tmp_path: Path, name: str) -> None:
+    spec = load_batch(_write(tmp_path, HEADER + "jobs:\n  - prompt: a fox\n")).jobs[0]
+    hostile = JobSpec(**{**spec.to_dict(), "source": None, "name": name})
+    job_id = hostile.job_id
+    print(repr(name[:20]), "->", job_id)
+    out = tmp_path / "renders"
+    assert (out / job_id).resolve().parent == out.resolve()
+    assert job_id not in ("", ".", "..") and not job_id.startswith(".")
+    assert all(c.isascii() and (c.isalnum() or c in "._-") for c in job_id)
+    assert len(job_id) <= 100
+
+
+def test_hostile_name_in_a_batch_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, HEADER + "jobs:\n  - {name: ../../etc/passwd, prompt: a}\n  - {name: /abs, prompt: b}\n"
+                                     f"  - {{name: {'n' * 10_000}, prompt: c}}\n")
+    for job in load_batch(path).jobs:
+        assert (tmp_path / job.job_id).resolve().parent == tmp_path.resolve()
+
+
+# --------------------------------------------------------------------------------------------------
+# The shipped example batches
+
+
+def test_quickstart_batch() -> None:
+    batch = load_batch(REPO / "jobs" / "quickstart.yaml")
+    print([j.job_id for j in batch.jobs])
+    assert batch.model == "tiny" and batch.preset == "tiny-preview"
+    assert len({j.name for j in batch.jobs}) >= 3 and len(batch.jobs) == 6
+    assert {j.seed for j in batch.jobs} == {0, 1}
+    assert all((j.height, j.width, j.frames) == (64, 64, 17) for j in batch.jobs)
+
+
+def test_other_example_batches_load() -> None:
+    sweep = load_batch(REPO / "jobs" / "sweep.yaml", check_files=False)  # the checkpoint is not here
+    assert sweep.preset == "pan2-720p" and len(sweep.jobs) == 3 * 3 * 2
+    assert {(j.guidance, j.flow_shift) for j in sweep.jobs} == {(g, s) for g in (2.0, 2.5, 3.5) for s in (3.0, 5.0)}
+    prompts = load_batch(REPO / "jobs" / "prompts_file.yaml")
+    assert len(prompts.jobs) == 3 and all(j.seed == 7 for j in prompts.jobs)
