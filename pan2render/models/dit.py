@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pan2render.models.dit_ops import TORCH_OPS, DiTOps, attention, rms_norm_heads
+from pan2render.models.dit_ops import ROUTED_OPS, TORCH_OPS, DiTOps, attention, rms_norm_heads
 
 __all__ = [
     "ContextCache",
@@ -444,7 +444,7 @@ class PAN2DiT(nn.Module):
         self.blocks = nn.ModuleList([PAN2DiTBlock(config) for _ in range(config.num_layers)])
         self.proj_out = nn.Linear(dim, config.num_out_channels * math.prod(config.patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)  # norm_out (shift, scale)
-        self.ops = TORCH_OPS
+        self.ops = ROUTED_OPS  # fused kernels where the switch allows, references otherwise
 
     def set_ops(self, ops: DiTOps) -> None:
         """Route the block steps through another op table (the fused-kernel switch)."""

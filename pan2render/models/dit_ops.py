@@ -21,12 +21,15 @@ back to the dtype of ``x``), so our DiT matches WanTransformer3DModel in fp32 an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from pan2render.kernels.attention import attention as _chosen_attention
+from pan2render.kernels.dit_fused import routed_dit_ops
 
 __all__ = [
     "DiTOps",
@@ -169,7 +172,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     The single place the DiT attends. Sequence parallelism (Ulysses) wraps this call with its
     all-to-alls (see `SelfAttention.attention_fn`); the backend choice lives behind it too.
     """
-    return F.scaled_dot_product_attention(q, k, v)
+    return _chosen_attention(q, k, v)  # pan2render.kernels.attention picks the SDPA backend
 
 
 @dataclass(frozen=True)
@@ -189,3 +192,8 @@ class DiTOps:
 
 
 TORCH_OPS = DiTOps()
+
+# The table the model uses by default: each entry runs its fused Triton kernel where the switch
+# (pan2render.kernels.dit_fused.set_fused_kernels) allows it on these tensors (CUDA, no grad, not
+# compiling) and the reference above otherwise.
+ROUTED_OPS = DiTOps(**routed_dit_ops({f.name: getattr(TORCH_OPS, f.name) for f in fields(DiTOps)}))

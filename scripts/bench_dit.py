@@ -1,0 +1,449 @@
+#!/usr/bin/env python3
+"""Benchmark the PAN2 DiT against diffusers' WanTransformer3DModel (issue 5), in one process.
+
+Both models are built on the GPU in bf16 from ONE random state dict (Wan2.2-TI2V-5B config by
+default), at 704x1248x121 (latent 48x31x44x78 -> 26,598 tokens, 512 text tokens). Prints and writes
+(--json) in this order, each section saved as soon as it is done:
+
+0. with --attn-micro: SDPA cuDNN vs flash at the self- and cross-attention shapes, two layouts;
+1. diffusers forward, batch 1 and 2: time (min of --reps after --warmup), activation peak memory;
+2. ours unfused (eager ops, SDPA's default order) at batch 1;
+3. ours fused (Triton Q/K norm+RoPE, norm+modulation kernels; attention backend chosen by
+   pan2render.kernels.attention) at batch 1 per --variants layout, then the fastest at batch 2;
+   the ratio to diffusers; with --profile the top GPU kernels of one forward;
+4. a guided step (cond + uncond + combine) as two batch-1 forwards and as one batch-2 forward;
+5. with --sample: a full --steps guided sample (guidance 2.5) through PAN2Pipeline;
+6. relative L2 error vs an fp32 reference (diffusers in strict fp32, no TF32) of every bf16 output
+   above (batch 1).
+
+Results of record: docs/perf_dit.md.
+Usage (GPU host): python scripts/bench_dit.py --json out.json [--sample]
+CPU smoke test of the script itself: python scripts/bench_dit.py --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pan2render.kernels import attention as attn_mod  # noqa: E402
+from pan2render.kernels import dit_fused  # noqa: E402
+from pan2render.models.dit import ContextCache, PAN2DiT, PAN2DiTConfig  # noqa: E402
+from pan2render.models.dit_ops import TORCH_OPS, DiTOps  # noqa: E402
+
+# diffusers keeps these in fp32 when loading the transformer in bf16 (_keep_in_fp32_modules).
+KEEP_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
+TINY = dict(num_attention_heads=3, attention_head_dim=20, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], *, device: torch.device, reps: int, warmup: int) -> tuple[float, float, Any]:
+    """(min seconds, activation peak GiB above what was allocated before, last result)."""
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    sync(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    best = math.inf
+    for _ in range(reps):
+        out = None
+        sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**30 if device.type == "cuda" else 0.0
+    return best, peak, out
+
+
+def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.float() - ref.float()).norm() / ref.float().norm())
+
+
+def build_models(config: PAN2DiTConfig, device: torch.device, dtype: torch.dtype):
+    """Ours and diffusers', built directly on the device in dtype, with one random state dict."""
+    from diffusers import WanTransformer3DModel
+
+    kwargs = {k: v for k, v in config.to_dict().items() if not k.startswith("_")}
+    prev = torch.get_default_dtype()
+    torch.manual_seed(0)
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device(device):
+            ours = PAN2DiT(config).eval()
+            ref = WanTransformer3DModel(**kwargs).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    for model in (ours, ref):
+        model.requires_grad_(False)
+        for name, p in model.named_parameters():
+            if any(k in name for k in KEEP_FP32):
+                p.data = p.data.float()
+    return ours, ref
+
+
+def fused_ops() -> DiTOps:
+    eager = {f.name: getattr(TORCH_OPS, f.name) for f in dataclasses.fields(DiTOps)}
+    return DiTOps(**dit_fused.routed_dit_ops(eager))
+
+
+def set_attention(model: PAN2DiT, fn: Callable) -> None:
+    for module in model.modules():
+        if hasattr(module, "attention_fn"):
+            module.attention_fn = fn
+
+
+def use_ours(model: PAN2DiT, *, fused: bool, chosen_attention: bool, variant: str = "token") -> None:
+    """Route ``model``: eager or fused ops, default SDPA or our backend choice, and a layout variant:
+    'token' (q/k token-major views), 'head' (q/k written head-major, v made contiguous), or
+    'fp32res' (token-major, but the residual stream kept in fp32 between the fused kernels)."""
+    from pan2render.models.dit_ops import attention as default_attention
+
+    model.__dict__.pop("patchify", None)  # undo an fp32res patch
+    dit_fused.QK_HEAD_MAJOR = variant == "head"
+    attn_mod.set_attention_backend("auto", contiguous=variant == "head", short_kv_backend=SHORT_KV_BACKEND)
+    if variant == "fp32res":
+        model.set_ops(fp32_residual_ops(model))
+    else:
+        model.set_ops(fused_ops() if fused else TORCH_OPS)
+    dit_fused.set_fused_kernels(fused)
+    set_attention(model, attn_mod.attention if chosen_attention else default_attention)
+
+
+def patch_gelu_epilogue(model: PAN2DiT, on: bool) -> None:
+    """Experiment: the FFN's first linear + tanh-GELU as one cuBLASLt GEMM with a GELU epilogue
+    (torch._addmm_activation), instead of a GEMM and a separate 0.8 GB elementwise pass."""
+    for module in model.modules():
+        if type(module).__name__ != "_GELUProj":
+            continue
+        module.__dict__.pop("forward", None)
+        if on:
+            def forward(x: torch.Tensor, proj: torch.nn.Linear = module.proj) -> torch.Tensor:
+                out = torch._addmm_activation(proj.bias, x.reshape(-1, x.shape[-1]), proj.weight.t(), use_gelu=True)
+                return out.view(*x.shape[:-1], -1)
+
+            module.forward = forward  # type: ignore[method-assign]
+
+
+SHORT_KV_BACKEND = "auto"  # set from the attention micro-benchmark when it runs
+
+
+def fp32_residual_ops(model: PAN2DiT) -> DiTOps:
+    """Experiment: residual stream in fp32 (tokens patched to fp32), norms feed bf16 to the linears.
+
+    diffusers rounds the stream to bf16 after every residual add (4 per block); this keeps it in
+    fp32 and rounds only what enters a linear. Needs CUDA (the kernels take out_dtype).
+    """
+    from pan2render.kernels.dit_modulation import layernorm_modulate, residual_layernorm_modulate
+
+    compute = model.proj_out.weight.dtype
+    patch = PAN2DiT.patchify
+    model.patchify = lambda x: patch(model, x).float()  # type: ignore[method-assign]
+    routed = fused_ops()
+
+    def modulated_norm(x, *, shift, scale, index, eps):
+        return layernorm_modulate(x, shift=shift, scale=scale, index=index, eps=eps, out_dtype=compute)
+
+    def residual_layer_norm(x, y, *, gate, index, weight, bias, eps):
+        return residual_layernorm_modulate(x, y, gate=gate, index=index, weight=weight, bias=bias, eps=eps,
+                                           out_dtype=compute)
+
+    def residual_modulated_norm(x, y, *, gate, index, shift, scale, eps):
+        return residual_layernorm_modulate(x, y, gate=gate, index=index, shift=shift, scale=scale, eps=eps,
+                                           out_dtype=compute)
+
+    def gated_residual(x, y, *, gate, index):
+        return residual_layernorm_modulate(x, y, gate=gate, index=index, norm=False)[0]
+
+    return DiTOps(modulated_norm=modulated_norm, residual_layer_norm=residual_layer_norm,
+                  residual_modulated_norm=residual_modulated_norm, gated_residual=gated_residual,
+                  qk_norm_rope=routed.qk_norm_rope)
+
+
+def attention_micro(device: torch.device, dtype: torch.dtype, *, heads: int, seq: int, head_dim: int,
+                    text: int, reps: int) -> dict[str, float]:
+    """TFLOP/s of SDPA backends at the DiT's self- ([1, H, L, D] x L) and cross- (x 512) shapes,
+    with q/k/v head-major contiguous ('bhsd') or token-major views ('bshd', what the model makes)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    out: dict[str, float] = {}
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+    for kv_len, kind in ((seq, "self"), (text, "cross")):
+        for layout in ("bhsd", "bshd"):
+            def make(n: int) -> torch.Tensor:
+                if layout == "bhsd":
+                    return torch.randn(1, heads, n, head_dim, device=device, dtype=dtype)
+                return torch.randn(1, n, heads, head_dim, device=device, dtype=dtype).transpose(1, 2)
+
+            q, k, v = make(seq), make(kv_len), make(kv_len)
+            for name, backend in backends.items():
+                try:
+                    with sdpa_kernel([backend]):
+                        s, _, _ = timed(lambda: F.scaled_dot_product_attention(q, k, v), device=device,
+                                        reps=reps, warmup=1)
+                except RuntimeError as err:  # backend cannot take these inputs
+                    log(f"attention micro {kind} {layout} {name}: {str(err).splitlines()[0]}")
+                    continue
+                tflops = 4 * seq * kv_len * heads * head_dim / s / 1e12
+                out[f"{kind}_{layout}_{name}_tflops"] = round(tflops, 1)
+                log(f"attention {kind} {layout} {name}: {s * 1e3:.2f} ms, {tflops:.0f} TFLOP/s")
+            del q, k, v
+    return out
+
+
+def profile_forward(fn: Callable[[], Any], *, device: torch.device) -> None:
+    """One forward under torch.profiler: the kernels that take the time, biggest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    for key in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
+        try:
+            print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60), flush=True)
+            return
+        except (AttributeError, KeyError, ValueError):
+            continue
+
+
+def cat_cache(a: ContextCache, b: ContextCache) -> ContextCache:
+    kv = tuple((torch.cat([ka, kb]), torch.cat([va, vb])) for (ka, va), (kb, vb) in zip(a.keys_values, b.keys_values))
+    return ContextCache(keys_values=kv, dtype=a.dtype)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--height", type=int, default=704)
+    p.add_argument("--width", type=int, default=1248)
+    p.add_argument("--frames", type=int, default=121)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--variants", default="token,head",
+                   help="fused layouts to time at batch 1 (token, head, fp32res); the fastest of token/head "
+                        "runs the batch-2, guided and sample sections")
+    p.add_argument("--no-b2", action="store_true", help="skip the batch-2 forwards")
+    p.add_argument("--no-unfused", action="store_true", help="skip our unfused forward")
+    p.add_argument("--no-batched-guidance", action="store_true", help="time only two batch-1 guided passes")
+    p.add_argument("--gelu-epilogue", action="store_true", help="experiment: FFN GEMM with a GELU epilogue")
+    p.add_argument("--attn-micro", action="store_true", help="SDPA backends x layouts at the DiT shapes")
+    p.add_argument("--sample", action="store_true", help="also a full guided sample through PAN2Pipeline")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--guidance", type=float, default=2.5)
+    p.add_argument("--no-fp32", action="store_true", help="skip the fp32 reference (saves ~15 s)")
+    p.add_argument("--profile", action="store_true", help="print the top GPU kernels of one fused forward")
+    p.add_argument("--tiny", action="store_true", help="tiny model on CPU: checks the script, not speed")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = PAN2DiTConfig(**TINY) if args.tiny else PAN2DiTConfig()
+    if args.tiny:
+        args.height, args.width, args.frames = 64, 96, 9
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+            dit_fused.allow_interpreter(True)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = set(variants) - {"token", "head", "fp32res"}
+    if unknown or not ({"token", "head"} & set(variants)):
+        p.error(f"--variants {args.variants!r}: use token, head, fp32res, with token or head among them")
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                               "torch": torch.__version__, "shape": [args.frames, args.height, args.width]}
+    try:
+        import triton
+
+        results["triton"] = triton.__version__
+    except ImportError:
+        results["triton"] = None
+
+    def save() -> None:
+        if args.json is not None:
+            args.json.write_text(json.dumps(results, indent=1))
+
+    t0 = time.perf_counter()
+    ours, ref = build_models(config, device, dtype)
+    sync(device)
+    results["build_s"] = round(time.perf_counter() - t0, 2)
+    params = sum(p.numel() for p in ours.parameters())
+    log(f"built ours + diffusers ({params / 1e9:.2f} B params each) in {results['build_s']} s on {device}")
+
+    latent = (config.in_channels, (args.frames - 1) // 4 + 1, args.height // 16, args.width // 16)
+    g = torch.Generator().manual_seed(1)
+    x2 = torch.randn(2, *latent, generator=g).to(device, dtype)
+    ctx2 = torch.randn(2, 512, config.text_dim, generator=g).to(device, dtype)
+    t2 = torch.tensor([500.0, 500.0], device=device)
+    x1, ctx1, t1 = x2[:1], ctx2[:1], t2[:1]
+    tokens = math.prod(ours.token_grid(x1.shape))
+    results["tokens"] = tokens
+    log(f"latent {list(x1.shape)} -> {tokens} tokens")
+    reps, warmup = args.reps, args.warmup
+    outs: dict[str, torch.Tensor] = {}
+
+    with torch.no_grad():
+        if args.attn_micro and device.type == "cuda":
+            micro = attention_micro(device, dtype, heads=config.num_attention_heads, seq=tokens,
+                                    head_dim=config.attention_head_dim, text=512, reps=reps + 2)
+            results["attention_micro"] = micro
+            if micro.get("cross_bshd_flash_tflops", 0) > micro.get("cross_bshd_cudnn_tflops", 0):
+                global SHORT_KV_BACKEND
+                SHORT_KV_BACKEND = "flash"
+            results["short_kv_backend"] = SHORT_KV_BACKEND
+            save()
+
+        # 1. diffusers, its default attention (SDPA's default order: flash first).
+        batches = {1: (x1, t1, ctx1)} if args.no_b2 else {1: (x1, t1, ctx1), 2: (x2, t2, ctx2)}
+        for b, (x, t, c) in batches.items():
+            s, peak, out = timed(lambda: ref(x, t, c, return_dict=False)[0], device=device, reps=reps, warmup=warmup)
+            results[f"diffusers_b{b}_s"], results[f"diffusers_b{b}_peak_gib"] = round(s, 4), round(peak, 2)
+            if b == 1:
+                outs["diffusers"] = out
+            log(f"diffusers b{b}: {s:.3f} s, activation peak {peak:.1f} GiB")
+            del out
+        save()
+
+        # 2. ours unfused (eager ops, default SDPA order), batch 1; the text K/V cached as in sampling.
+        cache1 = ours.prepare_context(ctx1)
+        if not args.no_unfused:
+            use_ours(ours, fused=False, chosen_attention=False)
+            s, peak, out = timed(lambda: ours(x1, t1, cache1), device=device, reps=max(1, reps - 1), warmup=warmup)
+            outs["ours_unfused"] = out
+            results["ours_unfused_b1_s"], results["ours_unfused_b1_peak_gib"] = round(s, 4), round(peak, 2)
+            log(f"ours unfused b1: {s:.3f} s, peak {peak:.1f} GiB")
+            del out
+            save()
+
+        # 3. ours fused + chosen attention backend, per layout variant.
+        for variant in variants:
+            use_ours(ours, fused=True, chosen_attention=True, variant=variant)
+            dit_fused.reset_fused_kernel_counts()
+            s, peak, out = timed(lambda: ours(x1, t1, cache1), device=device, reps=reps, warmup=warmup)
+            outs[f"ours_fused_{variant}"] = out
+            results[f"ours_fused_{variant}_b1_s"] = round(s, 4)
+            results[f"ours_fused_{variant}_b1_peak_gib"] = round(peak, 2)
+            launches = {k: v // (reps + warmup) for k, v in dit_fused.fused_kernel_counts().items()}
+            log(f"ours fused [{variant}] b1: {s:.3f} s, peak {peak:.1f} GiB, "
+                f"x{results['diffusers_b1_s'] / s:.3f} vs diffusers; launches/forward {launches}")
+            if variant != "fp32res":
+                results["fused_kernel_launches_b1"] = launches
+            del out
+        best = min((v for v in variants if v != "fp32res"), key=lambda v: results[f"ours_fused_{v}_b1_s"])
+        use_ours(ours, fused=True, chosen_attention=True, variant=best)
+        results["layout_chosen"] = best
+        results["ours_fused_b1_s"] = results[f"ours_fused_{best}_b1_s"]
+        results["ratio_b1"] = round(results["diffusers_b1_s"] / results["ours_fused_b1_s"], 3)
+        results["attention_order"] = [b.name for b in attn_mod.attention_backends(
+            torch.empty(1, config.num_attention_heads, tokens, config.attention_head_dim, device=device, dtype=dtype))]
+        log(f"chosen layout {best}: {results['ours_fused_b1_s']} s, x{results['ratio_b1']} vs diffusers; "
+            f"attention order {results['attention_order']}")
+        if args.gelu_epilogue and device.type == "cuda":
+            patch_gelu_epilogue(ours, True)
+            s, peak, out = timed(lambda: ours(x1, t1, cache1), device=device, reps=reps, warmup=warmup)
+            outs[f"ours_fused_{best}_gelu_epilogue"] = out
+            results[f"ours_fused_{best}_gelu_epilogue_b1_s"] = round(s, 4)
+            log(f"ours fused [{best}] + GELU epilogue b1: {s:.3f} s (experiment; not in dit.py)")
+            patch_gelu_epilogue(ours, False)
+            del out
+        if args.profile:
+            profile_forward(lambda: ours(x1, t1, cache1), device=device)
+        if not args.no_b2:
+            cache2 = ours.prepare_context(ctx2)
+            s, peak, out = timed(lambda: ours(x2, t2, cache2), device=device, reps=reps, warmup=warmup)
+            results["ours_fused_b2_s"], results["ours_fused_b2_peak_gib"] = round(s, 4), round(peak, 2)
+            results["ratio_b2"] = round(results["diffusers_b2_s"] / s, 3)
+            log(f"ours fused b2: {s:.3f} s, peak {peak:.1f} GiB, x{results['ratio_b2']} vs diffusers")
+            del out, cache2
+        save()
+
+        # 4. Guided step: cond + uncond (+ the guidance combine), text K/V prepared once per job.
+        cache_u = ours.prepare_context(ctx2[1:])
+        w = args.guidance
+
+        def step_two() -> torch.Tensor:
+            c = ours(x1, t1, cache1)
+            u = ours(x1, t1, cache_u)
+            return u + w * (c - u)
+
+        steps = [("two_b1", step_two)]
+        if not args.no_batched_guidance:
+            cache_cu = cat_cache(cache1, cache_u)
+
+            def step_batched() -> torch.Tensor:
+                c, u = ours(torch.cat([x1, x1]), torch.cat([t1, t1]), cache_cu).chunk(2)
+                return u + w * (c - u)
+
+            steps.append(("batched_b2", step_batched))
+        for name, fn in steps:
+            s, peak, _ = timed(fn, device=device, reps=max(1, reps - 1), warmup=1)
+            results[f"guided_step_{name}_s"], results[f"guided_step_{name}_peak_gib"] = round(s, 4), round(peak, 2)
+            log(f"guided step {name}: {s:.3f} s, peak {peak:.1f} GiB")
+        save()
+
+    # 5. Full guided sample through PAN2Pipeline (random weights).
+    if args.sample:
+        from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
+        from pan2render.models.scheduler import SchedulerConfig
+
+        # sample() reads only vae.config.z_dim; decoding is not part of this figure.
+        vae_stub = types.SimpleNamespace(config=types.SimpleNamespace(z_dim=config.in_channels))
+        pipe = PAN2Pipeline(dit=ours, vae=vae_stub, text_encoder=None, scheduler_config=SchedulerConfig(),
+                            config=PAN2PipelineConfig(device=str(device), dtype=dtype), model_id="bench-random")
+        sync(device)
+        t0 = time.perf_counter()
+        pipe.sample(prompt_embeds=ctx1[0], negative_prompt_embeds=ctx2[1], height=args.height, width=args.width,
+                    frames=args.frames, steps=args.steps, guidance=args.guidance, seed=0)
+        sync(device)
+        results["sample_s"] = round(time.perf_counter() - t0, 2)
+        results["sample_steps"] = args.steps
+        log(f"guided sample, {args.steps} steps, guidance {args.guidance}, layout {best}: {results['sample_s']} s")
+        save()
+
+    # 6. fp32 reference (strict: no TF32), batch 1: diffusers' model upcast in place.
+    if not args.no_fp32:
+        matmul_tf32, cudnn_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        ref.float()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            want = ref(x1.float(), t1, ctx1.float(), return_dict=False)[0]
+        sync(device)
+        results["fp32_reference_s"] = round(time.perf_counter() - t0, 2)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul_tf32, cudnn_tf32
+        for name, out in outs.items():
+            results[f"rel_l2_{name}"] = round(rel_l2(out, want), 5)
+        if "ours_unfused" in outs:
+            results["fused_vs_unfused_error_ratio"] = round(
+                results[f"rel_l2_ours_fused_{best}"] / max(results["rel_l2_ours_unfused"], 1e-12), 3)
+        log("rel L2 vs fp32 reference: " + ", ".join(f"{k} {results[f'rel_l2_{k}']:.3e}" for k in outs)
+            + f" (fp32 forward {results['fp32_reference_s']} s)")
+        save()
+
+    print(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
