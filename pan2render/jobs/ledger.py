@@ -1,0 +1,424 @@
+"""The ledger: a SQLite record of every job and stage in an output folder (``DIR/ledger.sqlite``).
+
+The driver is the only writer (it holds ``DIR/.lock`` through :class:`FolderLock`); ``status`` and
+``report`` only read. Every change is one transaction, made right after the ``os.replace`` of the
+artifact it records, so a crash leaves either the old row or the new one.
+
+Journal mode: the classic rollback journal (``journal_mode=DELETE``, ``synchronous=FULL``), not WAL.
+There is one writer and occasional readers, so WAL's concurrency buys nothing, while WAL needs
+shared memory (``-shm``) that breaks on network filesystems, where render output folders often
+live, and leaves ``-wal``/``-shm`` files beside the ledger. Readers wait up to 10 s on a write
+(``busy_timeout``), and writes are a few rows each.
+
+Job lifecycle (an explicit state machine, :data:`JOB_TRANSITIONS`)::
+
+    pending --start--> running --finish--> done
+       ^                  |--retry-----> pending   (retries_left decremented)
+       |                  |--fail------> failed    (budget spent, or the error is not retryable)
+       |                  '--interrupt-> pending   (the driver died while the job ran)
+       |------revive---- failed                    (resume / re-run: a fresh retry budget)
+       '------invalidate- done                     (resume found its video corrupt or missing)
+    pending --fail--> failed                       (can never run: needs more GPUs than a node has)
+
+Stage rows (one per job and :class:`Stage`) go pending -> running -> done | failed; a stage left
+running when its job leaves ``running`` any other way than ``finish`` is put back to pending.
+"""
+
+from __future__ import annotations
+
+import enum
+import fcntl
+import json
+import os
+import socket
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pan2render.jobs.spec import JobSpec
+
+LEDGER_NAME = "ledger.sqlite"
+LOCK_NAME = ".lock"
+SCHEMA_VERSION = 1
+
+
+class JobState(str, enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+# Terminal for a run: the driver never leaves them on its own. Only the checks at the start of a
+# run/resume do (revive a failed job, invalidate a done job whose video is corrupt).
+TERMINAL_JOB_STATES = frozenset({JobState.DONE, JobState.FAILED})
+
+
+class StageState(str, enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Stage(str, enum.Enum):
+    """The stages of one job, in order. Decode's output (frames) is never durable: decode and
+    encode run in one worker call and only the mp4 comes back, so decode is marked done together
+    with encode."""
+
+    CONDITIONING = "conditioning"  # artifact: DIR/_cache/embeddings/<sha>.safetensors
+    SAMPLING = "sampling"  # artifact: DIR/<job>/latents.safetensors
+    DECODE = "decode"  # no artifact (frames stay in the worker)
+    ENCODE = "encode"  # artifact: DIR/<job>/video.mp4
+
+
+STAGES: tuple[Stage, ...] = tuple(Stage)
+
+
+class JobEvent(str, enum.Enum):
+    START = "start"
+    FINISH = "finish"
+    RETRY = "retry"
+    FAIL = "fail"
+    INTERRUPT = "interrupt"
+    REVIVE = "revive"
+    INVALIDATE = "invalidate"
+
+
+# (from, event) -> to. Anything not listed is an illegal transition and raises.
+JOB_TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = {
+    (JobState.PENDING, JobEvent.START): JobState.RUNNING,
+    (JobState.RUNNING, JobEvent.FINISH): JobState.DONE,
+    (JobState.RUNNING, JobEvent.RETRY): JobState.PENDING,
+    (JobState.RUNNING, JobEvent.FAIL): JobState.FAILED,
+    (JobState.PENDING, JobEvent.FAIL): JobState.FAILED,  # e.g. needs more GPUs than the cluster has
+    (JobState.RUNNING, JobEvent.INTERRUPT): JobState.PENDING,
+    (JobState.FAILED, JobEvent.REVIVE): JobState.PENDING,
+    (JobState.DONE, JobEvent.INVALIDATE): JobState.PENDING,  # its video is gone or corrupt
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+def next_job_state(state: JobState, event: JobEvent) -> JobState:
+    try:
+        return JOB_TRANSITIONS[(state, event)]
+    except KeyError:
+        allowed = sorted(e.value for (s, e) in JOB_TRANSITIONS if s == state)
+        raise IllegalTransition(
+            f"job state {state.value!r} has no transition {event.value!r}; allowed from "
+            f"{state.value!r}: {allowed or 'none (terminal)'}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    job_id: str
+    stage: Stage
+    state: StageState
+    artifact: str | None  # path relative to DIR
+    sha256: str | None
+    size: int | None
+    seconds: float | None
+    error: str | None
+    traceback: str | None
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    id: str
+    name: str
+    spec: JobSpec
+    spec_hash: str
+    state: JobState
+    attempts: int  # how many times the job was started, ever
+    retries_left: int  # retries left in the current budget (reset by revive)
+    error: str | None
+    error_stage: str | None
+    position: int  # order of insertion, so status lists jobs as the batch did
+    created_at: float
+    updated_at: float
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY, name TEXT NOT NULL, spec_json TEXT NOT NULL, spec_hash TEXT NOT NULL,
+    state TEXT NOT NULL, attempts INTEGER NOT NULL DEFAULT 0, retries_left INTEGER NOT NULL,
+    error TEXT, error_stage TEXT, position INTEGER NOT NULL,
+    created_at REAL NOT NULL, updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS stages (
+    job_id TEXT NOT NULL REFERENCES jobs(id), stage TEXT NOT NULL, state TEXT NOT NULL,
+    artifact TEXT, sha256 TEXT, size INTEGER, seconds REAL, error TEXT, traceback TEXT,
+    updated_at REAL NOT NULL, PRIMARY KEY (job_id, stage)
+);
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, job_id TEXT, kind TEXT NOT NULL,
+    detail TEXT NOT NULL
+);
+"""
+
+
+class Ledger:
+    """One output folder's ledger. Open with :meth:`open` (writer) or :meth:`open_readonly`."""
+
+    def __init__(self, conn: sqlite3.Connection, *, path: Path):
+        self._conn = conn
+        self.path = path
+
+    # ---------------------------------------------------------------- opening
+    @classmethod
+    def open(cls, out_dir: str | Path) -> "Ledger":
+        path = Path(out_dir) / LEDGER_NAME
+        conn = sqlite3.connect(path, timeout=10.0, isolation_level=None)
+        conn.execute("PRAGMA journal_mode=DELETE")
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.executescript(_SCHEMA)
+        ledger = cls(conn, path=path)
+        with ledger._tx():
+            conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        return ledger
+
+    @classmethod
+    def open_readonly(cls, out_dir: str | Path) -> "Ledger":
+        path = Path(out_dir) / LEDGER_NAME
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"no ledger at {path}: {out_dir} is not a pan2-render output folder "
+                f"(create one with `pan2-render run BATCH --out {out_dir}`)"
+            )
+        # Not `mode=ro`: a read-only connection cannot roll back the hot journal a killed driver
+        # may leave, so `status` would fail until the next `resume`. query_only forbids writes.
+        conn = sqlite3.connect(path, timeout=10.0, isolation_level=None)
+        conn.execute("PRAGMA query_only=ON")
+        return cls(conn, path=path)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._conn
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+
+    # ---------------------------------------------------------------- meta
+    def set_meta(self, key: str, value: Any) -> None:
+        with self._tx() as c:
+            c.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value)))
+
+    def get_meta(self, key: str, default: Any = None) -> Any:
+        row = self._conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return default if row is None else json.loads(row[0])
+
+    # ---------------------------------------------------------------- jobs
+    def add_jobs(self, specs: Iterable[JobSpec], *, retries: int) -> tuple[list[str], list[str]]:
+        """Insert jobs not yet in the ledger. Returns (added ids, ids already present).
+
+        The id ends in the spec hash, so an id already present means the same resolved spec."""
+        added: list[str] = []
+        present: list[str] = []
+        now = time.time()
+        with self._tx() as c:
+            (pos,) = c.execute("SELECT COALESCE(MAX(position), -1) + 1 FROM jobs").fetchone()
+            for spec in specs:
+                jid = spec.job_id
+                if c.execute("SELECT 1 FROM jobs WHERE id = ?", (jid,)).fetchone():
+                    present.append(jid)
+                    continue
+                c.execute(
+                    "INSERT INTO jobs (id, name, spec_json, spec_hash, state, attempts, retries_left,"
+                    " position, created_at, updated_at) VALUES (?, ?, ?, ?, ?, 0, ?, ?, ?, ?)",
+                    (jid, spec.name, json.dumps(spec.to_dict(), sort_keys=True), spec.spec_hash,
+                     JobState.PENDING.value, retries, pos, now, now),
+                )
+                for stage in STAGES:
+                    c.execute(
+                        "INSERT INTO stages (job_id, stage, state, updated_at) VALUES (?, ?, ?, ?)",
+                        (jid, stage.value, StageState.PENDING.value, now),
+                    )
+                self._event(c, jid, "added", f"spec_hash {spec.spec_hash[:12]}")
+                pos += 1
+                added.append(jid)
+        return added, present
+
+    def jobs(self, ids: Iterable[str] | None = None) -> list[JobRecord]:
+        rows = self._conn.execute("SELECT * FROM jobs ORDER BY position").fetchall()
+        wanted = None if ids is None else set(ids)
+        return [_job_record(r) for r in rows if wanted is None or r[0] in wanted]
+
+    def job(self, job_id: str) -> JobRecord:
+        row = self._conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise KeyError(f"job {job_id!r} is not in the ledger {self.path}")
+        return _job_record(row)
+
+    def transition(self, job_id: str, event: JobEvent, *, reason: str, error: str | None = None,
+                   error_stage: Stage | None = None, retries: int | None = None) -> JobState:
+        """Apply one lifecycle event (see :data:`JOB_TRANSITIONS`) and log it with its reason."""
+        with self._tx() as c:
+            job = _job_record(c.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone())
+            new = next_job_state(job.state, event)
+            attempts = job.attempts + (1 if event is JobEvent.START else 0)
+            retries_left = job.retries_left
+            if event is JobEvent.RETRY:
+                assert retries_left > 0, f"retry of {job_id} with no budget left"
+                retries_left -= 1
+            if event is JobEvent.REVIVE:
+                assert retries is not None
+                retries_left = retries
+            keep_error = event in (JobEvent.RETRY, JobEvent.FAIL)
+            c.execute(
+                "UPDATE jobs SET state = ?, attempts = ?, retries_left = ?, error = ?, error_stage = ?,"
+                " updated_at = ? WHERE id = ?",
+                (new.value, attempts, retries_left, error if keep_error else None,
+                 error_stage.value if (keep_error and error_stage) else None, time.time(), job_id),
+            )
+            if event is not JobEvent.START and event is not JobEvent.FINISH:
+                # A stage left "running" (by a dead driver or worker, or decode when encode failed)
+                # did not finish: back to pending. The stage that failed is already "failed".
+                c.execute("UPDATE stages SET state = ? WHERE job_id = ? AND state = ?",
+                          (StageState.PENDING.value, job_id, StageState.RUNNING.value))
+            self._event(c, job_id, f"{job.state.value}->{new.value}", reason)
+        return new
+
+    # ---------------------------------------------------------------- stages
+    def stages(self, job_id: str) -> dict[Stage, StageRecord]:
+        rows = self._conn.execute(
+            "SELECT job_id, stage, state, artifact, sha256, size, seconds, error, traceback"
+            " FROM stages WHERE job_id = ?", (job_id,)).fetchall()
+        recs = [StageRecord(r[0], Stage(r[1]), StageState(r[2]), *r[3:]) for r in rows]
+        return {r.stage: r for r in sorted(recs, key=lambda r: STAGES.index(r.stage))}
+
+    def set_stage(self, job_id: str, stage: Stage, state: StageState, *, artifact: str | None = None,
+                  sha256: str | None = None, size: int | None = None, seconds: float | None = None,
+                  error: str | None = None, traceback: str | None = None) -> None:
+        with self._tx() as c:
+            self._set_stage(c, job_id, stage, state, artifact=artifact, sha256=sha256, size=size,
+                            seconds=seconds, error=error, traceback=traceback)
+
+    def set_stages(self, job_id: str, updates: list[tuple[Stage, StageState, dict[str, Any]]]) -> None:
+        """Several stage rows in one transaction (decode + encode finish together)."""
+        with self._tx() as c:
+            for stage, state, fields in updates:
+                self._set_stage(c, job_id, stage, state, **fields)
+
+    def reset_stages(self, job_id: str, from_stage: Stage, *, reason: str) -> None:
+        """Mark ``from_stage`` and every later stage pending (their inputs are being redone)."""
+        later = [s.value for s in STAGES[STAGES.index(from_stage):]]
+        with self._tx() as c:
+            c.execute(
+                f"UPDATE stages SET state = ?, artifact = NULL, sha256 = NULL, size = NULL,"
+                f" seconds = NULL, error = NULL, traceback = NULL, updated_at = ?"
+                f" WHERE job_id = ? AND stage IN ({','.join('?' * len(later))})",
+                (StageState.PENDING.value, time.time(), job_id, *later),
+            )
+            self._event(c, job_id, f"reset:{from_stage.value}", reason)
+
+    def _set_stage(self, c: sqlite3.Connection, job_id: str, stage: Stage, state: StageState, *,
+                   artifact: str | None = None, sha256: str | None = None, size: int | None = None,
+                   seconds: float | None = None, error: str | None = None,
+                   traceback: str | None = None) -> None:
+        cur = c.execute(
+            "UPDATE stages SET state = ?, artifact = ?, sha256 = ?, size = ?, seconds = ?, error = ?,"
+            " traceback = ?, updated_at = ? WHERE job_id = ? AND stage = ?",
+            (state.value, artifact, sha256, size, seconds, error, traceback, time.time(), job_id,
+             stage.value),
+        )
+        assert cur.rowcount == 1, f"no stage row {job_id}/{stage.value}"
+
+    # ---------------------------------------------------------------- events
+    def log(self, job_id: str | None, kind: str, detail: str) -> None:
+        with self._tx() as c:
+            self._event(c, job_id, kind, detail)
+
+    def events(self, job_id: str | None = None) -> list[tuple[float, str | None, str, str]]:
+        if job_id is None:
+            return self._conn.execute("SELECT at, job_id, kind, detail FROM events ORDER BY seq").fetchall()
+        return self._conn.execute("SELECT at, job_id, kind, detail FROM events WHERE job_id = ?"
+                                  " ORDER BY seq", (job_id,)).fetchall()
+
+    @staticmethod
+    def _event(c: sqlite3.Connection, job_id: str | None, kind: str, detail: str) -> None:
+        c.execute("INSERT INTO events (at, job_id, kind, detail) VALUES (?, ?, ?, ?)",
+                  (time.time(), job_id, kind, detail))
+
+
+def _job_record(r: tuple[Any, ...]) -> JobRecord:
+    (jid, name, spec_json, spec_hash, state, attempts, retries_left, error, error_stage, position,
+     created_at, updated_at) = r
+    return JobRecord(id=jid, name=name, spec=JobSpec.from_dict(json.loads(spec_json)),
+                     spec_hash=spec_hash, state=JobState(state), attempts=attempts,
+                     retries_left=retries_left, error=error, error_stage=error_stage,
+                     position=position, created_at=created_at, updated_at=updated_at)
+
+
+# -------------------------------------------------------------------- folder lock
+class FolderLockedError(RuntimeError):
+    """Another live process holds the output folder."""
+
+
+class FolderLock:
+    """``fcntl.flock`` on ``DIR/.lock``; the file names the holder (pid, host, start time).
+
+    The kernel drops a flock when its process dies, so a lock left by a killed driver is stale by
+    construction: the next run takes it over and overwrites the holder line.
+    """
+
+    def __init__(self, out_dir: str | Path):
+        self.path = Path(out_dir) / LOCK_NAME
+        self._fd: int | None = None
+        self.taken_over: str | None = None  # the stale holder line replaced by acquire(), if any
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _describe_holder(os.read(fd, 4096).decode(errors="replace"))
+            os.close(fd)
+            raise FolderLockedError(
+                f"{self.path.parent} is in use by another pan2-render run ({holder}); wait for it to"
+                f" finish, or stop that process, then run again"
+            ) from None
+        previous = os.read(fd, 4096).decode(errors="replace").strip()
+        holder = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder.encode() + b"\n", 0)
+        os.fsync(fd)
+        self._fd = fd
+        self.taken_over = previous or None  # the stale holder we replaced, if any
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "FolderLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _describe_holder(text: str) -> str:
+    try:
+        h = json.loads(text)
+        return f"pid {h['pid']} on host {h['host']}, started {h['started']}"
+    except (ValueError, KeyError, TypeError):
+        return f"holder: {text.strip() or 'unknown'}"

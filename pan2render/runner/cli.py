@@ -1,0 +1,261 @@
+"""``pan2-render``: run / resume / status / validate / report.
+
+Exit codes: 0 every job done, 1 some job failed, 2 invalid input or usage (nothing written).
+Environment (for tests and debugging, not user settings):
+    PAN2_RENDER_PIPELINE  "module:callable(model, device)" that builds the pipeline in each worker
+    PAN2_RENDER_FAULTS    JSON test hooks for the workers (see RenderWorker._maybe_crash/_fault)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from pan2render.jobs.ledger import FolderLock, FolderLockedError, JobState, Ledger
+from pan2render.jobs.spec import Batch, BatchValidationError, JobSpec
+from pan2render.runner.driver import Driver, DriverConfig, RunSummary, prepare_jobs
+from pan2render.runner.groups import ClusterConnectError, RayExecutor  # ray is imported only on use
+from pan2render.runner.worker import DEFAULT_PIPELINE_FACTORY, WorkerConfig
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)  # argparse exits 2 on usage errors
+    try:
+        return int(args.func(args))
+    except FolderLockedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except ClusterConnectError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        where = getattr(args, "out", None) or getattr(args, "dir", None) or "DIR"
+        print(f"\ninterrupted; finished stages are kept: `pan2-render resume {where}` continues",
+              file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pan2-render", description="Render PAN2 / Wan2.2 video batches on Ray.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def cluster_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--address", help="join this Ray cluster (e.g. ray://head:10001 or auto); "
+                                          "default: start a local one")
+        sp.add_argument("--cpu-gpus", type=int, metavar="N",
+                        help="declare N logical GPUs on a CPU-only machine (groups of N run on CPU, gloo)")
+        sp.add_argument("--retries", type=int, default=2, metavar="N", help="retries per job (default 2)")
+        sp.add_argument("--no-progress", action="store_true", help="no progress bars (plain log lines)")
+
+    r = sub.add_parser("run", help="render a batch into an output folder")
+    r.add_argument("batch", type=Path)
+    r.add_argument("--out", type=Path, required=True, metavar="DIR")
+    r.add_argument("--dry-run", action="store_true", help="validate and list the jobs; write nothing")
+    cluster_args(r)
+    r.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("resume", help="finish every unfinished or failed job of an output folder")
+    s.add_argument("dir", type=Path)
+    cluster_args(s)
+    s.set_defaults(func=cmd_resume)
+
+    st = sub.add_parser("status", help="where each job of an output folder stands")
+    st.add_argument("dir", type=Path)
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
+
+    v = sub.add_parser("validate", help="check a batch file and list its jobs")
+    v.add_argument("batch", type=Path)
+    v.set_defaults(func=cmd_validate)
+
+    rep = sub.add_parser("report", help="write DIR/index.html (contact sheet, per-job strips)")
+    rep.add_argument("dir", type=Path)
+    rep.set_defaults(func=cmd_report)
+    return p
+
+
+# ---------------------------------------------------------------------- commands
+def _load(batch_path: Path) -> Batch | None:
+    from pan2render.jobs.batch import load_batch  # noqa: PLC0415
+
+    try:
+        return load_batch(batch_path)
+    except BatchValidationError as e:
+        print(f"error: {batch_path}: {len(e.problems)} problem(s); nothing was run:", file=sys.stderr)
+        for problem in e.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return None
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    batch = _load(args.batch)
+    if batch is None:
+        return EXIT_USAGE
+    _print_jobs(batch.jobs, done=set())
+    print(f"{args.batch}: valid, {len(batch.jobs)} job(s)")
+    return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if (err := _check_cluster_args(args)) is not None:
+        return err
+    batch = _load(args.batch)
+    if batch is None:
+        return EXIT_USAGE  # nothing written: the out folder is created only after validation
+    out: Path = args.out
+    if args.dry_run:
+        done: set[str] = set()
+        if (out / "ledger.sqlite").is_file():
+            ledger = Ledger.open_readonly(out)
+            done = {j.id for j in ledger.jobs() if j.state is JobState.DONE}
+            ledger.close()
+        _print_jobs(batch.jobs, done=done)
+        print(f"dry run: {len(batch.jobs) - len(done & {j.job_id for j in batch.jobs})} job(s) would "
+              f"render into {out}; nothing written")
+        return EXIT_OK
+    out.mkdir(parents=True, exist_ok=True)
+    with FolderLock(out):
+        ledger = Ledger.open(out)
+        try:
+            ledger.set_meta("batch", {"path": batch.path, "model": batch.model, "preset": batch.preset})
+            added, present = ledger.add_jobs(batch.jobs, retries=args.retries)
+            ids = [j.job_id for j in batch.jobs]
+            n_done = sum(j.state is JobState.DONE for j in ledger.jobs(present))
+            print(f"{out}: {len(added)} new job(s), {len(present)} already in the ledger "
+                  f"({n_done} done, skipped unless their video is corrupt)", file=sys.stderr)
+            return _drive(args, out, ledger, ids)
+        finally:
+            ledger.close()
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    if (err := _check_cluster_args(args)) is not None:
+        return err
+    out: Path = args.dir
+    if not (out / "ledger.sqlite").is_file():
+        print(f"error: {out} has no ledger.sqlite: nothing to resume (start with `pan2-render run "
+              f"BATCH --out {out}`)", file=sys.stderr)
+        return EXIT_USAGE
+    with FolderLock(out):
+        ledger = Ledger.open(out)
+        try:
+            return _drive(args, out, ledger, [j.id for j in ledger.jobs()])
+        finally:
+            ledger.close()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from pan2render.runner.report import format_table, job_statuses  # noqa: PLC0415
+
+    try:
+        ledger = Ledger.open_readonly(args.dir)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        rows = job_statuses(args.dir, ledger)
+    finally:
+        ledger.close()
+    if args.json:
+        print(json.dumps([r.to_json() for r in rows], indent=1))
+    else:
+        print(format_table(rows))
+    return EXIT_FAILED if any(r.state == "failed" for r in rows) else EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from pan2render.runner.report import write_report  # noqa: PLC0415
+
+    if not (args.dir / "ledger.sqlite").is_file():
+        print(f"error: {args.dir} has no ledger.sqlite; nothing to report", file=sys.stderr)
+        return EXIT_USAGE
+    path = write_report(args.dir)
+    print(path)
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------- helpers
+def _check_cluster_args(args: argparse.Namespace) -> int | None:
+    if args.retries < 0:
+        print(f"error: --retries {args.retries}: must be >= 0", file=sys.stderr)
+        return EXIT_USAGE
+    if args.cpu_gpus is not None and args.cpu_gpus < 1:
+        print(f"error: --cpu-gpus {args.cpu_gpus}: must be >= 1", file=sys.stderr)
+        return EXIT_USAGE
+    if args.cpu_gpus is not None and args.address:
+        print("error: --cpu-gpus declares GPUs of a LOCAL cluster; it cannot be used with --address",
+              file=sys.stderr)
+        return EXIT_USAGE
+    return None
+
+
+def _print_jobs(jobs: list[JobSpec], *, done: set[str]) -> None:
+    for j in jobs:
+        mark = "done, skip" if j.job_id in done else "to render"
+        print(f"  {j.job_id:55} {j.width}x{j.height}x{j.frames} {j.steps} steps  gpus {j.gpus}  "
+              f"seed {j.seed}  [{mark}]")
+
+
+def _drive(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str]) -> int:
+    config = DriverConfig(retries=args.retries, progress=not args.no_progress and sys.stderr.isatty())
+    jobs = ledger.jobs(ids)
+    prepare_jobs(out_dir=out, ledger=ledger, job_ids=ids, retries=args.retries,
+                 say=lambda s: print(s, file=sys.stderr))
+    if all(j.state is JobState.DONE for j in ledger.jobs(ids)):
+        # Every job done and its video intact: no workers needed, so Ray never starts.
+        print(f"all {len(ids)} job(s) already done in {out}", file=sys.stderr)
+        return EXIT_OK
+    executor = _make_executor(args, max_gpus=max(j.spec.gpus for j in jobs))
+    try:
+        driver = Driver(out_dir=out, ledger=ledger, executor=executor, config=config)
+        summary = driver.run(ids, prepared=True)
+    finally:
+        executor.shutdown()
+    _print_summary(out, summary)
+    return summary.exit_code
+
+
+def _make_executor(args: argparse.Namespace, *, max_gpus: int) -> RayExecutor:
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # no uv-run runtime env probing
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import torch  # noqa: PLC0415
+
+    faults = json.loads(os.environ.get("PAN2_RENDER_FAULTS", "{}"))
+    factory = os.environ.get("PAN2_RENDER_PIPELINE", DEFAULT_PIPELINE_FACTORY)
+    cpus = os.cpu_count() or 1
+    if args.address:
+        return RayExecutor(address=args.address, gpus=None, cpus=None,
+                           config=WorkerConfig(pipeline_factory=factory, faults=faults))
+    import ray  # noqa: PLC0415
+
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if ray.is_initialized():  # embedded in a process already connected to a cluster (tests)
+        gpus = int(ray.cluster_resources().get("GPU", 0)) or 1
+    elif args.cpu_gpus is not None:
+        gpus = args.cpu_gpus
+    elif cuda:
+        gpus = cuda
+    else:
+        gpus = max_gpus  # a CPU-only machine: logical GPUs, enough for the largest group
+        print(f"no CUDA GPU found: running on CPU with {gpus} logical GPU(s) "
+              f"(set --cpu-gpus N to change)", file=sys.stderr)
+    threads = None if cuda and args.cpu_gpus is None else max(1, cpus // gpus)
+    return RayExecutor(address=None, gpus=gpus, cpus=cpus,
+                       config=WorkerConfig(pipeline_factory=factory, faults=faults, threads=threads))
+
+
+def _print_summary(out: Path, s: RunSummary) -> None:
+    print(f"{len(s.done)} done, {len(s.failed)} failed in {s.seconds:.1f} s "
+          f"({s.groups_created} worker group(s) started); see `pan2-render status {out}`",
+          file=sys.stderr)
+    for jid in s.failed:
+        print(f"  failed: {jid}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,427 @@
+"""The driver: feeds ledger jobs to worker groups, stage by stage, and records every result.
+
+It is the ledger's only writer and the only process that touches the output folder. Each job is a
+small sequence of collective calls on one group (see ``worker.py`` for the protocol)::
+
+    load (once per group and model) -> encode_prompts (skipped on a cache hit) -> sample
+        -> decode_encode -> done
+
+Which call comes next is decided from the ledger and from checking the artifacts on disk, so a job
+re-queued after a crash, or resumed by another driver, restarts at its last durable stage.
+The scheduling loop never blocks on one call: it waits on all in-flight calls with a short timeout
+(``ray.wait``), and every call has its own deadline; a call past it counts as a dead group.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from pan2render.jobs.ledger import (
+    JobEvent,
+    JobRecord,
+    JobState,
+    Ledger,
+    Stage,
+    StageState,
+)
+from pan2render.runner import stages
+from pan2render.runner.groups import Call, Executor, Group, GroupDied, GroupPool, GroupStartError
+from pan2render.runner.worker import Reply
+
+# Which ledger stage a worker call belongs to (for errors and timings).
+_CALL_STAGE = {"load": Stage.CONDITIONING, "encode_prompts": Stage.CONDITIONING,
+               "sample": Stage.SAMPLING, "decode_encode": Stage.DECODE}
+
+
+@dataclass(frozen=True)
+class DriverConfig:
+    retries: int = 2  # retries per job after its first attempt (resume grants a fresh budget)
+    poll_s: float = 0.5  # longest the loop sleeps in ray.wait before checking deadlines/progress
+    group_start_timeout_s: float = 300.0
+    # Per-call deadlines; a call past its deadline is treated as a dead group. Generous: 50 steps
+    # at 720p take minutes on one H200, loading a 5B checkpoint from a network disk can too.
+    call_timeouts_s: dict[str, float] = field(default_factory=lambda: {
+        "load": 1800.0, "encode_prompts": 600.0, "sample": 7200.0, "decode_encode": 1800.0})
+    progress: bool = True  # tqdm bars on stderr
+
+    def __post_init__(self) -> None:
+        if self.retries < 0:
+            raise ValueError(f"retries={self.retries} must be >= 0 (0 = no retries)")
+        if self.poll_s <= 0:
+            raise ValueError(f"poll_s={self.poll_s} must be > 0")
+        missing = set(_CALL_STAGE) - set(self.call_timeouts_s)
+        if missing:
+            raise ValueError(f"call_timeouts_s lacks {sorted(missing)}")
+
+
+class _JobInputError(RuntimeError):
+    """A job's input (its first-frame image) is missing or changed: retrying cannot help."""
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    done: list[str]
+    failed: list[str]
+    groups_created: int
+    seconds: float
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failed else 0
+
+
+@dataclass
+class _Active:
+    job: JobRecord
+    group: Group
+    call: Call | None = None
+    encode_texts: list[str] = field(default_factory=list)  # texts of the encode_prompts in flight
+
+
+def prepare_jobs(*, out_dir: Path, ledger: Ledger, job_ids: list[str], retries: int,
+                 say: Callable[[str], None]) -> None:
+    """Bring the named jobs to a runnable state (idempotent; needs no workers): interrupted ones
+    back to pending, failed ones revived with a fresh retry budget, done ones whose video no longer
+    checks out (missing, size/sha256 mismatch, does not decode) invalidated back to decode."""
+    for job in ledger.jobs(job_ids):
+        if job.state is JobState.RUNNING:
+            ledger.transition(job.id, JobEvent.INTERRUPT, reason="the previous driver stopped while this job ran")
+        elif job.state is JobState.FAILED:
+            ledger.transition(job.id, JobEvent.REVIVE, retries=retries,
+                              reason="resumed: a failed job gets a fresh retry budget")
+        elif job.state is JobState.DONE:
+            rec = ledger.stages(job.id)[Stage.ENCODE]
+            problem = stages.check_video(out_dir, stages.Recorded(rec.artifact, rec.sha256, rec.size),
+                                         frames=job.spec.frames, width=job.spec.width,
+                                         height=job.spec.height)
+            if problem:
+                ledger.transition(job.id, JobEvent.INVALIDATE, reason=problem)
+                ledger.reset_stages(job.id, Stage.DECODE, reason=problem)
+                say(f"{job.name}: {problem}; encoding it again")
+
+
+def _group_is_suspect(group: Group, reply: Reply) -> bool:
+    """After a worker error, is the group still fit for the next job? Not when the device may be
+    poisoned (CUDA errors, out of memory, NCCL) or when a group's ranks may have stopped at
+    different collectives (any error in a group of more than one)."""
+    error = reply.error or ""
+    return group.size > 1 or any(m in error for m in ("CUDA", "OutOfMemory", "NCCL", "out of memory"))
+
+
+class Driver:
+    def __init__(self, *, out_dir: Path, ledger: Ledger, executor: Executor, config: DriverConfig):
+        self.out_dir = Path(out_dir)
+        self.ledger = ledger
+        self.ex = executor
+        self.config = config
+        self.pool = GroupPool(executor, total_gpus=executor.total_gpus(),
+                              start_timeout_s=config.group_start_timeout_s)
+        self._max_group = executor.max_group_size()  # a group's GPUs must all be on one node
+        self._model_ids: dict[str, dict[str, str]] = {}  # model -> {model_id, text_encoder_id}
+        self._pending: deque[str] = deque()
+        self._active: dict[str, _Active] = {}
+        self._n_done = self._n_failed = 0
+
+    # ================================================================== the loop
+    def run(self, job_ids: list[str], *, prepared: bool = False) -> RunSummary:
+        """Run the named jobs to done or failed. ``prepared``: prepare_jobs already ran (it decodes
+        every done video to check it, so the CLI runs it once, before deciding to start Ray)."""
+        t0 = time.monotonic()
+        if not prepared:
+            prepare_jobs(out_dir=self.out_dir, ledger=self.ledger, job_ids=job_ids,
+                         retries=self.config.retries, say=self._say)
+        jobs = self.ledger.jobs(job_ids)
+        self._gpus = {j.id: j.spec.gpus for j in jobs}  # read once: the loop polls this per tick
+        for job in jobs:
+            if job.state is JobState.PENDING:
+                if job.spec.gpus > self._max_group:
+                    self._fail_unrunnable(job)
+                else:
+                    self._pending.append(job.id)
+        bar = self._jobs_bar(self.ledger.jobs(job_ids))
+        step_bar = tqdm(total=1, desc="sampling", unit="step", position=1, leave=False,
+                        file=sys.stderr, disable=not self.config.progress, dynamic_ncols=True)
+        self._step_bar, self._step_job = step_bar, ""
+        try:
+            while self._pending or self._active:
+                self._dispatch()
+                if not self._active:
+                    time.sleep(self.config.poll_s)  # only while a group failed to start
+                    continue
+                calls = [a.call for a in self._active.values() if a.call is not None]
+                for call in self.ex.wait(calls, timeout_s=self.config.poll_s):
+                    self._on_ready(call)
+                self._check_deadlines()
+                self._update_bars(bar)
+        except KeyboardInterrupt:
+            for a in list(self._active.values()):
+                self.ledger.transition(a.job.id, JobEvent.INTERRUPT, reason="interrupted (Ctrl-C)")
+            raise
+        finally:
+            step_bar.close()
+            bar.close()
+            self.pool.close()
+        final = self.ledger.jobs(job_ids)
+        return RunSummary(done=[j.id for j in final if j.state is JobState.DONE],
+                          failed=[j.id for j in final if j.state is JobState.FAILED],
+                          groups_created=self.pool.created, seconds=time.monotonic() - t0)
+
+    def _dispatch(self) -> None:
+        """Start pending jobs, in order, on free groups. Strictly in order: when the head job's
+        group size is not free, later jobs wait too, so a 4-GPU job is never starved by a stream of
+        1-GPU jobs taking every GPU that frees up (the pool tears idle groups down for it)."""
+        for job_id in list(self._pending):
+            try:
+                group = self.pool.try_acquire(self._gpus[job_id])
+            except GroupStartError as e:
+                self._pending.remove(job_id)
+                self.ledger.transition(job_id, JobEvent.START, reason="starting a group")
+                self.ledger.set_stage(job_id, Stage.CONDITIONING, StageState.FAILED, error=str(e))
+                self._retry_or_fail(self.ledger.job(job_id), Stage.CONDITIONING, str(e), None,
+                                    retryable=True)
+                continue
+            if group is None:
+                break
+            self._pending.remove(job_id)
+            self.ledger.transition(job_id, JobEvent.START,
+                                   reason=f"on group {group.id} ({group.size} GPU(s))")
+            active = _Active(job=self.ledger.job(job_id), group=group)
+            self._active[job_id] = active
+            self._advance_or_fail(active)
+
+    def _advance_or_fail(self, a: _Active) -> None:
+        """_advance, with a driver-side problem (input image gone or changed, unreadable cache
+        file) recorded as the failure of the stage the job was about to run."""
+        try:
+            self._advance(a)
+        except Exception as e:  # noqa: BLE001
+            st = self.ledger.stages(a.job.id)
+            stage = next((s for s in st if st[s].state is not StageState.DONE), Stage.ENCODE)
+            tb = traceback.format_exc()
+            msg = f"driver: {type(e).__name__}: {e}"
+            self.pool.release(a.group)
+            del self._active[a.job.id]
+            self.ledger.set_stage(a.job.id, stage, StageState.FAILED, error=msg, traceback=tb)
+            self._retry_or_fail(self.ledger.job(a.job.id), stage, msg, tb,
+                                retryable=not isinstance(e, (_JobInputError, FileNotFoundError)))
+
+    def _advance(self, a: _Active) -> None:
+        """Issue the next call for the job, or finish it. Decided from the ledger + the disk."""
+        spec, jid = a.job.spec, a.job.id
+        st = self.ledger.stages(jid)
+        if st[Stage.ENCODE].state is StageState.DONE:  # (a driver died between the two writes)
+            return self._finish(a)
+        if spec.model not in a.group.models:
+            return self._start_call(a, "load", {"model": spec.model}, stage=None)
+        ids = self._model_ids[spec.model]
+        if st[Stage.SAMPLING].state is StageState.DONE:
+            rec = st[Stage.SAMPLING]
+            problem = stages.check_latents(self.out_dir, stages.Recorded(rec.artifact, rec.sha256, rec.size),
+                                           spec_hash=spec.spec_hash)
+            if problem is None:
+                latents = (self.out_dir / str(rec.artifact)).read_bytes()
+                return self._start_call(a, "decode_encode",
+                                        {"model": spec.model, "spec": spec.to_dict(), "latents": latents},
+                                        stage=Stage.DECODE)
+            self.ledger.reset_stages(jid, Stage.SAMPLING, reason=f"{problem}: sampling again")
+            self._say(f"{spec.name}: {problem}; sampling again")
+        # Conditioning: the embedding cache is content-addressed (prompt + text encoder id).
+        texts = (spec.prompt, spec.negative_prompt)
+        keys = [stages.embedding_key(prompt=t, text_encoder_id=ids["text_encoder_id"]) for t in texts]
+        missing = [t for t, k in zip(texts, keys)
+                   if stages.check_embedding(self.out_dir, stages.embedding_relpath(k), key=k)]
+        if missing:
+            a.encode_texts = list(dict.fromkeys(missing))  # prompt == negative prompt: encode once
+            return self._start_call(a, "encode_prompts", {"model": spec.model, "texts": a.encode_texts},
+                                    stage=Stage.CONDITIONING)
+        if st[Stage.CONDITIONING].state is not StageState.DONE:
+            self._record_conditioning(jid, keys[0], seconds=0.0)
+        embeds = [(self.out_dir / stages.embedding_relpath(k)).read_bytes() for k in keys]
+        image = None
+        if spec.image is not None:
+            image = Path(spec.image).read_bytes()
+            if spec.image_sha256 and stages.sha256_bytes(image) != spec.image_sha256:
+                # The spec hash covers the image's content; rendering a changed file under the old
+                # id would mislabel the video.
+                raise _JobInputError(f"image {spec.image} changed since the batch was validated "
+                                     f"(sha256 differs); run the batch again to render the new image")
+        return self._start_call(a, "sample", {"model": spec.model, "job_id": jid, "spec": spec.to_dict(),
+                                              "prompt_embeds": embeds[0], "negative_embeds": embeds[1],
+                                              "image": image},
+                                stage=Stage.SAMPLING)
+
+    def _start_call(self, a: _Active, method: str, kwargs: dict[str, Any], *, stage: Stage | None) -> None:
+        if stage is not None:
+            self.ledger.set_stage(a.job.id, stage, StageState.RUNNING)
+        a.call = self.ex.call(a.group, method, kwargs, timeout_s=self.config.call_timeouts_s[method])
+
+    # ================================================================== results
+    def _on_ready(self, call: Call) -> None:
+        a = next(x for x in self._active.values() if x.call is call)
+        a.call = None
+        stage = _CALL_STAGE[call.method]
+        try:
+            reply = self.ex.result(call)
+        except GroupDied as e:
+            return self._on_group_died(a, stage, str(e))
+        if not reply.ok:
+            return self._on_worker_error(a, stage, reply)
+        try:
+            self._apply(a, call.method, reply)
+        except Exception as e:  # noqa: BLE001 - e.g. disk full, or the written video fails its check
+            self.pool.release(a.group)
+            del self._active[a.job.id]
+            tb = traceback.format_exc()
+            msg = f"driver: {type(e).__name__}: {e}"
+            self.ledger.set_stage(a.job.id, stage, StageState.FAILED, error=msg, traceback=tb)
+            return self._retry_or_fail(self.ledger.job(a.job.id), stage, msg, tb, retryable=True)
+        self._advance_or_fail(a)
+
+    def _apply(self, a: _Active, method: str, reply: Reply) -> None:
+        """Write the artifact (temp + rename), then record it in the ledger."""
+        jid, spec = a.job.id, a.job.spec
+        if method == "load":
+            a.group.models.add(spec.model)
+            self._model_ids[spec.model] = {k: reply.value[k] for k in ("model_id", "text_encoder_id")}
+            self.ledger.log(jid, "group-load",
+                            f"group {a.group.id}: {spec.model} ({reply.value['model_id']}) loaded on "
+                            f"{reply.value['world_size']} rank(s), device {reply.value['device']}, "
+                            f"process group backend {reply.value['backend']}, {reply.stage_seconds:.1f} s")
+        elif method == "encode_prompts":
+            ids = self._model_ids[spec.model]
+            for text, data in zip(a.encode_texts, reply.value, strict=True):
+                key = stages.embedding_key(prompt=text, text_encoder_id=ids["text_encoder_id"])
+                stages.write_atomic(self.out_dir / stages.embedding_relpath(key), data)
+            key = stages.embedding_key(prompt=spec.prompt, text_encoder_id=ids["text_encoder_id"])
+            self._record_conditioning(jid, key, seconds=reply.stage_seconds)
+        elif method == "sample":
+            data: bytes = reply.value
+            rel = stages.latents_relpath(jid)
+            stages.write_atomic(self.out_dir / rel, data)
+            self.ledger.set_stage(jid, Stage.SAMPLING, StageState.DONE, artifact=rel,
+                                  sha256=stages.sha256_bytes(data), size=len(data),
+                                  seconds=reply.stage_seconds)
+        elif method == "decode_encode":
+            mp4: bytes = reply.value["mp4"]
+            rel = stages.video_relpath(jid)
+            stages.write_atomic(self.out_dir / rel, mp4)
+            rec = stages.Recorded(rel, stages.sha256_bytes(mp4), len(mp4))
+            problem = stages.check_video(self.out_dir, rec, frames=spec.frames, width=spec.width,
+                                         height=spec.height)
+            if problem:
+                raise RuntimeError(f"the written video does not check out: {problem}")
+            self.ledger.set_stages(jid, [
+                (Stage.DECODE, StageState.DONE, {"seconds": reply.value["decode_s"]}),
+                (Stage.ENCODE, StageState.DONE, {"artifact": rel, "sha256": rec.sha256, "size": rec.size,
+                                                 "seconds": reply.value["encode_s"]}),
+            ])
+
+    def _record_conditioning(self, jid: str, key: str, *, seconds: float) -> None:
+        rel = stages.embedding_relpath(key)
+        data = (self.out_dir / rel).read_bytes()
+        self.ledger.set_stage(jid, Stage.CONDITIONING, StageState.DONE, artifact=rel,
+                              sha256=stages.sha256_bytes(data), size=len(data), seconds=seconds)
+
+    def _finish(self, a: _Active) -> None:
+        self.pool.release(a.group)
+        del self._active[a.job.id]
+        self.ledger.transition(a.job.id, JobEvent.FINISH, reason="video.mp4 written and checked")
+        self._n_done += 1
+        self._say(f"done   {a.job.name}  ({a.job.id})")
+
+    # ================================================================== failures
+    def _on_group_died(self, a: _Active, stage: Stage, reason: str) -> None:
+        self.pool.discard(a.group)
+        del self._active[a.job.id]
+        msg = f"worker group {a.group.id} died or stopped answering: {reason}"
+        self.ledger.set_stage(a.job.id, stage, StageState.FAILED, error=msg)
+        self.ledger.log(a.job.id, "group-died", msg)
+        self._retry_or_fail(self.ledger.job(a.job.id), stage, msg, None, retryable=True)
+
+    def _on_worker_error(self, a: _Active, stage: Stage, reply: Reply) -> None:
+        if _group_is_suspect(a.group, reply):
+            self.pool.discard(a.group)
+            self.ledger.log(a.job.id, "group-discarded", f"group {a.group.id} after: {reply.error}")
+        else:
+            self.pool.release(a.group)  # the group is healthy; only this job's call failed
+        del self._active[a.job.id]
+        if reply.failed_stage:
+            stage = Stage(reply.failed_stage)
+        msg = f"rank {reply.rank}: {reply.error}"
+        self.ledger.set_stage(a.job.id, stage, StageState.FAILED, error=msg, traceback=reply.traceback)
+        self._retry_or_fail(self.ledger.job(a.job.id), stage, msg, reply.traceback,
+                            retryable=reply.retryable)
+
+    def _retry_or_fail(self, job: JobRecord, stage: Stage, error: str, tb: str | None, *,
+                       retryable: bool) -> None:
+        if retryable and job.retries_left > 0:
+            self.ledger.transition(job.id, JobEvent.RETRY, error=error, error_stage=stage,
+                                   reason=f"{stage.value} failed, {job.retries_left - 1} retries left "
+                                          f"after this one: {error}")
+            self._pending.append(job.id)
+            self._say(f"retry  {job.name}  ({stage.value}: {error.splitlines()[0][:200]})")
+        else:
+            why = "not retryable" if not retryable else "retry budget spent"
+            self.ledger.transition(job.id, JobEvent.FAIL, error=error, error_stage=stage,
+                                   reason=f"{stage.value} failed ({why}): {error}")
+            self._n_failed += 1
+            self._say(f"FAILED {job.name}  ({stage.value}: {error.splitlines()[0][:200]})")
+
+    def _fail_unrunnable(self, job: JobRecord) -> None:
+        msg = (f"needs a group of {job.spec.gpus} GPUs but the cluster has {self.pool.total_gpus} "
+               f"(at most {self._max_group} on one node, and a group must sit on one node); lower "
+               f"`gpus` or add GPUs (--cpu-gpus N on a CPU-only machine)")
+        self.ledger.set_stage(job.id, Stage.CONDITIONING, StageState.FAILED, error=msg)
+        self.ledger.transition(job.id, JobEvent.FAIL, error=msg, error_stage=Stage.CONDITIONING,
+                               reason=msg)
+        self._n_failed += 1
+        self._say(f"FAILED {job.name}  ({msg})")
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        for a in list(self._active.values()):
+            if a.call is not None and now - a.call.started > a.call.timeout_s:
+                method, limit = a.call.method, a.call.timeout_s
+                a.call = None
+                self._on_group_died(a, _CALL_STAGE[method],
+                                    f"no reply to {method} within its {limit:.0f} s deadline")
+
+    # ================================================================== progress
+    def _jobs_bar(self, jobs: list[JobRecord]) -> tqdm:
+        self._n_done = sum(j.state is JobState.DONE for j in jobs)
+        self._n_failed = sum(j.state is JobState.FAILED for j in jobs)
+        return tqdm(total=len(jobs), initial=self._n_done + self._n_failed, desc="jobs", unit="job",
+                    position=0, file=sys.stderr, disable=not self.config.progress, dynamic_ncols=True)
+
+    def _update_bars(self, bar: tqdm) -> None:
+        if bar.disable:
+            return
+        bar.n = self._n_done + self._n_failed
+        bar.set_postfix({"done": self._n_done, "failed": self._n_failed, "running": len(self._active)},
+                        refresh=True)
+        sampling = [a for a in self._active.values() if a.call is not None and a.call.method == "sample"]
+        if not sampling:
+            return
+        a = sampling[0]  # the oldest job now sampling; the bar follows it until it finishes
+        done, total = self.ex.progress().get(a.job.id, (0, a.job.spec.steps))
+        if a.job.id != self._step_job:
+            self._step_job = a.job.id
+            self._step_bar.reset(total=total)
+            self._step_bar.set_description(f"sampling {a.job.id[:48]}")
+        self._step_bar.n = done
+        self._step_bar.refresh()
+
+    def _say(self, text: str) -> None:
+        if self.config.progress:
+            tqdm.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)

@@ -1,0 +1,399 @@
+"""Worker groups and the one narrow interface the driver uses to reach them.
+
+An :class:`Executor` makes groups of N workers (one per GPU) and runs *collective calls* on them:
+``call(group, method, kwargs)`` runs ``RenderWorker.execute(method, kwargs)`` on every rank and
+``result(call)`` returns rank 0's :class:`Reply` (or the first failing rank's), or raises
+:class:`GroupDied` when a worker process is gone. Two implementations:
+
+- :class:`RayExecutor`: one actor per GPU, the group's actors in one STRICT_PACK placement group,
+  joined into a torch.distributed group (NCCL on GPUs, gloo on CPU) with the rendezvous on rank
+  0's node.
+- :class:`LocalExecutor`: the same calls on in-process workers, for fast unit tests of the driver.
+  It does not form a torch.distributed group (a group of N is one world-size-1 worker).
+
+:class:`GroupPool` keeps idle groups per size so models stay loaded between jobs, and tears idle
+groups of other sizes down when a job needs their GPUs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pan2render.runner.worker import RenderWorker, Reply, WorkerConfig, _WorkerDeath
+
+
+class GroupDied(RuntimeError):
+    """A worker of the group died or stopped answering; the group must be torn down."""
+
+
+class ClusterConnectError(RuntimeError):
+    """``--address`` names no reachable Ray cluster (or one we may not join)."""
+
+
+class GroupStartError(RuntimeError):
+    """A group could not be formed (placement group not ready, rendezvous failed)."""
+
+
+@dataclass
+class Group:
+    id: str
+    size: int
+    handle: Any  # executor-specific: actors + placement group, or local workers
+    models: set[str] = field(default_factory=set)  # models loaded on every rank
+
+
+@dataclass
+class Call:
+    group: Group
+    method: str
+    started: float
+    timeout_s: float
+    handle: Any  # executor-specific: object refs, or the finished reply
+
+
+class Executor(Protocol):
+    def total_gpus(self) -> int: ...
+    def max_group_size(self) -> int: ...  # most GPUs on one node (a group is STRICT_PACK)
+    def create_group(self, size: int, *, timeout_s: float) -> Group: ...
+    def destroy_group(self, group: Group) -> None: ...
+    def call(self, group: Group, method: str, kwargs: dict[str, Any], *, timeout_s: float) -> Call: ...
+    def wait(self, calls: Sequence[Call], *, timeout_s: float) -> list[Call]: ...
+    def result(self, call: Call) -> Reply: ...
+    def progress(self) -> dict[str, tuple[int, int]]: ...
+    def shutdown(self) -> None: ...
+
+
+_ids = itertools.count()
+
+
+def _first_failure(replies: list[Reply]) -> Reply:
+    for r in replies:
+        if not r.ok:
+            return r
+    return replies[0]
+
+
+# ====================================================================== in-process
+class _LocalProgress:
+    def __init__(self) -> None:
+        self.state: dict[str, tuple[int, int]] = {}
+
+    def report(self, job_id: str, done: int, total: int) -> None:
+        self.state[job_id] = (done, total)
+
+
+class LocalExecutor:
+    """Runs each call synchronously at ``call`` time, in this process."""
+
+    def __init__(self, *, gpus: int, config: WorkerConfig):
+        self._gpus = gpus
+        self._config = config
+        self._progress = _LocalProgress()
+        self.groups_created = 0
+
+    def total_gpus(self) -> int:
+        return self._gpus
+
+    def max_group_size(self) -> int:
+        return self._gpus
+
+    def create_group(self, size: int, *, timeout_s: float) -> Group:
+        def die() -> None:
+            raise _WorkerDeath()
+
+        worker = RenderWorker(rank=0, world_size=1, config=self._config, progress=self._progress, die=die)
+        self.groups_created += 1
+        return Group(id=f"local-{next(_ids)}", size=size, handle={"worker": worker, "dead": False})
+
+    def destroy_group(self, group: Group) -> None:
+        group.handle["dead"] = True
+
+    def call(self, group: Group, method: str, kwargs: dict[str, Any], *, timeout_s: float) -> Call:
+        outcome: Reply | GroupDied
+        if group.handle["dead"]:
+            outcome = GroupDied(f"group {group.id} was torn down")
+        else:
+            try:
+                outcome = group.handle["worker"].execute(method, kwargs)
+            except _WorkerDeath:
+                group.handle["dead"] = True
+                outcome = GroupDied(f"worker rank 0 of group {group.id} died in {method}")
+        return Call(group=group, method=method, started=time.monotonic(), timeout_s=timeout_s,
+                    handle=outcome)
+
+    def wait(self, calls: Sequence[Call], *, timeout_s: float) -> list[Call]:
+        return list(calls)
+
+    def result(self, call: Call) -> Reply:
+        if isinstance(call.handle, GroupDied):
+            raise call.handle
+        return call.handle
+
+    def progress(self) -> dict[str, tuple[int, int]]:
+        return dict(self._progress.state)
+
+    def shutdown(self) -> None:
+        pass
+
+
+# ====================================================================== Ray
+class RayExecutor:
+    """Groups of Ray actors. ``address=None`` starts a local cluster with ``gpus`` logical GPUs."""
+
+    def __init__(self, *, address: str | None, gpus: int | None, cpus: int | None,
+                 config: WorkerConfig, object_store_bytes: int = 1 << 30):
+        import ray  # noqa: PLC0415 - importing ray costs ~1 s; unit tests with LocalExecutor skip it
+
+        self._ray = ray
+        self._config = config
+        # Already connected (a test's module-wide cluster, or an embedding application): use that
+        # cluster as it is and leave it running at shutdown.
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray and address is None:
+            # A local cluster: no dashboard (slow to start, not needed), a modest object store
+            # (artifacts are MBs: latents ~10 MB, an mp4 a few MB), worker logs shown here.
+            ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, log_to_driver=True,
+                     object_store_memory=object_store_bytes, logging_level="WARNING")
+        elif self._owns_ray:
+            _probe_address(address)
+            try:
+                ray.init(address=address, log_to_driver=True, logging_level="WARNING")
+            except (ConnectionError, RuntimeError) as e:
+                raise ClusterConnectError(
+                    f"could not join the Ray cluster at {address!r}: {str(e).splitlines()[0]}; check "
+                    f"the address (`ray status` on the head node) and, where the cluster uses token "
+                    f"authentication, that its token is in ~/.ray/auth_token or RAY_AUTH_TOKEN"
+                ) from e
+        self._actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(RenderWorker)
+        self._progress_actor = ray.remote(_ProgressActor).options(num_cpus=0).remote()
+        self._groups: dict[str, Group] = {}
+
+    def total_gpus(self) -> int:
+        return int(self._ray.cluster_resources().get("GPU", 0))
+
+    def max_group_size(self) -> int:
+        per_node = [n.get("Resources", {}).get("GPU", 0) for n in self._ray.nodes() if n.get("Alive")]
+        return int(max(per_node, default=0))
+
+    def create_group(self, size: int, *, timeout_s: float) -> Group:
+        ray = self._ray
+        from ray.util.placement_group import placement_group, remove_placement_group  # noqa: PLC0415
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
+
+        gid = f"g{next(_ids)}x{size}"
+        pg = placement_group([{"GPU": 1}] * size, strategy="STRICT_PACK")
+        try:
+            ray.get(pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(pg)
+            raise GroupStartError(
+                f"placement group of {size} GPUs on one node was not ready after {timeout_s:.0f} s; "
+                f"the cluster has {self.total_gpus()} GPUs (a group needs {size} on ONE node)"
+            ) from None
+        progress = _RayProgress(self._progress_actor)
+        actors = [
+            self._actor_cls.options(
+                num_cpus=0, num_gpus=1, name=None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=rank),
+            ).remote(rank=rank, world_size=size, config=self._config, progress=progress)
+            for rank in range(size)
+        ]
+        group = Group(id=gid, size=size, handle={"pg": pg, "actors": actors})
+        self._groups[gid] = group
+        if size > 1:
+            try:
+                self._form_process_group(group, timeout_s=timeout_s)
+            except Exception as e:
+                self.destroy_group(group)
+                raise GroupStartError(f"group {gid} of {size} could not form its process group: {e}") from e
+        return group
+
+    def _form_process_group(self, group: Group, *, timeout_s: float) -> None:
+        actors = group.handle["actors"]
+        r0 = self._ray.get(actors[0].execute.remote("rendezvous", {}), timeout=timeout_s)
+        if not r0.ok:
+            raise RuntimeError(f"rank 0 rendezvous failed: {r0.error}\n{r0.traceback}")
+        addr, port, backend = r0.value
+        kwargs = {"master_addr": addr, "master_port": port, "backend": backend}
+        replies = self._ray.get([a.execute.remote("init_group", kwargs) for a in actors], timeout=timeout_s)
+        bad = _first_failure(replies)
+        if not bad.ok:
+            raise RuntimeError(f"rank {bad.rank}: {bad.error}\n{bad.traceback}")
+
+    def destroy_group(self, group: Group) -> None:
+        from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
+
+        for actor in group.handle["actors"]:
+            try:
+                self._ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead is fine
+                pass
+        try:
+            remove_placement_group(group.handle["pg"])
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+        self._groups.pop(group.id, None)
+
+    def call(self, group: Group, method: str, kwargs: dict[str, Any], *, timeout_s: float) -> Call:
+        # In a group the arguments (latents, embeddings: MBs) are put in the object store once and
+        # every rank reads the same object (a top-level ref argument, so Ray resolves it).
+        args: Any = self._ray.put(kwargs) if group.size > 1 else kwargs
+        refs = [a.execute.remote(method, args) for a in group.handle["actors"]]
+        return Call(group=group, method=method, started=time.monotonic(), timeout_s=timeout_s, handle=refs)
+
+    def wait(self, calls: Sequence[Call], *, timeout_s: float) -> list[Call]:
+        ray = self._ray
+        refs = [r for c in calls for r in c.handle]
+        if not refs:
+            return []
+        # Return as soon as ANY ref is ready (then sweep up all ready ones), so a finished stage
+        # does not wait out the poll interval.
+        first, _ = ray.wait(refs, num_returns=1, timeout=timeout_s)
+        if not first:
+            return []
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        ready_set = set(ready)
+        out = []
+        for c in calls:
+            done = [r in ready_set for r in c.handle]
+            if all(done):
+                out.append(c)
+            elif any(done) and self._any_error(r for r, d in zip(c.handle, done) if d):
+                out.append(c)  # one rank died: the others may hang in a collective forever
+        return out
+
+    def _any_error(self, refs: Any) -> bool:
+        for r in refs:
+            try:
+                self._ray.get(r, timeout=0)
+            except Exception:  # noqa: BLE001
+                return True
+        return False
+
+    def result(self, call: Call) -> Reply:
+        ray = self._ray
+        try:
+            replies = ray.get(call.handle, timeout=60)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+            # RayError covers the actor dying (ActorDiedError), being OOM-killed by Ray's memory
+            # monitor, lost objects; `execute` itself never raises, so any of them means the group.
+            # Keep the whole message (capped): for an actor that failed to start, the cause (e.g.
+            # an ImportError on that node) is on the lines after the first.
+            raise GroupDied(f"group {call.group.id} failed in {call.method}: "
+                            f"{type(e).__name__}: {str(e)[:2000]}") from e
+        return _first_failure(replies)
+
+    def progress(self) -> dict[str, tuple[int, int]]:
+        try:
+            return self._ray.get(self._progress_actor.snapshot.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - progress is cosmetic; never let it stop the batch
+            return {}
+
+    def shutdown(self) -> None:
+        for group in list(self._groups.values()):
+            self.destroy_group(group)
+        try:
+            self._ray.kill(self._progress_actor, no_restart=True)
+        except Exception:  # noqa: BLE001
+            pass
+        if self._owns_ray:
+            self._ray.shutdown()
+
+
+def _probe_address(address: str) -> None:
+    """Fail in seconds, not minutes (ray.init retries a dead GCS address for a long time), when a
+    plain ``host:port`` does not accept connections. ``auto`` and ``ray://`` are left to Ray."""
+    import socket  # noqa: PLC0415
+
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise ClusterConnectError(
+            f"could not join the Ray cluster at {address!r}: nothing answers there ({e}); give the "
+            f"head's GCS address (`ray status` on the head node prints it), or omit --address to "
+            f"start a local cluster"
+        ) from None
+
+
+class _ProgressActor:
+    """Latest (done, total) sampling steps per job, pushed by rank-0 workers fire-and-forget."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, tuple[int, int]] = {}
+
+    def update(self, job_id: str, done: int, total: int) -> None:
+        self.state[job_id] = (done, total)
+
+    def snapshot(self) -> dict[str, tuple[int, int]]:
+        return dict(self.state)
+
+
+class _RayProgress:
+    def __init__(self, actor: Any):
+        self._actor = actor
+
+    def report(self, job_id: str, done: int, total: int) -> None:
+        self._actor.update.remote(job_id, done, total)
+
+
+# ====================================================================== pool
+class GroupPool:
+    """Idle groups by size; creates groups while GPUs are free, frees idle ones of other sizes."""
+
+    def __init__(self, executor: Executor, *, total_gpus: int, start_timeout_s: float):
+        self._ex = executor
+        self.total_gpus = total_gpus
+        self._start_timeout_s = start_timeout_s
+        self._idle: list[Group] = []
+        self._busy: dict[str, Group] = {}
+        self.created = 0
+
+    def _used(self) -> int:
+        return sum(g.size for g in self._idle) + sum(g.size for g in self._busy.values())
+
+    def try_acquire(self, size: int) -> Group | None:
+        """An idle group of ``size``, a new one, or None when the GPUs are all busy.
+        Raises GroupStartError when a new group cannot form."""
+        for g in self._idle:
+            if g.size == size:
+                self._idle.remove(g)
+                self._busy[g.id] = g
+                return g
+        free = self.total_gpus - self._used()
+        reclaimable = sum(g.size for g in self._idle)
+        if free + reclaimable < size:
+            return None
+        for g in sorted(self._idle, key=lambda g: g.size):  # smallest first: lose fewest models
+            if free >= size:
+                break
+            self._idle.remove(g)
+            self._ex.destroy_group(g)
+            free += g.size
+        group = self._ex.create_group(size, timeout_s=self._start_timeout_s)
+        self.created += 1
+        self._busy[group.id] = group
+        return group
+
+    def release(self, group: Group) -> None:
+        self._busy.pop(group.id)
+        self._idle.append(group)
+
+    def discard(self, group: Group) -> None:
+        """Tear a (dead or suspect) group down: actors killed, placement group removed."""
+        self._busy.pop(group.id, None)
+        if group in self._idle:
+            self._idle.remove(group)
+        self._ex.destroy_group(group)
+
+    def close(self) -> None:
+        for g in list(self._idle) + list(self._busy.values()):
+            self.discard(g)

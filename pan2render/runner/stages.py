@@ -1,0 +1,183 @@
+"""Stage artifacts: where they live, how they are serialised, written and checked.
+
+Artifacts travel between the worker and the driver as ``bytes`` (embeddings ~4 MB at text dim 4096,
+latents ~10 MB, an mp4 a few MB) and only the DRIVER writes them, so workers on other nodes need no
+shared filesystem. Layout under the output folder ``DIR``::
+
+    DIR/_cache/embeddings/<sha256(text_encoder_id, prompt)>.safetensors   conditioning
+    DIR/<job-id>/latents.safetensors                                       sampling
+    DIR/<job-id>/video.mp4                                                 decode + encode
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+EMBED_CACHE = Path("_cache") / "embeddings"
+LATENTS_NAME = "latents.safetensors"
+VIDEO_NAME = "video.mp4"
+
+
+class NonFiniteError(FloatingPointError):
+    """Latents or frames contain NaN/Inf. Deterministic for a given spec, so never retried."""
+
+
+# ------------------------------------------------------------------ paths
+def embedding_key(*, prompt: str, text_encoder_id: str) -> str:
+    return hashlib.sha256(f"{text_encoder_id}\x00{prompt}".encode()).hexdigest()
+
+
+def embedding_relpath(key: str) -> str:
+    return str(EMBED_CACHE / f"{key}.safetensors")
+
+
+def latents_relpath(job_id: str) -> str:
+    return f"{job_id}/{LATENTS_NAME}"
+
+
+def video_relpath(job_id: str) -> str:
+    return f"{job_id}/{VIDEO_NAME}"
+
+
+# ------------------------------------------------------------------ (de)serialisation
+def pack_embedding(emb: torch.Tensor, *, key: str, text_encoder_id: str) -> bytes:
+    """emb: float32 [512, text_dim] -> safetensors bytes carrying its cache key."""
+    return st_save({"prompt_embeds": emb.detach().to("cpu", torch.float32).contiguous()},
+                   metadata={"key": key, "text_encoder_id": text_encoder_id})
+
+
+def unpack_embedding(data: bytes) -> torch.Tensor:
+    return st_load(data)["prompt_embeds"]
+
+
+def pack_latents(lat: torch.Tensor, *, spec_hash: str, seed: int, steps: int, model_id: str) -> bytes:
+    """lat: float32 [48, T, h, w]. Raises NonFiniteError before anything is written."""
+    lat = lat.detach().to("cpu", torch.float32).contiguous()
+    if not torch.isfinite(lat).all():
+        bad = int((~torch.isfinite(lat)).sum())
+        raise NonFiniteError(
+            f"sampling produced non-finite latents ({bad} of {lat.numel()} values NaN/Inf, shape "
+            f"{list(lat.shape)}); this is deterministic for the spec: change seed, steps or guidance"
+        )
+    return st_save({"latents": lat}, metadata={"spec_hash": spec_hash, "seed": str(seed),
+                                                "steps": str(steps), "model_id": model_id})
+
+
+def unpack_latents(data: bytes) -> torch.Tensor:
+    return st_load(data)["latents"]
+
+
+# ------------------------------------------------------------------ durable writes
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Temp name in the same folder + fsync + rename + fsync of the folder: after a crash the path
+    holds either nothing/the old file or the complete new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+# ------------------------------------------------------------------ checks (None = valid)
+@dataclass(frozen=True)
+class Recorded:
+    """What the ledger recorded for an artifact."""
+
+    relpath: str | None
+    sha256: str | None
+    size: int | None
+
+
+def check_recorded(out_dir: Path, rec: Recorded) -> str | None:
+    if rec.relpath is None:
+        return "no artifact recorded"
+    path = out_dir / rec.relpath
+    if not path.is_file():
+        return f"{rec.relpath} is missing"
+    size = path.stat().st_size
+    if rec.size is not None and size != rec.size:
+        return f"{rec.relpath} is {size} bytes, the ledger recorded {rec.size} (truncated or replaced)"
+    if rec.sha256 is not None and sha256_file(path) != rec.sha256:
+        return f"{rec.relpath} sha256 differs from the ledger's (corrupt or replaced)"
+    return None
+
+
+def check_embedding(out_dir: Path, relpath: str, *, key: str) -> str | None:
+    path = out_dir / relpath
+    if not path.is_file():
+        return f"{relpath} is missing"
+    try:
+        data = path.read_bytes()
+        from safetensors import safe_open  # noqa: PLC0415 - metadata needs a file handle
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        emb = unpack_embedding(data)
+    except (SafetensorError, OSError, KeyError, ValueError) as e:
+        return f"{relpath} is unreadable ({e})"
+    if meta.get("key") != key:
+        return f"{relpath} belongs to another prompt/encoder (key {meta.get('key')!r})"
+    if not torch.isfinite(emb).all():
+        return f"{relpath} holds non-finite embeddings"
+    return None
+
+
+def check_latents(out_dir: Path, rec: Recorded, *, spec_hash: str) -> str | None:
+    problem = check_recorded(out_dir, rec)
+    if problem:
+        return problem
+    path = out_dir / str(rec.relpath)
+    try:
+        from safetensors import safe_open  # noqa: PLC0415
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            lat = f.get_tensor("latents")
+    except (SafetensorError, OSError, KeyError, ValueError, RuntimeError) as e:
+        return f"{rec.relpath} is unreadable ({e})"
+    if meta.get("spec_hash") != spec_hash:
+        return f"{rec.relpath} was rendered for spec {meta.get('spec_hash', '?')[:12]}, not {spec_hash[:12]}"
+    if not torch.isfinite(lat).all():
+        return f"{rec.relpath} holds non-finite latents"
+    return None
+
+
+def check_video(out_dir: Path, rec: Recorded, *, frames: int, width: int, height: int) -> str | None:
+    problem = check_recorded(out_dir, rec)
+    if problem:
+        return problem
+    from pan2render.media.video import MediaError, probe_mp4  # noqa: PLC0415 - PyAV is heavy
+
+    try:
+        info = probe_mp4(out_dir / str(rec.relpath))
+    except MediaError as e:
+        return f"{rec.relpath} does not decode ({e})"
+    if (info.frames, info.width, info.height) != (frames, width, height):
+        return (f"{rec.relpath} has {info.frames} frames of {info.width}x{info.height}, the spec asks "
+                f"for {frames} of {width}x{height}")
+    return None

@@ -1,0 +1,75 @@
+"""An in-process stand-in for ``PAN2Pipeline`` with the same methods, for runner tests.
+
+It lives in the package (not under ``tests/``) so Ray worker processes can import it by name:
+``PAN2_RENDER_PIPELINE=pan2render.runner.testing:load_fake_pipeline`` makes the driver hand it to
+every worker. It is deterministic (same seed -> same latents -> same frames), cheap, and can be
+slowed down per sampling step (``PAN2_FAKE_STEP_SECONDS``) so a test can kill a driver mid-batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+FAKE_FACTORY = "pan2render.runner.testing:load_fake_pipeline"
+TEXT_DIM = 16
+LATENT_CHANNELS = 48
+
+
+class FakePipeline:
+    def __init__(self, model: str, *, step_seconds: float = 0.0, nan: bool = False):
+        self.nan = nan
+        self.model_id = "fake-" + hashlib.sha256(model.encode()).hexdigest()[:8]
+        self.text_encoder_id = "fake-text-v1"
+        self.step_seconds = step_seconds
+
+    def encode_prompt(self, prompt: str) -> torch.Tensor:
+        seed = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "little")
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(512, TEXT_DIM, generator=g)  # float32 [512, text_dim]
+
+    def sample(self, *, prompt_embeds: torch.Tensor, negative_prompt_embeds: torch.Tensor | None = None,
+               image: Any = None, height: int, width: int, frames: int, steps: int, guidance: float,
+               seed: int, flow_shift: float = 5.0, sampler: str = "unipc",
+               progress: Callable[[int, int], None] | None = None, **_: Any) -> torch.Tensor:
+        if height % 16 or width % 16 or (frames - 1) % 4:
+            raise ValueError(f"bad size {height}x{width}x{frames}")
+        g = torch.Generator().manual_seed(seed)
+        lat = torch.randn(LATENT_CHANNELS, (frames - 1) // 4 + 1, height // 16, width // 16, generator=g)
+        lat = lat + prompt_embeds.mean()
+        if image is not None:  # the contract: uint8 [H, W, 3] (an array, not a path)
+            img = torch.as_tensor(image)
+            if img.dtype != torch.uint8 or img.ndim != 3 or img.shape[2] != 3:
+                raise ValueError(f"image must be uint8 [H, W, 3], got {img.dtype} {list(img.shape)}")
+            lat[:, 0] += img.float().mean() / 255.0
+        for step in range(1, steps + 1):
+            if self.step_seconds:
+                time.sleep(self.step_seconds)
+            lat = lat * (1.0 - 0.5 / steps)
+            if progress is not None:
+                progress(step, steps)
+        if self.nan:
+            lat[0, 0, 0, 0] = float("nan")
+        return lat  # float32 [48, T, h, w]
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        c, t, h, w = latents.shape
+        frames = 1 + 4 * (t - 1)
+        base = latents[:3].repeat_interleave(4, dim=1)[:, :frames]  # [3, frames, h, w]
+        base = torch.nn.functional.interpolate(base, scale_factor=16, mode="nearest")  # [3, F, H, W]
+        rgb = (base.permute(1, 2, 3, 0) * 40 + 128).clamp(0, 255).to(torch.uint8)
+        return rgb.contiguous()  # uint8 [frames, H, W, 3]
+
+
+def load_fake_pipeline(model: str, device: str) -> FakePipeline:
+    return FakePipeline(model, step_seconds=float(os.environ.get("PAN2_FAKE_STEP_SECONDS", "0")))
+
+
+def load_nan_pipeline(model: str, device: str) -> FakePipeline:
+    """Always produces a NaN in its latents (the non-finite failure path)."""
+    return FakePipeline(model, nan=True)

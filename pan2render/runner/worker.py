@@ -1,0 +1,262 @@
+"""The GPU worker: one per GPU (rank) of a group; the body of the Ray actor.
+
+The driver reaches it through ONE entry point, :meth:`RenderWorker.execute` ``(method, kwargs)``:
+the method names below are the protocol (vLLM's ``collective_rpc`` habit). ``execute`` never
+raises: every outcome comes back as a small :class:`Reply` carrying the rank, the error and its
+traceback, so a Ray-level exception always means the actor itself died.
+
+Protocol (all keyword arguments, all replies small except the artifact bytes):
+    rendezvous()                                   -> (ip, free port, backend)   rank 0 only
+    init_group(master_addr, master_port, backend)  -> None   torch.distributed, every rank
+    load(model)                                    -> {"model_id", "text_encoder_id"}
+    encode_prompts(model, texts)                   -> [embedding safetensors bytes]
+    sample(model, job_id, spec, prompt_embeds, negative_embeds) -> latents safetensors bytes
+    decode_encode(model, spec, latents)            -> {"mp4": bytes, "decode_s", "encode_s"}
+Every rank of a group runs every call; rank 0's value is the reply, other ranks return None so
+artifacts cross the object store once.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from pan2render.jobs.spec import JobSpec
+from pan2render.runner import stages
+
+DEFAULT_PIPELINE_FACTORY = "pan2render.runner.worker:load_pan2_pipeline"
+
+
+@dataclass(frozen=True)
+class Reply:
+    ok: bool
+    rank: int
+    value: Any = None
+    error: str | None = None  # "ExcType: message"
+    traceback: str | None = None
+    retryable: bool = True  # False for deterministic failures (non-finite latents, bad request)
+    failed_stage: str | None = None  # the stage the worker was in when it failed
+    stage_seconds: float = 0.0
+
+
+class ProgressSink(Protocol):
+    def report(self, job_id: str, done: int, total: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What every worker of a run shares; built by the driver, sent to each actor."""
+
+    pipeline_factory: str = DEFAULT_PIPELINE_FACTORY  # "module:callable(model, device) -> pipeline"
+    threads: int | None = None  # torch intra-op threads on CPU (None: leave torch's default)
+    faults: dict[str, Any] = field(default_factory=dict)  # test hooks, see _maybe_fault
+    dist_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if ":" not in self.pipeline_factory:
+            raise ValueError(f"pipeline_factory {self.pipeline_factory!r} must look like 'module:callable'")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads={self.threads} must be >= 1 (or None for torch's default)")
+
+
+def load_pan2_pipeline(model: str, device: str) -> Any:
+    from pan2render.models import PAN2Pipeline, PAN2PipelineConfig  # noqa: PLC0415 - heavy import
+
+    return PAN2Pipeline.from_pretrained(model, config=PAN2PipelineConfig(device=device))
+
+
+def _decode_image(data: bytes) -> Any:
+    """Image file bytes (PNG, JPEG, WebP, ...) -> uint8 numpy [H, W, 3], with PyAV (a dependency
+    already, unlike Pillow). The driver sends the bytes, so workers need no shared filesystem."""
+    import io  # noqa: PLC0415
+
+    import av  # noqa: PLC0415
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            frame = next(container.decode(video=0))
+            return frame.to_ndarray(format="rgb24")
+    except (av.FFmpegError, StopIteration) as e:
+        raise ValueError(f"the first-frame image ({len(data)} bytes) does not decode: {e}") from e
+
+
+class _WorkerDeath(BaseException):
+    """Raised instead of os._exit by the in-process executor's simulated crash."""
+
+
+class RenderWorker:
+    def __init__(self, *, rank: int, world_size: int, config: WorkerConfig,
+                 progress: ProgressSink | None = None, die: Callable[[], None] | None = None):
+        self.rank = rank
+        self.world_size = world_size
+        self.config = config
+        self._progress = progress
+        self._die = die or (lambda: os._exit(17))
+        self._pipes: dict[str, Any] = {}  # model (as named in the spec) -> loaded pipeline
+        self._group: Any = None  # torch.distributed default group once init_group ran
+        self._stage: str | None = None  # set by decode_encode so a failure names decode or encode
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cpu" and config.threads:
+            torch.set_num_threads(config.threads)
+
+    # ------------------------------------------------------------------ the one entry point
+    def execute(self, method: str, kwargs: dict[str, Any]) -> Reply:
+        fn = getattr(self, f"_rpc_{method}", None)
+        if fn is None:
+            return Reply(ok=False, rank=self.rank, error=f"ValueError: unknown worker method {method!r}",
+                         retryable=False)
+        t0 = time.perf_counter()
+        self._stage = None
+        try:
+            value = fn(**kwargs)
+        except _WorkerDeath:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure goes back to the driver, with rank
+            retryable = not isinstance(e, (stages.NonFiniteError, FloatingPointError, ValueError))
+            return Reply(ok=False, rank=self.rank, error=f"{type(e).__name__}: {e}",
+                         traceback=traceback.format_exc(), retryable=retryable,
+                         failed_stage=self._stage, stage_seconds=time.perf_counter() - t0)
+        return Reply(ok=True, rank=self.rank, value=value if self.rank == 0 else None,
+                     stage_seconds=time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ group set-up
+    def _rpc_rendezvous(self) -> tuple[str, int, str]:
+        """Rank 0 picks the rendezvous address on its own node (so no port is guessed remotely)."""
+        import ray  # noqa: PLC0415 - only meaningful inside a Ray actor
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ip, port, "nccl" if self.device == "cuda" else "gloo"
+
+    def _rpc_init_group(self, *, master_addr: str, master_port: int, backend: str) -> None:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        if self.device == "cuda":
+            torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU as device 0
+        dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
+                                rank=self.rank, world_size=self.world_size,
+                                timeout=timedelta(seconds=self.config.dist_timeout_s))
+        # A first collective proves every rank joined before any job is placed on the group.
+        probe = torch.ones(1, device=self.device)
+        dist.all_reduce(probe)
+        assert int(probe.item()) == self.world_size, f"all_reduce gave {probe.item()}"
+        self._group = dist.group.WORLD
+
+    # ------------------------------------------------------------------ stages
+    def _pipeline(self, model: str) -> Any:
+        pipe = self._pipes.get(model)
+        if pipe is None:
+            module, attr = self.config.pipeline_factory.split(":", 1)
+            pipe = getattr(importlib.import_module(module), attr)(model, self.device)
+            if self._group is not None and hasattr(pipe, "parallelize"):
+                # The one place a group's pipeline becomes sequence-parallel. Without it every rank
+                # runs the same computation (same seed => same result) and rank 0 replies.
+                pipe = pipe.parallelize(self._group)
+            self._pipes[model] = pipe
+        return pipe
+
+    def _rpc_load(self, *, model: str) -> dict[str, Any]:
+        pipe = self._pipeline(model)
+        backend, world = "none", 1
+        if self._group is not None:
+            import torch.distributed as dist  # noqa: PLC0415
+
+            backend, world = str(dist.get_backend()), dist.get_world_size()
+        return {"model_id": pipe.model_id, "text_encoder_id": pipe.text_encoder_id,
+                "backend": backend, "world_size": world, "device": self.device}
+
+    def _rpc_encode_prompts(self, *, model: str, texts: list[str]) -> list[bytes]:
+        pipe = self._pipeline(model)
+        out = []
+        for text in texts:
+            emb = pipe.encode_prompt(text)  # float32 [512, text_dim]
+            key = stages.embedding_key(prompt=text, text_encoder_id=pipe.text_encoder_id)
+            out.append(stages.pack_embedding(emb, key=key, text_encoder_id=pipe.text_encoder_id))
+        return out
+
+    def _rpc_sample(self, *, model: str, job_id: str, spec: dict[str, Any], prompt_embeds: bytes,
+                    negative_embeds: bytes, image: bytes | None = None) -> bytes:
+        pipe = self._pipeline(model)
+        js = JobSpec.from_dict(spec)
+        first_frame = None if image is None else _decode_image(image)  # uint8 [H, W, 3]
+        self._maybe_fault(js, "sampling")
+
+        def progress(done: int, total: int) -> None:
+            if self.rank == 0 and self._progress is not None:
+                self._progress.report(job_id, done, total)
+            self._maybe_crash(js, done)
+
+        lat = pipe.sample(
+            prompt_embeds=stages.unpack_embedding(prompt_embeds),
+            negative_prompt_embeds=stages.unpack_embedding(negative_embeds),
+            image=first_frame, height=js.height, width=js.width, frames=js.frames, steps=js.steps,
+            guidance=js.guidance, seed=js.seed, flow_shift=js.flow_shift, sampler=js.sampler,
+            progress=progress,
+        )  # float32 [48, T, h, w]
+        return stages.pack_latents(lat, spec_hash=js.spec_hash, seed=js.seed, steps=js.steps,
+                                   model_id=pipe.model_id)
+
+    def _rpc_decode_encode(self, *, model: str, spec: dict[str, Any], latents: bytes) -> dict[str, Any]:
+        """Decode and encode here, so frames (hundreds of MB) never enter the object store."""
+        from pan2render.media.video import encode_mp4, probe_mp4  # noqa: PLC0415
+
+        pipe = self._pipeline(model)
+        js = JobSpec.from_dict(spec)
+        self._stage = "decode"
+        self._maybe_fault(js, "decode")
+        t0 = time.perf_counter()
+        frames = pipe.decode(stages.unpack_latents(latents))  # uint8 [frames, H, W, 3]
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        decode_s = time.perf_counter() - t0
+        if self.rank != 0:
+            return {}
+        want = (js.frames, js.height, js.width, 3)
+        if tuple(frames.shape) != want:
+            raise ValueError(f"decode returned frames of shape {tuple(frames.shape)}, expected {want}")
+        self._stage = "encode"
+        self._maybe_fault(js, "encode")
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="pan2-encode-") as tmp:
+            path = Path(tmp) / stages.VIDEO_NAME
+            encode_mp4(frames, path, fps=js.fps, crf=js.crf)
+            info = probe_mp4(path)
+            if info.frames != js.frames:
+                raise RuntimeError(f"encoded mp4 has {info.frames} frames, expected {js.frames}")
+            mp4 = path.read_bytes()
+        return {"mp4": mp4, "decode_s": decode_s, "encode_s": time.perf_counter() - t0}
+
+    # ------------------------------------------------------------------ test hooks
+    # faults = {"crash": {"job": NAME, "step": K, "marker": PATH}}: exit the process at sampling
+    #            step K of job NAME, once (the marker file records that it happened);
+    #          {"fail": {"job": NAME, "stage": "sampling"|"decode"|"encode"}}: raise there, always.
+    def _maybe_crash(self, js: JobSpec, step: int) -> None:
+        crash = self.config.faults.get("crash")
+        if not crash or crash["job"] != js.name or step != int(crash["step"]) or self.rank != 0:
+            return
+        marker = Path(crash["marker"])
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.write(fd, f"pid {os.getpid()} step {step}\n".encode())
+        os.close(fd)
+        self._die()
+
+    def _maybe_fault(self, js: JobSpec, stage: str) -> None:
+        fail = self.config.faults.get("fail")
+        if fail and fail["job"] == js.name and fail.get("stage", "sampling") == stage:
+            raise RuntimeError(f"injected failure in {stage} of job {js.name} (test hook)")

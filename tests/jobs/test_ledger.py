@@ -1,0 +1,115 @@
+"""The ledger: job state machine, stage rows, persistence across connections, the folder lock."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pan2render.jobs.ledger import (
+    JOB_TRANSITIONS,
+    TERMINAL_JOB_STATES,
+    FolderLock,
+    FolderLockedError,
+    IllegalTransition,
+    JobEvent,
+    JobState,
+    Ledger,
+    Stage,
+    StageState,
+    next_job_state,
+)
+from pan2render.jobs.spec import JobSpec
+
+
+def _spec(name: str = "a", seed: int = 0) -> JobSpec:
+    return JobSpec(name=name, model="tiny", prompt=f"prompt {name}", negative_prompt="", image=None,
+                   image_sha256=None, seed=seed, steps=2, guidance=2.5, height=64, width=64, frames=5,
+                   fps=8.0, flow_shift=5.0, sampler="unipc", gpus=1, crf=18, preset="tiny-preview")
+
+
+def test_state_machine_rules() -> None:
+    assert next_job_state(JobState.PENDING, JobEvent.START) is JobState.RUNNING
+    assert next_job_state(JobState.RUNNING, JobEvent.RETRY) is JobState.PENDING
+    assert next_job_state(JobState.FAILED, JobEvent.REVIVE) is JobState.PENDING
+    # Terminal states are left only by resume's checks (revive / invalidate), never by the loop.
+    for state in TERMINAL_JOB_STATES:
+        leaving = {e for (s, e) in JOB_TRANSITIONS if s == state}
+        print(state.value, "->", sorted(e.value for e in leaving))
+        assert leaving <= {JobEvent.REVIVE, JobEvent.INVALIDATE}
+    with pytest.raises(IllegalTransition, match="'done' has no transition 'start'"):
+        next_job_state(JobState.DONE, JobEvent.START)
+
+
+def test_jobs_stages_and_events_persist(tmp_path: Path) -> None:
+    led = Ledger.open(tmp_path)
+    added, present = led.add_jobs([_spec("a"), _spec("b")], retries=2)
+    assert len(added) == 2 and present == []
+    # Same specs again: nothing added (the id ends in the spec hash).
+    added2, present2 = led.add_jobs([_spec("a"), _spec("c")], retries=2)
+    assert present2 == [_spec("a").job_id] and added2 == [_spec("c").job_id]
+
+    jid = _spec("a").job_id
+    led.transition(jid, JobEvent.START, reason="test")
+    led.set_stage(jid, Stage.SAMPLING, StageState.FAILED, error="boom", traceback="tb")
+    led.transition(jid, JobEvent.RETRY, reason="test", error="boom", error_stage=Stage.SAMPLING)
+    led.close()
+
+    ro = Ledger.open_readonly(tmp_path)
+    job = ro.job(jid)
+    print("job after one retry:", job.state.value, job.attempts, job.retries_left, job.error_stage)
+    assert (job.state, job.attempts, job.retries_left, job.error) == (JobState.PENDING, 1, 1, "boom")
+    assert job.spec == _spec("a")  # the spec round-trips through the ledger (resume needs no YAML)
+    assert ro.stages(jid)[Stage.SAMPLING].traceback == "tb"
+    assert [e[2] for e in ro.events(jid)] == ["added", "pending->running", "running->pending"]
+    assert [j.name for j in ro.jobs()] == ["a", "b", "c"]  # batch order kept
+    with pytest.raises(sqlite_readonly_error()):
+        ro.set_meta("x", 1)
+
+
+def sqlite_readonly_error() -> type[Exception]:
+    import sqlite3
+
+    return sqlite3.OperationalError
+
+
+def test_retry_without_budget_is_a_bug(tmp_path: Path) -> None:
+    led = Ledger.open(tmp_path)
+    (jid,), _ = led.add_jobs([_spec()], retries=0)
+    led.transition(jid, JobEvent.START, reason="t")
+    with pytest.raises(AssertionError):
+        led.transition(jid, JobEvent.RETRY, reason="t")
+    led.transition(jid, JobEvent.FAIL, reason="t", error="e", error_stage=Stage.DECODE)
+    led.transition(jid, JobEvent.REVIVE, reason="resume", retries=2)
+    job = led.job(jid)
+    assert (job.state, job.retries_left, job.error) == (JobState.PENDING, 2, None)
+
+
+_HOLD = textwrap.dedent("""
+    import sys, time
+    from pan2render.jobs.ledger import FolderLock
+    lock = FolderLock(sys.argv[1]); lock.acquire()
+    print("held", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_folder_lock_refuses_live_holder_and_takes_over_stale(tmp_path: Path) -> None:
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(FolderLockedError) as err:
+            FolderLock(tmp_path).acquire()
+        print("second lock:", err.value)
+        assert f"pid {holder.pid}" in str(err.value) and "host" in str(err.value)
+    finally:
+        holder.kill()  # SIGKILL: the lock file still names it, but the kernel dropped the flock
+        holder.wait()
+    lock = FolderLock(tmp_path)
+    lock.acquire()
+    print("took over from:", lock.taken_over)
+    assert lock.taken_over is not None and str(holder.pid) in lock.taken_over
+    lock.release()

@@ -1,0 +1,206 @@
+"""The driver's scheduling, stages, retries and resume, on the in-process executor (no Ray).
+
+The in-process executor implements the same narrow interface as the Ray one, so these tests cover
+every decision the driver makes in a fraction of a second each; tests/runner/test_ray_*.py run the
+same paths through real Ray actors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pan2render.jobs.ledger import JobState, Ledger, Stage, StageState
+from pan2render.jobs.spec import JobSpec
+from pan2render.media.video import probe_mp4
+from pan2render.runner.driver import Driver, DriverConfig, RunSummary
+from pan2render.runner.groups import Call, Group, LocalExecutor
+from pan2render.runner.testing import FAKE_FACTORY
+from pan2render.runner.worker import WorkerConfig
+
+
+def spec(name: str, *, seed: int = 0, gpus: int = 1, prompt: str | None = None, steps: int = 3,
+         image: Path | None = None) -> JobSpec:
+    return JobSpec(name=name, model="tiny", prompt=prompt or f"a clip of {name}", negative_prompt="",
+                   image=None if image is None else str(image),
+                   image_sha256=None if image is None else hashlib.sha256(image.read_bytes()).hexdigest(),
+                   seed=seed, steps=steps, guidance=2.5, height=32,
+                   width=48, frames=9, fps=8.0, flow_shift=5.0, sampler="unipc", gpus=gpus, crf=18,
+                   preset="tiny-preview")
+
+
+class RecordingExecutor(LocalExecutor):
+    """Records every worker call (method, job name) so tests can see what was (not) redone."""
+
+    def __init__(self, **kw: Any):
+        super().__init__(**kw)
+        self.calls: list[tuple[str, str | None]] = []
+
+    def call(self, group: Group, method: str, kwargs: dict[str, Any], *, timeout_s: float) -> Call:
+        self.calls.append((method, kwargs.get("spec", {}).get("name")))
+        return super().call(group, method, kwargs, timeout_s=timeout_s)
+
+
+def render(out: Path, jobs: list[JobSpec], *, gpus: int = 1, retries: int = 2,
+           faults: dict[str, Any] | None = None, factory: str = FAKE_FACTORY,
+           ) -> tuple[RunSummary, RecordingExecutor, Ledger]:
+    out.mkdir(exist_ok=True)
+    ledger = Ledger.open(out)
+    ledger.add_jobs(jobs, retries=retries)
+    ex = RecordingExecutor(gpus=gpus, config=WorkerConfig(pipeline_factory=factory, faults=faults or {}))
+    driver = Driver(out_dir=out, ledger=ledger, executor=ex,
+                    config=DriverConfig(retries=retries, progress=False, poll_s=0.01))
+    return driver.run([j.job_id for j in jobs]), ex, ledger
+
+
+def file_id(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_ino, st.st_mtime_ns
+
+
+def test_batch_renders_valid_videos_and_rerun_skips_done(tmp_path: Path) -> None:
+    jobs = [spec("a"), spec("b", seed=1), spec("c", prompt="a clip of a")]  # c shares a's prompt
+    summary, ex, led = render(tmp_path, jobs)
+    assert summary.exit_code == 0 and len(summary.done) == 3
+    for j in jobs:
+        info = probe_mp4(tmp_path / j.job_id / "video.mp4")
+        print(j.job_id, info)
+        assert (info.frames, info.width, info.height) == (9, 48, 32)
+        st = led.stages(j.job_id)
+        assert all(st[s].state is StageState.DONE for s in Stage)
+        assert st[Stage.ENCODE].artifact == f"{j.job_id}/video.mp4" and st[Stage.ENCODE].size > 0
+    # Embeddings are cached by prompt: "a clip of a" and "" encoded once for a and c.
+    encoded = [c for c in ex.calls if c[0] == "encode_prompts"]
+    print("encode calls:", encoded, "groups:", ex.groups_created)
+    assert len(encoded) == 2 and ex.groups_created == 1  # b's new prompt; one group reused
+    before = {j.job_id: file_id(tmp_path / j.job_id / "video.mp4") for j in jobs}
+
+    summary2, ex2, led2 = render(tmp_path, jobs + [spec("d")])
+    print("second run calls:", ex2.calls)
+    assert len(summary2.done) == 4
+    assert {n for _, n in ex2.calls} <= {None, "d"}  # only the new job did any work
+    assert all(led2.job(j.job_id).attempts == 1 for j in jobs)
+    assert before == {j.job_id: file_id(tmp_path / j.job_id / "video.mp4") for j in jobs}
+
+
+@pytest.mark.parametrize("stage", [Stage.DECODE, Stage.ENCODE])
+def test_always_failing_job_fails_with_stage_and_error_after_budget(tmp_path: Path, stage: Stage) -> None:
+    jobs = [spec("good"), spec("bad"), spec("good2")]
+    summary, ex, led = render(tmp_path, jobs, retries=2, faults={"fail": {"job": "bad", "stage": stage.value}})
+    bad = led.job(jobs[1].job_id)
+    print("bad:", bad.state.value, bad.attempts, bad.error_stage, bad.error)
+    assert summary.exit_code == 1 and summary.failed == [bad.id] and len(summary.done) == 2
+    assert (bad.state, bad.attempts, bad.error_stage) == (JobState.FAILED, 3, stage.value)
+    assert f"injected failure in {stage.value}" in (bad.error or "")
+    st = led.stages(bad.id)
+    print({s.value: r.state.value for s, r in st.items()})
+    assert st[stage].state is StageState.FAILED and "Traceback" in (st[stage].traceback or "")
+    assert st[Stage.SAMPLING].state is StageState.DONE
+    assert not any(r.state is StageState.RUNNING for r in st.values())
+    # Each retry started at decode: the latents were sampled once.
+    assert [c for c in ex.calls if c == ("sample", "bad")] == [("sample", "bad")]
+
+
+def test_worker_death_requeues_job_on_a_new_group(tmp_path: Path) -> None:
+    marker = tmp_path / "crashed"
+    jobs = [spec("a"), spec("b"), spec("c")]
+    summary, ex, led = render(tmp_path / "out", jobs,
+                              faults={"crash": {"job": "b", "step": 2, "marker": str(marker)}})
+    b = led.job(jobs[1].job_id)
+    print("b attempts:", b.attempts, "groups created:", ex.groups_created, "marker:", marker.read_text())
+    assert summary.exit_code == 0 and marker.exists()
+    assert b.attempts == 2 and ex.groups_created == 2
+    assert any(kind == "group-died" for _, _, kind, _ in led.events(b.id))
+
+
+def test_nonfinite_latents_fail_at_once_with_reason(tmp_path: Path) -> None:
+    summary, ex, led = render(tmp_path, [spec("n")], factory="pan2render.runner.testing:load_nan_pipeline")
+    job = led.job(spec("n").job_id)
+    print("nan job:", job.state.value, job.attempts, job.error)
+    assert job.state is JobState.FAILED and job.attempts == 1  # deterministic: no retry
+    assert job.error_stage == "sampling" and "non-finite latents" in (job.error or "")
+    assert not (tmp_path / job.id / "latents.safetensors").exists()
+
+
+def test_resume_starts_at_decode_when_latents_are_valid(tmp_path: Path) -> None:
+    j = spec("x")
+    summary, _, led = render(tmp_path, [j], retries=0, faults={"fail": {"job": "x", "stage": "decode"}})
+    assert summary.failed == [j.job_id]
+    lat = tmp_path / j.job_id / "latents.safetensors"
+    before = file_id(lat)
+    summary2, ex2, led2 = render(tmp_path, [j])  # no fault now: a resume
+    print("resume calls:", ex2.calls)
+    assert summary2.done == [j.job_id]
+    assert [m for m, _ in ex2.calls] == ["load", "decode_encode"]
+    assert file_id(lat) == before
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_corrupt_latents_are_detected_and_resampled(tmp_path: Path, damage: str) -> None:
+    j = spec("x")
+    render(tmp_path, [j], retries=0, faults={"fail": {"job": "x", "stage": "decode"}})
+    lat = tmp_path / j.job_id / "latents.safetensors"
+    _damage(lat, damage)
+    summary, ex, led = render(tmp_path, [j])
+    events = [d for _, _, k, d in led.events(j.job_id) if k == "reset:sampling"]
+    print(damage, "->", events)
+    assert summary.done == [j.job_id] and ("sample", "x") in ex.calls and events
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_corrupt_video_is_reencoded_from_latents(tmp_path: Path, damage: str) -> None:
+    j = spec("v")
+    render(tmp_path, [j])
+    video = tmp_path / j.job_id / "video.mp4"
+    _damage(video, damage)
+    summary, ex, led = render(tmp_path, [j])
+    print(damage, "calls:", ex.calls, "events:", [d for _, _, k, d in led.events(j.job_id) if "->" in k][-3:])
+    assert summary.done == [j.job_id] and [m for m, _ in ex.calls] == ["load", "decode_encode"]
+    assert probe_mp4(video).frames == 9 and led.job(j.job_id).attempts == 2
+
+
+def test_groups_of_different_sizes_share_the_gpus(tmp_path: Path) -> None:
+    jobs = [spec("one", gpus=1), spec("two", gpus=2), spec("one-b", gpus=1), spec("four", gpus=4)]
+    summary, ex, led = render(tmp_path, jobs, gpus=2)
+    four = led.job(jobs[3].job_id)
+    print("four:", four.error, "| groups created:", ex.groups_created)
+    assert sorted(summary.done) == sorted(j.job_id for j in jobs[:3])
+    assert four.state is JobState.FAILED and "needs a group of 4 GPUs but the cluster has 2" in four.error
+    assert four.attempts == 0
+
+
+def test_first_frame_image_travels_as_bytes_and_a_changed_image_fails_clearly(tmp_path: Path) -> None:
+    import numpy as np
+
+    from pan2render.media.video import png_bytes
+
+    img = tmp_path / "first.png"
+    img.write_bytes(png_bytes(np.full((20, 30, 3), 200, np.uint8)))
+    ok, changed = spec("ti2v", image=img), spec("other", image=img, seed=5)
+    img2 = tmp_path / "gone.png"
+    img2.write_bytes(img.read_bytes())
+    gone = spec("gone", image=img2)
+    img2.unlink()
+    # Change the image after "validation" for `changed` only: give it a stale hash.
+    changed = JobSpec.from_dict({**changed.to_dict(), "image_sha256": "0" * 64})
+    summary, ex, led = render(tmp_path / "out", [ok, changed, gone])
+    errors = {led.job(j.job_id).name: led.job(j.job_id).error for j in (changed, gone)}
+    print("image job done:", summary.done, "| errors:", errors)
+    assert summary.done == [ok.job_id]
+    assert "changed since the batch was validated" in errors["other"] and led.job(changed.job_id).attempts == 1
+    assert "FileNotFoundError" in errors["gone"] and led.job(gone.job_id).attempts == 1
+
+
+def _damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "flip":
+        mid = len(data) // 2
+        path.write_bytes(data[:mid] + bytes([data[mid] ^ 0xFF]) + data[mid + 1:])
+    else:
+        os.unlink(path)

@@ -1,0 +1,90 @@
+"""The CLI and driver on real Ray actors: groups of 2 with gloo, a worker killed mid-sampling, a job
+that always fails. One local Ray cluster (2 CPUs, 2 logical GPUs) is shared by the module; each
+``pan2-render run`` here joins it instead of starting its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from runner_helpers import write_batch
+
+from pan2render.jobs.ledger import JobState, Ledger
+from pan2render.media.video import probe_mp4
+from pan2render.runner import cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, object_store_memory=256 << 20,
+             logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+def test_group_of_two_renders_on_cpu_with_gloo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import numpy as np
+
+    from pan2render.media.video import png_bytes
+
+    # A TI2V job (first-frame image, sent to the workers as bytes) on a group of 2.
+    (tmp_path / "first.png").write_bytes(png_bytes(np.full((64, 64, 3), 90, np.uint8)))
+    batch = write_batch(tmp_path / "b.yaml", [{"name": "pair", "prompt": "two ranks", "gpus": 2,
+                                               "image": "first.png"}],
+                        defaults={"frames": 9, "steps": 3})
+    out = tmp_path / "out"
+    assert cli.main(["run", str(batch), "--out", str(out), "--no-progress"]) == 0
+    led = Ledger.open_readonly(out)
+    (job,) = led.jobs()
+    loads = [d for _, _, kind, d in led.events(job.id) if kind == "group-load"]
+    info = probe_mp4(out / job.id / "video.mp4")
+    print("load:", loads, "| video:", info)
+    assert job.state is JobState.DONE and (info.frames, info.width, info.height) == (9, 64, 64)
+    assert "loaded on 2 rank(s)" in loads[0] and "backend gloo" in loads[0]
+
+
+def test_worker_killed_mid_sampling_is_retried_on_a_new_group(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_pipeline: None) -> None:
+    marker = tmp_path / "crashed.marker"
+    monkeypatch.setenv("PAN2_RENDER_FAULTS", json.dumps(
+        {"crash": {"job": "victim", "step": 2, "marker": str(marker)}}))
+    batch = write_batch(tmp_path / "b.yaml", [{"name": n, "prompt": n} for n in ("first", "victim", "last")],
+                        defaults={"steps": 4})
+    out = tmp_path / "out"
+    assert cli.main(["run", str(batch), "--out", str(out), "--no-progress"]) == 0
+    led = Ledger.open_readonly(out)
+    jobs = {j.name: j for j in led.jobs()}
+    victim = jobs["victim"]
+    died = [d for _, _, kind, d in led.events(victim.id) if kind == "group-died"]
+    groups = [d.split()[2] for _, _, kind, d in led.events(victim.id) if kind == "pending->running"]
+    print("marker:", marker.read_text().strip(), "| died:", died, "| victim ran on groups:", groups)
+    assert marker.exists() and all(j.state is JobState.DONE for j in jobs.values())
+    assert victim.attempts == 2 and len(died) == 1 and groups[0] != groups[1]
+    assert "ActorDiedError" in died[0] or "RayActorError" in died[0]
+    assert jobs["first"].attempts == 1 and jobs["last"].attempts == 1
+
+
+def test_always_failing_job_fails_the_batch_with_exit_1(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_pipeline: None,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PAN2_RENDER_FAULTS", json.dumps({"fail": {"job": "doomed", "stage": "sampling"}}))
+    batch = write_batch(tmp_path / "b.yaml", [{"name": n, "prompt": n} for n in ("ok1", "doomed", "ok2")],
+                        defaults={"steps": 2})
+    out = tmp_path / "out"
+    assert cli.main(["run", str(batch), "--out", str(out), "--no-progress"]) == 1
+    capsys.readouterr()
+    assert cli.main(["status", str(out), "--json"]) == 1
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    print(json.dumps(rows["doomed"], indent=1))
+    assert rows["doomed"]["state"] == "failed" and rows["doomed"]["stage"] == "sampling"
+    assert rows["doomed"]["attempts"] == 3 and "injected failure in sampling" in rows["doomed"]["error"]
+    assert rows["doomed"]["video"] is None
+    for n in ("ok1", "ok2"):
+        assert rows[n]["state"] == "done" and os.path.isfile(rows[n]["video"])
