@@ -1,0 +1,673 @@
+"""Fast, memory-lean Wan2.2 VAE decoder for Hopper GPUs (issue 4).
+
+Same math as diffusers' ``AutoencoderKLWan.decode`` / our ``WanVAE.decode`` (weights read from the
+``decoder.*`` / ``post_quant_conv.*`` state-dict keys), organised for speed and memory:
+
+- bf16 storage, fp32 accumulation (cuDNN) and fp32 norms (Triton, ``vae_ops``); every activation
+  is channels-last ``[B, T, H, W, C]`` from the first conv to the last, so no layout flips.
+- A causal 3x3x3 conv reads one buffer ``[B, 2 + T, H, W, C]``: its 2-frame history (copied in,
+  zeros at the video start) followed by the chunk, which the fused RMS-norm + SiLU kernel writes
+  straight into it (the previous conv's bias folded in) while also storing the chunk's last 2
+  frames as the next history. cuDNN pads H and W itself. No per-conv ``torch.cat``.
+- Upsampling (nearest x2, 3x3 conv) as four 2x2 phase convs in one cuDNN call, interleaved by one
+  Triton pass that also adds the bias and the duplicate-upsample shortcut (2.25x fewer FLOPs
+  there, no x2 frames in memory). The (3, 1, 1) time conv is one GEMM over its three taps.
+- ``frames_per_pass`` latent frames per pass through conv_in, the mid block and the first up
+  blocks; the last two up blocks (176x312 -> 352x624 at 704x1248, where activations are big)
+  and the head then run over sub-chunks of ``hires_frames`` frames. Causality makes any frame
+  chunking exact: a frame only ever sees earlier frames through the histories.
+- The mid-block attention (one head, C=1024) as two batched GEMMs with an fp32 softmax between.
+- Intermediates are dropped as soon as they are consumed; each decoded chunk is written straight
+  into the preallocated output (uint8 ``[F, H, W, 3]`` or bf16 ``[B, 3, F, H, W]``).
+
+Measured on one H200 (docs/perf_vae_decode.md): 2.90 s at 704x1248x121, 1.98x diffusers bf16,
+5.75 GiB peak above the resident weights, PSNR 53.5 dB against strict fp32.
+
+The first latent frame is special, as in the reference: the temporal upsamplers skip their time
+conv on it (one frame out, not two) and the duplicate-upsample shortcut keeps only its last
+temporal copy. Pass 0 is that frame alone; the time convs' histories start at zeros on pass 1.
+
+Entry points: ``fast_decode(vae, z)`` (falls back to ``vae.decode`` where the fast path cannot
+run, logging why once) and ``fast_decode_available(device)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import vae_ops
+
+log = logging.getLogger(__name__)
+
+CACHE_T = 2  # frames of history of a causal 3x3x3 conv (kernel 3 in time, padded 2 in front)
+RGB = 3
+_OUT_CHANNEL_ALIGN = 16  # conv_out's 12 channels padded to 16: bf16 rows of 32 B keep cuDNN fast
+_IN_CHANNEL_ALIGN = 64  # conv_in's input channels padded to a multiple of this
+
+
+@dataclass(frozen=True)
+class FastDecodeConfig:
+    """How a decode is chunked (results are identical for every valid choice)."""
+
+    frames_per_pass: int = 1  # latent frames per pass after the first (which is always 1)
+    # frames per sub-chunk through the last two up blocks and the head: 4 (one latent frame)
+    # measured 2.6% faster than 2 for ~1 GiB more peak (docs/perf_vae_decode.md)
+    hires_frames: int = 4
+    # nearest-x2 + 3x3 conv as four 2x2 phase convs (one cuDNN call) + one Triton pass that
+    # interleaves them with the bias and the shortcut; False: materialise the x2 frames (slower)
+    phase_upsample: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("frames_per_pass", "hires_frames"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 1 <= value <= 64:
+                raise ValueError(f"FastDecodeConfig.{name}={value!r}: must be an int in 1..64")
+
+
+# ---- weights in compute layout -------------------------------------------------------------
+
+
+@dataclass
+class _Conv:
+    weight: torch.Tensor  # conv weight in the compute dtype, channels-last (or [Cout, Cin] for 1x1)
+    bias: torch.Tensor  # [Cout] compute dtype (for torch ops)
+    bias32: torch.Tensor  # [Cout] fp32 (folded into the Triton kernels)
+
+
+@dataclass
+class _ResBlock:
+    gamma1: torch.Tensor  # [Cin] fp32
+    conv1: _Conv
+    gamma2: torch.Tensor  # [Cout] fp32
+    conv2: _Conv
+    shortcut: _Conv | None  # 1x1x1 conv as a [Cout, Cin] matrix, when Cin != Cout
+
+
+@dataclass
+class _Attention:
+    gamma: torch.Tensor  # [C] fp32
+    qkv: _Conv  # [3C, C]
+    proj: _Conv  # [C, C]
+
+
+@dataclass
+class _UpBlock:
+    resnets: list[_ResBlock]
+    time_conv: _Conv | None  # temporal upsamplers: the [2C, C, 3, 1, 1] conv as a [2C, 3C] matrix
+    up_conv: _Conv | None  # [C, C, 3, 3] after nearest x2 (None: no upsampling)
+    phase_conv: _Conv | None  # the same as four 2x2 phase kernels [4C, C, 2, 2] (vae_ops)
+    dup_index: torch.Tensor | None  # [factor_t, 2, 2, Cout] int32: the shortcut's channel map
+    factor_t: int  # duplicate-upsample shortcut factors (1 or 2 in time, 2 in space)
+    factor_s: int
+
+
+def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
+    if isinstance(cfg, Mapping):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+class FastWanDecoder:
+    """The Wan2.2 decoder (``post_quant_conv`` + ``decoder``) in the fast layout.
+
+    Build with ``from_vae(vae)`` (ours or diffusers': same keys) or from a state dict and config.
+    Holds its own copy of the decoder weights in ``dtype`` on ``device`` (~0.75 GiB in bf16 for
+    Wan2.2), taken at construction: rebuild it after changing the VAE's weights. Runs on CPU too
+    (fp32, Triton interpreted) for tests; ``fast_decode`` only uses it on Hopper GPUs.
+    """
+
+    def __init__(
+        self,
+        state: Mapping[str, torch.Tensor],
+        config: Any,
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self._check_supported(config)
+        self.z_dim = int(_cfg_get(config, "z_dim"))
+        self.patch = int(_cfg_get(config, "patch_size") or 1)
+        self.out_channels = int(_cfg_get(config, "out_channels", RGB * self.patch**2))
+        base = _cfg_get(config, "decoder_base_dim") or _cfg_get(config, "base_dim")
+        dim_mult = list(_cfg_get(config, "dim_mult"))
+        num_res = int(_cfg_get(config, "num_res_blocks"))
+        t_up = list(_cfg_get(config, "temperal_downsample"))[::-1]
+        dims = [base * dim_mult[-1]] + [base * m for m in dim_mult[::-1]]
+
+        g = self._loader(state)
+        self.post_quant = g.linear("post_quant_conv")
+        # conv_in's 48 input channels padded to 64 (zeros) for aligned channels-last rows. (Tried
+        # against a slow sm80 "indexed" cuDNN kernel in run 2; it stayed in run 3, so that kernel
+        # belongs to another conv: docs/perf_vae_decode.md.)
+        self.z_width = -(-self.z_dim // _IN_CHANNEL_ALIGN) * _IN_CHANNEL_ALIGN
+        self.conv_in = g.conv("decoder.conv_in", pad_in_to=self.z_width)
+        self.mid_resnets = [g.resblock(f"decoder.mid_block.resnets.{i}") for i in range(2)]
+        self.mid_attn = _Attention(
+            gamma=g.gamma("decoder.mid_block.attentions.0.norm"),
+            qkv=g.linear("decoder.mid_block.attentions.0.to_qkv"),
+            proj=g.linear("decoder.mid_block.attentions.0.proj"),
+        )
+        self.up_blocks: list[_UpBlock] = []
+        n_up = len(dim_mult)
+        for i in range(n_up):
+            p = f"decoder.up_blocks.{i}"
+            up = i != n_up - 1
+            temporal = up and bool(t_up[i])
+            ft = 2 if temporal else 1
+            index = None
+            if up:
+                index = torch.tensor(
+                    _dup_channel_index(dims[i], dims[i + 1], ft, 2), dtype=torch.int32, device=self.device
+                ).view(ft, 2, 2, dims[i + 1])
+            self.up_blocks.append(
+                _UpBlock(
+                    resnets=[g.resblock(f"{p}.resnets.{r}") for r in range(num_res + 1)],
+                    time_conv=g.time_linear(f"{p}.upsampler.time_conv") if temporal else None,
+                    up_conv=g.conv(f"{p}.upsampler.resample.1") if up else None,
+                    phase_conv=g.phase_conv(f"{p}.upsampler.resample.1") if up else None,
+                    dup_index=index,
+                    factor_t=ft,
+                    factor_s=2,
+                )
+            )
+        assert dims[-1] == self.up_blocks[-1].resnets[-1].conv2.weight.shape[0]
+        self.gamma_out = g.gamma("decoder.norm_out")
+        self.conv_out = g.conv("decoder.conv_out", pad_out_to=_OUT_CHANNEL_ALIGN)
+        self.time_factor = 2 ** sum(b.factor_t == 2 for b in self.up_blocks)
+        self.space_factor = 2 ** sum(b.up_conv is not None for b in self.up_blocks) * self.patch
+        # The high-resolution tail (the last two up blocks + head) runs over frame sub-chunks; it
+        # must hold no temporal upsampler (first-chunk semantics live in the per-pass part).
+        self.split = max(0, n_up - 2)
+        while any(b.factor_t != 1 for b in self.up_blocks[self.split :]):
+            self.split += 1
+        self._history: dict[str, torch.Tensor] = {}  # conv key -> [B, 2, H, W, C] history
+        self._phase = True
+        self._busy = False
+
+    # ---- construction ----------------------------------------------------------------------
+
+    @staticmethod
+    def _check_supported(config: Any) -> None:
+        if _cfg_get(config, "is_residual") is not True:
+            raise ValueError("the fast decoder supports the Wan2.2 VAE only (is_residual=True)")
+        if list(_cfg_get(config, "attn_scales") or []):
+            raise ValueError("the fast decoder supports attn_scales=[] only (Wan2.2)")
+        if int(_cfg_get(config, "num_res_blocks")) < 1:
+            raise ValueError("num_res_blocks must be >= 1")
+
+    @classmethod
+    def from_vae(
+        cls, vae: torch.nn.Module, *, device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> FastWanDecoder:  # fmt: skip
+        """From ``WanVAE`` or diffusers' ``AutoencoderKLWan`` (reads ``vae.config`` and the
+        ``post_quant_conv.*`` / ``decoder.*`` parameters; the encoder is not copied)."""
+        if device is None:
+            device = next(vae.parameters()).device
+        state = {
+            k: v for k, v in vae.state_dict().items() if k.startswith(("decoder.", "post_quant_conv."))
+        }
+        return cls(state, vae.config, device=device, dtype=dtype)
+
+    def _loader(self, state: Mapping[str, torch.Tensor]) -> _Loader:
+        return _Loader(state, device=self.device, dtype=self.dtype)
+
+    # ---- decode --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        z: torch.Tensor,
+        *,
+        out_dtype: torch.dtype = torch.uint8,
+        config: FastDecodeConfig | None = None,
+    ) -> torch.Tensor:
+        """Raw latents ``[B, z, T, h, w]`` -> uint8 ``[F, H, W, 3]`` (B must be 1) or
+        ``[B, 3, F, H, W]`` in ``out_dtype``, clamped to [-1, 1], F = 1 + 4 (T - 1)."""
+        cfg = config or FastDecodeConfig()
+        if z.dim() != 5 or z.shape[1] != self.z_dim or z.shape[2] < 1:
+            raise ValueError(f"latents of shape {tuple(z.shape)}: expected [B, {self.z_dim}, T>=1, h, w]")
+        b, _, n, h, w = z.shape
+        if out_dtype == torch.uint8 and b != 1:
+            raise ValueError(f"uint8 output is one video [F, H, W, 3]: got batch {b}; decode one at a time")
+        frames = 1 + self.time_factor * (n - 1)
+        hh, ww = h * self.space_factor, w * self.space_factor
+        if out_dtype == torch.uint8:
+            out = torch.empty(frames, hh, ww, RGB, dtype=torch.uint8, device=self.device)
+        else:
+            out = torch.empty(b, RGB, frames, hh, ww, dtype=out_dtype, device=self.device)
+
+        if self._busy:
+            raise RuntimeError("FastWanDecoder is already decoding; calls must not overlap")
+        self._busy = True
+        self._history = {}
+        self._phase = cfg.phase_upsample
+        try:
+            zp = self._post_quant(z)  # [B, 2 + T, h, w, z]: 2 zero frames = conv_in's history
+            with torch.backends.cudnn.flags(
+                enabled=True, benchmark=True, deterministic=False,
+                allow_tf32=torch.backends.cudnn.allow_tf32,
+            ):  # fmt: skip
+                start = 0
+                for t0, t1 in self._passes(n, cfg.frames_per_pass):
+                    x = self._lowres(zp, t0, t1)  # [B, f, H', W', C] before the tail
+                    # One sub-chunk: hand the tensor over so the tail can free it after up block
+                    # `split` (it is big: 1024 ch at 176x312); several: they are views of it.
+                    subs = [x] if x.shape[1] <= cfg.hires_frames else list(x.split(cfg.hires_frames, dim=1))
+                    del x
+                    while subs:
+                        y = self._tail(subs.pop(0).contiguous())
+                        self._write(y, out, start)
+                        start += y.shape[1]
+                        del y
+            assert start == frames, (start, frames)
+        finally:
+            self._history = {}
+            self._busy = False
+        return out
+
+    @staticmethod
+    def _passes(n: int, k: int) -> list[tuple[int, int]]:
+        return [(0, 1)] + [(s, min(s + k, n)) for s in range(1, n, k)]
+
+    def _post_quant(self, z: torch.Tensor) -> torch.Tensor:
+        b, c, n, h, w = z.shape
+        zp = torch.zeros(b, CACHE_T + n, h, w, self.z_width, dtype=self.dtype, device=self.device)
+        zr = z.to(self.device, self.dtype).permute(0, 2, 3, 4, 1)  # [B, T, h, w, z]
+        zp[:, CACHE_T:, :, :, :c] = F.linear(zr, self.post_quant.weight, self.post_quant.bias)
+        return zp
+
+    def _lowres(self, zp: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+        """Latent frames [t0, t1) through conv_in, the mid block and the up blocks before the
+        high-resolution tail. ``zp`` holds 2 zero frames in front, so frame t's history is
+        ``zp[t : t + 2]`` and conv_in needs no cache of its own."""
+        first = t0 == 0
+        # Each layer pops its input from the one-element list `x`, so the caller keeps no
+        # reference and the layer can free it as soon as it is consumed.
+        x = [_conv3d(zp[:, t0 : t1 + CACHE_T], self.conv_in, pad=1, bias=True)]
+        x = [self._resnet(x, self.mid_resnets[0], "mid.0")]
+        x = [self._attention(x, self.mid_attn)]
+        x = [self._resnet(x, self.mid_resnets[1], "mid.1")]
+        for i in range(self.split):
+            x = [self._up_block(x, self.up_blocks[i], f"up.{i}", first=first)]
+        return x.pop()
+
+    def _tail(self, x0: torch.Tensor) -> torch.Tensor:
+        x = [x0]
+        del x0
+        for i in range(self.split, len(self.up_blocks)):
+            x = [self._up_block(x, self.up_blocks[i], f"up.{i}", first=False)]
+        buf = self._fill(x, "head", gamma=self.gamma_out, bias=None)
+        return _conv3d(buf, self.conv_out, pad=1, bias=True)  # [B, f, H, W, 16]
+
+    # ---- layers (inputs passed in a one-element list so the callee can drop them early) ------
+
+    def _fill(
+        self, holder: list[torch.Tensor], key: str, *, gamma: torch.Tensor | None,
+        bias: torch.Tensor | None, silu: bool = True,
+    ) -> torch.Tensor:  # fmt: skip
+        """The input buffer of a causal conv: ``[B, 2 + T, H, W, C]`` = history, then
+        ``act(norm(x + bias))`` (or x itself when ``gamma`` is None). Updates the history."""
+        x = holder.pop()
+        b, t, h, w, c = x.shape
+        buf = x.new_empty(b, CACHE_T + t, h, w, c)
+        hist = self._history.get(key)
+        if hist is None:  # the reference pads the video start with zeros
+            hist = self._history[key] = x.new_zeros(b, CACHE_T, h, w, c)
+            buf[:, :CACHE_T].zero_()
+        else:
+            buf[:, :CACHE_T].copy_(hist)
+        if gamma is None:
+            buf[:, CACHE_T:].copy_(x)
+            hist.copy_(buf[:, t:])
+            return buf
+        if t < CACHE_T:  # the new history keeps the old one's last frame in front
+            hist[:, : CACHE_T - t].copy_(hist[:, t:])
+        hw = h * w
+        for i in range(b):  # per video: buf[i, 2:] is contiguous, buf[:, 2:] is not
+            # The kernel also stores the chunk's last 2 frames (or its 1 frame) into the history.
+            vae_ops.rms_norm_act(
+                x[i], gamma, bias=bias, silu=silu, out=buf[i, CACHE_T:], hist=hist[i],
+                hist_start=(t - CACHE_T) * hw,
+            )  # fmt: skip
+        return buf
+
+    def _resnet(self, holder: list[torch.Tensor], blk: _ResBlock, key: str) -> torch.Tensor:
+        x = holder.pop()
+        if blk.shortcut is not None:
+            res = F.linear(x, blk.shortcut.weight, blk.shortcut.bias)  # 1x1x1 conv: one GEMM
+        else:
+            res = x
+        buf = self._fill([x], f"{key}.conv1", gamma=blk.gamma1, bias=None)
+        del x  # the only reference left is `res` when the block has no shortcut
+        y = _conv3d(buf, blk.conv1, pad=1, bias=False)  # conv1's bias is folded into norm2
+        del buf
+        buf = self._fill([y], f"{key}.conv2", gamma=blk.gamma2, bias=blk.conv1.bias32)
+        del y
+        y = _conv3d(buf, blk.conv2, pad=1, bias=False)
+        del buf
+        return vae_ops.add_bias_residual_(y, bias=blk.conv2.bias32, residual=res)
+
+    def _attention(self, holder: list[torch.Tensor], attn: _Attention) -> torch.Tensor:
+        """Per-frame single-head self-attention over the H*W positions, + residual."""
+        x = holder.pop()
+        b, t, h, w, c = x.shape
+        xn = vae_ops.rms_norm_act(x, attn.gamma, silu=False)
+        qkv = F.linear(xn, attn.qkv.weight, attn.qkv.bias).view(b * t, h * w, 3 * c)
+        del xn
+        q, k, v = qkv.split(c, dim=-1)  # the reference's chunk(3) of [q | k | v] channels
+        scores = torch.bmm(q, k.transpose(1, 2))  # [BT, HW, HW], fp32 accumulation
+        probs = torch.softmax(scores.float().mul_(1.0 / math.sqrt(c)), dim=-1).to(x.dtype)
+        del scores
+        o = torch.bmm(probs, v)  # [BT, HW, C]
+        del probs, qkv, q, k, v
+        y = F.linear(o, attn.proj.weight).view(b, t, h, w, c)
+        return vae_ops.add_bias_residual_(y, bias=attn.proj.bias32, residual=x)
+
+    def _up_block(self, holder: list[torch.Tensor], blk: _UpBlock, key: str, *, first: bool) -> torch.Tensor:
+        x = [holder.pop()]
+        x_in = x[0] if blk.up_conv is not None else None  # the duplicate-upsample shortcut's source
+        for r, res in enumerate(blk.resnets):
+            x = [self._resnet(x, res, f"{key}.resnets.{r}")]
+        if blk.up_conv is None:
+            return x.pop()
+        if self._phase:
+            return self._upsample_phase(x, blk, key, first=first, x_in=x_in)
+        y = self._upsample(x, blk, key, first=first)
+        _add_dup_shortcut_(y, x_in, blk.up_conv.bias32, factor_t=blk.factor_t, factor_s=blk.factor_s, first=first)
+        return y
+
+    def _time_up(self, x: torch.Tensor, blk: _UpBlock, key: str) -> torch.Tensor:
+        """The causal (3, 1, 1) time conv: [B, T, H, W, C] -> [B, T, 2, H, W, C] (frame 2t+a =
+        output channel half a). Run as one cuBLAS GEMM over the three frame taps laid side by
+        side (K = 3C, fp32 accumulation), ~660 TFLOP/s at up block 1 (run 3 profile)."""
+        b, t, h, w, c = x.shape
+        buf = self._fill([x], f"{key}.time_conv", gamma=None, bias=None)  # [B, 2 + T, H, W, C]
+        del x
+        taps = torch.cat([buf[:, i : i + t] for i in range(CACHE_T + 1)], dim=-1)  # [B, T, H, W, 3C]
+        del buf
+        tc = F.linear(taps, blk.time_conv.weight, blk.time_conv.bias)  # [B, T, H, W, 2C]
+        del taps
+        return tc.view(b, t, h, w, 2, c).permute(0, 1, 4, 2, 3, 5).contiguous()
+
+    def _upsample_phase(
+        self, holder: list[torch.Tensor], blk: _UpBlock, key: str, *, first: bool, x_in: torch.Tensor
+    ) -> torch.Tensor:
+        """(time conv) -> nearest x2 -> 3x3 conv -> + bias + duplicate-upsample shortcut, as one
+        2x2 phase conv and one Triton combine pass. [B, T, H, W, C] -> [B, T*r, 2H, 2W, Cout]."""
+        x = holder.pop()
+        b, t, h, w, c = x.shape
+        if blk.time_conv is not None and not first:
+            src, r = self._time_up(x, blk, key), 2
+            index = blk.dup_index
+        else:  # first chunk: no time conv; the shortcut keeps its last temporal copy
+            src, r = x, 1
+            index = blk.dup_index[blk.factor_t - 1 :]
+        del x
+        n = b * t * r
+        o = F.conv2d(src.view(n, h, w, c).permute(0, 3, 1, 2), blk.phase_conv.weight, None, padding=1)
+        del src
+        c4 = o.shape[1]
+        o = _rows(o, 1).view(n, h + 1, w + 1, c4)  # [N, H+1, W+1, 4*Cout]
+        xs = x_in.reshape(b * t, h, w, x_in.shape[-1])
+        y = vae_ops.upsample_phase_combine(o, blk.phase_conv.bias32, xs, index.contiguous(), r=r)
+        return y.view(b, t * r, 2 * h, 2 * w, y.shape[-1])
+
+    def _upsample(self, holder: list[torch.Tensor], blk: _UpBlock, key: str, *, first: bool) -> torch.Tensor:
+        """(time conv: each frame -> 2, channel halves interleaved) -> nearest x2 -> 3x3 conv
+        (no bias: it is added with the shortcut). [B, T, H, W, C] -> [B, T*r, 2H, 2W, C]."""
+        x = holder.pop()
+        b, t, h, w, c = x.shape
+        if blk.time_conv is not None and not first:
+            src, r = self._time_up(x, blk, key), 2  # [B, T, 2, H, W, C]
+        else:  # first chunk: the reference skips the time conv (one frame stays one frame)
+            src, r = x.view(b, t, 1, h, w, c), 1
+        up = x.new_empty(b, t, r, h, 2, w, 2, c)
+        up.copy_(src[:, :, :, :, None, :, None, :].expand(b, t, r, h, 2, w, 2, c))  # nearest x2
+        del src, x
+        up4 = up.view(b * t * r, 2 * h, 2 * w, c).permute(0, 3, 1, 2)  # NCHW view, channels-last
+        y = F.conv2d(up4, blk.up_conv.weight, None, padding=1)
+        del up, up4
+        return _rows(y, b)  # [B, T*r, 2H, 2W, C]
+
+    # ---- output -------------------------------------------------------------------------------
+
+    def _write(self, y: torch.Tensor, out: torch.Tensor, f0: int) -> None:
+        """Decoder output ``[B, f, H, W, >=12]`` -> frames [f0, f0 + f) of ``out``, unpatchified
+        (channel = c * p^2 + dw * p + dh), clamped, converted."""
+        b, f, h, w, _ = y.shape
+        p = self.patch
+        v = y[..., : RGB * p * p].unflatten(-1, (RGB, p, p))  # [B, f, h, w, c, dw, dh]
+        if out.dtype == torch.uint8:
+            dst = out[f0 : f0 + f].view(f, h, p, w, p, RGB)  # [f, h, dh, w, dw, c]
+            src = v[0].permute(0, 1, 5, 2, 4, 3)
+            # The pipeline's formula exactly: ((x.clamp(-1, 1) + 1) * 127.5).round().to(uint8)
+            dst.copy_(((src.float().clamp(-1.0, 1.0) + 1.0) * 127.5).round())
+        else:
+            dst = out[:, :, f0 : f0 + f].view(b, RGB, f, h, p, w, p)  # [B, c, f, h, dh, w, dw]
+            dst.copy_(v.permute(0, 4, 1, 2, 6, 3, 5).clamp(-1.0, 1.0))
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+
+def _rows(y: torch.Tensor, b: int) -> torch.Tensor:
+    """A conv output (logical NC..., channels-last) -> contiguous rows ``[B, T, H, W, C]``."""
+    rows = y.permute(0, 2, 3, 4, 1) if y.dim() == 5 else y.permute(0, 2, 3, 1)
+    if not rows.is_contiguous():  # cuDNN keeps channels-last; this is a fallback, not the path
+        rows = rows.contiguous()
+    if rows.dim() == 4:  # conv2d over B*T frames
+        rows = rows.view(b, rows.shape[0] // b, *rows.shape[1:])
+    return rows
+
+
+def _conv3d(buf: torch.Tensor, conv: _Conv, *, pad: int, bias: bool) -> torch.Tensor:
+    """``buf`` rows ``[B, T_in, H, W, C]`` (history included) -> rows ``[B, T_out, H, W, Cout]``;
+    time is not padded (the history is in ``buf``), H and W by ``pad`` (cuDNN does it)."""
+    x = buf.permute(0, 4, 1, 2, 3)  # logical [B, C, T, H, W], channels_last_3d strides
+    y = F.conv3d(x, conv.weight, conv.bias if bias else None, padding=(0, pad, pad))
+    return _rows(y, buf.shape[0])
+
+
+def _dup_channel_index(cin: int, cout: int, factor_t: int, factor_s: int) -> list[list[int]]:
+    """DupUp3D's channel map: for each (a, i, j) phase (time, row, column offsets) the input
+    channel behind each output channel o: ``(o * F + a * s^2 + i * s + j) // repeats``."""
+    fac = factor_t * factor_s * factor_s
+    if (cout * fac) % cin:
+        raise ValueError(f"duplicate-upsample shortcut {cin}->{cout} x{fac}: channels do not divide")
+    repeats = cout * fac // cin
+    return [
+        [(o * fac + a * factor_s**2 + i * factor_s + j) // repeats for o in range(cout)]
+        for a in range(factor_t)
+        for i in range(factor_s)
+        for j in range(factor_s)
+    ]
+
+
+def _add_dup_shortcut_(
+    y: torch.Tensor, x_in: torch.Tensor, bias32: torch.Tensor, *, factor_t: int, factor_s: int, first: bool
+) -> None:
+    """``y [B, T*r, sH, sW, Cout] += bias + DupUp3D(x_in [B, T, H, W, Cin])`` in place, where the
+    first chunk of a temporal shortcut keeps only its last temporal copy (the reference's
+    ``first_chunk``). Each (time, row, column) phase is one strided add of a channel gather of
+    x_in; phases sharing a channel map are added in one broadcast."""
+    b, t, h, w, cin = x_in.shape
+    cout = y.shape[-1]
+    s = factor_s
+    phases_t = [factor_t - 1] if first else list(range(factor_t))
+    y8 = y.view(b, t, len(phases_t), h, s, w, s, cout)
+    index = _dup_channel_index(cin, cout, factor_t, factor_s)
+    bias = bias32.to(y.dtype)
+    if cin == cout and all(ix == list(range(cout)) for ix in index):
+        y8.add_((x_in + bias)[:, :, None, :, None, :, None, :])  # plain nearest upsampling
+        return
+    cache: dict[tuple[int, ...], torch.Tensor] = {}
+    for ai, a in enumerate(phases_t):
+        for i in range(s):
+            for j in range(s):
+                ix = tuple(index[(a * s + i) * s + j])
+                if ix not in cache:
+                    sel = torch.tensor(ix, device=x_in.device)
+                    cache[ix] = x_in.index_select(-1, sel).add_(bias)
+                y8[:, :, ai, :, i, :, j, :].add_(cache[ix])
+
+
+class _Loader:
+    """Reads reference weights by key into the compute layout."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], *, device: torch.device, dtype: torch.dtype) -> None:
+        self.state, self.device, self.dtype = state, device, dtype
+
+    def _get(self, key: str) -> torch.Tensor:
+        if key not in self.state:
+            raise KeyError(f"state dict has no {key!r}: not a Wan2.2 VAE decoder (diffusers key layout)")
+        return self.state[key].detach()
+
+    def _bias(self, prefix: str, cout: int, pad_to: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b32 = self._get(f"{prefix}.bias").to(self.device, torch.float32)
+        if pad_to > cout:
+            b32 = torch.cat([b32, b32.new_zeros(pad_to - cout)])
+        return b32.to(self.dtype), b32
+
+    def conv(self, prefix: str, *, pad_out_to: int = 0, pad_in_to: int = 0) -> _Conv:
+        wt = self._get(f"{prefix}.weight").to(self.device, self.dtype)
+        if pad_in_to > wt.shape[1]:
+            wt = torch.cat([wt, wt.new_zeros(wt.shape[0], pad_in_to - wt.shape[1], *wt.shape[2:])], dim=1)
+        cout = wt.shape[0]
+        width = max(cout, -(-cout // pad_out_to) * pad_out_to) if pad_out_to else cout
+        if width > cout:
+            wt = torch.cat([wt, wt.new_zeros(width - cout, *wt.shape[1:])])
+        fmt = torch.channels_last_3d if wt.dim() == 5 else torch.channels_last
+        bias, bias32 = self._bias(prefix, cout, width)
+        return _Conv(wt.contiguous(memory_format=fmt), bias, bias32)
+
+    def phase_conv(self, prefix: str) -> _Conv:
+        """A 3x3 conv after nearest x2 as its four 2x2 phase kernels (summed in fp32)."""
+        wt = vae_ops.phase_weights(self._get(f"{prefix}.weight").to(self.device, torch.float32))
+        bias, bias32 = self._bias(prefix, wt.shape[0] // 4, 0)
+        return _Conv(wt.to(self.dtype).contiguous(memory_format=torch.channels_last), bias, bias32)
+
+    def time_linear(self, prefix: str) -> _Conv:
+        """A (3, 1, 1) conv ``[Cout, C, 3, 1, 1]`` as ``[Cout, 3C]``: column ``i*C + c`` = tap i."""
+        wt = self._get(f"{prefix}.weight")
+        cout, c, k = wt.shape[:3]
+        wt = wt.reshape(cout, c, k).permute(0, 2, 1).reshape(cout, k * c)
+        bias, bias32 = self._bias(prefix, cout, 0)
+        return _Conv(wt.to(self.device, self.dtype).contiguous(), bias, bias32)
+
+    def linear(self, prefix: str) -> _Conv:
+        wt = self._get(f"{prefix}.weight")
+        wt = wt.reshape(wt.shape[0], wt.shape[1]).to(self.device, self.dtype).contiguous()
+        bias, bias32 = self._bias(prefix, wt.shape[0], 0)
+        return _Conv(wt, bias, bias32)
+
+    def gamma(self, prefix: str) -> torch.Tensor:
+        return self._get(f"{prefix}.gamma").reshape(-1).to(self.device, torch.float32).contiguous()
+
+    def resblock(self, prefix: str) -> _ResBlock:
+        sc = f"{prefix}.conv_shortcut.weight" in self.state
+        return _ResBlock(
+            gamma1=self.gamma(f"{prefix}.norm1"),
+            conv1=self.conv(f"{prefix}.conv1"),
+            gamma2=self.gamma(f"{prefix}.norm2"),
+            conv2=self.conv(f"{prefix}.conv2"),
+            shortcut=self.linear(f"{prefix}.conv_shortcut") if sc else None,
+        )
+
+
+# ---- entry points --------------------------------------------------------------------------------
+
+_AVAILABLE: dict[str, tuple[bool, str]] = {}
+_DECODERS: weakref.WeakKeyDictionary[torch.nn.Module, FastWanDecoder] = weakref.WeakKeyDictionary()
+_FALLBACK_LOGGED: set[str] = set()
+
+
+def fast_decode_available(device: torch.device | str) -> tuple[bool, str]:
+    """(True, "") where the fast decoder runs (a Hopper GPU whose Triton kernels build and agree
+    with their references), else (False, why). Checked once per device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False, f"device {device} is not a CUDA GPU (the fast VAE decoder runs on Hopper, sm_90)"
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available in this process"
+    if vae_ops.triton is None:
+        return False, "triton is not installed"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = f"cuda:{index}"
+    if key not in _AVAILABLE:
+        _AVAILABLE[key] = _probe(torch.device(key))
+    return _AVAILABLE[key]
+
+
+def _probe(device: torch.device) -> tuple[bool, str]:
+    major, minor = torch.cuda.get_device_capability(device)
+    name = torch.cuda.get_device_name(device)
+    if major != 9:
+        return False, f"GPU {name} is sm_{major}{minor}; the fast VAE decoder is built for Hopper (sm_90)"
+    try:  # build (JIT) and check the kernels once on a small odd shape
+        x = torch.randn(37, 96, device=device, dtype=torch.bfloat16)
+        g = torch.rand(96, device=device) + 0.5
+        got = vae_ops.rms_norm_act(x, g, silu=True)
+        want = vae_ops.rms_norm_act_reference(x, g, silu=True)
+        err = (got.float() - want.float()).abs().max().item()
+        if not err <= 0.05:
+            return False, f"the Triton RMS-norm kernel disagrees with its reference (max abs err {err:.3g})"
+    except Exception as e:  # a failed build must not fail the render: fall back and say why
+        return False, f"the Triton kernels failed to build or run ({type(e).__name__}: {e})"
+    return True, ""
+
+
+def _decoder_for(vae: torch.nn.Module, device: torch.device) -> FastWanDecoder:
+    dec = _DECODERS.get(vae)
+    if dec is None or dec.device != device:
+        dec = FastWanDecoder.from_vae(vae, device=device)
+        _DECODERS[vae] = dec
+    return dec
+
+
+def _reference_decode(vae: torch.nn.Module, z: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    vae_dtype = next(vae.parameters()).dtype
+    with torch.inference_mode():
+        video = vae.decode(z.to(vae_dtype))
+    video = getattr(video, "sample", video)  # diffusers returns DecoderOutput
+    if out_dtype != torch.uint8:
+        return video.clamp(-1.0, 1.0).to(out_dtype)
+    if video.shape[0] != 1:
+        raise ValueError(f"uint8 output is one video [F, H, W, 3]: got batch {video.shape[0]}")
+    frames = ((video[0].float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
+    return frames.permute(1, 2, 3, 0).contiguous()
+
+
+def fast_decode(
+    vae: torch.nn.Module,
+    z_raw: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.uint8,
+    config: FastDecodeConfig | None = None,
+) -> torch.Tensor:
+    """Decode raw latents ``[B, 48, T, h, w]`` with the fast decoder where it can run, else with
+    ``vae.decode`` (the reason logged once). uint8: ``[F, H, W, 3]`` (B = 1),
+    ``((x.clamp(-1, 1) + 1) * 127.5).round()``; other dtypes: ``[B, 3, F, H, W]`` in [-1, 1].
+    The result stays on z's device."""
+    ok, reason = fast_decode_available(z_raw.device)
+    if ok:
+        try:
+            dec = _decoder_for(vae, z_raw.device)
+        except (ValueError, KeyError) as e:  # not a Wan2.2 layout we build
+            ok, reason = False, str(e)
+    if not ok:
+        if reason not in _FALLBACK_LOGGED:
+            _FALLBACK_LOGGED.add(reason)
+            log.warning("fast VAE decode unavailable, using the reference decoder: %s", reason)
+        return _reference_decode(vae, z_raw, out_dtype)
+    return dec.decode(z_raw, out_dtype=out_dtype, config=config)

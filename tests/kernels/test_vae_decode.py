@@ -1,0 +1,172 @@
+"""The fast Wan2.2 VAE decoder against the reference decoders on a tiny config, and its fallback.
+
+On CPU the whole fast decoder runs in fp32 (cuDNN's part by torch's CPU convs, the Triton kernels
+interpreted), so it must match diffusers' fp32 decode to rounding (1e-4 abs on [-1, 1] video),
+for every chunking: that checks the causal histories, the first-chunk rules of the temporal
+upsamplers, the duplicate-upsample shortcut's channel map and the unpatchify layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+
+from pan2render.kernels import vae_decode  # noqa: E402
+from pan2render.kernels.vae_decode import FastDecodeConfig, FastWanDecoder, fast_decode  # noqa: E402
+
+TINY = dict(
+    base_dim=8, decoder_base_dim=16, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+    temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+    patch_size=2, latents_mean=[0.0] * 4, latents_std=[1.0] * 4, scale_factor_spatial=16,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_vae() -> torch.nn.Module:
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKLWan(**TINY).eval()
+    with torch.no_grad():  # non-trivial norm scales, so a wrong gamma shows
+        for name, p in vae.named_parameters():
+            if name.endswith("gamma"):
+                p.uniform_(0.5, 1.5)
+    return vae
+
+
+@pytest.fixture(scope="module")
+def latents_and_reference(tiny_vae: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    z = torch.randn(1, 4, 4, 3, 5, generator=torch.Generator().manual_seed(1))  # odd h, w
+    with torch.no_grad():
+        ref = tiny_vae.decode(z).sample  # [1, 3, 13, 48, 80]
+    return z, ref
+
+
+def _max_err(got: torch.Tensor, want: torch.Tensor, name: str) -> float:
+    err = (got.float() - want.float()).abs()
+    at = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
+    unclamped = (want.abs() < 0.999).float().mean().item()
+    print(f"{name}: max abs err {err.max().item():.3g} at {at}; {unclamped:.1%} of values unclamped")
+    return err.max().item()
+
+
+@pytest.mark.parametrize(
+    "frames_per_pass,hires_frames,phase", [(1, 1, True), (2, 3, True), (3, 2, True), (8, 64, True), (2, 2, False)]
+)
+def test_fast_decoder_matches_diffusers_fp32(
+    tiny_vae, latents_and_reference, frames_per_pass, hires_frames, phase
+) -> None:
+    z, ref = latents_and_reference
+    dec = FastWanDecoder.from_vae(tiny_vae, device="cpu", dtype=torch.float32)
+    cfg = FastDecodeConfig(frames_per_pass=frames_per_pass, hires_frames=hires_frames, phase_upsample=phase)
+    got = dec.decode(z, out_dtype=torch.float32, config=cfg)
+    assert got.shape == ref.shape == (1, 3, 13, 48, 80)
+    assert _max_err(got, ref, f"k={frames_per_pass} S={hires_frames} phase={phase}") <= 1e-4
+
+
+def test_fast_decoder_uint8_frames_follow_the_pipeline_formula(tiny_vae, latents_and_reference) -> None:
+    z, ref = latents_and_reference
+    dec = FastWanDecoder.from_vae(tiny_vae, device="cpu", dtype=torch.float32)
+    got = dec.decode(z, out_dtype=torch.uint8, config=FastDecodeConfig(frames_per_pass=2))
+    want = ((ref[0].float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0)
+    assert got.shape == want.shape == (13, 48, 80, 3) and got.dtype == torch.uint8
+    diff = (got.int() - want.int()).abs()
+    # fp32 rounding differences may flip a value sitting on a .5 boundary by one level, no more.
+    print(f"uint8: max diff {diff.max().item()}, {(diff > 0).float().mean().item():.2e} of values differ")
+    assert diff.max().item() <= 1 and (diff > 0).float().mean().item() < 1e-3
+
+
+def test_fast_decoder_from_our_wan_vae_matches(tiny_vae, latents_and_reference) -> None:
+    """Built from our WanVAE (same state dict, our config dataclass) it decodes the same video."""
+    vae_mod = pytest.importorskip("pan2render.models.vae")
+    cfg = vae_mod.WanVAEConfig(**{k: v for k, v in TINY.items()})
+    ours = vae_mod.WanVAE(cfg)
+    ours.load_state_dict(tiny_vae.state_dict())
+    z, ref = latents_and_reference
+    got = FastWanDecoder.from_vae(ours, device="cpu", dtype=torch.float32).decode(z, out_dtype=torch.float32)
+    assert _max_err(got, ref, "from WanVAE") <= 1e-4
+
+
+def test_fast_decoder_batch_of_two_decodes_each_video(tiny_vae) -> None:
+    z = torch.randn(2, 4, 2, 2, 3, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = tiny_vae.decode(z).sample
+    got = FastWanDecoder.from_vae(tiny_vae, device="cpu", dtype=torch.float32).decode(z, out_dtype=torch.float32)
+    assert _max_err(got, ref, "batch 2") <= 1e-4
+    with pytest.raises(ValueError, match="batch 2"):
+        FastWanDecoder.from_vae(tiny_vae, device="cpu", dtype=torch.float32).decode(z, out_dtype=torch.uint8)
+
+
+def test_bad_latents_and_configs_are_refused(tiny_vae) -> None:
+    dec = FastWanDecoder.from_vae(tiny_vae, device="cpu", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"expected \[B, 4"):
+        dec.decode(torch.zeros(1, 5, 2, 2, 2))
+    with pytest.raises(ValueError, match="frames_per_pass=0"):
+        FastDecodeConfig(frames_per_pass=0)
+
+
+def test_fallback_on_cpu_logs_the_reason_once_and_matches_reference(
+    tiny_vae, latents_and_reference, caplog, monkeypatch
+) -> None:
+    z, ref = latents_and_reference
+    monkeypatch.setattr(vae_decode, "_FALLBACK_LOGGED", set())
+    ok, reason = vae_decode.fast_decode_available(z.device)
+    assert not ok and "not a CUDA GPU" in reason
+    with caplog.at_level(logging.WARNING, logger=vae_decode.__name__):
+        frames = fast_decode(tiny_vae, z, out_dtype=torch.uint8)
+        video = fast_decode(tiny_vae, z, out_dtype=torch.bfloat16)
+    records = [r for r in caplog.records if r.name == vae_decode.__name__]
+    print("logged:", [r.getMessage() for r in records])
+    assert len(records) == 1 and "not a CUDA GPU" in records[0].getMessage()
+    want = ((ref[0].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0)
+    assert torch.equal(frames, want)
+    assert video.dtype == torch.bfloat16 and video.shape == ref.shape
+
+
+@pytest.mark.gpu
+def test_fast_decode_on_gpu_close_to_fp32_reference(tiny_vae, latents_and_reference) -> None:
+    """bf16 fast decode on a Hopper GPU vs the fp32 CPU reference: PSNR well above 40 dB."""
+    ok, reason = vae_decode.fast_decode_available("cuda")
+    if not ok:
+        pytest.skip(reason)
+    z, ref = latents_and_reference
+    vae = tiny_vae.to("cuda")
+    try:
+        video = fast_decode(vae, z.cuda(), out_dtype=torch.bfloat16).float().cpu()
+    finally:
+        tiny_vae.to("cpu")
+    mse = (video - ref).pow(2).mean().item()
+    db = 10 * math.log10(4 / max(mse, 1e-20))
+    print(f"GPU bf16 fast decode vs fp32 reference: PSNR {db:.1f} dB")
+    assert video.shape == ref.shape and db > 40
+
+
+def _fake_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -> None:
+    monkeypatch.setattr(vae_decode, "_AVAILABLE", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+
+
+def test_non_hopper_gpu_is_refused_with_its_architecture(monkeypatch) -> None:
+    _fake_gpu(monkeypatch, (8, 0))
+    ok, reason = vae_decode.fast_decode_available("cuda:0")
+    print("reason:", reason)
+    assert not ok and "sm_80" in reason and "Hopper" in reason
+
+
+def test_failed_kernel_build_is_a_fallback_not_an_error(monkeypatch) -> None:
+    _fake_gpu(monkeypatch, (9, 0))
+
+    def broken(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("ptxas failed")
+
+    monkeypatch.setattr(vae_decode.vae_ops, "rms_norm_act", broken)
+    monkeypatch.setattr(torch, "randn", lambda *a, **k: torch.zeros(37, 96))  # no real GPU here
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(96))
+    ok, reason = vae_decode.fast_decode_available("cuda:0")
+    print("reason:", reason)
+    assert not ok and "failed to build or run" in reason and "ptxas failed" in reason
