@@ -612,7 +612,8 @@ def _parse_sweep(node: _Node | None, ctx: _Ctx) -> dict[str, list[Any]]:
     return sweep
 
 
-def _sha256_file(path: str) -> str:
+def sha256_file(path: str | Path) -> str:
+    """Content hash of a file, read in 1 MiB blocks (images here, artifacts in the runner)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -678,7 +679,7 @@ def _expand(raw_jobs: list[_RawJob], *, model: str, preset_name: str, preset: di
                 merged["image"] = str((ctx.base_dir / Path(combo["image"]).expanduser()).resolve())
             image = merged["image"]
             if image is not None and image not in ctx.image_hashes and Path(image).is_file():
-                ctx.image_hashes[image] = _sha256_file(image)
+                ctx.image_hashes[image] = sha256_file(image)
             image_sha = None if image is None else ctx.image_hashes.get(image)
             jobs.append(JobSpec(
                 name=merged["name"], model=model, prompt=merged["prompt"],

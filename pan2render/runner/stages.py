@@ -21,6 +21,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from pan2render.jobs.batch import sha256_file
+
 EMBED_CACHE = Path("_cache") / "embeddings"
 LATENTS_NAME = "latents.safetensors"
 VIDEO_NAME = "video.mp4"
@@ -78,14 +80,6 @@ def unpack_latents(data: bytes) -> torch.Tensor:
 # ------------------------------------------------------------------ durable writes
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_atomic(path: Path, data: bytes) -> None:
