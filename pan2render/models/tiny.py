@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-TINY_VERSION = 1
+TINY_VERSION = 2
 TINY_SEED = 20261130
 
 # Same architecture as Wan2.2-TI2V-5B (48 latent channels, 16x spatial / 4x temporal VAE, patch
@@ -28,13 +28,14 @@ TINY_SEED = 20261130
 TINY_DIT_CONFIG = {
     "_class_name": "WanTransformer3DModel",
     "patch_size": [1, 2, 2],
-    "num_attention_heads": 2,
-    "attention_head_dim": 24,
+    # 8 heads so sequence-parallel groups of 2, 4 and 8 can split them (Ulysses needs heads % N == 0).
+    "num_attention_heads": 8,
+    "attention_head_dim": 12,
     "in_channels": 48,
     "out_channels": 48,
     "text_dim": 32,
     "freq_dim": 32,
-    "ffn_dim": 96,
+    "ffn_dim": 192,
     "num_layers": 2,
     "cross_attn_norm": True,
     "qk_norm": "rms_norm_across_heads",
