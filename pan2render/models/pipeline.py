@@ -161,6 +161,15 @@ class PAN2Pipeline:
         pipe._apply_switches()
         return pipe
 
+    def parallelize(self, group: "torch.distributed.ProcessGroup | None") -> "PAN2Pipeline":
+        """Make this pipeline sequence-parallel over an initialised torch.distributed ``group``
+        (issue 6): Ulysses DiT + split decode, applied from outside by ``pan2render.parallel``.
+        Returns self. Every rank then calls ``sample`` with identical arguments (same latents
+        everywhere); ``decode`` returns the frames on rank 0 and None on the other ranks."""
+        from ..parallel import parallelize_pipeline
+
+        return parallelize_pipeline(self, group)
+
     def _apply_switches(self) -> None:
         try:
             from ..kernels import set_fused_kernels
@@ -308,8 +317,9 @@ class PAN2Pipeline:
     # ----------------------------------------------------------------------------------------
     # Decoding
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Normalised latents ``[48, T, h, w]`` (or ``[1, 48, T, h, w]``) -> uint8 CPU ``[F, H, W, 3]``."""
+    def decode(self, latents: torch.Tensor) -> torch.Tensor | None:
+        """Normalised latents ``[48, T, h, w]`` (or ``[1, 48, T, h, w]``) -> uint8 CPU ``[F, H, W, 3]``
+        (None on ranks other than 0 of a parallelized pipeline with vae_decode_kernel_parallel)."""
         if latents.dim() == 4:
             latents = latents[None]
         if latents.dim() != 5 or latents.shape[0] != 1 or latents.shape[1] != self.vae.config.z_dim:
@@ -317,6 +327,13 @@ class PAN2Pipeline:
         if not bool(torch.isfinite(latents).all()):
             raise FloatingPointError("non-finite values in the latents to decode")
         z = self.vae.denormalize_latents(latents.to(self.device, torch.float32))
+        if self.process_group is not None and self.config.vae_decode_kernel_parallel:
+            # Sequence-parallel group (issue 6, pan2render/parallel/decode.py): one decode split
+            # over the ranks; the frames on rank 0, None on the other ranks.
+            from ..parallel.decode import decode_on_group
+
+            grouped = decode_on_group(self, z)
+            return None if grouped is None else grouped.cpu()
         frames = self._decode_fast(z)
         if frames is None:
             vae_dtype = next(self.vae.parameters()).dtype

@@ -1,0 +1,47 @@
+"""Sequence-parallel groups (issue 6): applied to a plain pipeline from outside.
+
+- `parallelize_dit` (ulysses.py): Ulysses sequence parallelism for the PAN2 DiT;
+- `pipelined_decode` / `decode_on_group` (decode.py): ``vae_decode_kernel_parallel``, one VAE
+  decode split over the group, the frames on rank 0;
+- `parallelize_pipeline`: both, for `PAN2Pipeline.parallelize(group)` (what the runner calls once
+  per actor after ``init_process_group``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from .decode import agree_fast_decode, decode_on_group, pipelined_decode
+from .group import SequenceGroup
+from .ulysses import SequenceParallelDiT, UlyssesAttention, parallelize_dit
+
+__all__ = [
+    "SequenceGroup",
+    "SequenceParallelDiT",
+    "UlyssesAttention",
+    "agree_fast_decode",
+    "decode_on_group",
+    "parallelize_dit",
+    "parallelize_pipeline",
+    "pipelined_decode",
+]
+
+
+def parallelize_pipeline(pipe: Any, group: dist.ProcessGroup | SequenceGroup | None) -> Any:
+    """Make a `PAN2Pipeline` sequence-parallel over ``group`` (in place; returns it).
+
+    After this, every rank calls ``pipe.sample(...)`` with identical arguments and gets the same
+    full latents; ``pipe.decode(latents)`` returns the frames on rank 0 and None on the other
+    ranks when ``config.vae_decode_kernel_parallel`` is on (every rank decodes the whole video
+    itself when it is off). A group of one leaves the pipeline as it is.
+    """
+    seq = group if isinstance(group, SequenceGroup) else SequenceGroup.of(group)
+    if seq.world_size == 1:
+        return pipe
+    if pipe.process_group is not None:
+        raise ValueError("this pipeline is already parallelized; build a new one for another group")
+    pipe.dit = parallelize_dit(pipe.dit, seq)
+    pipe.process_group = seq
+    return pipe

@@ -1,0 +1,80 @@
+"""Small helpers over a torch.distributed process group (the runner creates the group).
+
+Everything here takes the group as given: this package never calls ``init_process_group``. The
+collectives are the few the sequence-parallel DiT and the split decode need, written so that they
+run on gloo (CPU tests) and NCCL (GPUs) alike: gloo has no ``all_gather_into_tensor``, so the
+gather goes through ``all_gather`` with a list.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["SequenceGroup", "all_gather_seq", "all_reduce_and", "all_to_all_dim0"]
+
+
+@dataclass(frozen=True)
+class SequenceGroup:
+    """A process group with its size and this process's rank in it, resolved once."""
+
+    group: dist.ProcessGroup | None  # None: the default (WORLD) group
+    rank: int  # this process's rank in ``group``
+    world_size: int  # number of ranks in ``group``
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in a group of {self.world_size}")
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup | None) -> SequenceGroup:
+        """Resolve ``group`` (None: WORLD). Needs ``torch.distributed`` initialised."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call init_process_group (the runner does it for a "
+                "group of GPUs) before parallelizing a pipeline"
+            )
+        return cls(group=group, rank=dist.get_rank(group), world_size=dist.get_world_size(group))
+
+    @property
+    def backend(self) -> str:
+        return str(dist.get_backend(self.group))
+
+    def global_rank(self, rank: int) -> int:
+        """The global rank of group rank ``rank`` (what point-to-point calls take)."""
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+
+def all_to_all_dim0(x: Tensor, group: SequenceGroup) -> Tensor:
+    """Chunk i of ``x`` along dim 0 goes to rank i; returns the chunks received, source-rank major.
+
+    x ``[N, ...]`` with N = world size, contiguous -> ``[N, ...]`` where out[j] came from rank j.
+    """
+    if x.shape[0] != group.world_size:
+        raise ValueError(f"all_to_all_dim0: dim 0 is {x.shape[0]}, expected the world size {group.world_size}")
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x.contiguous(), group=group.group)
+    return out
+
+
+def all_gather_seq(x: Tensor, group: SequenceGroup, *, dim: int) -> Tensor:
+    """Concatenate every rank's ``x`` (same shape everywhere) along ``dim``, in rank order."""
+    parts = [torch.empty_like(x) for _ in range(group.world_size)]
+    dist.all_gather(parts, x.contiguous(), group=group.group)
+    return torch.cat(parts, dim=dim)
+
+
+def all_reduce_and(flag: bool, group: SequenceGroup, *, device: torch.device) -> tuple[bool, list[bool]]:
+    """Whether ``flag`` holds on every rank, and each rank's flag (rank order).
+
+    One all-gather of a 1-element tensor (on ``device``: NCCL needs CUDA tensors), so every rank
+    learns which ranks said no and can name them in the one log line.
+    """
+    mine = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    parts = [torch.empty_like(mine) for _ in range(group.world_size)]
+    dist.all_gather(parts, mine, group=group.group)
+    flags = [bool(p.item()) for p in parts]
+    return all(flags), flags

@@ -1,0 +1,278 @@
+"""Ulysses sequence parallelism for the PAN2 DiT, applied to the plain model from outside.
+
+``parallelize_dit(model, group)`` returns a `SequenceParallelDiT`: same call signature as
+`PAN2DiT` (``forward(x, timestep, context)``, ``prepare_context``, ``config``), same full output on
+every rank. Inside, in this order (DeepSpeed-Ulysses, arXiv:2309.14509):
+
+1. every rank patchifies the whole latent (one cheap strided conv) and keeps its shard of the
+   token sequence: ``s = ceil(L / N)`` tokens from ``rank * s``; the last shard(s) are padded with
+   zero tokens up to ``s``, so every all-to-all moves equal chunks;
+2. the blocks run on the shard. Everything in a block is per token except self-attention: AdaLN
+   modulation (the per-token timestep index sliced to the shard), Q/K RMSNorm (across all heads,
+   i.e. over one token's 3072 features), RoPE (the shard's rows of the table, computed for its
+   position offset), cross-attention (every rank holds the whole text K/V), the feed-forward;
+3. self-attention (`UlyssesAttention`, installed as each block's ``attn1.attention_fn``): one
+   all-to-all turns (all heads, my tokens) into (my heads, all tokens) for q, k and v together;
+   the padding tokens, which sit at the end of the padded global sequence, are sliced off before
+   the attention call, so they are never attended to and never attend; the output is padded back
+   and a second all-to-all returns (all heads, my tokens). Everything stays token-major (one
+   packing copy in, one unpacking copy out). Optionally (``chunks``) the rank's heads go in
+   groups whose exchanges overlap the other groups' attention (`UlyssesAttention`);
+4. the head (final AdaLN + proj_out) runs on the shard; an all-gather concatenates the shards and
+   drops the padding; every rank unpatchifies the same full velocity, so the sampler steps
+   identically everywhere and every rank ends with the same latents.
+
+Heads must divide by the group size (24 heads: groups of 2, 3, 4, 6, 8). The attention backend
+is whatever ``attn1.attention_fn`` was when parallelized (kept as ``UlyssesAttention.inner``): set
+the backend before calling ``parallelize_dit`` or assign ``attn1.attention_fn.inner`` after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pan2render.models.dit import ContextCache, PAN2DiT, TimestepConditioning
+
+from .group import SequenceGroup, all_gather_seq
+
+__all__ = ["SequenceParallelDiT", "ShardLayout", "UlyssesAttention", "default_chunks", "parallelize_dit"]
+
+AttentionFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where this rank's tokens sit in the sequence of one forward call."""
+
+    num_tokens: int  # L, the real sequence length
+    world_size: int  # N
+    rank: int
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"bad shard layout: {self.num_tokens} tokens, rank {self.rank} of {self.world_size}")
+
+    @property
+    def shard(self) -> int:
+        """Tokens per rank after padding: ceil(L / N)."""
+        return -(-self.num_tokens // self.world_size)
+
+    @property
+    def padded(self) -> int:
+        """The padded sequence length N * shard (padding at the end)."""
+        return self.shard * self.world_size
+
+    @property
+    def start(self) -> int:
+        """First real token of this rank (clamped to L for an all-padding shard)."""
+        return min(self.rank * self.shard, self.num_tokens)
+
+    @property
+    def length(self) -> int:
+        """Real tokens on this rank (shard minus its padding)."""
+        return min(self.start + self.shard, self.num_tokens) - self.start
+
+
+class UlyssesAttention:
+    """Self-attention of the whole sequence computed from sequence shards (see the module doc).
+
+    Call signature of `pan2render.models.dit_ops.attention`: q, k, v ``[B, H, s, D]`` (this
+    rank's padded shard, all heads) -> ``[B, H, s, D]``.
+
+    With ``chunks`` > 1 the heads a rank attends are processed in groups so the all-to-alls
+    overlap the attention: every group's input exchange is posted at once (they run on the communication
+    stream while the compute stream attends the groups already received), and each group's output
+    exchange starts as soon as its attention is done. Only the first input and the last output
+    exchange stay exposed.
+    """
+
+    def __init__(self, inner: AttentionFn, *, group: SequenceGroup, owner: SequenceParallelDiT,
+                 chunks: int = 1) -> None:
+        self.inner = inner
+        self.group = group
+        self.chunks = chunks
+        self._owner = owner  # holds the layout of the forward in progress
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        layout = self._owner.layout
+        if layout is None:
+            raise RuntimeError(
+                "UlyssesAttention called outside SequenceParallelDiT.forward: call the parallel wrapper, "
+                "not the wrapped model's blocks"
+            )
+        n, c = self.group.world_size, self.chunks
+        batch, heads, shard, head_dim = q.shape
+        if shard != layout.shard:
+            raise RuntimeError(f"attention got a shard of {shard} tokens, expected {layout.shard}")
+        hn = heads // n  # heads per rank
+        hc = hn // c  # heads per chunk
+        # Everything stays token-major ([.., tokens, heads, D] in memory), the layout the Q/K kernel
+        # writes and cuDNN reads as strided views: one packing copy per tensor on the way in, one
+        # unpacking copy on the way out (bench: head-major repacking cost ~9% of a group step).
+        # (all heads, my tokens) -> (my heads, all tokens), per chunk and per q/k/v:
+        # [B, H, s, D] viewed token-major [B, s, N, C, H/(NC), D] -> send [N, B, s, H/(NC), D].
+        packed = [_token_major(t).unflatten(2, (n, c, hc)) for t in (q, k, v)]
+        received = [
+            [_all_to_all(t[:, :, :, i].permute(2, 0, 1, 3, 4), self.group) for t in packed] for i in range(c)
+        ]  # all posted now
+        del packed
+        outputs = []
+        for i in range(c):
+            # [N (source rank = token block), B, s, H/(NC), D] -> [B, H/(NC), L, D] token-major views;
+            # the padding is the tail of the padded sequence: sliced off, never attended.
+            q_all, k_all, v_all = (
+                _all_tokens(pending.wait(), layout.num_tokens) for pending in received[i]
+            )
+            out = self.inner(q_all, k_all, v_all)  # [B, H/(NC), L, D]
+            del q_all, k_all, v_all
+            back = out.transpose(1, 2)  # [B, L, H/(NC), D]
+            if layout.padded > layout.num_tokens:
+                back = F.pad(back, (0, 0, 0, 0, 0, layout.padded - layout.num_tokens))
+            # (my heads, all tokens) -> (all heads, my tokens): chunk j = token block j.
+            back = back.unflatten(1, (n, shard)).transpose(0, 1)  # [N, B, s, H/(NC), D]
+            outputs.append(_all_to_all(back, self.group))
+            del out, back
+        del received
+        # outputs[i]: [N (source rank = head group), B, s, H/(NC), D]; head = (rank, chunk, h).
+        # Built as [B, s, H, D] so the caller's transpose(1, 2).flatten(2) is a view, not a copy.
+        rows = torch.stack([o.wait().permute(1, 2, 0, 3, 4) for o in outputs], dim=3)  # [B, s, N, C, H/(NC), D]
+        return rows.reshape(batch, shard, heads, head_dim).transpose(1, 2)  # [B, H, s, D]
+
+
+def _token_major(t: Tensor) -> Tensor:
+    """``[B, H, L, D]`` -> ``[B, L, H, D]`` (a view when t is a token-major view, else a copy)."""
+    return t.transpose(1, 2)
+
+
+def _all_tokens(recv: Tensor, num_tokens: int) -> Tensor:
+    """Received token blocks ``[N, B, s, h, D]`` -> ``[B, h, L, D]`` (token-major, padding dropped)."""
+    n, batch, shard, heads, head_dim = recv.shape
+    if batch == 1:
+        rows = recv.view(1, n * shard, heads, head_dim)  # the blocks are consecutive: no copy
+    else:
+        rows = recv.transpose(0, 1).reshape(batch, n * shard, heads, head_dim)
+    return rows[:, :num_tokens].transpose(1, 2)
+
+
+class _Pending:
+    """An all-to-all in flight; ``wait()`` returns its output (on NCCL the compute stream waits)."""
+
+    def __init__(self, out: Tensor, work: object) -> None:
+        self.out, self.work = out, work
+
+    def wait(self) -> Tensor:
+        self.work.wait()  # type: ignore[attr-defined]
+        return self.out
+
+
+def _all_to_all(x: Tensor, group: SequenceGroup) -> _Pending:
+    """Asynchronous `all_to_all_dim0`: chunk j of ``x`` (dim 0) to rank j."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    return _Pending(out, dist.all_to_all_single(out, x, group=group.group, async_op=True))
+
+
+def default_chunks(heads_per_rank: int) -> int:
+    """Head groups per rank for the overlap. 1: on 2 H200s the overlap measured no gain (0.938 s
+    with 4 groups vs 0.932 s with 1 per guided step; docs/perf_parallel.md), the exchanges being
+    ~2% of the step; kept as an option for slower links."""
+    return 1
+
+
+class SequenceParallelDiT(nn.Module):
+    """A `PAN2DiT` run sequence-parallel over a process group; made by `parallelize_dit`."""
+
+    def __init__(self, model: PAN2DiT, group: SequenceGroup, *, chunks: int | None = None) -> None:
+        super().__init__()
+        heads = model.config.num_attention_heads
+        if heads % group.world_size:
+            raise ValueError(
+                f"num_attention_heads={heads} does not divide by the group size {group.world_size}: Ulysses "
+                f"gives each rank whole heads; use a group size that divides {heads}"
+            )
+        per_rank = heads // group.world_size
+        chunks = default_chunks(per_rank) if chunks is None else chunks
+        if chunks < 1 or per_rank % chunks:
+            raise ValueError(f"chunks={chunks}: must be >= 1 and divide the {per_rank} heads per rank")
+        self.model = model
+        self.group = group
+        self.config = model.config
+        self.layout: ShardLayout | None = None  # set for the duration of one forward
+        for block in model.blocks:
+            attn = block.attn1
+            if isinstance(attn.attention_fn, UlyssesAttention):
+                raise ValueError("this DiT is already sequence-parallel; parallelize the plain model once")
+            attn.attention_fn = UlyssesAttention(attn.attention_fn, group=group, owner=self, chunks=chunks)
+
+    def prepare_context(self, context: Tensor) -> ContextCache:
+        """The text K/V of every block; the same on every rank (cross-attention stays local)."""
+        return self.model.prepare_context(context)
+
+    def forward(self, x: Tensor, timestep: Tensor, context: Tensor | ContextCache) -> Tensor:
+        """Same contract as `PAN2DiT.forward`; the full ``[B, C, T, h, w]`` result on every rank."""
+        m = self.model
+        grid = m.token_grid(x.shape)
+        batch, num_tokens = x.shape[0], math.prod(grid)
+        cache = context if isinstance(context, ContextCache) else m.prepare_context(context)
+        if cache.batch_size != batch:
+            raise ValueError(f"context batch {cache.batch_size} != latent batch {batch}")
+        layout = ShardLayout(num_tokens=num_tokens, world_size=self.group.world_size, rank=self.group.rank)
+        time = m.embed_timesteps(timestep, batch_size=batch, num_tokens=num_tokens, dtype=cache.dtype)
+        local_time = _shard_time(time, layout)
+        rope = _shard_rope(m.rope(grid, start=layout.start, length=layout.length, device=x.device), layout)
+        tokens = m.patchify(x)[:, layout.start : layout.start + layout.length]  # [B, <=s, dim]
+        tokens = _pad_rows(tokens, layout.shard, dim=1)  # [B, s, dim]
+        self.layout = layout
+        try:
+            tokens = m.run_blocks(tokens, time=local_time, context=cache, rope=rope)
+        finally:
+            self.layout = None
+        out = m.head(tokens, time=local_time)  # [B, s, C * pt * ph * pw]
+        full = all_gather_seq(out, self.group, dim=1)[:, :num_tokens]  # [B, L, C * pt * ph * pw]
+        return m.unpatchify(full, grid)
+
+
+def _pad_rows(x: Tensor, rows: int, *, dim: int, value: float = 0.0) -> Tensor:
+    missing = rows - x.shape[dim]
+    if missing == 0:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, missing]
+    return F.pad(x, pad, value=value)
+
+
+def _shard_time(time: TimestepConditioning, layout: ShardLayout) -> TimestepConditioning:
+    """The conditioning for this shard; padding tokens take row 0 (any valid row: they are dropped)."""
+    if time.index.ndim == 1:  # one timestep per sample: nothing per token
+        return time
+    index = time.index[:, layout.start : layout.start + layout.length]
+    return dataclasses.replace(time, index=_pad_rows(index, layout.shard, dim=1))
+
+
+def _shard_rope(rope: tuple[Tensor, Tensor], layout: ShardLayout) -> tuple[Tensor, Tensor]:
+    """RoPE rows ``[length, D/2]`` padded to ``[s, D/2]`` with the identity rotation (cos 1, sin 0)."""
+    cos, sin = rope
+    return _pad_rows(cos, layout.shard, dim=0, value=1.0), _pad_rows(sin, layout.shard, dim=0)
+
+
+def parallelize_dit(
+    model: PAN2DiT, group: dist.ProcessGroup | SequenceGroup | None, *, chunks: int | None = None
+) -> PAN2DiT | SequenceParallelDiT:
+    """Apply Ulysses sequence parallelism to a plain `PAN2DiT` (in place: its self-attention call
+    sites are wrapped) and return the wrapper to call. A group of one returns the model itself.
+
+    ``group``: an initialised torch.distributed group (None: WORLD). Every rank must call the
+    returned module with identical arguments; every rank gets the full output. ``chunks``: head
+    groups per rank for overlapping the all-to-alls with attention (default `default_chunks`).
+    """
+    seq = group if isinstance(group, SequenceGroup) else SequenceGroup.of(group)
+    if seq.world_size == 1:
+        return model
+    return SequenceParallelDiT(model, seq, chunks=chunks)

@@ -1,0 +1,411 @@
+#!/usr/bin/env python3
+"""Benchmark sequence-parallel groups (issue 6): a guided sampling step and the VAE decode, on one
+GPU and on a group of N (default 2), in ONE run, printing the ratios and the memory per rank.
+
+- DiT: the full-size random-weight PAN2 DiT (Wan2.2-TI2V-5B config) built directly on each GPU in
+  bf16 (time embedder, modulation tables and norms kept in fp32, as the loader does), at
+  704x1248x121 (latent 48x31x44x78 -> 26,598 tokens, 512 text tokens). A guided step = the
+  conditional and the unconditional forward (batch 1 each, text K/V prepared once, as
+  `PAN2Pipeline` does) + the guidance combine + a flow update. Fused DiT kernels and the chosen
+  attention backend are used where `pan2render.kernels` provides them (else the eager ops), the
+  same on one GPU and in the group. One GPU = rank 0 alone while the others wait; then
+  `parallelize_dit` and the whole group.
+- Decode: the full-size random-weight Wan2.2 VAE, raw latents 48x31x44x78 -> 121x704x1248 uint8.
+  The ranks first agree on the fast decoder (`agree_fast_decode`); one GPU runs the shipped
+  single-GPU decoder (`FastWanDecoder.decode`, or `WanVAE.decode` in bf16 on the reference path),
+  the group runs `pipelined_decode`. Both warm up on 3 latent frames (cuDNN autotuning) first.
+
+Timings: the min of --reps, each between barriers, the group's time = the slowest rank. Memory:
+`torch.cuda.max_memory_allocated` per rank and phase (weights included).
+
+GPU host:   torchrun is not needed: python scripts/bench_parallel.py --json $OUT/parallel.json
+CPU smoke:  python scripts/bench_parallel.py --tiny   (gloo, tiny sizes; checks the script only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pan2render.models.dit import PAN2DiT, PAN2DiTConfig  # noqa: E402
+from pan2render.models.vae import WanVAE, WanVAEConfig  # noqa: E402
+from pan2render.parallel import agree_fast_decode, parallelize_dit, pipelined_decode  # noqa: E402
+from pan2render.parallel.group import SequenceGroup  # noqa: E402
+
+KEEP_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")  # as pipeline.DIT_KEEP_IN_FP32
+FULL = dict(frames=31, height=44, width=78, text=512)  # latent sizes of 704x1248x121
+TINY = dict(frames=3, height=6, width=10, text=16)
+TINY_DIT = dict(num_attention_heads=4, attention_head_dim=12, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2)
+TINY_VAE = dict(base_dim=8, decoder_base_dim=8, num_res_blocks=1)
+
+
+def log(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gib(n: float) -> float:
+    return round(n / 2**30, 2)
+
+
+def timed(fn: Callable[[], Any], *, device: torch.device, reps: int, group: bool) -> tuple[float, Any]:
+    """Min seconds over ``reps`` (each between barriers when ``group``); the slowest rank's time."""
+    best, out = math.inf, None
+    for _ in range(reps):
+        out = None
+        if group:
+            dist.barrier()
+        sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        sync(device)
+        elapsed = time.perf_counter() - t0
+        if group:
+            t = torch.tensor([elapsed], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            elapsed = float(t.item())
+        best = min(best, elapsed)
+    return best, out
+
+
+def peak_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peaks(device: torch.device, world: int) -> list[float]:
+    """Peak GiB allocated on every rank since the last reset (all-gathered, rank order)."""
+    mine = torch.tensor([torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0],
+                        dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine)
+    return [gib(float(p.item())) for p in parts]
+
+
+def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.float() - ref.float()).norm() / ref.float().norm())
+
+
+# ---- DiT -----------------------------------------------------------------------------------------
+
+
+def build_dit(config: PAN2DiTConfig, device: torch.device, dtype: torch.dtype) -> PAN2DiT:
+    """Random weights, created directly on the device in dtype (seeded: the same on every rank)."""
+    prev = torch.get_default_dtype()
+    torch.manual_seed(0)
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device(device):
+            model = PAN2DiT(config).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    model.requires_grad_(False)
+    for name, p in model.named_parameters():
+        if any(k in name for k in KEEP_FP32):
+            p.data = p.data.float()
+    return model
+
+
+def use_fast_paths(model: PAN2DiT) -> str:
+    """Fused DiT ops + the chosen attention backend where pan2render.kernels has them."""
+    import dataclasses
+
+    from pan2render.models.dit_ops import TORCH_OPS, DiTOps
+
+    used = []
+    try:
+        from pan2render.kernels import dit_fused
+
+        eager = {f.name: getattr(TORCH_OPS, f.name) for f in dataclasses.fields(DiTOps)}
+        model.set_ops(DiTOps(**dit_fused.routed_dit_ops(eager)))
+        dit_fused.set_fused_kernels(True)
+        used.append("fused DiT kernels")
+    except Exception as e:  # noqa: BLE001 - bench what exists, say what did not
+        used.append(f"eager ops ({type(e).__name__}: {e})")
+    try:
+        from pan2render.kernels import attention as attn_mod
+
+        for block in model.blocks:
+            block.attn1.attention_fn = attn_mod.attention
+            block.attn2.attention_fn = attn_mod.attention
+        used.append("kernels.attention backend choice")
+    except Exception as e:  # noqa: BLE001
+        used.append(f"SDPA default order ({type(e).__name__}: {e})")
+    return ", ".join(used)
+
+
+def profile_step(fn: Callable[[], Any], device: torch.device, rank: int, what: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    wall = time.perf_counter() - t0
+    if rank != 0:
+        return
+    events = prof.key_averages()
+    gpu = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e6
+    print(f"--- profile of one {what} on rank 0: wall {wall:.3f} s (profiled), GPU self time {gpu:.3f} s")
+    for key in ("self_device_time_total", "self_cuda_time_total"):
+        try:
+            print(events.table(sort_by=key, row_limit=22, max_name_column_width=70))
+            break
+        except Exception as e:  # noqa: BLE001 - the key's name changed across torch versions
+            print(f"(sort by {key} failed: {e})")
+
+
+def bench_dit(rank: int, world: int, device: torch.device, args: argparse.Namespace, res: dict) -> None:
+    size = TINY if args.tiny else FULL
+    config = PAN2DiTConfig(**TINY_DIT) if args.tiny else PAN2DiTConfig()
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    t0 = time.perf_counter()
+    model = build_dit(config, device, dtype)
+    res["dit_paths"] = use_fast_paths(model)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, config.in_channels, size["frames"], size["height"], size["width"], generator=gen)
+    x = x.to(device, dtype)
+    cond = torch.randn(1, size["text"], config.text_dim, generator=gen).to(device, dtype)
+    uncond = torch.randn(1, size["text"], config.text_dim, generator=gen).to(device, dtype)
+    t = torch.tensor([900.0], device=device)
+    with torch.inference_mode():
+        cond_kv, uncond_kv = model.prepare_context(cond), model.prepare_context(uncond)
+    tokens = size["frames"] * (size["height"] // 2) * (size["width"] // 2)
+    log(rank, f"DiT built on every GPU in {time.perf_counter() - t0:.1f} s; {tokens} tokens; {res['dit_paths']}")
+
+    def step(dit: torch.nn.Module) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            with torch.inference_mode():
+                pred = dit(x, t, cond_kv)
+                pred_uncond = dit(x, t, uncond_kv)
+                velocity = pred_uncond + args.guidance * (pred - pred_uncond)
+                return x.float() - 0.02 * velocity.float()  # the sampler's update (Euler-sized)
+        return run
+
+    single = None
+    if rank == 0:  # one GPU: rank 0 alone, the others wait at the barrier
+        step(model)()  # warm-up (Triton / cuDNN builds)
+        peak_reset(device)
+        secs, single = timed(step(model), device=device, reps=args.reps, group=False)
+        res["step_1gpu_s"] = round(secs, 3)
+        res["step_1gpu_peak_gib"] = gib(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
+        if args.profile:
+            profile_step(step(model), device, rank, "1-GPU step")
+        log(rank, f"guided step, 1 GPU: {secs:.3f} s, peak {res['step_1gpu_peak_gib']} GiB")
+    dist.barrier()
+
+    sp = parallelize_dit(model, SequenceGroup.of(None))  # wraps the model's self-attention in place
+    step(sp)()  # warm-up (NCCL communicators, the shard's shapes)
+    peak_reset(device)
+    secs, grouped = timed(step(sp), device=device, reps=args.reps, group=True)
+    res["step_group_s"] = round(secs, 3)
+    res["step_group_peak_gib"] = peaks(device, world)
+    if rank == 0:
+        res["step_speedup"] = round(res["step_1gpu_s"] / secs, 3)
+        res["step_group_vs_1gpu_rel_l2"] = rel_l2(grouped, single)
+        log(rank, f"guided step, group of {world}: {secs:.3f} s -> {res['step_speedup']}x; peak per rank "
+                  f"{res['step_group_peak_gib']} GiB; rel L2 vs 1 GPU {res['step_group_vs_1gpu_rel_l2']:.2e}")
+    if args.profile:  # where a group step's time goes (rank 0), kernels by self GPU time
+        profile_step(step(sp), device, rank, "group step")
+    # The same without the overlap (one head group per rank: both all-to-alls exposed).
+    chunks = sp.model.blocks[0].attn1.attention_fn.chunks if hasattr(sp, "model") else 1
+    res["step_group_overlap_chunks"] = chunks
+    if chunks > 1:
+        for block in sp.model.blocks:
+            block.attn1.attention_fn.chunks = 1
+        step(sp)()
+        secs, _ = timed(step(sp), device=device, reps=args.reps, group=True)
+        res["step_group_no_overlap_s"] = round(secs, 3)
+        if rank == 0:
+            log(rank, f"guided step, group of {world} without the all-to-all overlap (chunks 1 vs {chunks}): "
+                      f"{secs:.3f} s -> {res['step_1gpu_s'] / secs:.3f}x")
+    del sp, model, cond_kv, uncond_kv, single, grouped
+    gc.collect()  # the wrapper and the model's wrapped attention refer to each other
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---- decode --------------------------------------------------------------------------------------
+
+
+def bench_decode(rank: int, world: int, device: torch.device, args: argparse.Namespace, res: dict) -> None:
+    size = TINY if args.tiny else FULL
+    config = WanVAEConfig(**TINY_VAE) if args.tiny else WanVAEConfig()
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    prev = torch.get_default_dtype()
+    torch.manual_seed(2)
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device(device):
+            vae = WanVAE(config).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    vae.requires_grad_(False)
+    z = torch.randn(1, config.z_dim, size["frames"], size["height"], size["width"],
+                    generator=torch.Generator().manual_seed(3)).to(device)
+    group = SequenceGroup.of(None)
+    fast, reason = agree_fast_decode(vae, group, device=device, enabled=not args.reference_decode_only)
+    res["decode_path"] = "fast" if fast else f"reference bf16 ({reason})"
+    log(rank, f"decode path agreed by all ranks: {res['decode_path']}")
+    paths = [fast] + ([False] if fast and args.also_reference_decode else [])
+    for use_fast in paths:
+        key = "fast" if use_fast else "reference"
+
+        def single_fn(latents: torch.Tensor, use_fast: bool = use_fast) -> Callable[[], torch.Tensor]:
+            def run() -> torch.Tensor:
+                if use_fast:
+                    from pan2render.kernels import vae_decode
+
+                    return vae_decode._decoder_for(vae, device).decode(latents, out_dtype=torch.uint8)
+                with torch.inference_mode():
+                    video = vae.decode(latents.to(dtype))
+                return ((video[0].float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0)
+            return run
+
+        def group_fn(latents: torch.Tensor, use_fast: bool = use_fast) -> Callable[[], torch.Tensor | None]:
+            return lambda: pipelined_decode(vae, latents, group, fast=use_fast, out_dtype=torch.uint8)
+
+        warm = z[:, :, : min(3, z.shape[2])]
+        one = None
+        if rank == 0:
+            single_fn(warm)()
+            peak_reset(device)
+            secs, one = timed(single_fn(z), device=device, reps=args.decode_reps, group=False)
+            res[f"decode_{key}_1gpu_s"] = round(secs, 3)
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+            res[f"decode_{key}_1gpu_peak_gib"] = gib(peak)
+            log(rank, f"decode ({key}), 1 GPU: {secs:.3f} s, peak {res[f'decode_{key}_1gpu_peak_gib']} GiB")
+        # Profile the split units on rank 0 alone (steady-state seconds per unit), for a measured cut.
+        measured: list[Any] = [None]
+        if rank == 0:
+            prof: dict[str, Any] = {"per_unit": True}
+            solo = SequenceGroup(group=None, rank=0, world_size=1)
+            secs, _ = timed(lambda: pipelined_decode(vae, z, solo, fast=use_fast, stats=prof), device=device,
+                            reps=1, group=False)
+            if "unit_s" in prof:
+                measured = [prof["unit_s"]]
+                res[f"decode_{key}_units_1gpu_s"] = round(secs, 3)
+                res[f"decode_{key}_unit_s"] = dict(zip(prof["units"], [round(u, 4) for u in prof["unit_s"]]))
+                log(rank, f"decode ({key}), the split's units run on 1 GPU: {secs:.3f} s; per unit (31 frames): "
+                          f"{res[f'decode_{key}_unit_s']}")
+        dist.broadcast_object_list(measured, src=0)
+        cuts = {"model": None} if measured[0] is None else {"model": None, "measured": measured[0]}
+        frames = None
+        for cut, costs in cuts.items():
+            group_fn(warm)()
+            peak_reset(device)
+            stats: dict[str, Any] = {}
+
+            def run(costs: Any = costs, stats: dict = stats) -> Any:
+                return pipelined_decode(vae, z, group, fast=use_fast, out_dtype=torch.uint8, stats=stats,
+                                        costs=costs)
+
+            secs, frames = timed(run, device=device, reps=args.decode_reps, group=True)
+            name = f"decode_{key}_group_{cut}_cut"
+            busy = [None] * world
+            dist.all_gather_object(busy, {"units": stats.get("units"), "busy_s": round(stats.get("busy_s", 0.0), 3)})
+            res[f"{name}_s"] = round(secs, 3)
+            res[f"{name}_peak_gib"] = peaks(device, world)
+            res[f"{name}_per_rank"] = busy
+            if rank == 0:
+                res[f"{name}_speedup"] = round(res[f"decode_{key}_1gpu_s"] / secs, 3)
+                diff = (frames.int() - one.int()).abs()
+                res[f"{name}_vs_1gpu_max_abs_uint8"] = int(diff.max())
+                res[f"{name}_vs_1gpu_mean_abs_uint8"] = float(diff.float().mean())
+                log(rank, f"decode ({key}), group of {world}, {cut} cut: {secs:.3f} s -> "
+                          f"{res[f'{name}_speedup']}x; peak per rank {res[f'{name}_peak_gib']} GiB; busy per "
+                          f"rank (last rep) {busy}; uint8 vs 1 GPU: max abs {int(diff.max())}, mean "
+                          f"{float(diff.float().mean()):.4f}; frames {tuple(frames.shape)}")
+        del one, frames
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ---- processes -----------------------------------------------------------------------------------
+
+
+def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=300))
+    res: dict[str, Any] = {"world": world, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+                           "torch": torch.__version__, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+    try:
+        import triton
+
+        res["triton"] = triton.__version__
+    except ImportError:
+        res["triton"] = None
+    try:
+        if not args.skip_dit:
+            bench_dit(rank, world, device, args, res)
+        if not args.skip_decode:
+            bench_decode(rank, world, device, args, res)
+    except Exception:  # noqa: BLE001 - keep what was measured
+        res["error"] = traceback.format_exc()
+        print(f"rank {rank}: {res['error']}", flush=True)
+        raise
+    finally:
+        if rank == 0:
+            print(json.dumps(res, indent=1), flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(res, indent=1))
+        dist.destroy_process_group()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2, help="group size (GPUs); default 2")
+    p.add_argument("--reps", type=int, default=3, help="timed guided steps (min is reported)")
+    p.add_argument("--decode-reps", type=int, default=2, help="timed decodes (min is reported)")
+    p.add_argument("--guidance", type=float, default=2.5)
+    p.add_argument("--tiny", action="store_true", help="CPU smoke test with tiny models (gloo)")
+    p.add_argument("--skip-dit", action="store_true")
+    p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--reference-decode-only", action="store_true", help="do not use the fast decoder")
+    p.add_argument("--also-reference-decode", action="store_true",
+                   help="when the fast decoder runs, also time the reference bf16 decode (1 GPU vs group)")
+    p.add_argument("--profile", action="store_true", help="profile one 1-GPU and one group guided step")
+    p.add_argument("--json", default=None, help="write the figures here")
+    args = p.parse_args()
+    if not args.tiny and (not torch.cuda.is_available() or torch.cuda.device_count() < args.world):
+        print(f"needs {args.world} CUDA GPUs (found {torch.cuda.device_count()}); use --tiny on CPU")
+        return 2
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the shared hosts
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(args.world, port, args), nprocs=args.world, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

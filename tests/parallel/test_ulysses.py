@@ -1,0 +1,134 @@
+"""Ulysses sequence-parallel DiT on gloo groups of 2 and 4: the same latents as one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from pan2render.models import PAN2Pipeline, PAN2PipelineConfig
+from pan2render.models.dit import PAN2DiT, PAN2DiTConfig
+from pan2render.models.scheduler import SchedulerConfig
+from pan2render.models.tiny import SCHEDULER_CONFIG, TINY_VAE_CONFIG
+from pan2render.models.vae import WanVAE, WanVAEConfig
+from pan2render.parallel import SequenceParallelDiT, parallelize_dit
+from pan2render.parallel.ulysses import ShardLayout
+
+from dist_helpers import max_rel, run_group
+
+# 96x160 px, 9 frames -> latent 3x6x10 -> token grid 3x3x5 = 45 tokens: 45 = 2*23 - 1 = 4*12 - 3,
+# so groups of 2 and 4 both pad their last shard (the padding must not change the result).
+T2V = dict(height=96, width=160, frames=9, steps=2, guidance=3.0, seed=7, sampler="unipc")
+I2V = dict(height=96, width=160, frames=9, steps=2, guidance=2.0, seed=11, sampler="euler")
+HEADS = 8  # 4 heads per rank at N=2, 2 at N=4 (the worker attends them in 4 / 2 overlap groups)
+
+
+def tiny_pipeline() -> PAN2Pipeline:
+    """An 8-head tiny PAN2 (the embedded tiny DiT has 2 heads, too few for a group of 4)."""
+    torch.manual_seed(0)  # the same weights in every process
+    dit = PAN2DiT(PAN2DiTConfig(num_attention_heads=HEADS, attention_head_dim=12, text_dim=32, freq_dim=32,
+                                ffn_dim=64, num_layers=2)).eval()
+    vae = WanVAE(WanVAEConfig.from_dict(TINY_VAE_CONFIG)).eval()
+    return PAN2Pipeline(dit=dit, vae=vae, text_encoder=None,
+                        scheduler_config=SchedulerConfig.from_dict(SCHEDULER_CONFIG),
+                        config=PAN2PipelineConfig(device="cpu", dtype=torch.float32), model_id="sp-test")
+
+
+def inputs() -> dict[str, object]:
+    gen = torch.Generator().manual_seed(1)
+    return {
+        "prompt_embeds": torch.randn(16, 32, generator=gen),
+        "negative_prompt_embeds": torch.randn(16, 32, generator=gen),
+        "image": np.random.default_rng(2).integers(0, 256, (100, 150, 3), dtype=np.uint8),
+    }
+
+
+def render(pipe: PAN2Pipeline) -> dict[str, torch.Tensor | None]:
+    x = inputs()
+    embeds = {k: x[k] for k in ("prompt_embeds", "negative_prompt_embeds")}
+    t2v = pipe.sample(**embeds, **T2V)
+    i2v = pipe.sample(**embeds, image=x["image"], **I2V)  # per-token timesteps (first frame at 0)
+    return {"t2v": t2v, "i2v": i2v, "frames": pipe.decode(t2v)}
+
+
+def batch2_forward(dit: torch.nn.Module) -> torch.Tensor:
+    """A direct DiT call at batch 2 with per-token timesteps (the pipeline only uses batch 1)."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 48, 3, 6, 10, generator=gen)
+    t = torch.rand(2, 45, generator=gen) * 1000
+    with torch.no_grad():
+        return dit(x, t, torch.randn(2, 16, 32, generator=gen))
+
+
+def _worker(rank: int, world: int, out: Path) -> None:
+    pipe = tiny_pipeline().parallelize(dist.group.WORLD)
+    assert isinstance(pipe.dit, SequenceParallelDiT)
+    for block in pipe.dit.model.blocks:  # exercise the overlap: one head group per head of the rank
+        block.attn1.attention_fn.chunks = HEADS // world
+    result = render(pipe)
+    result["batch2"] = batch2_forward(pipe.dit)
+    torch.save(result, out / f"rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, torch.Tensor | None]:
+    pipe = tiny_pipeline()
+    return {**render(pipe), "batch2": batch2_forward(pipe.dit)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_group_latents_match_one_process(world: int, tmp_path: Path, reference) -> None:
+    results = run_group(world, _worker, tmp_path)
+    for key in ("t2v", "i2v", "batch2"):
+        errs = [max_rel(r[key], reference[key]) for r in results]
+        print(f"group of {world}, {key}: max rel err per rank vs one process {['%.2e' % e for e in errs]}")
+        assert max(errs) < 1e-5
+        for r in results[1:]:  # the gathered velocity is the same bits everywhere -> same latents
+            assert torch.equal(r[key], results[0][key])
+    # Decoded on the group: uint8 frames on rank 0 only (the float comparison is in test_parallel_decode).
+    frames, want = results[0]["frames"], reference["frames"]
+    assert frames.shape == want.shape == (9, 96, 160, 3) and frames.dtype == torch.uint8
+    diff = (frames.int() - want.int()).abs()
+    print(f"group of {world}: uint8 frames vs one process: max abs diff {int(diff.max())}, "
+          f"{int((diff > 0).sum())} of {diff.numel()} values differ")
+    assert int(diff.max()) <= 1
+    assert all(r["frames"] is None for r in results[1:])
+
+
+@pytest.mark.parametrize("tokens,world", [(45, 4), (45, 2), (8, 4), (3, 4)])
+def test_shard_layout_covers_every_token_once(tokens: int, world: int) -> None:
+    layouts = [ShardLayout(num_tokens=tokens, world_size=world, rank=r) for r in range(world)]
+    covered = [i for lay in layouts for i in range(lay.start, lay.start + lay.length)]
+    assert covered == list(range(tokens))
+    assert all(lay.padded == world * lay.shard >= tokens > world * lay.shard - world for lay in layouts)
+
+
+def test_heads_must_divide_by_group() -> None:
+    from pan2render.parallel.group import SequenceGroup
+
+    model = tiny_pipeline().dit
+    with pytest.raises(ValueError, match="num_attention_heads=8 does not divide by the group size 3"):
+        parallelize_dit(model, SequenceGroup(group=None, rank=0, world_size=3))
+    assert parallelize_dit(model, SequenceGroup(group=None, rank=0, world_size=1)) is model
+
+
+def _tiny_checkpoint_worker(rank: int, world: int, out: Path) -> None:
+    pipe = PAN2Pipeline.from_pretrained("tiny", PAN2PipelineConfig(device="cpu")).parallelize(dist.group.WORLD)
+    latents = pipe.sample(prompt="a red kite over the sea", **T2V)
+    torch.save({"latents": latents, "frames": pipe.decode(latents)}, out / f"rank{rank}.pt")
+
+
+def test_tiny_checkpoint_group_of_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner's path: the embedded tiny model loaded on every rank, prompt text, group of 2."""
+    monkeypatch.setenv("PAN2_RENDER_CACHE", str(tmp_path / "cache"))
+    pipe = PAN2Pipeline.from_pretrained("tiny", PAN2PipelineConfig(device="cpu"))  # writes the checkpoint once
+    want = pipe.sample(prompt="a red kite over the sea", **T2V)
+    results = run_group(2, _tiny_checkpoint_worker, tmp_path)
+    errs = [max_rel(r["latents"], want) for r in results]
+    diff = int((results[0]["frames"].int() - pipe.decode(want).int()).abs().max())
+    print(f"tiny checkpoint, group of 2: latents max rel err per rank {['%.2e' % e for e in errs]}; "
+          f"uint8 frames max abs diff {diff}")
+    assert max(errs) < 1e-5 and diff <= 1 and results[1]["frames"] is None
