@@ -79,7 +79,7 @@ def reference() -> dict[str, torch.Tensor | None]:
     return {**render(pipe), "batch2": batch2_forward(pipe.dit)}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_group_latents_match_one_process(world: int, tmp_path: Path, reference) -> None:
     results = run_group(world, _worker, tmp_path)
     for key in ("t2v", "i2v", "batch2"):
