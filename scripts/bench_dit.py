@@ -16,7 +16,7 @@ default), at 704x1248x121 (latent 48x31x44x78 -> 26,598 tokens, 512 text tokens)
 6. relative L2 error vs an fp32 reference (diffusers in strict fp32, no TF32) of every bf16 output
    above (batch 1).
 
-Results of record: docs/perf_dit.md.
+Results of record: docs/performance.md.
 Usage (GPU host): python scripts/bench_dit.py --json out.json [--sample]
 CPU smoke test of the script itself: python scripts/bench_dit.py --tiny
 """

@@ -12,7 +12,7 @@ backend that cannot take the inputs hands over to the next one rather than faili
 - other CUDA GPUs: flash, memory-efficient, cuDNN, math;
 - CPU and the rest: flash (the CPU flash kernel), math.
 
-Measured on one H200 (docs/perf_dit.md): cuDNN 630-640 TFLOP/s on the self-attention shape in
+Measured on one H200 (docs/performance.md): cuDNN 630-640 TFLOP/s on the self-attention shape in
 isolation (flash 356) and 536 on the cross-attention one (flash 312), whatever the q/k/v layout, so
 cuDNN leads for both. ``split_batch`` (one batch entry at a time) and ``contiguous`` (copy to
 [B, H, L, D] first) exist because the issue expected them to pay; both measured slower in the DiT
@@ -51,7 +51,7 @@ class AttentionConfig:
     """'auto' (the device's order, see the module doc) or one of BACKENDS' names, forced."""
     split_batch: bool = False
     """Run batch entries one at a time when cuDNN leads the order. Off: in the DiT forward on an
-    H200 it measured slower (batch 2: 1.78 s split vs 1.72 s whole; docs/perf_dit.md)."""
+    H200 it measured slower (batch 2: 1.78 s split vs 1.72 s whole; docs/performance.md)."""
     contiguous: bool = False
     """Copy q / k / v to contiguous [B, H, L, D] before SDPA (when a layout is faster there)."""
     short_kv_backend: str = "auto"

@@ -34,7 +34,7 @@ FUSED_KERNEL_NAMES: frozenset[str] = frozenset({QK_NORM_ROPE, NORM_MODULATE, RES
 
 _enabled: frozenset[str] = FUSED_KERNEL_NAMES  # on by default where they apply (DESIGN.md section 5)
 # Whether the fused Q/K prologue writes q, k head-major ([B, H, L, D] contiguous, SDPA's native
-# layout) instead of token-major views; chosen by measurement (scripts/bench_dit.py, docs/perf_dit.md).
+# layout) instead of token-major views; chosen by measurement (scripts/bench_dit.py, docs/performance.md).
 QK_HEAD_MAJOR = False
 _interpreter_on_cpu = False
 _counts: Counter[str] = Counter()

@@ -20,7 +20,7 @@ Same math as diffusers' ``AutoencoderKLWan.decode`` / our ``WanVAE.decode`` (wei
 - Intermediates are dropped as soon as they are consumed; each decoded chunk is written straight
   into the preallocated output (uint8 ``[F, H, W, 3]`` or bf16 ``[B, 3, F, H, W]``).
 
-Measured on one H200 (docs/perf_vae_decode.md): 2.90 s at 704x1248x121, 1.98x diffusers bf16,
+Measured on one H200 (docs/performance.md): 2.90 s at 704x1248x121, 1.98x diffusers bf16,
 5.75 GiB peak above the resident weights, PSNR 53.5 dB against strict fp32.
 
 The first latent frame is special, as in the reference: the temporal upsamplers skip their time
@@ -59,7 +59,7 @@ class FastDecodeConfig:
 
     frames_per_pass: int = 1  # latent frames per pass after the first (which is always 1)
     # frames per sub-chunk through the last two up blocks and the head: 4 (one latent frame)
-    # measured 2.6% faster than 2 for ~1 GiB more peak (docs/perf_vae_decode.md)
+    # measured 2.6% faster than 2 for ~1 GiB more peak (docs/performance.md)
     hires_frames: int = 4
     # nearest-x2 + 3x3 conv as four 2x2 phase convs (one cuDNN call) + one Triton pass that
     # interleaves them with the bias and the shortcut; False: materialise the x2 frames (slower)
@@ -148,7 +148,7 @@ class FastWanDecoder:
         self.post_quant = g.linear("post_quant_conv")
         # conv_in's 48 input channels padded to 64 (zeros) for aligned channels-last rows. (Tried
         # against a slow sm80 "indexed" cuDNN kernel in run 2; it stayed in run 3, so that kernel
-        # belongs to another conv: docs/perf_vae_decode.md.)
+        # belongs to another conv: docs/performance.md.)
         self.z_width = -(-self.z_dim // _IN_CHANNEL_ALIGN) * _IN_CHANNEL_ALIGN
         self.conv_in = g.conv("decoder.conv_in", pad_in_to=self.z_width)
         self.mid_resnets = [g.resblock(f"decoder.mid_block.resnets.{i}") for i in range(2)]

@@ -182,7 +182,7 @@ def _all_to_all(x: Tensor, group: SequenceGroup) -> _Pending:
 
 def default_chunks(heads_per_rank: int) -> int:
     """Head groups per rank for the overlap. 1: on 2 H200s the overlap measured no gain (0.938 s
-    with 4 groups vs 0.932 s with 1 per guided step; docs/perf_parallel.md), the exchanges being
+    with 4 groups vs 0.932 s with 1 per guided step; docs/performance.md), the exchanges being
     ~2% of the step; kept as an option for slower links."""
     return 1
 
