@@ -154,6 +154,9 @@ def _save_component(folder: Path, config: dict, state_dict: dict[str, torch.Tens
 def _write_text_encoder(root: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar in a render log
 
     # A byte-level tokenizer with no merges: every string has a tokenisation, no files to fetch.
     specials = ["<pad>", "</s>", "<unk>"]
