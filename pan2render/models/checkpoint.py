@@ -146,9 +146,10 @@ def instantiate(
 ) -> M:
     """Build a model without random init and load a component's safetensors into it.
 
-    The module is constructed on the meta device (no memory, no init), the checkpoint tensors are
-    assigned in place of its parameters, and buffers the checkpoint does not hold (non-persistent
-    ones such as RoPE tables) are recomputed by building those submodules for real. Parameters whose
+    The module is constructed on the meta device (no memory, no random init: a 5B model builds in
+    milliseconds) and the checkpoint tensors are assigned in place of its parameters. Our models
+    keep no buffers outside the checkpoint (RoPE tables are computed per call), which is checked
+    here: a module that grew one would be left on the meta device. Parameters whose
     name contains one of ``keep_in_fp32`` stay fp32 (the modulation tables and norms, as diffusers
     keeps them), everything else floating point is cast to ``dtype``.
     """
@@ -164,40 +165,6 @@ def instantiate(
         else:
             state_dict[key] = t.to(device=device)
     model.load_state_dict(state_dict, strict=True, assign=True)
-    _materialise_meta_buffers(model, build, device=device)
+    stale = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not stale, f"tensors not filled from the checkpoint (non-persistent buffers?): {stale}"
     return model.eval().requires_grad_(False)
-
-
-def _materialise_meta_buffers(model: nn.Module, build: Callable[[], nn.Module], *, device: torch.device) -> None:
-    """Fill buffers left on the meta device (not stored in checkpoints) from a real construction."""
-    stale = [name for name, b in model.named_buffers() if b.is_meta]
-    if not stale:
-        return
-    # Only the owning submodules are rebuilt for real: build the model on meta again but with
-    # buffer creation on the target device is not expressible, so we rebuild it once on the CPU
-    # under no-init and copy just the buffers. Tiny for the buffers we have (RoPE tables, etc.).
-    with torch.device("cpu"), _no_param_init():
-        fresh = build()
-    fresh_buffers = dict(fresh.named_buffers())
-    for name in stale:
-        owner_name, _, buf_name = name.rpartition(".")
-        owner = model.get_submodule(owner_name) if owner_name else model
-        value = fresh_buffers[name].to(device)
-        persistent = buf_name not in owner._non_persistent_buffers_set
-        owner.register_buffer(buf_name, value, persistent=persistent)
-
-
-class _no_param_init:
-    """Skip nn.init's random initialisation while a throwaway model is built."""
-
-    _names = ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
-              "xavier_normal_", "trunc_normal_", "zeros_", "ones_", "constant_")
-
-    def __enter__(self) -> None:
-        self._saved = {n: getattr(nn.init, n) for n in self._names}
-        for n in self._names:
-            setattr(nn.init, n, lambda tensor, *a, **k: tensor)
-
-    def __exit__(self, *exc: object) -> None:
-        for n, f in self._saved.items():
-            setattr(nn.init, n, f)
