@@ -261,6 +261,20 @@ def _positive_float(what: str) -> Callable[[Any], float]:
     return check
 
 
+# The mp4's frame rate: what players and libx264 handle (a tiny rate passed validation and then
+# failed only at encode time, after the sampling it needed).
+FPS_RANGE = (1.0, 240.0)
+
+
+def _check_fps(v: Any) -> float:
+    lo, hi = FPS_RANGE
+    allowed = f"a number from {lo:g} to {hi:g} (frames per second of the mp4, e.g. 24)"
+    x = _as_float(v, allowed)
+    if not lo <= x <= hi:
+        raise _Bad(f"got {x}; allowed: {allowed}")
+    return x
+
+
 def _one_of(choices: tuple[Any, ...], convert: Callable[[Any, str], Any]) -> Callable[[Any], Any]:
     allowed = "one of " + ", ".join(str(c) for c in choices)
 
@@ -294,7 +308,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "height": _check_size,
     "width": _check_size,
     "frames": _check_frames,
-    "fps": _positive_float("frames per second of the mp4"),
+    "fps": _check_fps,
     "flow_shift": _positive_float("flow-matching timestep shift; 5.0 for 720p, 3.0 for 480p"),
     "sampler": _one_of(SAMPLERS, lambda v, a: _as_str(v, a, non_empty=True)),
     "gpus": _one_of(ALLOWED_GPUS, _as_int),

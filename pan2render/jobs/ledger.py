@@ -226,7 +226,10 @@ class Ledger:
     def add_jobs(self, specs: Iterable[JobSpec], *, retries: int) -> tuple[list[str], list[str]]:
         """Insert jobs not yet in the ledger. Returns (added ids, ids already present).
 
-        The id ends in the spec hash, so an id already present means the same resolved spec."""
+        The id ends in the spec hash, so an id already present renders the same pixels. Fields the
+        hash leaves out (``gpus``, the image's path) may still have changed: a present job that is
+        not done takes the batch's spec, so lowering ``gpus`` or moving an image fixes a failed job.
+        (The caller holds the folder lock, so no job is really running.)"""
         added: list[str] = []
         present: list[str] = []
         now = time.time()
@@ -234,8 +237,15 @@ class Ledger:
             (pos,) = c.execute("SELECT COALESCE(MAX(position), -1) + 1 FROM jobs").fetchone()
             for spec in specs:
                 jid = spec.job_id
-                if c.execute("SELECT 1 FROM jobs WHERE id = ?", (jid,)).fetchone():
+                row = c.execute("SELECT state, spec_json FROM jobs WHERE id = ?", (jid,)).fetchone()
+                if row:
                     present.append(jid)
+                    spec_json = json.dumps(spec.to_dict(), sort_keys=True)
+                    if row[0] != JobState.DONE.value and row[1] != spec_json:
+                        c.execute("UPDATE jobs SET spec_json = ?, updated_at = ? WHERE id = ?",
+                                  (spec_json, now, jid))
+                        self._event(c, jid, "spec-updated", "fields outside the spec hash changed "
+                                    "(gpus, image path); the batch's values apply")
                     continue
                 c.execute(
                     "INSERT INTO jobs (id, name, spec_json, spec_hash, state, attempts, retries_left,"

@@ -74,7 +74,7 @@ def encode_mp4(frames: Any, path: str | os.PathLike[str], *, fps: float, crf: in
                 f"expected {num_frames} frames of {width}x{height}; the encoder lost frames"
             )
         os.replace(tmp, dest)
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
     except OSError as exc:  # fsync or rename: e.g. dest is a folder, or the disk is full
         tmp.unlink(missing_ok=True)
         raise MediaError(f"writing {dest} failed: {exc}") from exc
@@ -208,7 +208,7 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     # Makes the rename itself durable; some filesystems refuse fsync on a directory, harmlessly.
     try:
         fd = os.open(folder, os.O_RDONLY)

@@ -104,8 +104,10 @@ def prepare_jobs(*, out_dir: Path, ledger: Ledger, job_ids: list[str], retries: 
                                          frames=job.spec.frames, width=job.spec.width,
                                          height=job.spec.height)
             if problem:
-                ledger.transition(job.id, JobEvent.INVALIDATE, reason=problem)
+                # Stages first: a crash between the two writes leaves a done job whose video is
+                # checked again next time, never a pending job whose encode stage claims done.
                 ledger.reset_stages(job.id, Stage.DECODE, reason=problem)
+                ledger.transition(job.id, JobEvent.INVALIDATE, reason=problem)
                 say(f"{job.name}: {problem}; encoding it again")
 
 

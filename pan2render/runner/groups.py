@@ -269,9 +269,12 @@ class RayExecutor:
         return out
 
     def _any_error(self, refs: Any) -> bool:
+        """Did a finished rank fail? Its actor died (get raises) or its call failed: ``execute``
+        never raises, so a failed call is a Reply with ok=False."""
         for r in refs:
             try:
-                self._ray.get(r, timeout=0)
+                if not self._ray.get(r, timeout=0).ok:
+                    return True
             except Exception:  # noqa: BLE001
                 return True
         return False

@@ -22,6 +22,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from pan2render.jobs.batch import sha256_file
+from pan2render.media.video import fsync_dir
 
 EMBED_CACHE = Path("_cache") / "embeddings"
 LATENTS_NAME = "latents.safetensors"
@@ -87,16 +88,16 @@ def write_atomic(path: Path, data: bytes) -> None:
     holds either nothing/the old file or the complete new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
     try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # e.g. disk full: leave no temp file behind
+        raise
+    fsync_dir(path.parent)
 
 
 # ------------------------------------------------------------------ checks (None = valid)

@@ -113,3 +113,25 @@ def test_folder_lock_refuses_live_holder_and_takes_over_stale(tmp_path: Path) ->
     print("took over from:", lock.taken_over)
     assert lock.taken_over is not None and str(holder.pid) in lock.taken_over
     lock.release()
+
+
+def test_present_job_takes_fields_outside_the_hash_unless_done(tmp_path: Path) -> None:
+    import dataclasses
+
+    led = Ledger.open(tmp_path)
+    wide, other = dataclasses.replace(_spec("a"), gpus=4), _spec("b")
+    led.add_jobs([wide, other], retries=0)
+    # "a" failed because no group of 4 exists; the user lowers gpus to 2 (same pixels, same id).
+    led.transition(wide.job_id, JobEvent.START, reason="test")
+    led.transition(wide.job_id, JobEvent.FAIL, reason="test", error="no group of 4")
+    for jid in (other.job_id,):
+        led.transition(jid, JobEvent.START, reason="test")
+        led.transition(jid, JobEvent.FINISH, reason="test")
+    narrow = dataclasses.replace(wide, gpus=2)
+    assert narrow.job_id == wide.job_id
+    _, present = led.add_jobs([narrow, dataclasses.replace(other, gpus=8)], retries=0)
+    assert sorted(present) == sorted([wide.job_id, other.job_id])
+    assert led.job(wide.job_id).spec.gpus == 2  # the failed job takes the batch's new value
+    assert led.job(other.job_id).spec.gpus == 1  # a done job's record is history: unchanged
+    assert any(k == "spec-updated" for _, _, k, _ in led.events(wide.job_id))
+    led.close()
