@@ -27,7 +27,7 @@ def tiny_end_to_end() -> None:
 
     os.environ.setdefault("PAN2_RENDER_CACHE", tempfile.mkdtemp())
     req = dict(prompt="a red fox in the snow", height=64, width=96, frames=17, steps=8, guidance=2.5, seed=3)
-    # The fused-kernel switch is process-wide: the fused pipeline samples before the eager one is built.
+    # Each pipeline applies its own dit_fused_kernels setting to its DiT.
     fused = PAN2Pipeline.from_pretrained("tiny", PAN2PipelineConfig(device="cuda"))
     dit_fused.reset_fused_kernel_counts()
     lat_fused = fused.sample(**req)

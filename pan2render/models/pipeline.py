@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from .checkpoint import CheckpointError, instantiate, read_json, resolve_component
 from .dit import PAN2DiT, PAN2DiTConfig
+from .dit_ops import ROUTED_OPS, TORCH_OPS
 from .scheduler import SchedulerConfig, make_scheduler
 from .text import TextEncoder
 from .vae import WanVAE, WanVAEConfig
@@ -56,6 +57,11 @@ class PAN2PipelineConfig:
     vae_decode_kernel: bool = True  # fast Hopper VAE decoder; falls back (logged once) elsewhere
     vae_decode_kernel_parallel: bool = True  # split one decode over a sequence-parallel group
     dit_fused_kernels: bool = True  # fused Triton DiT kernels on CUDA; eager path elsewhere
+    # Classifier-free guidance as one batch-2 forward (True) or two batch-1 forwards (False). On one
+    # H200 at 704x1248x121 a guided step took 1.720 s batched vs 1.724 s as two passes (fused
+    # kernels, cuDNN attention; docs/performance.md): equal within noise, while batching doubles the
+    # activation peak (4.1 vs 2.0 GiB). Hence two passes by default; re-measure on other GPUs.
+    guidance_batch: bool = False
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -130,6 +136,11 @@ class PAN2Pipeline:
         self.expand_timesteps = expand_timesteps
         self.process_group = None  # set by a sequence-parallel wrapper applied from outside
         self._warned_fallback = False
+        if dit is not None:
+            # Per pipeline, not process-wide: this DiT's op table is the fused-where-possible one
+            # or the plain-torch one. (kernels.set_fused_kernels stays a global knob for tests and
+            # benchmarks, consulted by the fused table on every call.)
+            dit.set_ops(ROUTED_OPS if config.dit_fused_kernels else TORCH_OPS)
 
     # ----------------------------------------------------------------------------------------
     # Loading
@@ -150,7 +161,9 @@ class PAN2Pipeline:
         index = read_json(root / "model_index.json")
         dit = load_dit(root, device=config.device, dtype=config.dtype)
         vae = load_vae(root, device=config.device, dtype=config.vae_dtype)
-        text = TextEncoder.from_pretrained(root, device=config.text_encoder_device, dtype=torch.float32)
+        # umT5-XXL has ~5.7B parameters: bf16 on a GPU as Wan runs it, fp32 on the CPU.
+        text_dtype = config.dtype if torch.device(config.text_encoder_device).type == "cuda" else torch.float32
+        text = TextEncoder.from_pretrained(root, device=config.text_encoder_device, dtype=text_dtype)
         sched_file = root / "scheduler" / "scheduler_config.json"
         scheduler_config = SchedulerConfig.from_dict(read_json(sched_file)) if sched_file.is_file() \
             else SchedulerConfig()
@@ -158,7 +171,6 @@ class PAN2Pipeline:
         pipe = cls(dit=dit, vae=vae, text_encoder=text, scheduler_config=scheduler_config,
                    config=config, model_id=model_id,
                    expand_timesteps=bool(index.get("expand_timesteps", True)))
-        pipe._apply_switches()
         return pipe
 
     def parallelize(self, group: "torch.distributed.ProcessGroup | None") -> "PAN2Pipeline":
@@ -169,13 +181,6 @@ class PAN2Pipeline:
         from ..parallel import parallelize_pipeline
 
         return parallelize_pipeline(self, group)
-
-    def _apply_switches(self) -> None:
-        try:
-            from ..kernels import set_fused_kernels
-        except ImportError:  # the kernels package is optional until its issue lands
-            return
-        set_fused_kernels(bool(self.config.dit_fused_kernels))
 
     @property
     def device(self) -> torch.device:
@@ -262,6 +267,9 @@ class PAN2Pipeline:
         latents = torch.randn(shape, generator=gen, dtype=torch.float32).to(self.device)
 
         first_frame = None
+        if image is not None and not self.expand_timesteps:
+            raise ValueError(f"{self.model_id}: this checkpoint's model_index.json has expand_timesteps "
+                             f"false, so it was not trained for first-frame conditioning; drop the image")
         if image is not None:
             first_frame = self.encode_image(image, height=req.height, width=req.width)
             latents[:, :, :1] = first_frame
@@ -305,6 +313,15 @@ class PAN2Pipeline:
         cond_ctx = prepare(cond) if prepare is not None else cond
         if uncond is None:
             return lambda x, t: dit(x, t, cond_ctx)
+        if self.config.guidance_batch:
+            both = torch.cat([cond, uncond])  # [2, 512, text_dim]
+            both_ctx = prepare(both) if prepare is not None else both
+
+            def guided_batched(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+                pred, pred_uncond = dit(torch.cat([x, x]), t.expand(2, *t.shape[1:]), both_ctx).chunk(2)
+                return pred_uncond + guidance * (pred - pred_uncond)
+
+            return guided_batched
         uncond_ctx = prepare(uncond) if prepare is not None else uncond
 
         def guided(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -354,7 +371,13 @@ class PAN2Pipeline:
         if not ok:
             self._log_fallback(reason)
             return None
-        return fast_decode(self.vae, z, out_dtype=torch.uint8)
+        try:
+            return fast_decode(self.vae, z, out_dtype=torch.uint8)
+        except torch.cuda.OutOfMemoryError:
+            raise  # the reference decoder needs more memory, not less
+        except Exception as e:  # noqa: BLE001 - e.g. a Triton kernel variant that fails to build
+            self._log_fallback(f"the fast decoder failed ({type(e).__name__}: {e})")
+            return None
 
     def _log_fallback(self, reason: str) -> None:
         if not self._warned_fallback:

@@ -64,15 +64,14 @@ class TextEncoder:
             raise CheckpointError(f"{tok_dir}: cannot load the tokenizer ({e})") from e
         try:
             encoder = UMT5EncoderModel.from_pretrained(str(enc_dir), dtype=dtype, use_safetensors=True)
-        except TypeError:  # transformers < 4.56 names the argument torch_dtype
-            encoder = UMT5EncoderModel.from_pretrained(str(enc_dir), torch_dtype=dtype, use_safetensors=True)
         except Exception as e:
             raise CheckpointError(f"{enc_dir}: cannot load the UMT5 encoder ({e})") from e
         encoder = encoder.to(device).eval().requires_grad_(False)
         digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
         for f in sorted(enc_dir.glob("*.safetensors")):
             digest.update(f"{f.name}:{f.stat().st_size}".encode())
-        return cls(encoder, tokenizer, encoder_id=f"umt5-{digest.hexdigest()[:12]}")
+        dtype_name = str(dtype).removeprefix("torch.")
+        return cls(encoder, tokenizer, encoder_id=f"umt5-{digest.hexdigest()[:12]}-{dtype_name}")
 
     @torch.no_grad()
     def encode(self, prompts: str | list[str]) -> torch.Tensor:

@@ -59,10 +59,17 @@ def test_sharded_checkpoint_loads_every_tensor(tmp_path: Path, dit_state) -> Non
 
 def test_bf16_load_keeps_modulation_and_norms_in_fp32(tmp_path: Path, dit_state) -> None:
     _write(tmp_path / "transformer", TINY_DIT_CONFIG, dit_state)
+    from diffusers import WanTransformer3DModel
+
     dit = load_dit(tmp_path, dtype=torch.bfloat16)
     dtypes = {k: v.dtype for k, v in dit.state_dict().items()}
     assert dtypes["scale_shift_table"] == torch.float32
     assert dtypes["blocks.0.attn1.to_q.weight"] == torch.bfloat16
+    # Every key follows diffusers' own rule: a module named in _keep_in_fp32_modules stays fp32.
+    keep = WanTransformer3DModel._keep_in_fp32_modules
+    want = {k: torch.float32 if any(m in k.split(".") for m in keep) else torch.bfloat16 for k in dtypes}
+    assert dtypes == want
+    assert sum(d == torch.float32 for d in dtypes.values()) > 10  # norms, time embedder, tables
 
 
 def test_vae_loads(tmp_path: Path) -> None:

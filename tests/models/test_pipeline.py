@@ -201,10 +201,19 @@ def test_bad_requests_are_refused(tiny: PAN2Pipeline, bad: dict, message: str) -
         tiny.sample(**req)
 
 
-def test_first_frame_image_is_imposed(tiny: PAN2Pipeline) -> None:
+def test_first_frame_image_is_imposed(tiny: PAN2Pipeline, monkeypatch) -> None:
     image = np.random.default_rng(0).integers(0, 256, size=(40, 50, 3), dtype=np.uint8)
+    timesteps = []
+    forward = tiny.dit.forward
+    monkeypatch.setattr(tiny.dit, "forward", lambda x, t, c: timesteps.append(t.cpu()) or forward(x, t, c))
     latents = tiny.sample(prompt="x", image=image, height=32, width=64, frames=9, steps=3,
                           guidance=2.0, seed=1)
+    monkeypatch.undo()
+    # Per-token timesteps [1, L]: the first latent frame's (32/16/2)*(64/16/2) = 2 tokens are clean
+    # (0), the other 2 latent frames' 4 tokens at the step's t (9 frames = 3 latent frames).
+    assert len(timesteps) == 6 and all(t.shape == (1, 6) for t in timesteps)
+    for t in timesteps:
+        assert (t[0, :2] == 0).all() and (t[0, 2:] == t[0, 2]).all() and t[0, 2] > 0
     first = tiny.encode_image(image, height=32, width=64)[0, :, 0].cpu()
     assert torch.allclose(latents[:, 0], first)
     plain = tiny.sample(prompt="x", height=32, width=64, frames=9, steps=3, guidance=2.0, seed=1)
@@ -216,3 +225,35 @@ def test_euler_sampler_runs_and_differs(tiny: PAN2Pipeline) -> None:
     a = tiny.sample(sampler="unipc", **req)
     b = tiny.sample(sampler="euler", **req)
     assert torch.isfinite(b).all() and not torch.allclose(a, b)
+
+
+def test_fused_kernel_switch_is_per_pipeline(tiny: PAN2Pipeline) -> None:
+    from pan2render.models.dit_ops import ROUTED_OPS, TORCH_OPS
+
+    plain = PAN2Pipeline.from_pretrained("tiny", PAN2PipelineConfig(device="cpu", dit_fused_kernels=False))
+    fused = PAN2Pipeline.from_pretrained("tiny", PAN2PipelineConfig(device="cpu", dit_fused_kernels=True))
+    assert plain.dit.ops is TORCH_OPS and fused.dit.ops is ROUTED_OPS  # loading one leaves the other
+
+
+def test_batched_guidance_equals_two_passes(tiny: PAN2Pipeline) -> None:
+    req = dict(prompt="a boat", negative_prompt="blur", height=32, width=64, frames=9, steps=3,
+               guidance=3.0, seed=2)
+    two = tiny.sample(**req)
+    tiny.config.guidance_batch = True
+    try:
+        one = tiny.sample(**req)
+    finally:
+        tiny.config.guidance_batch = False
+    err = _max_rel(one, two)
+    print(f"guidance as one batch-2 forward vs two batch-1 forwards: max rel err {err:.1e}")
+    assert err <= 1e-5
+
+
+def test_image_refused_by_a_checkpoint_without_first_frame_conditioning(tiny: PAN2Pipeline) -> None:
+    image = np.zeros((32, 32, 3), dtype=np.uint8)
+    tiny.expand_timesteps = False
+    try:
+        with pytest.raises(ValueError, match="not trained for first-frame conditioning"):
+            tiny.sample(prompt="x", image=image, height=32, width=32, frames=5, steps=1, guidance=1.0, seed=0)
+    finally:
+        tiny.expand_timesteps = True
