@@ -50,8 +50,18 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert e.value.code == 2
     assert cli.main(["resume", str(tmp_path)]) == 2  # no ledger there
     assert cli.main(["status", str(tmp_path)]) == 2
-    assert cli.main(["run", "x.yaml", "--out", str(tmp_path), "--retries", "-1"]) == 2
-    print(capsys.readouterr().err)
+    capsys.readouterr()
+    # A valid batch, so each exit 2 below comes from the option check it names.
+    batch = write_batch(tmp_path / "b.yaml", [{"name": "a", "prompt": "x"}])
+    out = tmp_path / "out"
+    for args, message in [(["--retries", "-1"], "--retries -1: must be >= 0"),
+                          (["--cpu-gpus", "0"], "--cpu-gpus 0: must be >= 1"),
+                          (["--cpu-gpus", "2", "--address", "auto"], "cannot be used with --address")]:
+        assert cli.main(["run", str(batch), "--out", str(out), *args]) == 2
+        err = capsys.readouterr().err
+        print(err.strip())
+        assert message in err
+    assert not out.exists()  # refused before anything was written
 
 
 def test_validate_and_dry_run_write_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
