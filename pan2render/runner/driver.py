@@ -187,9 +187,11 @@ class Driver:
             except GroupStartError as e:
                 self._pending.remove(job_id)
                 self.ledger.transition(job_id, JobEvent.START, reason="starting a group")
-                self.ledger.set_stage(job_id, Stage.CONDITIONING, StageState.FAILED, error=str(e))
-                self._retry_or_fail(self.ledger.job(job_id), Stage.CONDITIONING, str(e), None,
-                                    retryable=True)
+                # Charged to the stage the job would have run next; its finished stages (and their
+                # artifacts) stay done.
+                stage = self._next_stage(job_id)
+                self.ledger.set_stage(job_id, stage, StageState.FAILED, error=str(e))
+                self._retry_or_fail(self.ledger.job(job_id), stage, str(e), None, retryable=True)
                 continue
             if group is None:
                 break
@@ -200,14 +202,18 @@ class Driver:
             self._active[job_id] = active
             self._advance_or_fail(active)
 
+    def _next_stage(self, job_id: str) -> Stage:
+        """The first stage of the job that is not done (the one a failure now belongs to)."""
+        st = self.ledger.stages(job_id)
+        return next((s for s in st if st[s].state is not StageState.DONE), Stage.ENCODE)
+
     def _advance_or_fail(self, a: _Active) -> None:
         """_advance, with a driver-side problem (input image gone or changed, unreadable cache
         file) recorded as the failure of the stage the job was about to run."""
         try:
             self._advance(a)
         except Exception as e:  # noqa: BLE001
-            st = self.ledger.stages(a.job.id)
-            stage = next((s for s in st if st[s].state is not StageState.DONE), Stage.ENCODE)
+            stage = self._next_stage(a.job.id)
             tb = traceback.format_exc()
             msg = f"driver: {type(e).__name__}: {e}"
             self.pool.release(a.group)
