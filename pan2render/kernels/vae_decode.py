@@ -635,6 +635,13 @@ def _decoder_for(vae: torch.nn.Module, device: torch.device) -> FastWanDecoder:
     return dec
 
 
+def to_uint8_frames(video: torch.Tensor) -> torch.Tensor:
+    """``[3, F, H, W]`` in [-1, 1] -> uint8 ``[F, H, W, 3]`` on the same device: the one place the
+    decoded video becomes pixels (the fast decoder's chunk writer uses the same formula in place)."""
+    x = ((video.float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
+    return x.permute(1, 2, 3, 0).contiguous()
+
+
 def _reference_decode(vae: torch.nn.Module, z: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     vae_dtype = next(vae.parameters()).dtype
     with torch.inference_mode():
@@ -644,8 +651,7 @@ def _reference_decode(vae: torch.nn.Module, z: torch.Tensor, out_dtype: torch.dt
         return video.clamp(-1.0, 1.0).to(out_dtype)
     if video.shape[0] != 1:
         raise ValueError(f"uint8 output is one video [F, H, W, 3]: got batch {video.shape[0]}")
-    frames = ((video[0].float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
-    return frames.permute(1, 2, 3, 0).contiguous()
+    return to_uint8_frames(video[0])
 
 
 def fast_decode(

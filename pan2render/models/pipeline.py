@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from .checkpoint import CheckpointError, instantiate, read_json, resolve_component
 from .dit import PAN2DiT, PAN2DiTConfig
+from ..kernels.vae_decode import fast_decode, fast_decode_available, to_uint8_frames
 from .dit_ops import ROUTED_OPS, TORCH_OPS
 from .scheduler import SchedulerConfig, make_scheduler
 from .text import TextEncoder
@@ -362,11 +363,6 @@ class PAN2Pipeline:
         """uint8 ``[F, H, W, 3]`` on the device from the fast decoder, or None to fall back."""
         if not self.config.vae_decode_kernel:
             return None
-        try:
-            from ..kernels.vae_decode import fast_decode, fast_decode_available
-        except ImportError as e:
-            self._log_fallback(f"the fast decoder is not importable ({e})")
-            return None
         ok, reason = fast_decode_available(self.device)
         if not ok:
             self._log_fallback(reason)
@@ -383,12 +379,6 @@ class PAN2Pipeline:
         if not self._warned_fallback:
             log.info("vae_decode_kernel: using the reference decoder: %s", reason)
             self._warned_fallback = True
-
-
-def to_uint8_frames(video: torch.Tensor) -> torch.Tensor:
-    """``[3, F, H, W]`` in [-1, 1] -> uint8 ``[F, H, W, 3]`` on the same device."""
-    x = ((video.float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
-    return x.permute(1, 2, 3, 0).contiguous()
 
 
 def load_vae(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> WanVAE:

@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from pan2render.kernels.vae_decode import to_uint8_frames
 from pan2render.models.vae import CausalCache, WanVAE, unpatchify
 
 from .group import SequenceGroup, all_reduce_and
@@ -222,8 +223,8 @@ class _ReferenceUnits:
     def write(self, y: Tensor, out: Tensor, start: int) -> int:
         video = unpatchify(y, patch=self.patch).clamp_(-1.0, 1.0)  # [B, 3, f, H, W]
         stop = start + video.shape[2]
-        if out.dtype == torch.uint8:  # the pipeline's to_uint8_frames formula
-            out[start:stop] = ((video[0].float() + 1.0) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0)
+        if out.dtype == torch.uint8:
+            out[start:stop] = to_uint8_frames(video[0])
         else:
             out[:, :, start:stop] = video
         return stop - start
