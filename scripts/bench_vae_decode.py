@@ -107,15 +107,99 @@ def to_uint8_frames(video: torch.Tensor) -> torch.Tensor:
 
 
 def profile(fn: Callable[[], torch.Tensor]) -> None:
+    """Top ops by GPU time, then every conv shape with its GPU time and TFLOP/s, then the ops that
+    launched a pre-Hopper (sm80) cuDNN kernel, with their input shapes."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
-    with torch_profile(activities=acts) as prof:
+    with torch_profile(activities=acts, record_shapes=True) as prof:
         fn()
         _sync()
     key = "cuda_time_total" if DEVICE == "cuda" else "cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70), flush=True)
+    if DEVICE != "cuda":
+        return
+    convs: dict[tuple, list[float]] = {}
+    slow: dict[tuple, list[float]] = {}
+    for ev in prof.events():
+        if ev.name not in ("aten::cudnn_convolution", "aten::convolution_overrideable"):
+            continue
+        shapes = tuple(tuple(s) for s in ev.input_shapes[:2])
+        gpu_us = sum(k.duration for k in ev.kernels)
+        entry = convs.setdefault(shapes, [0, 0.0])
+        entry[0] += 1
+        entry[1] += gpu_us
+        for k in ev.kernels:
+            if "sm80" in k.name or "indexed" in k.name:
+                e2 = slow.setdefault(shapes + (k.name[:90],), [0, 0.0])
+                e2[0] += 1
+                e2[1] += k.duration
+    print("conv shapes (input [N, C, (T,) H, W], weight): calls, GPU ms, TFLOP/s", flush=True)
+    total = 0.0
+    for shapes, (calls, us) in sorted(convs.items(), key=lambda kv: -kv[1][1]):
+        x, wt = shapes
+        if len(x) == 5:
+            out_pos = x[0] * (x[2] - wt[2] + 1) * x[3] * x[4]
+        else:
+            out_pos = x[0] * (x[2] + 2 - wt[2] + 1) * (x[3] + 2 - wt[3] + 1)
+        flops = 2 * out_pos * math.prod(wt) * calls
+        total += us
+        print(f"  {x} x {wt}: {calls} calls, {us / 1e3:.1f} ms, {flops / (us * 1e-6) / 1e12:.0f} TFLOP/s", flush=True)
+    print(f"  all convs: {total / 1e3:.1f} ms GPU", flush=True)
+    for shapes, (calls, us) in slow.items():
+        print(f"sm80/indexed kernel from conv {shapes[:2]}: {shapes[2]}: {calls} calls, {us / 1e3:.1f} ms", flush=True)
+
+
+def tile_sweep(reps: int = 20) -> None:
+    """GB/s of the row kernels (norm, phase combine) at the decoder's big shapes for each
+    (elements per program, warps) tile: the data for ``vae_ops.ROW_TILES``."""
+    from pan2render.kernels import vae_ops
+
+    saved = dict(vae_ops.ROW_TILES)
+    dt = torch.bfloat16
+    cases = []
+    for c, (t, h, w) in ((256, (4, 352, 624)), (512, (4, 352, 624)), (512, (4, 176, 312)), (1024, (2, 88, 156))):
+        x = torch.randn(t, h, w, c, device=DEVICE, dtype=dt)
+        buf = torch.empty(t + 2, h, w, c, device=DEVICE, dtype=dt)
+        hist = torch.empty(2, h, w, c, device=DEVICE, dtype=dt)
+        g = torch.rand(c, device=DEVICE) + 0.5
+        b = torch.randn(c, device=DEVICE)
+        res = torch.randn_like(x)
+
+        def norm(x=x, buf=buf, hist=hist, g=g, b=b, t=t, h=h, w=w, res=res):
+            vae_ops.rms_norm_act(x, g, bias=b, silu=True, out=buf[2:], hist=hist, hist_start=(t - 2) * h * w,
+                                 residual=res)
+
+        cases.append(("norm", f"C={c} {t}x{h}x{w} +res", norm, 5 * x.numel() * 2))  # x, res in; x, buf, (hist) out
+    for cin, cout, (n, h, w) in ((512, 512, (4, 176, 312)), (1024, 1024, (2, 88, 156))):
+        o = torch.randn(n, h + 1, w + 1, 4 * cout, device=DEVICE, dtype=dt)
+        xs = torch.randn(n, h, w, cin, device=DEVICE, dtype=dt)
+        idx = torch.randint(0, cin, (1, 2, 2, cout), device=DEVICE, dtype=torch.int32)
+        bias = torch.randn(cout, device=DEVICE)
+
+        def comb(o=o, xs=xs, idx=idx, bias=bias):
+            vae_ops.upsample_phase_combine(o, bias, xs, idx, r=1)
+
+        cases.append(("combine", f"{cin}->{cout} {n}x{h}x{w}", comb, 2 * o.numel() * 2 + xs.numel() * 2))
+    for kernel, label, fn, nbytes in cases:
+        line = []
+        for elems in (2048, 4096, 8192, 16384):
+            for warps in (4, 8):
+                vae_ops.ROW_TILES[kernel] = (elems, warps)
+                fn()
+                torch.cuda.synchronize()
+                t0 = torch.cuda.Event(enable_timing=True)
+                t1 = torch.cuda.Event(enable_timing=True)
+                t0.record()
+                for _ in range(reps):
+                    fn()
+                t1.record()
+                torch.cuda.synchronize()
+                ms = t0.elapsed_time(t1) / reps
+                line.append(f"{elems}/{warps}w {nbytes / ms / 1e6:.0f}")
+        vae_ops.ROW_TILES.update(saved)
+        print(f"tile sweep {kernel} {label} (GB/s by elems/warps): " + ", ".join(line), flush=True)
 
 
 def build_state(seed: int) -> dict[str, torch.Tensor]:
@@ -186,6 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=str, default="", help="write the rows here")
     ap.add_argument("--profile", action="store_true",
                     help="also profile ours (first config) with torch.profiler: top kernels by GPU time")
+    ap.add_argument("--benchmark-limit", type=int, default=None,
+                    help="FastDecodeConfig.cudnn_benchmark_limit (cuDNN engines tried per conv shape; "
+                         "0 = all); default: the config's. Applies per process: cuDNN caches its choice")
+    ap.add_argument("--tile-sweep", action="store_true", help="time the row kernels' tiles (vae_ops.ROW_TILES)")
+    ap.add_argument("--tiles", type=str, default="",
+                    help="override vae_ops.ROW_TILES for this run, e.g. norm=8192x8,combine=4096x4")
     ap.add_argument("--tiny", action="store_true",
                     help="tiny random VAE (runs on CPU too): checks this script, not the speed")
     args = ap.parse_args(argv)
@@ -203,6 +293,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from pan2render.kernels.vae_decode import FastDecodeConfig
 
+    from pan2render.kernels import vae_ops
+
+    for item in filter(None, args.tiles.split(",")):
+        name, spec = item.split("=")
+        elems, warps = spec.split("x")
+        vae_ops.ROW_TILES[name] = (int(elems), int(warps))
+    if args.tile_sweep and DEVICE == "cuda":
+        tile_sweep()
+    cfg_extra = {} if args.benchmark_limit is None else {"cudnn_benchmark_limit": args.benchmark_limit}
     torch.backends.cudnn.benchmark = False  # diffusers' default; ours turns it on inside its call
     env = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -212,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         "diffusers": diffusers.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version(),
+        "row_tiles": dict(vae_ops.ROW_TILES),
+        "decode_config": {**asdict(FastDecodeConfig()), **cfg_extra},
     }
     print("env:", json.dumps(env), flush=True)
     rows: list[Row] = []
@@ -244,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
             configs.append((configs[0][0], configs[0][1], False))
         for k, s, phase in configs:
             if True:
-                cfg = FastDecodeConfig(frames_per_pass=k, hires_frames=s, phase_upsample=phase)
+                cfg = FastDecodeConfig(frames_per_pass=k, hires_frames=s, phase_upsample=phase, **cfg_extra)
                 r = (n - 1) % k
                 dec.decode(z[:, :, : 1 + k + r], out_dtype=torch.uint8, config=cfg)  # cuDNN autotune
                 for odt in (torch.uint8, torch.bfloat16):

@@ -64,12 +64,19 @@ class FastDecodeConfig:
     # nearest-x2 + 3x3 conv as four 2x2 phase convs (one cuDNN call) + one Triton pass that
     # interleaves them with the bias and the shortcut; False: materialise the x2 frames (slower)
     phase_upsample: bool = True
+    # cuDNN engines timed per conv shape on its first call (torch.backends.cudnn.benchmark_limit,
+    # torch's default 10); 0 = every engine (a slower first decode per shape, then cached).
+    # None leaves torch's setting alone.
+    cudnn_benchmark_limit: int | None = 10
 
     def __post_init__(self) -> None:
         for name in ("frames_per_pass", "hires_frames"):
             value = getattr(self, name)
             if not isinstance(value, int) or not 1 <= value <= 64:
                 raise ValueError(f"FastDecodeConfig.{name}={value!r}: must be an int in 1..64")
+        limit = self.cudnn_benchmark_limit
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
+            raise ValueError(f"FastDecodeConfig.cudnn_benchmark_limit={limit!r}: must be None or an int >= 0")
 
 
 # ---- weights in compute layout -------------------------------------------------------------
@@ -107,6 +114,30 @@ class _UpBlock:
     dup_index: torch.Tensor | None  # [factor_t, 2, 2, Cout] int32: the shortcut's channel map
     factor_t: int  # duplicate-upsample shortcut factors (1 or 2 in time, 2 in space)
     factor_s: int
+
+
+@dataclass
+class _Sum:
+    """A resnet's output before its closing add: ``y + bias + residual``. The consumer's RMS norm
+    folds the add in (``vae_ops.rms_norm_act(residual=...)`` writes the sum into ``y`` while it
+    normalises), saving a read and a write of the activation; consumers without a norm call
+    `materialize`. Holding y and the residual until then costs no peak: the same two tensors
+    and a conv buffer are alive during the resnet's second conv."""
+
+    y: torch.Tensor
+    bias32: torch.Tensor
+    residual: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.y.shape
+
+    def materialize(self) -> torch.Tensor:
+        return vae_ops.add_bias_residual_(self.y, bias=self.bias32, residual=self.residual)
+
+
+def _materialized(x: torch.Tensor | _Sum) -> torch.Tensor:
+    return x.materialize() if isinstance(x, _Sum) else x
 
 
 def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -252,6 +283,10 @@ class FastWanDecoder:
         self._busy = True
         self._history = {}
         self._phase = cfg.phase_upsample
+        saved_limit = None  # torch's setting, restored after the call
+        if cfg.cudnn_benchmark_limit is not None and self.device.type == "cuda":
+            saved_limit = torch.backends.cudnn.benchmark_limit
+            torch.backends.cudnn.benchmark_limit = cfg.cudnn_benchmark_limit
         try:
             zp = self._post_quant(z)  # [B, 2 + T, h, w, z]: 2 zero frames = conv_in's history
             with torch.backends.cudnn.flags(
@@ -272,6 +307,8 @@ class FastWanDecoder:
                         del y
             assert start == frames, (start, frames)
         finally:
+            if saved_limit is not None:
+                torch.backends.cudnn.benchmark_limit = saved_limit
             self._history = {}
             self._busy = False
         return out
@@ -295,12 +332,12 @@ class FastWanDecoder:
         # Each layer pops its input from the one-element list `x`, so the caller keeps no
         # reference and the layer can free it as soon as it is consumed.
         x = [_conv3d(zp[:, t0 : t1 + CACHE_T], self.conv_in, pad=1, bias=True)]
-        x = [self._resnet(x, self.mid_resnets[0], "mid.0")]
+        x = [self._resnet_pending(x, self.mid_resnets[0], "mid.0")]
         x = [self._attention(x, self.mid_attn)]
-        x = [self._resnet(x, self.mid_resnets[1], "mid.1")]
+        x = [self._resnet_pending(x, self.mid_resnets[1], "mid.1")]
         for i in range(self.split):
             x = [self._up_block(x, self.up_blocks[i], f"up.{i}", first=first)]
-        return x.pop()
+        return _materialized(x.pop())
 
     def _tail(self, x0: torch.Tensor) -> torch.Tensor:
         x = [x0]
@@ -313,12 +350,22 @@ class FastWanDecoder:
     # ---- layers (inputs passed in a one-element list so the callee can drop them early) ------
 
     def _fill(
-        self, holder: list[torch.Tensor], key: str, *, gamma: torch.Tensor | None,
+        self, holder: list[torch.Tensor | _Sum], key: str, *, gamma: torch.Tensor | None,
         bias: torch.Tensor | None, silu: bool = True,
     ) -> torch.Tensor:  # fmt: skip
         """The input buffer of a causal conv: ``[B, 2 + T, H, W, C]`` = history, then
-        ``act(norm(x + bias))`` (or x itself when ``gamma`` is None). Updates the history."""
+        ``act(norm(x + bias))`` (or x itself when ``gamma`` is None). Updates the history.
+        A pending resnet sum (`_Sum`, with ``bias`` None) is added inside the norm kernel, and
+        its ``y`` holds the sum afterwards."""
         x = holder.pop()
+        residual = None
+        if isinstance(x, _Sum):
+            if gamma is None:
+                x = x.materialize()
+            else:
+                if bias is not None:
+                    raise ValueError("a pending resnet sum brings its own bias")
+                x, bias, residual = x.y, x.bias32, x.residual
         b, t, h, w, c = x.shape
         buf = x.new_empty(b, CACHE_T + t, h, w, c)
         hist = self._history.get(key)
@@ -338,31 +385,40 @@ class FastWanDecoder:
             # The kernel also stores the chunk's last 2 frames (or its 1 frame) into the history.
             vae_ops.rms_norm_act(
                 x[i], gamma, bias=bias, silu=silu, out=buf[i, CACHE_T:], hist=hist[i],
-                hist_start=(t - CACHE_T) * hw,
+                hist_start=(t - CACHE_T) * hw, residual=None if residual is None else residual[i],
             )  # fmt: skip
         return buf
 
-    def _resnet(self, holder: list[torch.Tensor], blk: _ResBlock, key: str) -> torch.Tensor:
+    def _resnet(self, holder: list[torch.Tensor | _Sum], blk: _ResBlock, key: str) -> torch.Tensor:
+        """One residual block; its output added (for callers that need a tensor)."""
+        return self._resnet_pending(holder, blk, key).materialize()
+
+    def _resnet_pending(self, holder: list[torch.Tensor | _Sum], blk: _ResBlock, key: str) -> _Sum:
+        """One residual block, its closing add left to the consumer's norm (`_Sum`)."""
         x = holder.pop()
-        if blk.shortcut is not None:
-            res = F.linear(x, blk.shortcut.weight, blk.shortcut.bias)  # 1x1x1 conv: one GEMM
-        else:
-            res = x
         buf = self._fill([x], f"{key}.conv1", gamma=blk.gamma1, bias=None)
-        del x  # the only reference left is `res` when the block has no shortcut
+        if isinstance(x, _Sum):  # `_fill` added it: its y now holds the block input
+            x = x.y
+        # 1x1x1 shortcut conv (one GEMM) when the width changes, else the input itself.
+        res = x if blk.shortcut is None else F.linear(x, blk.shortcut.weight, blk.shortcut.bias)
+        del x
         y = _conv3d(buf, blk.conv1, pad=1, bias=False)  # conv1's bias is folded into norm2
         del buf
         buf = self._fill([y], f"{key}.conv2", gamma=blk.gamma2, bias=blk.conv1.bias32)
         del y
         y = _conv3d(buf, blk.conv2, pad=1, bias=False)
         del buf
-        return vae_ops.add_bias_residual_(y, bias=blk.conv2.bias32, residual=res)
+        return _Sum(y, blk.conv2.bias32, res)
 
-    def _attention(self, holder: list[torch.Tensor], attn: _Attention) -> torch.Tensor:
+    def _attention(self, holder: list[torch.Tensor | _Sum], attn: _Attention) -> torch.Tensor:
         """Per-frame single-head self-attention over the H*W positions, + residual."""
         x = holder.pop()
+        if isinstance(x, _Sum):  # the norm adds the resnet's sum and leaves it in x.y
+            xn = vae_ops.rms_norm_act(x.y, attn.gamma, bias=x.bias32, residual=x.residual, silu=False)
+            x = x.y
+        else:
+            xn = vae_ops.rms_norm_act(x, attn.gamma, silu=False)
         b, t, h, w, c = x.shape
-        xn = vae_ops.rms_norm_act(x, attn.gamma, silu=False)
         qkv = F.linear(xn, attn.qkv.weight, attn.qkv.bias).view(b * t, h * w, 3 * c)
         del xn
         q, k, v = qkv.split(c, dim=-1)  # the reference's chunk(3) of [q | k | v] channels
@@ -374,13 +430,21 @@ class FastWanDecoder:
         y = F.linear(o, attn.proj.weight).view(b, t, h, w, c)
         return vae_ops.add_bias_residual_(y, bias=attn.proj.bias32, residual=x)
 
-    def _up_block(self, holder: list[torch.Tensor], blk: _UpBlock, key: str, *, first: bool) -> torch.Tensor:
+    def _up_block(
+        self, holder: list[torch.Tensor | _Sum], blk: _UpBlock, key: str, *, first: bool
+    ) -> torch.Tensor | _Sum:
+        """The resnets, then (if any) the upsampler + shortcut. Without an upsampler the last
+        resnet's add is left pending for the next norm (the next block's or the head's)."""
         x = [holder.pop()]
-        x_in = x[0] if blk.up_conv is not None else None  # the duplicate-upsample shortcut's source
+        x_in = None
+        if blk.up_conv is not None:  # the duplicate-upsample shortcut's source, added
+            x = [_materialized(x[0])]
+            x_in = x[0]
         for r, res in enumerate(blk.resnets):
-            x = [self._resnet(x, res, f"{key}.resnets.{r}")]
+            x = [self._resnet_pending(x, res, f"{key}.resnets.{r}")]
         if blk.up_conv is None:
             return x.pop()
+        x = [x.pop().materialize()]
         if self._phase:
             return self._upsample_phase(x, blk, key, first=first, x_in=x_in)
         y = self._upsample(x, blk, key, first=first)

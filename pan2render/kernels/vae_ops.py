@@ -10,7 +10,11 @@ at the store.
   inside a conv's input buffer, so the norm, SiLU, the previous conv's bias and the cache
   concatenation cost one read and one write). ``normalize`` is ``F.normalize`` (eps 1e-12), as
   diffusers' ``WanRMS_norm``.
-- ``add_bias_residual_``: ``y += bias + r`` in place (the second conv's bias and the residual).
+  With ``residual``, the row first becomes ``x + bias + residual``, rounded to x's dtype and
+  written back into x (the resnet's output, still needed as the next residual), and that rounded
+  sum is normalised: the resnet's closing add costs no pass of its own.
+- ``add_bias_residual_``: ``y += bias + r`` in place (the second conv's bias and the residual),
+  where the sum is not followed by a norm (before an upsampler, the attention's output).
 """
 
 from __future__ import annotations
@@ -29,10 +33,12 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
 
 NORM_EPS = 1e-12  # F.normalize's default, used by diffusers' WanRMS_norm
 MAX_CHANNELS = 4096  # one row must fit one program's registers; the Wan2.2 decoder needs <= 1024
-_ELEMS_PER_PROGRAM = 4096  # rows per program = this / padded C: enough work per program at C=256
+# (elements per program, warps) of each row kernel: rows per program = elements / padded C.
+# Chosen with the tile sweep of scripts/bench_vae_decode.py (--tile-sweep; docs/performance.md).
+ROW_TILES: dict[str, tuple[int, int]] = {"norm": (4096, 4), "add": (4096, 4), "combine": (4096, 4)}
 
 
-def _row_blocks(channels: int) -> tuple[int, int]:
+def _row_blocks(channels: int, kernel: str = "norm") -> tuple[int, int]:
     """(BLOCK_C, ROWS) for a row kernel over ``channels`` values per row."""
     if not 1 <= channels <= MAX_CHANNELS:
         raise ValueError(
@@ -40,7 +46,7 @@ def _row_blocks(channels: int) -> tuple[int, int]:
             "use the reference path for wider layers"
         )
     block_c = triton.next_power_of_2(channels)
-    return block_c, max(1, _ELEMS_PER_PROGRAM // block_c)
+    return block_c, max(1, ROW_TILES[kernel][0] // block_c)
 
 
 def _check_rows(name: str, t: torch.Tensor, rows: int, channels: int) -> None:
@@ -55,11 +61,20 @@ def _check_rows(name: str, t: torch.Tensor, rows: int, channels: int) -> None:
 
 
 def rms_norm_act_reference(
-    x: torch.Tensor, gamma: torch.Tensor, *, bias: torch.Tensor | None = None, silu: bool
+    x: torch.Tensor,
+    gamma: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    silu: bool,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain torch: rows ``[..., C]`` -> same shape, fp32 math, result in x's dtype."""
+    """Plain torch: rows ``[..., C]`` -> same shape, fp32 math, result in x's dtype. With
+    ``residual`` the input is ``(x + bias + residual)`` rounded to x's dtype (out of place here;
+    the kernel also writes that sum back into x)."""
     v = x.float()
-    if bias is not None:
+    if residual is not None:
+        v = add_bias_residual_reference(x, bias=bias, residual=residual).float()
+    elif bias is not None:
         v = v + bias.float()
     y = F.normalize(v, dim=-1, eps=NORM_EPS) * math.sqrt(v.shape[-1]) * gamma.float()
     if silu:
@@ -73,6 +88,7 @@ if triton is not None:
     def _rms_norm_act_kernel(
         x_ptr,
         bias_ptr,
+        res_ptr,
         gamma_ptr,
         out_ptr,
         hist_ptr,
@@ -82,6 +98,7 @@ if triton is not None:
         scale,
         eps,
         HAS_BIAS: tl.constexpr,
+        HAS_RES: tl.constexpr,
         HAS_HIST: tl.constexpr,
         SILU: tl.constexpr,
         BLOCK_C: tl.constexpr,
@@ -97,6 +114,11 @@ if triton is not None:
         if HAS_BIAS:
             b = tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
             x = tl.where(mask, x + b[None, :], 0.0)
+        if HAS_RES:  # the resnet's closing add: round the sum as the unfused add would, keep it
+            x += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            x_sum = x.to(x_ptr.dtype.element_ty)
+            tl.store(x_ptr + offs, x_sum, mask=mask)
+            x = x_sum.to(tl.float32)
         norm = tl.sqrt(tl.sum(x * x, axis=1))
         inv = scale / tl.maximum(norm, eps)
         g = tl.load(gamma_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -145,11 +167,14 @@ def rms_norm_act(
     out: torch.Tensor | None = None,
     hist: torch.Tensor | None = None,
     hist_start: int = 0,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton ``rms_norm_act_reference``: ``x`` contiguous ``[..., C]``; ``out`` (optional) any
     contiguous tensor with the same number of elements (e.g. a frame range of a conv buffer).
     ``hist`` (optional, contiguous rows): rows ``r >= hist_start`` of the result are also stored
-    at row ``r - hist_start`` of it (the next chunk's conv history; ``hist_start`` may be < 0)."""
+    at row ``r - hist_start`` of it (the next chunk's conv history; ``hist_start`` may be < 0).
+    ``residual`` (optional, contiguous, x's size): x becomes ``x + bias + residual`` IN PLACE
+    (rounded to x's dtype) and the norm is taken of that; ``out`` must not overlap x then."""
     if triton is None:
         raise RuntimeError("rms_norm_act needs triton; install it or use rms_norm_act_reference")
     channels = x.shape[-1]
@@ -160,6 +185,10 @@ def rms_norm_act(
     _check_rows("out", out, rows, channels)
     if gamma.numel() != channels or (bias is not None and bias.numel() != channels):
         raise ValueError(f"gamma/bias must have {channels} values (one per channel)")
+    if residual is not None:
+        _check_rows("residual", residual, rows, channels)
+        if out.data_ptr() == x.data_ptr():
+            raise ValueError("with a residual, x receives the sum: out must be another tensor")
     if hist is not None:
         h_rows = hist.numel() // channels
         _check_rows("hist", hist, h_rows, channels)
@@ -170,6 +199,7 @@ def rms_norm_act(
     _rms_norm_act_kernel[grid](
         x,
         bias if bias is not None else gamma,  # dummy pointer when HAS_BIAS is off
+        residual if residual is not None else x,  # dummy pointer when HAS_RES is off
         gamma,
         out,
         hist if hist is not None else out,
@@ -179,11 +209,12 @@ def rms_norm_act(
         math.sqrt(channels),
         NORM_EPS,
         HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
         HAS_HIST=hist is not None,
         SILU=silu,
         BLOCK_C=block_c,
         ROWS=n_per,
-        num_warps=4 if block_c * n_per <= 4096 else 8,
+        num_warps=ROW_TILES["norm"][1],
     )
     return out
 
@@ -218,7 +249,7 @@ def add_bias_residual_(
         raise ValueError(f"bias has {bias.numel()} values: expected {channels} (one per channel)")
     if bias is None and residual is None:
         return y
-    block_c, n_per = _row_blocks(channels)
+    block_c, n_per = _row_blocks(channels, "add")
     _add_bias_residual_kernel[(triton.cdiv(rows, n_per),)](
         y,
         bias if bias is not None else y,
@@ -229,7 +260,7 @@ def add_bias_residual_(
         HAS_RES=residual is not None,
         BLOCK_C=block_c,
         ROWS=n_per,
-        num_warps=4,
+        num_warps=ROW_TILES["add"][1],
     )
     return y
 
@@ -340,10 +371,10 @@ def upsample_phase_combine(
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
     y = o.new_empty(n, 2 * h, 2 * w, cout)
-    block_c, n_per = _row_blocks(cout)
+    block_c, n_per = _row_blocks(cout, "combine")
     rows = n * 4 * h * w
     _upsample_phase_combine_kernel[(triton.cdiv(rows, n_per),)](
         o, bias, x_in, index, y, rows, h, w, cout, x_in.shape[-1],
-        R=r, BLOCK_C=block_c, ROWS=n_per, num_warps=4,
+        R=r, BLOCK_C=block_c, ROWS=n_per, num_warps=ROW_TILES["combine"][1],
     )  # fmt: skip
     return y

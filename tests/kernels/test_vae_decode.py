@@ -106,6 +106,9 @@ def test_bad_latents_and_configs_are_refused(tiny_vae) -> None:
         dec.decode(torch.zeros(1, 5, 2, 2, 2))
     with pytest.raises(ValueError, match="frames_per_pass=0"):
         FastDecodeConfig(frames_per_pass=0)
+    for bad in (-1, True, 2.5):
+        with pytest.raises(ValueError, match="cudnn_benchmark_limit"):
+            FastDecodeConfig(cudnn_benchmark_limit=bad)
 
 
 def test_fallback_on_cpu_logs_the_reason_once_and_matches_reference(

@@ -127,3 +127,28 @@ def test_rms_norm_act_also_writes_the_history_rows(frames) -> None:
         assert torch.equal(hist[0], torch.full_like(hist[0], 9.0)) and torch.equal(hist[1], y[0])
     else:
         assert torch.equal(hist, y[-2:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("silu", [True, False])
+def test_rms_norm_act_folds_the_resnet_add_and_keeps_the_sum(dtype, silu) -> None:
+    """With a residual the kernel writes x + bias + residual (rounded to x's dtype, as the unfused
+    add) back into x and normalises that rounded sum: both must equal the two-kernel path."""
+    g = torch.Generator().manual_seed(5)
+    c = 40
+    y = (torch.randn(3, 7, c, generator=g) * 2).to(DEVICE, dtype)
+    res = (torch.randn(3, 7, c, generator=g) * 2).to(DEVICE, dtype)
+    bias = torch.randn(c, generator=g).to(DEVICE)
+    gamma = (torch.rand(c, generator=g) + 0.5).to(DEVICE)
+    want_sum = vae_ops.add_bias_residual_reference(y, bias=bias, residual=res)
+    want = vae_ops.rms_norm_act_reference(want_sum, gamma, silu=silu)
+    assert torch.equal(vae_ops.rms_norm_act_reference(y, gamma, bias=bias, residual=res, silu=silu), want)
+    x = y.clone()
+    got = vae_ops.rms_norm_act(x, gamma, bias=bias, residual=res, silu=silu)
+    assert _report(f"folded sum {dtype}", x, want_sum) <= TOL[dtype]
+    assert _report(f"folded norm {dtype} silu={silu}", got, want) <= TOL[dtype]
+    assert not torch.equal(x, y)  # the sum really was written back
+    with pytest.raises(ValueError, match="out must be another tensor"):
+        vae_ops.rms_norm_act(x, gamma, residual=res, silu=silu, out=x)
+    with pytest.raises(ValueError, match="residual"):
+        vae_ops.rms_norm_act(x, gamma, residual=res[:2], silu=silu)
