@@ -122,47 +122,50 @@ def routed_dit_ops(eager: Mapping[str, Callable[..., Any]]) -> dict[str, Callabl
 
     ``eager`` maps the DiTOps field names (modulated_norm, residual_layer_norm,
     residual_modulated_norm, gated_residual, qk_norm_rope) to the plain-torch functions to fall back
-    on. Use: ``DiTOps(**routed_dit_ops({f.name: getattr(TORCH_OPS, f.name) for f in fields(DiTOps)}))``.
+    on. The norms' ``out_dtype`` (the dtype of the linear they feed; an fp32 residual stream feeding
+    bf16 linears) goes to the kernel or the fallback alike. Use: ``DiTOps(**routed_dit_ops({f.name: getattr(TORCH_OPS, f.name) for f in fields(DiTOps)}))``.
     """
 
     def modulated_norm(x: torch.Tensor, *, shift: torch.Tensor, scale: torch.Tensor, index: torch.Tensor,
-                       eps: float) -> torch.Tensor:
+                       eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if fused_kernel_enabled(NORM_MODULATE, x, shift, scale, index):
             from pan2render.kernels.dit_modulation import layernorm_modulate
 
-            out = layernorm_modulate(x, shift=shift, scale=scale, index=index, eps=eps)
+            out = layernorm_modulate(x, shift=shift, scale=scale, index=index, eps=eps, out_dtype=out_dtype)
             count_fused(NORM_MODULATE)
             return out
-        return eager["modulated_norm"](x, shift=shift, scale=scale, index=index, eps=eps)
+        return eager["modulated_norm"](x, shift=shift, scale=scale, index=index, eps=eps, out_dtype=out_dtype)
 
     def residual_layer_norm(x: torch.Tensor, y: torch.Tensor, *, gate: torch.Tensor | None, index: torch.Tensor,
-                            weight: torch.Tensor | None, bias: torch.Tensor | None,
-                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                            weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                            out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # weight None is the cross_attn_norm=False layout (identity norm): nothing to fuse.
         if weight is not None and fused_kernel_enabled(RESIDUAL_NORM_MODULATE, x, y, gate, index, weight, bias):
             from pan2render.kernels.dit_modulation import residual_layernorm_modulate
 
             x_new, normed = residual_layernorm_modulate(
-                x, y, gate=gate, index=index, weight=weight, bias=bias, eps=eps
+                x, y, gate=gate, index=index, weight=weight, bias=bias, eps=eps, out_dtype=out_dtype
             )
             count_fused(RESIDUAL_NORM_MODULATE)
             assert normed is not None
             return x_new, normed
-        return eager["residual_layer_norm"](x, y, gate=gate, index=index, weight=weight, bias=bias, eps=eps)
+        return eager["residual_layer_norm"](x, y, gate=gate, index=index, weight=weight, bias=bias, eps=eps,
+                                            out_dtype=out_dtype)
 
     def residual_modulated_norm(x: torch.Tensor, y: torch.Tensor, *, gate: torch.Tensor | None,
-                                index: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
-                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                                index: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
+                                out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if fused_kernel_enabled(RESIDUAL_NORM_MODULATE, x, y, gate, index, shift, scale):
             from pan2render.kernels.dit_modulation import residual_layernorm_modulate
 
             x_new, normed = residual_layernorm_modulate(
-                x, y, gate=gate, index=index, shift=shift, scale=scale, eps=eps
+                x, y, gate=gate, index=index, shift=shift, scale=scale, eps=eps, out_dtype=out_dtype
             )
             count_fused(RESIDUAL_NORM_MODULATE)
             assert normed is not None
             return x_new, normed
-        return eager["residual_modulated_norm"](x, y, gate=gate, index=index, shift=shift, scale=scale, eps=eps)
+        return eager["residual_modulated_norm"](x, y, gate=gate, index=index, shift=shift, scale=scale, eps=eps,
+                                                out_dtype=out_dtype)
 
     def gated_residual(x: torch.Tensor, y: torch.Tensor, *, gate: torch.Tensor | None,
                        index: torch.Tensor) -> torch.Tensor:

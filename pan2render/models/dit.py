@@ -3,7 +3,18 @@
 Same parameters, checkpoint keys and math as diffusers' ``WanTransformer3DModel``
 (diffusers/models/transformers/transformer_wan.py, 0.42.1): a diffusers ``transformer/`` folder
 loads with ``load_state_dict(strict=True)`` and the forward matches it (tests/models/test_dit.py).
-What differs is the structure around the math, for the follow-up work:
+Two numerics choices differ from diffusers, both for inference in bf16 and both measured on an H200
+at 704x1248x121 (docs/performance.md, "DiT fused kernels"):
+
+- ``PAN2DiT.set_residual_dtype(torch.float32)`` (``PAN2PipelineConfig.dit_fp32_residual``, on by
+  default) keeps the residual stream in fp32 and rounds only what enters a linear. diffusers rounds
+  the stream to bf16 after each of the 4 residual adds per block: rel. L2 vs a strict fp32
+  forward 1.46e-2 (issue 5 requires <= 1e-2); the fp32 stream gives 3.35e-3 for +9 ms per
+  forward. The default (None) is diffusers' rounding, bit for bit.
+- On CUDA without autograd the FFN's first linear runs with cuBLASLt's tanh-GELU epilogue
+  (``_GELUProj``): -10 ms per forward, same error.
+
+What differs otherwise is the structure around the math, for the follow-up work:
 
 - Per-token timesteps (first-frame conditioning): the time embedding and the 6-row modulation are
   computed once per DISTINCT timestep value and indexed per token (``TimestepConditioning``);
@@ -332,7 +343,14 @@ class SelfAttention(_AttentionParams):
             num_heads=self.num_heads,
             eps=self.norm_q.eps,
         )  # [B, H, L, D] each
-        out = self.attention_fn(q, k, self._heads(self.to_v(h)))
+
+        def value() -> Tensor:
+            return self._heads(self.to_v(h))
+
+        # A sequence-parallel wrapper takes v unevaluated, so q's and k's all-to-alls overlap the
+        # v projection (pan2render.parallel.ulysses.UlyssesAttention); same math either way.
+        lazy = getattr(self.attention_fn, "accepts_lazy_v", False)
+        out = self.attention_fn(q, k, value if lazy else value())
         return self._output(out, dtype=q.dtype)
 
 
@@ -357,6 +375,20 @@ class _GELUProj(nn.Module):
         self.proj = nn.Linear(dim, inner_dim)
 
     def forward(self, x: Tensor) -> Tensor:
+        weight, bias = self.proj.weight, self.proj.bias
+        # Inference on CUDA: one cuBLASLt GEMM with a tanh-GELU epilogue instead of a GEMM and a
+        # separate elementwise pass over the [B, L, ffn_dim] activations (0.8 GB at 26,598 tokens):
+        # -10 ms per forward on an H200, same rel. L2 error (docs/performance.md, "DiT fused
+        # kernels"). CUDA only: on the CPU this op computes the exact (erf) GELU, not Wan's tanh one;
+        # no autograd: keep the plain ops' backward.
+        if (
+            x.is_cuda
+            and bias is not None
+            and x.dtype == weight.dtype == bias.dtype
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad))
+        ):
+            out = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
+            return out.view(*x.shape[:-1], -1)  # [B * L, inner] -> [B, L, inner]
         return F.gelu(self.proj(x), approximate="tanh")
 
 
@@ -380,7 +412,9 @@ class PAN2DiTBlock(nn.Module):
     """AdaLN self-attention (RoPE) -> LayerNorm cross-attention -> AdaLN feed-forward.
 
     The 6 modulation rows are (shift, scale, gate) for self-attention and for the feed-forward,
-    ``scale_shift_table`` + the timestep projection, in fp32.
+    ``scale_shift_table`` + the timestep projection, in fp32. The residual stream ``x`` stays in
+    its own dtype (the compute dtype, or fp32 under ``PAN2DiT.set_residual_dtype``); each norm
+    hands its linear the linear's dtype.
     """
 
     def __init__(self, config: PAN2DiTConfig) -> None:
@@ -409,15 +443,16 @@ class PAN2DiTBlock(nn.Module):
         shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = modulation.unbind(1)  # [U, dim] each
         norm2_weight = None if self.norm2 is None else self.norm2.weight
         norm2_bias = None if self.norm2 is None else self.norm2.bias
+        compute = self.attn1.to_q.weight.dtype  # every linear of the block (to_*, ffn) has it
 
-        h = ops.modulated_norm(x, shift=shift_sa, scale=scale_sa, index=index, eps=self.eps)
+        h = ops.modulated_norm(x, shift=shift_sa, scale=scale_sa, index=index, eps=self.eps, out_dtype=compute)
         y = self.attn1(h, rope=rope, ops=ops)
         x, h = ops.residual_layer_norm(
-            x, y, gate=gate_sa, index=index, weight=norm2_weight, bias=norm2_bias, eps=self.eps
+            x, y, gate=gate_sa, index=index, weight=norm2_weight, bias=norm2_bias, eps=self.eps, out_dtype=compute
         )
         y = self.attn2(h, kv=kv)
         x, h = ops.residual_modulated_norm(
-            x, y, gate=None, index=index, shift=shift_ff, scale=scale_ff, eps=self.eps
+            x, y, gate=None, index=index, shift=shift_ff, scale=scale_ff, eps=self.eps, out_dtype=compute
         )
         y = self.ffn(h)
         return ops.gated_residual(x, y, gate=gate_ff, index=index)
@@ -445,10 +480,25 @@ class PAN2DiT(nn.Module):
         self.proj_out = nn.Linear(dim, config.num_out_channels * math.prod(config.patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)  # norm_out (shift, scale)
         self.ops = ROUTED_OPS  # fused kernels where the switch allows, references otherwise
+        # None: the residual stream in the compute dtype (diffusers' numerics); see set_residual_dtype.
+        self.residual_dtype: torch.dtype | None = None
 
     def set_ops(self, ops: DiTOps) -> None:
         """Route the block steps through another op table (the fused-kernel switch)."""
         self.ops = ops
+
+    def set_residual_dtype(self, dtype: torch.dtype | None) -> None:
+        """Keep the residual stream (the tokens between and inside blocks) in ``dtype``; None keeps
+        it in the compute dtype, rounded after every residual add as diffusers does.
+
+        ``torch.float32`` on a bf16 model: only the norms' outputs (what enters a linear) are
+        rounded to bf16. Measured on an H200 (docs/performance.md): rel. L2 vs a strict fp32
+        forward 1.46e-2 -> 3.35e-3, +9 ms per forward. A no-op on an fp32 model.
+        """
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"residual dtype {dtype!r}: expected a floating-point torch.dtype "
+                             f"(e.g. torch.float32) or None for the compute dtype")
+        self.residual_dtype = dtype
 
     # -- pieces ---------------------------------------------------------------------------------
 
@@ -515,15 +565,22 @@ class PAN2DiT(nn.Module):
         context: ContextCache,
         rope: tuple[Tensor, Tensor],
     ) -> Tensor:
-        """All transformer blocks on tokens ``[B, L, dim]`` (L: the whole sequence or a shard)."""
+        """All transformer blocks on tokens ``[B, L, dim]`` (L: the whole sequence or a shard).
+
+        Returns the residual stream in ``residual_dtype`` (the tokens' dtype when None).
+        """
+        if self.residual_dtype is not None:
+            tokens = tokens.to(self.residual_dtype)  # once; the blocks keep it
         for block, kv in zip(self.blocks, context.keys_values, strict=True):
             tokens = block(tokens, time=time, kv=kv, rope=rope, ops=self.ops)
         return tokens
 
     def head(self, tokens: Tensor, *, time: TimestepConditioning) -> Tensor:
-        """Final AdaLN + proj_out: ``[B, L, dim]`` -> ``[B, L, C * pt * ph * pw]``."""
+        """Final AdaLN + proj_out: ``[B, L, dim]`` (any residual dtype) -> ``[B, L, C * pt * ph * pw]``
+        in the compute dtype."""
         shift, scale = (self.scale_shift_table.float() + time.temb.float()[:, None, :]).unbind(1)  # [U, dim]
-        h = self.ops.modulated_norm(tokens, shift=shift, scale=scale, index=time.index, eps=self.config.eps)
+        h = self.ops.modulated_norm(tokens, shift=shift, scale=scale, index=time.index, eps=self.config.eps,
+                                    out_dtype=self.proj_out.weight.dtype)
         return self.proj_out(h)
 
     # -- forward --------------------------------------------------------------------------------

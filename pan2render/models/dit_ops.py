@@ -15,8 +15,13 @@ Conventions (shapes):
 - RoPE tables ``freqs_cos`` / ``freqs_sin`` are ``[L, head_dim // 2]`` fp32, one angle per
   interleaved pair ``(x[2i], x[2i + 1])`` (diffusers stores the same values repeated twice).
 
-Numerics mirror diffusers' WanTransformerBlock exactly (norms and modulation in fp32, result cast
-back to the dtype of ``x``), so our DiT matches WanTransformer3DModel in fp32 and bf16 alike.
+Numerics: norms, modulation and gated residuals are computed in fp32, as in diffusers'
+WanTransformerBlock. The residual update keeps ``x``'s dtype; a norm returns ``out_dtype`` (the
+dtype of the linear it feeds; default ``x``'s dtype). With ``x`` in the compute dtype this is
+diffusers' rounding exactly (the stream rounded to bf16 after every residual add), so our DiT
+matches WanTransformer3DModel in fp32 and bf16 alike. ``PAN2DiT.set_residual_dtype(torch.float32)``
+keeps ``x`` in fp32 instead and passes the bf16 linears their inputs through ``out_dtype``: that is
+where we differ from diffusers on purpose (rel. L2 vs fp32 1.46e-2 -> 3.35e-3, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -56,33 +61,40 @@ def per_token(rows: Tensor, index: Tensor) -> Tensor:
     return picked.unsqueeze(1) if index.ndim == 1 else picked
 
 
-def modulated_norm(x: Tensor, *, shift: Tensor, scale: Tensor, index: Tensor, eps: float) -> Tensor:
-    """AdaLN: ``LayerNorm(x) * (1 + scale) + shift`` (no affine), in fp32, cast to x's dtype.
+def modulated_norm(
+    x: Tensor, *, shift: Tensor, scale: Tensor, index: Tensor, eps: float, out_dtype: torch.dtype | None = None
+) -> Tensor:
+    """AdaLN: ``LayerNorm(x) * (1 + scale) + shift`` (no affine), in fp32, cast to ``out_dtype``
+    (default x's dtype).
 
     x ``[B, L, dim]``; shift / scale ``[U, dim]`` fp32; index ``[B]`` or ``[B, L]``.
     """
     normed = F.layer_norm(x.float(), (x.shape[-1],), eps=eps)
-    return (normed * (1 + per_token(scale, index)) + per_token(shift, index)).type_as(x)
+    return (normed * (1 + per_token(scale, index)) + per_token(shift, index)).to(out_dtype or x.dtype)
 
 
-def layer_norm(x: Tensor, *, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
-    """The cross-attention input norm (affine LayerNorm in fp32); identity when weight is None.
+def layer_norm(
+    x: Tensor, *, weight: Tensor | None, bias: Tensor | None, eps: float, out_dtype: torch.dtype | None = None
+) -> Tensor:
+    """The cross-attention input norm (affine LayerNorm in fp32), cast to ``out_dtype`` (default
+    x's dtype); identity (still cast) when weight is None.
 
     ``weight is None`` is the ``cross_attn_norm=False`` layout, where diffusers uses nn.Identity.
     """
     if weight is None:
-        return x
+        return x.to(out_dtype or x.dtype)
     bias_f = None if bias is None else bias.float()
-    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias_f, eps).type_as(x)
+    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias_f, eps).to(out_dtype or x.dtype)
 
 
 def gated_residual(x: Tensor, y: Tensor, *, gate: Tensor | None, index: Tensor) -> Tensor:
     """Residual update ``x + y * gate`` in fp32, cast to x's dtype; ``gate=None`` is ``x + y``.
 
-    x, y ``[B, L, dim]``; gate ``[U, dim]`` fp32 or None (the cross-attention residual).
+    x, y ``[B, L, dim]``; gate ``[U, dim]`` fp32 or None (the cross-attention residual). y may be
+    bf16 under an fp32 x (the fp32 residual stream): the sum is still x's dtype.
     """
     if gate is None:
-        return x + y
+        return (x + y).to(x.dtype)  # a no-op cast unless y's dtype is wider than x's
     return (x.float() + y.float() * per_token(gate, index)).type_as(x)
 
 
@@ -95,13 +107,15 @@ def residual_layer_norm(
     weight: Tensor | None,
     bias: Tensor | None,
     eps: float,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Gated residual, then the affine norm of the result: returns ``(x_new, normed)``.
+    """Gated residual, then the affine norm of the result: returns ``(x_new, normed)``, x_new in
+    x's dtype, normed in ``out_dtype`` (default x's dtype).
 
     One fused pass in a kernel (self-attention residual -> cross-attention input norm).
     """
     x = gated_residual(x, y, gate=gate, index=index)
-    return x, layer_norm(x, weight=weight, bias=bias, eps=eps)
+    return x, layer_norm(x, weight=weight, bias=bias, eps=eps, out_dtype=out_dtype)
 
 
 def residual_modulated_norm(
@@ -113,13 +127,15 @@ def residual_modulated_norm(
     shift: Tensor,
     scale: Tensor,
     eps: float,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Gated residual, then AdaLN of the result: returns ``(x_new, normed)``.
+    """Gated residual, then AdaLN of the result: returns ``(x_new, normed)``, x_new in x's dtype,
+    normed in ``out_dtype`` (default x's dtype).
 
     One fused pass in a kernel (cross-attention residual -> feed-forward input norm).
     """
     x = gated_residual(x, y, gate=gate, index=index)
-    return x, modulated_norm(x, shift=shift, scale=scale, index=index, eps=eps)
+    return x, modulated_norm(x, shift=shift, scale=scale, index=index, eps=eps, out_dtype=out_dtype)
 
 
 def rms_norm_heads(x: Tensor, *, weight: Tensor, num_heads: int, eps: float) -> Tensor:

@@ -49,7 +49,7 @@ def _dtype_of(value: str | torch.dtype) -> torch.dtype:
 
 @dataclass
 class PAN2PipelineConfig:
-    """How and where the pipeline runs; the three fast-path switches default on where they apply."""
+    """How and where the pipeline runs; the fast-path switches default on where they apply."""
 
     device: str = "auto"  # "auto": cuda when available, else cpu
     dtype: str | torch.dtype = "auto"  # DiT dtype. "auto": bfloat16 on CUDA, float32 on CPU
@@ -58,6 +58,12 @@ class PAN2PipelineConfig:
     vae_decode_kernel: bool = True  # fast Hopper VAE decoder; falls back (logged once) elsewhere
     vae_decode_kernel_parallel: bool = True  # split one decode over a sequence-parallel group
     dit_fused_kernels: bool = True  # fused Triton DiT kernels on CUDA; eager path elsewhere
+    # Keep the DiT's residual stream in fp32 and round only the norms' outputs to the compute dtype
+    # (PAN2DiT.set_residual_dtype). diffusers rounds it to bf16 after each of the 4 residual adds per
+    # block: on one H200 at 704x1248x121 (docs/performance.md) rel. L2 vs a strict fp32 forward was
+    # 1.46e-2 that way (issue 5 requires <= 1e-2) and 3.35e-3 with the fp32 stream, for +9 ms per
+    # forward. False: diffusers' numerics bit for bit. A no-op when the DiT runs in fp32.
+    dit_fp32_residual: bool = True
     # Classifier-free guidance as one batch-2 forward (True) or two batch-1 forwards (False). On one
     # H200 at 704x1248x121 a guided step took 1.720 s batched vs 1.724 s as two passes (fused
     # kernels, cuDNN attention; docs/performance.md): equal within noise, while batching doubles the
@@ -74,6 +80,11 @@ class PAN2PipelineConfig:
         self.vae_dtype = _dtype_of(self.vae_dtype)
         if self.text_encoder_device is None:
             self.text_encoder_device = self.device
+        for name in ("vae_decode_kernel", "vae_decode_kernel_parallel", "dit_fused_kernels", "dit_fp32_residual",
+                     "guidance_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r}: expected True or False")
 
 
 @dataclass(frozen=True)
@@ -142,6 +153,7 @@ class PAN2Pipeline:
             # or the plain-torch one. (kernels.set_fused_kernels stays a global knob for tests and
             # benchmarks, consulted by the fused table on every call.)
             dit.set_ops(ROUTED_OPS if config.dit_fused_kernels else TORCH_OPS)
+            dit.set_residual_dtype(torch.float32 if config.dit_fp32_residual else None)
 
     # ----------------------------------------------------------------------------------------
     # Loading

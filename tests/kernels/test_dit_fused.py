@@ -111,3 +111,52 @@ def test_dit_forward_runs_every_fused_kernel(per_token: bool) -> None:
     with torch.no_grad():
         model(x, timestep, context)
     assert fused_kernel_counts() == {}, "switched off: the eager path runs"
+
+
+def test_fp32_residual_stream_through_the_fused_kernels() -> None:
+    """The modulation kernels keep an fp32 residual stream and hand the linears their dtype
+    (``out_dtype``), as the eager references do.
+
+    Compute dtype fp16 here, not bf16: the Triton interpreter (triton 3.x, ``_convert_float``)
+    truncates fp32 -> bf16 instead of rounding to nearest even as the GPU does, so in bf16 half
+    the normed values would differ by one ulp from torch's; it rounds fp16 correctly.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    model, fused_ops, torch_ops = _tiny_models()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    keep_fp32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
+    model = model.to(device)
+    for name, p in model.named_parameters():
+        if not any(k in name for k in keep_fp32):
+            p.data = p.data.half()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 48, 2, 4, 6, generator=g).to(device, torch.float16)  # 12 tokens
+    context = torch.randn(2, 5, 32, generator=g).to(device, torch.float16)
+    timestep = torch.full((2, 12), 700.0, device=device)
+    timestep[:, :6] = 0.0
+    # The kernels that take out_dtype; the Q/K prologue rounds differently from the eager ops in
+    # fp16 and is covered by its own tests.
+    set_fused_kernels(["norm_modulate", "residual_norm_modulate", "gated_residual"])
+    with torch.no_grad():
+        model.set_ops(torch_ops)
+        fp16_stream = model(x, timestep, context)
+        model.set_residual_dtype(torch.float32)
+        want = model(x, timestep, context)
+        if device == "cpu":
+            allow_interpreter(True)
+        model.set_ops(fused_ops)
+        reset_fused_kernel_counts()
+        got = model(x, timestep, context)
+    assert fused_kernel_counts() == {"norm_modulate": 2 + 1, "residual_norm_modulate": 4, "gated_residual": 2}
+    assert got.dtype == torch.float16
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    err, stream_err = rel(got, want), rel(fp16_stream, want)
+    print(f"fused vs eager, fp32 stream: {err:.2e}; fp16 vs fp32 stream: {stream_err:.2e}")
+    # Same fp32 math, one rounding per output: bit-equal interpreted; on a GPU the LayerNorm
+    # reductions differ in order, so an output may round the other way at a tie.
+    assert err < (1e-5 if device == "cpu" else 2e-4)
+    assert stream_err > 10 * max(err, 1e-5)  # an fp16 stream would show (measured 6.4e-4)

@@ -257,3 +257,21 @@ def test_image_refused_by_a_checkpoint_without_first_frame_conditioning(tiny: PA
             tiny.sample(prompt="x", image=image, height=32, width=32, frames=5, steps=1, guidance=1.0, seed=0)
     finally:
         tiny.expand_timesteps = True
+
+
+def test_fp32_residual_switch_is_per_pipeline_and_validated() -> None:
+    from pan2render.models.dit import PAN2DiT, PAN2DiTConfig
+
+    config = PAN2DiTConfig(num_attention_heads=2, attention_head_dim=6, text_dim=8, freq_dim=8, ffn_dim=8,
+                           num_layers=1)
+    dits = {}
+    for on in (True, False):
+        dits[on] = PAN2DiT(config)
+        PAN2Pipeline(dit=dits[on], vae=None, text_encoder=None, scheduler_config=SchedulerConfig(),
+                     config=PAN2PipelineConfig(device="cpu", dit_fp32_residual=on), model_id="residual-test")
+    assert dits[True].residual_dtype is torch.float32 and dits[False].residual_dtype is None
+    assert PAN2PipelineConfig(device="cpu").dit_fp32_residual is True  # on by default
+    with pytest.raises(ValueError, match=r"dit_fp32_residual='no': expected True or False"):
+        PAN2PipelineConfig(device="cpu", dit_fp32_residual="no")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"dit_fused_kernels=1: expected True or False"):
+        PAN2PipelineConfig(device="cpu", dit_fused_kernels=1)  # type: ignore[arg-type]
