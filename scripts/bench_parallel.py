@@ -134,6 +134,14 @@ def use_fast_paths(model: PAN2DiT) -> str:
     from pan2render.models.dit_ops import TORCH_OPS, DiTOps
 
     used = []
+    try:  # the pipeline's default numerics (fp32 residual stream), as PAN2Pipeline applies them
+        from pan2render.models.pipeline import PAN2PipelineConfig
+
+        if getattr(PAN2PipelineConfig(), "dit_fp32_residual", False):
+            model.set_residual_dtype(torch.float32)
+            used.append("fp32 residual stream")
+    except Exception as e:  # noqa: BLE001
+        used.append(f"compute-dtype residual stream ({type(e).__name__}: {e})")
     try:
         from pan2render.kernels import dit_fused
 
@@ -229,18 +237,23 @@ def bench_dit(rank: int, world: int, device: torch.device, args: argparse.Namesp
                   f"{res['step_group_peak_gib']} GiB; rel L2 vs 1 GPU {res['step_group_vs_1gpu_rel_l2']:.2e}")
     if args.profile:  # where a group step's time goes (rank 0), kernels by self GPU time
         profile_step(step(sp), device, rank, "group step")
-    # The same without the overlap (one head group per rank: both all-to-alls exposed).
+    # Other head-group counts for the attention/all-to-all overlap (UlyssesAttention.chunks).
     chunks = sp.model.blocks[0].attn1.attention_fn.chunks if hasattr(sp, "model") else 1
-    res["step_group_overlap_chunks"] = chunks
-    if chunks > 1:
+    res["step_group_chunks"] = chunks
+    per_rank = config.num_attention_heads // world
+    for other in args.chunks:
+        if other == chunks or per_rank % other:
+            continue
         for block in sp.model.blocks:
-            block.attn1.attention_fn.chunks = 1
+            block.attn1.attention_fn.chunks = other
         step(sp)()
         secs, _ = timed(step(sp), device=device, reps=args.reps, group=True)
-        res["step_group_no_overlap_s"] = round(secs, 3)
+        res[f"step_group_chunks{other}_s"] = round(secs, 3)
         if rank == 0:
-            log(rank, f"guided step, group of {world} without the all-to-all overlap (chunks 1 vs {chunks}): "
+            log(rank, f"guided step, group of {world}, chunks {other} (default {chunks}): "
                       f"{secs:.3f} s -> {res['step_1gpu_s'] / secs:.3f}x")
+    for block in sp.model.blocks:
+        block.attn1.attention_fn.chunks = chunks
     del sp, model, cond_kv, uncond_kv, single, grouped
     gc.collect()  # the wrapper and the model's wrapped attention refer to each other
     if device.type == "cuda":
@@ -393,6 +406,8 @@ def main() -> int:
     p.add_argument("--also-reference-decode", action="store_true",
                    help="when the fast decoder runs, also time the reference bf16 decode (1 GPU vs group)")
     p.add_argument("--profile", action="store_true", help="profile one 1-GPU and one group guided step")
+    p.add_argument("--chunks", type=int, nargs="*", default=[],
+                   help="also time the group step with these head-group counts (overlap of the all-to-alls)")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args()
     if not args.tiny and (not torch.cuda.is_available() or torch.cuda.device_count() < args.world):

@@ -85,7 +85,10 @@ class UlyssesAttention:
     """Self-attention of the whole sequence computed from sequence shards (see the module doc).
 
     Call signature of `pan2render.models.dit_ops.attention`: q, k, v ``[B, H, s, D]`` (this
-    rank's padded shard, all heads) -> ``[B, H, s, D]``.
+    rank's padded shard, all heads) -> ``[B, H, s, D]``. ``v`` may also be a zero-argument callable
+    returning it (``accepts_lazy_v``): `SelfAttention` then passes its v projection unevaluated,
+    and q's and k's exchanges run on the communication stream while the v GEMM computes (two
+    thirds of the inbound all-to-all hidden behind it).
 
     With ``chunks`` > 1 the heads a rank attends are processed in groups so the all-to-alls
     overlap the attention: every group's input exchange is posted at once (they run on the communication
@@ -94,6 +97,8 @@ class UlyssesAttention:
     exchange stay exposed.
     """
 
+    accepts_lazy_v = True  # see the class doc; read by SelfAttention
+
     def __init__(self, inner: AttentionFn, *, group: SequenceGroup, owner: SequenceParallelDiT,
                  chunks: int = 1) -> None:
         self.inner = inner
@@ -101,7 +106,7 @@ class UlyssesAttention:
         self.chunks = chunks
         self._owner = owner  # holds the layout of the forward in progress
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor | Callable[[], Tensor]) -> Tensor:
         layout = self._owner.layout
         if layout is None:
             raise RuntimeError(
@@ -119,11 +124,14 @@ class UlyssesAttention:
         # unpacking copy on the way out (bench: head-major repacking cost ~9% of a group step).
         # (all heads, my tokens) -> (my heads, all tokens), per chunk and per q/k/v:
         # [B, H, s, D] viewed token-major [B, s, N, C, H/(NC), D] -> send [N, B, s, H/(NC), D].
-        packed = [_token_major(t).unflatten(2, (n, c, hc)) for t in (q, k, v)]
-        received = [
-            [_all_to_all(t[:, :, :, i].permute(2, 0, 1, 3, 4), self.group) for t in packed] for i in range(c)
-        ]  # all posted now
-        del packed
+        def post(t: Tensor) -> list[_Pending]:
+            blocks = _token_major(t).unflatten(2, (n, c, hc))
+            return [_all_to_all(blocks[:, :, :, i].permute(2, 0, 1, 3, 4), self.group) for i in range(c)]
+
+        sent_q, sent_k = post(q), post(k)  # in flight while v is computed (when it comes lazily)
+        sent_v = post(v() if callable(v) else v)
+        received = list(zip(sent_q, sent_k, sent_v))  # per chunk: (q, k, v), all posted now
+        del sent_q, sent_k, sent_v
         outputs = []
         for i in range(c):
             # [N (source rank = token block), B, s, H/(NC), D] -> [B, H/(NC), L, D] token-major views;
