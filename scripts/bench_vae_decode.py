@@ -273,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--benchmark-limit", type=int, default=None,
                     help="FastDecodeConfig.cudnn_benchmark_limit (cuDNN engines tried per conv shape; "
                          "0 = all); default: the config's. Applies per process: cuDNN caches its choice")
+    ap.add_argument("--head-taps", choices=["default", "on", "off", "both"], default="default",
+                    help="FastDecodeConfig.head_frame_taps for ours (both: time each)")
+    ap.add_argument("--bf16-all", action="store_true", help="bf16 output (PSNR) for every config, not the first only")
     ap.add_argument("--tile-sweep", action="store_true", help="time the row kernels' tiles (vae_ops.ROW_TILES)")
     ap.add_argument("--tiles", type=str, default="",
                     help="override vae_ops.ROW_TILES for this run, e.g. norm=8192x8,combine=4096x4")
@@ -340,18 +343,21 @@ def main(argv: list[str] | None = None) -> int:
         dec, source = ours_decoder(state)
         print(f"[seed {seed}] ours built from {source}", flush=True)
         first_bf16 = True
-        configs = [(k, s, True) for k in args.frames_per_pass for s in args.hires_frames]
+        heads = {"default": [None], "on": [True], "off": [False], "both": [False, True]}[args.head_taps]
+        configs = [(k, s, True, ht) for k in args.frames_per_pass for s in args.hires_frames for ht in heads]
         if args.compare_no_phase:
-            configs.append((configs[0][0], configs[0][1], False))
-        for k, s, phase in configs:
+            configs.append((configs[0][0], configs[0][1], False, None))
+        for k, s, phase, head_taps in configs:
             if True:
-                cfg = FastDecodeConfig(frames_per_pass=k, hires_frames=s, phase_upsample=phase, **cfg_extra)
+                extra = dict(cfg_extra) if head_taps is None else {**cfg_extra, "head_frame_taps": head_taps}
+                cfg = FastDecodeConfig(frames_per_pass=k, hires_frames=s, phase_upsample=phase, **extra)
                 r = (n - 1) % k
                 dec.decode(z[:, :, : 1 + k + r], out_dtype=torch.uint8, config=cfg)  # cuDNN autotune
                 for odt in (torch.uint8, torch.bfloat16):
-                    if odt == torch.bfloat16 and not first_bf16:
+                    if odt == torch.bfloat16 and not (first_bf16 or args.bf16_all):
                         continue
-                    name = f"ours k={k} S={s}{'' if phase else ' nophase'} {'uint8' if odt == torch.uint8 else 'bf16'}"
+                    name = (f"ours k={k} S={s}{'' if phase else ' nophase'}{' headtaps' if cfg.head_frame_taps else ''}"
+                            f" {'uint8' if odt == torch.uint8 else 'bf16'}")
                     out, dt, pk, pw = timed(lambda: dec.decode(z, out_dtype=odt, config=cfg))
                     outs[name] = out.cpu()
                     del out
@@ -395,12 +401,12 @@ def main(argv: list[str] | None = None) -> int:
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
 
-    print(f"\n{'seed':>4} {'run':<30} {'clip':<15} {'time s':>8} {'peak GiB':>9} {'work GiB':>9} "
+    print(f"\n{'seed':>4} {'run':<38} {'clip':<15} {'time s':>8} {'peak GiB':>9} {'work GiB':>9} "
           f"{'PSNR dB':>8} {'x diff':>7}")
     for r in rows:
         ps = f"{r.psnr_db:8.2f}" if r.psnr_db is not None else f"{'-':>8}"
         sp = f"{r.speedup_vs_diffusers:7.2f}" if r.speedup_vs_diffusers else f"{'-':>7}"
-        print(f"{r.seed:>4} {r.run:<30} {r.clip:<15} {r.seconds:8.3f} {r.peak_total_gib:9.2f} "
+        print(f"{r.seed:>4} {r.run:<38} {r.clip:<15} {r.seconds:8.3f} {r.peak_total_gib:9.2f} "
               f"{r.peak_work_gib:9.2f} {ps} {sp}")
     if args.json:
         with open(args.json, "w") as f:

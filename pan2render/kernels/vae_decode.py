@@ -68,6 +68,10 @@ class FastDecodeConfig:
     # torch's default 10); 0 = every engine (a slower first decode per shape, then cached).
     # None leaves torch's setting alone.
     cudnn_benchmark_limit: int | None = 10
+    # the head conv (256 -> 12 channels, 3x3x3) as one 2-D conv per frame with the three time taps
+    # side by side in its output (N = 48 instead of 16: cuDNN runs N=16 at ~130 TFLOP/s), then a
+    # sum of three shifted slices in fp32; 1.5x the head's FLOPs at 4 frames per sub-chunk
+    head_frame_taps: bool = False
 
     def __post_init__(self) -> None:
         for name in ("frames_per_pass", "hires_frames"):
@@ -214,6 +218,11 @@ class FastWanDecoder:
         assert dims[-1] == self.up_blocks[-1].resnets[-1].conv2.weight.shape[0]
         self.gamma_out = g.gamma("decoder.norm_out")
         self.conv_out = g.conv("decoder.conv_out", pad_out_to=_OUT_CHANNEL_ALIGN)
+        # The same weights as three 2-D kernels stacked in the output: [3 * 16, C, 3, 3], block dt.
+        w = self.conv_out.weight  # [16, C, 3, 3, 3]
+        self.conv_out_taps = w.permute(2, 0, 1, 3, 4).reshape(-1, *w.shape[1:2], *w.shape[3:]).contiguous(
+            memory_format=torch.channels_last
+        )
         self.time_factor = 2 ** sum(b.factor_t == 2 for b in self.up_blocks)
         self.space_factor = 2 ** sum(b.up_conv is not None for b in self.up_blocks) * self.patch
         # The high-resolution tail (the last two up blocks + head) runs over frame sub-chunks; it
@@ -223,6 +232,7 @@ class FastWanDecoder:
             self.split += 1
         self._history: dict[str, torch.Tensor] = {}  # conv key -> [B, 2, H, W, C] history
         self._phase = True
+        self._head_taps = False
         self._busy = False
 
     # ---- construction ----------------------------------------------------------------------
@@ -283,6 +293,7 @@ class FastWanDecoder:
         self._busy = True
         self._history = {}
         self._phase = cfg.phase_upsample
+        self._head_taps = cfg.head_frame_taps
         saved_limit = None  # torch's setting, restored after the call
         if cfg.cudnn_benchmark_limit is not None and self.device.type == "cuda":
             saved_limit = torch.backends.cudnn.benchmark_limit
@@ -345,7 +356,23 @@ class FastWanDecoder:
         for i in range(self.split, len(self.up_blocks)):
             x = [self._up_block(x, self.up_blocks[i], f"up.{i}", first=False)]
         buf = self._fill(x, "head", gamma=self.gamma_out, bias=None)
+        if self._head_taps:
+            return self._head_by_frame_taps(buf)
         return _conv3d(buf, self.conv_out, pad=1, bias=True)  # [B, f, H, W, 16]
+
+    def _head_by_frame_taps(self, buf: torch.Tensor) -> torch.Tensor:
+        """conv_out over ``buf [B, 2 + T, H, W, C]`` as a 2-D conv of every frame with the three
+        time taps' kernels side by side (N = 48), then out[t] = P[t, tap 0] + P[t+1, tap 1] +
+        P[t+2, tap 2] + bias, summed in fp32 -> ``[B, T, H, W, 16]`` fp32."""
+        b, tt, h, w, c = buf.shape
+        t = tt - CACHE_T
+        p = F.conv2d(buf.view(b * tt, h, w, c).permute(0, 3, 1, 2), self.conv_out_taps, None, padding=1)
+        p = _rows(p, b)  # [B, 2 + T, H, W, 3 * 16]
+        k = p.shape[-1] // (CACHE_T + 1)
+        y = p[:, 0:t, ..., 0:k].float()
+        for dt in range(1, CACHE_T + 1):
+            y += p[:, dt : dt + t, ..., dt * k : (dt + 1) * k]
+        return y.add_(self.conv_out.bias32)
 
     # ---- layers (inputs passed in a one-element list so the callee can drop them early) ------
 
@@ -479,10 +506,8 @@ class FastWanDecoder:
             index = blk.dup_index[blk.factor_t - 1 :]
         del x
         n = b * t * r
-        o = F.conv2d(src.view(n, h, w, c).permute(0, 3, 1, 2), blk.phase_conv.weight, None, padding=1)
+        o = _phase_conv(src.view(n, h, w, c), blk.phase_conv)  # [N, H+1, W+1, 4*Cout]
         del src
-        c4 = o.shape[1]
-        o = _rows(o, 1).view(n, h + 1, w + 1, c4)  # [N, H+1, W+1, 4*Cout]
         xs = x_in.reshape(b * t, h, w, x_in.shape[-1])
         y = vae_ops.upsample_phase_combine(o, blk.phase_conv.bias32, xs, index.contiguous(), r=r)
         return y.view(b, t * r, 2 * h, 2 * w, y.shape[-1])
@@ -533,6 +558,26 @@ def _rows(y: torch.Tensor, b: int) -> torch.Tensor:
     if rows.dim() == 4:  # conv2d over B*T frames
         rows = rows.view(b, rows.shape[0] // b, *rows.shape[1:])
     return rows
+
+
+# Below this many bytes of im2col rows a phase conv runs as one GEMM (the first up block: 44x78
+# latent frames, where cuDNN's best engine is an sm80 kernel at ~300 TFLOP/s; docs/performance.md).
+PHASE_GEMM_MAX_BYTES = 64 * 2**20
+
+
+def _phase_conv(x: torch.Tensor, conv: _Conv) -> torch.Tensor:
+    """The four 2x2 phase kernels over rows ``x [N, H, W, C]`` (padding 1) -> rows
+    ``[N, H+1, W+1, 4*Cout]``: cuDNN, or for small frames an explicit im2col + one GEMM."""
+    n, h, w, c = x.shape
+    c4 = conv.weight.shape[0]
+    if n * (h + 1) * (w + 1) * 4 * c * x.element_size() > PHASE_GEMM_MAX_BYTES:
+        return _rows(F.conv2d(x.permute(0, 3, 1, 2), conv.weight, None, padding=1), 1).view(n, h + 1, w + 1, c4)
+    xp = F.pad(x, (0, 0, 1, 1, 1, 1))  # [N, H+2, W+2, C]
+    cols = torch.cat([xp[:, dy : dy + h + 1, dx : dx + w + 1] for dy in (0, 1) for dx in (0, 1)], dim=-1)
+    del xp
+    # channels-last weight [4Cout, C, 2, 2] is physically [4Cout, 2, 2, C]: the im2col order
+    wm = conv.weight.permute(0, 2, 3, 1).reshape(c4, 4 * c)
+    return F.linear(cols, wm)  # [N, H+1, W+1, 4*Cout]
 
 
 def _conv3d(buf: torch.Tensor, conv: _Conv, *, pad: int, bias: bool) -> torch.Tensor:

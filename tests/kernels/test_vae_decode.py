@@ -54,17 +54,37 @@ def _max_err(got: torch.Tensor, want: torch.Tensor, name: str) -> float:
 
 
 @pytest.mark.parametrize(
-    "frames_per_pass,hires_frames,phase", [(1, 1, True), (2, 3, True), (3, 2, True), (8, 64, True), (2, 2, False)]
-)
+    "frames_per_pass,hires_frames,phase,head_taps,phase_gemm",
+    [(1, 1, True, False, True), (2, 3, True, True, True), (3, 2, True, False, False), (8, 64, True, True, False),
+     (2, 2, False, False, True)],
+)  # fmt: skip
 def test_fast_decoder_matches_diffusers_fp32(
-    tiny_vae, latents_and_reference, frames_per_pass, hires_frames, phase
+    tiny_vae, latents_and_reference, frames_per_pass, hires_frames, phase, head_taps, phase_gemm, monkeypatch
 ) -> None:
+    """Every chunking, the head as a 3-D conv or as 2-D frame taps, the phase convs as cuDNN
+    convs or as im2col GEMMs (the tiny frames are below the GEMM threshold unless it is 0)."""
+    if not phase_gemm:
+        monkeypatch.setattr(vae_decode, "PHASE_GEMM_MAX_BYTES", 0)
     z, ref = latents_and_reference
     dec = FastWanDecoder.from_vae(tiny_vae, device="cpu", dtype=torch.float32)
-    cfg = FastDecodeConfig(frames_per_pass=frames_per_pass, hires_frames=hires_frames, phase_upsample=phase)
+    cfg = FastDecodeConfig(frames_per_pass=frames_per_pass, hires_frames=hires_frames, phase_upsample=phase,
+                           head_frame_taps=head_taps)
     got = dec.decode(z, out_dtype=torch.float32, config=cfg)
     assert got.shape == ref.shape == (1, 3, 13, 48, 80)
-    assert _max_err(got, ref, f"k={frames_per_pass} S={hires_frames} phase={phase}") <= 1e-4
+    name = f"k={frames_per_pass} S={hires_frames} phase={phase} head_taps={head_taps} phase_gemm={phase_gemm}"
+    assert _max_err(got, ref, name) <= 1e-4
+
+
+def test_phase_conv_gemm_equals_the_conv() -> None:
+    """The im2col + GEMM form of the four 2x2 phase kernels against conv2d(padding=1)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 7, 12, generator=g)  # rows [N, H, W, C]
+    w = torch.randn(4 * 8, 12, 2, 2, generator=g).contiguous(memory_format=torch.channels_last)
+    conv = vae_decode._Conv(w, torch.zeros(32), torch.zeros(32))
+    got = vae_decode._phase_conv(x, conv)
+    want = torch.nn.functional.conv2d(x.permute(0, 3, 1, 2), w, padding=1).permute(0, 2, 3, 1)
+    assert got.shape == want.shape == (2, 6, 8, 32)
+    assert _max_err(got, want, "phase conv gemm") <= 1e-5
 
 
 def test_fast_decoder_uint8_frames_follow_the_pipeline_formula(tiny_vae, latents_and_reference) -> None:
