@@ -70,8 +70,9 @@ class FastDecodeConfig:
     cudnn_benchmark_limit: int | None = 10
     # the head conv (256 -> 12 channels, 3x3x3) as one 2-D conv per frame with the three time taps
     # side by side in its output (N = 48 instead of 16: cuDNN runs N=16 at ~130 TFLOP/s), then a
-    # sum of three shifted slices in fp32; 1.5x the head's FLOPs at 4 frames per sub-chunk
-    head_frame_taps: bool = False
+    # sum of three shifted slices in fp32; 1.5x the head's FLOPs at 4 frames per sub-chunk, yet
+    # measured 2.810 vs 2.834 s per 704x1248x121 decode on an H200 (docs/performance.md)
+    head_frame_taps: bool = True
 
     def __post_init__(self) -> None:
         for name in ("frames_per_pass", "hires_frames"):
