@@ -179,23 +179,24 @@ def routed_dit_ops(eager: Mapping[str, Callable[..., Any]]) -> dict[str, Callabl
 
     def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, *, norm_q_weight: torch.Tensor,
                      norm_k_weight: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
-                     num_heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     num_heads: int, eps: float, head_groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         if fused_kernel_enabled(QK_NORM_ROPE, q, k, norm_q_weight, norm_k_weight, freqs_cos, freqs_sin):
             from pan2render.kernels.dit_qk_norm_rope import qk_norm_rope as kernel
 
             # freqs are per token ([L, head_dim // 2], already this shard's rows): every pair reads
             # its token's row, i.e. the kernel's one-axis layout with grid (L, 1, 1).
             seq, half = freqs_cos.shape
-            head_major = QK_HEAD_MAJOR
+            head_major = QK_HEAD_MAJOR and head_groups == 1
             qo, ko = kernel(q, k, weight_q=norm_q_weight, weight_k=norm_k_weight, heads=num_heads,
                             cos=freqs_cos, sin=freqs_sin, grid=(seq, 1, 1), offset=0, eps=eps,
-                            split=(half, 0, 0), head_major=head_major)
+                            split=(half, 0, 0), head_major=head_major, head_groups=head_groups)
             count_fused(QK_NORM_ROPE)
-            if head_major:
-                return qo, ko  # [B, H, L, D] contiguous
+            if head_groups > 1 or head_major:  # [G, B, L, H/G, D] / [B, H, L, D] contiguous
+                return qo, ko
             return qo.transpose(1, 2), ko.transpose(1, 2)  # [B, H, L, D] views of [B, L, H, D]
         return eager["qk_norm_rope"](q, k, norm_q_weight=norm_q_weight, norm_k_weight=norm_k_weight,
-                                     freqs_cos=freqs_cos, freqs_sin=freqs_sin, num_heads=num_heads, eps=eps)
+                                     freqs_cos=freqs_cos, freqs_sin=freqs_sin, num_heads=num_heads, eps=eps,
+                                     head_groups=head_groups)
 
     return {
         "modulated_norm": modulated_norm,

@@ -159,6 +159,8 @@ if triton is not None:
         o_stride_b,
         o_stride_l,
         o_stride_h,
+        o_stride_g,
+        group_heads,
         offset,
         height,
         width,
@@ -208,9 +210,12 @@ if triton is not None:
         c = tl.load(cos_ptr + pos * HALF + jp, mask=pmask, other=1.0)
         s = tl.load(sin_ptr + pos * HALF + jp, mask=pmask, other=0.0)
         y = tl.join(x0 * c - x1 * s, x0 * s + x1 * c)  # [BLOCK, 2]
-        # Output element (head h, channel 2*jp + lane) at h * o_stride_h + 2 * jp + lane: token-major
-        # [B, L, H, D] or head-major [B, H, L, D] by the strides.
-        o_offs = (j // HALF)[:, None] * o_stride_h + (2 * jp)[:, None] + lane[None, :]
+        # Output element (head h, channel 2*jp + lane) at (h // G) * o_stride_g + (h % G) * o_stride_h
+        # + 2 * jp + lane: token-major [B, L, H, D] or head-major [B, H, L, D] by the strides (one
+        # group, G = heads), or head groups [H/G, B, L, G, D] (the all-to-all's send layout).
+        head = j // HALF
+        o_offs = ((head // group_heads).to(tl.int64) * o_stride_g + (head % group_heads) * o_stride_h)[:, None]
+        o_offs = o_offs + (2 * jp)[:, None] + lane[None, :]
         tl.store(o_ptr + o_offs, y.to(o_ptr.dtype.element_ty), mask=mask)
 
 
@@ -237,10 +242,13 @@ def qk_norm_rope(
     eps: float = 1e-6,
     split: tuple[int, int, int] | None = None,
     head_major: bool = False,
+    head_groups: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton kernel: q, k [B, L, heads*head_dim] (last dim contiguous; rows may be strided, e.g.
     chunks of a fused QKV projection) -> [B, L, heads, head_dim] in q's dtype, contiguous; with
-    ``head_major`` the result is [B, heads, L, head_dim] contiguous instead (SDPA's native layout).
+    ``head_major`` the result is [B, heads, L, head_dim] contiguous instead (SDPA's native layout);
+    with ``head_groups`` G > 1 it is [G, B, L, heads/G, head_dim] contiguous (group g = heads
+    [g*heads/G, (g+1)*heads/G)): the send buffer of a sequence-parallel all-to-all, written in place.
 
     ``grid`` is the full latent token grid (frames, height, width) after patching and ``offset``
     the global index of this tensor's first token (0 unless running on a sequence shard).
@@ -258,13 +266,24 @@ def qk_norm_rope(
     n_t, n_h, _ = _split(head_dim, split)
     cos = cos.to(device=q.device, dtype=torch.float32).contiguous()
     sin = sin.to(device=q.device, dtype=torch.float32).contiguous()
-    shape = (batch, heads, seq, head_dim) if head_major else (batch, seq, heads, head_dim)
+    if head_groups < 1 or heads % head_groups or (head_groups > 1 and head_major):
+        raise ValueError(f"head_groups={head_groups}: must divide heads={heads} (and not with head_major)")
+    group = heads // head_groups
+    if head_groups > 1:
+        shape = (head_groups, batch, seq, group, head_dim)
+    else:
+        shape = (batch, heads, seq, head_dim) if head_major else (batch, seq, heads, head_dim)
     q_out = torch.empty(shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(shape, dtype=k.dtype, device=k.device)
     if batch * seq == 0:
         return q_out, k_out
-    # (batch, token, head) strides of the output, whichever layout.
-    o_strides = (q_out.stride(0), q_out.stride(2), q_out.stride(1)) if head_major else q_out.stride()[:3]
+    # (batch, token, head-in-group, group) strides of the output, whichever layout.
+    if head_groups > 1:
+        o_strides = (q_out.stride(1), q_out.stride(2), q_out.stride(3), q_out.stride(0))
+    elif head_major:
+        o_strides = (q_out.stride(0), q_out.stride(2), q_out.stride(1), 0)
+    else:
+        o_strides = (*q_out.stride()[:3], 0)
     _, height, width = grid
     _qk_norm_rope_kernel[(batch * seq, 2)](
         q,
@@ -281,6 +300,7 @@ def qk_norm_rope(
         k.stride(0),
         k.stride(1),
         *o_strides,
+        group,
         offset,
         height,
         width,

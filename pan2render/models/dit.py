@@ -332,7 +332,15 @@ class _AttentionParams(nn.Module):
 
 class SelfAttention(_AttentionParams):
     def forward(self, h: Tensor, *, rope: tuple[Tensor, Tensor], ops: DiTOps) -> Tensor:
-        """h ``[B, L, dim]``, rope (cos, sin) ``[L, head_dim // 2]`` -> ``[B, L, dim]``."""
+        """h ``[B, L, dim]``, rope (cos, sin) ``[L, head_dim // 2]`` -> ``[B, L, dim]``.
+
+        A sequence-parallel ``attention_fn`` may ask for q, k, v in its all-to-all's send layout
+        (``head_groups`` G: ``[G, B, L, H/G, D]`` contiguous, written so by the Q/K kernel and the
+        v projection, so nothing is repacked) and for v unevaluated (``accepts_lazy_v``: q's and
+        k's exchanges then overlap the v projection). Same math either way.
+        """
+        groups = getattr(self.attention_fn, "head_groups", 1)
+        extra = {"head_groups": groups} if groups > 1 else {}
         q, k = ops.qk_norm_rope(
             self.to_q(h),
             self.to_k(h),
@@ -342,16 +350,32 @@ class SelfAttention(_AttentionParams):
             freqs_sin=rope[1],
             num_heads=self.num_heads,
             eps=self.norm_q.eps,
-        )  # [B, H, L, D] each
+            **extra,
+        )  # [B, H, L, D] each (or [G, B, L, H/G, D])
 
         def value() -> Tensor:
+            if groups > 1:
+                return self._grouped_projection(self.to_v, h, groups)
             return self._heads(self.to_v(h))
 
-        # A sequence-parallel wrapper takes v unevaluated, so q's and k's all-to-alls overlap the
-        # v projection (pan2render.parallel.ulysses.UlyssesAttention); same math either way.
         lazy = getattr(self.attention_fn, "accepts_lazy_v", False)
         out = self.attention_fn(q, k, value if lazy else value())
         return self._output(out, dtype=q.dtype)
+
+    def _grouped_projection(self, linear: nn.Linear, h: Tensor, groups: int) -> Tensor:
+        """``linear(h)`` as ``[G, B, L, H/G, D]`` contiguous: one GEMM per head group, each
+        writing its group's slot (no repacking copy afterwards)."""
+        batch, seq, dim = h.shape
+        part = linear.out_features // groups
+        out = h.new_empty(groups, batch * seq, part)
+        rows = h.reshape(batch * seq, dim)
+        for g in range(groups):
+            weight = linear.weight[g * part : (g + 1) * part]
+            if linear.bias is None:
+                torch.mm(rows, weight.t(), out=out[g])
+            else:
+                torch.addmm(linear.bias[g * part : (g + 1) * part], rows, weight.t(), out=out[g])
+        return out.view(groups, batch, seq, self.num_heads // groups, -1)
 
 
 class CrossAttention(_AttentionParams):

@@ -42,6 +42,7 @@ __all__ = [
     "apply_rope",
     "attention",
     "gated_residual",
+    "head_groups_layout",
     "layer_norm",
     "modulated_norm",
     "per_token",
@@ -168,18 +169,32 @@ def qk_norm_rope(
     freqs_sin: Tensor,
     num_heads: int,
     eps: float,
+    head_groups: int = 1,
 ) -> tuple[Tensor, Tensor]:
     """Self-attention Q/K prologue: RMSNorm across heads + 3-D RoPE + head-major layout.
 
     q, k ``[B, L, heads * head_dim]`` (projection outputs); freqs ``[L, head_dim // 2]`` for
     exactly these L tokens (a sequence shard passes its own slice). Returns q, k as
-    ``[B, heads, L, head_dim]``, the layout `attention` takes.
+    ``[B, heads, L, head_dim]``, the layout `attention` takes; with ``head_groups`` G > 1 as
+    ``[G, B, L, heads / G, head_dim]`` contiguous instead (`head_groups_layout`).
     """
     q = rms_norm_heads(q, weight=norm_q_weight, num_heads=num_heads, eps=eps)
     k = rms_norm_heads(k, weight=norm_k_weight, num_heads=num_heads, eps=eps)
     q = apply_rope(q, freqs_cos=freqs_cos, freqs_sin=freqs_sin)
     k = apply_rope(k, freqs_cos=freqs_cos, freqs_sin=freqs_sin)
+    if head_groups > 1:
+        return head_groups_layout(q, head_groups), head_groups_layout(k, head_groups)
     return q.transpose(1, 2), k.transpose(1, 2)
+
+
+def head_groups_layout(x: Tensor, groups: int) -> Tensor:
+    """``[B, L, heads, head_dim]`` -> ``[G, B, L, heads / G, head_dim]`` contiguous: group g holds
+    heads ``[g * heads / G, (g + 1) * heads / G)``. The layout a sequence-parallel attention asks
+    for (``attention_fn.head_groups``): chunk g of its all-to-all goes to rank g as it lies."""
+    heads = x.shape[2]
+    if heads % groups:
+        raise ValueError(f"{heads} heads do not split into {groups} head groups")
+    return x.unflatten(2, (groups, heads // groups)).permute(2, 0, 1, 3, 4).contiguous()
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:

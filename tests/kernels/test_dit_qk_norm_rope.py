@@ -139,3 +139,21 @@ def test_head_major_output_is_the_same_values() -> None:
     hq, hk = qk_norm_rope(q, k, head_major=True, **kw)
     assert hq.shape == (2, heads, 24, head_dim) and hq.is_contiguous()
     assert torch.equal(hq, tq.transpose(1, 2)) and torch.equal(hk, tk.transpose(1, 2))
+
+
+@pytest.mark.parametrize("groups", [2, 3, 6])
+def test_head_groups_output_is_the_all_to_all_send_layout(groups: int) -> None:
+    """head_groups=G writes [G, B, L, heads/G, head_dim] contiguous: group g holds heads
+    [g*heads/G, (g+1)*heads/G) of every token, equal to slicing the token-major result."""
+    heads, head_dim, grid = 6, 12, (2, 3, 4)
+    q, k, wq, wk = _inputs(2, 24, heads, head_dim, torch.float32, seed=4)
+    cos, sin = rope_tables(head_dim=head_dim, max_len=8, device=DEVICE)
+    kw = dict(weight_q=wq, weight_k=wk, heads=heads, cos=cos, sin=sin, grid=grid)
+    tq, tk = qk_norm_rope(q, k, **kw)  # [B, L, H, D]
+    gq, gk = qk_norm_rope(q, k, head_groups=groups, **kw)
+    assert gq.shape == (groups, 2, 24, heads // groups, head_dim) and gq.is_contiguous()
+    want_q = tq.unflatten(2, (groups, heads // groups)).permute(2, 0, 1, 3, 4)
+    want_k = tk.unflatten(2, (groups, heads // groups)).permute(2, 0, 1, 3, 4)
+    assert torch.equal(gq, want_q) and torch.equal(gk, want_k)
+    with pytest.raises(ValueError, match="head_groups=4"):
+        qk_norm_rope(q, k, head_groups=4, **kw)

@@ -66,8 +66,13 @@ def batch2_forward(dit: torch.nn.Module) -> torch.Tensor:
 def _worker(rank: int, world: int, out: Path) -> None:
     pipe = tiny_pipeline().parallelize(dist.group.WORLD)
     assert isinstance(pipe.dit, SequenceParallelDiT)
-    for block in pipe.dit.model.blocks:  # exercise the overlap: one head group per head of the rank
-        block.attn1.attention_fn.chunks = HEADS // world
+    # Groups of 2 exercise the overlap path (one head chunk per head of the rank, q/k/v packed
+    # per chunk); 4 and 8 the default one chunk, where q, k, v arrive in the send layout itself.
+    chunks = HEADS // world if world == 2 else 1
+    for block in pipe.dit.model.blocks:
+        attn = block.attn1.attention_fn
+        attn.chunks = chunks
+        assert attn.head_groups == (world if chunks == 1 else 1)
     result = render(pipe)
     result["batch2"] = batch2_forward(pipe.dit)
     torch.save(result, out / f"rank{rank}.pt")
