@@ -64,7 +64,8 @@ _MAX_IN_FLIGHT = 2  # chunks a rank may have sent but not yet seen received (bou
 _LOGGED: set[str] = set()
 # FastWanDecoder methods the split uses (private to kernels/vae_decode.py: checked before use, so a
 # refactor there makes the group fall back to the reference decoder instead of failing).
-_FAST_MODULE_API = ("FastWanDecoder", "CACHE_T", "_conv3d", "_add_dup_shortcut_", "_decoder_for", "vae_ops")
+_FAST_MODULE_API = ("FastWanDecoder", "CACHE_T", "_conv3d", "_add_dup_shortcut_", "_decoder_for", "vae_ops",
+                    "_Sum", "_materialized")
 _FAST_DECODER_API = ("_post_quant", "_resnet", "_attention", "_upsample", "_fill", "_write", "_history",
                      "conv_in", "mid_resnets", "mid_attn", "up_blocks", "gamma_out", "conv_out",
                      "time_factor", "space_factor", "dtype")
@@ -229,6 +230,9 @@ class _ReferenceUnits:
             out[:, :, start:stop] = video
         return stop - start
 
+    def finish_span(self, state: State) -> State:
+        return state
+
     def close(self) -> None:
         self.cache.clear()
 
@@ -252,9 +256,21 @@ class _FastUnits:
         self.phase = bool(getattr(fast.FastDecodeConfig(), "phase_upsample", False)) and hasattr(
             self.dec, "_upsample_phase")
         self.dec._phase = self.phase
+        self.dec._head_taps = bool(getattr(fast.FastDecodeConfig(), "head_frame_taps", False)) and hasattr(
+            self.dec, "_head_by_frame_taps")
+        # A resnet's closing add (bias, residual) left to the next unit's norm on this rank, as
+        # the single-GPU decoder does (FastWanDecoder._resnet_pending); settled at a span's end.
+        self._pending: tuple[Tensor, Tensor] | None = None
 
     def begin_chunk(self) -> None:
         pass
+
+    def finish_span(self, state: State) -> State:
+        """Before a chunk's state leaves this rank (or is written): add a pending resnet sum."""
+        if self._pending is not None:
+            state["x"] = self.fast._Sum(state["x"], *self._pending).materialize()
+            self._pending = None
+        return state
 
     def first_input(self, t: int) -> State:
         if self.zp is None:
@@ -263,6 +279,9 @@ class _FastUnits:
 
     def run(self, name: str, state: State, *, first: bool) -> State:
         dec, fast, x = self.dec, self.fast, state.pop("x")
+        if self._pending is not None:  # the previous unit's add, folded into this unit's norm
+            x = fast._Sum(x, *self._pending)
+            self._pending = None
         if name == "conv_in":
             return {"x": fast._conv3d(x.contiguous(), dec.conv_in, pad=1, bias=True)}
         if name == "mid":
@@ -271,11 +290,14 @@ class _FastUnits:
             return {"x": dec._resnet([x], dec.mid_resnets[1], "mid.1")}
         if name == "head":
             buf = dec._fill([x], "head", gamma=dec.gamma_out, bias=None)
+            if dec._head_taps:
+                return {"x": dec._head_by_frame_taps(buf)}
             return {"x": fast._conv3d(buf, dec.conv_out, pad=1, bias=True)}
         block_id, part, *half = name.split(".")
         i = int(block_id[2:])
         block = dec.up_blocks[i]
         if part == "up":  # FastWanDecoder._up_block's tail: upsampler + shortcut (+ bias)
+            x = fast._materialized(x)
             x_in = state.pop("x_in")
             if self.phase:
                 return {"x": dec._upsample_phase([x], block, f"up.{i}", first=first, x_in=x_in)}
@@ -286,16 +308,19 @@ class _FastUnits:
         j = int(part[3:])
         res, key = block.resnets[j], f"up.{i}.resnets.{j}"
         if j == 0 and half == ["a"] and block.up_conv is not None:
+            x = fast._materialized(x)
             state["x_in"] = x
-        # FastWanDecoder._resnet in two halves (same calls, same history keys).
+        # FastWanDecoder._resnet_pending in two halves (same calls, same history keys).
         if half == ["a"]:
+            buf = dec._fill([x], f"{key}.conv1", gamma=res.gamma1, bias=None)  # adds a pending sum
+            x = x.y if isinstance(x, fast._Sum) else x
             state["res"] = x if res.shortcut is None else F.linear(x, res.shortcut.weight, res.shortcut.bias)
-            buf = dec._fill([x], f"{key}.conv1", gamma=res.gamma1, bias=None)
+            del x
             state["x"] = fast._conv3d(buf, res.conv1, pad=1, bias=False)  # its bias folds into norm2
         else:
             buf = dec._fill([x], f"{key}.conv2", gamma=res.gamma2, bias=res.conv1.bias32)
-            y = fast._conv3d(buf, res.conv2, pad=1, bias=False)
-            state["x"] = fast.vae_ops.add_bias_residual_(y, bias=res.conv2.bias32, residual=state.pop("res"))
+            state["x"] = fast._conv3d(buf, res.conv2, pad=1, bias=False)
+            self._pending = (res.conv2.bias32, state.pop("res"))
         return state
 
     def new_output(self, z: Tensor, out_dtype: torch.dtype) -> Tensor:
@@ -438,6 +463,7 @@ def pipelined_decode(
                     state = units.run(name, state, first=t == 0)
                     if marks:
                         marks.append(_mark(z.device))
+                state = units.finish_span(state)
                 if marks and t > 0:  # steady-state chunks only (the first one is 1 frame)
                     unit_events.append(marks)
                 if dst is None:
