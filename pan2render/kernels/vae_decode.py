@@ -20,8 +20,9 @@ Same math as diffusers' ``AutoencoderKLWan.decode`` / our ``WanVAE.decode`` (wei
 - Intermediates are dropped as soon as they are consumed; each decoded chunk is written straight
   into the preallocated output (uint8 ``[F, H, W, 3]`` or bf16 ``[B, 3, F, H, W]``).
 
-Measured on one H200 (docs/performance.md): 2.90 s at 704x1248x121, 1.98x diffusers bf16,
-5.75 GiB peak above the resident weights, PSNR 53.5 dB against strict fp32.
+Measured on one H200 (docs/performance.md): 2.78-2.81 s at 704x1248x121, 2.04x diffusers bf16
+in the same run, 5.75 GiB peak above the resident weights (uint8 output included), PSNR 53.5 dB
+against strict fp32.
 
 The first latent frame is special, as in the reference: the temporal upsamplers skip their time
 conv on it (one frame out, not two) and the duplicate-upsample shortcut keeps only its last

@@ -9,10 +9,10 @@ at 704x1248x121 (docs/performance.md, "DiT fused kernels"):
 - ``PAN2DiT.set_residual_dtype(torch.float32)`` (``PAN2PipelineConfig.dit_fp32_residual``, on by
   default) keeps the residual stream in fp32 and rounds only what enters a linear. diffusers rounds
   the stream to bf16 after each of the 4 residual adds per block: rel. L2 vs a strict fp32
-  forward 1.46e-2 (issue 5 requires <= 1e-2); the fp32 stream gives 3.35e-3 for +9 ms per
+  forward 1.46e-2 (issue 5 requires <= 1e-2); the fp32 stream gives 3.35e-3 for +7.5-9 ms per
   forward. The default (None) is diffusers' rounding, bit for bit.
 - On CUDA without autograd the FFN's first linear runs with cuBLASLt's tanh-GELU epilogue
-  (``_GELUProj``): -10 ms per forward, same error.
+  (``_GELUProj``): same error; -10 ms per forward in one measurement, within the spread in another.
 
 What differs otherwise is the structure around the math, for the follow-up work:
 
@@ -402,8 +402,9 @@ class _GELUProj(nn.Module):
         weight, bias = self.proj.weight, self.proj.bias
         # Inference on CUDA: one cuBLASLt GEMM with a tanh-GELU epilogue instead of a GEMM and a
         # separate elementwise pass over the [B, L, ffn_dim] activations (0.8 GB at 26,598 tokens):
-        # -10 ms per forward on an H200, same rel. L2 error (docs/performance.md, "DiT fused
-        # kernels"). CUDA only: on the CPU this op computes the exact (erf) GELU, not Wan's tanh one;
+        # -10 ms per forward on an H200 once (within the run-to-run spread in a second run), same
+        # rel. L2 error (docs/performance.md, "DiT fused kernels"). CUDA only: on the CPU this op
+        # computes the exact (erf) GELU, not Wan's tanh one;
         # no autograd: keep the plain ops' backward.
         if (
             x.is_cuda
@@ -517,7 +518,7 @@ class PAN2DiT(nn.Module):
 
         ``torch.float32`` on a bf16 model: only the norms' outputs (what enters a linear) are
         rounded to bf16. Measured on an H200 (docs/performance.md): rel. L2 vs a strict fp32
-        forward 1.46e-2 -> 3.35e-3, +9 ms per forward. A no-op on an fp32 model.
+        forward 1.46e-2 -> 3.35e-3, +7.5-9 ms per forward. A no-op on an fp32 model.
         """
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"residual dtype {dtype!r}: expected a floating-point torch.dtype "

@@ -61,7 +61,7 @@ class PAN2PipelineConfig:
     # Keep the DiT's residual stream in fp32 and round only the norms' outputs to the compute dtype
     # (PAN2DiT.set_residual_dtype). diffusers rounds it to bf16 after each of the 4 residual adds per
     # block: on one H200 at 704x1248x121 (docs/performance.md) rel. L2 vs a strict fp32 forward was
-    # 1.46e-2 that way (issue 5 requires <= 1e-2) and 3.35e-3 with the fp32 stream, for +9 ms per
+    # 1.46e-2 that way (issue 5 requires <= 1e-2) and 3.35e-3 with the fp32 stream, for +7.5-9 ms per
     # forward. False: diffusers' numerics bit for bit. A no-op when the DiT runs in fp32.
     dit_fp32_residual: bool = True
     # Classifier-free guidance as one batch-2 forward (True) or two batch-1 forwards (False). On one
