@@ -290,12 +290,7 @@ class FastWanDecoder:
         else:
             out = torch.empty(b, RGB, frames, hh, ww, dtype=out_dtype, device=self.device)
 
-        if self._busy:
-            raise RuntimeError("FastWanDecoder is already decoding; calls must not overlap")
-        self._busy = True
-        self._history = {}
-        self._phase = cfg.phase_upsample
-        self._head_taps = cfg.head_frame_taps
+        self.begin_decode(cfg)
         saved_limit = None  # torch's setting, restored after the call
         if cfg.cudnn_benchmark_limit is not None and self.device.type == "cuda":
             saved_limit = torch.backends.cudnn.benchmark_limit
@@ -322,9 +317,24 @@ class FastWanDecoder:
         finally:
             if saved_limit is not None:
                 torch.backends.cudnn.benchmark_limit = saved_limit
-            self._history = {}
-            self._busy = False
+            self.end_decode()
         return out
+
+    def begin_decode(self, config: FastDecodeConfig | None = None) -> None:
+        """Start a decode (fresh causal histories, the config's layer variants); one at a time.
+        `decode` calls it; a caller running the units itself (the split decode) calls it and
+        `end_decode` around its own loop."""
+        cfg = config or FastDecodeConfig()
+        if self._busy:
+            raise RuntimeError("FastWanDecoder is already decoding; calls must not overlap")
+        self._busy = True
+        self._history = {}
+        self._phase = cfg.phase_upsample
+        self._head_taps = cfg.head_frame_taps
+
+    def end_decode(self) -> None:
+        self._history = {}
+        self._busy = False
 
     @staticmethod
     def _passes(n: int, k: int) -> list[tuple[int, int]]:
@@ -341,26 +351,93 @@ class FastWanDecoder:
         """Latent frames [t0, t1) through conv_in, the mid block and the up blocks before the
         high-resolution tail. ``zp`` holds 2 zero frames in front, so frame t's history is
         ``zp[t : t + 2]`` and conv_in needs no cache of its own."""
-        first = t0 == 0
-        # Each layer pops its input from the one-element list `x`, so the caller keeps no
-        # reference and the layer can free it as soon as it is consumed.
-        x = [_conv3d(zp[:, t0 : t1 + CACHE_T], self.conv_in, pad=1, bias=True)]
-        x = [self._resnet_pending(x, self.mid_resnets[0], "mid.0")]
-        x = [self._attention(x, self.mid_attn)]
-        x = [self._resnet_pending(x, self.mid_resnets[1], "mid.1")]
-        for i in range(self.split):
-            x = [self._up_block(x, self.up_blocks[i], f"up.{i}", first=first)]
-        return _materialized(x.pop())
+        state: dict[str, Any] = {"x": zp[:, t0 : t1 + CACHE_T]}
+        for name in self.unit_names()[: self._tail_start()]:
+            state = self.run_unit(name, state, first=t0 == 0)
+        return self.settle(state)["x"]
 
     def _tail(self, x0: torch.Tensor) -> torch.Tensor:
-        x = [x0]
+        state: dict[str, Any] = {"x": x0}
         del x0
-        for i in range(self.split, len(self.up_blocks)):
-            x = [self._up_block(x, self.up_blocks[i], f"up.{i}", first=False)]
-        buf = self._fill(x, "head", gamma=self.gamma_out, bias=None)
-        if self._head_taps:
-            return self._head_by_frame_taps(buf)
-        return _conv3d(buf, self.conv_out, pad=1, bias=True)  # [B, f, H, W, 16]
+        for name in self.unit_names()[self._tail_start() :]:
+            state = self.run_unit(name, state, first=False)
+        return state["x"]  # [B, f, H, W, 16]
+
+    # ---- the decoder as named units (this decode and the split decode both run these) ----------
+
+    def unit_names(self) -> list[str]:
+        """The decoder's steps in call order, as `pan2render.parallel.decode.plan_layers` names
+        them: "conv_in", "mid", "up{i}.res{j}.a" / ".b" (a residual block's two convs),
+        "up{i}.up" (upsampler + the block's duplicate-upsample shortcut), "head"."""
+        names = ["conv_in", "mid"]
+        for i, blk in enumerate(self.up_blocks):
+            names += [f"up{i}.res{j}.{half}" for j in range(len(blk.resnets)) for half in "ab"]
+            if blk.up_conv is not None:
+                names.append(f"up{i}.up")
+        return names + ["head"]
+
+    def _tail_start(self) -> int:
+        """Index of the first unit of up block `split` (where the high-resolution tail starts)."""
+        names = self.unit_names()
+        return names.index(f"up{self.split}.res0.a") if self.split < len(self.up_blocks) else names.index("head")
+
+    def run_unit(self, name: str, state: dict[str, Any], *, first: bool) -> dict[str, Any]:
+        """Run one unit on a chunk's state and return it. ``state["x"]``: the activation rows
+        ``[B, T, H, W, C]`` (for "conv_in": the post-quant latents with their 2 history frames in
+        front), or a pending resnet sum (`_Sum`) that the next norm adds; ``"res"`` carries a
+        residual block's residual between its halves, ``"x_in"`` an up block's input to its
+        shortcut. ``first``: the chunk holds the video's first latent frame (the temporal
+        upsamplers' first-chunk rule). The input is consumed (popped), so it can be freed early.
+        Call `settle` before the state leaves this decoder (another rank, the output)."""
+        x = state.pop("x")
+        if name == "conv_in":
+            return {**state, "x": _conv3d(x.contiguous(), self.conv_in, pad=1, bias=True)}
+        if name == "mid":
+            x = self._resnet_pending([x], self.mid_resnets[0], "mid.0")
+            x = self._attention([x], self.mid_attn)
+            return {**state, "x": self._resnet_pending([x], self.mid_resnets[1], "mid.1")}
+        if name == "head":
+            buf = self._fill([x], "head", gamma=self.gamma_out, bias=None)
+            del x
+            y = self._head_by_frame_taps(buf) if self._head_taps else _conv3d(buf, self.conv_out, pad=1, bias=True)
+            return {**state, "x": y}
+        block_id, part, *half = name.split(".")
+        i = int(block_id[2:])
+        blk = self.up_blocks[i]
+        if part == "up":  # upsampler + duplicate-upsample shortcut (+ bias)
+            holder = [_materialized(x)]  # the callee pops it and frees it once consumed
+            del x
+            x_in = state.pop("x_in")
+            if self._phase:
+                return {**state, "x": self._upsample_phase(holder, blk, f"up.{i}", first=first, x_in=x_in)}
+            y = self._upsample(holder, blk, f"up.{i}", first=first)
+            _add_dup_shortcut_(y, x_in, blk.up_conv.bias32, factor_t=blk.factor_t, factor_s=blk.factor_s,
+                               first=first)  # fmt: skip
+            return {**state, "x": y}
+        j = int(part[3:])
+        res, key = blk.resnets[j], f"up.{i}.resnets.{j}"
+        if half == ["a"]:
+            if j == 0 and blk.up_conv is not None:  # the block's input, kept for its shortcut
+                x = _materialized(x)
+                state["x_in"] = x
+            buf = self._fill([x], f"{key}.conv1", gamma=res.gamma1, bias=None)  # adds a pending sum
+            x = x.y if isinstance(x, _Sum) else x
+            state["res"] = x if res.shortcut is None else F.linear(x, res.shortcut.weight, res.shortcut.bias)
+            del x
+            state["x"] = _conv3d(buf, res.conv1, pad=1, bias=False)  # conv1's bias folds into norm2
+            return state
+        buf = self._fill([x], f"{key}.conv2", gamma=res.gamma2, bias=res.conv1.bias32)
+        del x
+        y = _conv3d(buf, res.conv2, pad=1, bias=False)
+        del buf
+        state["x"] = _Sum(y, res.conv2.bias32, state.pop("res"))  # added by the next unit's norm
+        return state
+
+    @staticmethod
+    def settle(state: dict[str, Any]) -> dict[str, Any]:
+        """Add a pending resnet sum, so ``state["x"]`` is a tensor (before it is sent or written)."""
+        state["x"] = _materialized(state["x"])
+        return state
 
     def _head_by_frame_taps(self, buf: torch.Tensor) -> torch.Tensor:
         """conv_out over ``buf [B, 2 + T, H, W, C]`` as a 2-D conv of every frame with the three
@@ -418,10 +495,6 @@ class FastWanDecoder:
             )  # fmt: skip
         return buf
 
-    def _resnet(self, holder: list[torch.Tensor | _Sum], blk: _ResBlock, key: str) -> torch.Tensor:
-        """One residual block; its output added (for callers that need a tensor)."""
-        return self._resnet_pending(holder, blk, key).materialize()
-
     def _resnet_pending(self, holder: list[torch.Tensor | _Sum], blk: _ResBlock, key: str) -> _Sum:
         """One residual block, its closing add left to the consumer's norm (`_Sum`)."""
         x = holder.pop()
@@ -458,27 +531,6 @@ class FastWanDecoder:
         del probs, qkv, q, k, v
         y = F.linear(o, attn.proj.weight).view(b, t, h, w, c)
         return vae_ops.add_bias_residual_(y, bias=attn.proj.bias32, residual=x)
-
-    def _up_block(
-        self, holder: list[torch.Tensor | _Sum], blk: _UpBlock, key: str, *, first: bool
-    ) -> torch.Tensor | _Sum:
-        """The resnets, then (if any) the upsampler + shortcut. Without an upsampler the last
-        resnet's add is left pending for the next norm (the next block's or the head's)."""
-        x = [holder.pop()]
-        x_in = None
-        if blk.up_conv is not None:  # the duplicate-upsample shortcut's source, added
-            x = [_materialized(x[0])]
-            x_in = x[0]
-        for r, res in enumerate(blk.resnets):
-            x = [self._resnet_pending(x, res, f"{key}.resnets.{r}")]
-        if blk.up_conv is None:
-            return x.pop()
-        x = [x.pop().materialize()]
-        if self._phase:
-            return self._upsample_phase(x, blk, key, first=first, x_in=x_in)
-        y = self._upsample(x, blk, key, first=first)
-        _add_dup_shortcut_(y, x_in, blk.up_conv.bias32, factor_t=blk.factor_t, factor_s=blk.factor_s, first=first)
-        return y
 
     def _time_up(self, x: torch.Tensor, blk: _UpBlock, key: str) -> torch.Tensor:
         """The causal (3, 1, 1) time conv: [B, T, H, W, C] -> [B, T, 2, H, W, C] (frame 2t+a =

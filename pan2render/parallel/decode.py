@@ -64,10 +64,8 @@ _MAX_IN_FLIGHT = 2  # chunks a rank may have sent but not yet seen received (bou
 _LOGGED: set[str] = set()
 # FastWanDecoder methods the split uses (private to kernels/vae_decode.py: checked before use, so a
 # refactor there makes the group fall back to the reference decoder instead of failing).
-_FAST_MODULE_API = ("FastWanDecoder", "CACHE_T", "_conv3d", "_add_dup_shortcut_", "_decoder_for", "vae_ops",
-                    "_Sum", "_materialized")
-_FAST_DECODER_API = ("_post_quant", "_resnet", "_attention", "_upsample", "_fill", "_write", "_history",
-                     "conv_in", "mid_resnets", "mid_attn", "up_blocks", "gamma_out", "conv_out",
+_FAST_MODULE_API = ("FastWanDecoder", "CACHE_T", "_decoder_for")
+_FAST_DECODER_API = ("begin_decode", "end_decode", "unit_names", "run_unit", "settle", "_post_quant", "_write",
                      "time_factor", "space_factor", "dtype")
 
 
@@ -238,7 +236,9 @@ class _ReferenceUnits:
 
 
 class _FastUnits:
-    """The same units on the fast decoder (rows ``[B, T, H, W, C]``, bf16, history per layer name)."""
+    """The same units on the fast decoder: `FastWanDecoder.run_unit`, the steps its own decode
+    runs (rows ``[B, T, H, W, C]``, bf16, history per layer name), so the split and the single-GPU
+    decode cannot drift apart."""
 
     def __init__(self, vae: WanVAE, z: Tensor) -> None:
         from pan2render.kernels import vae_decode as fast
@@ -248,29 +248,10 @@ class _FastUnits:
         self.dtype = self.dec.dtype
         self.z = z
         self.zp: Tensor | None = None
-        if getattr(self.dec, "_busy", False):
-            raise RuntimeError("FastWanDecoder is already decoding; calls must not overlap")
-        self.dec._busy = True
-        self.dec._history = {}
-        # The upsampling variant its own decode() would use (2x2 phase convs where it has them).
-        self.phase = bool(getattr(fast.FastDecodeConfig(), "phase_upsample", False)) and hasattr(
-            self.dec, "_upsample_phase")
-        self.dec._phase = self.phase
-        self.dec._head_taps = bool(getattr(fast.FastDecodeConfig(), "head_frame_taps", False)) and hasattr(
-            self.dec, "_head_by_frame_taps")
-        # A resnet's closing add (bias, residual) left to the next unit's norm on this rank, as
-        # the single-GPU decoder does (FastWanDecoder._resnet_pending); settled at a span's end.
-        self._pending: tuple[Tensor, Tensor] | None = None
+        self.dec.begin_decode()  # the default FastDecodeConfig's layer variants, as fast_decode
 
     def begin_chunk(self) -> None:
         pass
-
-    def finish_span(self, state: State) -> State:
-        """Before a chunk's state leaves this rank (or is written): add a pending resnet sum."""
-        if self._pending is not None:
-            state["x"] = self.fast._Sum(state["x"], *self._pending).materialize()
-            self._pending = None
-        return state
 
     def first_input(self, t: int) -> State:
         if self.zp is None:
@@ -278,50 +259,11 @@ class _FastUnits:
         return {"x": self.zp[:, t : t + 1 + self.fast.CACHE_T]}
 
     def run(self, name: str, state: State, *, first: bool) -> State:
-        dec, fast, x = self.dec, self.fast, state.pop("x")
-        if self._pending is not None:  # the previous unit's add, folded into this unit's norm
-            x = fast._Sum(x, *self._pending)
-            self._pending = None
-        if name == "conv_in":
-            return {"x": fast._conv3d(x.contiguous(), dec.conv_in, pad=1, bias=True)}
-        if name == "mid":
-            x = dec._resnet([x], dec.mid_resnets[0], "mid.0")
-            x = dec._attention([x], dec.mid_attn)
-            return {"x": dec._resnet([x], dec.mid_resnets[1], "mid.1")}
-        if name == "head":
-            buf = dec._fill([x], "head", gamma=dec.gamma_out, bias=None)
-            if dec._head_taps:
-                return {"x": dec._head_by_frame_taps(buf)}
-            return {"x": fast._conv3d(buf, dec.conv_out, pad=1, bias=True)}
-        block_id, part, *half = name.split(".")
-        i = int(block_id[2:])
-        block = dec.up_blocks[i]
-        if part == "up":  # FastWanDecoder._up_block's tail: upsampler + shortcut (+ bias)
-            x = fast._materialized(x)
-            x_in = state.pop("x_in")
-            if self.phase:
-                return {"x": dec._upsample_phase([x], block, f"up.{i}", first=first, x_in=x_in)}
-            y = dec._upsample([x], block, f"up.{i}", first=first)
-            fast._add_dup_shortcut_(y, x_in, block.up_conv.bias32, factor_t=block.factor_t,
-                                    factor_s=block.factor_s, first=first)
-            return {"x": y}
-        j = int(part[3:])
-        res, key = block.resnets[j], f"up.{i}.resnets.{j}"
-        if j == 0 and half == ["a"] and block.up_conv is not None:
-            x = fast._materialized(x)
-            state["x_in"] = x
-        # FastWanDecoder._resnet_pending in two halves (same calls, same history keys).
-        if half == ["a"]:
-            buf = dec._fill([x], f"{key}.conv1", gamma=res.gamma1, bias=None)  # adds a pending sum
-            x = x.y if isinstance(x, fast._Sum) else x
-            state["res"] = x if res.shortcut is None else F.linear(x, res.shortcut.weight, res.shortcut.bias)
-            del x
-            state["x"] = fast._conv3d(buf, res.conv1, pad=1, bias=False)  # its bias folds into norm2
-        else:
-            buf = dec._fill([x], f"{key}.conv2", gamma=res.gamma2, bias=res.conv1.bias32)
-            state["x"] = fast._conv3d(buf, res.conv2, pad=1, bias=False)
-            self._pending = (res.conv2.bias32, state.pop("res"))
-        return state
+        return self.dec.run_unit(name, state, first=first)
+
+    def finish_span(self, state: State) -> State:
+        """Before a chunk's state leaves this rank (or is written): add a pending resnet sum."""
+        return self.dec.settle(state)
 
     def new_output(self, z: Tensor, out_dtype: torch.dtype) -> Tensor:
         b, _, n, h, w = z.shape
@@ -335,8 +277,7 @@ class _FastUnits:
         return y.shape[1]
 
     def close(self) -> None:
-        self.dec._history = {}
-        self.dec._busy = False
+        self.dec.end_decode()
 
 
 # ---- moving a chunk's state between neighbouring ranks ----------------------------------------
@@ -540,6 +481,9 @@ def _can_run_fast(vae: WanVAE, device: torch.device, *, enabled: bool) -> tuple[
     missing = [name for name in _FAST_DECODER_API if not hasattr(dec, name)]
     if missing:
         return False, f"FastWanDecoder lacks {missing}, which the split decode calls"
+    planned = [unit.name for unit in plan_layers(vae, height=1, width=1)]
+    if dec.unit_names() != planned:
+        return False, f"the fast decoder's units {dec.unit_names()} differ from the split's plan {planned}"
     return True, ""
 
 

@@ -115,3 +115,17 @@ def test_layer_split_is_balanced_at_full_size() -> None:
         print(f"{parts} ranks: largest span {worst:.3f}x the even share; cuts after "
               f"{[plan[b - 1].name for b in bounds[1:-1]]}")
         assert worst < {2: 1.05, 4: 1.3, 8: 2.0}[parts]  # unit granularity: one resnet
+
+
+def test_split_needs_the_fast_decoders_units_to_match_its_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split runs FastWanDecoder.run_unit by the names of plan_layers: the local check says
+    yes when they match and falls back, saying why, when the decoder's units differ."""
+    from pan2render.kernels import vae_decode as fast
+
+    vae = tiny_vae()
+    monkeypatch.setattr(fast, "fast_decode_available", lambda device: (True, ""))
+    ok, why = split._can_run_fast(vae, torch.device("cpu"), enabled=True)
+    assert ok, why
+    monkeypatch.setattr(fast.FastWanDecoder, "unit_names", lambda self: ["conv_in", "mid", "head"])
+    ok, why = split._can_run_fast(vae, torch.device("cpu"), enabled=True)
+    assert not ok and "differ from the split's plan" in why
