@@ -180,18 +180,29 @@ def test_forward_without_cross_attn_norm_matches_diffusers() -> None:
     assert err <= MAX_REL_ERR
 
 
-def test_bf16_with_fp32_modulation_matches_diffusers() -> None:
-    """The checkpoint loader's mixed precision: bf16 weights, fp32 time embedder / modulation
-    tables / norms (diffusers' _keep_in_fp32_modules), bf16 activations."""
-    keep_fp32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
+KEEP_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
+
+
+def _bf16_model_and_diffusers() -> tuple[PAN2DiT, WanTransformer3DModel, dict[str, torch.Tensor]]:
+    """Ours and diffusers' in the loader's bf16 layout (KEEP_FP32 modules fp32, diffusers'
+    _keep_in_fp32_modules), one random state dict; also returned, that state with every tensor
+    fp32 (bf16-exact), for an fp32 reference."""
     ref = WanTransformer3DModel(**_diffusers_kwargs(TINY)).eval()
     ours = PAN2DiT(TINY).eval()
     state = {
-        k: v if any(part in k for part in keep_fp32) else v.bfloat16()
+        k: v if any(part in k for part in KEEP_FP32) else v.bfloat16()
         for k, v in _random_state_dict(ref, seed=0).items()
     }
     ref.load_state_dict(state, strict=True, assign=True)
     ours.load_state_dict(state, strict=True, assign=True)
+    ours.set_ops(TORCH_OPS)
+    return ours, ref, {k: v.float() for k, v in state.items()}
+
+
+def test_bf16_with_fp32_modulation_matches_diffusers() -> None:
+    """The checkpoint loader's mixed precision: bf16 weights, fp32 time embedder / modulation
+    tables / norms (diffusers' _keep_in_fp32_modules), bf16 activations."""
+    ours, ref, _ = _bf16_model_and_diffusers()
     x, timestep, context = _inputs((3, 4, 6), per_token=True)
     with torch.no_grad():
         expected = ref(x.bfloat16(), timestep, context.bfloat16(), return_dict=False)[0]
@@ -203,23 +214,6 @@ def test_bf16_with_fp32_modulation_matches_diffusers() -> None:
 
 
 # --- numerics: fp32 residual stream, GELU epilogue -----------------------------------------------
-
-KEEP_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
-
-
-def _bf16_model_and_diffusers() -> tuple[PAN2DiT, WanTransformer3DModel, dict[str, torch.Tensor]]:
-    """Ours and diffusers' in the loader's bf16 layout (KEEP_FP32 modules fp32), one random state
-    dict; also returned, that state with every tensor fp32 (bf16-exact), for an fp32 reference."""
-    ref = WanTransformer3DModel(**_diffusers_kwargs(TINY)).eval()
-    ours = PAN2DiT(TINY).eval()
-    state = {
-        k: v if any(part in k for part in KEEP_FP32) else v.bfloat16()
-        for k, v in _random_state_dict(ref, seed=0).items()
-    }
-    ref.load_state_dict(state, strict=True, assign=True)
-    ours.load_state_dict(state, strict=True, assign=True)
-    ours.set_ops(TORCH_OPS)
-    return ours, ref, {k: v.float() for k, v in state.items()}
 
 
 def _rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
