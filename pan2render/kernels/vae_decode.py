@@ -17,6 +17,12 @@ Same math as diffusers' ``AutoencoderKLWan.decode`` / our ``WanVAE.decode`` (wei
   and the head then run over sub-chunks of ``hires_frames`` frames. Causality makes any frame
   chunking exact: a frame only ever sees earlier frames through the histories.
 - The mid-block attention (one head, C=1024) as two batched GEMMs with an fp32 softmax between.
+- Each resnet's closing add (conv2 bias + residual) is folded into the next RMS-norm kernel, which
+  writes the sum back (it is the next residual); small phase convs run as im2col + one GEMM (cuDNN
+  picks a slow sm80 kernel there); the head conv (12 output channels) runs as a 2-D conv with its
+  three time taps side by side in the output, summed in fp32.
+- The decoder is a list of named units (`unit_names`, `run_unit`): this decode and the split
+  decode over a GPU group (`pan2render.parallel.decode`) run the same ones.
 - Intermediates are dropped as soon as they are consumed; each decoded chunk is written straight
   into the preallocated output (uint8 ``[F, H, W, 3]`` or bf16 ``[B, 3, F, H, W]``).
 
