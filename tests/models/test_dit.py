@@ -369,3 +369,38 @@ def test_bad_inputs_raise_clear_errors(models) -> None:
         ours(x, timestep, context[:1])
     with pytest.raises(ValueError, match=r"expected \[B, S, 32\]"):
         ours(x, timestep, context[..., :16])
+
+
+def test_self_attention_hands_a_grouping_attention_fn_its_send_layout() -> None:
+    """An attention_fn with ``head_groups`` G and ``accepts_lazy_v`` (Ulysses) gets q, k as
+    [G, B, L, H/G, D] and v as a callable giving the same layout; regrouped, the result equals
+    the plain call's."""
+    from pan2render.models.dit import SelfAttention
+
+    torch.manual_seed(0)
+    layer = SelfAttention(dim=48, num_heads=4, eps=1e-6).eval()
+    h = torch.randn(2, 10, 48)
+    rope = (torch.rand(10, 6) * 2 - 1, torch.rand(10, 6) * 2 - 1)
+    seen: dict[str, object] = {}
+
+    def ungroup(t: torch.Tensor) -> torch.Tensor:  # [G, B, L, H/G, D] -> [B, H, L, D]
+        groups, batch, seq, per, dim = t.shape
+        return t.permute(1, 2, 0, 3, 4).reshape(batch, seq, groups * per, dim).transpose(1, 2)
+
+    class Grouping:
+        head_groups = 2
+        accepts_lazy_v = True
+
+        def __call__(self, q, k, v):
+            seen["lazy"] = callable(v)
+            v = v()
+            seen["shapes"] = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
+            seen["contiguous"] = q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+            return attention(ungroup(q), ungroup(k), ungroup(v))
+
+    with torch.no_grad():
+        plain = layer(h, rope=rope, ops=TORCH_OPS)
+        layer.attention_fn = Grouping()
+        got = layer(h, rope=rope, ops=TORCH_OPS)
+    assert seen == {"lazy": True, "shapes": ((2, 2, 10, 2, 12),) * 3, "contiguous": True}
+    torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-6)
