@@ -62,8 +62,8 @@ _STATE_KEYS = ("x", "res", "x_in")
 State = dict[str, Tensor]
 _MAX_IN_FLIGHT = 2  # chunks a rank may have sent but not yet seen received (bounds memory)
 _LOGGED: set[str] = set()
-# FastWanDecoder methods the split uses (private to kernels/vae_decode.py: checked before use, so a
-# refactor there makes the group fall back to the reference decoder instead of failing).
+# What the split uses of kernels/vae_decode.py (checked before use, so a change there makes the
+# group fall back to the reference decoder, saying why, instead of failing mid-decode).
 _FAST_MODULE_API = ("FastWanDecoder", "CACHE_T", "_decoder_for")
 _FAST_DECODER_API = ("begin_decode", "end_decode", "unit_names", "run_unit", "settle", "_post_quant", "_write",
                      "time_factor", "space_factor", "dtype")
