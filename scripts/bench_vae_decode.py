@@ -348,26 +348,25 @@ def main(argv: list[str] | None = None) -> int:
         if args.compare_no_phase:
             configs.append((configs[0][0], configs[0][1], False, None))
         for k, s, phase, head_taps in configs:
-            if True:
-                extra = dict(cfg_extra) if head_taps is None else {**cfg_extra, "head_frame_taps": head_taps}
-                cfg = FastDecodeConfig(frames_per_pass=k, hires_frames=s, phase_upsample=phase, **extra)
-                r = (n - 1) % k
-                dec.decode(z[:, :, : 1 + k + r], out_dtype=torch.uint8, config=cfg)  # cuDNN autotune
-                for odt in (torch.uint8, torch.bfloat16):
-                    if odt == torch.bfloat16 and not (first_bf16 or args.bf16_all):
-                        continue
-                    name = (f"ours k={k} S={s}{'' if phase else ' nophase'}{' headtaps' if cfg.head_frame_taps else ''}"
-                            f" {'uint8' if odt == torch.uint8 else 'bf16'}")
-                    out, dt, pk, pw = timed(lambda: dec.decode(z, out_dtype=odt, config=cfg))
-                    outs[name] = out.cpu()
-                    del out
-                    sp = t_diff / dt if t_diff else None
-                    rows.append(Row(seed, name, clip, dt, pk, pw, speedup_vs_diffusers=sp))
-                    print(f"[seed {seed}] {name} {clip}: {dt:.3f} s, peak {pk:.2f} GiB (work {pw:.2f})"
-                          + (f", {sp:.2f}x diffusers" if sp else ""), flush=True)
-                first_bf16 = False
-                if args.profile and si == 0 and k == args.frames_per_pass[0] and s == args.hires_frames[0]:
-                    profile(lambda: dec.decode(z, out_dtype=torch.uint8, config=cfg))
+            extra = dict(cfg_extra) if head_taps is None else {**cfg_extra, "head_frame_taps": head_taps}
+            cfg = FastDecodeConfig(frames_per_pass=k, hires_frames=s, phase_upsample=phase, **extra)
+            r = (n - 1) % k
+            dec.decode(z[:, :, : 1 + k + r], out_dtype=torch.uint8, config=cfg)  # cuDNN autotune
+            for odt in (torch.uint8, torch.bfloat16):
+                if odt == torch.bfloat16 and not (first_bf16 or args.bf16_all):
+                    continue
+                name = (f"ours k={k} S={s}{'' if phase else ' nophase'}{' headtaps' if cfg.head_frame_taps else ''}"
+                        f" {'uint8' if odt == torch.uint8 else 'bf16'}")
+                out, dt, pk, pw = timed(lambda: dec.decode(z, out_dtype=odt, config=cfg))
+                outs[name] = out.cpu()
+                del out
+                sp = t_diff / dt if t_diff else None
+                rows.append(Row(seed, name, clip, dt, pk, pw, speedup_vs_diffusers=sp))
+                print(f"[seed {seed}] {name} {clip}: {dt:.3f} s, peak {pk:.2f} GiB (work {pw:.2f})"
+                      + (f", {sp:.2f}x diffusers" if sp else ""), flush=True)
+            first_bf16 = False
+            if args.profile and si == 0 and k == args.frames_per_pass[0] and s == args.hires_frames[0]:
+                profile(lambda: dec.decode(z, out_dtype=torch.uint8, config=cfg))
         del dec
 
         if not args.skip_strict:

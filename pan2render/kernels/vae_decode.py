@@ -238,6 +238,7 @@ class FastWanDecoder:
         self.split = max(0, n_up - 2)
         while any(b.factor_t != 1 for b in self.up_blocks[self.split :]):
             self.split += 1
+        self._units, self._tail_start = self._list_units()
         self._history: dict[str, torch.Tensor] = {}  # conv key -> [B, 2, H, W, C] history
         self._phase = True
         self._head_taps = False
@@ -358,14 +359,14 @@ class FastWanDecoder:
         high-resolution tail. ``zp`` holds 2 zero frames in front, so frame t's history is
         ``zp[t : t + 2]`` and conv_in needs no cache of its own."""
         state: dict[str, Any] = {"x": zp[:, t0 : t1 + CACHE_T]}
-        for name in self.unit_names()[: self._tail_start()]:
+        for name in self._units[: self._tail_start]:
             state = self.run_unit(name, state, first=t0 == 0)
         return self.settle(state)["x"]
 
     def _tail(self, x0: torch.Tensor) -> torch.Tensor:
         state: dict[str, Any] = {"x": x0}
         del x0
-        for name in self.unit_names()[self._tail_start() :]:
+        for name in self._units[self._tail_start :]:
             state = self.run_unit(name, state, first=False)
         return state["x"]  # [B, f, H, W, 16]
 
@@ -375,17 +376,20 @@ class FastWanDecoder:
         """The decoder's steps in call order, as `pan2render.parallel.decode.plan_layers` names
         them: "conv_in", "mid", "up{i}.res{j}.a" / ".b" (a residual block's two convs),
         "up{i}.up" (upsampler + the block's duplicate-upsample shortcut), "head"."""
+        return list(self._units)
+
+    def _list_units(self) -> tuple[list[str], int]:
+        """(unit names, index of the first unit of up block `split`: where the tail starts)."""
         names = ["conv_in", "mid"]
         for i, blk in enumerate(self.up_blocks):
+            if i == self.split:
+                tail = len(names)
             names += [f"up{i}.res{j}.{half}" for j in range(len(blk.resnets)) for half in "ab"]
             if blk.up_conv is not None:
                 names.append(f"up{i}.up")
-        return names + ["head"]
-
-    def _tail_start(self) -> int:
-        """Index of the first unit of up block `split` (where the high-resolution tail starts)."""
-        names = self.unit_names()
-        return names.index(f"up{self.split}.res0.a") if self.split < len(self.up_blocks) else names.index("head")
+        if self.split >= len(self.up_blocks):
+            tail = len(names)
+        return names + ["head"], tail
 
     def run_unit(self, name: str, state: dict[str, Any], *, first: bool) -> dict[str, Any]:
         """Run one unit on a chunk's state and return it. ``state["x"]``: the activation rows

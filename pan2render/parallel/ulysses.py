@@ -15,9 +15,11 @@ every rank. Inside, in this order (DeepSpeed-Ulysses, arXiv:2309.14509):
    all-to-all turns (all heads, my tokens) into (my heads, all tokens) for q, k and v together;
    the padding tokens, which sit at the end of the padded global sequence, are sliced off before
    the attention call, so they are never attended to and never attend; the output is padded back
-   and a second all-to-all returns (all heads, my tokens). Everything stays token-major (one
-   packing copy in, one unpacking copy out). Optionally (``chunks``) the rank's heads go in
-   groups whose exchanges overlap the other groups' attention (`UlyssesAttention`);
+   and a second all-to-all returns (all heads, my tokens). Everything stays token-major. With one
+   head chunk (the default) q, k, v arrive already in the send layout (``head_groups``: the Q/K
+   kernel and the v projection write it), and q's and k's exchanges overlap the v projection;
+   one unpacking copy remains on the way out. Optionally (``chunks``) the rank's heads go in
+   groups whose exchanges overlap the other groups' attention, packed here per chunk;
 4. the head (final AdaLN + proj_out) runs on the shard; an all-gather concatenates the shards and
    drops the padding; every rank unpatchifies the same full velocity, so the sampler steps
    identically everywhere and every rank ends with the same latents.
@@ -133,11 +135,11 @@ class UlyssesAttention:
             raise RuntimeError(f"attention got a shard of {shard} tokens, expected {layout.shard}")
         hn = heads // n  # heads per rank
         hc = hn // c  # heads per chunk
-        # Everything stays token-major ([.., tokens, heads, D] in memory), the layout the Q/K kernel
-        # writes and cuDNN reads as strided views: one packing copy per tensor on the way in, one
-        # unpacking copy on the way out (bench: head-major repacking cost ~9% of a group step).
-        # (all heads, my tokens) -> (my heads, all tokens), per chunk and per q/k/v:
-        # [B, H, s, D] viewed token-major [B, s, N, C, H/(NC), D] -> send [N, B, s, H/(NC), D].
+        # Everything stays token-major ([.., tokens, heads, D] in memory), the layout cuDNN reads as
+        # strided views (bench: head-major repacking cost ~9% of a group step). (all heads, my
+        # tokens) -> (my heads, all tokens), per chunk and per q/k/v: send [N, B, s, H/(NC), D],
+        # as it lies when it came head-grouped, else packed from the token-major view
+        # [B, s, N, C, H/(NC), D] (one copy per tensor and chunk).
         def post(t: Tensor) -> list[_Pending]:
             if t.dim() == 5:  # the send buffer as it lies: no packing copy
                 return [_all_to_all(t, self.group)]
