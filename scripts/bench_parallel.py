@@ -5,11 +5,13 @@ GPU and on a group of N (default 2), in ONE run, printing the ratios and the mem
 - DiT: the full-size random-weight PAN2 DiT (Wan2.2-TI2V-5B config) built directly on each GPU in
   bf16 (time embedder, modulation tables and norms kept in fp32, as the loader does), at
   704x1248x121 (latent 48x31x44x78 -> 26,598 tokens, 512 text tokens). A guided step = the
-  conditional and the unconditional forward (batch 1 each, text K/V prepared once, as
-  `PAN2Pipeline` does) + the guidance combine + a flow update. Fused DiT kernels and the chosen
+  conditional and the unconditional forward + the guidance combine + a flow update, through the
+  pipeline's own denoisers (text K/V prepared once per job). Fused DiT kernels and the chosen
   attention backend are used where `pan2render.kernels` provides them (else the eager ops), the
-  same on one GPU and in the group. One GPU = rank 0 alone while the others wait; then
-  `parallelize_dit` and the whole group.
+  same on one GPU and in the group. Three layouts: one GPU (`make_denoiser`, rank 0 alone while the
+  others wait); the group with both branches Ulysses-parallel over all ranks (`parallelize_dit` +
+  `make_denoiser`); on even groups the guidance split (`GuidanceSplit`: one branch per half of the
+  group), which is what `PAN2Pipeline` runs there by default. ``step_speedup`` is the default's.
 - Decode: the full-size random-weight Wan2.2 VAE, raw latents 48x31x44x78 -> 121x704x1248 uint8.
   The ranks first agree on the fast decoder (`agree_fast_decode`); one GPU runs the shipped
   single-GPU decoder (`FastWanDecoder.decode`, or `WanVAE.decode` in bf16 on the reference path),
@@ -45,7 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pan2render.models.dit import PAN2DiT, PAN2DiTConfig  # noqa: E402
 from pan2render.models.vae import WanVAE, WanVAEConfig  # noqa: E402
-from pan2render.parallel import agree_fast_decode, parallelize_dit, pipelined_decode  # noqa: E402
+from pan2render.models.pipeline import make_denoiser  # noqa: E402
+from pan2render.parallel import GuidanceSplit, agree_fast_decode, parallelize_dit, pipelined_decode  # noqa: E402
 from pan2render.parallel.group import SequenceGroup  # noqa: E402
 
 KEEP_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")  # as pipeline.DIT_KEEP_IN_FP32
@@ -198,64 +201,83 @@ def bench_dit(rank: int, world: int, device: torch.device, args: argparse.Namesp
     cond = torch.randn(1, size["text"], config.text_dim, generator=gen).to(device, dtype)
     uncond = torch.randn(1, size["text"], config.text_dim, generator=gen).to(device, dtype)
     t = torch.tensor([900.0], device=device)
-    with torch.inference_mode():
-        cond_kv, uncond_kv = model.prepare_context(cond), model.prepare_context(uncond)
     tokens = size["frames"] * (size["height"] // 2) * (size["width"] // 2)
     log(rank, f"DiT built on every GPU in {time.perf_counter() - t0:.1f} s; {tokens} tokens; {res['dit_paths']}")
 
-    def step(dit: torch.nn.Module) -> Callable[[], torch.Tensor]:
+    def step(denoise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """One guided sampling step through a pipeline denoiser (text K/V prepared when it was made)."""
         def run() -> torch.Tensor:
             with torch.inference_mode():
-                pred = dit(x, t, cond_kv)
-                pred_uncond = dit(x, t, uncond_kv)
-                velocity = pred_uncond + args.guidance * (pred - pred_uncond)
+                velocity = denoise(x, t)
                 return x.float() - 0.02 * velocity.float()  # the sampler's update (Euler-sized)
         return run
 
     single = None
     if rank == 0:  # one GPU: rank 0 alone, the others wait at the barrier
-        step(model)()  # warm-up (Triton / cuDNN builds)
+        with torch.inference_mode():
+            one = make_denoiser(model, cond, uncond, args.guidance)  # PAN2Pipeline's single-GPU denoiser
+        step(one)()  # warm-up (Triton / cuDNN builds)
         peak_reset(device)
-        secs, single = timed(step(model), device=device, reps=args.reps, group=False)
+        secs, single = timed(step(one), device=device, reps=args.reps, group=False)
         res["step_1gpu_s"] = round(secs, 3)
         res["step_1gpu_peak_gib"] = gib(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
         if args.profile:
-            profile_step(step(model), device, rank, "1-GPU step")
+            profile_step(step(one), device, rank, "1-GPU step")
         log(rank, f"guided step, 1 GPU: {secs:.3f} s, peak {res['step_1gpu_peak_gib']} GiB")
+        del one
     dist.barrier()
+    group = SequenceGroup.of(None)
 
-    sp = parallelize_dit(model, SequenceGroup.of(None))  # wraps the model's self-attention in place
-    step(sp)()  # warm-up (NCCL communicators, the shard's shapes)
-    peak_reset(device)
-    secs, grouped = timed(step(sp), device=device, reps=args.reps, group=True)
-    res["step_group_s"] = round(secs, 3)
-    res["step_group_peak_gib"] = peaks(device, world)
-    if rank == 0:
-        res["step_speedup"] = round(res["step_1gpu_s"] / secs, 3)
-        res["step_group_vs_1gpu_rel_l2"] = rel_l2(grouped, single)
-        log(rank, f"guided step, group of {world}: {secs:.3f} s -> {res['step_speedup']}x; peak per rank "
-                  f"{res['step_group_peak_gib']} GiB; rel L2 vs 1 GPU {res['step_group_vs_1gpu_rel_l2']:.2e}")
-    if args.profile:  # where a group step's time goes (rank 0), kernels by self GPU time
-        profile_step(step(sp), device, rank, "group step")
+    def group_step(name: str, what: str, denoise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        step(denoise)()  # warm-up (NCCL communicators, the shard's shapes)
+        peak_reset(device)
+        secs, grouped = timed(step(denoise), device=device, reps=args.reps, group=True)
+        res[f"step_{name}_s"] = round(secs, 3)
+        res[f"step_{name}_peak_gib"] = peaks(device, world)
+        if rank == 0:
+            res[f"step_{name}_speedup"] = round(res["step_1gpu_s"] / secs, 3)
+            res[f"step_{name}_vs_1gpu_rel_l2"] = rel_l2(grouped, single)
+            log(rank, f"guided step, group of {world}, {what}: {secs:.3f} s -> {res[f'step_{name}_speedup']}x; "
+                      f"peak per rank {res[f'step_{name}_peak_gib']} GiB; rel L2 vs 1 GPU "
+                      f"{res[f'step_{name}_vs_1gpu_rel_l2']:.2e}")
+        if args.profile:  # where a group step's time goes (rank 0), kernels by self GPU time
+            profile_step(step(denoise), device, rank, f"group step ({what})")
+
+    # Both branches Ulysses-parallel over the whole group (guidance_parallel=False, and what odd
+    # groups and unguided steps use).
+    sp = parallelize_dit(model, group)
+    with torch.inference_mode():
+        whole = make_denoiser(sp, cond, uncond, args.guidance)
+    group_step("ulysses", "Ulysses over the whole group", whole)
     # Other head-group counts for the attention/all-to-all overlap (UlyssesAttention.chunks).
-    chunks = sp.model.blocks[0].attn1.attention_fn.chunks if hasattr(sp, "model") else 1
-    res["step_group_chunks"] = chunks
+    chunks = getattr(sp, "chunks", 1)
+    res["step_ulysses_chunks"] = chunks
     per_rank = config.num_attention_heads // world
     for other in args.chunks:
         if other == chunks or per_rank % other:
             continue
-        for block in sp.model.blocks:
-            block.attn1.attention_fn.chunks = other
-        step(sp)()
-        secs, _ = timed(step(sp), device=device, reps=args.reps, group=True)
-        res[f"step_group_chunks{other}_s"] = round(secs, 3)
+        sp.chunks = other
+        step(whole)()
+        secs, _ = timed(step(whole), device=device, reps=args.reps, group=True)
+        res[f"step_ulysses_chunks{other}_s"] = round(secs, 3)
         if rank == 0:
-            log(rank, f"guided step, group of {world}, chunks {other} (default {chunks}): "
+            log(rank, f"guided step, group of {world}, Ulysses, chunks {other} (default {chunks}): "
                       f"{secs:.3f} s -> {res['step_1gpu_s'] / secs:.3f}x")
-    for block in sp.model.blocks:
-        block.attn1.attention_fn.chunks = chunks
-    del sp, model, cond_kv, uncond_kv, single, grouped
-    gc.collect()  # the wrapper and the model's wrapped attention refer to each other
+    if hasattr(sp, "chunks"):
+        sp.chunks = chunks
+    del whole, sp
+    # The pipeline's default in an even group (guidance_parallel=True): one branch per half.
+    if world % 2 == 0:
+        split = GuidanceSplit(model, group)
+        with torch.inference_mode():
+            halves = split.denoiser(cond, uncond, args.guidance)
+        group_step("split", f"guidance split ({split.half_size} rank(s) per branch)", halves)
+        del halves, split
+    res["step_group_layout"] = "split" if world % 2 == 0 else "ulysses"  # what PAN2Pipeline runs here
+    if rank == 0:
+        res["step_speedup"] = res[f"step_{res['step_group_layout']}_speedup"]
+    del model, single
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 

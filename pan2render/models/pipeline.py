@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 SAMPLERS = ("unipc", "euler")
 ProgressFn = Callable[[int, int], None]
+Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (latents, timestep) -> velocity
 
 # diffusers keeps these in fp32 when the transformer runs in bf16 (WanTransformer3DModel's
 # _keep_in_fp32_modules): the time embedding, the modulation tables and the norms.
@@ -69,6 +70,12 @@ class PAN2PipelineConfig:
     # kernels, cuDNN attention; docs/performance.md): equal within noise, while batching doubles the
     # activation peak (4.1 vs 2.0 GiB). Hence two passes by default; re-measure on other GPUs.
     guidance_batch: bool = False
+    # In a parallelized pipeline whose group size is even: run a guided step's two branches on the
+    # two halves of the group (each half sequence-parallel over its own ranks when it has more than
+    # one) instead of both branches Ulysses-parallel over the whole group; one exchange of the two
+    # velocities per step. Unguided steps always use the whole group. See pan2render/parallel/guidance.py
+    # for why and the measurement (docs/performance.md).
+    guidance_parallel: bool = True
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -81,7 +88,7 @@ class PAN2PipelineConfig:
         if self.text_encoder_device is None:
             self.text_encoder_device = self.device
         for name in ("vae_decode_kernel", "vae_decode_kernel_parallel", "dit_fused_kernels", "dit_fp32_residual",
-                     "guidance_batch"):
+                     "guidance_batch", "guidance_parallel"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r}: expected True or False")
@@ -132,6 +139,38 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def apply_guidance(pred: torch.Tensor, pred_uncond: torch.Tensor, guidance: float) -> torch.Tensor:
+    """Classifier-free guidance: the unconditional velocity moved ``guidance`` times the way the
+    conditional one differs from it (diffusers' WanPipeline order of operations)."""
+    return pred_uncond + guidance * (pred - pred_uncond)
+
+
+def make_denoiser(dit: torch.nn.Module, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float, *,
+                  batch: bool = False) -> Denoiser:
+    """``(latents, timestep) -> velocity`` for one job: the DiT call with classifier-free guidance
+    when ``uncond`` is given; the text K/V are prepared once per job. ``batch``: both branches as one
+    batch-2 forward (`PAN2PipelineConfig.guidance_batch`) instead of two batch-1 forwards."""
+    prepare = getattr(dit, "prepare_context", None)
+    cond_ctx = prepare(cond) if prepare is not None else cond
+    if uncond is None:
+        return lambda x, t: dit(x, t, cond_ctx)
+    if batch:
+        both = torch.cat([cond, uncond])  # [2, 512, text_dim]
+        both_ctx = prepare(both) if prepare is not None else both
+
+        def guided_batched(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            pred, pred_uncond = dit(torch.cat([x, x]), t.expand(2, *t.shape[1:]), both_ctx).chunk(2)
+            return apply_guidance(pred, pred_uncond, guidance)
+
+        return guided_batched
+    uncond_ctx = prepare(uncond) if prepare is not None else uncond
+
+    def guided(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return apply_guidance(dit(x, t, cond_ctx), dit(x, t, uncond_ctx), guidance)
+
+    return guided
+
+
 class PAN2Pipeline:
     """Text -> latents -> uint8 frames for one PAN2 checkpoint, in one process."""
 
@@ -147,6 +186,7 @@ class PAN2Pipeline:
         # Wan2.2 TI2V feeds per-token timesteps (first-frame tokens at 0 when an image conditions).
         self.expand_timesteps = expand_timesteps
         self.process_group = None  # set by a sequence-parallel wrapper applied from outside
+        self.guidance_split = None  # likewise: guided steps over the two halves of an even group
         self._warned_fallback = False
         if dit is not None:
             # Per pipeline, not process-wide: this DiT's op table is the fused-where-possible one
@@ -318,31 +358,12 @@ class PAN2Pipeline:
         ts[:per_frame] = 0.0  # first-frame tokens are clean
         return ts[None]
 
-    def _make_denoiser(self, cond: torch.Tensor, uncond: torch.Tensor | None,
-                       guidance: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """Model call with classifier-free guidance; the text K/V are prepared once per job."""
-        dit = self.dit
-        prepare = getattr(dit, "prepare_context", None)
-        cond_ctx = prepare(cond) if prepare is not None else cond
-        if uncond is None:
-            return lambda x, t: dit(x, t, cond_ctx)
-        if self.config.guidance_batch:
-            both = torch.cat([cond, uncond])  # [2, 512, text_dim]
-            both_ctx = prepare(both) if prepare is not None else both
-
-            def guided_batched(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-                pred, pred_uncond = dit(torch.cat([x, x]), t.expand(2, *t.shape[1:]), both_ctx).chunk(2)
-                return pred_uncond + guidance * (pred - pred_uncond)
-
-            return guided_batched
-        uncond_ctx = prepare(uncond) if prepare is not None else uncond
-
-        def guided(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            pred = dit(x, t, cond_ctx)
-            pred_uncond = dit(x, t, uncond_ctx)
-            return pred_uncond + guidance * (pred - pred_uncond)
-
-        return guided
+    def _make_denoiser(self, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float) -> Denoiser:
+        if uncond is not None and self.guidance_split is not None:
+            # An even group with guidance_parallel: each half of the group runs one branch
+            # (pan2render/parallel/guidance.py), set by parallelize().
+            return self.guidance_split.denoiser(cond, uncond, guidance)
+        return make_denoiser(self.dit, cond, uncond, guidance, batch=self.config.guidance_batch)
 
     # ----------------------------------------------------------------------------------------
     # Decoding
@@ -431,5 +452,5 @@ def _checkpoint_digest(root: Path) -> str:
     return h.hexdigest()[:10]
 
 
-__all__ = ["PAN2Pipeline", "PAN2PipelineConfig", "SampleRequest", "load_dit", "load_vae",
-           "to_uint8_frames"]
+__all__ = ["PAN2Pipeline", "PAN2PipelineConfig", "SampleRequest", "apply_guidance", "load_dit", "load_vae",
+           "make_denoiser", "to_uint8_frames"]

@@ -3,8 +3,10 @@
 - `parallelize_dit` (ulysses.py): Ulysses sequence parallelism for the PAN2 DiT;
 - `pipelined_decode` / `decode_on_group` (decode.py): ``vae_decode_kernel_parallel``, one VAE
   decode split over the group, the frames on rank 0;
-- `parallelize_pipeline`: both, for `PAN2Pipeline.parallelize(group)` (what the runner calls once
-  per actor after ``init_process_group``).
+- `GuidanceSplit` (guidance.py): in an even group, a guided step's two branches on the two halves
+  of the group, each half Ulysses-parallel over its own ranks;
+- `parallelize_pipeline`: all three, for `PAN2Pipeline.parallelize(group)` (what the runner calls
+  once per actor after ``init_process_group``).
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import torch.distributed as dist
 
 from .decode import agree_fast_decode, decode_on_group, pipelined_decode
 from .group import SequenceGroup
+from .guidance import GuidanceSplit, guidance_split_for
 from .ulysses import SequenceParallelDiT, UlyssesAttention, parallelize_dit
 
 __all__ = [
+    "GuidanceSplit",
     "SequenceGroup",
     "SequenceParallelDiT",
     "UlyssesAttention",
@@ -33,7 +37,9 @@ def parallelize_pipeline(pipe: Any, group: dist.ProcessGroup | SequenceGroup | N
     """Make a `PAN2Pipeline` sequence-parallel over ``group`` (in place; returns it).
 
     After this, every rank calls ``pipe.sample(...)`` with identical arguments and gets the same
-    full latents; ``pipe.decode(latents)`` returns the frames on rank 0 and None on the other
+    full latents (guided steps over the two halves of an even group when
+    ``config.guidance_parallel``, else and for unguided steps Ulysses over the whole group);
+    ``pipe.decode(latents)`` returns the frames on rank 0 and None on the other
     ranks when ``config.vae_decode_kernel_parallel`` is on (every rank decodes the whole video
     itself when it is off). A group of one leaves the pipeline as it is.
     """
@@ -42,6 +48,8 @@ def parallelize_pipeline(pipe: Any, group: dist.ProcessGroup | SequenceGroup | N
         return pipe
     if pipe.process_group is not None:
         raise ValueError("this pipeline is already parallelized; build a new one for another group")
-    pipe.dit = parallelize_dit(pipe.dit, seq)
+    plain = pipe.dit
+    pipe.dit = parallelize_dit(plain, seq)
+    pipe.guidance_split = guidance_split_for(plain, seq, enabled=pipe.config.guidance_parallel)
     pipe.process_group = seq
     return pipe

@@ -24,16 +24,20 @@ every rank. Inside, in this order (DeepSpeed-Ulysses, arXiv:2309.14509):
    drops the padding; every rank unpatchifies the same full velocity, so the sampler steps
    identically everywhere and every rank ends with the same latents.
 
-Heads must divide by the group size (24 heads: groups of 2, 3, 4, 6, 8). The attention backend
-is whatever ``attn1.attention_fn`` was when parallelized (kept as ``UlyssesAttention.inner``): set
-the backend before calling ``parallelize_dit`` or assign ``attn1.attention_fn.inner`` after.
+Heads must divide by the group size (24 heads: groups of 2, 3, 4, 6, 8). The wrapper installs
+its `UlyssesAttention` on the blocks only for the duration of its own forward and puts the plain
+``attn1.attention_fn`` back after, so the model stays plain outside it: the attention backend is
+whatever ``attn1.attention_fn`` is at call time, and several wrappers over different groups can
+share one model (`pan2render.parallel.guidance` runs the same model whole-group for unguided steps
+and over half the group for each guidance branch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -101,12 +105,11 @@ class UlyssesAttention:
 
     accepts_lazy_v = True  # see the class doc; read by SelfAttention
 
-    def __init__(self, inner: AttentionFn, *, group: SequenceGroup, owner: SequenceParallelDiT,
-                 chunks: int = 1) -> None:
+    def __init__(self, inner: AttentionFn, *, group: SequenceGroup, layout: ShardLayout, chunks: int = 1) -> None:
         self.inner = inner
         self.group = group
+        self.layout = layout  # of the forward in progress (the wrapper installs one per forward)
         self.chunks = chunks
-        self._owner = owner  # holds the layout of the forward in progress
 
     @property
     def head_groups(self) -> int:
@@ -117,12 +120,7 @@ class UlyssesAttention:
         return self.group.world_size if self.chunks == 1 else 1
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor | Callable[[], Tensor]) -> Tensor:
-        layout = self._owner.layout
-        if layout is None:
-            raise RuntimeError(
-                "UlyssesAttention called outside SequenceParallelDiT.forward: call the parallel wrapper, "
-                "not the wrapped model's blocks"
-            )
+        layout = self.layout
         n, c = self.group.world_size, self.chunks
         if q.dim() == 5:  # [N, B, s, H/N, D]: already the send layout (head_groups)
             if c != 1 or q.shape[0] != n:
@@ -224,19 +222,22 @@ class SequenceParallelDiT(nn.Module):
                 f"num_attention_heads={heads} does not divide by the group size {group.world_size}: Ulysses "
                 f"gives each rank whole heads; use a group size that divides {heads}"
             )
-        per_rank = heads // group.world_size
-        chunks = default_chunks(per_rank) if chunks is None else chunks
-        if chunks < 1 or per_rank % chunks:
-            raise ValueError(f"chunks={chunks}: must be >= 1 and divide the {per_rank} heads per rank")
         self.model = model
         self.group = group
         self.config = model.config
-        self.layout: ShardLayout | None = None  # set for the duration of one forward
-        for block in model.blocks:
-            attn = block.attn1
-            if isinstance(attn.attention_fn, UlyssesAttention):
-                raise ValueError("this DiT is already sequence-parallel; parallelize the plain model once")
-            attn.attention_fn = UlyssesAttention(attn.attention_fn, group=group, owner=self, chunks=chunks)
+        self.chunks = default_chunks(heads // group.world_size) if chunks is None else chunks
+
+    @property
+    def chunks(self) -> int:
+        """Head groups per rank whose all-to-alls overlap the other groups' attention (1: none)."""
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, value: int) -> None:
+        per_rank = self.config.num_attention_heads // self.group.world_size
+        if not isinstance(value, int) or value < 1 or per_rank % value:
+            raise ValueError(f"chunks={value!r}: must be an integer >= 1 that divides the {per_rank} heads per rank")
+        self._chunks = value
 
     def prepare_context(self, context: Tensor) -> ContextCache:
         """The text K/V of every block; the same on every rank (cross-attention stays local)."""
@@ -256,14 +257,28 @@ class SequenceParallelDiT(nn.Module):
         rope = _shard_rope(m.rope(grid, start=layout.start, length=layout.length, device=x.device), layout)
         tokens = m.patchify(x)[:, layout.start : layout.start + layout.length]  # [B, <=s, dim]
         tokens = _pad_rows(tokens, layout.shard, dim=1)  # [B, s, dim]
-        self.layout = layout
-        try:
+        with self._sharded_attention(layout):
             tokens = m.run_blocks(tokens, time=local_time, context=cache, rope=rope)
-        finally:
-            self.layout = None
         out = m.head(tokens, time=local_time)  # [B, s, C * pt * ph * pw]
         full = all_gather_seq(out, self.group, dim=1)[:, :num_tokens]  # [B, L, C * pt * ph * pw]
         return m.unpatchify(full, grid)
+
+    @contextlib.contextmanager
+    def _sharded_attention(self, layout: ShardLayout) -> Iterator[None]:
+        """Every block's self-attention goes through `UlyssesAttention` for this forward only; the
+        plain ``attention_fn`` (the backend) is restored after, whatever happens."""
+        layers = [block.attn1 for block in self.model.blocks]
+        plain = [layer.attention_fn for layer in layers]
+        if any(isinstance(fn, UlyssesAttention) for fn in plain):
+            raise RuntimeError("nested sequence-parallel forward: this DiT's blocks are already sharded by "
+                               "another wrapper's forward in progress")
+        try:
+            for layer, fn in zip(layers, plain):
+                layer.attention_fn = UlyssesAttention(fn, group=self.group, layout=layout, chunks=self.chunks)
+            yield
+        finally:
+            for layer, fn in zip(layers, plain):
+                layer.attention_fn = fn
 
 
 def _pad_rows(x: Tensor, rows: int, *, dim: int, value: float = 0.0) -> Tensor:
@@ -291,8 +306,9 @@ def _shard_rope(rope: tuple[Tensor, Tensor], layout: ShardLayout) -> tuple[Tenso
 def parallelize_dit(
     model: PAN2DiT, group: dist.ProcessGroup | SequenceGroup | None, *, chunks: int | None = None
 ) -> PAN2DiT | SequenceParallelDiT:
-    """Apply Ulysses sequence parallelism to a plain `PAN2DiT` (in place: its self-attention call
-    sites are wrapped) and return the wrapper to call. A group of one returns the model itself.
+    """Apply Ulysses sequence parallelism to a plain `PAN2DiT` and return the wrapper to call (the
+    model itself is left plain: the wrapper shards its self-attention during its own forward only).
+    A group of one returns the model itself.
 
     ``group``: an initialised torch.distributed group (None: WORLD). Every rank must call the
     returned module with identical arguments; every rank gets the full output. ``chunks``: head

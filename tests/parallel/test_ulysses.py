@@ -14,7 +14,7 @@ from pan2render.models.dit import PAN2DiT, PAN2DiTConfig
 from pan2render.models.scheduler import SchedulerConfig
 from pan2render.models.tiny import SCHEDULER_CONFIG, TINY_VAE_CONFIG
 from pan2render.models.vae import WanVAE, WanVAEConfig
-from pan2render.parallel import SequenceParallelDiT, parallelize_dit
+from pan2render.parallel import GuidanceSplit, SequenceParallelDiT, parallelize_dit
 from pan2render.parallel.ulysses import ShardLayout
 
 from dist_helpers import max_rel, run_group
@@ -26,7 +26,7 @@ I2V = dict(height=96, width=160, frames=9, steps=2, guidance=2.0, seed=11, sampl
 HEADS = 8  # 4 heads per rank at N=2, 2 at N=4 (the worker attends them in 4 / 2 overlap groups)
 
 
-def tiny_pipeline() -> PAN2Pipeline:
+def tiny_pipeline(**config: object) -> PAN2Pipeline:
     """An 8-head tiny PAN2 (the embedded tiny DiT has 2 heads, too few for a group of 4)."""
     torch.manual_seed(0)  # the same weights in every process
     dit = PAN2DiT(PAN2DiTConfig(num_attention_heads=HEADS, attention_head_dim=12, text_dim=32, freq_dim=32,
@@ -34,7 +34,7 @@ def tiny_pipeline() -> PAN2Pipeline:
     vae = WanVAE(WanVAEConfig.from_dict(TINY_VAE_CONFIG)).eval()
     return PAN2Pipeline(dit=dit, vae=vae, text_encoder=None,
                         scheduler_config=SchedulerConfig.from_dict(SCHEDULER_CONFIG),
-                        config=PAN2PipelineConfig(device="cpu", dtype=torch.float32), model_id="sp-test")
+                        config=PAN2PipelineConfig(device="cpu", dtype=torch.float32, **config), model_id="sp-test")
 
 
 def inputs() -> dict[str, object]:
@@ -63,36 +63,75 @@ def batch2_forward(dit: torch.nn.Module) -> torch.Tensor:
         return dit(x, t, torch.randn(2, 16, 32, generator=gen))
 
 
+class RecordingContexts:
+    """Records, for every block-stack run of a DiT, which prompt context it used (`fingerprint`)."""
+
+    def __init__(self, dit: PAN2DiT) -> None:
+        self.seen: list[float] = []
+        self._run = dit.run_blocks
+        dit.run_blocks = self  # instance attribute: shadows the method for this model only
+
+    def __call__(self, tokens: torch.Tensor, **kw: object) -> torch.Tensor:
+        self.seen.append(fingerprint(kw["context"]))
+        return self._run(tokens, **kw)
+
+
+def fingerprint(cache: object) -> float:
+    return round(float(cache.keys_values[0][0].detach().double().sum()), 6)
+
+
 def _worker(rank: int, world: int, out: Path) -> None:
+    # Default config: guided steps split over the two halves of the group (GuidanceSplit, each half
+    # Ulysses over world/2 ranks), unguided steps Ulysses over the whole group.
     pipe = tiny_pipeline().parallelize(dist.group.WORLD)
-    assert isinstance(pipe.dit, SequenceParallelDiT)
-    # Groups of 2 exercise the overlap path (one head chunk per head of the rank, q/k/v packed
-    # per chunk); 4 and 8 the default one chunk, where q, k, v arrive in the send layout itself.
-    chunks = HEADS // world if world == 2 else 1
-    for block in pipe.dit.model.blocks:
-        attn = block.attn1.attention_fn
-        attn.chunks = chunks
-        assert attn.head_groups == (world if chunks == 1 else 1)
+    assert isinstance(pipe.dit, SequenceParallelDiT) and isinstance(pipe.guidance_split, GuidanceSplit)
+    assert pipe.guidance_split.branch == (0 if rank < world // 2 else 1)
+    calls = RecordingContexts(pipe.dit.model)
     result = render(pipe)
+    # 2 guided steps of t2v + 2 of i2v (the same prompts): which contexts this rank's forwards used.
+    result["contexts"] = list(calls.seen)
+    branch_contexts = [pipe.dit.prepare_context(inputs()[k][None]) for k in ("prompt_embeds", "negative_prompt_embeds")]
+    result["branch_contexts"] = [fingerprint(c) for c in branch_contexts]
     result["batch2"] = batch2_forward(pipe.dit)
+    result["unguided"] = pipe.sample(**{**unguided_inputs(), **T2V, "guidance": 1.0})
+    # Both branches Ulysses-parallel over the whole group (guidance_parallel off). Groups of 2 take the
+    # overlap path (one head chunk per head of the rank, q/k/v packed per chunk); 4 and 8 the default
+    # one chunk, where q, k, v arrive in the send layout itself.
+    whole = tiny_pipeline(guidance_parallel=False).parallelize(dist.group.WORLD)
+    assert whole.guidance_split is None
+    whole.dit.chunks = HEADS // world if world == 2 else 1
+    embeds = {k: v for k, v in inputs().items() if k != "image"}
+    result["t2v_whole_group"] = whole.sample(**embeds, **T2V)
     torch.save(result, out / f"rank{rank}.pt")
+
+
+def unguided_inputs() -> dict[str, object]:
+    return {"prompt_embeds": inputs()["prompt_embeds"]}
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, torch.Tensor | None]:
     pipe = tiny_pipeline()
-    return {**render(pipe), "batch2": batch2_forward(pipe.dit)}
+    return {**render(pipe), "batch2": batch2_forward(pipe.dit),
+            "unguided": pipe.sample(**{**unguided_inputs(), **T2V, "guidance": 1.0})}
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_group_latents_match_one_process(world: int, tmp_path: Path, reference) -> None:
     results = run_group(world, _worker, tmp_path)
-    for key in ("t2v", "i2v", "batch2"):
-        errs = [max_rel(r[key], reference[key]) for r in results]
+    expected = {"t2v": "t2v", "i2v": "i2v", "batch2": "batch2", "unguided": "unguided", "t2v_whole_group": "t2v"}
+    for key, ref in expected.items():
+        errs = [max_rel(r[key], reference[ref]) for r in results]
         print(f"group of {world}, {key}: max rel err per rank vs one process {['%.2e' % e for e in errs]}")
         assert max(errs) < 1e-5
         for r in results[1:]:  # the gathered velocity is the same bits everywhere -> same latents
             assert torch.equal(r[key], results[0][key])
+    # The guidance split ran one forward per guided step (4) on every rank, each with its own half's
+    # branch: the conditional context on the first half of the ranks, the unconditional on the second.
+    for rank, r in enumerate(results):
+        cond, uncond = r["branch_contexts"]
+        assert cond != uncond
+        assert r["contexts"] == [cond if rank < world // 2 else uncond] * 4, f"rank {rank}"
     # Decoded on the group: uint8 frames on rank 0 only (the float comparison is in test_parallel_decode).
     frames, want = results[0]["frames"], reference["frames"]
     assert frames.shape == want.shape == (9, 96, 160, 3) and frames.dtype == torch.uint8
@@ -137,3 +176,17 @@ def test_tiny_checkpoint_group_of_2(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     print(f"tiny checkpoint, group of 2: latents max rel err per rank {['%.2e' % e for e in errs]}; "
           f"uint8 frames max abs diff {diff}")
     assert max(errs) < 1e-5 and diff <= 1 and results[1]["frames"] is None
+
+
+def test_guidance_split_only_for_even_groups() -> None:
+    from pan2render.parallel.group import SequenceGroup
+    from pan2render.parallel.guidance import guidance_split_for
+
+    model = tiny_pipeline().dit
+    three = SequenceGroup(group=None, rank=0, world_size=3)
+    with pytest.raises(ValueError, match="needs an even group of at least 2 ranks, got 3"):
+        GuidanceSplit(model, three)
+    assert guidance_split_for(model, three, enabled=True) is None  # odd: Ulysses over the whole group
+    assert guidance_split_for(model, SequenceGroup(group=None, rank=1, world_size=2), enabled=False) is None
+    split = guidance_split_for(model, SequenceGroup(group=None, rank=1, world_size=2), enabled=True)
+    assert split.branch_name == "unconditional" and split.dit is model  # halves of one rank: the plain model
