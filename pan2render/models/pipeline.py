@@ -69,6 +69,7 @@ class PAN2PipelineConfig:
     # H200 at 704x1248x121 a guided step took 1.720 s batched vs 1.724 s as two passes (fused
     # kernels, cuDNN attention; docs/performance.md): equal within noise, while batching doubles the
     # activation peak (4.1 vs 2.0 GiB). Hence two passes by default; re-measure on other GPUs.
+    # (A group running the guidance split below runs one branch per rank and ignores this.)
     guidance_batch: bool = False
     # In a parallelized pipeline whose group size is even: run a guided step's two branches on the
     # two halves of the group (each half sequence-parallel over its own ranks when it has more than

@@ -496,3 +496,6 @@ def test_other_example_batches_load() -> None:
     assert {(j.guidance, j.flow_shift) for j in sweep.jobs} == {(g, s) for g in (2.0, 2.5, 3.5) for s in (3.0, 5.0)}
     prompts = load_batch(REPO / "jobs" / "prompts_file.yaml")
     assert len(prompts.jobs) == 3 and all(j.seed == 7 for j in prompts.jobs)
+    groups = load_batch(REPO / "jobs" / "groups.yaml")
+    assert [(j.name, j.gpus, j.seed) for j in groups.jobs] == [
+        ("lighthouse", 2, 0), ("lighthouse-seed-5", 2, 5), ("market-single-gpu", 1, 0)]
