@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch.distributed as dist
@@ -32,6 +33,8 @@ __all__ = [
     "pipelined_decode",
 ]
 
+log = logging.getLogger(__name__)
+
 
 def parallelize_pipeline(pipe: Any, group: dist.ProcessGroup | SequenceGroup | None) -> Any:
     """Make a `PAN2Pipeline` sequence-parallel over ``group`` (in place; returns it).
@@ -52,4 +55,11 @@ def parallelize_pipeline(pipe: Any, group: dist.ProcessGroup | SequenceGroup | N
     pipe.dit = parallelize_dit(plain, seq)
     pipe.guidance_split = guidance_split_for(plain, seq, enabled=pipe.config.guidance_parallel)
     pipe.process_group = seq
+    if seq.rank == 0:
+        split = pipe.guidance_split
+        guided = (f"guided steps one branch per half ({split.half_size} rank(s) each)" if split is not None
+                  else "guided steps Ulysses over the whole group")
+        log.info("%s: parallel over %d ranks: %s, unguided steps Ulysses over the whole group, decode %s",
+                 pipe.model_id, seq.world_size, guided,
+                 "split by layers" if pipe.config.vae_decode_kernel_parallel else "on every rank")
     return pipe
