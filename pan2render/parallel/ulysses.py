@@ -11,7 +11,7 @@ every rank. Inside, in this order (DeepSpeed-Ulysses, arXiv:2309.14509):
    modulation (the per-token timestep index sliced to the shard), Q/K RMSNorm (across all heads,
    i.e. over one token's 3072 features), RoPE (the shard's rows of the table, computed for its
    position offset), cross-attention (every rank holds the whole text K/V), the feed-forward;
-3. self-attention (`UlyssesAttention`, installed as each block's ``attn1.attention_fn``): one
+3. self-attention (`UlyssesAttention`, each block's ``attn1.attention_fn`` during the forward): one
    all-to-all turns (all heads, my tokens) into (my heads, all tokens) for q, k and v together;
    the padding tokens, which sit at the end of the padded global sequence, are sliced off before
    the attention call, so they are never attended to and never attend; the output is padded back

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from pan2render.models import PAN2Pipeline, PAN2PipelineConfig
+from pan2render.models import dit_ops
 from pan2render.models.dit import PAN2DiT, PAN2DiTConfig
 from pan2render.models.scheduler import SchedulerConfig
 from pan2render.models.tiny import SCHEDULER_CONFIG, TINY_VAE_CONFIG
@@ -93,6 +94,8 @@ def _worker(rank: int, world: int, out: Path) -> None:
     branch_contexts = [pipe.dit.prepare_context(inputs()[k][None]) for k in ("prompt_embeds", "negative_prompt_embeds")]
     result["branch_contexts"] = [fingerprint(c) for c in branch_contexts]
     result["batch2"] = batch2_forward(pipe.dit)
+    # Outside the wrapper's forward the model is plain again (the backend the blocks had).
+    assert all(b.attn1.attention_fn is dit_ops.attention for b in pipe.dit.model.blocks)
     result["unguided"] = pipe.sample(**{**unguided_inputs(), **T2V, "guidance": 1.0})
     # Both branches Ulysses-parallel over the whole group (guidance_parallel off). Groups of 2 take the
     # overlap path (one head chunk per head of the rank, q/k/v packed per chunk); 4 and 8 the default
@@ -157,6 +160,11 @@ def test_heads_must_divide_by_group() -> None:
     with pytest.raises(ValueError, match="num_attention_heads=8 does not divide by the group size 3"):
         parallelize_dit(model, SequenceGroup(group=None, rank=0, world_size=3))
     assert parallelize_dit(model, SequenceGroup(group=None, rank=0, world_size=1)) is model
+    sp = parallelize_dit(model, SequenceGroup(group=None, rank=0, world_size=2))  # 4 heads per rank
+    sp.chunks = 2
+    with pytest.raises(ValueError, match="chunks=3: must be an integer >= 1 that divides the 4 heads per rank"):
+        sp.chunks = 3
+    assert sp.chunks == 2
 
 
 def _tiny_checkpoint_worker(rank: int, world: int, out: Path) -> None:
