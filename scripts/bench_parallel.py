@@ -276,10 +276,44 @@ def bench_dit(rank: int, world: int, device: torch.device, args: argparse.Namesp
     res["step_group_layout"] = "split" if world % 2 == 0 else "ulysses"  # what PAN2Pipeline runs here
     if rank == 0:
         res["step_speedup"] = res[f"step_{res['step_group_layout']}_speedup"]
+    if args.sample_steps:
+        bench_sample(model, cond, uncond, rank, world, device, args, res)
     del model, single
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def bench_sample(model: PAN2DiT, cond: torch.Tensor, uncond: torch.Tensor, rank: int, world: int,
+                 device: torch.device, args: argparse.Namespace, res: dict) -> None:
+    """A whole ``PAN2Pipeline.sample`` (UniPC, --sample-steps steps) on one GPU, then on the group
+    through ``pipe.parallelize`` exactly as the runner does it: the pipeline-level ratio."""
+    from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
+    from pan2render.models.scheduler import SchedulerConfig
+
+    size = TINY if args.tiny else FULL
+    # sample() reads only the VAE's z_dim (no image conditioning here): a tiny VAE with z_dim 48.
+    vae = WanVAE(WanVAEConfig(**TINY_VAE)).eval()
+    pipe = PAN2Pipeline(dit=model, vae=vae, text_encoder=None, scheduler_config=SchedulerConfig(),
+                        config=PAN2PipelineConfig(device=str(device), dtype=cond.dtype), model_id="bench")
+    request = dict(prompt_embeds=cond[0], negative_prompt_embeds=uncond[0], height=size["height"] * 16,
+                   width=size["width"] * 16, frames=(size["frames"] - 1) * 4 + 1, steps=args.sample_steps,
+                   guidance=args.guidance, seed=0)
+    one = None
+    if rank == 0:
+        secs, one = timed(lambda: pipe.sample(**request), device=device, reps=1, group=False)
+        res["sample_1gpu_s"] = round(secs, 2)
+        log(rank, f"PAN2Pipeline.sample, {args.sample_steps} guided steps, 1 GPU: {secs:.2f} s")
+    dist.barrier()
+    pipe.parallelize(SequenceGroup.of(None))
+    secs, latents = timed(lambda: pipe.sample(**request), device=device, reps=1, group=True)
+    res["sample_group_s"] = round(secs, 2)
+    if rank == 0:
+        res["sample_speedup"] = round(res["sample_1gpu_s"] / secs, 3)
+        res["sample_group_vs_1gpu_rel_l2"] = rel_l2(latents, one)
+        log(rank, f"PAN2Pipeline.sample, {args.sample_steps} guided steps, group of {world} "
+                  f"({'guidance split' if pipe.guidance_split is not None else 'Ulysses'}): {secs:.2f} s -> "
+                  f"{res['sample_speedup']}x; latents rel L2 vs 1 GPU {res['sample_group_vs_1gpu_rel_l2']:.2e}")
 
 
 # ---- decode --------------------------------------------------------------------------------------
@@ -430,6 +464,8 @@ def main() -> int:
     p.add_argument("--profile", action="store_true", help="profile one 1-GPU and one group guided step")
     p.add_argument("--chunks", type=int, nargs="*", default=[],
                    help="also time the group step with these head-group counts (overlap of the all-to-alls)")
+    p.add_argument("--sample-steps", type=int, default=0,
+                   help="also time a whole PAN2Pipeline.sample of this many guided steps, 1 GPU vs the group")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args()
     if not args.tiny and (not torch.cuda.is_available() or torch.cuda.device_count() < args.world):
