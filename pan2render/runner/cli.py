@@ -50,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--cpu-gpus", type=int, metavar="N",
                         help="declare N logical GPUs on a CPU-only machine (groups of N run on CPU, gloo)")
         sp.add_argument("--retries", type=int, default=2, metavar="N", help="retries per job (default 2)")
+        sp.add_argument("--group-start-timeout", type=float, default=300.0, metavar="S",
+                        help="seconds a GPU group may take to start (its placement group to be granted, its "
+                             "actors to join) before the job it was for is charged an attempt (default 300; "
+                             "raise it on a shared cluster whose GPUs are often held by others)")
         sp.add_argument("--no-progress", action="store_true", help="no progress bars (plain log lines)")
 
     r = sub.add_parser("run", help="render a batch into an output folder")
@@ -184,6 +188,9 @@ def _check_cluster_args(args: argparse.Namespace) -> int | None:
     if args.retries < 0:
         print(f"error: --retries {args.retries}: must be >= 0", file=sys.stderr)
         return EXIT_USAGE
+    if not args.group_start_timeout > 0:
+        print(f"error: --group-start-timeout {args.group_start_timeout}: must be > 0 seconds", file=sys.stderr)
+        return EXIT_USAGE
     if args.cpu_gpus is not None and args.cpu_gpus < 1:
         print(f"error: --cpu-gpus {args.cpu_gpus}: must be >= 1", file=sys.stderr)
         return EXIT_USAGE
@@ -202,7 +209,8 @@ def _print_jobs(jobs: list[JobSpec], *, done: set[str]) -> None:
 
 
 def _drive(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str]) -> int:
-    config = DriverConfig(retries=args.retries, progress=not args.no_progress and sys.stderr.isatty())
+    config = DriverConfig(retries=args.retries, progress=not args.no_progress and sys.stderr.isatty(),
+                          group_start_timeout_s=args.group_start_timeout)
     jobs = ledger.jobs(ids)
     prepare_jobs(out_dir=out, ledger=ledger, job_ids=ids, retries=args.retries,
                  say=lambda s: print(s, file=sys.stderr))

@@ -156,8 +156,8 @@ class Driver:
         try:
             while self._pending or self._active:
                 self._dispatch()
-                if not self._active:
-                    time.sleep(self.config.poll_s)  # only while a group failed to start
+                if not self._active:  # nothing running: a group is starting (or failed to)
+                    self.pool.wait_for_start(self.config.poll_s)
                     continue
                 calls = [a.call for a in self._active.values() if a.call is not None]
                 for call in self.ex.wait(calls, timeout_s=self.config.poll_s):

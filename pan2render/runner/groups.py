@@ -12,12 +12,16 @@ An :class:`Executor` makes groups of N workers (one per GPU) and runs *collectiv
   It does not form a torch.distributed group (a group of N is one world-size-1 worker).
 
 :class:`GroupPool` keeps idle groups per size so models stay loaded between jobs, and tears idle
-groups of other sizes down when a job needs their GPUs.
+groups of other sizes down when a job needs their GPUs. Where the executor says so
+(``starts_in_background``: Ray, where a start waits for a placement group, up to the start timeout
+on a busy shared cluster, and then for the actors' processes and their process group) the pool
+creates a group on a background thread, so the driver keeps serving the running jobs meanwhile.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -57,6 +61,8 @@ class Call:
 
 
 class Executor(Protocol):
+    starts_in_background: bool  # GroupPool runs create_group on a thread (it blocks for long)
+
     def total_gpus(self) -> int: ...
     def max_group_size(self) -> int: ...  # most GPUs on one node (a group is STRICT_PACK)
     def create_group(self, size: int, *, timeout_s: float) -> Group: ...
@@ -89,6 +95,8 @@ class _LocalProgress:
 
 class LocalExecutor:
     """Runs each call synchronously at ``call`` time, in this process."""
+
+    starts_in_background = False  # a group is one in-process object: nothing to wait for
 
     def __init__(self, *, gpus: int, config: WorkerConfig):
         self._gpus = gpus
@@ -143,7 +151,13 @@ class LocalExecutor:
 
 # ====================================================================== Ray
 class RayExecutor:
-    """Groups of Ray actors. ``address=None`` starts a local cluster with ``gpus`` logical GPUs."""
+    """Groups of Ray actors. ``address=None`` starts a local cluster with ``gpus`` logical GPUs.
+
+    ``create_group`` may run on the pool's start thread while the driver thread calls the rest
+    (Ray's API is thread-safe); ``_groups`` is shared between them under ``_lock``.
+    """
+
+    starts_in_background = True
 
     def __init__(self, *, address: str | None, gpus: int | None, cpus: int | None,
                  config: WorkerConfig, object_store_bytes: int = 1 << 30):
@@ -172,6 +186,7 @@ class RayExecutor:
         self._actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(RenderWorker)
         self._progress_actor = ray.remote(_ProgressActor).options(num_cpus=0).remote()
         self._groups: dict[str, Group] = {}
+        self._lock = threading.Lock()
 
     def total_gpus(self) -> int:
         return int(self._ray.cluster_resources().get("GPU", 0))
@@ -191,9 +206,11 @@ class RayExecutor:
             ray.get(pg.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(pg)
+            free = int(ray.available_resources().get("GPU", 0))
             raise GroupStartError(
                 f"placement group of {size} GPUs on one node was not ready after {timeout_s:.0f} s; "
-                f"the cluster has {self.total_gpus()} GPUs (a group needs {size} on ONE node)"
+                f"the cluster has {self.total_gpus()} GPUs, {free} free now (a group needs {size} on ONE "
+                f"node; on a shared cluster others may hold them: see --group-start-timeout)"
             ) from None
         progress = _RayProgress(self._progress_actor)
         actors = [
@@ -205,7 +222,8 @@ class RayExecutor:
             for rank in range(size)
         ]
         group = Group(id=gid, size=size, handle={"pg": pg, "actors": actors})
-        self._groups[gid] = group
+        with self._lock:
+            self._groups[gid] = group
         if size > 1:
             try:
                 self._form_process_group(group, timeout_s=timeout_s)
@@ -238,7 +256,8 @@ class RayExecutor:
             remove_placement_group(group.handle["pg"])
         except Exception:  # noqa: BLE001
             traceback.print_exc()
-        self._groups.pop(group.id, None)
+        with self._lock:
+            self._groups.pop(group.id, None)
 
     def call(self, group: Group, method: str, kwargs: dict[str, Any], *, timeout_s: float) -> Call:
         # In a group the arguments (latents, embeddings: MBs) are put in the object store once and
@@ -299,7 +318,9 @@ class RayExecutor:
             return {}
 
     def shutdown(self) -> None:
-        for group in list(self._groups.values()):
+        with self._lock:
+            groups = list(self._groups.values())
+        for group in groups:
             self.destroy_group(group)
         try:
             self._ray.kill(self._progress_actor, no_restart=True)
@@ -349,8 +370,51 @@ class _RayProgress:
 
 
 # ====================================================================== pool
+class _BackgroundStart:
+    """One ``create_group`` running on a daemon thread (daemon: a start stuck waiting for a
+    placement group never keeps the process alive after the driver is done)."""
+
+    def __init__(self, size: int, create: Any, destroy: Any) -> None:
+        self.size = size
+        self.group: Group | None = None
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+        self._destroy = destroy
+        self._lock = threading.Lock()
+        self._abandoned = False
+        threading.Thread(target=self._run, args=(create,), name=f"group-start-{size}", daemon=True).start()
+
+    def _run(self, create: Any) -> None:
+        try:
+            group = create()
+        except BaseException as e:  # noqa: BLE001 - handed to the driver thread
+            self.error = e
+        else:
+            with self._lock:
+                keep = not self._abandoned
+                if keep:
+                    self.group = group
+            if not keep:  # the pool closed while this group was starting
+                self._destroy(group)
+        self.finished.set()
+
+    def abandon(self) -> None:
+        """The pool is closing: whatever this start makes is torn down, now or when it finishes."""
+        with self._lock:
+            self._abandoned = True
+            group, self.group = self.group, None
+        if group is not None:
+            self._destroy(group)
+
+
 class GroupPool:
-    """Idle groups by size; creates groups while GPUs are free, frees idle ones of other sizes."""
+    """Idle groups by size; creates groups while GPUs are free, frees idle ones of other sizes.
+
+    With an executor that ``starts_in_background``, at most one group starts at a time, on a
+    thread: ``try_acquire`` returns None while it starts and the group (or its GroupStartError) on
+    the first call after. The driver dispatches strictly in order, so that call comes for the same
+    job that asked.
+    """
 
     def __init__(self, executor: Executor, *, total_gpus: int, start_timeout_s: float):
         self._ex = executor
@@ -358,14 +422,31 @@ class GroupPool:
         self._start_timeout_s = start_timeout_s
         self._idle: list[Group] = []
         self._busy: dict[str, Group] = {}
+        self._starting: _BackgroundStart | None = None
         self.created = 0
 
     def _used(self) -> int:
-        return sum(g.size for g in self._idle) + sum(g.size for g in self._busy.values())
+        starting = self._starting.size if self._starting is not None else 0
+        return sum(g.size for g in self._idle) + sum(g.size for g in self._busy.values()) + starting
+
+    @property
+    def starting(self) -> bool:
+        return self._starting is not None
+
+    def wait_for_start(self, timeout_s: float) -> None:
+        """Sleep up to ``timeout_s``, waking early when a background start finishes."""
+        if self._starting is not None:
+            self._starting.finished.wait(timeout_s)
+        else:
+            time.sleep(timeout_s)
 
     def try_acquire(self, size: int) -> Group | None:
-        """An idle group of ``size``, a new one, or None when the GPUs are all busy.
-        Raises GroupStartError when a new group cannot form."""
+        """An idle group of ``size``, a new one, or None when the GPUs are all busy or a group is
+        still starting. Raises GroupStartError when a new group cannot form."""
+        if self._starting is not None:
+            if not self._starting.finished.is_set():
+                return None
+            self._collect_start()
         for g in self._idle:
             if g.size == size:
                 self._idle.remove(g)
@@ -381,10 +462,25 @@ class GroupPool:
             self._idle.remove(g)
             self._ex.destroy_group(g)
             free += g.size
+        if getattr(self._ex, "starts_in_background", False):
+            self._starting = _BackgroundStart(
+                size, lambda: self._ex.create_group(size, timeout_s=self._start_timeout_s), self._ex.destroy_group)
+            return None
         group = self._ex.create_group(size, timeout_s=self._start_timeout_s)
         self.created += 1
         self._busy[group.id] = group
         return group
+
+    def _collect_start(self) -> None:
+        """A finished background start: its group joins the idle ones, or its error is raised."""
+        start, self._starting = self._starting, None
+        if start.error is not None:
+            if isinstance(start.error, GroupStartError):
+                raise start.error
+            raise GroupStartError(f"starting a group of {start.size} failed: "
+                                  f"{type(start.error).__name__}: {start.error}") from start.error
+        self.created += 1
+        self._idle.append(start.group)
 
     def release(self, group: Group) -> None:
         self._busy.pop(group.id)
@@ -398,5 +494,8 @@ class GroupPool:
         self._ex.destroy_group(group)
 
     def close(self) -> None:
+        if self._starting is not None:
+            self._starting.abandon()
+            self._starting = None
         for g in list(self._idle) + list(self._busy.values()):
             self.discard(g)

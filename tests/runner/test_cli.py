@@ -56,6 +56,7 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     out = tmp_path / "out"
     for args, message in [(["--retries", "-1"], "--retries -1: must be >= 0"),
                           (["--cpu-gpus", "0"], "--cpu-gpus 0: must be >= 1"),
+                          (["--group-start-timeout", "0"], "--group-start-timeout 0.0: must be > 0 seconds"),
                           (["--cpu-gpus", "2", "--address", "auto"], "cannot be used with --address")]:
         assert cli.main(["run", str(batch), "--out", str(out), *args]) == 2
         err = capsys.readouterr().err

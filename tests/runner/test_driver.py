@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ from pan2render.jobs.ledger import JobState, Ledger, Stage, StageState
 from pan2render.jobs.spec import JobSpec
 from pan2render.media.video import probe_mp4
 from pan2render.runner.driver import Driver, DriverConfig, RunSummary
-from pan2render.runner.groups import Call, Group, LocalExecutor
+from pan2render.runner.groups import Call, Group, GroupPool, GroupStartError, LocalExecutor
 from pan2render.runner.testing import FAKE_FACTORY
 from pan2render.runner.worker import WorkerConfig
 
@@ -47,11 +49,11 @@ class RecordingExecutor(LocalExecutor):
 
 def render(out: Path, jobs: list[JobSpec], *, gpus: int = 1, retries: int = 2,
            faults: dict[str, Any] | None = None, factory: str = FAKE_FACTORY,
-           ) -> tuple[RunSummary, RecordingExecutor, Ledger]:
+           executor: type[RecordingExecutor] | None = None) -> tuple[RunSummary, RecordingExecutor, Ledger]:
     out.mkdir(exist_ok=True)
     ledger = Ledger.open(out)
     ledger.add_jobs(jobs, retries=retries)
-    ex = RecordingExecutor(gpus=gpus, config=WorkerConfig(pipeline_factory=factory, faults=faults or {}))
+    ex = (executor or RecordingExecutor)(gpus=gpus, config=WorkerConfig(pipeline_factory=factory, faults=faults or {}))
     driver = Driver(out_dir=out, ledger=ledger, executor=ex,
                     config=DriverConfig(retries=retries, progress=False, poll_s=0.01))
     return driver.run([j.job_id for j in jobs]), ex, ledger
@@ -204,3 +206,80 @@ def _damage(path: Path, how: str) -> None:
         path.write_bytes(data[:mid] + bytes([data[mid] ^ 0xFF]) + data[mid + 1:])
     else:
         os.unlink(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Groups that start on a background thread (as RayExecutor's do)
+
+
+class BackgroundStarts(RecordingExecutor):
+    """Group starts run on the pool's thread, as with Ray; ``before_start(size)`` runs first there."""
+
+    starts_in_background = True
+
+    def before_start(self, size: int) -> None:
+        pass
+
+    def create_group(self, size: int, *, timeout_s: float) -> Group:
+        self.before_start(size)
+        return super().create_group(size, timeout_s=timeout_s)
+
+
+def test_running_jobs_advance_while_a_group_starts(tmp_path: Path) -> None:
+    """Job a runs on one GPU while the 2-GPU group for job b starts; that start only completes once
+    a is finished, so a driver that waited for the start (in its own thread) would never get there."""
+
+    class SlowPairStart(BackgroundStarts):
+        def before_start(self, size: int) -> None:
+            if size != 2:
+                return
+            deadline = time.monotonic() + 10
+            while ("decode_encode", "a") not in self.calls:
+                if time.monotonic() > deadline:
+                    raise GroupStartError("the driver did not serve job a while this group was starting")
+                time.sleep(0.005)
+
+    summary, ex, led = render(tmp_path, [spec("a"), spec("b", gpus=2)], gpus=3, retries=0, executor=SlowPairStart)
+    print("calls:", ex.calls, "| groups created:", ex.groups_created)
+    assert sorted(summary.done) == sorted([spec("a").job_id, spec("b", gpus=2).job_id]) and not summary.failed
+    assert ex.calls.index(("decode_encode", "a")) < ex.calls.index(("sample", "b"))
+    assert summary.groups_created == ex.groups_created == 2
+
+
+def test_a_group_that_cannot_start_is_charged_to_its_job_and_later_jobs_run(tmp_path: Path) -> None:
+    class NoPairs(BackgroundStarts):
+        def before_start(self, size: int) -> None:
+            if size == 2:
+                raise GroupStartError("placement group of 2 GPUs on one node was not ready after 3 s (test)")
+
+    pair, single = spec("pair", gpus=2), spec("single")
+    summary, ex, led = render(tmp_path, [pair, single], gpus=2, retries=1, executor=NoPairs)
+    job = led.job(pair.job_id)
+    print("pair:", job.state, job.attempts, job.error, "| done:", summary.done)
+    assert summary.done == [single.job_id] and summary.failed == [pair.job_id]
+    assert job.attempts == 2 and "placement group of 2 GPUs" in job.error
+    assert led.stages(pair.job_id)[Stage.CONDITIONING].state is StageState.FAILED
+
+
+def test_closing_the_pool_during_a_start_tears_the_late_group_down() -> None:
+    release = threading.Event()
+    destroyed: list[str] = []
+
+    class Held(BackgroundStarts):
+        def before_start(self, size: int) -> None:
+            release.wait(10)
+
+        def destroy_group(self, group: Group) -> None:
+            destroyed.append(group.id)
+            super().destroy_group(group)
+
+    pool = GroupPool(Held(gpus=2, config=WorkerConfig(pipeline_factory=FAKE_FACTORY)), total_gpus=2,
+                     start_timeout_s=10)
+    assert pool.try_acquire(2) is None and pool.starting
+    assert pool.try_acquire(1) is None  # the GPUs of the group in flight are not handed out twice
+    pool.close()  # e.g. Ctrl-C while the placement group waits
+    release.set()
+    deadline = time.monotonic() + 10
+    while not destroyed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(destroyed) == 1 and not pool.starting

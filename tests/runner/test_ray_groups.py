@@ -88,3 +88,36 @@ def test_always_failing_job_fails_the_batch_with_exit_1(
     assert rows["doomed"]["video"] is None
     for n in ("ok1", "ok2"):
         assert rows[n]["state"] == "done" and os.path.isfile(rows[n]["video"])
+
+
+def test_a_group_the_cluster_cannot_place_fails_its_job_and_the_rest_render(
+        tmp_path: Path, fake_pipeline: None) -> None:
+    """Another application holds one of the 2 GPUs: the 2-GPU job's placement group is never
+    granted; after --group-start-timeout it is charged (no retries here) with a message saying so,
+    and the 1-GPU jobs before and after it render."""
+    import ray
+
+    @ray.remote(num_gpus=1, num_cpus=0)
+    class Holder:
+        def ping(self) -> int:
+            return 1
+
+    holder = Holder.remote()
+    ray.get(holder.ping.remote())
+    batch = write_batch(tmp_path / "b.yaml", [{"name": "before", "prompt": "a"},
+                                              {"name": "pair", "prompt": "b", "gpus": 2},
+                                              {"name": "after", "prompt": "c"}], defaults={"steps": 2})
+    out = tmp_path / "out"
+    try:
+        rc = cli.main(["run", str(batch), "--out", str(out), "--no-progress", "--retries", "0",
+                       "--group-start-timeout", "3"])
+    finally:
+        ray.kill(holder)
+    jobs = {j.name: j for j in Ledger.open_readonly(out).jobs()}
+    print({n: (j.state.value, j.attempts, j.error) for n, j in jobs.items()})
+    assert rc == 1
+    assert jobs["before"].state is JobState.DONE and jobs["after"].state is JobState.DONE
+    pair = jobs["pair"]
+    assert pair.state is JobState.FAILED and pair.attempts == 1
+    assert "placement group of 2 GPUs on one node was not ready after 3 s" in pair.error
+    assert "free now" in pair.error and "--group-start-timeout" in pair.error
