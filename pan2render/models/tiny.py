@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save_file, save_model
 
 TINY_VERSION = 2
 TINY_SEED = 20261130
@@ -98,23 +98,57 @@ def cache_root() -> Path:
     return Path(os.environ.get("PAN2_RENDER_CACHE", Path.home() / ".cache" / "pan2-render")).expanduser()
 
 
+# What a complete tiny checkpoint holds; checked before it is published and when it is found.
+TINY_FILES = (
+    "model_index.json",
+    "transformer/config.json", "transformer/diffusion_pytorch_model.safetensors",
+    "vae/config.json", "vae/diffusion_pytorch_model.safetensors",
+    "scheduler/scheduler_config.json",
+    "text_encoder/config.json", "text_encoder/model.safetensors",
+    "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json",
+)
+
+
+def missing_tiny_files(root: Path) -> list[str]:
+    return [name for name in TINY_FILES if not (root / name).is_file()]
+
+
 def tiny_checkpoint_path() -> Path:
-    """The tiny checkpoint folder, written on first use (atomically: build aside, then rename)."""
+    """The tiny checkpoint folder, written on first use (atomically: build aside, check, rename).
+
+    A folder found incomplete (e.g. written by an older version under a library that skipped some
+    files) is moved aside and built again rather than failing every job that loads it."""
     final = cache_root() / "models" / f"tiny-v{TINY_VERSION}"
     if (final / "model_index.json").is_file():
-        return final
+        if not missing_tiny_files(final):
+            return final
+        _move_aside(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".tiny-v{TINY_VERSION}-", dir=final.parent))
     try:
         write_tiny_checkpoint(staging)
+        missing = missing_tiny_files(staging)
+        if missing:
+            raise RuntimeError(f"writing the tiny checkpoint left out {missing} (in {staging})")
         try:
             os.rename(staging, final)  # atomic; fails if another process won the race
         except OSError:
-            if not (final / "model_index.json").is_file():
+            if missing_tiny_files(final):
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return final
+
+
+def _move_aside(folder: Path) -> None:
+    """Rename an incomplete cache folder out of the way and delete it (another process may be
+    doing the same: losing that race is fine)."""
+    aside = folder.with_name(f".{folder.name}-incomplete-{os.getpid()}")
+    try:
+        os.rename(folder, aside)
+    except OSError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def write_tiny_checkpoint(root: Path) -> None:
@@ -177,7 +211,14 @@ def _write_text_encoder(root: Path) -> None:
                         **TINY_TEXT_CONFIG)
     torch.manual_seed(TINY_SEED + 1)
     encoder = UMT5EncoderModel(config).eval()
-    encoder.save_pretrained(str(root / "text_encoder"), safe_serialization=True)
+    # Not encoder.save_pretrained: under an initialised torch.distributed group (the workers of a
+    # GPU group load the model after joining it) transformers writes nothing on ranks other than
+    # 0, and a rank > 0 that won the publish race left a checkpoint without its text encoder.
+    folder = root / "text_encoder"
+    folder.mkdir(parents=True, exist_ok=True)
+    config.architectures = ["UMT5EncoderModel"]
+    config.to_json_file(str(folder / "config.json"))
+    save_model(encoder, str(folder / "model.safetensors"), metadata={"format": "pt"})  # tied weights once
 
 
 def _write_json(path: Path, data: dict) -> None:
