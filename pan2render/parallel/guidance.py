@@ -87,7 +87,9 @@ def _half_group(group: SequenceGroup, branch: int, size: int) -> SequenceGroup:
     if size == 1:
         return SequenceGroup(group=None, rank=0, world_size=1)  # no collective ever runs on it
     handle = None
-    for b in range(2):  # every rank creates both halves, in the same order (a collective call)
+    # Every rank asks for both halves in the same order, as torch requires of overlapping creators
+    # with local synchronization (only a half's own ranks then wait for each other).
+    for b in range(2):
         ranks = [group.global_rank(r) for r in range(b * size, (b + 1) * size)]
         created = dist.new_group(ranks, use_local_synchronization=True)
         if b == branch:
@@ -101,4 +103,3 @@ def guidance_split_for(model: PAN2DiT, group: SequenceGroup, *, enabled: bool) -
     if not enabled or group.world_size < 2 or group.world_size % 2:
         return None
     return GuidanceSplit(model, group)
-
