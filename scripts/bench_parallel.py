@@ -47,11 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pan2render.models.dit import PAN2DiT, PAN2DiTConfig  # noqa: E402
 from pan2render.models.vae import WanVAE, WanVAEConfig  # noqa: E402
-from pan2render.models.pipeline import make_denoiser  # noqa: E402
+from pan2render.models.pipeline import DIT_KEEP_IN_FP32, make_denoiser  # noqa: E402
 from pan2render.parallel import GuidanceSplit, agree_fast_decode, parallelize_dit, pipelined_decode  # noqa: E402
 from pan2render.parallel.group import SequenceGroup  # noqa: E402
 
-KEEP_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")  # as pipeline.DIT_KEEP_IN_FP32
 FULL = dict(frames=31, height=44, width=78, text=512)  # latent sizes of 704x1248x121
 TINY = dict(frames=3, height=6, width=10, text=16)
 TINY_DIT = dict(num_attention_heads=4, attention_head_dim=12, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2)
@@ -113,19 +112,26 @@ def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
 # ---- DiT -----------------------------------------------------------------------------------------
 
 
-def build_dit(config: PAN2DiTConfig, device: torch.device, dtype: torch.dtype) -> PAN2DiT:
-    """Random weights, created directly on the device in dtype (seeded: the same on every rank)."""
+def random_module(make: Callable[[], torch.nn.Module], device: torch.device, dtype: torch.dtype, *,
+                  seed: int) -> torch.nn.Module:
+    """``make()`` with random weights created directly on the device in dtype, in eval mode and
+    without gradients (seeded: the same on every rank)."""
     prev = torch.get_default_dtype()
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     try:
         torch.set_default_dtype(dtype)
         with torch.device(device):
-            model = PAN2DiT(config).eval()
+            module = make().eval()
     finally:
         torch.set_default_dtype(prev)
-    model.requires_grad_(False)
+    return module.requires_grad_(False)
+
+
+def build_dit(config: PAN2DiTConfig, device: torch.device, dtype: torch.dtype) -> PAN2DiT:
+    """The random-weight DiT, with the loader's fp32 modules (`DIT_KEEP_IN_FP32`) in fp32."""
+    model = random_module(lambda: PAN2DiT(config), device, dtype, seed=0)
     for name, p in model.named_parameters():
-        if any(k in name for k in KEEP_FP32):
+        if any(k in name for k in DIT_KEEP_IN_FP32):
             p.data = p.data.float()
     return model
 
@@ -323,15 +329,7 @@ def bench_decode(rank: int, world: int, device: torch.device, args: argparse.Nam
     size = TINY if args.tiny else FULL
     config = WanVAEConfig(**TINY_VAE) if args.tiny else WanVAEConfig()
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    prev = torch.get_default_dtype()
-    torch.manual_seed(2)
-    try:
-        torch.set_default_dtype(dtype)
-        with torch.device(device):
-            vae = WanVAE(config).eval()
-    finally:
-        torch.set_default_dtype(prev)
-    vae.requires_grad_(False)
+    vae = random_module(lambda: WanVAE(config), device, dtype, seed=2)
     z = torch.randn(1, config.z_dim, size["frames"], size["height"], size["width"],
                     generator=torch.Generator().manual_seed(3)).to(device)
     group = SequenceGroup.of(None)
