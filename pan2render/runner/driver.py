@@ -33,7 +33,7 @@ from pan2render.jobs.ledger import (
     Stage,
     StageState,
 )
-from pan2render.runner import stages
+from pan2render.runner import outputs, stages
 from pan2render.runner.groups import Call, Executor, Group, GroupDied, GroupPool, GroupStartError
 from pan2render.runner.worker import Reply
 
@@ -109,6 +109,9 @@ def prepare_jobs(*, out_dir: Path, ledger: Ledger, job_ids: list[str], retries: 
                 ledger.reset_stages(job.id, Stage.DECODE, reason=problem)
                 ledger.transition(job.id, JobEvent.INVALIDATE, reason=problem)
                 say(f"{job.name}: {problem}; encoding it again")
+            elif fixed := outputs.restore_params(out_dir, ledger, job):
+                ledger.log(job.id, "params-rewritten", fixed)
+                say(f"{job.name}: {fixed}; rewritten")
 
 
 def _group_is_suspect(group: Group, reply: Reply) -> bool:
@@ -129,6 +132,7 @@ class Driver:
                               start_timeout_s=config.group_start_timeout_s)
         self._max_group = executor.max_group_size()  # a group's GPUs must all be on one node
         self._model_ids: dict[str, dict[str, str]] = {}  # model -> {model_id, text_encoder_id}
+        self._loads: dict[tuple[str, str], dict[str, Any]] = {}  # (group id, model) -> load reply
         self._pending: deque[str] = deque()
         self._active: dict[str, _Active] = {}
         self._n_done = self._n_failed = 0
@@ -300,6 +304,7 @@ class Driver:
         if method == "load":
             a.group.models.add(spec.model)
             self._model_ids[spec.model] = {k: reply.value[k] for k in ("model_id", "text_encoder_id")}
+            self._loads[(a.group.id, spec.model)] = reply.value
             self.ledger.log(jid, "group-load",
                             f"group {a.group.id}: {spec.model} ({reply.value['model_id']}) loaded on "
                             f"{reply.value['world_size']} rank(s), device {reply.value['device']}, "
@@ -327,11 +332,15 @@ class Driver:
                                          height=spec.height)
             if problem:
                 raise RuntimeError(f"the written video does not check out: {problem}")
+            seconds = {s.value: r.seconds for s, r in self.ledger.stages(jid).items()}
+            seconds.update(decode=reply.value["decode_s"], encode=reply.value["encode_s"])
+            params = outputs.write_params(self.out_dir, job=a.job, seconds=seconds,
+                                          load=self._loads.get((a.group.id, spec.model)))
             self.ledger.set_stages(jid, [
                 (Stage.DECODE, StageState.DONE, {"seconds": reply.value["decode_s"]}),
                 (Stage.ENCODE, StageState.DONE, {"artifact": rel, "sha256": rec.sha256, "size": rec.size,
                                                  "seconds": reply.value["encode_s"]}),
-            ])
+            ], documents={outputs.PARAMS_NAME: params})
 
     def _record_conditioning(self, jid: str, key: str, *, seconds: float) -> None:
         rel = stages.embedding_relpath(key)

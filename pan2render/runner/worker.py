@@ -8,7 +8,8 @@ traceback, so a Ray-level exception always means the actor itself died.
 Protocol (all keyword arguments, all replies small except the artifact bytes):
     rendezvous()                                   -> (ip, free port, backend)   rank 0 only
     init_group(master_addr, master_port, backend)  -> None   torch.distributed, every rank
-    load(model)                                    -> {"model_id", "text_encoder_id"}
+    load(model)                                    -> {"model_id", "text_encoder_id", "backend",
+                                                       "world_size", "device", "describe", "versions"}
     encode_prompts(model, texts)                   -> [embedding safetensors bytes]
     sample(model, job_id, spec, prompt_embeds, negative_embeds) -> latents safetensors bytes
     decode_encode(model, spec, latents)            -> {"mp4": bytes, "decode_s", "encode_s"}
@@ -33,7 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from pan2render.jobs.spec import JobSpec
-from pan2render.runner import stages
+from pan2render.runner import outputs, stages
 
 DEFAULT_PIPELINE_FACTORY = "pan2render.runner.worker:load_pan2_pipeline"
 
@@ -176,7 +177,8 @@ class RenderWorker:
 
             backend, world = str(dist.get_backend()), dist.get_world_size()
         return {"model_id": pipe.model_id, "text_encoder_id": pipe.text_encoder_id,
-                "backend": backend, "world_size": world, "device": self.device}
+                "backend": backend, "world_size": world, "device": self.device,
+                "describe": pipe.describe(), "versions": outputs.runtime_versions()}
 
     def _rpc_encode_prompts(self, *, model: str, texts: list[str]) -> list[bytes]:
         pipe = self._pipeline(model)
@@ -233,7 +235,8 @@ class RenderWorker:
         with tempfile.TemporaryDirectory(prefix="pan2-encode-") as tmp:
             path = Path(tmp) / stages.VIDEO_NAME
             # encode_mp4 decodes the file and counts its frames before it renames it into place.
-            encode_mp4(frames, path, fps=js.fps, crf=js.crf)
+            encode_mp4(frames, path, fps=js.fps, crf=js.crf,
+                       metadata=outputs.video_tags(js, model_id=pipe.model_id))
             mp4 = path.read_bytes()
         return {"mp4": mp4, "decode_s": decode_s, "encode_s": time.perf_counter() - t0}
 
