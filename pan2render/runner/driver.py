@@ -123,8 +123,12 @@ def _group_is_suspect(group: Group, reply: Reply) -> bool:
 
 
 class Driver:
-    def __init__(self, *, out_dir: Path, ledger: Ledger, executor: Executor, config: DriverConfig):
+    def __init__(self, *, out_dir: Path, ledger: Ledger, executor: Executor, config: DriverConfig,
+                 on_job_end: Callable[[], None] | None = None):
+        """``on_job_end``: called from the loop after any job finished or failed (e.g. to refresh
+        the report); it must return quickly."""
         self.out_dir = Path(out_dir)
+        self._on_job_end = on_job_end
         self.ledger = ledger
         self.ex = executor
         self.config = config
@@ -136,6 +140,7 @@ class Driver:
         self._pending: deque[str] = deque()
         self._active: dict[str, _Active] = {}
         self._n_done = self._n_failed = 0
+        self._ended_seen = 0  # jobs ended when on_job_end was last called
 
     # ================================================================== the loop
     def run(self, job_ids: list[str], *, prepared: bool = False) -> RunSummary:
@@ -168,6 +173,7 @@ class Driver:
                     self._on_ready(call)
                 self._check_deadlines()
                 self._update_bars(bar)
+                self._notify_job_end()
         except KeyboardInterrupt:
             for a in list(self._active.values()):
                 self.ledger.transition(a.job.id, JobEvent.INTERRUPT, reason="interrupted (Ctrl-C)")
@@ -413,6 +419,12 @@ class Driver:
                                     f"no reply to {method} within its {limit:.0f} s deadline")
 
     # ================================================================== progress
+    def _notify_job_end(self) -> None:
+        ended = self._n_done + self._n_failed
+        if self._on_job_end is not None and ended != self._ended_seen:
+            self._ended_seen = ended
+            self._on_job_end()
+
     def _jobs_bar(self, jobs: list[JobRecord]) -> tqdm:
         self._n_done = sum(j.state is JobState.DONE for j in jobs)
         self._n_failed = sum(j.state is JobState.FAILED for j in jobs)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import threading
 import time
 import webbrowser
@@ -183,13 +184,20 @@ def _poster(out_dir: Path, job_id: str, video: Path, sha256: str | None, say: Ca
     from pan2render.media.video import MediaError, middle_frame_png  # noqa: PLC0415 - PyAV
 
     rel = f"{POSTER_DIR}/{job_id}.{(sha256 or 'unrecorded')[:12]}.png"
-    if (out_dir / rel).is_file():
+    path = out_dir / rel
+    if path.is_file():
         return rel
     try:
-        st.write_atomic(out_dir / rel, middle_frame_png(video, max_side=POSTER_MAX_SIDE))
+        data = middle_frame_png(video, max_side=POSTER_MAX_SIDE)
     except MediaError as e:  # shown without a poster; `resume` re-encodes a broken video
         say(f"report: {job_id}: no poster: {e}")
         return None
+    # A cache, remade from the video when lost: renamed into place (never half a PNG under its
+    # name) but not fsynced, which would cost more than the decode for a page of small clips.
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
     return rel
 
 
