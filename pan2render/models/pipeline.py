@@ -238,7 +238,8 @@ class PAN2Pipeline:
 
     def describe(self) -> dict[str, object]:
         """How this pipeline runs a job, as plain JSON values (recorded beside every video): the
-        ranks, how guided and unguided steps use them, the decode path, dtypes, scheduler config."""
+        ranks, how guided and unguided steps use them, the decode path, the DiT's dtype, the
+        scheduler config."""
         ranks = 1 if self.process_group is None else self.process_group.world_size
         if ranks == 1:
             guided = "one rank"
@@ -259,8 +260,6 @@ class PAN2Pipeline:
             "unguided_steps": "one rank" if ranks == 1 else f"Ulysses over {ranks} ranks",
             "decode": decode,
             "dit_dtype": str(self.config.dtype).removeprefix("torch."),
-            "dit_fused_kernels": self.config.dit_fused_kernels,
-            "dit_fp32_residual": self.config.dit_fp32_residual,
             "scheduler": asdict(self.scheduler_config),
         }
 
