@@ -217,3 +217,14 @@ def test_report_of_500_jobs_is_written_in_under_5_s(tmp_path: Path) -> None:
     assert len(page.videos) == 400 and len(tiles_with(page, "failed")) == 50
     assert len(tiles_with(page, "pending")) == 50
     assert seconds < 5.0
+
+
+def test_three_swept_fields_nest_as_row_headers(tmp_path: Path) -> None:
+    jobs = [job("a", flow_shift=f, guidance=g, seed=s) for f in (3.0, 5.0) for g in (2.0, 3.5) for s in (0, 1)]
+    render(tmp_path, jobs)
+    text = write_report(tmp_path).read_text()
+    page = Page(text)
+    print(page.tables)
+    # Rows: flow_shift (outer, spanning 2 rows) x guidance; columns: seed.
+    assert page.tables == [{"row": ["3.0", "2.0", "3.5", "5.0", "2.0", "3.5"], "col": ["0", "1"]}]
+    assert text.count('rowspan="2"') == 2 and len(page.videos) == 8
