@@ -67,7 +67,8 @@ def _version_key(job: JobRecord) -> str:
 
 def job_statuses(out_dir: Path, ledger: Ledger) -> list[JobStatus]:
     jobs = ledger.jobs()
-    return [_status(out_dir, job, ledger.stages(job.id), superseded(jobs).get(job.id)) for job in jobs]
+    newer = superseded(jobs)
+    return [_status(out_dir, job, ledger.stages(job.id), newer.get(job.id)) for job in jobs]
 
 
 def _status(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], newer: str | None) -> JobStatus:
