@@ -28,7 +28,7 @@ from pan2render.runner import stages as st
 REPORT_NAME = "index.html"
 POSTER_DIR = "_report"
 POSTER_MAX_SIDE = 480  # px; a poster is shown at most ~320 px wide, and 500 of them stay small
-TILE_BOX = (320, 240)  # px: the largest a video is shown (width, height), aspect kept
+TILE_BOX = (320, 200)  # px: the largest a video is shown (width, height), aspect kept
 # Spec fields never listed as "shared" or "varying": identity, provenance, or shown elsewhere.
 _NOT_COMPARED = frozenset({"name", "sweep", "source", "image_sha256"})
 
