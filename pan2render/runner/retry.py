@@ -1,0 +1,130 @@
+"""What a failure is, and what the driver does about it: one place for every retry decision.
+
+A failure is classified by the type of what was raised (on the worker, in Ray, or in the driver),
+then one rule per class decides:
+
+| class          | what it is                                          | rule                                  |
+|----------------|-----------------------------------------------------|---------------------------------------|
+| worker-death   | a worker process died or stopped answering          | retry on a new group (attempt charged) |
+| out-of-memory  | CUDA/host OOM, or Ray's memory monitor killed it    | retry on a new group (charged)        |
+| input          | deterministic for this spec (bad image, NaN output, | fail now: retrying gives the same     |
+|                | an artifact that keeps failing its check)           | result                                |
+| unknown        | anything else                                       | retry (charged)                       |
+| cluster-lost   | the cluster lost the GPUs the job needs             | back to pending, NOT charged; the     |
+|                |                                                     | batch waits for GPUs (bounded)        |
+| disk-full      | the output folder's filesystem is full              | back to pending, NOT charged; the     |
+|                |                                                     | batch stops scheduling and exits      |
+
+And across classes: the same error twice in a row on the same stage of a job stops retrying it
+(a deterministic failure we did not recognise by type), as does a spent retry budget.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+from pan2render.jobs.disk import is_disk_full
+from pan2render.jobs.ledger import JobRecord, Stage
+
+
+class FailureKind(str, enum.Enum):
+    WORKER_DEATH = "worker-death"
+    OUT_OF_MEMORY = "out-of-memory"
+    INPUT = "input"
+    UNKNOWN = "unknown"
+    CLUSTER_LOST = "cluster-lost"
+    DISK_FULL = "disk-full"
+
+
+class Action(str, enum.Enum):
+    RETRY = "retry"  # back to pending, one retry of the budget spent
+    REQUEUE = "requeue"  # back to pending, nothing charged: the environment failed, not the job
+    FAIL = "fail"
+
+
+# Exception type names (as a worker reply or a Ray error spells them) that say the device or the
+# host ran out of memory.
+_OOM_TYPES = ("OutOfMemoryError", "MemoryError")
+# Deterministic for a job's spec: the same inputs fail the same way on any worker.
+_INPUT_TYPES = ("NonFiniteError", "FloatingPointError", "ValueError", "ArtifactCheckError", "JobInputError",
+                "FileNotFoundError", "IsADirectoryError", "UnsafePathError")
+
+
+class ClusterLostError(RuntimeError):
+    """The cluster lost the GPUs the batch needs and they did not come back in time."""
+
+
+class BatchStopped(RuntimeError):
+    """A failure under the whole batch (a full disk) stopped it; its jobs are pending, uncharged."""
+
+    def __init__(self, kind: "FailureKind", error: str):
+        self.kind = kind
+        self.error = error
+        super().__init__(f"{kind.value}: {error}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str  # why, for the ledger's event and the log line
+    stop_batch: bool = False  # stop starting jobs (disk full): the run exits once running ones stop
+
+
+def classify_error_type(type_name: str, message: str = "") -> FailureKind:
+    """The class of an error known by its exception type name (a worker reply's ``error`` starts
+    with it; a Ray error's is in the group-death message)."""
+    if any(t in type_name for t in _OOM_TYPES) or "out of memory" in message.lower():
+        return FailureKind.OUT_OF_MEMORY
+    if type_name in _INPUT_TYPES:
+        return FailureKind.INPUT
+    return FailureKind.UNKNOWN
+
+
+def classify_exception(e: BaseException) -> FailureKind:
+    """A failure raised in the driver itself (writing an artifact, reading an input)."""
+    if is_disk_full(e):
+        return FailureKind.DISK_FULL
+    return classify_error_type(type(e).__name__, str(e))
+
+
+def classify_group_death(message: str) -> FailureKind:
+    """A worker process that died: Ray names an OOM kill (its memory monitor) in the message."""
+    if any(t in message for t in _OOM_TYPES) or "out of memory" in message.lower():
+        return FailureKind.OUT_OF_MEMORY
+    return FailureKind.WORKER_DEATH
+
+
+def _signature(stage: Stage, error: str) -> str:
+    """An error with its varying parts (group ids, pids, addresses, counts) blanked, so that the
+    same failure twice compares equal."""
+    first = error.strip().splitlines()[0] if error.strip() else ""
+    return f"{stage.value}:{re.sub(r'0x[0-9a-f]+|[0-9]+', '#', first)}"
+
+
+class RetryPolicy:
+    """Decides every failure of a run; remembers each job's last failure for the twice-in-a-row rule."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, str] = {}  # job id -> signature of its last failure in this run
+
+    def decide(self, job: JobRecord, kind: FailureKind, stage: Stage, error: str) -> Decision:
+        if kind is FailureKind.DISK_FULL:
+            return Decision(Action.REQUEUE, "the output folder's disk is full (not charged to the job); "
+                                            "stopping the batch", stop_batch=True)
+        if kind is FailureKind.CLUSTER_LOST:
+            return Decision(Action.REQUEUE, "the cluster lost the GPUs this job ran on (not charged to the "
+                                            "job); waiting for GPUs to return")
+        if kind is FailureKind.INPUT:
+            return Decision(Action.FAIL, "not retryable: deterministic for this job's inputs")
+        signature = _signature(stage, error)
+        repeated = self._last.get(job.id) == signature
+        self._last[job.id] = signature
+        if repeated:
+            return Decision(Action.FAIL, f"the same {kind.value} error twice in a row in {stage.value}: "
+                                         "retrying again would repeat it")
+        if job.retries_left <= 0:
+            return Decision(Action.FAIL, "retry budget spent")
+        what = "out of memory: retrying on a fresh group" if kind is FailureKind.OUT_OF_MEMORY else kind.value
+        return Decision(Action.RETRY, f"{what}; {job.retries_left - 1} retries left after this one")
