@@ -249,15 +249,15 @@ class Driver:
             self.pool.release(a.group)
             del self._active[a.job.id]
             self._on_failure(self.ledger.job(a.job.id), stage, f"driver: {type(e).__name__}: {e}",
-                             traceback.format_exc(), classify_exception(e))
+                             traceback.format_exc(), classify_exception(e), e)
 
     def _advance(self, a: _Active) -> None:
         """Issue the next call for the job, or finish it. Decided from the ledger + the disk."""
         spec, jid = a.job.spec, a.job.id
-        if self._stop is not None:  # the disk is full: this job goes back to pending, uncharged
+        if self._stop is not None:  # e.g. the disk is full: this job goes back to pending, uncharged
             self.pool.release(a.group)
             del self._active[jid]
-            self._requeue(jid, "the disk is full: the batch stops; `resume` continues from here")
+            self._requeue(jid, "the output folder refused a write: the batch stops; `resume` continues")
             return None
         st = self.ledger.stages(jid)
         if st[Stage.ENCODE].state is StageState.DONE:  # (a driver died between the two writes)
@@ -327,7 +327,7 @@ class Driver:
             self.pool.release(a.group)
             del self._active[a.job.id]
             return self._on_failure(self.ledger.job(a.job.id), stage, f"driver: {type(e).__name__}: {e}",
-                                    traceback.format_exc(), classify_exception(e))
+                                    traceback.format_exc(), classify_exception(e), e)
         self._advance_or_fail(a)
 
     def _apply(self, a: _Active, method: str, reply: Reply) -> None:
@@ -344,20 +344,20 @@ class Driver:
             ids = self._model_ids[spec.model]
             for text, data in zip(a.encode_texts, reply.value, strict=True):
                 key = stages.embedding_key(prompt=text, text_encoder_id=ids["text_encoder_id"])
-                stages.write_atomic(self.out_dir / stages.embedding_relpath(key), data)
+                stages.write_artifact(self.out_dir, stages.embedding_relpath(key), data)
             key = stages.embedding_key(prompt=spec.prompt, text_encoder_id=ids["text_encoder_id"])
             self._record_conditioning(jid, key, seconds=reply.stage_seconds)
         elif method == "sample":
             data: bytes = reply.value
             rel = stages.latents_relpath(jid)
-            stages.write_atomic(self.out_dir / rel, data)
+            stages.write_artifact(self.out_dir, rel, data)
             self.ledger.set_stage(jid, Stage.SAMPLING, StageState.DONE, artifact=rel,
                                   sha256=stages.sha256_bytes(data), size=len(data),
                                   seconds=reply.stage_seconds)
         elif method == "decode_encode":
             mp4: bytes = reply.value["mp4"]
             rel = stages.video_relpath(jid)
-            stages.write_atomic(self.out_dir / rel, mp4)
+            stages.write_artifact(self.out_dir, rel, mp4)
             rec = stages.Recorded(rel, stages.sha256_bytes(mp4), len(mp4))
             problem = stages.check_video(self.out_dir, rec, frames=spec.frames, width=spec.width,
                                          height=spec.height)
@@ -406,13 +406,13 @@ class Driver:
         self._on_failure(self.ledger.job(a.job.id), stage, msg, reply.traceback, kind)
 
     def _on_failure(self, job: JobRecord, stage: Stage, error: str, tb: str | None,
-                    kind: FailureKind) -> None:
+                    kind: FailureKind, cause: BaseException | None = None) -> None:
         """The one place a job's failure is decided (see retry.py for the rules)."""
         decision = self._policy.decide(job, kind, stage, error)
         line = f"{stage.value}: [{kind.value}] {error.splitlines()[0][:200] if error else ''}"
         if decision.action is Action.REQUEUE:
             if decision.stop_batch and self._stop is None:
-                self._stop = BatchStopped(kind, error)
+                self._stop = BatchStopped(cause or RuntimeError(error))
             if kind is FailureKind.CLUSTER_LOST and self._lost_since is None:
                 self._lost_since = time.monotonic()
             self._requeue(job.id, f"{decision.reason}: {error}")

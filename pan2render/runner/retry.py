@@ -12,8 +12,8 @@ then one rule per class decides:
 | unknown        | anything else                                       | retry (charged)                       |
 | cluster-lost   | the cluster lost the GPUs the job needs             | back to pending, NOT charged; the     |
 |                |                                                     | batch waits for GPUs (bounded)        |
-| disk-full      | the output folder's filesystem is full              | back to pending, NOT charged; the     |
-|                |                                                     | batch stops scheduling and exits      |
+| storage        | the output folder refused a write: disk full, quota,| back to pending, NOT charged; the     |
+|                | read-only filesystem, permission denied             | batch stops scheduling and exits      |
 
 And across classes: the same error twice in a row on the same stage of a job stops retrying it
 (a deterministic failure we did not recognise by type), as does a spent retry budget.
@@ -22,6 +22,7 @@ And across classes: the same error twice in a row on the same stage of a job sto
 from __future__ import annotations
 
 import enum
+import errno
 import re
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ class FailureKind(str, enum.Enum):
     INPUT = "input"
     UNKNOWN = "unknown"
     CLUSTER_LOST = "cluster-lost"
-    DISK_FULL = "disk-full"
+    STORAGE = "storage"
 
 
 class Action(str, enum.Enum):
@@ -57,19 +58,19 @@ class ClusterLostError(RuntimeError):
 
 
 class BatchStopped(RuntimeError):
-    """A failure under the whole batch (a full disk) stopped it; its jobs are pending, uncharged."""
+    """A failure under the whole batch (the output folder refused a write) stopped it; its jobs
+    are pending, uncharged. ``cause`` is what was raised."""
 
-    def __init__(self, kind: "FailureKind", error: str):
-        self.kind = kind
-        self.error = error
-        super().__init__(f"{kind.value}: {error}")
+    def __init__(self, cause: BaseException):
+        self.cause = cause
+        super().__init__(str(cause))
 
 
 @dataclass(frozen=True)
 class Decision:
     action: Action
     reason: str  # why, for the ledger's event and the log line
-    stop_batch: bool = False  # stop starting jobs (disk full): the run exits once running ones stop
+    stop_batch: bool = False  # stop starting jobs (storage): the run exits once running ones stop
 
 
 def classify_error_type(type_name: str, message: str = "") -> FailureKind:
@@ -84,8 +85,8 @@ def classify_error_type(type_name: str, message: str = "") -> FailureKind:
 
 def classify_exception(e: BaseException) -> FailureKind:
     """A failure raised in the driver itself (writing an artifact, reading an input)."""
-    if is_disk_full(e):
-        return FailureKind.DISK_FULL
+    if is_disk_full(e) or (isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)):
+        return FailureKind.STORAGE
     return classify_error_type(type(e).__name__, str(e))
 
 
@@ -110,8 +111,8 @@ class RetryPolicy:
         self._last: dict[str, str] = {}  # job id -> signature of its last failure in this run
 
     def decide(self, job: JobRecord, kind: FailureKind, stage: Stage, error: str) -> Decision:
-        if kind is FailureKind.DISK_FULL:
-            return Decision(Action.REQUEUE, "the output folder's disk is full (not charged to the job); "
+        if kind is FailureKind.STORAGE:
+            return Decision(Action.REQUEUE, "the output folder refused a write (not charged to the job); "
                                             "stopping the batch", stop_batch=True)
         if kind is FailureKind.CLUSTER_LOST:
             return Decision(Action.REQUEUE, "the cluster lost the GPUs this job ran on (not charged to the "
