@@ -230,6 +230,11 @@ class Ledger:
                 f"no ledger at {path}: {out_dir} is not a pan2-render output folder "
                 f"(create one with `pan2-render run BATCH --out {out_dir}`)"
             )
+        return cls.open_file_readonly(path)
+
+    @classmethod
+    def open_file_readonly(cls, path: Path) -> "Ledger":
+        """Open an existing ledger file (the ledger or its backup) for reading only."""
         # Not `mode=ro`: a read-only connection cannot roll back the hot journal a killed driver
         # may leave, so `status` would fail until the next `resume`. query_only forbids writes.
         conn = _connect(path)
@@ -245,9 +250,8 @@ class Ledger:
         return cls(conn, path=path)
 
     def has_batch(self) -> bool:
-        """Was a batch recorded (its meta and at least one job, written in one transaction)?"""
-        (n,) = self._conn.execute("SELECT COUNT(*) FROM jobs").fetchone()
-        return n > 0 and self.get_meta("batch") is not None
+        """Was a batch recorded? (record_batch writes its jobs in one transaction: any job is proof.)"""
+        return self._conn.execute("SELECT 1 FROM jobs LIMIT 1").fetchone() is not None
 
     def backup(self) -> Path:
         """Copy the ledger to ``ledger.sqlite.bak`` with SQLite's online backup API (a consistent

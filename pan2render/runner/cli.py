@@ -6,6 +6,8 @@ terminal, the traceback in DIR/_logs/), 130 interrupted.
 Environment (for tests and debugging, not user settings):
     PAN2_RENDER_PIPELINE  "module:callable(model, device)" that builds the pipeline in each worker
     PAN2_RENDER_FAULTS    JSON test hooks for the workers (see RenderWorker._maybe_crash/_fault)
+    PAN2_RENDER_EXECUTOR  "local": run jobs in this process (LocalExecutor), no Ray; for tests of the
+                          CLI's behaviour around the driver (ledger, disk, messages)
 """
 
 from __future__ import annotations
@@ -17,12 +19,17 @@ import sys
 import traceback
 from pathlib import Path
 
-from pan2render.jobs.disk import free_bytes
+from pan2render.jobs import disk
 from pan2render.jobs.ledger import LEDGER_NAME, FolderLock, FolderLockedError, JobRecord, JobState, Ledger
 from pan2render.jobs.spec import Batch, BatchValidationError, JobSpec
 from pan2render.runner import errors
 from pan2render.runner.driver import Driver, DriverConfig, RunSummary, prepare_jobs
-from pan2render.runner.groups import ClusterConnectError, RayExecutor  # ray is imported only on use
+from pan2render.runner.groups import (  # ray is imported only on use
+    ClusterConnectError,
+    Executor,
+    LocalExecutor,
+    RayExecutor,
+)
 from pan2render.runner.stages import estimated_bytes
 from pan2render.runner.worker import DEFAULT_PIPELINE_FACTORY, WorkerConfig
 
@@ -179,18 +186,29 @@ def cmd_resume(args: argparse.Namespace) -> int:
               f"BATCH --out {out}`)", file=sys.stderr)
         return EXIT_USAGE
     with FolderLock(out):
+        if not _holds_a_batch(out, "nothing was resumed"):  # checked read-only: an empty file stays so
+            return EXIT_USAGE
         ledger = Ledger.open(out)
         try:
-            if not ledger.has_batch():
-                print(f"error: the ledger {ledger.path} holds no batch (it is empty: the batch was never "
-                      f"recorded, or the file was emptied); nothing was resumed. Start the batch with "
-                      f"`pan2-render run BATCH --out {out}`, or if it had run, `pan2-render repair {out}` "
-                      f"rebuilds the ledger from its backup and the artifacts", file=sys.stderr)
-                return EXIT_USAGE
             _warn_if_short_of_space(out, [j for j in ledger.jobs() if j.state is not JobState.DONE])
             return _drive(args, out, ledger, [j.id for j in ledger.jobs()])
         finally:
             ledger.close()
+
+
+def _holds_a_batch(out: Path, consequence: str) -> bool:
+    """Does DIR's ledger hold a recorded batch? If not, say so (a damaged one raises LedgerError)."""
+    ledger = Ledger.open_readonly(out)
+    try:
+        if ledger.has_batch():
+            return True
+    finally:
+        ledger.close()
+    print(f"error: the ledger {ledger.path} holds no batch (the batch was never recorded, or the file was "
+          f"emptied); {consequence}. Start the batch with `pan2-render run BATCH --out {out}`, or if it had "
+          f"run, `pan2-render repair {out}` rebuilds the ledger from its backup and the artifacts",
+          file=sys.stderr)
+    return False
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
@@ -215,10 +233,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     from pan2render.runner.report import format_table, job_statuses  # noqa: PLC0415
 
     try:
-        ledger = Ledger.open_readonly(args.dir)
+        if not _holds_a_batch(args.dir, "there is no status to show"):
+            return EXIT_USAGE
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    ledger = Ledger.open_readonly(args.dir)
     try:
         rows = job_statuses(args.dir, ledger)
     finally:
@@ -273,8 +293,8 @@ def _warn_if_short_of_space(out: Path, jobs: list[JobRecord]) -> None:
     """Before starting: warn (only) when the unfinished jobs' artifacts may not fit. An estimate:
     each write is checked against its real size, and a full disk stops the batch cleanly."""
     need = sum(estimated_bytes(j.spec) for j in jobs)
-    free = free_bytes(out)
-    if need > free:
+    free = disk.free_bytes(out)
+    if need + disk.HEADROOM_BYTES > free:
         print(f"warning: {len(jobs)} job(s) need about {need / 2**30:.2f} GiB in {out} but only "
               f"{free / 2**30:.2f} GiB is free; the batch will stop when the disk fills (`resume` "
               f"continues once space is freed)", file=sys.stderr)
@@ -310,13 +330,16 @@ def _drive(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str]) 
     return summary.exit_code
 
 
-def _make_executor(args: argparse.Namespace, *, max_gpus: int) -> RayExecutor:
+def _make_executor(args: argparse.Namespace, *, max_gpus: int) -> Executor:
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # no uv-run runtime env probing
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import torch  # noqa: PLC0415
 
     faults = json.loads(os.environ.get("PAN2_RENDER_FAULTS", "{}"))
     factory = os.environ.get("PAN2_RENDER_PIPELINE", DEFAULT_PIPELINE_FACTORY)
+    if os.environ.get("PAN2_RENDER_EXECUTOR") == "local":
+        return LocalExecutor(gpus=args.cpu_gpus or max_gpus,
+                             config=WorkerConfig(pipeline_factory=factory, faults=faults))
     cpus = os.cpu_count() or 1
     if _address(args):
         return RayExecutor(address=_address(args), gpus=None, cpus=None,
