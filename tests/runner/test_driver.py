@@ -129,6 +129,7 @@ def test_nonfinite_latents_fail_at_once_with_reason(tmp_path: Path) -> None:
     assert not (tmp_path / job.id / "latents.safetensors").exists()
 
 
+@pytest.mark.timeout(30)  # a check that keeps rejecting must fail the job, never loop
 def test_resume_starts_at_decode_when_latents_are_valid(tmp_path: Path) -> None:
     j = spec("x")
     summary, _, led = render(tmp_path, [j], retries=0, faults={"fail": {"job": "x", "stage": "decode"}})
@@ -142,6 +143,7 @@ def test_resume_starts_at_decode_when_latents_are_valid(tmp_path: Path) -> None:
     assert file_id(lat) == before
 
 
+@pytest.mark.timeout(30)  # a check that keeps rejecting must fail the job, never loop
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
 def test_corrupt_latents_are_detected_and_resampled(tmp_path: Path, damage: str) -> None:
     j = spec("x")
@@ -154,6 +156,7 @@ def test_corrupt_latents_are_detected_and_resampled(tmp_path: Path, damage: str)
     assert summary.done == [j.job_id] and ("sample", "x") in ex.calls and events
 
 
+@pytest.mark.timeout(30)  # a check that keeps rejecting must fail the job, never loop
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
 def test_corrupt_video_is_reencoded_from_latents(tmp_path: Path, damage: str) -> None:
     j = spec("v")
