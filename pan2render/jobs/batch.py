@@ -53,6 +53,7 @@ from pan2render.jobs.spec import (
     Problem,
     SourceLocation,
 )
+from pan2render.jobs.weights import folder_fingerprint
 
 TINY_MODEL = "tiny"
 # Seeds are stored in the SQLite ledger (signed 64-bit INTEGER) and fed to torch.Generator.
@@ -522,13 +523,18 @@ def load_batch(path: str | Path, *, check_files: bool = True) -> Batch:
     if ctx.problems:
         raise BatchValidationError(_sorted(ctx))
 
-    jobs = _expand(raw_jobs, model=model, preset_name=preset_name, preset=preset, defaults=defaults,
-                   sweep=sweep, ctx=ctx)
+    weights, weights_files = None, {}
+    if model != TINY_MODEL and Path(model).is_dir():
+        weights, files = folder_fingerprint(Path(model))
+        weights_files = {rel: {"size": fp.size, "sampled_sha256": fp.sampled_sha256} for rel, fp in files.items()}
+    jobs = _expand(raw_jobs, model=model, weights=weights, preset_name=preset_name, preset=preset,
+                   defaults=defaults, sweep=sweep, ctx=ctx)
     _check_cost(jobs, ctx)
     _check_unique(jobs, ctx)
     if ctx.problems:
         raise BatchValidationError(_sorted(ctx))
-    return Batch(path=str(batch_path.absolute()), model=model, preset=preset_name, jobs=jobs)
+    return Batch(path=str(batch_path.absolute()), model=model, preset=preset_name, jobs=jobs,
+                 weights_files=weights_files)
 
 
 def _sorted(ctx: _Ctx) -> list[Problem]:
@@ -785,7 +791,7 @@ def _name_jobs(raw_jobs: list[_RawJob], ctx: _Ctx) -> None:
         raw.fields["name"] = name
 
 
-def _expand(raw_jobs: list[_RawJob], *, model: str, preset_name: str, preset: dict[str, Any],
+def _expand(raw_jobs: list[_RawJob], *, model: str, weights: str | None, preset_name: str, preset: dict[str, Any],
             defaults: dict[str, Any], sweep: dict[str, list[Any]], ctx: _Ctx) -> list[JobSpec]:
     """Resolve every job under every sweep combination: built-in < preset < defaults < job < sweep."""
     keys = list(sweep)
@@ -806,7 +812,7 @@ def _expand(raw_jobs: list[_RawJob], *, model: str, preset_name: str, preset: di
                 seed=merged["seed"], steps=merged["steps"], guidance=merged["guidance"],
                 height=merged["height"], width=merged["width"], frames=merged["frames"], fps=merged["fps"],
                 flow_shift=merged["flow_shift"], sampler=merged["sampler"], gpus=merged["gpus"],
-                crf=merged["crf"], preset=preset_name, sweep=dict(combo), source=raw.location,
+                crf=merged["crf"], preset=preset_name, weights=weights, sweep=dict(combo), source=raw.location,
             ))
     return jobs
 

@@ -18,6 +18,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 from pan2render.jobs import disk
 from pan2render.jobs.ledger import LEDGER_NAME, FolderLock, FolderLockedError, JobRecord, JobState, Ledger
@@ -161,12 +162,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         except Exception as e:  # noqa: BLE001 - told apart by errors.explain
             raise errors.NothingRecorded(e) from e
         try:
+            previous = ledger.get_meta("batch") or {}
             try:
                 added, present = ledger.record_batch(
-                    {"path": batch.path, "model": batch.model, "preset": batch.preset}, batch.jobs,
-                    retries=args.retries)
+                    {"path": batch.path, "model": batch.model, "preset": batch.preset,
+                     "weights_files": batch.weights_files}, batch.jobs, retries=args.retries)
             except Exception as e:  # noqa: BLE001
                 raise errors.NothingRecorded(e) from e
+            _note_superseded(ledger, batch, set(added), previous.get("weights_files") or {})
             ids = [j.job_id for j in batch.jobs]
             _warn_if_short_of_space(out, [j for j in ledger.jobs(added)])
             n_done = sum(j.state is JobState.DONE for j in ledger.jobs(present))
@@ -287,6 +290,24 @@ def _address(args: argparse.Namespace) -> str | None:
     """The cluster to join: --address, else RAY_ADDRESS as Ray documents it (set on a cluster's
     nodes, it means "join this cluster", never "start one"), else None (start a local one)."""
     return args.address or os.environ.get("RAY_ADDRESS") or None
+
+
+def _note_superseded(ledger: Ledger, batch: Batch, added: set[str], old_files: dict[str, Any]) -> None:
+    """A new job that is an old one with other weights (same name, sweep values and model path):
+    the checkpoint was replaced in place. Say so, in the ledger and here, naming the files."""
+    def key(spec: JobSpec) -> str:
+        return json.dumps([spec.name, spec.sweep, spec.model], sort_keys=True, default=str)
+
+    old = {key(j.spec): j for j in ledger.jobs() if j.id not in added}
+    changed = sorted(r for r in set(old_files) | set(batch.weights_files)
+                     if old_files.get(r) != batch.weights_files.get(r))
+    files = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+    for spec in batch.jobs:
+        prev = old.get(key(spec))
+        if spec.job_id in added and prev is not None and prev.spec.weights != spec.weights:
+            why = f"the weights in {spec.model} changed" + (f" ({files})" if files else "")
+            ledger.log(prev.id, "superseded", f"by {spec.job_id}: {why}")
+            print(f"{prev.id} is superseded by {spec.job_id}: {why}", file=sys.stderr)
 
 
 def _warn_if_short_of_space(out: Path, jobs: list[JobRecord]) -> None:

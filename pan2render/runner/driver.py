@@ -35,6 +35,7 @@ from pan2render.jobs.ledger import (
     Stage,
     StageState,
 )
+from pan2render.jobs.weights import folder_fingerprint
 from pan2render.runner import stages
 from pan2render.runner.groups import Call, Executor, Group, GroupDied, GroupPool, GroupStartError
 from pan2render.runner.retry import (
@@ -292,6 +293,10 @@ class Driver:
         if st[Stage.CONDITIONING].state is not StageState.DONE:
             self._record_conditioning(jid, keys[0], seconds=0.0)
         embeds = [(self.out_dir / stages.embedding_relpath(k)).read_bytes() for k in keys]
+        if spec.weights is not None and folder_fingerprint(Path(spec.model))[0] != spec.weights:
+            # The id promises these weights; rendering others under it would mislabel the video.
+            raise JobInputError(f"the weights in {spec.model} changed since the batch was validated "
+                                f"(fingerprint differs); run the batch again: its jobs get new ids")
         image = None
         if spec.image is not None:
             image = Path(spec.image).read_bytes()

@@ -445,3 +445,54 @@ def test_an_artifact_that_always_fails_its_check_fails_the_job(
     led.close()
     assert code == 1 and job.state is JobState.FAILED
     assert "failed its check 3 times" in (job.error or "") and "rejected by the test's check" in job.error
+
+
+# ------------------------------------------------------------------------------- weights identity
+def _checkpoint(folder: Path, fill: int) -> Path:
+    (folder / "transformer").mkdir(parents=True, exist_ok=True)
+    (folder / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
+    # 3 MiB: large enough that the fingerprint samples it rather than hashing all of it.
+    (folder / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(
+        bytes([fill]) * (3 << 20))
+    return folder
+
+
+def test_weights_replaced_in_place_make_new_jobs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = _checkpoint(tmp_path / "ckpt", 1)
+    batch = write_batch(tmp_path / "b.yaml", [{"name": "w", "prompt": "weights"}], model=str(ckpt),
+                        defaults={"steps": 2, "frames": 5, "width": 32, "height": 32})
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(batch), "--out", str(out))[0] == 0
+    (old,) = _video_ids(out)
+    _checkpoint(ckpt, 2)  # same path, same sizes, other weights
+    code, err = _cli(capsys, "run", str(batch), "--out", str(out))
+    videos = _video_ids(out)
+    assert code == 0 and len(videos) == 2 and old in videos  # rendered again under a new id
+    (new,) = set(videos) - {old}
+    assert f"{old} is superseded by {new}: the weights in {ckpt} changed " \
+           f"(transformer/diffusion_pytorch_model.safetensors)" in err
+    led = Ledger.open_readonly(out)
+    assert any(k == "superseded" for _, _, k, _ in led.events(old))
+    led.close()
+
+
+def test_weights_changed_after_validation_fail_the_job_not_mislabel_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pan2render.jobs.batch import load_batch
+
+    ckpt = _checkpoint(tmp_path / "ckpt", 1)
+    batch = write_batch(tmp_path / "b.yaml", [{"name": "w", "prompt": "weights"}], model=str(ckpt),
+                        defaults={"steps": 2, "frames": 5, "width": 32, "height": 32})
+    (spec,) = load_batch(batch).jobs
+    _checkpoint(ckpt, 3)
+    out = tmp_path / "out"
+    out.mkdir()
+    led = Ledger.open(out)
+    led.add_jobs([spec], retries=2)
+    ex = LocalExecutor(gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
+    summary = Driver(out_dir=out, ledger=led, executor=ex, config=DriverConfig(progress=False)).run([spec.job_id])
+    job = led.job(spec.job_id)
+    led.close()
+    assert summary.failed == [spec.job_id] and job.attempts == 1
+    assert "weights in" in (job.error or "") and "changed since the batch was validated" in job.error
+    assert not (out / spec.job_id / "latents.safetensors").exists()
