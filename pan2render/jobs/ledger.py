@@ -205,8 +205,7 @@ class Ledger:
     @classmethod
     def open_file(cls, path: Path) -> "Ledger":
         """Open (creating if absent) a ledger file for writing; raises LedgerError if damaged."""
-        conn = _connect(path)
-        try:
+        with _opening(path) as conn:
             conn.execute("PRAGMA journal_mode=DELETE")
             conn.execute("PRAGMA synchronous=FULL")
             _check_integrity(conn, path, fresh_ok=True)
@@ -214,12 +213,6 @@ class Ledger:
             ledger = cls(conn, path=path)
             with ledger._tx():
                 conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-        except sqlite3.Error as e:
-            conn.close()
-            _raise_as_ledger_error(path, e)
-        except BaseException:
-            conn.close()
-            raise
         return ledger
 
     @classmethod
@@ -237,16 +230,9 @@ class Ledger:
         """Open an existing ledger file (the ledger or its backup) for reading only."""
         # Not `mode=ro`: a read-only connection cannot roll back the hot journal a killed driver
         # may leave, so `status` would fail until the next `resume`. query_only forbids writes.
-        conn = _connect(path)
-        try:
+        with _opening(path) as conn:
             conn.execute("PRAGMA query_only=ON")
             _check_integrity(conn, path, fresh_ok=False)
-        except sqlite3.Error as e:
-            conn.close()
-            _raise_as_ledger_error(path, e)
-        except BaseException:
-            conn.close()
-            raise
         return cls(conn, path=path)
 
     def has_batch(self) -> bool:
@@ -485,11 +471,22 @@ class Ledger:
                   (time.time(), job_id, kind, detail))
 
 
-def _connect(path: Path) -> sqlite3.Connection:
+@contextmanager
+def _opening(path: Path) -> Iterator[sqlite3.Connection]:
+    """A connection to ``path`` for the block that sets it up: closed if that fails, with a
+    sqlite3 error raised as the LedgerError it means."""
     try:
-        return sqlite3.connect(path, timeout=10.0, isolation_level=None)
+        conn = sqlite3.connect(path, timeout=10.0, isolation_level=None)
     except sqlite3.Error as e:
         _raise_as_ledger_error(path, e)
+    try:
+        yield conn
+    except sqlite3.Error as e:
+        conn.close()
+        _raise_as_ledger_error(path, e)
+    except BaseException:
+        conn.close()
+        raise
 
 
 def _check_integrity(conn: sqlite3.Connection, path: Path, *, fresh_ok: bool) -> None:
