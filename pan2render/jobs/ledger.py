@@ -512,7 +512,7 @@ def _raise_as_ledger_error(path: Path, e: sqlite3.Error) -> NoReturn:
     """Raise a sqlite3 error met on opening as the LedgerError it means (a full disk stays itself:
     the CLI's disk-full handling names the folder and what to free)."""
     text = str(e)
-    if "disk is full" in text:
+    if "disk is full" in text or "locked" in text:  # not damage: a full disk, or a writer mid-change
         raise e
     if "readonly" in text or "unable to open" in text:
         raise LedgerError(path, f"cannot be written ({text}): the file or its folder is read-only, or "

@@ -473,7 +473,7 @@ class Driver:
             self._say(f"the cluster has {available} GPU(s) again; continuing")
             return True
         waited = time.monotonic() - self._lost_since
-        if waited > self.config.cluster_wait_s:
+        if waited > self.config.cluster_wait_s and not self._active:  # running jobs finish first
             raise ClusterLostError(
                 f"the Ray cluster lost its GPUs ({available} left, {need} needed) and they did not come back "
                 f"within {self.config.cluster_wait_s:.0f} s; the {len(self._pending)} unfinished job(s) are "

@@ -48,6 +48,9 @@ def explain(e: BaseException, *, folder: Path | None) -> str:
         path = e.filename or where
         return (f"{path} cannot be written ({e.strerror}): the filesystem is read-only or this user lacks "
                 f"permission. Give this user write access to {where}, then {resume}.")
+    if isinstance(e, sqlite3.OperationalError) and "locked" in str(e):
+        return (f"the ledger in {where} stayed locked by another process for longer than its 10 s "
+                f"wait ({e}); run the command again in a moment.")
     if isinstance(e, sqlite3.Error):
         return (f"the ledger in {where} failed ({type(e).__name__}: {e}). If it is damaged, `pan2-render "
                 f"repair {where}` rebuilds it from its backup and the finished artifacts.")
