@@ -20,7 +20,7 @@ SAMPLERS = ("unipc", "euler")
 # a cosmetic change (a comment, the order of keys) never re-renders a finished job, and any change
 # that would alter the pixels always does.
 RENDER_FIELDS = (
-    "model", "prompt", "negative_prompt", "image_sha256", "seed", "steps", "guidance", "height",
+    "model", "weights", "prompt", "negative_prompt", "image_sha256", "seed", "steps", "guidance", "height",
     "width", "frames", "fps", "flow_shift", "sampler", "crf",
 )
 
@@ -79,13 +79,17 @@ class JobSpec:
     gpus: int  # one of ALLOWED_GPUS
     crf: int
     preset: str
+    # Fingerprint of the checkpoint folder's weights (jobs.weights), None for the embedded tiny
+    # model: a checkpoint replaced under the same path makes new jobs.
+    weights: str | None = None
     sweep: dict[str, Any] = field(default_factory=dict)  # the sweep values applied to this job
     source: SourceLocation | None = None
 
     @property
     def spec_hash(self) -> str:
         """sha256 over the render-affecting fields, as canonical JSON."""
-        payload = {k: getattr(self, k) for k in RENDER_FIELDS}
+        # A field that is None is left out, so specs from before it existed keep their hash.
+        payload = {k: getattr(self, k) for k in RENDER_FIELDS if not (k == "weights" and self.weights is None)}
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -120,6 +124,9 @@ class Batch:
     model: str
     preset: str
     jobs: list[JobSpec]
+    # The model folder's per-file fingerprints ({relpath: {"size", "sampled_sha256"}}), recorded in
+    # the ledger so a later change can be explained file by file; empty for the tiny model.
+    weights_files: dict[str, Any] = field(default_factory=dict)
 
 
 def _slug(text: str) -> str:

@@ -46,17 +46,10 @@ def runtime_versions() -> dict[str, str]:
     return versions
 
 
-def _spec_fields(spec: JobSpec) -> dict[str, Any]:
-    d = spec.to_dict()
-    d["source"] = None if spec.source is None else str(spec.source)
-    return d
-
-
 def video_tags(spec: JobSpec, *, model_id: str) -> dict[str, str]:
     """The mp4 container tags: title = job name, comment = prompt, and under
     :data:`MP4_PARAMS_KEY` the spec (every field) with its id, hash and model id as compact JSON."""
-    compact = {"job_id": spec.job_id, "spec_hash": spec.spec_hash, "model_id": model_id,
-               **_spec_fields(spec)}
+    compact = {"job_id": spec.job_id, "spec_hash": spec.spec_hash, "model_id": model_id, **spec.to_dict()}
     return {"title": spec.name, "comment": spec.prompt,
             MP4_PARAMS_KEY: json.dumps(compact, sort_keys=True, separators=(",", ":"), ensure_ascii=False)}
 
@@ -86,7 +79,7 @@ def params_document(*, job: JobRecord, seconds: dict[str, float | None], load: d
         "name": spec.name,
         "spec_hash": job.spec_hash,
         "sweep": spec.sweep,
-        "spec": _spec_fields(spec),
+        "spec": spec.to_dict(),  # JobSpec.from_dict reads it back (`repair` does)
         "model": {"model": spec.model, "checkpoint": spec.model if spec.model != "tiny" else None,
                   "model_id": load.get("model_id"), "text_encoder_id": load.get("text_encoder_id")},
         "sampler": {"name": spec.sampler, "steps": spec.steps, "flow_shift": spec.flow_shift,
@@ -112,7 +105,7 @@ def write_params(out_dir: Path, *, job: JobRecord, seconds: dict[str, float | No
     """Write ``DIR/<job>/params.json`` atomically; returns its text for the ledger to record in the
     same transaction as the video it describes."""
     text = params_text(params_document(job=job, seconds=seconds, load=load, created_at=time.time()))
-    stages.write_atomic(out_dir / params_relpath(job.id), text.encode())
+    stages.write_artifact(out_dir, params_relpath(job.id), text.encode())
     return text
 
 
@@ -134,6 +127,6 @@ def restore_params(out_dir: Path, ledger: Ledger, job: JobRecord) -> str | None:
             problem = f"{params_relpath(job.id)} differs from the ledger's copy (truncated or edited)"
         except FileNotFoundError:
             problem = f"{params_relpath(job.id)} is missing"
-    stages.write_atomic(path, recorded.encode())
+    stages.write_artifact(out_dir, params_relpath(job.id), recorded.encode())
     ledger.set_document(job.id, PARAMS_NAME, recorded)
     return problem

@@ -44,11 +44,12 @@ class JobStatus:
     video: str | None  # absolute path of a finished video, else None
     seconds: dict[str, float | None]  # per stage
     superseded_by: str | None = None  # id of the newer version of this job (same name and sweep)
+    problem: str | None = None  # a done job whose video is missing or not the recorded size
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "name": self.name, "state": self.state, "stage": self.stage,
                 "attempts": self.attempts, "error": self.error, "video": self.video,
-                "seconds": self.seconds, "superseded_by": self.superseded_by}
+                "seconds": self.seconds, "superseded_by": self.superseded_by, "problem": self.problem}
 
 
 def superseded(jobs: list[JobRecord]) -> dict[str, str]:
@@ -72,13 +73,17 @@ def job_statuses(out_dir: Path, ledger: Ledger) -> list[JobStatus]:
 
 
 def _status(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], newer: str | None) -> JobStatus:
-    video = None
+    video = problem = None
     enc = stages[Stage.ENCODE]
-    if enc.state is StageState.DONE and enc.artifact and (out_dir / enc.artifact).is_file():
+    if job.state is JobState.DONE:
+        # Cheap checks only (status must stay fast on hundreds of jobs): present, recorded size.
+        problem = st.check_present(out_dir, st.Recorded(enc.artifact, enc.sha256, enc.size))
+    if enc.state is StageState.DONE and enc.artifact and not problem and (out_dir / enc.artifact).is_file():
         video = str((out_dir / enc.artifact).absolute())
     return JobStatus(id=job.id, name=job.name, state=job.state.value, stage=_stage_of(job, stages),
                      attempts=job.attempts, error=job.error, video=video,
-                     seconds={s.value: stages[s].seconds for s in STAGES}, superseded_by=newer)
+                     seconds={s.value: stages[s].seconds for s in STAGES}, superseded_by=newer,
+                     problem=problem)
 
 
 def _stage_of(job: JobRecord, stages: dict[Stage, Any]) -> str | None:
@@ -95,13 +100,18 @@ def format_table(rows: list[JobStatus]) -> str:
     lines = [head]
     for r in rows:
         err = (r.error or "").splitlines()[0][:100] if r.error else ""
+        if r.problem:
+            err = f"VIDEO PROBLEM: {r.problem}; `pan2-render resume` re-encodes it"
         note = f"superseded by {r.superseded_by}" if r.superseded_by else ""
-        lines.append(f"{r.state:8} {r.stage or '-':13} {r.attempts:>3}  {r.id:50} "
+        lines.append(f"{r.state + ('!' if r.problem else ''):8} {r.stage or '-':13} {r.attempts:>3}  {r.id:50} "
                      f"{'; '.join(x for x in (note, err) if x)}")
     counts = {s.value: sum(r.state == s.value for r in rows) for s in JobState}
     n_old = sum(r.superseded_by is not None for r in rows)
     summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no jobs"
     lines.append(summary + (f" ({n_old} superseded by a newer version)" if n_old else ""))
+    damaged = sum(bool(r.problem) for r in rows)
+    if damaged:
+        lines.append(f"{damaged} done job(s) marked ! have a missing or damaged video")
     return "\n".join(lines)
 
 

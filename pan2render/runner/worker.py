@@ -209,7 +209,7 @@ class RenderWorker:
             progress=progress,
         )  # float32 [48, T, h, w]
         return stages.pack_latents(lat, spec_hash=js.spec_hash, seed=js.seed, steps=js.steps,
-                                   model_id=pipe.model_id)
+                                   model_id=pipe.model_id, spec=spec)
 
     def _rpc_decode_encode(self, *, model: str, spec: dict[str, Any], latents: bytes) -> dict[str, Any]:
         """Decode and encode here, so frames (hundreds of MB) never enter the object store."""
