@@ -372,6 +372,12 @@ class Driver:
                                   seconds=reply.stage_seconds)
         elif method == "decode_encode":
             mp4: bytes = reply.value["mp4"]
+            # params.json first: a write that fails between the two then leaves no video that the
+            # ledger does not record (a lone params.json is rewritten with the next attempt).
+            seconds = {s.value: r.seconds for s, r in self.ledger.stages(jid).items()}
+            seconds.update(decode=reply.value["decode_s"], encode=reply.value["encode_s"])
+            params = outputs.write_params(self.out_dir, job=a.job, seconds=seconds,
+                                          load=self._loads.get((a.group.id, spec.model)))
             rel = stages.video_relpath(jid)
             stages.write_artifact(self.out_dir, rel, mp4)
             rec = stages.Recorded(rel, stages.sha256_bytes(mp4), len(mp4))
@@ -379,10 +385,6 @@ class Driver:
                                          height=spec.height)
             if problem:
                 raise RuntimeError(f"the written video does not check out: {problem}")
-            seconds = {s.value: r.seconds for s, r in self.ledger.stages(jid).items()}
-            seconds.update(decode=reply.value["decode_s"], encode=reply.value["encode_s"])
-            params = outputs.write_params(self.out_dir, job=a.job, seconds=seconds,
-                                          load=self._loads.get((a.group.id, spec.model)))
             self.ledger.set_stages(jid, [
                 (Stage.DECODE, StageState.DONE, {"seconds": reply.value["decode_s"]}),
                 (Stage.ENCODE, StageState.DONE, {"artifact": rel, "sha256": rec.sha256, "size": rec.size,
