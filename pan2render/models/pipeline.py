@@ -369,9 +369,11 @@ class PAN2Pipeline:
     # ----------------------------------------------------------------------------------------
     # Decoding
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor | None:
+    def decode(self, latents: torch.Tensor, *, on_device: bool = False) -> torch.Tensor | None:
         """Normalised latents ``[48, T, h, w]`` (or ``[1, 48, T, h, w]``) -> uint8 CPU ``[F, H, W, 3]``
-        (None on ranks other than 0 of a parallelized pipeline with vae_decode_kernel_parallel)."""
+        (None on ranks other than 0 of a parallelized pipeline with vae_decode_kernel_parallel).
+        ``on_device``: leave the frames on the pipeline's device (the caller converts them there
+        before its own host copy)."""
         if latents.dim() == 4:
             latents = latents[None]
         if latents.dim() != 5 or latents.shape[0] != 1 or latents.shape[1] != self.vae.config.z_dim:
@@ -385,13 +387,15 @@ class PAN2Pipeline:
             from ..parallel.decode import decode_on_group
 
             grouped = decode_on_group(self, z)
-            return None if grouped is None else grouped.cpu()
+            if grouped is None or on_device:
+                return grouped
+            return grouped.cpu()
         frames = self._decode_fast(z)
         if frames is None:
             vae_dtype = next(self.vae.parameters()).dtype
             video = self.vae.decode(z.to(vae_dtype))  # [1, 3, F, H, W] in [-1, 1]
             frames = to_uint8_frames(video[0])
-        return frames.cpu()  # the one device -> host copy
+        return frames if on_device else frames.cpu()  # the one device -> host copy
 
     def _decode_fast(self, z: torch.Tensor) -> torch.Tensor | None:
         """uint8 ``[F, H, W, 3]`` on the device from the fast decoder, or None to fall back."""

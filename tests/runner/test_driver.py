@@ -41,9 +41,12 @@ class RecordingExecutor(LocalExecutor):
     def __init__(self, **kw: Any):
         super().__init__(**kw)
         self.calls: list[tuple[str, str | None]] = []
+        self.encoded_texts: list[list[str]] = []  # the texts of each encode_prompts call
 
     def call(self, group: Group, method: str, kwargs: dict[str, Any], *, timeout_s: float) -> Call:
         self.calls.append((method, kwargs.get("spec", {}).get("name")))
+        if method == "encode_prompts":
+            self.encoded_texts.append(list(kwargs["texts"]))
         return super().call(group, method, kwargs, timeout_s=timeout_s)
 
 
@@ -75,10 +78,10 @@ def test_batch_renders_valid_videos_and_rerun_skips_done(tmp_path: Path) -> None
         st = led.stages(j.job_id)
         assert all(st[s].state is StageState.DONE for s in Stage)
         assert st[Stage.ENCODE].artifact == f"{j.job_id}/video.mp4" and st[Stage.ENCODE].size > 0
-    # Embeddings are cached by prompt: "a clip of a" and "" encoded once for a and c.
-    encoded = [c for c in ex.calls if c[0] == "encode_prompts"]
-    print("encode calls:", encoded, "groups:", ex.groups_created)
-    assert len(encoded) == 2 and ex.groups_created == 1  # b's new prompt; one group reused
+    # Embeddings are cached by prompt and computed ahead: the first job's call also encoded the
+    # upcoming jobs' prompts, each distinct text once ("a clip of a" serves a and c).
+    print("encode calls:", ex.encoded_texts, "groups:", ex.groups_created)
+    assert ex.encoded_texts == [["a clip of a", "", "a clip of b"]] and ex.groups_created == 1
     before = {j.job_id: file_id(tmp_path / j.job_id / "video.mp4") for j in jobs}
 
     summary2, ex2, led2 = render(tmp_path, jobs + [spec("d")])
@@ -137,7 +140,7 @@ def test_resume_starts_at_decode_when_latents_are_valid(tmp_path: Path) -> None:
     summary2, ex2, led2 = render(tmp_path, [j])  # no fault now: a resume
     print("resume calls:", ex2.calls)
     assert summary2.done == [j.job_id]
-    assert [m for m, _ in ex2.calls] == ["load", "decode_encode"]
+    assert [m for m, _ in ex2.calls] == ["load", "decode", "collect"]
     assert file_id(lat) == before
 
 
@@ -161,7 +164,7 @@ def test_corrupt_video_is_reencoded_from_latents(tmp_path: Path, damage: str) ->
     _damage(video, damage)
     summary, ex, led = render(tmp_path, [j])
     print(damage, "calls:", ex.calls, "events:", [d for _, _, k, d in led.events(j.job_id) if "->" in k][-3:])
-    assert summary.done == [j.job_id] and [m for m, _ in ex.calls] == ["load", "decode_encode"]
+    assert summary.done == [j.job_id] and [m for m, _ in ex.calls] == ["load", "decode", "collect"]
     assert probe_mp4(video).frames == 9 and led.job(j.job_id).attempts == 2
 
 
@@ -234,7 +237,7 @@ def test_running_jobs_advance_while_a_group_starts(tmp_path: Path) -> None:
             if size != 2:
                 return
             deadline = time.monotonic() + 10
-            while ("decode_encode", "a") not in self.calls:
+            while ("decode", "a") not in self.calls:
                 if time.monotonic() > deadline:
                     raise GroupStartError("the driver did not serve job a while this group was starting")
                 time.sleep(0.005)
@@ -242,7 +245,7 @@ def test_running_jobs_advance_while_a_group_starts(tmp_path: Path) -> None:
     summary, ex, led = render(tmp_path, [spec("a"), spec("b", gpus=2)], gpus=3, retries=0, executor=SlowPairStart)
     print("calls:", ex.calls, "| groups created:", ex.groups_created)
     assert sorted(summary.done) == sorted([spec("a").job_id, spec("b", gpus=2).job_id]) and not summary.failed
-    assert ex.calls.index(("decode_encode", "a")) < ex.calls.index(("sample", "b"))
+    assert ex.calls.index(("decode", "a")) < ex.calls.index(("sample", "b"))
     assert summary.groups_created == ex.groups_created == 2
 
 
