@@ -367,6 +367,23 @@ class PAN2Pipeline:
         return make_denoiser(self.dit, cond, uncond, guidance, batch=self.config.guidance_batch)
 
     # ----------------------------------------------------------------------------------------
+    # Warm-up
+    @torch.no_grad()
+    def warm_up(self, *, height: int, width: int, frames: int, guidance: float) -> None:
+        """One sampling step and one decode at this size, through the same paths a job takes (the
+        guidance split and Ulysses in a group): the first-call costs (Triton compiles, cuDNN
+        autotuning per shape, the fast decoder's plans) are paid here, at load, not inside the
+        first job's stages. CUDA only (nothing is compiled or tuned on the CPU). In a group every
+        rank calls it, as every rank runs a job's calls."""
+        if self.device.type != "cuda":
+            return
+        ctx = torch.zeros(512, self.dit.config.text_dim)  # [512, text_dim]: no prompt needed
+        lat = self.sample(prompt_embeds=ctx, negative_prompt_embeds=ctx, height=height, width=width,
+                          frames=frames, steps=1, guidance=guidance, seed=0)
+        self.decode(lat, on_device=True)
+        torch.cuda.synchronize()
+
+    # ----------------------------------------------------------------------------------------
     # Decoding
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, *, on_device: bool = False) -> torch.Tensor | None:

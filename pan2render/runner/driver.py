@@ -292,7 +292,8 @@ class Driver:
         if spec.model not in a.group.models:
             # Warm-up (compiles, autotuning) at this job's size, once per group: load time, not
             # the first job's stage times.
-            warmup = {"height": spec.height, "width": spec.width, "frames": spec.frames}
+            warmup = {"height": spec.height, "width": spec.width, "frames": spec.frames,
+                      "guidance": spec.guidance}
             return self._start_call(a, "load", {"model": spec.model, "warmup": warmup}, stage=None)
         ids = self._model_ids[spec.model]
         if st[Stage.SAMPLING].state is StageState.DONE:

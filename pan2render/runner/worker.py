@@ -47,6 +47,7 @@ from typing import Any, Protocol
 import torch
 
 from pan2render.jobs.spec import JobSpec
+from pan2render.models.tiny import cache_root
 from pan2render.runner import stages
 
 DEFAULT_PIPELINE_FACTORY = "pan2render.runner.worker:load_pan2_pipeline"
@@ -137,6 +138,9 @@ class RenderWorker:
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cpu" and config.threads:
             torch.set_num_threads(config.threads)
+        # Compiled Triton kernels persist in the pan2-render cache folder, so the second batch on
+        # a machine loads them instead of compiling (read by Triton at its first compile).
+        os.environ.setdefault("TRITON_CACHE_DIR", str(cache_root() / "triton"))
 
     # ------------------------------------------------------------------ the one entry point
     def execute(self, method: str, kwargs: dict[str, Any], seq: int | None = None) -> Reply:
@@ -210,10 +214,10 @@ class RenderWorker:
             self._pipes[model] = pipe
         return pipe
 
-    def _rpc_load(self, *, model: str, warmup: dict[str, int] | None = None) -> dict[str, Any]:
+    def _rpc_load(self, *, model: str, warmup: dict[str, Any] | None = None) -> dict[str, Any]:
         """Load ``model`` (once per group) and, where the pipeline has ``warm_up``, run its
-        compiles and autotuning at ``warmup`` = {height, width, frames}, so they count as load time
-        rather than inside the first job's stages."""
+        compiles and autotuning at ``warmup`` = {height, width, frames, guidance}, so they count as
+        load time rather than inside the first job's stages."""
         t0 = time.perf_counter()
         pipe = self._pipeline(model)
         load_s = time.perf_counter() - t0
