@@ -70,7 +70,21 @@ UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers
                 relative_attention_num_buckets=32, relative_attention_max_distance=128,
                 feed_forward_proj="gated-gelu", dropout_rate=0.0, layer_norm_epsilon=1e-6,
                 tie_word_embeddings=False)
-SHARD = "5GB"
+# --tiny: the same writer at toy size on the CPU (the tiny model's configs, shards forced).
+TINY_UMT5 = dict(UMT5_XXL, vocab_size=300, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                 relative_attention_num_buckets=8, relative_attention_max_distance=32)
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    dit: dict[str, Any]
+    vae: dict[str, Any]
+    text: dict[str, Any]
+    device: str
+    shard: str  # max_shard_size of save_pretrained
+
+
+FULL_CHECKPOINT = CheckpointSpec(DIT_CONFIG, VAE_CONFIG, UMT5_XXL, "cuda", "5GB")
 T0 = time.monotonic()
 
 
@@ -80,8 +94,15 @@ def log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ checkpoint
-def write_checkpoint(root: Path) -> None:
-    """Random-weight Wan2.2-TI2V-5B in the diffusers layout, built on the GPU and saved sharded."""
+def tiny_checkpoint_spec() -> CheckpointSpec:
+    from pan2render.models.tiny import TINY_DIT_CONFIG, TINY_VAE_CONFIG
+
+    strip = lambda d: {k: v for k, v in d.items() if not k.startswith("_")}  # noqa: E731
+    return CheckpointSpec(strip(TINY_DIT_CONFIG), strip(TINY_VAE_CONFIG), TINY_UMT5, "cpu", "20KB")
+
+
+def write_checkpoint(root: Path, spec: CheckpointSpec) -> None:
+    """Random-weight Wan2.2-TI2V-5B in the diffusers layout, built on the device and saved sharded."""
     import torch
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
@@ -93,29 +114,27 @@ def write_checkpoint(root: Path) -> None:
     staging.mkdir(parents=True)
     torch.manual_seed(0)
     for name, make, dtype in (
-        ("transformer", lambda: WanTransformer3DModel(**DIT_CONFIG), torch.float32),
-        ("vae", lambda: AutoencoderKLWan(**VAE_CONFIG), torch.float32),
+        ("transformer", lambda: WanTransformer3DModel(**spec.dit), torch.float32),
+        ("vae", lambda: AutoencoderKLWan(**spec.vae), torch.float32),
     ):
         t = time.monotonic()
-        with torch.device("cuda"):  # default init runs on the GPU: seconds, not minutes
+        with torch.device(spec.device):  # default init runs on the GPU: seconds, not minutes
             model = make().to(dtype)
-        model.save_pretrained(str(staging / name), max_shard_size=SHARD, safe_serialization=True)
+        model.save_pretrained(str(staging / name), max_shard_size=spec.shard, safe_serialization=True)
         log(f"  {name}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params, "
             f"{time.monotonic() - t:.0f} s")
         del model
-        torch.cuda.empty_cache()
     t = time.monotonic()
-    tok = build_tokenizer(UMT5_XXL["vocab_size"])
+    tok = build_tokenizer(spec.text["vocab_size"])
     tok.save_pretrained(str(staging / "tokenizer"))
     config = UMT5Config(pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, is_encoder_decoder=False,
-                        use_cache=False, **UMT5_XXL)
-    with torch.device("cuda"):
-        encoder = UMT5EncoderModel(config).to(torch.bfloat16)
-    encoder.save_pretrained(str(staging / "text_encoder"), max_shard_size=SHARD, safe_serialization=True)
+                        use_cache=False, **spec.text)
+    with torch.device(spec.device):
+        encoder = UMT5EncoderModel(config).to(torch.bfloat16 if spec.device == "cuda" else torch.float32)
+    encoder.save_pretrained(str(staging / "text_encoder"), max_shard_size=spec.shard, safe_serialization=True)
     log(f"  text_encoder: {sum(p.numel() for p in encoder.parameters()) / 1e9:.2f} B params, "
         f"{time.monotonic() - t:.0f} s")
     del encoder
-    torch.cuda.empty_cache()
     (staging / "scheduler").mkdir()
     (staging / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER_CONFIG, indent=2))
     (staging / "model_index.json").write_text(json.dumps(MODEL_INDEX, indent=2))
@@ -124,18 +143,15 @@ def write_checkpoint(root: Path) -> None:
 
 
 def checkpoint(args: argparse.Namespace) -> Path:
-    if args.tiny:
-        from pan2render.models.tiny import tiny_checkpoint_path
-
-        return tiny_checkpoint_path()
     from pan2render.models.tiny import cache_root
 
-    root = Path(args.checkpoint or cache_root() / "bench" / "wan22-ti2v-5b-random").expanduser().resolve()
+    name = "tiny-random" if args.tiny else "wan22-ti2v-5b-random"
+    root = Path(args.checkpoint or cache_root() / "bench" / name).expanduser().resolve()
     if (root / "model_index.json").is_file():
         log(f"checkpoint: reusing {root}")
         return root
-    log(f"checkpoint: writing a random-weight Wan2.2-TI2V-5B into {root} (once)")
-    write_checkpoint(root)
+    log(f"checkpoint: writing a random-weight {name} into {root} (once)")
+    write_checkpoint(root, tiny_checkpoint_spec() if args.tiny else FULL_CHECKPOINT)
     log(f"checkpoint: written ({sum(f.stat().st_size for f in root.rglob('*') if f.is_file()) / GIB:.1f} GiB)")
     return root
 
@@ -320,8 +336,10 @@ def diffusers_main(args: argparse.Namespace) -> int:
     res: dict[str, Any] = {"device": str(device), "jobs": []}
     start = time.monotonic()
     ckpt = Path(args.checkpoint)
+    dtype = torch.bfloat16 if not args.tiny else torch.float32
     vae = AutoencoderKLWan.from_pretrained(str(ckpt), subfolder="vae", torch_dtype=torch.float32)
-    pipe = WanPipeline.from_pretrained(str(ckpt), vae=vae, torch_dtype=torch.bfloat16 if not args.tiny else torch.float32)
+    transformer = load_diffusers_transformer(ckpt, dtype=dtype, device=device)
+    pipe = WanPipeline.from_pretrained(str(ckpt), vae=vae, transformer=transformer, torch_dtype=dtype)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     res["load_s"] = time.monotonic() - start
@@ -349,6 +367,33 @@ def diffusers_main(args: argparse.Namespace) -> int:
         res["torch_peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / GIB
     (out / "diffusers.json").write_text(json.dumps(res, indent=1))
     return 0
+
+
+def load_diffusers_transformer(ckpt: Path, *, dtype: Any, device: Any) -> Any:
+    """diffusers' own from_pretrained; where it refuses (a bf16 model keeps some modules in fp32,
+    which diffusers only does through accelerate), the same by hand: the model from its config on
+    the device, the shards' tensors loaded, its fp32 modules (``_keep_in_fp32_modules``) kept fp32."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    from pan2render.models.checkpoint import read_state_dict
+
+    try:
+        return WanTransformer3DModel.from_pretrained(str(ckpt), subfolder="transformer", torch_dtype=dtype)
+    except ValueError as e:
+        if "low_cpu_mem_usage" not in str(e):
+            raise
+        log(f"(b) diffusers refuses ({e}); loading the transformer by hand")
+    folder = ckpt / "transformer"
+    with torch.device(device):
+        model = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(str(folder))).to(dtype)
+    state, _ = read_state_dict(folder, device=device)
+    model.load_state_dict(state, strict=True)
+    keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for name, param in model.named_parameters():
+        if any(k in name for k in keep):
+            param.data = param.data.float()
+    return model.eval()
 
 
 def run_diffusers(args: argparse.Namespace, ckpt: Path, out: Path, visible: str | None,
