@@ -44,6 +44,7 @@ from pan2render.jobs.spec import (
     Problem,
     SourceLocation,
 )
+from pan2render.media.x264 import DEFAULT_X264_PRESET, X264_PRESETS
 
 TINY_MODEL = "tiny"
 # Seeds are stored in the SQLite ledger (signed 64-bit INTEGER) and fed to torch.Generator.
@@ -52,7 +53,7 @@ MAX_SEED = 2**63 - 1
 TOP_LEVEL_KEYS = ("model", "preset", "defaults", "jobs", "prompts_file", "sweep")
 JOB_KEYS = (
     "prompt", "name", "negative_prompt", "image", "seed", "steps", "guidance", "height", "width",
-    "frames", "fps", "flow_shift", "sampler", "gpus", "crf",
+    "frames", "fps", "flow_shift", "sampler", "gpus", "crf", "encode_preset",
 )
 # `defaults` sets anything a job may set except what identifies the job itself.
 DEFAULTS_KEYS = tuple(k for k in JOB_KEYS if k not in ("prompt", "name"))
@@ -60,7 +61,8 @@ SWEEP_KEYS = DEFAULTS_KEYS
 # Presets hold render settings only: not paths (they have no folder of their own) and not seeds.
 PRESET_KEYS = ("description",) + tuple(k for k in DEFAULTS_KEYS if k not in ("image", "seed"))
 PRESET_REQUIRED = ("steps", "guidance", "height", "width", "frames", "fps", "flow_shift", "sampler", "crf")
-BUILTIN_DEFAULTS: dict[str, Any] = {"negative_prompt": "", "image": None, "seed": 0, "gpus": 1}
+BUILTIN_DEFAULTS: dict[str, Any] = {"negative_prompt": "", "image": None, "seed": 0, "gpus": 1,
+                                    "encode_preset": DEFAULT_X264_PRESET}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -313,6 +315,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "sampler": _one_of(SAMPLERS, lambda v, a: _as_str(v, a, non_empty=True)),
     "gpus": _one_of(ALLOWED_GPUS, _as_int),
     "crf": _check_crf,
+    "encode_preset": _one_of(X264_PRESETS, lambda v, a: _as_str(v, a, non_empty=True)),
 }
 
 
@@ -701,7 +704,8 @@ def _expand(raw_jobs: list[_RawJob], *, model: str, preset_name: str, preset: di
                 seed=merged["seed"], steps=merged["steps"], guidance=merged["guidance"],
                 height=merged["height"], width=merged["width"], frames=merged["frames"], fps=merged["fps"],
                 flow_shift=merged["flow_shift"], sampler=merged["sampler"], gpus=merged["gpus"],
-                crf=merged["crf"], preset=preset_name, sweep=dict(combo), source=raw.location,
+                crf=merged["crf"], preset=preset_name, encode_preset=merged["encode_preset"],
+                sweep=dict(combo), source=raw.location,
             ))
     return jobs
 

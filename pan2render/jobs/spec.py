@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from pan2render.media.x264 import DEFAULT_X264_PRESET
+
 ALLOWED_GPUS = (1, 2, 4, 8)
 SAMPLERS = ("unipc", "euler")
 
@@ -23,6 +25,9 @@ RENDER_FIELDS = (
     "model", "prompt", "negative_prompt", "image_sha256", "seed", "steps", "guidance", "height",
     "width", "frames", "fps", "flow_shift", "sampler", "crf",
 )
+# Render fields added after jobs were first hashed, with their defaults: one counts in the hash
+# only when set away from its default, so the ids (and folders) of existing jobs stay valid.
+LATER_RENDER_FIELDS: dict[str, Any] = {"encode_preset": DEFAULT_X264_PRESET}
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,7 @@ class JobSpec:
     gpus: int  # one of ALLOWED_GPUS
     crf: int
     preset: str
+    encode_preset: str = DEFAULT_X264_PRESET  # libx264 preset (media/x264.py), not the job preset
     sweep: dict[str, Any] = field(default_factory=dict)  # the sweep values applied to this job
     source: SourceLocation | None = None
 
@@ -86,6 +92,8 @@ class JobSpec:
     def spec_hash(self) -> str:
         """sha256 over the render-affecting fields, as canonical JSON."""
         payload = {k: getattr(self, k) for k in RENDER_FIELDS}
+        payload.update({k: getattr(self, k) for k, default in LATER_RENDER_FIELDS.items()
+                        if getattr(self, k) != default})
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
 

@@ -22,15 +22,12 @@ from typing import Any
 import av
 import numpy as np
 
+from pan2render.media.x264 import DEFAULT_X264_PRESET, X264_PRESETS
+
 # Frame rates are stored as exact rationals in the container; 1001 keeps NTSC-style rates
 # (24000/1001, 30000/1001) exact and maps 24.0 to 24/1.
 _FPS_MAX_DENOMINATOR = 1001
 
-# libx264's speed/size trade-offs, fastest first. At a fixed crf a slower preset spends more CPU
-# for a smaller file of about the same quality; "medium" is libx264's own default.
-X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower",
-                "veryslow")
-DEFAULT_X264_PRESET = "medium"
 
 # How every stream is tagged: BT.709 matrix, primaries and transfer, limited range; the numbers
 # the conversion in media/yuv.py uses. (Values of FFmpeg's AVColorSpace / AVColorPrimaries /
