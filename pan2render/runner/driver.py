@@ -10,7 +10,7 @@ The GPU never waits for the driver or the encoder: ``decode`` returns once the f
 host and the job then only waits for its background encode (``collect``, the worker's I/O lane),
 while the group already works on the next job, whose first call was queued behind that decode.
 So a group owns up to two kinds of jobs at once: one on its GPU lane (plus the next one queued
-behind a decode) and up to ``MAX_ENCODES_PER_GROUP`` encoding. Prompts of upcoming jobs are
+behind a decode) and up to ``MAX_ENCODES_IN_FLIGHT`` encoding. Prompts of upcoming jobs are
 encoded together with the current job's, in one call, so later jobs find them cached.
 
 Which call comes next is decided from the ledger and from checking the artifacts on disk, so a job
@@ -42,16 +42,12 @@ from pan2render.jobs.ledger import (
 )
 from pan2render.runner import stages
 from pan2render.runner.groups import Call, Executor, Group, GroupDied, GroupPool, GroupStartError
-from pan2render.runner.worker import IO_METHODS, Reply
+from pan2render.runner.worker import IO_METHODS, MAX_ENCODES_IN_FLIGHT, Reply
 
 # Which ledger stage a worker call belongs to (for errors and timings).
 _CALL_STAGE = {"load": Stage.CONDITIONING, "encode_prompts": Stage.CONDITIONING,
                "sample": Stage.SAMPLING, "decode": Stage.DECODE, "collect": Stage.ENCODE}
 
-# Jobs of one group whose encode has not been collected yet. Each holds its video's yuv420p planes
-# in the worker's host memory until encoded (121 frames of 704x1248: 160 MB), so a group whose
-# encodes fall behind stops taking jobs instead of piling frames up.
-MAX_ENCODES_PER_GROUP = 2
 # Prompts encoded in one encode_prompts call (the current job's and upcoming jobs'); each
 # embedding is 512 x 4096 float32 = 8 MB of reply.
 CONDITIONING_AHEAD_TEXTS = 16
@@ -109,6 +105,7 @@ class _Active:
 
     @property
     def decoding(self) -> bool:
+        """Its decode is in flight: the last GPU work of the job."""
         return self.call is not None and self.call.method == "decode"
 
 
@@ -243,7 +240,7 @@ class Driver:
     def _held_group(self, size: int, *, behind_decode: bool) -> Group | None:
         """A group of ``size`` this driver holds (it has active jobs) that can take one more job:
         its GPU lane is free (or, with ``behind_decode``, runs only a decode) and its encodes,
-        counting that decode's, stay within MAX_ENCODES_PER_GROUP."""
+        counting that decode's, stay within MAX_ENCODES_IN_FLIGHT."""
         held = {id(a.group): a.group for a in self._active.values() if a.group.size == size}
         for group in held.values():
             jobs = self._jobs_on(group)
@@ -252,7 +249,7 @@ class Driver:
                 free = True
             else:
                 free = behind_decode and len(on_gpu) == 1 and on_gpu[0].decoding
-            if free and len(jobs) < MAX_ENCODES_PER_GROUP:
+            if free and len(jobs) < MAX_ENCODES_IN_FLIGHT:
                 return group
         return None
 

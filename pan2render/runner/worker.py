@@ -54,7 +54,11 @@ DEFAULT_PIPELINE_FACTORY = "pan2render.runner.worker:load_pan2_pipeline"
 
 # Methods of the I/O lane (see the module doc); every other method is a GPU-lane call.
 IO_METHODS = frozenset({"collect"})
-IO_CONCURRENCY = 2  # collects that may wait at once on one actor (the driver keeps <= 2 encodes)
+# Jobs of one group whose encode is not collected yet (the driver keeps to it). Each holds its
+# video's yuv420p planes in this worker's host memory until encoded (121 frames of 704x1248:
+# 160 MB), so a group whose encodes fall behind stops taking jobs instead of piling frames up.
+MAX_ENCODES_IN_FLIGHT = 2
+IO_CONCURRENCY = MAX_ENCODES_IN_FLIGHT  # collects that may wait at once on one actor
 # GPU-lane calls the driver may have issued to one group at once: the one running and the next
 # job's first call queued behind it. The actor's GPU lane gets this many threads, so the call whose
 # turn it is always has one while the other waits for its turn.
