@@ -239,3 +239,17 @@ def test_encode_presets_validate_and_name_the_allowed_ones(tmp_path: Path, prese
     with pytest.raises(MediaError, match="'quick' is not one of libx264's: ultrafast, superfast"):
         encode_mp4(_smooth_video(frames=5), tmp_path / "w.mp4", fps=8, crf=18, preset="quick")
     assert not (tmp_path / "w.mp4").exists()
+
+
+@pytest.mark.gpu
+def test_yuv420_on_the_gpu_matches_the_cpu() -> None:
+    """The worker converts on the GPU; the CPU path (and the tests above) on the CPU: same planes."""
+    from pan2render.media.yuv import rgb_to_yuv420
+
+    video = torch.from_numpy(np.concatenate([_smooth_video(frames=20, height=64, width=96),
+                                             _patches(frames=20)[:, :, :96][:, :64].repeat(2, axis=1)], axis=0))
+    cpu = rgb_to_yuv420(video)
+    gpu = rgb_to_yuv420(video.cuda()).cpu()
+    diff = (cpu.int() - gpu.int()).abs()
+    print(f"GPU vs CPU planes: max |diff| {int(diff.max())}, {int((diff > 0).sum())} of {diff.numel()} differ")
+    assert int(diff.max()) <= 1  # float rounding at .5 may go either way; nothing else may differ
