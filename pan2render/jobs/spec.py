@@ -22,12 +22,12 @@ SAMPLERS = ("unipc", "euler")
 # a cosmetic change (a comment, the order of keys) never re-renders a finished job, and any change
 # that would alter the pixels always does.
 RENDER_FIELDS = (
-    "model", "prompt", "negative_prompt", "image_sha256", "seed", "steps", "guidance", "height",
-    "width", "frames", "fps", "flow_shift", "sampler", "crf",
+    "model", "weights", "prompt", "negative_prompt", "image_sha256", "seed", "steps", "guidance", "height",
+    "width", "frames", "fps", "flow_shift", "sampler", "crf", "encode_preset",
 )
 # Render fields added after jobs were first hashed, with their defaults: one counts in the hash
 # only when set away from its default, so the ids (and folders) of existing jobs stay valid.
-LATER_RENDER_FIELDS: dict[str, Any] = {"encode_preset": DEFAULT_X264_PRESET}
+LATER_RENDER_FIELDS: dict[str, Any] = {"weights": None, "encode_preset": DEFAULT_X264_PRESET}
 
 
 @dataclass(frozen=True)
@@ -85,15 +85,17 @@ class JobSpec:
     crf: int
     preset: str
     encode_preset: str = DEFAULT_X264_PRESET  # libx264 preset (media/x264.py), not the job preset
+    # Fingerprint of the checkpoint folder's weights (jobs.weights), None for the embedded tiny
+    # model: a checkpoint replaced under the same path makes new jobs.
+    weights: str | None = None
     sweep: dict[str, Any] = field(default_factory=dict)  # the sweep values applied to this job
     source: SourceLocation | None = None
 
     @property
     def spec_hash(self) -> str:
         """sha256 over the render-affecting fields, as canonical JSON."""
-        payload = {k: getattr(self, k) for k in RENDER_FIELDS}
-        payload.update({k: getattr(self, k) for k, default in LATER_RENDER_FIELDS.items()
-                        if getattr(self, k) != default})
+        payload = {k: getattr(self, k) for k in RENDER_FIELDS
+                   if k not in LATER_RENDER_FIELDS or getattr(self, k) != LATER_RENDER_FIELDS[k]}
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -128,6 +130,9 @@ class Batch:
     model: str
     preset: str
     jobs: list[JobSpec]
+    # The model folder's per-file fingerprints ({relpath: {"size", "sampled_sha256"}}), recorded in
+    # the ledger so a later change can be explained file by file; empty for the tiny model.
+    weights_files: dict[str, Any] = field(default_factory=dict)
 
 
 def _slug(text: str) -> str:

@@ -73,3 +73,13 @@ def load_fake_pipeline(model: str, device: str) -> FakePipeline:
 def load_nan_pipeline(model: str, device: str) -> FakePipeline:
     """Always produces a NaN in its latents (the non-finite failure path)."""
     return FakePipeline(model, nan=True)
+
+
+class _OutOfMemoryPipeline(FakePipeline):
+    def sample(self, **kwargs: Any) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.60 GiB (fake)")
+
+
+def load_oom_pipeline(model: str, device: str) -> FakePipeline:
+    """Runs out of (device) memory in every sampling call, as torch reports it."""
+    return _OutOfMemoryPipeline(model)

@@ -266,7 +266,7 @@ class RenderWorker:
             progress=progress,
         )  # float32 [48, T, h, w]
         return stages.pack_latents(lat, spec_hash=js.spec_hash, seed=js.seed, steps=js.steps,
-                                   model_id=pipe.model_id)
+                                   model_id=pipe.model_id, spec=spec)
 
     def _rpc_decode(self, *, model: str, job_id: str, spec: dict[str, Any], latents: bytes) -> dict[str, Any]:
         """Decode on the device, convert to yuv420p there, copy to the host once and hand the planes
