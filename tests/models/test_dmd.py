@@ -114,13 +114,11 @@ SIZE = dict(height=64, width=64, frames=5, seed=5)
 
 
 @pytest.fixture(scope="module")
-def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The embedded tiny checkpoint, written into a cache folder of this module's own."""
+def tiny_root() -> Path:
+    """The embedded tiny checkpoint in the default cache (built once, shared with the runner tests)."""
     from pan2render.models.tiny import tiny_checkpoint_path
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PAN2_RENDER_CACHE", str(tmp_path_factory.mktemp("cache")))
-        return tiny_checkpoint_path()
+    return tiny_checkpoint_path()
 
 
 @pytest.fixture(scope="module")
