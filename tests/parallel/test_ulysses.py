@@ -65,19 +65,6 @@ def render_dmd(pipe: PAN2Pipeline) -> dict[str, torch.Tensor]:
     return {"dmd_t2v": pipe.sample(**x, **DMD_T2V), "dmd_i2v": pipe.sample(**x, image=inputs()["image"], **DMD_I2V)}
 
 
-class TokenCounts:
-    """Records the token count of every block-stack run of a DiT (one run per forward)."""
-
-    def __init__(self, dit: PAN2DiT) -> None:
-        self.seen: list[int] = []
-        self._run = dit.run_blocks
-        dit.run_blocks = self  # instance attribute: shadows the method for this model only
-
-    def __call__(self, tokens: torch.Tensor, **kw: object) -> torch.Tensor:
-        self.seen.append(int(tokens.shape[1]))
-        return self._run(tokens, **kw)
-
-
 def batch2_forward(dit: torch.nn.Module) -> torch.Tensor:
     """A direct DiT call at batch 2 with per-token timesteps (the pipeline only uses batch 1)."""
     gen = torch.Generator().manual_seed(4)
@@ -88,15 +75,18 @@ def batch2_forward(dit: torch.nn.Module) -> torch.Tensor:
 
 
 class RecordingContexts:
-    """Records, for every block-stack run of a DiT, which prompt context it used (`fingerprint`)."""
+    """Records, for every block-stack run of a DiT (one per forward), which prompt context it used
+    (`fingerprint`) and how many tokens it ran on this rank."""
 
     def __init__(self, dit: PAN2DiT) -> None:
         self.seen: list[float] = []
+        self.tokens: list[int] = []
         self._run = dit.run_blocks
         dit.run_blocks = self  # instance attribute: shadows the method for this model only
 
     def __call__(self, tokens: torch.Tensor, **kw: object) -> torch.Tensor:
         self.seen.append(fingerprint(kw["context"]))
+        self.tokens.append(int(tokens.shape[1]))
         return self._run(tokens, **kw)
 
 
@@ -120,9 +110,9 @@ def _worker(rank: int, world: int, out: Path) -> None:
     # Outside the wrapper's forward the model is plain again (the backend the blocks had).
     assert all(b.attn1.attention_fn is dit_ops.attention for b in pipe.dit.model.blocks)
     result["unguided"] = pipe.sample(**{**unguided_inputs(), **T2V, "guidance": 1.0})
-    tokens = TokenCounts(pipe.dit.model)
+    before = len(calls.tokens)
     result.update(render_dmd(pipe))
-    result["dmd_tokens_per_forward"] = tokens.seen
+    result["dmd_tokens_per_forward"] = calls.tokens[before:]
     # Both branches Ulysses-parallel over the whole group (guidance_parallel off). Groups of 2 take the
     # overlap path (one head chunk per head of the rank, q/k/v packed per chunk); 4 and 8 the default
     # one chunk, where q, k, v arrive in the send layout itself.
