@@ -14,20 +14,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pan2render.media.x264 import DEFAULT_X264_PRESET
+from pan2render.sampling import SAMPLERS
 
 ALLOWED_GPUS = (1, 2, 4, 8)
-SAMPLERS = ("unipc", "euler")
 
 # Fields of a resolved job that change the rendered video. The spec hash covers exactly these, so
 # a cosmetic change (a comment, the order of keys) never re-renders a finished job, and any change
 # that would alter the pixels always does.
 RENDER_FIELDS = (
     "model", "weights", "prompt", "negative_prompt", "image_sha256", "seed", "steps", "guidance", "height",
-    "width", "frames", "fps", "flow_shift", "sampler", "crf", "encode_preset",
+    "width", "frames", "fps", "flow_shift", "sampler", "crf", "timesteps", "encode_preset",
 )
-# Render fields added after jobs were first hashed, with their defaults: one counts in the hash
-# only when set away from its default, so the ids (and folders) of existing jobs stay valid.
-LATER_RENDER_FIELDS: dict[str, Any] = {"weights": None, "encode_preset": DEFAULT_X264_PRESET}
+# Render fields added after job ids were first handed out, with their defaults: one counts in the
+# hash only when set away from its default, so the jobs of an existing output folder keep their ids.
+LATER_RENDER_FIELDS: dict[str, Any] = {"weights": None, "timesteps": None, "encode_preset": DEFAULT_X264_PRESET}
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,9 @@ class JobSpec:
     # Fingerprint of the checkpoint folder's weights (jobs.weights), None for the embedded tiny
     # model: a checkpoint replaced under the same path makes new jobs.
     weights: str | None = None
+    # Sampler dmd: the listed timesteps (ints in [1, T], strictly decreasing); None: the
+    # checkpoint's own (dmd) or not applicable (unipc, euler).
+    timesteps: tuple[int, ...] | None = None
     sweep: dict[str, Any] = field(default_factory=dict)  # the sweep values applied to this job
     source: SourceLocation | None = None
 
@@ -119,6 +122,8 @@ class JobSpec:
     def from_dict(cls, d: dict[str, Any]) -> "JobSpec":
         d = dict(d)
         src = d.pop("source", None)
+        if d.get("timesteps") is not None:  # JSON gives a list
+            d["timesteps"] = tuple(d["timesteps"])
         return cls(**d, source=None if src is None else SourceLocation(src["file"], int(src["line"])))
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from pan2render.jobs.ledger import JobState, Ledger, Stage, StageState
 from pan2render.jobs.spec import JobSpec
@@ -423,3 +424,38 @@ def test_sigkill_while_an_encode_runs_in_the_background_then_resume(tmp_path: Pa
         assert led.job(jid).attempts == attempts and file_id(out / jid / "video.mp4") == fid
     assert probe_mp4(out / slow / "video.mp4").frames == 9
     assert sorted(p.name for p in (out / slow).iterdir()) == ["latents.safetensors", "video.mp4"]
+
+
+_SHARED: dict[str, Any] = {}
+
+
+def shared_tiny_pipeline(model: str, device: str) -> Any:
+    """A pipeline factory for the worker that loads the tiny model once per test process, so the
+    test compares against the very pipeline the worker used."""
+    from pan2render.runner.worker import load_pan2_pipeline
+
+    if model not in _SHARED:
+        _SHARED[model] = load_pan2_pipeline(model, device)
+    return _SHARED[model]
+
+
+def test_a_dmd_job_reaches_the_real_pipeline_with_its_timesteps(tmp_path: Path) -> None:
+    """The worker hand-over carries sampler dmd and the timesteps: the ledger's latents are exactly
+    what the tiny pipeline samples for them (and differ from another timesteps list)."""
+    import dataclasses
+
+    from pan2render.runner.stages import unpack_latents
+
+    # The embedded tiny model from the default cache, as the Ray runner tests use it (built once).
+    base = dataclasses.replace(spec("dmd"), sampler="dmd", guidance=1.0, height=32, width=32, frames=5)
+    jobs = [dataclasses.replace(base, timesteps=(1000, 757, 522), steps=3),
+            dataclasses.replace(base, name="dmd-2", timesteps=(1000, 500), steps=2)]
+    summary, _, led = render(tmp_path / "out", jobs, factory=f"{__name__}:shared_tiny_pipeline", retries=0)
+    assert len(summary.done) == 2, [j.error for j in led.jobs()]
+    pipe = _SHARED["tiny"]
+    latents = [unpack_latents((tmp_path / "out" / j.job_id / "latents.safetensors").read_bytes()) for j in jobs]
+    for job, got in zip(jobs, latents):
+        want = pipe.sample(prompt=job.prompt, height=32, width=32, frames=5, guidance=1.0, seed=job.seed,
+                           flow_shift=job.flow_shift, sampler="dmd", timesteps=job.timesteps)
+        assert torch.equal(got, want), job.name
+    assert not torch.equal(latents[0], latents[1])
