@@ -192,9 +192,10 @@ def warm_up_attention(device: torch.device | str, dtype: torch.dtype, *, heads: 
         _use_persistent_compile_cache(compile_cache)  # before the first import of the library
     if _config.backend not in ("auto", FA4) or fa4_unusable_reason(device, dtype, head_dim) is not None:
         return
-    # Token-major q / k / v of 128 tokens, the layout the DiT passes; sequence length and head
-    # count are not part of the library's compile key, so this one call covers every shape.
-    x = torch.randn(1, 128, heads, head_dim, device=device, dtype=dtype).transpose(1, 2)
+    # Token-major q / k / v, the layout the DiT passes. The library's compile key holds no sequence
+    # length or head count; on sm_100 it holds whether q spans more than one 128-row tile (two Q
+    # stages), hence 256 tokens, as every DiT call does.
+    x = torch.randn(1, 256, heads, head_dim, device=device, dtype=dtype).transpose(1, 2)
     t0 = time.perf_counter()
     try:
         _fa4_attention(x, x, x)

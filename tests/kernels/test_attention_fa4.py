@@ -210,7 +210,7 @@ def test_warm_up_is_a_no_op_on_the_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path
 
 def test_warm_up_compiles_once_at_the_model_head_dim(fake_fa4: FakeFA4) -> None:
     warm_up_attention("cpu", torch.float32, heads=24, head_dim=128)
-    assert fake_fa4.shapes == [(1, 128, 24, 128)]
+    assert fake_fa4.shapes == [(1, 256, 24, 128)]
 
 
 def test_failed_warm_up_turns_fa4_off_for_the_process(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
