@@ -168,8 +168,13 @@ def _fa4_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     return out.transpose(1, 2)  # [B, L, H, D] contiguous -> [B, H, L, D] view
 
 
+def _fa4_allowed() -> bool:
+    """Whether the configured backend lets FlashAttention-4 run ('auto' or 'fa4')."""
+    return _config.backend in ("auto", FA4)
+
+
 def _use_fa4(q: torch.Tensor, k: torch.Tensor) -> bool:
-    if _config.backend not in ("auto", FA4):
+    if not _fa4_allowed():
         return False
     if _config.short_kv_backend != "auto" and k.shape[-2] <= SHORT_KV:
         return False
@@ -190,7 +195,7 @@ def warm_up_attention(device: torch.device | str, dtype: torch.dtype, *, heads: 
     device = torch.device(device)
     if compile_cache is not None and device.type == "cuda":
         _use_persistent_compile_cache(compile_cache)  # before the first import of the library
-    if _config.backend not in ("auto", FA4) or fa4_unusable_reason(device, dtype, head_dim) is not None:
+    if not _fa4_allowed() or fa4_unusable_reason(device, dtype, head_dim) is not None:
         return
     # Token-major q / k / v, the layout the DiT passes. The library's compile key holds no sequence
     # length or head count; on sm_100 it holds whether q spans more than one 128-row tile (two Q
@@ -252,7 +257,7 @@ def attention_backends(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.
     if _config.short_kv_backend != "auto" and k.shape[-2] <= SHORT_KV and q.device.type == "cuda":
         first = BACKENDS[_config.short_kv_backend]
         order = [first] + [b for b in order if b != first]
-    if _config.backend not in ("auto", FA4):
+    if not _fa4_allowed():
         forced = BACKENDS[_config.backend]
         if _usable(forced, q, k, v):
             return [forced]
@@ -267,11 +272,11 @@ def describe_attention(device: torch.device | str, dtype: torch.dtype, head_dim:
     process's log, the group's layout line and the worker's load reply."""
     device = torch.device(device)
     reason = fa4_unusable_reason(device, dtype, head_dim)
-    if _config.backend in ("auto", FA4) and reason is None:
+    if _fa4_allowed() and reason is None:
         return f"FlashAttention-4 ({_fa4_function()[1]})"
     probe = torch.empty(1, 1, 1, head_dim, device=device if device.type == "cuda" else "cpu", dtype=dtype)
     order = "/".join(b.name.lower().removesuffix("_attention") for b in attention_backends(probe))
-    why = f"; FlashAttention-4 not used: {reason}" if _config.backend in ("auto", FA4) else ""
+    why = f"; FlashAttention-4 not used: {reason}" if _fa4_allowed() else ""
     return f"SDPA {order}{why}"
 
 
