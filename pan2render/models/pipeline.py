@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..kernels.attention import describe_attention, warm_up_attention
 from .checkpoint import CheckpointError, instantiate, read_json, resolve_component
 from .dit import PAN2DiT, PAN2DiTConfig
 from ..kernels.vae_decode import fast_decode, fast_decode_available, to_uint8_frames
@@ -27,6 +28,7 @@ from .dit_ops import ROUTED_OPS, TORCH_OPS
 from ..sampling import DMD, SAMPLERS, combination_problems, timesteps_problem
 from .scheduler import FlowDMDScheduler, SchedulerConfig, make_scheduler
 from .text import TextEncoder
+from .tiny import cache_root
 from .vae import WanVAE, WanVAEConfig
 
 log = logging.getLogger(__name__)
@@ -209,6 +211,10 @@ class PAN2Pipeline:
             # benchmarks, consulted by the fused table on every call.)
             dit.set_ops(ROUTED_OPS if config.dit_fused_kernels else TORCH_OPS)
             dit.set_residual_dtype(torch.float32 if config.dit_fp32_residual else None)
+            # FlashAttention-4 (where it runs) compiles on its first call: do it here, at load,
+            # keeping the kernels on disk for the next process (a no-op on the CPU).
+            warm_up_attention(self.device, config.dtype, heads=dit.config.num_attention_heads,
+                              head_dim=dit.config.attention_head_dim, compile_cache=cache_root() / "flash-attn-4")
 
     # ----------------------------------------------------------------------------------------
     # Loading
@@ -258,6 +264,11 @@ class PAN2Pipeline:
     @property
     def device(self) -> torch.device:
         return torch.device(self.config.device)
+
+    @property
+    def attention_backend(self) -> str:
+        """The DiT's attention backend in words (for the load reply and the group's layout line)."""
+        return describe_attention(self.device, self.config.dtype, self.dit.config.attention_head_dim)
 
     @property
     def text_encoder_id(self) -> str:

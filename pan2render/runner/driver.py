@@ -422,7 +422,8 @@ class Driver:
             self.ledger.log(jid, "group-load",
                             f"group {a.group.id}: {spec.model} ({reply.value['model_id']}) loaded on "
                             f"{reply.value['world_size']} rank(s), device {reply.value['device']}, "
-                            f"process group backend {reply.value['backend']}, {reply.stage_seconds:.1f} s "
+                            f"process group backend {reply.value['backend']}, attention "
+                            f"{reply.value['attention']}, {reply.stage_seconds:.1f} s "
                             f"(weights {reply.value['load_s']:.1f} s, warm-up {reply.value['warmup_s']:.1f} s)")
         elif method == "encode_prompts":
             ids = self._model_ids[spec.model]

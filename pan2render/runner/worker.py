@@ -236,6 +236,7 @@ class RenderWorker:
             backend, world = str(dist.get_backend()), dist.get_world_size()
         return {"model_id": pipe.model_id, "text_encoder_id": pipe.text_encoder_id,
                 "backend": backend, "world_size": world, "device": self.device,
+                "attention": getattr(pipe, "attention_backend", "n/a"),  # n/a: a pipeline without a DiT
                 "load_s": load_s, "warmup_s": time.perf_counter() - t0 - load_s}
 
     def _rpc_encode_prompts(self, *, model: str, texts: list[str]) -> list[bytes]:
