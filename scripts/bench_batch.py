@@ -517,7 +517,9 @@ def main() -> int:
             th.join()
             res["diffusers"] = holder
         else:
-            res["pan2"] = run_pan2(args, ckpt, out, visible=None)
+            # Only the batch's own GPUs: on a larger host Ray would otherwise spread 1-GPU jobs over
+            # every GPU and the figures would no longer be one group's.
+            res["pan2"] = run_pan2(args, ckpt, out, visible=None if args.tiny else ",".join(map(str, ours_gpus)))
             save()
             if not args.skip_diffusers:
                 res["diffusers"] = run_diffusers(args, ckpt, out, visible=None, device_inside=args.diffusers_device)
