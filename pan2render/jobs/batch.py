@@ -54,6 +54,8 @@ from pan2render.jobs.spec import (
     SourceLocation,
 )
 from pan2render.jobs.weights import folder_fingerprint
+from pan2render.media.x264 import DEFAULT_X264_PRESET, X264_PRESETS
+from pan2render.sampling import DEFAULT_NUM_TRAIN_TIMESTEPS, DMD, combination_problems, timesteps_problem
 
 TINY_MODEL = "tiny"
 # Seeds are stored in the SQLite ledger (signed 64-bit INTEGER) and fed to torch.Generator.
@@ -62,7 +64,7 @@ MAX_SEED = 2**63 - 1
 TOP_LEVEL_KEYS = ("model", "preset", "defaults", "jobs", "prompts_file", "sweep")
 JOB_KEYS = (
     "prompt", "name", "negative_prompt", "image", "seed", "steps", "guidance", "height", "width",
-    "frames", "fps", "flow_shift", "sampler", "gpus", "crf",
+    "frames", "fps", "flow_shift", "sampler", "gpus", "crf", "timesteps", "encode_preset",
 )
 # `defaults` sets anything a job may set except what identifies the job itself.
 DEFAULTS_KEYS = tuple(k for k in JOB_KEYS if k not in ("prompt", "name"))
@@ -70,7 +72,8 @@ SWEEP_KEYS = DEFAULTS_KEYS
 # Presets hold render settings only: not paths (they have no folder of their own) and not seeds.
 PRESET_KEYS = ("description",) + tuple(k for k in DEFAULTS_KEYS if k not in ("image", "seed"))
 PRESET_REQUIRED = ("steps", "guidance", "height", "width", "frames", "fps", "flow_shift", "sampler", "crf")
-BUILTIN_DEFAULTS: dict[str, Any] = {"negative_prompt": "", "image": None, "seed": 0, "gpus": 1}
+BUILTIN_DEFAULTS: dict[str, Any] = {"negative_prompt": "", "image": None, "seed": 0, "gpus": 1, "timesteps": None,
+                                    "encode_preset": DEFAULT_X264_PRESET}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -358,6 +361,15 @@ def _one_of(choices: tuple[Any, ...], convert: Callable[[Any, str], Any]) -> Cal
     return check
 
 
+def _check_timesteps(v: Any) -> tuple[int, ...]:
+    # Checked against the usual T here; the sampler checks the checkpoint's own T when it loads.
+    items = [n.value if isinstance(n, _Node) else n for n in v] if isinstance(v, list) else v
+    problem = timesteps_problem(items, num_train_timesteps=DEFAULT_NUM_TRAIN_TIMESTEPS)
+    if problem is not None:
+        raise _Bad(problem + " (for sampler dmd)")
+    return tuple(items)
+
+
 def _check_crf(v: Any) -> int:
     allowed = "an integer in 0..51 (libx264 quality, lower is better; 18 is near lossless)"
     n = _as_int(v, allowed)
@@ -383,6 +395,8 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "sampler": _one_of(SAMPLERS, lambda v, a: _as_str(v, a, non_empty=True)),
     "gpus": _one_of(ALLOWED_GPUS, _as_int),
     "crf": _check_crf,
+    "timesteps": _check_timesteps,
+    "encode_preset": _one_of(X264_PRESETS, lambda v, a: _as_str(v, a, non_empty=True)),
 }
 
 
@@ -806,13 +820,17 @@ def _expand(raw_jobs: list[_RawJob], *, model: str, weights: str | None, preset_
             if image is not None and image not in ctx.image_hashes and Path(image).is_file():
                 ctx.image_hashes[image] = sha256_file(image)
             image_sha = None if image is None else ctx.image_hashes.get(image)
+            if not _check_sampling(merged, raw, {**defaults, **raw.fields, **combo}, ctx):
+                continue
             jobs.append(JobSpec(
                 name=merged["name"], model=model, prompt=merged["prompt"],
                 negative_prompt=merged["negative_prompt"], image=image, image_sha256=image_sha,
                 seed=merged["seed"], steps=merged["steps"], guidance=merged["guidance"],
                 height=merged["height"], width=merged["width"], frames=merged["frames"], fps=merged["fps"],
                 flow_shift=merged["flow_shift"], sampler=merged["sampler"], gpus=merged["gpus"],
-                crf=merged["crf"], preset=preset_name, weights=weights, sweep=dict(combo), source=raw.location,
+                crf=merged["crf"], preset=preset_name, weights=weights, timesteps=merged["timesteps"],
+                encode_preset=merged["encode_preset"],
+                sweep=dict(combo), source=raw.location,
             ))
     return jobs
 
@@ -832,6 +850,25 @@ def _check_cost(jobs: list[JobSpec], ctx: _Ctx) -> None:
                     f"{tokens:,} DiT tokens; allowed: at most {LIMITS.dit_tokens:,} tokens (e.g. 241 frames at "
                     "1088x1920): the DiT attends over all of them at once and the VAE decodes every pixel, so "
                     "more runs a GPU out of memory; lower frames, width or height", job.source.file)
+
+
+def _check_sampling(merged: dict[str, Any], raw: _RawJob, explicit: dict[str, Any], ctx: _Ctx) -> bool:
+    """The sampler/timesteps/guidance rules of one resolved job; with dmd timesteps, ``steps`` becomes
+    their number (an explicit, different ``steps`` is a problem). False if the job is invalid."""
+    problems = combination_problems(sampler=merged["sampler"], timesteps=merged["timesteps"],
+                                    guidance=merged["guidance"])
+    if merged["sampler"] == DMD and merged["timesteps"] is not None:
+        count = len(merged["timesteps"])
+        if "steps" in explicit and explicit["steps"] != count:
+            problems.append(("steps", f"got {explicit['steps']} but the job lists {count} timesteps; with "
+                                      "sampler dmd the step count is the number of timesteps: drop steps"))
+        merged["steps"] = count
+    for fld, message in problems:
+        problem = Problem(SourceLocation(raw.location.file, raw.lines.get(fld, raw.location.line)),
+                          f"{raw.label}.{fld}", message)
+        if problem not in ctx.problems:  # once per job, not once per sweep combination
+            ctx.problems.append(problem)
+    return not problems
 
 
 def _describe(job: JobSpec) -> str:

@@ -13,16 +13,21 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from pan2render.media.x264 import DEFAULT_X264_PRESET
+from pan2render.sampling import SAMPLERS
+
 ALLOWED_GPUS = (1, 2, 4, 8)
-SAMPLERS = ("unipc", "euler")
 
 # Fields of a resolved job that change the rendered video. The spec hash covers exactly these, so
 # a cosmetic change (a comment, the order of keys) never re-renders a finished job, and any change
 # that would alter the pixels always does.
 RENDER_FIELDS = (
     "model", "weights", "prompt", "negative_prompt", "image_sha256", "seed", "steps", "guidance", "height",
-    "width", "frames", "fps", "flow_shift", "sampler", "crf",
+    "width", "frames", "fps", "flow_shift", "sampler", "crf", "timesteps", "encode_preset",
 )
+# Render fields added after job ids were first handed out, with their defaults: one counts in the
+# hash only when set away from its default, so the jobs of an existing output folder keep their ids.
+LATER_RENDER_FIELDS: dict[str, Any] = {"weights": None, "timesteps": None, "encode_preset": DEFAULT_X264_PRESET}
 
 
 @dataclass(frozen=True)
@@ -79,17 +84,21 @@ class JobSpec:
     gpus: int  # one of ALLOWED_GPUS
     crf: int
     preset: str
+    encode_preset: str = DEFAULT_X264_PRESET  # libx264 preset (media/x264.py), not the job preset
     # Fingerprint of the checkpoint folder's weights (jobs.weights), None for the embedded tiny
     # model: a checkpoint replaced under the same path makes new jobs.
     weights: str | None = None
+    # Sampler dmd: the listed timesteps (ints in [1, T], strictly decreasing); None: the
+    # checkpoint's own (dmd) or not applicable (unipc, euler).
+    timesteps: tuple[int, ...] | None = None
     sweep: dict[str, Any] = field(default_factory=dict)  # the sweep values applied to this job
     source: SourceLocation | None = None
 
     @property
     def spec_hash(self) -> str:
         """sha256 over the render-affecting fields, as canonical JSON."""
-        # A field that is None is left out, so specs from before it existed keep their hash.
-        payload = {k: getattr(self, k) for k in RENDER_FIELDS if not (k == "weights" and self.weights is None)}
+        payload = {k: getattr(self, k) for k in RENDER_FIELDS
+                   if k not in LATER_RENDER_FIELDS or getattr(self, k) != LATER_RENDER_FIELDS[k]}
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -113,6 +122,8 @@ class JobSpec:
     def from_dict(cls, d: dict[str, Any]) -> "JobSpec":
         d = dict(d)
         src = d.pop("source", None)
+        if d.get("timesteps") is not None:  # JSON gives a list
+            d["timesteps"] = tuple(d["timesteps"])
         return cls(**d, source=None if src is None else SourceLocation(src["file"], int(src["line"])))
 
 

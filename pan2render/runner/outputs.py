@@ -56,8 +56,8 @@ def video_tags(spec: JobSpec, *, model_id: str) -> dict[str, str]:
 
 def _schedule(spec: JobSpec, scheduler: dict[str, Any] | None) -> list[float] | None:
     """The sampler's noise levels for this job (the flow-matching sigmas, last 0 excluded)."""
-    if not scheduler or "num_train_timesteps" not in scheduler:
-        return None
+    if spec.timesteps is not None or not scheduler or "num_train_timesteps" not in scheduler:
+        return None  # a few-step sampler runs its listed timesteps (recorded beside), not these
     from pan2render.models.scheduler import flow_sigmas  # noqa: PLC0415 - torch
 
     sigmas = flow_sigmas(num_steps=spec.steps, flow_shift=spec.flow_shift,
@@ -83,7 +83,8 @@ def params_document(*, job: JobRecord, seconds: dict[str, float | None], load: d
         "model": {"model": spec.model, "checkpoint": spec.model if spec.model != "tiny" else None,
                   "model_id": load.get("model_id"), "text_encoder_id": load.get("text_encoder_id")},
         "sampler": {"name": spec.sampler, "steps": spec.steps, "flow_shift": spec.flow_shift,
-                    "guidance": spec.guidance, "sigmas": _schedule(spec, setup.get("scheduler"))},
+                    "guidance": spec.guidance, "sigmas": _schedule(spec, setup.get("scheduler")),
+                    "timesteps": None if spec.timesteps is None else list(spec.timesteps)},
         "seed": spec.seed,
         "attempts": job.attempts,
         "seconds": {s.value: (None if seconds.get(s.value) is None else round(float(seconds[s.value]), 3))

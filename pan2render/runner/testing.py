@@ -38,9 +38,14 @@ class FakePipeline:
         return torch.randn(512, TEXT_DIM, generator=g)  # float32 [512, text_dim]
 
     def sample(self, *, prompt_embeds: torch.Tensor, negative_prompt_embeds: torch.Tensor | None = None,
-               image: Any = None, height: int, width: int, frames: int, steps: int, guidance: float,
+               image: Any = None, height: int, width: int, frames: int, steps: int | None, guidance: float,
                seed: int, flow_shift: float = 5.0, sampler: str = "unipc",
+               timesteps: tuple[int, ...] | None = None,
                progress: Callable[[int, int], None] | None = None, **_: Any) -> torch.Tensor:
+        if steps is None:  # dmd: as many steps as timesteps
+            if timesteps is None:
+                raise ValueError("sampler dmd needs timesteps")
+            steps = len(timesteps)
         if height % 16 or width % 16 or (frames - 1) % 4:
             raise ValueError(f"bad size {height}x{width}x{frames}")
         g = torch.Generator().manual_seed(seed)
@@ -61,7 +66,7 @@ class FakePipeline:
             lat[0, 0, 0, 0] = float("nan")
         return lat  # float32 [48, T, h, w]
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, *, on_device: bool = False) -> torch.Tensor:
         c, t, h, w = latents.shape
         frames = 1 + 4 * (t - 1)
         base = latents[:3].repeat_interleave(4, dim=1)[:, :frames]  # [3, frames, h, w]
