@@ -63,7 +63,7 @@ DIT_CONFIG = dict(
 VAE_CONFIG = dict(
     base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
     temperal_downsample=[False, True, True], dropout=0.0, is_residual=True, in_channels=12, out_channels=12,
-    patch_size=2, scale_factor_temporal=4, scale_factor_spatial=16, clip_output=False,
+    patch_size=2, scale_factor_temporal=4, scale_factor_spatial=16,
     latents_mean=[0.0] * 48, latents_std=[1.0] * 48,
 )  # fmt: skip
 UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
