@@ -182,6 +182,10 @@ CREATE TABLE IF NOT EXISTS stages (
     artifact TEXT, sha256 TEXT, size INTEGER, seconds REAL, error TEXT, traceback TEXT,
     updated_at REAL NOT NULL, PRIMARY KEY (job_id, stage)
 );
+CREATE TABLE IF NOT EXISTS documents (
+    job_id TEXT NOT NULL REFERENCES jobs(id), name TEXT NOT NULL, body TEXT NOT NULL,
+    updated_at REAL NOT NULL, PRIMARY KEY (job_id, name)
+);
 CREATE TABLE IF NOT EXISTS events (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, job_id TEXT, kind TEXT NOT NULL,
     detail TEXT NOT NULL
@@ -424,11 +428,32 @@ class Ledger:
             self._set_stage(c, job_id, stage, state, artifact=artifact, sha256=sha256, size=size,
                             seconds=seconds, error=error, traceback=traceback)
 
-    def set_stages(self, job_id: str, updates: list[tuple[Stage, StageState, dict[str, Any]]]) -> None:
-        """Several stage rows in one transaction (decode + encode finish together)."""
+    def set_stages(self, job_id: str, updates: list[tuple[Stage, StageState, dict[str, Any]]], *,
+                   documents: dict[str, str] | None = None) -> None:
+        """Several stage rows in one transaction (decode + encode finish together), with the text of
+        the small files written beside the artifact (``documents``: name -> text)."""
         with self._tx() as c:
             for stage, state, fields in updates:
                 self._set_stage(c, job_id, stage, state, **fields)
+            for name, body in (documents or {}).items():
+                self._set_document(c, job_id, name, body)
+
+    # ---------------------------------------------------------------- documents
+    # Small text files written beside a job's artifacts (params.json): the ledger keeps their exact
+    # text, so a damaged copy on disk is rewritten on resume rather than rebuilt.
+    def document(self, job_id: str, name: str) -> str | None:
+        row = self._conn.execute("SELECT body FROM documents WHERE job_id = ? AND name = ?",
+                                 (job_id, name)).fetchone()
+        return None if row is None else row[0]
+
+    def set_document(self, job_id: str, name: str, body: str) -> None:
+        with self._tx() as c:
+            self._set_document(c, job_id, name, body)
+
+    @staticmethod
+    def _set_document(c: sqlite3.Connection, job_id: str, name: str, body: str) -> None:
+        c.execute("INSERT OR REPLACE INTO documents (job_id, name, body, updated_at) VALUES (?, ?, ?, ?)",
+                  (job_id, name, body, time.time()))
 
     def reset_stages(self, job_id: str, from_stage: Stage, *, reason: str) -> None:
         """Mark ``from_stage`` and every later stage pending (their inputs are being redone)."""

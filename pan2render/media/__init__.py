@@ -1,5 +1,14 @@
-"""Video output: PyAV libx264 encode with validation, probing and thumbnail strips."""
+"""Video output: PyAV libx264 encode with validation and metadata, probing, poster frames."""
 
-from pan2render.media.video import MediaError, VideoInfo, encode_mp4, png_bytes, probe_mp4, thumbnail_strip
+from pan2render.media.video import (
+    MediaError,
+    VideoInfo,
+    encode_mp4,
+    middle_frame_png,
+    png_bytes,
+    probe_mp4,
+    read_metadata,
+)
 
-__all__ = ["MediaError", "VideoInfo", "encode_mp4", "png_bytes", "probe_mp4", "thumbnail_strip"]
+__all__ = ["MediaError", "VideoInfo", "encode_mp4", "middle_frame_png", "png_bytes", "probe_mp4",
+           "read_metadata"]

@@ -16,6 +16,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from fractions import Fraction
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,7 @@ def check_x264_preset(preset: str) -> str:
 
 
 def encode_mp4(frames: Any, path: str | os.PathLike[str], *, fps: float, crf: int,
-               preset: str = DEFAULT_X264_PRESET) -> float:
+               preset: str = DEFAULT_X264_PRESET, metadata: Mapping[str, str] | None = None) -> float:
     """Write ``frames`` to ``path`` as H.264 mp4 (yuv420p, tagged BT.709 limited range); returns
     the seconds spent encoding (without the check that decodes the file back).
 
@@ -84,6 +85,8 @@ def encode_mp4(frames: Any, path: str | os.PathLike[str], *, fps: float, crf: in
     :class:`Yuv420Video` converted already (on the GPU by the worker). ``preset``: one of
     :data:`X264_PRESETS`. The encoder uses every core (frame threads).
 
+    ``metadata``: container tags (e.g. ``title``, ``comment``, or any key of ours), read back by
+    :func:`read_metadata`, PyAV's ``container.metadata`` or ``ffprobe -show_format``.
     The file appears under ``path`` only after it has been decoded back and found to hold ``F``
     frames of ``W x H``; on any error no temp file is left behind and an existing ``path`` is
     untouched. Raises MediaError.
@@ -108,7 +111,7 @@ def encode_mp4(frames: Any, path: str | os.PathLike[str], *, fps: float, crf: in
     tmp = Path(tmp_name)
     try:
         t0 = time.perf_counter()
-        _write_h264(video, tmp, rate=rate, crf=crf, preset=preset)
+        _write_h264(video, tmp, rate=rate, crf=crf, preset=preset, metadata=metadata or {})
         encode_s = time.perf_counter() - t0
         _fsync_file(tmp)
         info = probe_mp4(tmp)
@@ -162,26 +165,35 @@ def probe_mp4(path: str | os.PathLike[str]) -> VideoInfo:
     return VideoInfo(frames=decoded, width=width, height=height, fps=float(rate) if rate else 0.0)
 
 
-def thumbnail_strip(path: str | os.PathLike[str], n: int = 6, height: int = 96) -> bytes:
-    """PNG bytes: ``n`` frames spread evenly from first to last, scaled to ``height``, side by side."""
-    if n < 1 or height < 2:
-        raise MediaError(f"thumbnail_strip needs n >= 1 and height >= 2, got n={n}, height={height}")
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
+    """The container tags of an mp4 (as :func:`encode_mp4` wrote them, plus the muxer's own)."""
+    try:
+        with av.open(str(path), mode="r") as container:
+            return dict(container.metadata)
+    except (av.FFmpegError, OSError, ValueError) as exc:
+        raise MediaError(f"cannot read the metadata of {path}: {exc}") from exc
+
+
+def middle_frame_png(path: str | os.PathLike[str], *, max_side: int) -> bytes:
+    """PNG bytes of the middle frame of an mp4, scaled down so its longer side is at most
+    ``max_side`` (never up). Decodes only up to that frame, on one thread: for the short clips a
+    report shows by the hundred, starting the decoder's threads costs more than they save."""
     p = Path(path)
-    info = probe_mp4(p)
-    # Evenly spaced frame indices, first and last included ([0] for n == 1).
-    wanted = sorted({round(i * (info.frames - 1) / max(n - 1, 1)) for i in range(n)})
-    thumb_w = max(1, round(info.width * height / info.height))
-    picked: list[np.ndarray] = []
     try:
         with av.open(str(p), mode="r") as container:
-            for i, frame in enumerate(container.decode(container.streams.video[0])):
-                if i in wanted:
-                    small = frame.reformat(width=thumb_w, height=height, format="rgb24")
-                    picked.append(small.to_ndarray())  # [height, thumb_w, 3] uint8
-    except (av.FFmpegError, OSError, ValueError) as exc:
+            stream = container.streams.video[0]
+            stream.thread_type = "NONE"
+            frames = int(stream.frames or 0) or probe_mp4(p).frames  # header count; decode if absent
+            middle = (frames - 1) // 2
+            for i, frame in enumerate(container.decode(stream)):
+                if i == middle:
+                    scale = min(1.0, max_side / max(frame.width, frame.height))
+                    small = frame.reformat(width=max(2, round(frame.width * scale)),
+                                           height=max(2, round(frame.height * scale)), format="rgb24")
+                    return png_bytes(small.to_ndarray())  # [h, w, 3] uint8
+    except (av.FFmpegError, OSError, ValueError, IndexError) as exc:
         raise MediaError(f"cannot read frames of {p}: {exc}") from exc
-    strip = np.concatenate(picked, axis=1)  # [height, len(picked) * thumb_w, 3]
-    return png_bytes(strip)
+    raise MediaError(f"{p} ended before its middle frame {middle}; re-encode it")
 
 
 def png_bytes(rgb: np.ndarray) -> bytes:
@@ -234,11 +246,17 @@ def _fps_fraction(fps: float) -> Fraction:
     return rate
 
 
-def _write_h264(video: Yuv420Video, path: Path, *, rate: Fraction, crf: int, preset: str) -> None:
+def _write_h264(video: Yuv420Video, path: Path, *, rate: Fraction, crf: int, preset: str,
+                metadata: Mapping[str, str]) -> None:
     num_frames, height, width = video.shape
     try:
-        # +faststart puts the index at the front so the report's <video> tags play at once.
-        with av.open(str(path), mode="w", format="mp4", options={"movflags": "+faststart"}) as container:
+        # +faststart puts the index at the front so the report's <video> tags play at once;
+        # +use_metadata_tags stores every tag as a QuickTime "mdta" key: without it the mp4 muxer
+        # keeps only the iTunes set (title, comment, description, ...) and silently drops our keys.
+        with av.open(str(path), mode="w", format="mp4",
+                     options={"movflags": "+faststart+use_metadata_tags"}) as container:
+            for key, value in metadata.items():
+                container.metadata[key] = value
             stream = container.add_stream("libx264", rate=rate)
             stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
             stream.options = {"crf": str(crf), "preset": preset}

@@ -12,7 +12,7 @@ import hashlib
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -260,6 +260,33 @@ class PAN2Pipeline:
         from ..parallel import parallelize_pipeline
 
         return parallelize_pipeline(self, group)
+
+    def describe(self) -> dict[str, object]:
+        """How this pipeline runs a job, as plain JSON values (recorded beside every video): the
+        ranks, how guided and unguided steps use them, the decode path, the DiT's dtype, the
+        scheduler config."""
+        ranks = 1 if self.process_group is None else self.process_group.world_size
+        if ranks == 1:
+            guided = "one rank"
+        elif self.guidance_split is not None:
+            half = self.guidance_split.half_size
+            guided = f"one branch per half of the group ({half} rank(s) each, Ulysses within a half)"
+        else:
+            guided = f"both branches Ulysses over {ranks} ranks"
+        fast, why_not = (fast_decode_available(self.device) if self.config.vae_decode_kernel
+                         else (False, "vae_decode_kernel is off"))
+        if ranks > 1 and self.config.vae_decode_kernel_parallel:
+            decode = f"split by layers over {ranks} ranks"
+        else:
+            decode = "fast decoder" if fast else f"reference decoder ({why_not})"
+        return {
+            "ranks": ranks,
+            "guided_steps": guided,
+            "unguided_steps": "one rank" if ranks == 1 else f"Ulysses over {ranks} ranks",
+            "decode": decode,
+            "dit_dtype": str(self.config.dtype).removeprefix("torch."),
+            "scheduler": asdict(self.scheduler_config),
+        }
 
     @property
     def device(self) -> torch.device:

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,8 +101,10 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("batch", type=Path)
     v.set_defaults(func=cmd_validate)
 
-    rep = sub.add_parser("report", help="write DIR/index.html (contact sheet, per-job strips)")
+    rep = sub.add_parser("report", help="write DIR/index.html (every video inline, sweep grids, errors); "
+                                         "run and resume write it too")
     rep.add_argument("dir", type=Path)
+    rep.add_argument("--open", action="store_true", help="open it in the default web browser")
     rep.set_defaults(func=cmd_report)
 
     fix = sub.add_parser("repair", help="rebuild a missing or damaged ledger from its backup and the artifacts")
@@ -254,13 +257,15 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from pan2render.runner.report import write_report  # noqa: PLC0415
+    from pan2render.runner.report import open_in_browser, write_report  # noqa: PLC0415
 
     if not (args.dir / LEDGER_NAME).is_file():
         print(f"error: {args.dir} has no {LEDGER_NAME}; nothing to report", file=sys.stderr)
         return EXIT_USAGE
     path = write_report(args.dir)
     print(path)
+    if args.open and not open_in_browser(path):
+        print(f"no web browser found; open {path.resolve().as_uri()}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -329,6 +334,20 @@ def _print_jobs(jobs: list[JobSpec], *, done: set[str]) -> None:
 
 
 def _drive(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str]) -> int:
+    """Run the jobs, keeping DIR/index.html current as they end and writing it once more at the
+    end, however the run ends."""
+    from pan2render.runner.report import ReportUpdater  # noqa: PLC0415
+
+    report = ReportUpdater(out, say=lambda s: print(s, file=sys.stderr))
+    try:
+        return _drive_jobs(args, out, ledger, ids, on_job_end=report.request)
+    finally:
+        if (path := report.close()) is not None:
+            print(f"report: {path}", file=sys.stderr)
+
+
+def _drive_jobs(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str], *,
+                on_job_end: Callable[[], None]) -> int:
     config = DriverConfig(retries=args.retries, progress=not args.no_progress and sys.stderr.isatty(),
                           group_start_timeout_s=args.group_start_timeout, cluster_wait_s=args.cluster_wait)
     if not ids:
@@ -343,7 +362,7 @@ def _drive(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str]) 
         return EXIT_OK
     executor = _make_executor(args, max_gpus=max(j.spec.gpus for j in jobs))
     try:
-        driver = Driver(out_dir=out, ledger=ledger, executor=executor, config=config)
+        driver = Driver(out_dir=out, ledger=ledger, executor=executor, config=config, on_job_end=on_job_end)
         summary = driver.run(ids, prepared=True)
     finally:
         executor.shutdown()

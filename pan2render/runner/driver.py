@@ -43,7 +43,7 @@ from pan2render.jobs.ledger import (
     StageState,
 )
 from pan2render.jobs.weights import folder_fingerprint
-from pan2render.runner import stages
+from pan2render.runner import outputs, stages
 from pan2render.runner.groups import Call, Executor, Group, GroupDied, GroupPool, GroupStartError
 from pan2render.runner.retry import (
     Action,
@@ -156,6 +156,9 @@ def prepare_jobs(*, out_dir: Path, ledger: Ledger, job_ids: list[str], retries: 
                 ledger.reset_stages(job.id, Stage.DECODE, reason=problem)
                 ledger.transition(job.id, JobEvent.INVALIDATE, reason=problem)
                 say(f"{job.name}: {problem}; encoding it again")
+            elif fixed := outputs.restore_params(out_dir, ledger, job):
+                ledger.log(job.id, "params-rewritten", fixed)
+                say(f"{job.name}: {fixed}; rewritten")
 
 
 def _group_is_suspect(group: Group, method: str, reply: Reply) -> bool:
@@ -170,8 +173,12 @@ def _group_is_suspect(group: Group, method: str, reply: Reply) -> bool:
 
 
 class Driver:
-    def __init__(self, *, out_dir: Path, ledger: Ledger, executor: Executor, config: DriverConfig):
+    def __init__(self, *, out_dir: Path, ledger: Ledger, executor: Executor, config: DriverConfig,
+                 on_job_end: Callable[[], None] | None = None):
+        """``on_job_end``: called from the loop after any job finished or failed (e.g. to refresh
+        the report); it must return quickly."""
         self.out_dir = Path(out_dir)
+        self._on_job_end = on_job_end
         self.ledger = ledger
         self.ex = executor
         self.config = config
@@ -179,9 +186,11 @@ class Driver:
                               start_timeout_s=config.group_start_timeout_s)
         self._max_group = executor.max_group_size()  # a group's GPUs must all be on one node
         self._model_ids: dict[str, dict[str, str]] = {}  # model -> {model_id, text_encoder_id}
+        self._loads: dict[tuple[str, str], dict[str, Any]] = {}  # (group id, model) -> load reply
         self._pending: deque[str] = deque()
         self._active: dict[str, _Active] = {}
         self._n_done = self._n_failed = 0
+        self._ended_seen = 0  # jobs ended when on_job_end was last called
         self._policy = RetryPolicy()
         self._redos: dict[str, int] = {}  # job id -> artifacts redone after failing their check
         self._stop: BaseException | None = None  # set on a full disk: start nothing more, then raise
@@ -218,6 +227,7 @@ class Driver:
                     self._on_ready(call)
                 self._check_deadlines()
                 self._update_bars(bar)
+                self._notify_job_end()
         except KeyboardInterrupt:
             for a in list(self._active.values()):
                 self.ledger.transition(a.job.id, JobEvent.INTERRUPT, reason="interrupted (Ctrl-C)")
@@ -419,6 +429,7 @@ class Driver:
         if method == "load":
             a.group.models.add(spec.model)
             self._model_ids[spec.model] = {k: reply.value[k] for k in ("model_id", "text_encoder_id")}
+            self._loads[(a.group.id, spec.model)] = reply.value
             self.ledger.log(jid, "group-load",
                             f"group {a.group.id}: {spec.model} ({reply.value['model_id']}) loaded on "
                             f"{reply.value['world_size']} rank(s), device {reply.value['device']}, "
@@ -447,6 +458,13 @@ class Driver:
             self.ledger.set_stage(jid, Stage.ENCODE, StageState.RUNNING)
         elif method == "collect":
             mp4: bytes = reply.value["mp4"]
+            # params.json first: a write that fails between the two then leaves no video that the
+            # ledger does not record (a lone params.json is rewritten with the next attempt).
+            encode_s, check_s = float(reply.value["encode_s"]), float(reply.value["check_s"])
+            seconds = {s.value: r.seconds for s, r in self.ledger.stages(jid).items()}
+            seconds.update(decode=a.decode_s, encode=encode_s + check_s)
+            params = outputs.write_params(self.out_dir, job=a.job, seconds=seconds,
+                                          load=self._loads.get((a.group.id, spec.model)))
             rel = stages.video_relpath(jid)
             stages.write_artifact(self.out_dir, rel, mp4)
             rec = stages.Recorded(rel, stages.sha256_bytes(mp4), len(mp4))
@@ -454,12 +472,11 @@ class Driver:
                                          height=spec.height)
             if problem:
                 raise RuntimeError(f"the written video does not check out: {problem}")
-            encode_s, check_s = float(reply.value["encode_s"]), float(reply.value["check_s"])
             self.ledger.set_stages(jid, [
                 (Stage.DECODE, StageState.DONE, {"seconds": a.decode_s}),
                 (Stage.ENCODE, StageState.DONE, {"artifact": rel, "sha256": rec.sha256, "size": rec.size,
                                                  "seconds": encode_s + check_s}),
-            ])
+            ], documents={outputs.PARAMS_NAME: params})
             self.ledger.log(jid, "encode", f"libx264 {encode_s:.2f} s, decode-back check {check_s:.2f} s, "
                                            f"{len(mp4)} bytes")
 
@@ -614,6 +631,12 @@ class Driver:
                                     f"no reply to {method} within its {limit:.0f} s deadline")
 
     # ================================================================== progress
+    def _notify_job_end(self) -> None:
+        ended = self._n_done + self._n_failed
+        if self._on_job_end is not None and ended != self._ended_seen:
+            self._ended_seen = ended
+            self._on_job_end()
+
     def _jobs_bar(self, jobs: list[JobRecord]) -> tqdm:
         self._n_done = sum(j.state is JobState.DONE for j in jobs)
         self._n_failed = sum(j.state is JobState.FAILED for j in jobs)

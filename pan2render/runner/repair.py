@@ -27,8 +27,7 @@ from pan2render.jobs.ledger import BACKUP_NAME, LEDGER_NAME, JobState, Ledger, L
 from pan2render.jobs.spec import Batch, JobSpec
 from pan2render.media.video import fsync_dir
 from pan2render.runner import stages
-
-PARAMS_NAME = "params.json"
+from pan2render.runner.outputs import PARAMS_NAME
 
 
 @dataclass

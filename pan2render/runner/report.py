@@ -1,15 +1,36 @@
-"""``status`` rows and the HTML contact sheet (``DIR/index.html``), both read-only on the ledger."""
+"""``status`` rows and the HTML report (``DIR/index.html``), both read-only on the ledger.
+
+The report is one page for looking at and comparing a batch: every finished video plays inline,
+a swept batch is laid out as grids (one table per job of the batch, its rows and columns the swept
+values), failed and unfinished jobs sit in place with their error, attempts and traceback, and
+older versions of a job (same name and sweep values, another spec hash) are marked superseded.
+It is written from the template ``templates/report.html`` into ``DIR/index.html`` with relative
+links to the job folders, so the folder can be copied and opened anywhere without a server.
+"""
 
 from __future__ import annotations
 
-import html
+import itertools
 import json
-from dataclasses import dataclass
+import os
+import threading
+import time
+import webbrowser
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pan2render.jobs.ledger import STAGES, JobRecord, JobState, Ledger, Stage, StageState
+from pan2render.jobs.ledger import STAGES, JobRecord, JobState, Ledger, Stage, StageRecord, StageState
+from pan2render.runner import outputs
 from pan2render.runner import stages as st
+
+REPORT_NAME = "index.html"
+POSTER_DIR = "_report"
+POSTER_MAX_SIDE = 480  # px; a poster is shown at most ~320 px wide, and 500 of them stay small
+TILE_BOX = (320, 200)  # px: the largest a video is shown (width, height), aspect kept
+# Spec fields never listed as "shared" or "varying": identity, provenance, or shown elsewhere.
+_NOT_COMPARED = frozenset({"name", "sweep", "source", "image_sha256"})
 
 
 @dataclass(frozen=True)
@@ -22,29 +43,47 @@ class JobStatus:
     error: str | None
     video: str | None  # absolute path of a finished video, else None
     seconds: dict[str, float | None]  # per stage
+    superseded_by: str | None = None  # id of the newer version of this job (same name and sweep)
     problem: str | None = None  # a done job whose video is missing or not the recorded size
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "name": self.name, "state": self.state, "stage": self.stage,
                 "attempts": self.attempts, "error": self.error, "video": self.video,
-                "seconds": self.seconds, "problem": self.problem}
+                "seconds": self.seconds, "superseded_by": self.superseded_by, "problem": self.problem}
+
+
+def superseded(jobs: list[JobRecord]) -> dict[str, str]:
+    """Old id -> newest id, for every job that has a newer version in the ledger: the same name and
+    sweep values under another spec hash (the batch was edited and run again into the folder).
+    Newest = added to the ledger last."""
+    newest: dict[str, str] = {}
+    for job in sorted(jobs, key=lambda j: j.position):
+        newest[_version_key(job)] = job.id
+    return {j.id: newest[_version_key(j)] for j in jobs if newest[_version_key(j)] != j.id}
+
+
+def _version_key(job: JobRecord) -> str:
+    return json.dumps([job.name, job.spec.sweep], sort_keys=True, default=str)
 
 
 def job_statuses(out_dir: Path, ledger: Ledger) -> list[JobStatus]:
-    out = []
-    for job in ledger.jobs():
-        stages = ledger.stages(job.id)
-        video = problem = None
-        enc = stages[Stage.ENCODE]
-        if job.state is JobState.DONE:
-            # Cheap checks only (status must stay fast on hundreds of jobs): present, recorded size.
-            problem = st.check_present(out_dir, st.Recorded(enc.artifact, enc.sha256, enc.size))
-        if enc.state is StageState.DONE and enc.artifact and not problem and (out_dir / enc.artifact).is_file():
-            video = str((out_dir / enc.artifact).absolute())
-        out.append(JobStatus(id=job.id, name=job.name, state=job.state.value, stage=_stage_of(job, stages),
-                             attempts=job.attempts, error=job.error, video=video,
-                             seconds={s.value: stages[s].seconds for s in STAGES}, problem=problem))
-    return out
+    jobs = ledger.jobs()
+    newer = superseded(jobs)
+    return [_status(out_dir, job, ledger.stages(job.id), newer.get(job.id)) for job in jobs]
+
+
+def _status(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], newer: str | None) -> JobStatus:
+    video = problem = None
+    enc = stages[Stage.ENCODE]
+    if job.state is JobState.DONE:
+        # Cheap checks only (status must stay fast on hundreds of jobs): present, recorded size.
+        problem = st.check_present(out_dir, st.Recorded(enc.artifact, enc.sha256, enc.size))
+    if enc.state is StageState.DONE and enc.artifact and not problem and (out_dir / enc.artifact).is_file():
+        video = str((out_dir / enc.artifact).absolute())
+    return JobStatus(id=job.id, name=job.name, state=job.state.value, stage=_stage_of(job, stages),
+                     attempts=job.attempts, error=job.error, video=video,
+                     seconds={s.value: stages[s].seconds for s in STAGES}, superseded_by=newer,
+                     problem=problem)
 
 
 def _stage_of(job: JobRecord, stages: dict[Stage, Any]) -> str | None:
@@ -63,76 +102,307 @@ def format_table(rows: list[JobStatus]) -> str:
         err = (r.error or "").splitlines()[0][:100] if r.error else ""
         if r.problem:
             err = f"VIDEO PROBLEM: {r.problem}; `pan2-render resume` re-encodes it"
-        lines.append(f"{r.state + ('!' if r.problem else ''):8} {r.stage or '-':13} {r.attempts:>3}  {r.id:50} {err}")
+        note = f"superseded by {r.superseded_by}" if r.superseded_by else ""
+        lines.append(f"{r.state + ('!' if r.problem else ''):8} {r.stage or '-':13} {r.attempts:>3}  {r.id:50} "
+                     f"{'; '.join(x for x in (note, err) if x)}")
     counts = {s.value: sum(r.state == s.value for r in rows) for s in JobState}
-    lines.append(", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no jobs")
+    n_old = sum(r.superseded_by is not None for r in rows)
+    summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no jobs"
+    lines.append(summary + (f" ({n_old} superseded by a newer version)" if n_old else ""))
     damaged = sum(bool(r.problem) for r in rows)
     if damaged:
         lines.append(f"{damaged} done job(s) marked ! have a missing or damaged video")
     return "\n".join(lines)
 
 
-def write_report(out_dir: Path) -> Path:
-    """Write ``DIR/index.html``: a contact sheet (the thumbnail strip of every done job), then one
-    section per job with its strip, resolved parameters and, if it failed, the error."""
-    from pan2render.media.video import MediaError, thumbnail_strip  # noqa: PLC0415
+# ---------------------------------------------------------------------- the page's model
+@dataclass(frozen=True)
+class Tile:
+    """One job as the page shows it."""
 
+    id: str
+    name: str
+    state: str
+    stage: str | None
+    attempts: int
+    label: str  # the values that vary (between jobs of its table), e.g. "seed 1"
+    video: str | None  # relative to index.html
+    poster: str | None
+    params: str | None
+    width: int  # display size in px
+    height: int
+    error: str | None
+    traceback: str | None
+    superseded_by: str | None
+
+
+@dataclass
+class HeaderCell:
+    text: str
+    rowspan: int
+
+
+@dataclass
+class GridRow:
+    headers: list[HeaderCell]  # row headers that start on this row (nested axes use rowspan)
+    cells: list[list[Tile]]  # per column: the current version first, then superseded ones
+
+
+@dataclass
+class Grid:
+    name: str
+    caption: str  # the prompt
+    fixed: list[tuple[str, str]]  # fields constant in this table but varying in the batch
+    row_axes: list[str]
+    col_axis: str | None
+    col_values: list[str]
+    rows: list[GridRow] = field(default_factory=list)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _sort_key(value: Any) -> tuple[int, Any]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (0, value)
+    return (1, _fmt(value))
+
+
+def _compared(job: JobRecord) -> dict[str, str]:
+    return {k: _fmt(v) for k, v in job.spec.to_dict().items() if k not in _NOT_COMPARED}
+
+
+def _varying(jobs: list[JobRecord]) -> tuple[dict[str, str], list[str]]:
+    """(fields with one value across ``jobs`` -> that value, names of the fields that differ)."""
+    values: dict[str, set[str]] = {}
+    for job in jobs:
+        for k, v in _compared(job).items():
+            values.setdefault(k, set()).add(v)
+    shared = {k: next(iter(v)) for k, v in values.items() if len(v) == 1}
+    return shared, [k for k, v in values.items() if len(v) > 1]
+
+
+def _display_size(width: int, height: int) -> tuple[int, int]:
+    scale = min(TILE_BOX[0] / width, TILE_BOX[1] / height)
+    return round(width * scale), round(height * scale)
+
+
+def _poster(out_dir: Path, job_id: str, video: Path, sha256: str | None, say: Callable[[str], None]) -> str | None:
+    """The poster (middle frame) of a video, made once per video content and kept in DIR/_report/."""
+    from pan2render.media.video import MediaError, middle_frame_png  # noqa: PLC0415 - PyAV
+
+    rel = f"{POSTER_DIR}/{job_id}.{(sha256 or 'unrecorded')[:12]}.png"
+    path = out_dir / rel
+    if path.is_file():
+        return rel
+    try:
+        data = middle_frame_png(video, max_side=POSTER_MAX_SIDE)
+    except MediaError as e:  # shown without a poster; `resume` re-encodes a broken video
+        say(f"report: {job_id}: no poster: {e}")
+        return None
+    # A cache, remade from the video when lost: renamed into place (never half a PNG under its
+    # name) but not fsynced, which would cost more than the decode for a page of small clips.
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return rel
+
+
+def _tile(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], *, label: str,
+          newer: str | None, say: Callable[[str], None]) -> Tile:
+    status = _status(out_dir, job, stages, newer)
+    video = poster = None
+    if status.video:
+        video = str(stages[Stage.ENCODE].artifact)
+        poster = _poster(out_dir, job.id, out_dir / video, stages[Stage.ENCODE].sha256, say)
+    params = outputs.params_relpath(job.id)
+    tb = None
+    if job.error_stage:
+        tb = stages[Stage(job.error_stage)].traceback
+    width, height = _display_size(job.spec.width, job.spec.height)
+    return Tile(id=job.id, name=job.name, state=job.state.value, stage=status.stage, attempts=job.attempts,
+                label=label, video=video, poster=poster,
+                params=params if (out_dir / params).is_file() else None, width=width, height=height,
+                error=job.error, traceback=tb, superseded_by=newer)
+
+
+def _grid(name: str, jobs: list[JobRecord], tiles: dict[str, Tile], batch_varying: list[str],
+          newer: dict[str, str]) -> Grid:
+    current = [j for j in jobs if j.id not in newer]
+    axes = sorted({k for j in jobs for k in j.spec.sweep})
+    shared, _ = _varying(current)
+    fixed = [(k, shared[k]) for k in batch_varying if k in shared and k not in axes and k != "prompt"]
+    prompts = sorted({j.spec.prompt for j in current})
+    values = {a: sorted({j.spec.sweep.get(a) for j in jobs}, key=_sort_key) for a in axes}
+    row_axes, col_axis = (axes[:-1], axes[-1]) if axes else ([], None)
+    grid = Grid(name=name, caption=" / ".join(prompts), fixed=fixed, row_axes=row_axes, col_axis=col_axis,
+                col_values=[_fmt(v) for v in values[col_axis]] if col_axis else [])
+    by_cell: dict[str, list[Tile]] = {}
+    for job in sorted(jobs, key=lambda j: (j.id in newer, -j.position)):  # current version first
+        key = json.dumps([_fmt(job.spec.sweep.get(a)) for a in axes])
+        by_cell.setdefault(key, []).append(tiles[job.id])
+    row_values = list(itertools.product(*(values[a] for a in row_axes)))
+    for r, combo in enumerate(row_values):
+        headers = []
+        for depth in range(len(row_axes)):
+            # A nested header starts where its prefix changes and spans the rows that share it.
+            if r == 0 or row_values[r - 1][:depth + 1] != combo[:depth + 1]:
+                span = sum(1 for c in row_values[r:] if c[:depth + 1] == combo[:depth + 1])
+                headers.append(HeaderCell(_fmt(combo[depth]), span))
+        cells = []
+        for v in values[col_axis] if col_axis else [None]:
+            key = json.dumps([_fmt(x) for x in (*combo, v)] if col_axis else [])
+            cells.append(by_cell.get(key, []))
+        grid.rows.append(GridRow(headers=headers, cells=cells))
+    return grid
+
+
+def _wall_seconds(events: list[tuple[float, str | None, str, str]]) -> float:
+    """Time during which at least one job was running (the union of every attempt's interval), so
+    the idle time between a run and a later resume does not count."""
+    started: dict[str, float] = {}
+    intervals: list[tuple[float, float]] = []
+    last = 0.0
+    for at, job_id, kind, _ in events:
+        last = max(last, at)
+        if job_id is None:
+            continue
+        if kind == f"{JobState.PENDING.value}->{JobState.RUNNING.value}":
+            started[job_id] = at
+        elif kind.startswith(f"{JobState.RUNNING.value}->") and job_id in started:
+            intervals.append((started.pop(job_id), at))
+    intervals += [(t, last) for t in started.values()]  # still running (or its driver died)
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _duration(seconds: float) -> str:
+    s = round(seconds)
+    return f"{s // 3600}h {s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m {s % 60:02d}s"
+
+
+def report_context(out_dir: Path, *, say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Everything the template shows, read from the ledger (posters are made as needed)."""
     ledger = Ledger.open_readonly(out_dir)
     try:
-        rows = job_statuses(out_dir, ledger)
-        specs = {j.id: j.spec for j in ledger.jobs()}
+        jobs = ledger.jobs()
+        stages = {j.id: ledger.stages(j.id) for j in jobs}
+        events = ledger.events()
+        batch = ledger.get_meta("batch", {}) or {}
     finally:
         ledger.close()
-    # Strips are files next to index.html (DIR/_report/<id>.png), not data URIs: a sweep of a few
-    # hundred jobs would otherwise make a page of tens of MB.
-    strips: dict[str, str] = {}  # job id -> src relative to index.html
-    for r in rows:
-        if r.video:
-            try:
-                rel = f"_report/{r.id}.png"
-                st.write_atomic(out_dir / rel, thumbnail_strip(r.video, n=6, height=96))
-                strips[r.id] = rel
-            except MediaError as e:  # listed without a strip; `resume` would re-encode it
-                print(f"report: {r.id}: {e}")
-    parts = [_HEAD.format(title=html.escape(f"pan2-render: {out_dir.name}"))]
-    done = sum(r.state == "done" for r in rows)
-    failed = [r for r in rows if r.state == "failed"]
-    parts.append(f"<h1>{html.escape(str(out_dir))}</h1><p>{len(rows)} jobs: {done} done, "
-                 f"{len(failed)} failed, {len(rows) - done - len(failed)} unfinished.</p>")
-    parts.append('<div class="sheet">')
-    for r in rows:
-        if strips.get(r.id):
-            parts.append(f'<a href="#{html.escape(r.id)}"><img src="{html.escape(strips[r.id])}" '
-                         f'title="{html.escape(r.name)}"></a>')
-    parts.append("</div>")
-    if failed:
-        parts.append("<h2>Failed</h2><ul>")
-        for r in failed:
-            parts.append(f'<li><a href="#{html.escape(r.id)}">{html.escape(r.name)}</a> '
-                         f'({html.escape(r.stage or "?")}): <code>{html.escape(r.error or "")}</code></li>')
-        parts.append("</ul>")
-    parts.append("<h2>Jobs</h2>")
-    for r in rows:
-        spec = specs[r.id].to_dict()
-        spec.pop("source", None)
-        parts.append(f'<section id="{html.escape(r.id)}"><h3>{html.escape(r.name)} '
-                     f'<span class="{r.state}">{r.state}</span></h3>')
-        if strips.get(r.id):
-            rel = Path(r.video or "").relative_to(out_dir.absolute()) if r.video else ""
-            parts.append(f'<a href="{html.escape(str(rel))}"><img src="{html.escape(strips[r.id])}"></a>')
-        if r.error:
-            parts.append(f"<pre class=err>{html.escape(r.stage or '')}: {html.escape(r.error)}</pre>")
-        parts.append(f"<p>id <code>{html.escape(r.id)}</code>, attempts {r.attempts}, seconds "
-                     f"{html.escape(json.dumps({k: round(v, 2) for k, v in r.seconds.items() if v}))}</p>")
-        parts.append(f"<pre>{html.escape(json.dumps(spec, indent=1, sort_keys=True))}</pre></section>")
-    parts.append("</body></html>")
-    path = out_dir / "index.html"
-    st.write_atomic(path, "\n".join(parts).encode())
+    newer = superseded(jobs)
+    current = [j for j in jobs if j.id not in newer]
+    shared, varying = _varying(current)
+    swept = any(j.spec.sweep for j in jobs)
+    by_name: dict[str, list[JobRecord]] = {}
+    for job in jobs:
+        by_name.setdefault(job.name, []).append(job)
+
+    tiles: dict[str, Tile] = {}
+    for name, group in by_name.items():
+        # A tile's label: what varies inside its table when grids are shown, else across the batch.
+        inner = _varying([j for j in group if j.id not in newer])[1] if swept else varying
+        shown = [k for k in inner if k != "prompt"]
+        for job in group:
+            label = ", ".join(f"{k} {_compared(job)[k]}" for k in shown)
+            tiles[job.id] = _tile(out_dir, job, stages[job.id], label=label, newer=newer.get(job.id), say=say)
+
+    grids = [_grid(name, group, tiles, varying, newer) for name, group in by_name.items()] if swept else []
+    gallery = [] if swept else [tiles[j.id] for j in sorted(jobs, key=lambda j: (j.id in newer, j.position))]
+    counts = {s.value: sum(j.state is s for j in current) for s in JobState}
+    gpu_s = sum((r.seconds or 0.0) * j.spec.gpus for j in jobs for r in stages[j.id].values())
+    return {
+        "title": f"pan2-render: {out_dir.resolve().name}",
+        "folder": str(out_dir.resolve()),
+        "batch": batch.get("path"),
+        "total": len(current),
+        "counts": counts,
+        "n_superseded": len(newer),
+        "gpu_time": _duration(gpu_s),
+        "wall_time": _duration(_wall_seconds(events)),
+        "shared": sorted((k, v) for k, v in shared.items() if v != _fmt(None)),
+        "grids": grids,
+        "gallery": gallery,
+        "written_at": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime()),
+    }
+
+
+def render_html(context: dict[str, Any]) -> str:
+    import jinja2  # noqa: PLC0415
+
+    env = jinja2.Environment(loader=jinja2.PackageLoader("pan2render.runner", "templates"),
+                             autoescape=True, undefined=jinja2.StrictUndefined,
+                             trim_blocks=True, lstrip_blocks=True)
+    return env.get_template("report.html").render(**context)
+
+
+def write_report(out_dir: Path, *, say: Callable[[str], None] = print) -> Path:
+    """Write ``DIR/index.html`` (atomically: a browser reloading it never sees half a page)."""
+    path = out_dir / REPORT_NAME
+    st.write_atomic(path, render_html(report_context(out_dir, say=say)).encode())
     return path
 
 
-_HEAD = """<!doctype html><html><head><meta charset="utf-8"><title>{title}</title><style>
-body{{font-family:sans-serif;margin:1.5em;background:#fafafa}} .sheet img{{height:48px;margin:2px}}
-section{{border-top:1px solid #ccc;padding:.5em 0}} pre{{background:#eee;padding:.5em;font-size:12px;
-white-space:pre-wrap}} .err{{background:#fdd}} .done{{color:green}} .failed{{color:#b00}}
-.pending,.running{{color:#a60}}</style></head><body>"""
+def open_in_browser(path: Path) -> bool:
+    return webbrowser.open(path.resolve().as_uri())
+
+
+class ReportUpdater:
+    """Keeps ``DIR/index.html`` current during a run: :meth:`request` after a job ends (returns at
+    once), at most one write every ``min_interval_s`` on a background thread, and :meth:`close`
+    writes the final page. Writing never fails the run: an error is reported and the run goes on."""
+
+    def __init__(self, out_dir: Path, *, say: Callable[[str], None], min_interval_s: float = 5.0):
+        self.out_dir = out_dir
+        self.min_interval_s = min_interval_s
+        self._say = say
+        self._wanted = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # one write at a time (the thread's and close()'s)
+        self.writes = 0
+
+    def request(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="report", daemon=True)
+            self._thread.start()
+        self._wanted.set()
+
+    def close(self) -> Path | None:
+        self._stop.set()
+        self._wanted.set()
+        if self._thread is not None:
+            self._thread.join()
+        return self._write()
+
+    def _loop(self) -> None:
+        last = float("-inf")
+        while True:
+            self._wanted.wait()
+            if self._stop.is_set():
+                return
+            # Throttle: wait out the interval (a stop cuts it short: close() writes anyway).
+            if self._stop.wait(max(0.0, last + self.min_interval_s - time.monotonic())):
+                return
+            self._wanted.clear()
+            self._write()
+            last = time.monotonic()
+
+    def _write(self) -> Path | None:
+        with self._lock:
+            try:
+                path = write_report(self.out_dir, say=self._say)
+            except Exception as e:  # noqa: BLE001 - a report is never worth a job
+                self._say(f"report: could not write {self.out_dir / REPORT_NAME}: {type(e).__name__}: {e}")
+                return None
+            self.writes += 1
+            return path

@@ -28,6 +28,10 @@ class FakePipeline:
         self.text_encoder_id = "fake-text-v1"
         self.step_seconds = step_seconds
 
+    def describe(self) -> dict[str, object]:
+        return {"ranks": 1, "guided_steps": "one rank", "unguided_steps": "one rank",
+                "decode": "fake", "scheduler": {"num_train_timesteps": 1000}}
+
     def encode_prompt(self, prompt: str) -> torch.Tensor:
         seed = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "little")
         g = torch.Generator().manual_seed(seed)

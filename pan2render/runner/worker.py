@@ -8,7 +8,8 @@ its traceback, so a Ray-level exception always means the actor itself died.
 Protocol (all keyword arguments, all replies small except the artifact bytes):
     rendezvous()                                   -> (ip, free port, backend)   rank 0 only
     init_group(master_addr, master_port, backend)  -> None   torch.distributed, every rank
-    load(model, warmup)                            -> {"model_id", "text_encoder_id", "warmup_s", ...}
+    load(model, warmup)                            -> {"model_id", "text_encoder_id", "warmup_s",
+                                                       "describe", "versions", ...}
     encode_prompts(model, texts)                   -> [embedding safetensors bytes]
     sample(model, job_id, spec, prompt_embeds, negative_embeds) -> latents safetensors bytes
     decode(model, job_id, spec, latents)           -> {"decode_s"}   hands the encode to a thread
@@ -48,7 +49,7 @@ import torch
 
 from pan2render.jobs.spec import JobSpec
 from pan2render.models.tiny import cache_root
-from pan2render.runner import stages
+from pan2render.runner import outputs, stages
 from pan2render.sampling import DMD
 
 DEFAULT_PIPELINE_FACTORY = "pan2render.runner.worker:load_pan2_pipeline"
@@ -237,7 +238,8 @@ class RenderWorker:
         return {"model_id": pipe.model_id, "text_encoder_id": pipe.text_encoder_id,
                 "backend": backend, "world_size": world, "device": self.device,
                 "attention": getattr(pipe, "attention_backend", "n/a"),  # n/a: a pipeline without a DiT
-                "load_s": load_s, "warmup_s": time.perf_counter() - t0 - load_s}
+                "load_s": load_s, "warmup_s": time.perf_counter() - t0 - load_s,
+                "describe": pipe.describe(), "versions": outputs.runtime_versions()}
 
     def _rpc_encode_prompts(self, *, model: str, texts: list[str]) -> list[bytes]:
         pipe = self._pipeline(model)
@@ -319,7 +321,8 @@ class RenderWorker:
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="pan2-encode-") as tmp:
             path = Path(tmp) / stages.VIDEO_NAME
-            encode_s = encode_mp4(Yuv420Video(planes), path, fps=js.fps, crf=js.crf, preset=js.encode_preset)
+            encode_s = encode_mp4(Yuv420Video(planes), path, fps=js.fps, crf=js.crf, preset=js.encode_preset,
+                                  metadata=outputs.video_tags(js, model_id=self._pipeline(js.model).model_id))
             mp4 = path.read_bytes()
         return {"mp4": mp4, "encode_s": encode_s, "check_s": time.perf_counter() - t0 - encode_s}
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pan2render.media import MediaError, encode_mp4, probe_mp4, thumbnail_strip
+from pan2render.media import MediaError, encode_mp4, middle_frame_png, probe_mp4, read_metadata
 from pan2render.media import video as video_mod
 
 
@@ -150,16 +150,25 @@ def _read_png(data: bytes) -> np.ndarray:
     return rows[:, 1:].reshape(h, w, 3)
 
 
-def test_thumbnail_strip_picks_evenly_spaced_frames(tmp_path: Path) -> None:
-    # Frame i is a flat grey of level 15 * i, so each thumbnail says which frame it came from.
+def test_middle_frame_png_is_the_middle_frame_scaled_down(tmp_path: Path) -> None:
+    # Frame i is a flat grey of level 15 * i, so the poster says which frame it came from.
     video = np.repeat(np.arange(17, dtype=np.uint8)[:, None, None, None] * 15, 3, axis=3)
     video = np.broadcast_to(video, (17, 64, 128, 3)).copy()
     encode_mp4(video, tmp_path / "v.mp4", fps=8, crf=0)
-    strip = _read_png(thumbnail_strip(tmp_path / "v.mp4", n=3, height=32))
-    levels = [float(strip[:, i * 64 : (i + 1) * 64].mean()) for i in range(3)]
-    print(f"strip {strip.shape}, thumbnail levels {[round(v, 1) for v in levels]} (expected 0, 120, 240)")
-    assert strip.shape == (32, 3 * 64, 3)  # aspect kept: 128x64 -> 64x32 each
-    assert np.allclose(levels, [0, 120, 240], atol=4)
+    poster = _read_png(middle_frame_png(tmp_path / "v.mp4", max_side=64))
+    print(f"poster {poster.shape}, level {poster.mean():.1f} (frame 8: 120)")
+    assert poster.shape == (32, 64, 3)  # aspect kept: 128x64 -> 64x32
+    assert abs(float(poster.mean()) - 120) < 4
+    big = _read_png(middle_frame_png(tmp_path / "v.mp4", max_side=4096))
+    assert big.shape == (64, 128, 3)  # never scaled up
+
+
+def test_metadata_tags_survive_the_mp4_muxer(tmp_path: Path) -> None:
+    tags = {"title": "fox-seed0", "comment": "A red fox \u2014 in snow", "pan2_render": '{"seed": 0}'}
+    encode_mp4(_smooth_video(frames=5), tmp_path / "v.mp4", fps=8, crf=18, metadata=tags)
+    back = read_metadata(tmp_path / "v.mp4")
+    print(back)
+    assert {k: back.get(k) for k in tags} == tags  # our own key too, not only the iTunes set
 
 
 def test_destination_that_is_a_folder_is_a_media_error(tmp_path: Path) -> None:

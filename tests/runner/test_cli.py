@@ -124,12 +124,10 @@ def test_status_json_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert cli.main(["report", str(out)]) == 0
     page = (out / "index.html").read_text()
     fine_id = rows["fine"]["id"]
-    strip = out / "_report" / f"{fine_id}.png"
-    print(f"index.html: {len(page)} chars; strip {strip.stat().st_size} bytes")
-    assert strip.read_bytes().startswith(b"\x89PNG")
-    assert page.count(f'src="_report/{fine_id}.png"') == 2  # contact sheet + the job's own section
-    assert not (out / "_report" / f"{rows['broken']['id']}.png").exists()
-    assert "injected failure" in page and "&quot;seed&quot;: 0" in page and "broken" in page
+    print(f"index.html: {len(page)} chars")
+    assert f'src="{fine_id}/video.mp4"' in page and f'href="{fine_id}/params.json"' in page
+    assert f'id="{rows["broken"]["id"]}"' in page and "injected failure" in page
+    assert page.count("<video ") == 1
 
 
 def test_second_run_on_a_held_folder_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

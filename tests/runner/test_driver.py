@@ -423,7 +423,7 @@ def test_sigkill_while_an_encode_runs_in_the_background_then_resume(tmp_path: Pa
     for jid, (attempts, fid) in before.items():
         assert led.job(jid).attempts == attempts and file_id(out / jid / "video.mp4") == fid
     assert probe_mp4(out / slow / "video.mp4").frames == 9
-    assert sorted(p.name for p in (out / slow).iterdir()) == ["latents.safetensors", "video.mp4"]
+    assert sorted(p.name for p in (out / slow).iterdir()) == ["latents.safetensors", "params.json", "video.mp4"]
 
 
 _SHARED: dict[str, Any] = {}
