@@ -14,7 +14,6 @@ The scheduling loop never blocks on one call: it waits on all in-flight calls wi
 
 from __future__ import annotations
 
-import sys
 import time
 import traceback
 from collections import deque
@@ -22,8 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from tqdm import tqdm
 
 from pan2render.jobs.ledger import (
     JobEvent,
@@ -35,11 +32,15 @@ from pan2render.jobs.ledger import (
 )
 from pan2render.runner import stages
 from pan2render.runner.groups import Call, Executor, Group, GroupDied, GroupPool, GroupStartError
+from pan2render.runner.progress import RunLog, RunProgress
 from pan2render.runner.worker import Reply
 
 # Which ledger stage a worker call belongs to (for errors and timings).
 _CALL_STAGE = {"load": Stage.CONDITIONING, "encode_prompts": Stage.CONDITIONING,
                "sample": Stage.SAMPLING, "decode_encode": Stage.DECODE}
+# What progress shows while a call runs.
+_CALL_SHOWN = {"load": "loading model", "encode_prompts": "conditioning", "sample": "sampling",
+               "decode_encode": "decode+encode"}
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class DriverConfig:
     # at 720p take minutes on one H200, loading a 5B checkpoint from a network disk can too.
     call_timeouts_s: dict[str, float] = field(default_factory=lambda: {
         "load": 1800.0, "encode_prompts": 600.0, "sample": 7200.0, "decode_encode": 1800.0})
-    progress: bool = True  # tqdm bars on stderr
+    progress: bool = True  # a live block on stderr when it is a terminal (else plain lines)
 
     def __post_init__(self) -> None:
         if self.retries < 0:
@@ -120,8 +121,11 @@ def _group_is_suspect(group: Group, reply: Reply) -> bool:
 
 
 class Driver:
-    def __init__(self, *, out_dir: Path, ledger: Ledger, executor: Executor, config: DriverConfig):
+    def __init__(self, *, out_dir: Path, ledger: Ledger, executor: Executor, config: DriverConfig,
+                 progress: RunProgress | None = None):
         self.out_dir = Path(out_dir)
+        log = RunLog(None)
+        self.progress = progress or RunProgress(log=log, live=config.progress and log.is_terminal)
         self.ledger = ledger
         self.ex = executor
         self.config = config
@@ -131,7 +135,6 @@ class Driver:
         self._model_ids: dict[str, dict[str, str]] = {}  # model -> {model_id, text_encoder_id}
         self._pending: deque[str] = deque()
         self._active: dict[str, _Active] = {}
-        self._n_done = self._n_failed = 0
 
     # ================================================================== the loop
     def run(self, job_ids: list[str], *, prepared: bool = False) -> RunSummary:
@@ -149,10 +152,9 @@ class Driver:
                     self._fail_unrunnable(job)
                 else:
                     self._pending.append(job.id)
-        bar = self._jobs_bar(self.ledger.jobs(job_ids))
-        step_bar = tqdm(total=1, desc="sampling", unit="step", position=1, leave=False,
-                        file=sys.stderr, disable=not self.config.progress, dynamic_ncols=True)
-        self._step_bar, self._step_job = step_bar, ""
+        now = self.ledger.jobs(job_ids)
+        self.progress.begin(total=len(now), done=sum(j.state is JobState.DONE for j in now),
+                            failed=sum(j.state is JobState.FAILED for j in now))
         try:
             while self._pending or self._active:
                 self._dispatch()
@@ -163,14 +165,15 @@ class Driver:
                 for call in self.ex.wait(calls, timeout_s=self.config.poll_s):
                     self._on_ready(call)
                 self._check_deadlines()
-                self._update_bars(bar)
+                self.progress.steps(self.ex.progress())
+                self.progress.tick()
         except KeyboardInterrupt:
             for a in list(self._active.values()):
                 self.ledger.transition(a.job.id, JobEvent.INTERRUPT, reason="interrupted (Ctrl-C)")
+                self.progress.job_ended(a.job.id, "interrupted")
             raise
         finally:
-            step_bar.close()
-            bar.close()
+            self.progress.close()
             self.pool.close()
         final = self.ledger.jobs(job_ids)
         return RunSummary(done=[j.id for j in final if j.state is JobState.DONE],
@@ -199,6 +202,7 @@ class Driver:
             self.ledger.transition(job_id, JobEvent.START,
                                    reason=f"on group {group.id} ({group.size} GPU(s))")
             active = _Active(job=self.ledger.job(job_id), group=group)
+            self.progress.job_started(job_id, group=group.id, attempt=active.job.attempts)
             self._active[job_id] = active
             self._advance_or_fail(active)
 
@@ -270,6 +274,7 @@ class Driver:
     def _start_call(self, a: _Active, method: str, kwargs: dict[str, Any], *, stage: Stage | None) -> None:
         if stage is not None:
             self.ledger.set_stage(a.job.id, stage, StageState.RUNNING)
+        self.progress.stage(a.job.id, _CALL_SHOWN[method])
         a.call = self.ex.call(a.group, method, kwargs, timeout_s=self.config.call_timeouts_s[method])
 
     # ================================================================== results
@@ -343,8 +348,7 @@ class Driver:
         self.pool.release(a.group)
         del self._active[a.job.id]
         self.ledger.transition(a.job.id, JobEvent.FINISH, reason="video.mp4 written and checked")
-        self._n_done += 1
-        self._say(f"done   {a.job.name}  ({a.job.id})")
+        self.progress.job_ended(a.job.id, "done")
 
     # ================================================================== failures
     def _on_group_died(self, a: _Active, stage: Stage, reason: str) -> None:
@@ -376,13 +380,12 @@ class Driver:
                                    reason=f"{stage.value} failed, {job.retries_left - 1} retries left "
                                           f"after this one: {error}")
             self._pending.append(job.id)
-            self._say(f"retry  {job.name}  ({stage.value}: {error.splitlines()[0][:200]})")
+            self.progress.job_ended(job.id, "retry", f"{stage.value}: {error.splitlines()[0][:200]}")
         else:
             why = "not retryable" if not retryable else "retry budget spent"
             self.ledger.transition(job.id, JobEvent.FAIL, error=error, error_stage=stage,
                                    reason=f"{stage.value} failed ({why}): {error}")
-            self._n_failed += 1
-            self._say(f"FAILED {job.name}  ({stage.value}: {error.splitlines()[0][:200]})")
+            self.progress.job_ended(job.id, "FAILED", f"{stage.value}: {error.splitlines()[0][:200]}")
 
     def _fail_unrunnable(self, job: JobRecord) -> None:
         msg = (f"needs a group of {job.spec.gpus} GPUs but the cluster has {self.pool.total_gpus} "
@@ -391,8 +394,7 @@ class Driver:
         self.ledger.set_stage(job.id, Stage.CONDITIONING, StageState.FAILED, error=msg)
         self.ledger.transition(job.id, JobEvent.FAIL, error=msg, error_stage=Stage.CONDITIONING,
                                reason=msg)
-        self._n_failed += 1
-        self._say(f"FAILED {job.name}  ({msg})")
+        self.progress.job_ended(job.id, "FAILED", msg)
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
@@ -403,33 +405,5 @@ class Driver:
                 self._on_group_died(a, _CALL_STAGE[method],
                                     f"no reply to {method} within its {limit:.0f} s deadline")
 
-    # ================================================================== progress
-    def _jobs_bar(self, jobs: list[JobRecord]) -> tqdm:
-        self._n_done = sum(j.state is JobState.DONE for j in jobs)
-        self._n_failed = sum(j.state is JobState.FAILED for j in jobs)
-        return tqdm(total=len(jobs), initial=self._n_done + self._n_failed, desc="jobs", unit="job",
-                    position=0, file=sys.stderr, disable=not self.config.progress, dynamic_ncols=True)
-
-    def _update_bars(self, bar: tqdm) -> None:
-        if bar.disable:
-            return
-        bar.n = self._n_done + self._n_failed
-        bar.set_postfix({"done": self._n_done, "failed": self._n_failed, "running": len(self._active)},
-                        refresh=True)
-        sampling = [a for a in self._active.values() if a.call is not None and a.call.method == "sample"]
-        if not sampling:
-            return
-        a = sampling[0]  # the oldest job now sampling; the bar follows it until it finishes
-        done, total = self.ex.progress().get(a.job.id, (0, a.job.spec.steps))
-        if a.job.id != self._step_job:
-            self._step_job = a.job.id
-            self._step_bar.reset(total=total)
-            self._step_bar.set_description(f"sampling {a.job.id[:48]}")
-        self._step_bar.n = done
-        self._step_bar.refresh()
-
     def _say(self, text: str) -> None:
-        if self.config.progress:
-            tqdm.write(text, file=sys.stderr)
-        else:
-            print(text, file=sys.stderr, flush=True)
+        self.progress.say(text)
