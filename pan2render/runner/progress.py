@@ -118,7 +118,8 @@ class _Running:
     steps: StepReport | None = None
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """Seconds as people read them: 42s, 3m05s, 2h10m."""
     s = int(round(seconds))
     if s < 60:
         return f"{s}s"
@@ -214,15 +215,15 @@ class RunProgress:
         eta = self.eta_seconds()
         left = self.total - self.done - self.failed - len(self._running)
         return (f"jobs {self.done + self.failed}/{self.total}: {self.done} done, {self.failed} failed, "
-                f"{len(self._running)} running, {left} waiting; elapsed {_duration(self.clock() - self._started)}, "
-                f"ETA {'?' if eta is None else _duration(eta)}")
+                f"{len(self._running)} running, {left} waiting; elapsed {duration(self.clock() - self._started)}, "
+                f"ETA {'?' if eta is None else duration(eta)}")
 
     def job_text(self, r: _Running) -> str:
         if r.stage == "sampling" and r.steps is not None:
             rate = r.steps.rate
             return (f"sampling {r.steps.done}/{r.steps.total}"
                     + ("" if rate is None else f" {rate:.2f} step/s"))
-        return f"{r.stage} {_duration(self.clock() - r.stage_since)}"
+        return f"{r.stage} {duration(self.clock() - r.stage_since)}"
 
     def group_rows(self) -> list[str]:
         by_group: dict[str, list[_Running]] = {}
