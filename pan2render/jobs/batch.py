@@ -430,7 +430,7 @@ class _FlagValues:
     preset: tuple[str, dict[str, Any]] | None = None
     fields: dict[str, Any] = field(default_factory=dict)
     field_flags: dict[str, str] = field(default_factory=dict)  # key -> the --set flag as typed
-    axes: dict[str, tuple[str, list[Any]]] = field(default_factory=dict)  # key -> (flag, values)
+    axes: dict[str, list[Any]] = field(default_factory=dict)  # key -> values, from --sweep
 
     @classmethod
     def parse(cls, overrides: Overrides, ctx: _Ctx) -> "_FlagValues":
@@ -452,14 +452,14 @@ class _FlagValues:
                     fctx.problem(0, key, f"unknown key {key!r}{_did_you_mean(key, allowed)}; allowed: "
                                          f"{', '.join(allowed)}")
                     continue
-                if key in given:
+                if key in given:  # also a field both set and swept
                     fctx.problem(0, key, f"{key!r} is given again (first by `{given[key]}`); give it once")
                     continue
                 given[key] = flag
                 if kind == "--set":
                     out._set(key, text, fctx)
                 else:
-                    out._sweep(key, flag, text, fctx)
+                    out._sweep(key, text, fctx)
         return out
 
     def _set(self, key: str, text: str, fctx: _Ctx) -> None:
@@ -483,7 +483,7 @@ class _FlagValues:
                     return
                 self.field_flags[key] = fctx.display
 
-    def _sweep(self, key: str, flag: str, text: str, fctx: _Ctx) -> None:
+    def _sweep(self, key: str, text: str, fctx: _Ctx) -> None:
         values: list[Any] = []
         for i, part in enumerate(text.split(",")):
             try:
@@ -494,7 +494,7 @@ class _FlagValues:
         if repeated:
             fctx.problem(0, key, f"values {', '.join(repeated)} appear more than once; each sweep value must "
                                  "be distinct")
-        self.axes[key] = (flag, values)
+        self.axes[key] = values
 
     def apply_to_sweep(self, sweep: dict[str, list[Any]], node: _Node | None,
                        ctx: _Ctx) -> dict[str, list[Any]]:
@@ -506,10 +506,7 @@ class _FlagValues:
                 ctx.problem(0, key, f"the batch sweeps {key!r} ({ctx.display}:{line}); to fix it to one "
                                     f"value use --sweep {key}=VALUE, which replaces the axis",
                             self.field_flags[key])
-        for key, (flag, _values) in self.axes.items():
-            if key in self.fields:
-                ctx.problem(0, key, f"{key!r} is both set (--set) and swept; give one of them", flag)
-        return {**sweep, **{k: v for k, (_f, v) in self.axes.items()}}
+        return {**sweep, **self.axes}
 
 
 def _flag_path(key: str, value: Any, fctx: _Ctx) -> Any:

@@ -80,6 +80,7 @@ class Call:
 
 class Executor(Protocol):
     starts_in_background: bool  # GroupPool runs create_group on a thread (it blocks for long)
+    worker_logs: str | None  # where the workers' own logs are, to tell the user once
 
     def total_gpus(self) -> int: ...
     def max_group_size(self) -> int: ...  # most GPUs on one node (a group is STRICT_PACK)
@@ -107,6 +108,7 @@ class LocalExecutor:
     """Runs each call synchronously at ``call`` time, in this process."""
 
     starts_in_background = False  # a group is one in-process object: nothing to wait for
+    worker_logs = None  # the workers log where this process does
 
     def __init__(self, *, gpus: int, config: WorkerConfig):
         self._gpus = gpus
