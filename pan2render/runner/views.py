@@ -83,7 +83,6 @@ class _Attempt:
     started: float
     on: str
     ended: str = "still running, or the driver stopped"
-    error: str | None = None
     traceback: str | None = None
 
 
@@ -96,8 +95,6 @@ def _attempts(events: list[tuple[float, str | None, str, str]]) -> list[_Attempt
             out.append(_Attempt(started=at, on=detail))
         elif kind.startswith("running->") and out:
             out[-1].ended = f"{kind.split('->')[1]} at {_when(at)}: {detail}"
-            if kind in ("running->pending", "running->failed") and "failed" in detail:
-                out[-1].error = detail
         elif kind == "traceback" and out:
             out[-1].traceback = detail
     return out
