@@ -225,15 +225,18 @@ class RunProgress:
                     + ("" if rate is None else f" {rate:.2f} step/s"))
         return f"{r.stage} {duration(self.clock() - r.stage_since)}"
 
-    def group_rows(self) -> list[str]:
+    def _by_group(self) -> list[tuple[str, str]]:
+        """(group, what its jobs are doing), one entry per running group."""
         by_group: dict[str, list[_Running]] = {}
         for r in self._running.values():
             by_group.setdefault(r.group, []).append(r)
-        return [f"  {g:8} " + " | ".join(f"{r.job_id}: {self.job_text(r)}" for r in rs)
-                for g, rs in sorted(by_group.items())]
+        return [(g, " | ".join(f"{r.job_id}: {self.job_text(r)}" for r in rs)) for g, rs in sorted(by_group.items())]
+
+    def group_rows(self) -> list[str]:
+        return [f"  {g:8} {text}" for g, text in self._by_group()]
 
     def summary(self) -> str:
-        rows = "; ".join(row.strip() for row in self.group_rows())
+        rows = "; ".join(f"{g} {text}" for g, text in self._by_group())
         return f"[progress] {self.overall()}" + (f"; {rows}" if rows else "")
 
     # ------------------------------------------------------------------ terminal block
