@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pan2render
 from pan2render.jobs.batch import Overrides, list_presets
@@ -54,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if renders:
             where = getattr(args, "out", None) or getattr(args, "dir", None)
-            _err(f"\ninterrupted; finished stages are kept: `{_me()} resume {where}` continues")
+            by = f" by {_stopped_by[-1]}" if _stopped_by else ""
+            _err(f"\ninterrupted{by}; finished stages are kept: `{_me()} resume {where}` continues")
         return EXIT_INTERRUPTED
 
 
@@ -193,6 +195,8 @@ def _drive(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str], 
         log.line(f"all {len(ids)} job(s) already done in {out}")
         return EXIT_OK
     executor = _make_executor(args, max_gpus=max(j.spec.gpus for j in jobs), log=log)
+    # ray.init installs its own SIGTERM handler, which aborts the process: ours again.
+    _install_stop_handlers()
     try:
         if executor.worker_logs:
             log.line(f"Ray's worker logs: {executor.worker_logs}")
@@ -403,22 +407,29 @@ def _check_cluster_args(args: argparse.Namespace) -> int | None:
     return None
 
 
-@contextlib.contextmanager
-def _stop_signals_interrupt() -> Iterator[None]:
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+_stopped_by: list[str] = []  # the stop signal received, for the closing message
+
+
+def _on_stop_signal(signum: int, _frame: object) -> None:
+    for s in _STOP_SIGNALS:  # one clean stop: later signals must not interrupt the clean-up
+        signal.signal(s, signal.SIG_IGN)
+    _stopped_by.append(signal.Signals(signum).name)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _install_stop_handlers() -> dict[int, Any]:
     """SIGTERM (kill, a scheduler) and SIGHUP (a dropped SSH session) stop a run the way Ctrl-C
     does: the running jobs go back to pending in the ledger and the Ray processes this run started
-    are shut down. Further signals are ignored while that clean-up runs."""
+    are shut down. Returns the handlers replaced."""
     if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    stops = (signal.SIGTERM, signal.SIGHUP)
+        return {}
+    return {s: signal.signal(s, _on_stop_signal) for s in _STOP_SIGNALS}
 
-    def stop(signum: int, _frame: object) -> None:
-        for s in stops:
-            signal.signal(s, signal.SIG_IGN)
-        raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    previous = {s: signal.signal(s, stop) for s in stops}
+@contextlib.contextmanager
+def _stop_signals_interrupt() -> Iterator[None]:
+    previous = _install_stop_handlers()
     try:
         yield
     finally:

@@ -167,9 +167,11 @@ class Driver:
                 self._check_deadlines()
                 self.progress.steps(self.ex.progress())
                 self.progress.tick()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
+            # The CLI raises it with a stop signal's name (Ray's calls may raise a bare one).
+            why = e.args[0] if e.args else "Ctrl-C or a stop signal"
             for a in list(self._active.values()):
-                self.ledger.transition(a.job.id, JobEvent.INTERRUPT, reason="interrupted (Ctrl-C)")
+                self.ledger.transition(a.job.id, JobEvent.INTERRUPT, reason=f"interrupted ({why})")
                 self.progress.job_ended(a.job.id, "interrupted")
             raise
         finally:
