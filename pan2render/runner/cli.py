@@ -421,10 +421,11 @@ def _on_stop_signal(signum: int, _frame: object) -> None:
 def _install_stop_handlers() -> dict[int, Any]:
     """SIGTERM (kill, a scheduler) and SIGHUP (a dropped SSH session) stop a run the way Ctrl-C
     does: the running jobs go back to pending in the ledger and the Ray processes this run started
-    are shut down. Returns the handlers replaced."""
+    are shut down. A signal ignored when we started stays ignored: under ``nohup`` a dropped SSH
+    session must not stop the run. Returns the handlers replaced."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    return {s: signal.signal(s, _on_stop_signal) for s in _STOP_SIGNALS}
+    return {s: signal.signal(s, _on_stop_signal) for s in _STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
 
 
 @contextlib.contextmanager

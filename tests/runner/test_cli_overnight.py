@@ -229,3 +229,20 @@ def test_presets_and_version(capsys: pytest.CaptureFixture[str]) -> None:
         cli.main(["--version"])
     assert e.value.code == 0
     assert re.fullmatch(r"pan2-render \d+\.\d+\.\d+\n", capsys.readouterr().out)
+
+
+def test_stop_signals_are_handled_unless_ignored_as_under_nohup() -> None:
+    import signal
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what `nohup` does
+    try:
+        with cli._stop_signals_interrupt():
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is cli._on_stop_signal
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGTERM)
+            assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # a second one waits for the clean-up
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+        cli._stopped_by.clear()
