@@ -21,21 +21,19 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pan2render
 from pan2render.jobs.batch import Overrides, list_presets
 from pan2render.jobs.ledger import FolderLock, FolderLockedError, JobState, Ledger
 from pan2render.jobs.spec import Batch, BatchValidationError
-from pan2render.runner.driver import Driver, DriverConfig, RunSummary, prepare_jobs
-from pan2render.runner.groups import (  # ray is imported only on use
-    ClusterConnectError,
-    RayExecutor,
-    probe_address,
-    ray_client_missing,
-)
 from pan2render.runner.progress import RUN_LOG_NAME, RunLog, RunProgress
-from pan2render.runner.worker import DEFAULT_PIPELINE_FACTORY, WorkerConfig
+
+# The driver, the groups and the workers import torch (seconds); commands that read a batch or a
+# ledger (--version, presets, validate, show) do without them, so they are imported on use.
+if TYPE_CHECKING:
+    from pan2render.runner.driver import RunSummary
+    from pan2render.runner.groups import RayExecutor
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -47,9 +45,6 @@ def main(argv: list[str] | None = None) -> int:
         with _stop_signals_interrupt() if renders else contextlib.nullcontext():
             return int(args.func(args))
     except FolderLockedError as e:
-        _err(f"error: {e}")
-        return EXIT_USAGE
-    except ClusterConnectError as e:
         _err(f"error: {e}")
         return EXIT_USAGE
     except KeyboardInterrupt:
@@ -186,6 +181,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 def _drive(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str], log: RunLog, *,
            flags: list[str]) -> int:
+    from pan2render.runner.driver import Driver, DriverConfig, prepare_jobs  # noqa: PLC0415
+    from pan2render.runner.groups import ClusterConnectError  # noqa: PLC0415
+
     config = DriverConfig(retries=args.retries, progress=not args.no_progress,
                           group_start_timeout_s=args.group_start_timeout)
     jobs = ledger.jobs(ids)
@@ -194,7 +192,11 @@ def _drive(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str], 
         # Every job done and its video intact: no workers needed, so Ray never starts.
         log.line(f"all {len(ids)} job(s) already done in {out}")
         return EXIT_OK
-    executor = _make_executor(args, max_gpus=max(j.spec.gpus for j in jobs), log=log)
+    try:
+        executor = _make_executor(args, max_gpus=max(j.spec.gpus for j in jobs), log=log)
+    except ClusterConnectError as e:
+        log.line(f"error: {e}")
+        return EXIT_USAGE
     # ray.init installs its own SIGTERM handler, which aborts the process: ours again.
     _install_stop_handlers()
     try:
@@ -213,6 +215,9 @@ def _drive(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str], 
 
 
 def _make_executor(args: argparse.Namespace, *, max_gpus: int, log: RunLog) -> RayExecutor:
+    from pan2render.runner.groups import RayExecutor  # noqa: PLC0415 - ray is imported only here
+    from pan2render.runner.worker import DEFAULT_PIPELINE_FACTORY, WorkerConfig  # noqa: PLC0415
+
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # no uv-run runtime env probing
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     faults = json.loads(os.environ.get("PAN2_RENDER_FAULTS", "{}"))
@@ -398,12 +403,19 @@ def _check_cluster_args(args: argparse.Namespace) -> int | None:
     elif args.cpu_gpus is not None and args.address:
         problem = "--cpu-gpus declares GPUs of a LOCAL cluster; it cannot be used with --address"
     else:
+        from pan2render.runner.groups import ray_client_missing  # noqa: PLC0415
+
         problem = ray_client_missing(args.address)
+    if problem is None and args.address and not getattr(args, "dry_run", False):
+        from pan2render.runner.groups import ClusterConnectError, probe_address  # noqa: PLC0415
+
+        try:
+            probe_address(args.address)
+        except ClusterConnectError as e:  # before the output folder exists
+            problem = str(e)
     if problem is not None:
         _err(f"error: {problem}")
         return EXIT_USAGE
-    if args.address and not getattr(args, "dry_run", False):
-        probe_address(args.address)  # raises ClusterConnectError: exit 2, before the folder exists
     return None
 
 
