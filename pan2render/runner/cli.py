@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     except FolderLockedError as e:
         _err(f"error: {e}")
         return EXIT_USAGE
+    except BrokenPipeError:  # `pan2-render status DIR | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except KeyboardInterrupt:
         if renders:
             where = getattr(args, "out", None) or getattr(args, "dir", None)

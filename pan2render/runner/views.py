@@ -110,7 +110,7 @@ def format_show(out_dir: Path, ledger: Ledger, job: JobRecord) -> str:
     spec = job.spec.to_dict()
     source = spec.pop("source")
     lines.append("spec" + (f" (from {source['file']}:{source['line']})" if source else "") + ":")
-    lines += [f"  {k:16} {json.dumps(v) if isinstance(v, (dict, str)) else v}" for k, v in spec.items()]
+    lines += [f"  {k:16} {json.dumps(v)}" for k, v in spec.items()]
     lines.append("stages:")
     st = ledger.stages(job.id)
     rows = []
