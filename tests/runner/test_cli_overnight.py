@@ -265,7 +265,6 @@ def test_status_of_a_live_run_has_an_eta_from_its_own_measured_stages(
     capsys.readouterr()
     assert cli.main(["status", str(out)]) == 1
     line = capsys.readouterr().out.splitlines()[1]
-    print(line)
     assert line.startswith(f"running (pid {os.getpid()} on {socket.gethostname()}); last run started")
     assert "ETA ~" in line and "1 job(s) from earlier runs' measured stage seconds" in line
     (out / ".lock").write_text("")  # released
