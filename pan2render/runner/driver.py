@@ -124,8 +124,10 @@ class Driver:
     def __init__(self, *, out_dir: Path, ledger: Ledger, executor: Executor, config: DriverConfig,
                  progress: RunProgress | None = None):
         self.out_dir = Path(out_dir)
-        log = RunLog(None)
-        self.progress = progress or RunProgress(log=log, live=config.progress and log.is_terminal)
+        if progress is None:  # stderr only (the CLI passes one that also writes DIR/run.log)
+            log = RunLog(None)
+            progress = RunProgress(log=log, live=config.progress and log.is_terminal)
+        self.progress = progress
         self.ledger = ledger
         self.ex = executor
         self.config = config

@@ -36,14 +36,15 @@ def _value(v: Any) -> str:
 def format_plan(jobs: list[JobSpec], *, done: set[str], the_plan: Plan) -> str:
     """A dry run's table: one row per job, the swept fields as columns, and the estimate."""
     keys = sweep_keys(jobs)
+    fixed = [k for k in ("steps", "guidance", "gpus") if k not in keys]  # a swept one has its column
     est = {e.job.job_id: e for e in the_plan.estimates}
     rows = []
     for j in jobs:
         e = est.get(j.job_id)
         rows.append([j.job_id, *(_value(j.sweep.get(k, "")) for k in keys), f"{j.width}x{j.height}x{j.frames}",
-                     str(j.steps), _value(j.guidance), str(j.gpus),
+                     *(_value(getattr(j, k)) for k in fixed),
                      "done, skip" if j.job_id in done else (duration(e.gpu_seconds) if e else "-")])
-    return table(["id", *keys, "size", "steps", "guidance", "gpus", "est. GPU time"], rows)
+    return table(["id", *keys, "size", *fixed, "est. GPU time"], rows)
 
 
 def format_estimate(the_plan: Plan, *, gpus_note: str) -> str:

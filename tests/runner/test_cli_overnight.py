@@ -114,7 +114,8 @@ def test_dry_run_plans_without_the_checkpoint_from_an_earlier_runs_ledger(
     text = capsys.readouterr().out
     print(text)
     header = text.splitlines()[0].split()
-    assert header[:3] == ["id", "seed", "guidance"]  # the swept fields are columns
+    # The swept fields are columns (once: guidance is not repeated among the fixed ones).
+    assert header == ["id", "seed", "guidance", "size", "steps", "gpus", "est.", "GPU", "time"]
     # Per job on one GPU: 2 + 20 x 5 + 10 + 3 = 115 s, from the earlier run; 4 jobs on 2 GPUs.
     rows = [line.split() for line in text.splitlines()[1:5]]
     assert sorted((r[1], r[2], r[-1]) for r in rows) == [("0", "2", "1m55s"), ("0", "4", "1m55s"),
