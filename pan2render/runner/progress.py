@@ -154,6 +154,7 @@ class RunProgress:
     # ------------------------------------------------------------------ the interface
     def begin(self, *, total: int, done: int, failed: int) -> None:
         self.total, self.done, self.failed = total, done, failed
+        self._ended_this_run = 0  # (jobs failed before the loop, unrunnable, took no time)
         self._started = self._last_summary = self.clock()
 
     def say(self, text: str) -> None:
