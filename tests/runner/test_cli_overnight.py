@@ -272,3 +272,16 @@ def test_status_of_a_live_run_has_an_eta_from_its_own_measured_stages(
     assert cli.main(["status", str(out)]) == 1
     text = capsys.readouterr().out
     assert "\nnot running; last run started" in text and "ETA" not in text
+
+
+def test_hints_name_the_command_as_it_can_be_typed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run from a venv that is not activated, the closing hints give the full path."""
+    exe = tmp_path / ".venv" / "bin" / "pan2-render"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    monkeypatch.setattr(sys, "argv", [str(exe), "status"])
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert cli._me() == str(exe)
+    monkeypatch.setenv("PATH", f"{exe.parent}:/usr/bin:/bin")  # activated
+    assert cli._me() == "pan2-render"
