@@ -167,7 +167,8 @@ class Driver:
                 for call in self.ex.wait(calls, timeout_s=self.config.poll_s):
                     self._on_ready(call)
                 self._check_deadlines()
-                self.progress.steps(self.ex.progress())
+                if any(a.call is not None and a.call.method == "sample" for a in self._active.values()):
+                    self.progress.steps(self.ex.progress())  # a Ray call: only while a job samples
                 self.progress.tick()
         except KeyboardInterrupt as e:
             # The CLI raises it with a stop signal's name (Ray's calls may raise a bare one).
