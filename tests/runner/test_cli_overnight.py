@@ -236,6 +236,7 @@ def test_stop_signals_are_handled_unless_ignored_as_under_nohup() -> None:
     import signal
 
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what `nohup` does
+    term_before = signal.getsignal(signal.SIGTERM)  # (Ray, when an earlier test started it here)
     try:
         with cli._stop_signals_interrupt():
             assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
@@ -243,7 +244,7 @@ def test_stop_signals_are_handled_unless_ignored_as_under_nohup() -> None:
             with pytest.raises(KeyboardInterrupt):
                 signal.raise_signal(signal.SIGTERM)
             assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # a second one waits for the clean-up
-        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        assert signal.getsignal(signal.SIGTERM) == term_before
     finally:
         signal.signal(signal.SIGHUP, previous)
         cli._stopped_by.clear()
