@@ -5,7 +5,8 @@ Both models are built on the GPU in bf16 from ONE random state dict (Wan2.2-TI2V
 default), at 704x1248x121 (latent 48x31x44x78 -> 26,598 tokens, 512 text tokens). Prints and writes
 (--json) in this order, each section saved as soon as it is done:
 
-0. with --attn-micro: SDPA cuDNN vs flash at the self- and cross-attention shapes, two layouts;
+0. with --attn-micro: SDPA cuDNN vs flash (and FlashAttention-4 where it runs) at the self- and
+   cross-attention shapes, two layouts;
 1. diffusers forward, batch 1 and 2: time (min of --reps after --warmup), activation peak memory;
 2. ours unfused with diffusers' numerics (eager ops, residual stream rounded to bf16 after every
    add, SDPA's default order) at batch 1;
@@ -15,15 +16,22 @@ default), at 704x1248x121 (latent 48x31x44x78 -> 26,598 tokens, 512 text tokens)
    layout again with the other residual dtype (the fp32 stream's cost in ms), then at batch 2;
    the ratio to diffusers; with --profile the top GPU kernels of one forward;
 4. a guided step (cond + uncond + combine) as two batch-1 forwards and as one batch-2 forward;
-5. with --sample: a full --steps guided sample (guidance 2.5) through PAN2Pipeline;
+4b. per attention backend of --backends (default fa4,cudnn; one the GPU cannot run is skipped and
+   said so), the chosen layout forced to it: the attention's TFLOP/s inside the model (CUDA events
+   around every self- and cross-attention call of one forward, FLOPs 4*B*H*Lq*Lk*D over their
+   summed time), the forward at batch 1 and the guided step (two batch-1 passes);
+5. with --sample: a full --steps guided sample (guidance 2.5) through PAN2Pipeline, attention as
+   the pipeline chooses it ('auto'); then, with two or more --backends, a --compare-steps guided
+   sample per backend from the same seed and the final latents' relative L2 between them;
 6. relative L2 error vs an fp32 reference (diffusers in strict fp32, no TF32) of every bf16 output
    above (batch 1), and the fused default's error over the unfused one's.
+7. a compact table of the headline figures per backend and diffusers'.
 
 On CUDA every forward of ours (fused or not) runs the FFN's first linear with the cuBLASLt GELU
 epilogue (pan2render.models.dit._GELUProj): that is model code, not a bench option.
 
 Results of record: docs/performance.md.
-Usage (GPU host): python scripts/bench_dit.py --json out.json [--sample]
+Usage (GPU host): python scripts/bench_dit.py --out DIR [--sample]   (DIR/bench_dit.json; or --json FILE)
 CPU smoke test of the script itself: python scripts/bench_dit.py --tiny
 """
 
@@ -45,6 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pan2render.kernels import attention as attn_mod  # noqa: E402
+from pan2render.kernels.attention import describe_attention, fa4_unusable_reason, warm_up_attention  # noqa: E402
 from pan2render.kernels import dit_fused  # noqa: E402
 from pan2render.models.dit import ContextCache, PAN2DiT, PAN2DiTConfig  # noqa: E402
 from pan2render.models.dit_ops import TORCH_OPS, DiTOps  # noqa: E402
@@ -126,14 +135,15 @@ def set_attention(model: PAN2DiT, fn: Callable) -> None:
 
 
 def use_ours(model: PAN2DiT, *, fused: bool, chosen_attention: bool, fp32_residual: bool,
-             variant: str = "token") -> None:
-    """Route ``model``: eager or fused ops, default SDPA or our backend choice, the residual stream
-    in fp32 or in the compute dtype (diffusers' numerics), and a layout variant: 'token' (q/k
-    token-major views) or 'head' (q/k written head-major, v made contiguous)."""
+             variant: str = "token", backend: str = "auto") -> None:
+    """Route ``model``: eager or fused ops, default SDPA or our backend choice (``backend``: 'auto'
+    or forced, see pan2render.kernels.attention), the residual stream in fp32 or in the compute
+    dtype (diffusers' numerics), and a layout variant: 'token' (q/k token-major views) or 'head'
+    (q/k written head-major, v made contiguous)."""
     from pan2render.models.dit_ops import attention as default_attention
 
     dit_fused.QK_HEAD_MAJOR = variant == "head"
-    attn_mod.set_attention_backend("auto", contiguous=variant == "head", short_kv_backend=SHORT_KV_BACKEND)
+    attn_mod.set_attention_backend(backend, contiguous=variant == "head", short_kv_backend=SHORT_KV_BACKEND)
     model.set_ops(fused_ops() if fused else TORCH_OPS)
     model.set_residual_dtype(torch.float32 if fp32_residual else None)
     dit_fused.set_fused_kernels(fused)
@@ -145,8 +155,9 @@ SHORT_KV_BACKEND = "auto"  # set from the attention micro-benchmark when it runs
 
 def attention_micro(device: torch.device, dtype: torch.dtype, *, heads: int, seq: int, head_dim: int,
                     text: int, reps: int) -> dict[str, float]:
-    """TFLOP/s of SDPA backends at the DiT's self- ([1, H, L, D] x L) and cross- (x 512) shapes,
-    with q/k/v head-major contiguous ('bhsd') or token-major views ('bshd', what the model makes)."""
+    """TFLOP/s of SDPA backends and FlashAttention-4 at the DiT's self- ([1, H, L, D] x L) and
+    cross- (x 512) shapes, with q/k/v head-major contiguous ('bhsd') or token-major views ('bshd',
+    what the model makes)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
 
@@ -160,14 +171,23 @@ def attention_micro(device: torch.device, dtype: torch.dtype, *, heads: int, seq
                 return torch.randn(1, n, heads, head_dim, device=device, dtype=dtype).transpose(1, 2)
 
             q, k, v = make(seq), make(kv_len), make(kv_len)
-            for name, backend in backends.items():
-                try:
-                    with sdpa_kernel([backend]):
-                        s, _, _ = timed(lambda: F.scaled_dot_product_attention(q, k, v), device=device,
-                                        reps=reps, warmup=1)
-                except RuntimeError as err:  # backend cannot take these inputs
-                    log(f"attention micro {kind} {layout} {name}: {str(err).splitlines()[0]}")
-                    continue
+            for name, backend in [*backends.items(), (attn_mod.FA4, None)]:
+                if backend is None:  # FlashAttention-4 through our dispatch (its [B, L, H, D] view)
+                    why = fa4_unusable_reason(device, dtype, head_dim)
+                    if why is not None:
+                        log(f"attention micro {kind} {layout} fa4: skipped ({why})")
+                        continue
+                    attn_mod.set_attention_backend(attn_mod.FA4)
+                    s, _, _ = timed(lambda: attn_mod.attention(q, k, v), device=device, reps=reps, warmup=1)
+                    attn_mod.set_attention_backend("auto")
+                else:
+                    try:
+                        with sdpa_kernel([backend]):
+                            s, _, _ = timed(lambda: F.scaled_dot_product_attention(q, k, v), device=device,
+                                            reps=reps, warmup=1)
+                    except RuntimeError as err:  # backend cannot take these inputs
+                        log(f"attention micro {kind} {layout} {name}: {str(err).splitlines()[0]}")
+                        continue
                 tflops = 4 * seq * kv_len * heads * head_dim / s / 1e12
                 out[f"{kind}_{layout}_{name}_tflops"] = round(tflops, 1)
                 log(f"attention {kind} {layout} {name}: {s * 1e3:.2f} ms, {tflops:.0f} TFLOP/s")
@@ -189,6 +209,77 @@ def profile_forward(fn: Callable[[], Any], *, device: torch.device) -> None:
             return
         except (AttributeError, KeyError, ValueError):
             continue
+
+
+class TimedAttention:
+    """An ``attention_fn`` that times every call of the backend it wraps (CUDA events on the GPU,
+    the wall clock on the CPU) and counts its FLOPs, self-attention (Lq == Lk) and cross apart."""
+
+    def __init__(self, inner: Callable, device: torch.device) -> None:
+        self.inner, self.device = inner, device
+        self.calls: list[tuple[str, float, Any, Any]] = []  # (kind, flops, start, end)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        batch, heads, lq, dim = q.shape
+        flops = 4.0 * batch * heads * lq * k.shape[-2] * dim
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = self.inner(q, k, v)
+            end.record()
+        else:
+            start = time.perf_counter()
+            out = self.inner(q, k, v)
+            end = time.perf_counter()
+        self.calls.append(("self" if k.shape[-2] == lq else "cross", flops, start, end))
+        return out
+
+    def tflops(self) -> dict[str, float]:
+        """{kind: TFLOP/s over its calls, kind_ms: their summed time per forward call}."""
+        sync(self.device)
+        out: dict[str, float] = {}
+        for kind in ("self", "cross"):
+            calls = [c for c in self.calls if c[0] == kind]
+            if not calls:
+                continue
+            if self.device.type == "cuda":
+                seconds = sum(start.elapsed_time(end) for _, _, start, end in calls) / 1e3
+            else:
+                seconds = sum(end - start for _, _, start, end in calls)
+            out[f"{kind}_tflops"] = round(sum(c[1] for c in calls) / seconds / 1e12, 1)
+            out[f"{kind}_ms"] = round(seconds * 1e3, 2)
+        return out
+
+
+def summary_table(results: dict[str, Any], backends: list[str]) -> str:
+    """The headline figures, one column per attention backend that ran plus diffusers'."""
+    cols = [b for b in backends if f"{b}_b1_s" in results]
+    rows = [
+        ("self-attention in model, TFLOP/s", "{}_attn_self_tflops", None),
+        ("cross-attention in model, TFLOP/s", "{}_attn_cross_tflops", None),
+        ("DiT forward b1, s", "{}_b1_s", "diffusers_b1_s"),
+        ("guided step (2 x b1), s", "{}_guided_step_s", None),
+        ("rel L2 vs strict fp32 (b1)", "rel_l2_ours_{}", "rel_l2_diffusers"),
+    ]
+    head = f"{'figure':<36}" + "".join(f"{c:>14}" for c in cols) + f"{'diffusers':>14}"
+    lines = [head, "-" * len(head)]
+
+    def cell(value: Any) -> str:
+        if value is None:
+            return f"{'-':>14}"
+        return f"{value:>14.3e}" if isinstance(value, float) and abs(value) < 1e-2 else f"{value:>14}"
+
+    for label, key, ref_key in rows:
+        lines.append(f"{label:<36}" + "".join(cell(results.get(key.format(c))) for c in cols)
+                     + cell(results.get(ref_key) if ref_key else None))
+    if "sample_s" in results:
+        lines.append(f"{results['sample_steps']}-step guided sample ({results['sample_attention']}): "
+                     f"{results['sample_s']} s")
+    for key, value in results.items():
+        if key.startswith("latents_rel_l2_"):
+            lines.append(f"final latents rel L2 {key.removeprefix('latents_rel_l2_').replace('_', ' ')}, "
+                         f"{results['compare_steps']}-step sample: {value:.3e}")
+    return "\n".join(lines)
 
 
 def cat_cache(a: ContextCache, b: ContextCache) -> ContextCache:
@@ -215,9 +306,23 @@ def main() -> int:
     p.add_argument("--guidance", type=float, default=2.5)
     p.add_argument("--no-fp32", action="store_true", help="skip the fp32 reference (saves ~15 s)")
     p.add_argument("--profile", action="store_true", help="print the top GPU kernels of one fused forward")
+    p.add_argument("--backends", default="fa4,cudnn",
+                   help="attention backends timed in the model, one after the other (section 4b), and compared "
+                        "in a --compare-steps sample; 'none' skips both")
+    p.add_argument("--compare-steps", type=int, default=10,
+                   help="steps of the per-backend guided sample whose final latents are compared (0: skip)")
     p.add_argument("--tiny", action="store_true", help="tiny model on CPU: checks the script, not speed")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None, help="folder for the results (bench_dit.json)")
     args = p.parse_args()
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        args.json = args.json or args.out / "bench_dit.json"
+    backends = [] if args.backends == "none" else [b for b in args.backends.split(",") if b]
+    bad = [b for b in backends if b not in (attn_mod.FA4, *attn_mod.BACKENDS)]
+    if bad:
+        p.error(f"--backends {args.backends!r}: {bad} unknown; use 'none' or names from "
+                f"{[attn_mod.FA4, *attn_mod.BACKENDS]}")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = PAN2DiTConfig(**TINY) if args.tiny else PAN2DiTConfig()
@@ -249,6 +354,12 @@ def main() -> int:
     results["build_s"] = round(time.perf_counter() - t0, 2)
     params = sum(p.numel() for p in ours.parameters())
     log(f"built ours + diffusers ({params / 1e9:.2f} B params each) in {results['build_s']} s on {device}")
+    heads, head_dim = config.num_attention_heads, config.attention_head_dim
+    t0 = time.perf_counter()
+    warm_up_attention(device, dtype, heads=heads, head_dim=head_dim)  # FA4's compile, as at model load
+    results["attention_warmup_s"] = round(time.perf_counter() - t0, 2)
+    results["attention_backend"] = describe_attention(device, dtype, head_dim)
+    log(f"attention 'auto': {results['attention_backend']} (warm-up {results['attention_warmup_s']} s)")
 
     latent = (config.in_channels, (args.frames - 1) // 4 + 1, args.height // 16, args.width // 16)
     g = torch.Generator().manual_seed(1)
@@ -366,6 +477,35 @@ def main() -> int:
             log(f"guided step {name}: {s:.3f} s, peak {peak:.1f} GiB")
         save()
 
+        # 4b. Per attention backend, the chosen layout: attention inside the model, forward b1 and
+        #     the guided step (two batch-1 passes), outputs kept for the error vs fp32.
+        for backend in backends:
+            why = fa4_unusable_reason(device, dtype, head_dim) if backend == attn_mod.FA4 else None
+            if why is not None and device.type == "cuda":
+                results[f"{backend}_skipped"] = why
+                log(f"backend {backend}: skipped ({why})")
+                continue
+            use_ours(ours, fused=True, chosen_attention=True, fp32_residual=FP32_RESIDUAL, variant=best,
+                     backend=backend)
+            results[f"{backend}_runs_as"] = describe_attention(device, dtype, head_dim)
+            s, _, out = timed(lambda: ours(x1, t1, cache1), device=device, reps=reps, warmup=warmup)
+            outs[f"ours_{backend}"] = out
+            del out
+            timer = TimedAttention(attn_mod.attention, device)
+            set_attention(ours, timer)
+            ours(x1, t1, cache1)
+            for key, value in timer.tflops().items():
+                results[f"{backend}_attn_{key}"] = value
+            set_attention(ours, attn_mod.attention)
+            g_s, g_peak, _ = timed(step_two, device=device, reps=max(1, reps - 1), warmup=1)
+            results[f"{backend}_b1_s"], results[f"{backend}_guided_step_s"] = round(s, 4), round(g_s, 4)
+            log(f"backend {backend} ({results[f'{backend}_runs_as']}): b1 {s:.3f} s, guided step {g_s:.3f} s, "
+                f"attention in model: self {results.get(f'{backend}_attn_self_tflops')} TFLOP/s "
+                f"({results.get(f'{backend}_attn_self_ms')} ms/forward), cross "
+                f"{results.get(f'{backend}_attn_cross_tflops')} TFLOP/s")
+            save()
+        use_ours(ours, fused=True, chosen_attention=True, fp32_residual=FP32_RESIDUAL, variant=best)
+
     # 5. Full guided sample through PAN2Pipeline (random weights).
     if args.sample:
         from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
@@ -382,8 +522,33 @@ def main() -> int:
         sync(device)
         results["sample_s"] = round(time.perf_counter() - t0, 2)
         results["sample_steps"] = args.steps
+        results["sample_attention"] = pipe.attention_backend
         log(f"guided sample, {args.steps} steps, guidance {args.guidance}, layout {best}, fp32 residual "
-            f"{pipe.config.dit_fp32_residual}: {results['sample_s']} s")
+            f"{pipe.config.dit_fp32_residual}, attention {pipe.attention_backend}: {results['sample_s']} s")
+        save()
+
+    # 5b. The same short guided sample per backend, same seed: how far the final latents drift.
+    ran = [b for b in backends if f"{b}_b1_s" in results]
+    if args.compare_steps > 0 and len(ran) > 1:
+        from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
+        from pan2render.models.scheduler import SchedulerConfig
+
+        vae_stub = types.SimpleNamespace(config=types.SimpleNamespace(z_dim=config.in_channels))
+        pipe = PAN2Pipeline(dit=ours, vae=vae_stub, text_encoder=None, scheduler_config=SchedulerConfig(),
+                            config=PAN2PipelineConfig(device=str(device), dtype=dtype), model_id="bench-random")
+        latents: dict[str, torch.Tensor] = {}
+        results["compare_steps"] = args.compare_steps
+        for backend in ran:
+            attn_mod.set_attention_backend(backend)
+            latents[backend] = pipe.sample(prompt_embeds=ctx1[0], negative_prompt_embeds=ctx2[1], height=args.height,
+                                           width=args.width, frames=args.frames, steps=args.compare_steps,
+                                           guidance=args.guidance, seed=0).float()
+        attn_mod.set_attention_backend("auto")
+        for other in ran[1:]:
+            key = f"latents_rel_l2_{ran[0]}_vs_{other}"
+            results[key] = round(rel_l2(latents[ran[0]], latents[other]), 6)
+            log(f"{args.compare_steps}-step guided sample, final latents {ran[0]} vs {other}: rel L2 {results[key]:.3e}")
+        del latents
         save()
 
     # 6. fp32 reference (strict: no TF32), batch 1: diffusers' model upcast in place.
@@ -410,6 +575,7 @@ def main() -> int:
         save()
 
     print(json.dumps(results, indent=1))
+    print(summary_table(results, backends), flush=True)
     return 0
 
 

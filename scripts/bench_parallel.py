@@ -136,8 +136,10 @@ def build_dit(config: PAN2DiTConfig, device: torch.device, dtype: torch.dtype) -
     return model
 
 
-def use_fast_paths(model: PAN2DiT) -> str:
-    """Fused DiT ops + the chosen attention backend where pan2render.kernels has them."""
+def use_fast_paths(model: PAN2DiT, attention: str = "auto") -> str:
+    """Fused DiT ops + the chosen attention backend where pan2render.kernels has them (``attention``:
+    'auto', the pipeline's choice: FlashAttention-4 where it runs, else SDPA; or one forced), its
+    first-call compile done here as at model load."""
     import dataclasses
 
     from pan2render.models.dit_ops import TORCH_OPS, DiTOps
@@ -163,10 +165,15 @@ def use_fast_paths(model: PAN2DiT) -> str:
     try:
         from pan2render.kernels import attention as attn_mod
 
+        attn_mod.set_attention_backend(attention)
+        param = model.blocks[0].attn1.to_q.weight  # the compute dtype (norms and embedders may be fp32)
+        head_dim = model.config.attention_head_dim
+        attn_mod.warm_up_attention(param.device, param.dtype, heads=model.config.num_attention_heads,
+                                   head_dim=head_dim)
         for block in model.blocks:
             block.attn1.attention_fn = attn_mod.attention
             block.attn2.attention_fn = attn_mod.attention
-        used.append("kernels.attention backend choice")
+        used.append(f"attention {attention}: {attn_mod.describe_attention(param.device, param.dtype, head_dim)}")
     except Exception as e:  # noqa: BLE001
         used.append(f"SDPA default order ({type(e).__name__}: {e})")
     return ", ".join(used)
@@ -200,7 +207,7 @@ def bench_dit(rank: int, world: int, device: torch.device, args: argparse.Namesp
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     t0 = time.perf_counter()
     model = build_dit(config, device, dtype)
-    res["dit_paths"] = use_fast_paths(model)
+    res["dit_paths"] = use_fast_paths(model, args.attention)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(1, config.in_channels, size["frames"], size["height"], size["width"], generator=gen)
     x = x.to(device, dtype)
@@ -464,8 +471,21 @@ def main() -> int:
                    help="also time the group step with these head-group counts (overlap of the all-to-alls)")
     p.add_argument("--sample-steps", type=int, default=0,
                    help="also time a whole PAN2Pipeline.sample of this many guided steps, 1 GPU vs the group")
+    p.add_argument("--attention", default="auto",
+                   help="attention backend: 'auto' (the pipeline's choice: FlashAttention-4 where it runs) or one "
+                        "forced: fa4, cudnn, flash, efficient, math")
     p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument("--out", type=Path, default=None, help="folder for the figures (bench_parallel.json)")
     args = p.parse_args()
+    try:
+        from pan2render.kernels.attention import AttentionConfig
+
+        AttentionConfig(backend=args.attention)
+    except ValueError as err:
+        p.error(f"--attention: {err}")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        args.json = args.json or str(args.out / "bench_parallel.json")
     if not args.tiny and (not torch.cuda.is_available() or torch.cuda.device_count() < args.world):
         print(f"needs {args.world} CUDA GPUs (found {torch.cuda.device_count()}); use --tiny on CPU")
         return 2

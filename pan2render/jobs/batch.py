@@ -35,6 +35,15 @@ from typing import Any, Callable
 
 import yaml
 
+from pan2render.jobs.inputs import (
+    LIMITS,
+    InputFileError,
+    control_chars,
+    describe_char,
+    dit_tokens,
+    image_size,
+    read_regular_file,
+)
 from pan2render.jobs.spec import (
     ALLOWED_GPUS,
     SAMPLERS,
@@ -44,6 +53,8 @@ from pan2render.jobs.spec import (
     Problem,
     SourceLocation,
 )
+from pan2render.jobs.weights import folder_fingerprint
+from pan2render.sampling import DEFAULT_NUM_TRAIN_TIMESTEPS, DMD, combination_problems, timesteps_problem
 
 TINY_MODEL = "tiny"
 # Seeds are stored in the SQLite ledger (signed 64-bit INTEGER) and fed to torch.Generator.
@@ -52,7 +63,7 @@ MAX_SEED = 2**63 - 1
 TOP_LEVEL_KEYS = ("model", "preset", "defaults", "jobs", "prompts_file", "sweep")
 JOB_KEYS = (
     "prompt", "name", "negative_prompt", "image", "seed", "steps", "guidance", "height", "width",
-    "frames", "fps", "flow_shift", "sampler", "gpus", "crf",
+    "frames", "fps", "flow_shift", "sampler", "gpus", "crf", "timesteps",
 )
 # `defaults` sets anything a job may set except what identifies the job itself.
 DEFAULTS_KEYS = tuple(k for k in JOB_KEYS if k not in ("prompt", "name"))
@@ -60,7 +71,7 @@ SWEEP_KEYS = DEFAULTS_KEYS
 # Presets hold render settings only: not paths (they have no folder of their own) and not seeds.
 PRESET_KEYS = ("description",) + tuple(k for k in DEFAULTS_KEYS if k not in ("image", "seed"))
 PRESET_REQUIRED = ("steps", "guidance", "height", "width", "frames", "fps", "flow_shift", "sampler", "crf")
-BUILTIN_DEFAULTS: dict[str, Any] = {"negative_prompt": "", "image": None, "seed": 0, "gpus": 1}
+BUILTIN_DEFAULTS: dict[str, Any] = {"negative_prompt": "", "image": None, "seed": 0, "gpus": 1, "timesteps": None}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -94,10 +105,14 @@ class _YamlReader:
         self.problems = problems
 
     def read(self, text: str) -> _Node | None:
+        if self._control_chars(text):
+            return None
         loader = yaml.SafeLoader(text)
         try:
             root = loader.get_single_node()
             if root is None:
+                return None
+            if not self._expansion_ok(root):
                 return None
             return self._convert(loader, root, root.start_mark.line + 1, {}, set())
         except yaml.MarkedYAMLError as exc:
@@ -117,6 +132,52 @@ class _YamlReader:
 
     def _problem(self, line: int, fld: str, message: str) -> None:
         self.problems.append(Problem(SourceLocation(self.display, line), fld, message))
+
+    def _control_chars(self, text: str) -> bool:
+        """Note each line holding a NUL or another control character (tab and line ends pass)."""
+        found = False
+        for lineno, line in enumerate(text.split("\n"), start=1):
+            bad = control_chars(line, newlines=True)
+            if bad:
+                col, char = bad[0]
+                self._problem(lineno, "(yaml)", f"control character {describe_char(char)} at column {col + 1}; "
+                                                "allowed: printable text (write it as a YAML escape if you must)")
+                found = True
+        return found
+
+    def _expansion_ok(self, root: yaml.Node) -> bool:
+        """Refuse documents whose aliases expand past the limits ("billion laughs"), before anything
+        is built from them: expanded sizes are counted once per node, so this is linear in the text."""
+        size: dict[int, int] = {}
+        aliases = 0
+        stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+        while stack:
+            node, children_done = stack.pop()
+            if id(node) in size and not children_done:
+                aliases += 1
+                if aliases > LIMITS.yaml_aliases:
+                    self._problem(node.start_mark.line + 1, "(yaml)",
+                                  f"more than {LIMITS.yaml_aliases} alias references (*name); allowed: at most "
+                                  f"{LIMITS.yaml_aliases} in one batch")
+                    return False
+                continue
+            if isinstance(node, yaml.ScalarNode):
+                size[id(node)] = 1
+                continue
+            children = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
+                        else list(node.value))
+            if not children_done:
+                size[id(node)] = 0  # visited: a later reference is an alias (or a recursion)
+                stack.append((node, True))
+                stack.extend((c, False) for c in reversed(children))
+                continue
+            size[id(node)] = 1 + sum(size[id(c)] for c in children)
+            if size[id(node)] > LIMITS.yaml_values:
+                self._problem(node.start_mark.line + 1, "(yaml)",
+                              f"the value written here expands through aliases to more than {LIMITS.yaml_values:,} "
+                              f"values; allowed: at most {LIMITS.yaml_values:,} after alias expansion")
+                return False
+        return True
 
     def _convert(self, loader: yaml.SafeLoader, node: yaml.Node, line: int, memo: dict[int, Any],
                  active: set[int]) -> _Node:
@@ -191,11 +252,16 @@ def _as_float(value: Any, allowed: str) -> float:
     return float(value)  # 5 and 5.0 must hash alike
 
 
-def _as_str(value: Any, allowed: str, *, non_empty: bool) -> str:
+def _as_str(value: Any, allowed: str, *, non_empty: bool, newlines: bool = False) -> str:
     if not isinstance(value, str):
         raise _Bad(f"got {value!r} ({_type_name(value)}); allowed: {allowed}")
     if non_empty and not value.strip():
         raise _Bad(f"is empty; allowed: {allowed}")
+    bad = control_chars(value, newlines=newlines)
+    if bad:
+        where, char = bad[0]
+        raise _Bad(f"holds the control character {describe_char(char)} at position {where}; allowed: {allowed} "
+                   f"without control characters{' (tabs and line breaks are fine)' if newlines else ''}")
     return value
 
 
@@ -218,9 +284,11 @@ def _check_seed(v: Any) -> int:
 
 
 def _check_steps(v: Any) -> int:
-    n = _as_int(v, "an integer >= 1 (sampling steps)")
-    if n < 1:
-        raise _Bad(f"got {n}; allowed: an integer >= 1 (sampling steps)")
+    allowed = (f"an integer from 1 to {LIMITS.steps} (sampling steps; the flow-matching schedule has "
+               f"{LIMITS.steps} training timesteps)")
+    n = _as_int(v, allowed)
+    if not 1 <= n <= LIMITS.steps:
+        raise _Bad(f"got {n}; allowed: {allowed}")
     return n
 
 
@@ -234,10 +302,13 @@ def _check_guidance(v: Any) -> float:
 
 def _check_size(v: Any) -> int:
     # The VAE downsamples 16x and the DiT patchifies 2x2 on top: pixels must split into 32s.
-    allowed = "a positive multiple of 32 (VAE 16x times DiT patch 2), e.g. 704, 1248"
+    allowed = (f"a positive multiple of 32 (VAE 16x times DiT patch 2) up to {LIMITS.side} (libx264's "
+               f"largest frame), e.g. 704, 1248")
     n = _as_int(v, allowed)
     if n <= 0 or n % 32:
         raise _Bad(f"got {n} (nearest: {_nearest_32(n)}); allowed: {allowed}")
+    if n > LIMITS.side:
+        raise _Bad(f"got {n}; allowed: {allowed}")
     return n
 
 
@@ -288,6 +359,15 @@ def _one_of(choices: tuple[Any, ...], convert: Callable[[Any, str], Any]) -> Cal
     return check
 
 
+def _check_timesteps(v: Any) -> tuple[int, ...]:
+    # Checked against the usual T here; the sampler checks the checkpoint's own T when it loads.
+    items = [n.value if isinstance(n, _Node) else n for n in v] if isinstance(v, list) else v
+    problem = timesteps_problem(items, num_train_timesteps=DEFAULT_NUM_TRAIN_TIMESTEPS)
+    if problem is not None:
+        raise _Bad(problem + " (for sampler dmd)")
+    return tuple(items)
+
+
 def _check_crf(v: Any) -> int:
     allowed = "an integer in 0..51 (libx264 quality, lower is better; 18 is near lossless)"
     n = _as_int(v, allowed)
@@ -297,11 +377,11 @@ def _check_crf(v: Any) -> int:
 
 
 _CHECKS: dict[str, Callable[[Any], Any]] = {
-    "prompt": lambda v: _as_str(v, "a non-empty string", non_empty=True),
+    "prompt": lambda v: _as_str(v, "a non-empty string", non_empty=True, newlines=True),
     "name": lambda v: _as_str(v, "a non-empty string", non_empty=True),
-    "negative_prompt": lambda v: _as_str(v, "a string (may be empty)", non_empty=False),
+    "negative_prompt": lambda v: _as_str(v, "a string (may be empty)", non_empty=False, newlines=True),
     "image": lambda v: _as_str(v, "a path to an image file (relative to this file)", non_empty=True),
-    "description": lambda v: _as_str(v, "a string", non_empty=False),
+    "description": lambda v: _as_str(v, "a string", non_empty=False, newlines=True),
     "seed": _check_seed,
     "steps": _check_steps,
     "guidance": _check_guidance,
@@ -313,6 +393,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "sampler": _one_of(SAMPLERS, lambda v, a: _as_str(v, a, non_empty=True)),
     "gpus": _one_of(ALLOWED_GPUS, _as_int),
     "crf": _check_crf,
+    "timesteps": _check_timesteps,
 }
 
 
@@ -575,7 +656,7 @@ def load_batch(path: str | Path, *, check_files: bool = True, check_model: bool 
     batch_path = Path(path)
     ctx = _Ctx(display=str(path), base_dir=batch_path.absolute().parent, check_files=check_files,
                check_model=check_model)
-    text = _read_text(batch_path, ctx.display, ctx.problems, what="batch file")
+    text = _read_text(batch_path, ctx.display, ctx.problems, what="batch file", limit=LIMITS.batch_bytes)
     root = None if text is None else _YamlReader(ctx.display, ctx.problems).read(text)
     if ctx.problems:
         raise BatchValidationError(ctx.problems)
@@ -606,15 +687,28 @@ def load_batch(path: str | Path, *, check_files: bool = True, check_model: bool 
         ctx.problem(line, "jobs", "the batch has no jobs: add a `jobs:` list (each with a `prompt`) "
                                   "or a `prompts_file`")
     _name_jobs(raw_jobs, ctx)
+    n_jobs = len(raw_jobs) * math.prod(len(values) for values in sweep.values())
+    if n_jobs > LIMITS.jobs:
+        where = top.get("sweep") or top.get("jobs") or top.get("prompts_file") or root
+        ctx.problem(where.line, "sweep" if sweep else "jobs",
+                    f"the batch expands to {n_jobs:,} jobs ({len(raw_jobs)} job(s) x "
+                    f"{n_jobs // max(1, len(raw_jobs)):,} sweep combination(s)); allowed: at most {LIMITS.jobs:,} "
+                    "jobs in one batch: split it into several batches")
     if ctx.problems:
         raise BatchValidationError(_sorted(ctx))
 
-    jobs = _expand(raw_jobs, model=model, preset_name=preset_name, preset=preset, defaults=defaults,
-                   sets=flags.fields, sweep=sweep, ctx=ctx)
+    weights, weights_files = None, {}
+    if model != TINY_MODEL and Path(model).is_dir():
+        weights, files = folder_fingerprint(Path(model))
+        weights_files = {rel: {"size": fp.size, "sampled_sha256": fp.sampled_sha256} for rel, fp in files.items()}
+    jobs = _expand(raw_jobs, model=model, weights=weights, preset_name=preset_name, preset=preset,
+                   defaults=defaults, sets=flags.fields, sweep=sweep, ctx=ctx)
+    _check_cost(jobs, ctx)
     _check_unique(jobs, ctx)
     if ctx.problems:
         raise BatchValidationError(_sorted(ctx))
-    return Batch(path=str(batch_path.absolute()), model=model, preset=preset_name, jobs=jobs)
+    return Batch(path=str(batch_path.absolute()), model=model, preset=preset_name, jobs=jobs,
+                 weights_files=weights_files)
 
 
 def _sorted(ctx: _Ctx) -> list[Problem]:
@@ -622,11 +716,13 @@ def _sorted(ctx: _Ctx) -> list[Problem]:
     return sorted(ctx.problems, key=lambda p: (p.location.file != ctx.display, p.location.file, p.location.line))
 
 
-def _read_text(path: Path, display: str, problems: list[Problem], *, what: str,
+def _read_text(path: Path, display: str, problems: list[Problem], *, what: str, limit: int,
                location: SourceLocation | None = None, fld: str = "(file)") -> str | None:
     where = location or SourceLocation(display, 1)
     try:
-        return path.read_text(encoding="utf-8")
+        return read_regular_file(path, limit=limit).decode("utf-8")
+    except InputFileError as exc:
+        problems.append(Problem(where, fld, f"{what} {str(path)!r} {exc}"))
     except FileNotFoundError:
         problems.append(Problem(where, fld, f"{what} {str(path)!r} does not exist"))
     except IsADirectoryError:
@@ -648,6 +744,11 @@ def _parse_model(node: _Node | None, ctx: _Ctx) -> str:
         ctx.problem(node.line, "model", f"got {node.value!r} ({_type_name(node.value)}); allowed: {allowed}")
         return TINY_MODEL
     if node.value == TINY_MODEL:
+        return TINY_MODEL
+    try:
+        _as_str(node.value, allowed, non_empty=True)
+    except _Bad as exc:
+        ctx.problem(node.line, "model", str(exc))
         return TINY_MODEL
     folder = (ctx.base_dir / Path(node.value).expanduser()).resolve()
     if ctx.check_files and ctx.check_model:
@@ -710,12 +811,15 @@ def _parse_prompts_file(node: _Node | None, ctx: _Ctx) -> list[_RawJob]:
     """One prompt a line (blank and ``#`` lines skipped), or ``.jsonl`` rows of job fields."""
     if node is None:
         return []
-    if not isinstance(node.value, str) or not node.value.strip():
-        ctx.problem(node.line, "prompts_file", f"got {node.value!r}; allowed: a path to a .txt (one prompt a line) "
-                                               "or .jsonl (one job object a line) file, relative to this batch")
+    allowed = ("a path to a .txt (one prompt a line) or .jsonl (one job object a line) file, relative to "
+               "this batch")
+    try:
+        _as_str(node.value, allowed, non_empty=True)
+    except _Bad as exc:
+        ctx.problem(node.line, "prompts_file", str(exc))
         return []
     path = (ctx.base_dir / Path(node.value).expanduser()).resolve()
-    text = _read_text(path, ctx.display, ctx.problems, what="prompts file",
+    text = _read_text(path, ctx.display, ctx.problems, what="prompts file", limit=LIMITS.prompts_file_bytes,
                       location=SourceLocation(ctx.display, node.line), fld="prompts_file")
     if text is None:
         return []
@@ -777,10 +881,10 @@ def _parse_sweep(node: _Node | None, ctx: _Ctx) -> dict[str, list[Any]]:
             except _Bad as exc:
                 ctx.problem(item.line, f"{fld}[{i}]", str(exc))
                 continue
-            image = (ctx.base_dir / Path(good[-1]).expanduser()) if key == "image" else None
-            if image is not None and ctx.check_files and not image.is_file():
-                ctx.problem(item.line, f"{fld}[{i}]", f"image {str(image.resolve())!r} does not exist; allowed: a "
-                                                      "path to an image file, relative to this batch")
+            image = (ctx.base_dir / Path(good[-1]).expanduser()).resolve() if key == "image" else None
+            problem = _image_problem(image) if image is not None and ctx.check_files else None
+            if problem:
+                ctx.problem(item.line, f"{fld}[{i}]", problem)
         repeated = sorted({repr(v) for v in good if good.count(v) > 1})
         if repeated:
             ctx.problem(values.line, fld, f"values {', '.join(repeated)} appear more than once; each sweep value "
@@ -805,10 +909,28 @@ def _resolve_image(raw: _RawJob, ctx: _Ctx) -> None:
         return
     path = (raw.base_dir / Path(image).expanduser()).resolve()
     raw.fields["image"] = str(path)
-    if ctx.check_files and not path.is_file():
-        ctx.problem(raw.lines.get("image", raw.location.line), raw.label + ".image",
-                    f"image {str(path)!r} does not exist; allowed: a path to an image file, relative to the "
-                    "file that names it", raw.location.file)
+    problem = _image_problem(path) if ctx.check_files else None
+    if problem:
+        ctx.problem(raw.lines.get("image", raw.location.line), raw.label + ".image", problem, raw.location.file)
+
+
+def _image_problem(path: Path) -> str | None:
+    """None if ``path`` is a PNG/JPEG/WebP file within the size and pixel limits, else why not."""
+    allowed = (f"a PNG, JPEG or WebP file of at most {LIMITS.image_bytes >> 20} MiB and "
+               f"{LIMITS.image_pixels:,} pixels, relative to the file that names it")
+    try:
+        data = read_regular_file(path, limit=LIMITS.image_bytes)
+        width, height = image_size(data)
+    except FileNotFoundError:
+        return f"image {str(path)!r} does not exist; allowed: {allowed}"
+    except InputFileError as exc:
+        return f"image {str(path)!r} {exc}; allowed: {allowed}"
+    except OSError as exc:
+        return f"cannot read image {str(path)!r}: {exc.strerror}; allowed: {allowed}"
+    if width * height > LIMITS.image_pixels:
+        return (f"image {str(path)!r} is {width}x{height} = {width * height:,} pixels (decoding it needs "
+                f"{width * height * 3 / 2**30:.1f} GiB); allowed: {allowed}")
+    return None
 
 
 def _derived_name(prompt: str) -> str:
@@ -843,7 +965,7 @@ def _name_jobs(raw_jobs: list[_RawJob], ctx: _Ctx) -> None:
         raw.fields["name"] = name
 
 
-def _expand(raw_jobs: list[_RawJob], *, model: str, preset_name: str, preset: dict[str, Any],
+def _expand(raw_jobs: list[_RawJob], *, model: str, weights: str | None, preset_name: str, preset: dict[str, Any],
             defaults: dict[str, Any], sets: dict[str, Any], sweep: dict[str, list[Any]],
             ctx: _Ctx) -> list[JobSpec]:
     """Resolve every job under every sweep combination:
@@ -860,15 +982,54 @@ def _expand(raw_jobs: list[_RawJob], *, model: str, preset_name: str, preset: di
             if image is not None and image not in ctx.image_hashes and Path(image).is_file():
                 ctx.image_hashes[image] = sha256_file(image)
             image_sha = None if image is None else ctx.image_hashes.get(image)
+            if not _check_sampling(merged, raw, {**defaults, **raw.fields, **combo}, ctx):
+                continue
             jobs.append(JobSpec(
                 name=merged["name"], model=model, prompt=merged["prompt"],
                 negative_prompt=merged["negative_prompt"], image=image, image_sha256=image_sha,
                 seed=merged["seed"], steps=merged["steps"], guidance=merged["guidance"],
                 height=merged["height"], width=merged["width"], frames=merged["frames"], fps=merged["fps"],
                 flow_shift=merged["flow_shift"], sampler=merged["sampler"], gpus=merged["gpus"],
-                crf=merged["crf"], preset=preset_name, sweep=dict(combo), source=raw.location,
+                crf=merged["crf"], preset=preset_name, weights=weights, timesteps=merged["timesteps"],
+                sweep=dict(combo), source=raw.location,
             ))
     return jobs
+
+
+def _check_cost(jobs: list[JobSpec], ctx: _Ctx) -> None:
+    """One job's video must fit what the DiT and the VAE can hold (see InputLimits.dit_tokens)."""
+    seen: set[tuple[str, int, int, int]] = set()
+    for job in jobs:
+        assert job.source is not None
+        key = (str(job.source), job.frames, job.height, job.width)
+        tokens = dit_tokens(frames=job.frames, height=job.height, width=job.width)
+        if tokens <= LIMITS.dit_tokens or key in seen:
+            continue
+        seen.add(key)
+        ctx.problem(job.source.line, "frames x height x width",
+                    f"job {_describe(job)} asks for {job.frames} frames of {job.width}x{job.height} = "
+                    f"{tokens:,} DiT tokens; allowed: at most {LIMITS.dit_tokens:,} tokens (e.g. 241 frames at "
+                    "1088x1920): the DiT attends over all of them at once and the VAE decodes every pixel, so "
+                    "more runs a GPU out of memory; lower frames, width or height", job.source.file)
+
+
+def _check_sampling(merged: dict[str, Any], raw: _RawJob, explicit: dict[str, Any], ctx: _Ctx) -> bool:
+    """The sampler/timesteps/guidance rules of one resolved job; with dmd timesteps, ``steps`` becomes
+    their number (an explicit, different ``steps`` is a problem). False if the job is invalid."""
+    problems = combination_problems(sampler=merged["sampler"], timesteps=merged["timesteps"],
+                                    guidance=merged["guidance"])
+    if merged["sampler"] == DMD and merged["timesteps"] is not None:
+        count = len(merged["timesteps"])
+        if "steps" in explicit and explicit["steps"] != count:
+            problems.append(("steps", f"got {explicit['steps']} but the job lists {count} timesteps; with "
+                                      "sampler dmd the step count is the number of timesteps: drop steps"))
+        merged["steps"] = count
+    for fld, message in problems:
+        problem = Problem(SourceLocation(raw.location.file, raw.lines.get(fld, raw.location.line)),
+                          f"{raw.label}.{fld}", message)
+        if problem not in ctx.problems:  # once per job, not once per sweep combination
+            ctx.problems.append(problem)
+    return not problems
 
 
 def _describe(job: JobSpec) -> str:

@@ -22,6 +22,12 @@ Job lifecycle (an explicit state machine, :data:`JOB_TRANSITIONS`)::
 
 Stage rows (one per job and :class:`Stage`) go pending -> running -> done | failed; a stage left
 running when its job leaves ``running`` any other way than ``finish`` is put back to pending.
+
+Damage: opening checks the file (``PRAGMA quick_check``, the schema) and raises :class:`LedgerError`
+naming the path and what to do, never a raw ``sqlite3`` error. A copy is kept at safe points (once
+the batch is recorded, after each job done) with SQLite's online backup API in
+``ledger.sqlite.bak``, so a damaged ledger loses at most the last job's record; ``pan2-render
+repair`` rebuilds from that copy and from the artifacts on disk.
 """
 
 from __future__ import annotations
@@ -37,13 +43,30 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pan2render.jobs.spec import JobSpec
 
 LEDGER_NAME = "ledger.sqlite"
+BACKUP_NAME = "ledger.sqlite.bak"
 LOCK_NAME = ".lock"
 SCHEMA_VERSION = 1
+_TABLES = ("meta", "jobs", "stages", "events")
+
+
+class LedgerError(RuntimeError):
+    """The ledger cannot be used (damaged, not a ledger, unreadable, holds no batch); the message
+    names the file, what is wrong and what to do."""
+
+    def __init__(self, path: Path, problem: str, remedy: str):
+        self.path = path
+        self.problem = problem
+        super().__init__(f"the ledger {path} {problem}; {remedy}")
+
+
+def _repair_hint(path: Path) -> str:
+    return (f"`pan2-render repair {path.parent}` rebuilds it from its backup and the finished artifacts "
+            f"(the damaged file is kept beside it)")
 
 
 class JobState(str, enum.Enum):
@@ -172,18 +195,24 @@ class Ledger:
     def __init__(self, conn: sqlite3.Connection, *, path: Path):
         self._conn = conn
         self.path = path
+        self.backup_error: str | None = None
 
     # ---------------------------------------------------------------- opening
     @classmethod
     def open(cls, out_dir: str | Path) -> "Ledger":
-        path = Path(out_dir) / LEDGER_NAME
-        conn = sqlite3.connect(path, timeout=10.0, isolation_level=None)
-        conn.execute("PRAGMA journal_mode=DELETE")
-        conn.execute("PRAGMA synchronous=FULL")
-        conn.executescript(_SCHEMA)
-        ledger = cls(conn, path=path)
-        with ledger._tx():
-            conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        return cls.open_file(Path(out_dir) / LEDGER_NAME)
+
+    @classmethod
+    def open_file(cls, path: Path) -> "Ledger":
+        """Open (creating if absent) a ledger file for writing; raises LedgerError if damaged."""
+        with _opening(path) as conn:
+            conn.execute("PRAGMA journal_mode=DELETE")
+            conn.execute("PRAGMA synchronous=FULL")
+            _check_integrity(conn, path, fresh_ok=True)
+            conn.executescript(_SCHEMA)
+            ledger = cls(conn, path=path)
+            with ledger._tx():
+                conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         return ledger
 
     @classmethod
@@ -194,11 +223,50 @@ class Ledger:
                 f"no ledger at {path}: {out_dir} is not a pan2-render output folder "
                 f"(create one with `pan2-render run BATCH --out {out_dir}`)"
             )
+        return cls.open_file_readonly(path)
+
+    @classmethod
+    def open_file_readonly(cls, path: Path) -> "Ledger":
+        """Open an existing ledger file (the ledger or its backup) for reading only."""
         # Not `mode=ro`: a read-only connection cannot roll back the hot journal a killed driver
         # may leave, so `status` would fail until the next `resume`. query_only forbids writes.
-        conn = sqlite3.connect(path, timeout=10.0, isolation_level=None)
-        conn.execute("PRAGMA query_only=ON")
+        with _opening(path) as conn:
+            conn.execute("PRAGMA query_only=ON")
+            _check_integrity(conn, path, fresh_ok=False)
         return cls(conn, path=path)
+
+    def has_batch(self) -> bool:
+        """Was a batch recorded? (record_batch writes its jobs in one transaction: any job is proof.)"""
+        return self._conn.execute("SELECT 1 FROM jobs LIMIT 1").fetchone() is not None
+
+    def backup(self) -> Path:
+        """Copy the ledger to ``ledger.sqlite.bak`` with SQLite's online backup API (a consistent
+        snapshot even mid-transaction elsewhere), via a temp name and a rename: the previous copy
+        stays whole until the new one is."""
+        dest = self.path.with_name(BACKUP_NAME)
+        tmp = self.path.with_name(f".{BACKUP_NAME}.tmp-{os.getpid()}")
+        try:
+            target = sqlite3.connect(tmp)
+            try:
+                self._conn.backup(target)
+            finally:
+                target.close()
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, dest)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return dest
+
+    def backup_quietly(self) -> None:
+        """A backup at a safe point. Its failure (e.g. the disk just filled) never fails the change
+        it follows; the next safe point tries again, and ``backup_error`` says why it failed."""
+        try:
+            self.backup()
+            self.backup_error = None
+        except (OSError, sqlite3.Error) as e:
+            self.backup_error = f"{type(e).__name__}: {e}"
 
     def close(self) -> None:
         self._conn.close()
@@ -208,10 +276,13 @@ class Ledger:
         self._conn.execute("BEGIN IMMEDIATE")
         try:
             yield self._conn
+            self._conn.execute("COMMIT")
         except BaseException:
-            self._conn.execute("ROLLBACK")
+            # SQLite rolls back by itself on some errors (SQLITE_FULL, SQLITE_IOERR); a second
+            # ROLLBACK would raise "no transaction is active" over the error that matters.
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
             raise
-        self._conn.execute("COMMIT")
 
     # ---------------------------------------------------------------- meta
     def set_meta(self, key: str, value: Any) -> None:
@@ -223,6 +294,16 @@ class Ledger:
         return default if row is None else json.loads(row[0])
 
     # ---------------------------------------------------------------- jobs
+    def record_batch(self, batch: dict[str, Any], specs: Iterable[JobSpec], *,
+                     retries: int) -> tuple[list[str], list[str]]:
+        """The batch's description and every job in ONE transaction (then a backup): after a crash
+        or a full disk the ledger holds the whole batch or nothing of it. Returns what add_jobs does."""
+        with self._tx() as c:
+            c.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", ("batch", json.dumps(batch)))
+            result = self._add_jobs(c, specs, retries=retries)
+        self.backup_quietly()
+        return result
+
     def add_jobs(self, specs: Iterable[JobSpec], *, retries: int) -> tuple[list[str], list[str]]:
         """Insert jobs not yet in the ledger. Returns (added ids, ids already present).
 
@@ -230,37 +311,41 @@ class Ledger:
         hash leaves out (``gpus``, the image's path) may still have changed: a present job that is
         not done takes the batch's spec, so lowering ``gpus`` or moving an image fixes a failed job.
         (The caller holds the folder lock, so no job is really running.)"""
+        with self._tx() as c:
+            return self._add_jobs(c, specs, retries=retries)
+
+    def _add_jobs(self, c: sqlite3.Connection, specs: Iterable[JobSpec], *,
+                  retries: int) -> tuple[list[str], list[str]]:
         added: list[str] = []
         present: list[str] = []
         now = time.time()
-        with self._tx() as c:
-            (pos,) = c.execute("SELECT COALESCE(MAX(position), -1) + 1 FROM jobs").fetchone()
-            for spec in specs:
-                jid = spec.job_id
-                row = c.execute("SELECT state, spec_json FROM jobs WHERE id = ?", (jid,)).fetchone()
-                if row:
-                    present.append(jid)
-                    spec_json = json.dumps(spec.to_dict(), sort_keys=True)
-                    if row[0] != JobState.DONE.value and row[1] != spec_json:
-                        c.execute("UPDATE jobs SET spec_json = ?, updated_at = ? WHERE id = ?",
-                                  (spec_json, now, jid))
-                        self._event(c, jid, "spec-updated", "fields outside the spec hash changed "
-                                    "(gpus, image path); the batch's values apply")
-                    continue
+        (pos,) = c.execute("SELECT COALESCE(MAX(position), -1) + 1 FROM jobs").fetchone()
+        for spec in specs:
+            jid = spec.job_id
+            row = c.execute("SELECT state, spec_json FROM jobs WHERE id = ?", (jid,)).fetchone()
+            if row:
+                present.append(jid)
+                spec_json = json.dumps(spec.to_dict(), sort_keys=True)
+                if row[0] != JobState.DONE.value and row[1] != spec_json:
+                    c.execute("UPDATE jobs SET spec_json = ?, updated_at = ? WHERE id = ?",
+                              (spec_json, now, jid))
+                    self._event(c, jid, "spec-updated", "fields outside the spec hash changed "
+                                "(gpus, image path); the batch's values apply")
+                continue
+            c.execute(
+                "INSERT INTO jobs (id, name, spec_json, spec_hash, state, attempts, retries_left,"
+                " position, created_at, updated_at) VALUES (?, ?, ?, ?, ?, 0, ?, ?, ?, ?)",
+                (jid, spec.name, json.dumps(spec.to_dict(), sort_keys=True), spec.spec_hash,
+                 JobState.PENDING.value, retries, pos, now, now),
+            )
+            for stage in STAGES:
                 c.execute(
-                    "INSERT INTO jobs (id, name, spec_json, spec_hash, state, attempts, retries_left,"
-                    " position, created_at, updated_at) VALUES (?, ?, ?, ?, ?, 0, ?, ?, ?, ?)",
-                    (jid, spec.name, json.dumps(spec.to_dict(), sort_keys=True), spec.spec_hash,
-                     JobState.PENDING.value, retries, pos, now, now),
+                    "INSERT INTO stages (job_id, stage, state, updated_at) VALUES (?, ?, ?, ?)",
+                    (jid, stage.value, StageState.PENDING.value, now),
                 )
-                for stage in STAGES:
-                    c.execute(
-                        "INSERT INTO stages (job_id, stage, state, updated_at) VALUES (?, ?, ?, ?)",
-                        (jid, stage.value, StageState.PENDING.value, now),
-                    )
-                self._event(c, jid, "added", f"spec_hash {spec.spec_hash[:12]}")
-                pos += 1
-                added.append(jid)
+            self._event(c, jid, "added", f"spec_hash {spec.spec_hash[:12]}")
+            pos += 1
+            added.append(jid)
         return added, present
 
     def jobs(self, ids: Iterable[str] | None = None) -> list[JobRecord]:
@@ -308,7 +393,28 @@ class Ledger:
                                 (job_id, error_stage.value)).fetchone()
                 if row and row[0]:
                     self._event(c, job_id, "traceback", row[0])
+        if event is JobEvent.FINISH:
+            self.backup_quietly()  # a safe point: a damaged ledger then loses at most this job
         return new
+
+    def restore_job(self, spec: JobSpec, *, state: JobState, attempts: int, retries: int,
+                    stages: dict[Stage, dict[str, Any]], reason: str) -> None:
+        """Insert a job rebuilt by ``repair`` with the state and stage records its artifacts prove
+        (``stages``: stage -> StageRecord fields for the stages found done; the rest are pending)."""
+        now = time.time()
+        with self._tx() as c:
+            (pos,) = c.execute("SELECT COALESCE(MAX(position), -1) + 1 FROM jobs").fetchone()
+            c.execute(
+                "INSERT INTO jobs (id, name, spec_json, spec_hash, state, attempts, retries_left,"
+                " position, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (spec.job_id, spec.name, json.dumps(spec.to_dict(), sort_keys=True), spec.spec_hash,
+                 state.value, attempts, retries, pos, now, now))
+            for stage in STAGES:
+                c.execute("INSERT INTO stages (job_id, stage, state, updated_at) VALUES (?, ?, ?, ?)",
+                          (spec.job_id, stage.value, StageState.PENDING.value, now))
+                if stage in stages:
+                    self._set_stage(c, spec.job_id, stage, StageState.DONE, **stages[stage])
+            self._event(c, spec.job_id, "restored", reason)
 
     # ---------------------------------------------------------------- stages
     def stages(self, job_id: str) -> dict[Stage, StageRecord]:
@@ -370,6 +476,57 @@ class Ledger:
     def _event(c: sqlite3.Connection, job_id: str | None, kind: str, detail: str) -> None:
         c.execute("INSERT INTO events (at, job_id, kind, detail) VALUES (?, ?, ?, ?)",
                   (time.time(), job_id, kind, detail))
+
+
+@contextmanager
+def _opening(path: Path) -> Iterator[sqlite3.Connection]:
+    """A connection to ``path`` for the block that sets it up: closed if that fails, with a
+    sqlite3 error raised as the LedgerError it means."""
+    try:
+        conn = sqlite3.connect(path, timeout=10.0, isolation_level=None)
+    except sqlite3.Error as e:
+        _raise_as_ledger_error(path, e)
+    try:
+        yield conn
+    except sqlite3.Error as e:
+        conn.close()
+        _raise_as_ledger_error(path, e)
+    except BaseException:
+        conn.close()
+        raise
+
+
+def _check_integrity(conn: sqlite3.Connection, path: Path, *, fresh_ok: bool) -> None:
+    """Raise LedgerError unless ``conn`` is a readable ledger (or, if ``fresh_ok``, an empty file
+    about to become one). Cheap: quick_check reads each page once; a ledger is a few MB at most."""
+    (verdict,) = conn.execute("PRAGMA quick_check").fetchone()
+    if verdict != "ok":
+        raise LedgerError(path, f"is damaged (SQLite's check: {verdict})", _repair_hint(path))
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if not tables and fresh_ok:
+        return
+    if not tables:
+        raise LedgerError(path, "is empty (no batch was ever recorded in it)",
+                          f"start the batch again with `pan2-render run BATCH --out {path.parent}`, or "
+                          + _repair_hint(path))
+    missing = [t for t in _TABLES if t not in tables]
+    if missing:
+        raise LedgerError(path, f"lacks the table(s) {', '.join(missing)}: it is not a pan2-render ledger "
+                                "or it is damaged", _repair_hint(path))
+
+
+def _raise_as_ledger_error(path: Path, e: sqlite3.Error) -> NoReturn:
+    """Raise a sqlite3 error met on opening as the LedgerError it means (a full disk stays itself:
+    the CLI's disk-full handling names the folder and what to free)."""
+    text = str(e)
+    if "disk is full" in text or "locked" in text:  # not damage: a full disk, or a writer mid-change
+        raise e
+    if "readonly" in text or "unable to open" in text:
+        raise LedgerError(path, f"cannot be written ({text}): the file or its folder is read-only, or "
+                                 "belongs to another user",
+                           f"give this user write access to {path} and to {path.parent} (SQLite writes a "
+                           "journal beside the ledger), then run the command again") from e
+    raise LedgerError(path, f"cannot be read ({text})", _repair_hint(path)) from e
 
 
 def _job_record(r: tuple[Any, ...]) -> JobRecord:

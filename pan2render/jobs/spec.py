@@ -13,16 +13,20 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from pan2render.sampling import SAMPLERS
+
 ALLOWED_GPUS = (1, 2, 4, 8)
-SAMPLERS = ("unipc", "euler")
 
 # Fields of a resolved job that change the rendered video. The spec hash covers exactly these, so
 # a cosmetic change (a comment, the order of keys) never re-renders a finished job, and any change
 # that would alter the pixels always does.
 RENDER_FIELDS = (
-    "model", "prompt", "negative_prompt", "image_sha256", "seed", "steps", "guidance", "height",
-    "width", "frames", "fps", "flow_shift", "sampler", "crf",
+    "model", "weights", "prompt", "negative_prompt", "image_sha256", "seed", "steps", "guidance", "height",
+    "width", "frames", "fps", "flow_shift", "sampler", "crf", "timesteps",
 )
+# Render fields added after job ids were first handed out: left out of the hash while unset, so
+# that the jobs of an existing output folder keep their ids.
+OPTIONAL_RENDER_FIELDS = ("weights", "timesteps")
 
 
 @dataclass(frozen=True)
@@ -80,13 +84,20 @@ class JobSpec:
     gpus: int  # one of ALLOWED_GPUS
     crf: int
     preset: str
+    # Fingerprint of the checkpoint folder's weights (jobs.weights), None for the embedded tiny
+    # model: a checkpoint replaced under the same path makes new jobs.
+    weights: str | None = None
+    # Sampler dmd: the listed timesteps (ints in [1, T], strictly decreasing); None: the
+    # checkpoint's own (dmd) or not applicable (unipc, euler).
+    timesteps: tuple[int, ...] | None = None
     sweep: dict[str, Any] = field(default_factory=dict)  # the sweep values applied to this job
     source: SourceLocation | None = None
 
     @property
     def spec_hash(self) -> str:
         """sha256 over the render-affecting fields, as canonical JSON."""
-        payload = {k: getattr(self, k) for k in RENDER_FIELDS}
+        payload = {k: getattr(self, k) for k in RENDER_FIELDS
+                   if not (k in OPTIONAL_RENDER_FIELDS and getattr(self, k) is None)}
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -110,6 +121,8 @@ class JobSpec:
     def from_dict(cls, d: dict[str, Any]) -> "JobSpec":
         d = dict(d)
         src = d.pop("source", None)
+        if d.get("timesteps") is not None:  # JSON gives a list
+            d["timesteps"] = tuple(d["timesteps"])
         return cls(**d, source=None if src is None else SourceLocation(src["file"], int(src["line"])))
 
 
@@ -121,6 +134,9 @@ class Batch:
     model: str
     preset: str
     jobs: list[JobSpec]
+    # The model folder's per-file fingerprints ({relpath: {"size", "sampled_sha256"}}), recorded in
+    # the ledger so a later change can be explained file by file; empty for the tiny model.
+    weights_files: dict[str, Any] = field(default_factory=dict)
 
 
 def _slug(text: str) -> str:

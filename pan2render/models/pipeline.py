@@ -11,25 +11,28 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..kernels.attention import describe_attention, warm_up_attention
 from .checkpoint import CheckpointError, instantiate, read_json, resolve_component
 from .dit import PAN2DiT, PAN2DiTConfig
 from ..kernels.vae_decode import fast_decode, fast_decode_available, to_uint8_frames
 from .dit_ops import ROUTED_OPS, TORCH_OPS
-from .scheduler import SchedulerConfig, make_scheduler
+from ..sampling import DMD, SAMPLERS, combination_problems, timesteps_problem
+from .scheduler import FlowDMDScheduler, SchedulerConfig, make_scheduler
 from .text import TextEncoder
+from .tiny import cache_root
 from .vae import WanVAE, WanVAEConfig
 
 log = logging.getLogger(__name__)
 
-SAMPLERS = ("unipc", "euler")
 ProgressFn = Callable[[int, int], None]
 Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (latents, timestep) -> velocity
 
@@ -107,6 +110,9 @@ class SampleRequest:
     seed: int
     sampler: str = "unipc"
     flow_shift: float | None = None
+    # DMD only: the listed timesteps (ints in [1, T], strictly decreasing); None for the other
+    # samplers. For dmd the step count is len(timesteps) and ``steps`` must equal it.
+    timesteps: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -128,6 +134,13 @@ class SampleRequest:
         if self.flow_shift is not None and (not isinstance(self.flow_shift, (int, float))
                                             or isinstance(self.flow_shift, bool) or self.flow_shift <= 0):
             problems.append(f"flow_shift={self.flow_shift!r}: must be a number > 0")
+        if self.sampler == DMD and self.timesteps is None:
+            problems.append("sampler='dmd' needs timesteps (the job's, or the checkpoint's dmd_denoising_steps)")
+        if self.timesteps is not None and _is_int(self.steps) and self.steps != len(self.timesteps):
+            problems.append(f"steps={self.steps!r}: must equal the number of timesteps ({len(self.timesteps)})")
+        if not problems:  # the combination rules assume each value is well formed
+            problems += [f"{fld}: {msg}" for fld, msg in combination_problems(
+                sampler=self.sampler, timesteps=self.timesteps, guidance=self.guidance)]
         if problems:
             raise ValueError("invalid sampling request: " + "; ".join(problems))
 
@@ -177,7 +190,7 @@ class PAN2Pipeline:
 
     def __init__(self, *, dit: PAN2DiT, vae: WanVAE, text_encoder: TextEncoder | None,
                  scheduler_config: SchedulerConfig, config: PAN2PipelineConfig, model_id: str,
-                 expand_timesteps: bool = True):
+                 expand_timesteps: bool = True, default_timesteps: tuple[int, ...] | None = None):
         self.dit = dit
         self.vae = vae
         self.text_encoder = text_encoder
@@ -186,6 +199,9 @@ class PAN2Pipeline:
         self.model_id = model_id
         # Wan2.2 TI2V feeds per-token timesteps (first-frame tokens at 0 when an image conditions).
         self.expand_timesteps = expand_timesteps
+        # A step-distilled checkpoint's own DMD timesteps (see checkpoint_dmd_timesteps); a job's
+        # timesteps win. With them the checkpoint's default sampler is dmd.
+        self.default_timesteps = default_timesteps
         self.process_group = None  # set by a sequence-parallel wrapper applied from outside
         self.guidance_split = None  # likewise: guided steps over the two halves of an even group
         self._warned_fallback = False
@@ -195,6 +211,10 @@ class PAN2Pipeline:
             # benchmarks, consulted by the fused table on every call.)
             dit.set_ops(ROUTED_OPS if config.dit_fused_kernels else TORCH_OPS)
             dit.set_residual_dtype(torch.float32 if config.dit_fp32_residual else None)
+            # FlashAttention-4 (where it runs) compiles on its first call: do it here, at load,
+            # keeping the kernels on disk for the next process (a no-op on the CPU).
+            warm_up_attention(self.device, config.dtype, heads=dit.config.num_attention_heads,
+                              head_dim=dit.config.attention_head_dim, compile_cache=cache_root() / "flash-attn-4")
 
     # ----------------------------------------------------------------------------------------
     # Loading
@@ -219,12 +239,17 @@ class PAN2Pipeline:
         text_dtype = config.dtype if torch.device(config.text_encoder_device).type == "cuda" else torch.float32
         text = TextEncoder.from_pretrained(root, device=config.text_encoder_device, dtype=text_dtype)
         sched_file = root / "scheduler" / "scheduler_config.json"
-        scheduler_config = SchedulerConfig.from_dict(read_json(sched_file)) if sched_file.is_file() \
-            else SchedulerConfig()
-        model_id = f"{name}-{_checkpoint_digest(root)}"
+        try:
+            scheduler_config = SchedulerConfig.from_dict(read_json(sched_file), source=str(sched_file)) \
+                if sched_file.is_file() else SchedulerConfig()
+        except ValueError as e:
+            raise CheckpointError(str(e)) from e
+        default_timesteps = checkpoint_dmd_timesteps(root, scheduler_config.num_train_timesteps)
+        model_id = f"{name}-{_checkpoint_digest(root, default_timesteps)}"
         pipe = cls(dit=dit, vae=vae, text_encoder=text, scheduler_config=scheduler_config,
                    config=config, model_id=model_id,
-                   expand_timesteps=bool(index.get("expand_timesteps", True)))
+                   expand_timesteps=bool(index.get("expand_timesteps", True)),
+                   default_timesteps=default_timesteps)
         return pipe
 
     def parallelize(self, group: "torch.distributed.ProcessGroup | None") -> "PAN2Pipeline":
@@ -239,6 +264,11 @@ class PAN2Pipeline:
     @property
     def device(self) -> torch.device:
         return torch.device(self.config.device)
+
+    @property
+    def attention_backend(self) -> str:
+        """The DiT's attention backend in words (for the load reply and the group's layout line)."""
+        return describe_attention(self.device, self.config.dtype, self.dit.config.attention_head_dim)
 
     @property
     def text_encoder_id(self) -> str:
@@ -300,16 +330,29 @@ class PAN2Pipeline:
         height: int,
         width: int,
         frames: int,
-        steps: int,
+        steps: int | None = None,
         guidance: float,
         seed: int,
         flow_shift: float | None = None,
-        sampler: str = "unipc",
+        sampler: str | None = None,
+        timesteps: Sequence[int] | None = None,
         progress: ProgressFn | None = None,
     ) -> torch.Tensor:
-        """Sample latents: float32 CPU ``[48, T, h, w]`` in the normalised latent space."""
+        """Sample latents: float32 CPU ``[48, T, h, w]`` in the normalised latent space.
+
+        ``sampler`` None: the checkpoint's default (dmd when it lists DMD timesteps, else what
+        its scheduler class stands for). ``timesteps`` (dmd only) default to the checkpoint's;
+        with dmd, ``steps`` may be left out (it is the number of timesteps).
+        """
+        sampler = self.default_sampler if sampler is None else sampler
+        if sampler == DMD:
+            timesteps = self.default_timesteps if timesteps is None else tuple(timesteps)
+            if steps is None and timesteps is not None:
+                steps = len(timesteps)
+        elif timesteps is not None:
+            timesteps = tuple(timesteps)
         req = SampleRequest(height=height, width=width, frames=frames, steps=steps, guidance=guidance,
-                            seed=seed, sampler=sampler, flow_shift=flow_shift)
+                            seed=seed, sampler=sampler, flow_shift=flow_shift, timesteps=timesteps)
         cond = self._context(prompt_embeds, prompt)
         guided = req.guidance > 1.0
         uncond = self._context(negative_prompt_embeds, negative_prompt) if guided else None
@@ -329,7 +372,11 @@ class PAN2Pipeline:
             latents[:, :, :1] = first_frame
 
         scheduler = make_scheduler(req.sampler, self.scheduler_config)
-        scheduler.set_timesteps(req.steps, flow_shift=req.flow_shift)
+        if isinstance(scheduler, FlowDMDScheduler):
+            # Its fresh noise continues the job's CPU generator: the same on every device and rank.
+            scheduler.set_dmd_timesteps(req.timesteps, generator=gen, flow_shift=req.flow_shift)
+        else:
+            scheduler.set_timesteps(req.steps, flow_shift=req.flow_shift)
         timesteps = scheduler.timesteps
         runner = self._make_denoiser(cond, uncond, req.guidance)
         for i, t in enumerate(timesteps):
@@ -346,6 +393,11 @@ class PAN2Pipeline:
             if progress is not None:
                 progress(i + 1, len(timesteps))
         return latents[0].float().cpu()
+
+    @property
+    def default_sampler(self) -> str:
+        """The sampler a request gets when it names none."""
+        return DMD if self.default_timesteps is not None else self.scheduler_config.default_sampler
 
     def _timestep_for(self, t: torch.Tensor, shape: tuple[int, ...], *, conditioned: bool) -> torch.Tensor:
         """``[1]`` for plain text-to-video, ``[1, L]`` per token when the first frame is given."""
@@ -438,9 +490,34 @@ def _config_of(folder: Path, cls):
         raise CheckpointError(f"{folder / 'config.json'}: {e}") from e
 
 
-def _checkpoint_digest(root: Path) -> str:
+# Where a step-distilled checkpoint may list its DMD timesteps, in the order they are looked for:
+# FastVideo writes ``dmd_denoising_steps`` into its pipeline config; a diffusers-layout export may
+# carry it in model_index.json.
+DMD_TIMESTEPS_KEY = "dmd_denoising_steps"
+DMD_TIMESTEPS_FILES = ("model_index.json", "pipeline_config.json")
+
+
+def checkpoint_dmd_timesteps(root: Path, num_train_timesteps: int) -> tuple[int, ...] | None:
+    """The checkpoint's own DMD timesteps (``dmd_denoising_steps``), or None when it lists none."""
+    for name in DMD_TIMESTEPS_FILES:
+        path = root / name
+        if not path.is_file():
+            continue
+        value: Any = read_json(path).get(DMD_TIMESTEPS_KEY)
+        if value is None:
+            continue
+        problem = timesteps_problem(value, num_train_timesteps=num_train_timesteps)
+        if problem is not None:
+            raise CheckpointError(f"{path}: {DMD_TIMESTEPS_KEY} {problem}")
+        return tuple(value)
+    return None
+
+
+def _checkpoint_digest(root: Path, default_timesteps: tuple[int, ...] | None) -> str:
     """A cheap, stable id of a checkpoint's weights: configs plus weight file names and sizes."""
     h = hashlib.sha256()
+    if default_timesteps is not None:  # a checkpoint's own timesteps change its renders
+        h.update(f"{DMD_TIMESTEPS_KEY}:{list(default_timesteps)}".encode())
     for sub in ("transformer", "vae", "text_encoder", "scheduler"):
         folder = root / sub
         if not folder.is_dir():

@@ -1,10 +1,10 @@
-"""Flow-matching samplers for PAN2 / Wan2.2: UniPC (the default) and Euler.
+"""Flow-matching samplers for PAN2 / Wan2.2: UniPC (the default), Euler and DMD (few-step).
 
 PAN2's DiT predicts the flow velocity ``v = noise - x0`` of the straight path
 ``x_sigma = (1 - sigma) * x0 + sigma * noise``. A sampler walks ``sigma`` from ~1 down to 0 over
 ``num_steps`` model evaluations.
 
-The schedule (shared by both samplers) is diffusers' ``UniPCMultistepScheduler`` flow schedule
+The schedule of UniPC and Euler is diffusers' ``UniPCMultistepScheduler`` flow schedule
 (``use_flow_sigmas=True``, diffusers 0.42):
 
     u_i     = 1 + i * (1/T - 1) / N                for i = 0..N-1   (np.linspace(1, 1/T, N+1)[:-1])
@@ -32,20 +32,50 @@ Both keep their state (history, last sample) in float32 whatever the model dtype
 output is upcast before any arithmetic. (diffusers multiplies ``sigma * model_output`` in the
 model's dtype first; with a bf16 model we are slightly more precise than diffusers, by design.)
 
+- ``FlowDMDScheduler`` is the few-step sampler of step-distilled (DMD) checkpoints such as
+  FastWan2.2-TI2V-5B, run as FastVideo runs it (``DmdStrategy`` in
+  ``fastvideo/pipelines/stages/denoising_dmd_strategy.py`` with ``pred_noise_to_pred_video`` of
+  ``fastvideo/models/utils.py``). The job lists integer timesteps t_0 > ... > t_{N-1} in [1, T];
+  each is warped through the shifted flow schedule, ``u_i = t_i / T``,
+  ``sigma_i = s * u_i / (1 + (s - 1) * u_i)``, and the DiT gets ``sigma_i * T``. Per step:
+  ``x0 = x - sigma_i * v``; then ``x = (1 - sigma_{i+1}) * x0 + sigma_{i+1} * noise`` with fresh
+  noise, or ``x0`` itself after the last step.
+  Where ours matches FastVideo: the same x0 estimate, the same re-noising (their
+  ``scheduler.add_noise``), fresh standard-normal noise of the full latent shape per step, no
+  guidance. Where it differs: FastVideo warps ``dmd_denoising_steps`` by indexing the 1000-entry
+  table of a ``FlowMatchEulerDiscreteScheduler(shift=s)`` at ``T - t_i`` and later looks sigma up
+  at the *nearest* entry of that table (``argmin |timesteps - t|``); for an integer t in [1, T]
+  that entry is exactly ``s*u/(1+(s-1)*u)`` with ``u = t/T``, so we compute it in closed form
+  (float64, then float32) instead of a float32 table lookup: the same sigma up to float32
+  rounding, and no table to keep in step with T. FastVideo draws the noise from the batch's
+  generator on its device in the model's dtype; we draw float32 noise from the job's seeded CPU
+  generator, so a result does not depend on the device or the group size. The first-frame
+  (image) conditioning keeps its per-token timestep 0 and is re-imposed after every step, as in
+  the other samplers.
+
+A checkpoint's ``scheduler_config.json`` may be a ``UniPCMultistepScheduler`` (Wan2.2's) or a
+``FlowMatchEulerDiscreteScheduler`` (distilled checkpoints; its shift is the key ``shift``).
+``SchedulerConfig.from_dict`` reads what the samplers need (T, the shift, the class for the
+default sampler), logs keys it does not use, and refuses only values that change the math in a
+way we do not implement, naming the file and the key.
+
 UniPC reference: Zhao et al., "UniPC: A Unified Predictor-Corrector Framework for Fast Sampling of
 Diffusion Models", arXiv:2302.04867 (B(h) variant "bh2": B(h) = e^h - 1, data prediction).
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-SchedulerName = Literal["unipc", "euler"]
-SCHEDULER_NAMES: tuple[str, ...] = ("unipc", "euler")
+from ..sampling import DEFAULT_NUM_TRAIN_TIMESTEPS, DMD, SAMPLERS, timesteps_problem
+
+log = logging.getLogger(__name__)
 
 # sigma_0 is nudged below 1 by this much so that log(1 - sigma_0) is finite (diffusers does the same,
 # scheduling_unipc_multistep.py set_timesteps, "to avoid inf torch.log(alpha_si)").
@@ -56,39 +86,62 @@ _SIGMA_MAX_NUDGE = 1e-6
 # Config
 # ----------------------------------------------------------------------------------------------
 
-# scheduler_config.json keys whose value must be exactly this for our code to equal diffusers'.
-# Value: (the one value we support, diffusers 0.42's default when the key is missing).
-_FIXED_KEYS: dict[str, tuple[Any, Any]] = {
-    "prediction_type": ("flow_prediction", "epsilon"),
-    "use_flow_sigmas": (True, False),
-    "predict_x0": (True, True),
-    "solver_type": ("bh2", "bh2"),
-    "lower_order_final": (True, True),  # False would run order 2 into sigma=0: inf/nan in diffusers too
-    "final_sigmas_type": ("zero", "zero"),
-    "thresholding": (False, False),
+
+@dataclass(frozen=True)
+class _ClassRules:
+    """How one diffusers scheduler class's ``scheduler_config.json`` maps onto SchedulerConfig."""
+
+    # The sampler a job gets from this checkpoint when it names none (library use).
+    default_sampler: str
+    # The key holding the flow shift s, with diffusers' default for a missing key.
+    shift_key: str
+    shift_default: float
+    # key -> (the one value we implement, diffusers 0.42's default when the key is missing): any
+    # other value changes the math in a way we do not implement, so the config is refused.
+    fixed: dict[str, tuple[Any, Any]]
+    # Keys that become SchedulerConfig fields (besides T and the shift), with diffusers' defaults.
+    fields: dict[str, Any]
+
+
+# Schedules we reject in either class: they replace the shifted flow sigmas we compute.
+_COMMON_FIXED: dict[str, tuple[Any, Any]] = {
     "use_karras_sigmas": (False, False),
     "use_exponential_sigmas": (False, False),
     "use_beta_sigmas": (False, False),
     "use_dynamic_shifting": (False, False),
-    "solver_p": (None, None),
     "shift_terminal": (None, None),
 }
 
-# Keys diffusers reads but that have no effect once use_flow_sigmas=True and thresholding=False
-# (they shape the discrete-beta schedule, the thresholding, or schedules we reject above).
-_INERT_KEYS: frozenset[str] = frozenset({
-    "beta_start", "beta_end", "beta_schedule", "trained_betas", "rescale_betas_zero_snr",
-    "timestep_spacing", "steps_offset", "dynamic_thresholding_ratio", "sample_max_value",
-    "time_shift_type", "sigma_min", "sigma_max",
-})
-
-# Keys that become SchedulerConfig fields, with diffusers 0.42's defaults for a missing key.
-_FIELD_KEYS: dict[str, Any] = {
-    "num_train_timesteps": 1000,
-    "flow_shift": 1.0,
-    "solver_order": 2,
-    "disable_corrector": [],
+_CLASSES: dict[str, _ClassRules] = {
+    "UniPCMultistepScheduler": _ClassRules(
+        default_sampler="unipc", shift_key="flow_shift", shift_default=1.0,
+        fixed={
+            **_COMMON_FIXED,
+            "prediction_type": ("flow_prediction", "epsilon"),
+            "use_flow_sigmas": (True, False),
+            "predict_x0": (True, True),
+            "solver_type": ("bh2", "bh2"),
+            # False would run order 2 into sigma=0: inf/nan in diffusers too.
+            "lower_order_final": (True, True),
+            "final_sigmas_type": ("zero", "zero"),
+            "thresholding": (False, False),
+            "solver_p": (None, None),
+        },
+        fields={"solver_order": 2, "disable_corrector": []},
+    ),
+    # Flow prediction by construction (no prediction_type key).
+    "FlowMatchEulerDiscreteScheduler": _ClassRules(
+        default_sampler="euler", shift_key="shift", shift_default=1.0,
+        fixed={
+            **_COMMON_FIXED,
+            "invert_sigmas": (False, False),
+            "stochastic_sampling": (False, False),
+        },
+        fields={},
+    ),
 }
+# A config without _class_name is read as Wan2.2's UniPC one.
+_DEFAULT_CLASS = "UniPCMultistepScheduler"
 
 
 def _is_int(value: object) -> bool:
@@ -105,21 +158,23 @@ def _check_flow_shift(flow_shift: object, *, where: str) -> float:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """What our samplers read from a Wan2.2 ``scheduler/scheduler_config.json``.
+    """What our samplers read from a checkpoint's ``scheduler/scheduler_config.json``.
 
     Defaults reproduce Wan2.2-TI2V-5B-Diffusers. ``from_dict`` reads the JSON the way diffusers'
-    ``UniPCMultistepScheduler.from_config`` does and rejects anything we do not implement.
+    ``from_config`` does for the classes in ``_CLASSES`` and refuses only what we do not implement.
     """
 
     # Training-time timestep range; sigma_i * num_train_timesteps is the DiT's timestep.
-    num_train_timesteps: int = 1000
+    num_train_timesteps: int = DEFAULT_NUM_TRAIN_TIMESTEPS
     # Default flow shift s in sigma = s*u / (1 + (s-1)*u); set_timesteps(flow_shift=...) overrides it.
     flow_shift: float = 5.0
-    # UniPC multistep order: 2 (Wan2.2) or 1. Euler ignores it.
+    # UniPC multistep order: 2 (Wan2.2) or 1. Euler and DMD ignore it.
     solver_order: int = 2
     # Step indices i whose corrector is skipped: the correction applied at step i + 1 to the
-    # sample predicted at step i (diffusers' semantics). Euler ignores it.
+    # sample predicted at step i (diffusers' semantics). Euler and DMD ignore it.
     disable_corrector: tuple[int, ...] = ()
+    # The sampler the checkpoint's scheduler class stands for (UniPC -> unipc, FlowMatchEuler -> euler).
+    default_sampler: str = "unipc"
 
     def __post_init__(self) -> None:
         if not _is_int(self.num_train_timesteps) or self.num_train_timesteps < 2:
@@ -137,46 +192,58 @@ class SchedulerConfig:
                 f"disable_corrector={list(dc) if isinstance(dc, tuple) else dc!r} must be a list of step indices (ints >= 0), e.g. [] or [0]"
             )
         object.__setattr__(self, "disable_corrector", tuple(sorted(set(dc))))
+        if self.default_sampler not in SAMPLERS:
+            raise ValueError(f"default_sampler={self.default_sampler!r}: allowed {', '.join(SAMPLERS)}")
 
     @classmethod
-    def from_dict(cls, config: dict[str, Any]) -> SchedulerConfig:
-        """Build from a diffusers ``scheduler_config.json`` dict (UniPCMultistepScheduler keys).
+    def from_dict(cls, config: dict[str, Any], *, source: str = "scheduler_config.json") -> SchedulerConfig:
+        """Build from a diffusers ``scheduler_config.json`` dict; ``source`` names it in errors.
 
-        Keys starting with ``_`` (``_class_name``, ``_diffusers_version``) are ignored, as diffusers
-        does. A missing key takes diffusers' default, so a dict that lacks e.g. ``prediction_type``
-        is rejected exactly where diffusers would silently build an epsilon-prediction scheduler.
+        Keys starting with ``_`` (``_class_name``, ``_diffusers_version``) are metadata, as in
+        diffusers. Keys we do not use are logged, not refused (a newer diffusers adds keys). A
+        missing key takes diffusers' default, so a UniPC dict that lacks e.g. ``prediction_type``
+        is refused exactly where diffusers would silently build an epsilon-prediction scheduler.
         """
         if not isinstance(config, dict):
-            raise ValueError(f"scheduler config must be a dict, got {type(config).__name__}")
-        keys = {k for k in config if not (isinstance(k, str) and k.startswith("_"))}
-        unknown = sorted(map(str, keys - set(_FIXED_KEYS) - _INERT_KEYS - set(_FIELD_KEYS)))
-        if unknown:
-            known = sorted([*_FIELD_KEYS, *_FIXED_KEYS, *_INERT_KEYS])
+            raise ValueError(f"{source}: scheduler config must be a JSON object, got {type(config).__name__}")
+        class_name = config.get("_class_name", _DEFAULT_CLASS)
+        rules = _CLASSES.get(class_name) if isinstance(class_name, str) else None
+        if rules is None:
             raise ValueError(
-                f"scheduler config has unknown key(s) {unknown}; known UniPCMultistepScheduler keys "
-                f"are {known}. Remove them (is this a UniPC scheduler_config.json?)"
+                f"{source}: _class_name={class_name!r} is not a scheduler we implement; allowed: "
+                f"{', '.join(_CLASSES)} (flow-matching schedulers with a shift)"
             )
-        for key, (supported, default) in _FIXED_KEYS.items():
+        for key, (supported, default) in rules.fixed.items():
             value = config.get(key, default)
             if value != supported or type(value) is not type(supported):
                 missing = " (missing, so diffusers' default)" if key not in config else ""
                 raise ValueError(
-                    f"scheduler config {key}={value!r}{missing} is not supported: only {supported!r} "
-                    "is (we implement the Wan2.2 flow-matching UniPC configuration). "
-                    f"Set {key} to {supported!r} in scheduler_config.json."
+                    f"{source}: {key}={value!r}{missing} is not supported for {class_name}: only "
+                    f"{supported!r} is (it would change the sampling math in a way we do not implement). "
+                    f"Set {key} to {supported!r}."
                 )
-        values = {key: config.get(key, default) for key, default in _FIELD_KEYS.items()}
-        if not isinstance(values["disable_corrector"], (list, tuple)):
+        used = {"num_train_timesteps", rules.shift_key, *rules.fixed, *rules.fields}
+        unused = sorted(str(k) for k in config if not str(k).startswith("_") and k not in used)
+        if unused:
+            log.info("%s: %s keys not used by our samplers (no effect on the flow schedule): %s",
+                     source, class_name, ", ".join(unused))
+        values = {key: config.get(key, default) for key, default in rules.fields.items()}
+        if not isinstance(values.get("disable_corrector", []), (list, tuple)):
             raise ValueError(
-                f"scheduler config disable_corrector={values['disable_corrector']!r} must be a list "
+                f"{source}: disable_corrector={values['disable_corrector']!r} must be a list "
                 "of step indices (ints >= 0), e.g. []"
             )
-        return cls(
-            num_train_timesteps=values["num_train_timesteps"],
-            flow_shift=values["flow_shift"],
-            solver_order=values["solver_order"],
-            disable_corrector=tuple(values["disable_corrector"]),
-        )
+        try:
+            shift = _check_flow_shift(config.get(rules.shift_key, rules.shift_default), where=rules.shift_key)
+            return cls(
+                num_train_timesteps=config.get("num_train_timesteps", DEFAULT_NUM_TRAIN_TIMESTEPS),
+                flow_shift=shift,
+                solver_order=values.get("solver_order", cls.solver_order),
+                disable_corrector=tuple(values.get("disable_corrector", ())),
+                default_sampler=rules.default_sampler,
+            )
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from e
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,11 +299,17 @@ class FlowScheduler:
         """Start a new job of ``num_steps`` model evaluations; clears all per-job state."""
         if not _is_int(num_steps) or num_steps < 1:
             raise ValueError(f"num_steps={num_steps!r} must be an int >= 1 (Wan2.2 uses 50)")
-        shift = self.config.flow_shift if flow_shift is None else _check_flow_shift(flow_shift, where="flow_shift")
+        shift = self._shift(flow_shift)
         T = self.config.num_train_timesteps
-        sigmas64 = flow_sigmas(num_steps=num_steps, flow_shift=shift, num_train_timesteps=T)
+        self._start(flow_sigmas(num_steps=num_steps, flow_shift=shift, num_train_timesteps=T))
+
+    def _shift(self, flow_shift: float | None) -> float:
+        return self.config.flow_shift if flow_shift is None else _check_flow_shift(flow_shift, where="flow_shift")
+
+    def _start(self, sigmas64: torch.Tensor) -> None:
+        """Per-job state from the N float64 sigmas (the final 0 not included)."""
         self.sigmas = torch.cat([sigmas64, sigmas64.new_zeros(1)]).to(torch.float32)  # [N + 1]
-        self.timesteps = self._timesteps_from(sigmas64, T)
+        self.timesteps = self._timesteps_from(sigmas64, self.config.num_train_timesteps)
         self._step_index = 0
         self._reset_state()
 
@@ -397,10 +470,65 @@ class FlowUniPCScheduler(FlowScheduler):
         return x_i - scale * (rho0.item() * d1 + rho1.item() * d_t)
 
 
-def make_scheduler(name: SchedulerName | str, config: SchedulerConfig) -> FlowScheduler:
-    """``"unipc"`` -> FlowUniPCScheduler (default sampler), ``"euler"`` -> FlowEulerScheduler."""
-    if name == "unipc":
-        return FlowUniPCScheduler(config)
-    if name == "euler":
-        return FlowEulerScheduler(config)
-    raise ValueError(f"unknown sampler {name!r}: allowed {list(SCHEDULER_NAMES)}")
+def warped_sigmas(timesteps: Sequence[int], *, flow_shift: float, num_train_timesteps: int) -> torch.Tensor:
+    """float64 ``sigma_i = s*u_i / (1 + (s-1)*u_i)``, ``u_i = t_i / T``, for DMD's listed timesteps."""
+    u = torch.tensor(list(timesteps), dtype=torch.float64) / num_train_timesteps  # [N]
+    return flow_shift * u / (1 + (flow_shift - 1) * u)
+
+
+class FlowDMDScheduler(FlowScheduler):
+    """DMD few-step sampling over listed, warped timesteps (see the module doc).
+
+    Per job: ``set_dmd_timesteps(timesteps, generator=...)``, then ``step`` as for the others.
+    Every step but the last draws fresh float32 noise of the sample's shape from ``generator``
+    on the CPU (the job's seeded generator, so every device and every rank of a group draws the
+    same numbers) and moves it to the sample's device.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config)
+        self._generator: torch.Generator | None = None
+
+    def set_timesteps(self, num_steps: int, *, flow_shift: float | None = None) -> None:
+        raise ValueError("the dmd sampler runs listed timesteps: call set_dmd_timesteps(timesteps, generator=...)")
+
+    def set_dmd_timesteps(self, timesteps: Sequence[int], *, generator: torch.Generator,
+                          flow_shift: float | None = None) -> None:
+        """Start a job over ``timesteps`` (ints in [1, T], strictly decreasing); ``generator`` is a
+        CPU ``torch.Generator`` the fresh noise is drawn from."""
+        T = self.config.num_train_timesteps
+        problem = timesteps_problem(timesteps, num_train_timesteps=T)
+        if problem is not None:
+            raise ValueError(f"timesteps {problem}")
+        if not isinstance(generator, torch.Generator) or generator.device.type != "cpu":
+            raise ValueError("generator must be a CPU torch.Generator (the job's seeded one), so that the "
+                             "noise does not depend on the device")
+        self._generator = generator
+        self._start(warped_sigmas(timesteps, flow_shift=self._shift(flow_shift), num_train_timesteps=T))
+
+    def _timesteps_from(self, sigmas64: torch.Tensor, num_train_timesteps: int) -> torch.Tensor:
+        # float32 sigma * T: what FastVideo's warped table holds and feeds the DiT.
+        return sigmas64.to(torch.float32) * num_train_timesteps  # [N] float32
+
+    def _update(self, v: torch.Tensor, x: torch.Tensor, i: int) -> torch.Tensor:
+        x0 = x - self.sigmas[i].item() * v  # flow velocity -> clean estimate
+        if i + 1 == self.num_steps:
+            return x0
+        assert self._generator is not None  # set with the timesteps
+        noise = torch.randn(x.shape, generator=self._generator, dtype=torch.float32).to(x.device)
+        sigma_next = self.sigmas[i + 1].item()
+        return (1 - sigma_next) * x0 + sigma_next * noise
+
+
+_SCHEDULERS: dict[str, type[FlowScheduler]] = {
+    "unipc": FlowUniPCScheduler, "euler": FlowEulerScheduler, DMD: FlowDMDScheduler,
+}
+assert tuple(_SCHEDULERS) == SAMPLERS, "every sampler a job may name has exactly one implementation"
+
+
+def make_scheduler(name: str, config: SchedulerConfig) -> FlowScheduler:
+    """A fresh sampler for one job: ``"unipc"`` (the default), ``"euler"`` or ``"dmd"``."""
+    cls = _SCHEDULERS.get(name)
+    if cls is None:
+        raise ValueError(f"unknown sampler {name!r}: allowed {', '.join(SAMPLERS)}")
+    return cls(config)

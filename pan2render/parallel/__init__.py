@@ -59,7 +59,8 @@ def parallelize_pipeline(pipe: Any, group: dist.ProcessGroup | SequenceGroup | N
         split = pipe.guidance_split
         guided = (f"guided steps one branch per half ({split.half_size} rank(s) each)" if split is not None
                   else "guided steps Ulysses over the whole group")
-        log.info("%s: parallel over %d ranks: %s, unguided steps Ulysses over the whole group, decode %s",
-                 pipe.model_id, seq.world_size, guided,
-                 "split by layers" if pipe.config.vae_decode_kernel_parallel else "on every rank")
+        log.info("%s: parallel over %d ranks: %s, unguided steps Ulysses over the whole group, decode %s, "
+                 "attention %s", pipe.model_id, seq.world_size, guided,
+                 "split by layers" if pipe.config.vae_decode_kernel_parallel else "on every rank",
+                 pipe.attention_backend)
     return pipe

@@ -1,8 +1,12 @@
-"""``pan2-render``: run / resume / status / show / validate / report / presets.
+"""``pan2-render``: run / resume / status / show / validate / report / repair / presets.
 
 Exit codes: 0 every job done, 1 some job failed, 2 invalid input or usage (nothing written),
-130 interrupted (Ctrl-C, SIGTERM or SIGHUP; finished stages kept, `resume` continues).
+3 the environment failed (disk full, permission, damaged ledger, lost cluster: one paragraph on the
+terminal, the traceback in DIR/_logs/), 130 interrupted (Ctrl-C, SIGTERM or SIGHUP; finished
+stages kept, `resume` continues).
 Environment (for tests and debugging, not user settings):
+    PAN2_RENDER_EXECUTOR  "local": run jobs in this process (LocalExecutor), no Ray; for tests of the
+                          CLI's behaviour around the driver (ledger, disk, messages)
     PAN2_RENDER_PIPELINE  "module:callable(model, device)" that builds the pipeline in each worker
     PAN2_RENDER_FAULTS    JSON test hooks for the workers (see RenderWorker._maybe_crash/_fault)
 """
@@ -19,23 +23,26 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pan2render
+from pan2render.jobs import disk
 from pan2render.jobs.batch import Overrides, list_presets
-from pan2render.jobs.ledger import FolderLock, FolderLockedError, JobState, Ledger
-from pan2render.jobs.spec import Batch, BatchValidationError
+from pan2render.jobs.ledger import LEDGER_NAME, FolderLock, FolderLockedError, JobRecord, JobState, Ledger
+from pan2render.jobs.spec import Batch, BatchValidationError, JobSpec
+from pan2render.runner import errors
 from pan2render.runner.progress import RUN_LOG_NAME, RunLog, RunProgress
 
 # The driver, the groups and the workers import torch (seconds); commands that read a batch or a
 # ledger (--version, presets, validate, show) do without them, so they are imported on use.
 if TYPE_CHECKING:
     from pan2render.runner.driver import RunSummary
-    from pan2render.runner.groups import RayExecutor
+    from pan2render.runner.groups import Executor
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENVIRONMENT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
             by = f" by {_stopped_by[-1]}" if _stopped_by else ""
             _err(f"\ninterrupted{by}; finished stages are kept: `{_me()} resume {where}` continues")
         return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - never a traceback on the terminal: one paragraph + a log
+        folder = getattr(args, "out", None) or getattr(args, "dir", None)
+        log = errors.write_log(folder, traceback.format_exc())
+        _err(f"error: {errors.explain(e, folder=folder)}" + (f"\n(details: {log})" if log is not None else ""))
+        return EXIT_ENVIRONMENT
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -81,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="seconds a GPU group may take to start (its placement group to be granted, its "
                              "actors to join) before the job it was for is charged an attempt (default 300; "
                              "raise it on a shared cluster whose GPUs are often held by others)")
+        sp.add_argument("--cluster-wait", type=float, default=300.0, metavar="S",
+                        help="seconds to wait for GPUs to come back after the cluster lost them (a node "
+                             "died) before the batch stops, its jobs pending and uncharged (default 300)")
         sp.add_argument("--no-progress", action="store_true",
                         help="plain lines even on a terminal (one per job event, a summary each minute)")
 
@@ -124,6 +139,13 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("dir", type=Path)
     rep.set_defaults(func=cmd_report)
 
+    fix = sub.add_parser("repair", help="rebuild a missing or damaged ledger from its backup and the artifacts")
+    fix.add_argument("dir", type=Path)
+    fix.add_argument("--batch", type=Path, help="the batch file, for jobs that left nothing on disk "
+                                                "and are not in the backup")
+    fix.add_argument("--retries", type=int, default=2, metavar="N", help="retry budget of rebuilt jobs")
+    fix.set_defaults(func=cmd_repair)
+
     pr = sub.add_parser("presets", help="list the presets and their fields")
     pr.set_defaults(func=cmd_presets)
     return p
@@ -138,21 +160,34 @@ def cmd_run(args: argparse.Namespace) -> int:
     if batch is None:
         return EXIT_USAGE  # nothing written: the out folder is created only after validation
     out: Path = args.out
+    if out.exists() and not out.is_dir():
+        _err(f"error: --out {out} is a file, not a folder; name a new or existing folder")
+        return EXIT_USAGE
     if args.dry_run:
         _print_plan(batch, out, args)
         print(f"dry run: nothing written to {out}")
         return EXIT_OK
     out.mkdir(parents=True, exist_ok=True)
     with FolderLock(out):
-        ledger = Ledger.open(out)
+        try:
+            ledger = Ledger.open(out)
+        except Exception as e:  # noqa: BLE001 - told apart by errors.explain
+            raise errors.NothingRecorded(e) from e
         log = RunLog(out / RUN_LOG_NAME)
         try:
-            ledger.set_meta("batch", {"path": batch.path, "model": batch.model, "preset": batch.preset,
-                                      "overrides": overrides.to_json()})
-            added, present = ledger.add_jobs(batch.jobs, retries=args.retries)
-            ids = [j.job_id for j in batch.jobs]
-            n_done = sum(j.state is JobState.DONE for j in ledger.jobs(present))
+            previous = ledger.get_meta("batch") or {}
+            try:
+                added, present = ledger.record_batch(
+                    {"path": batch.path, "model": batch.model, "preset": batch.preset,
+                     "weights_files": batch.weights_files, "overrides": overrides.to_json()},
+                    batch.jobs, retries=args.retries)
+            except Exception as e:  # noqa: BLE001
+                raise errors.NothingRecorded(e) from e
             log.line(f"run {args.batch} {' '.join(overrides.flags())}".rstrip())
+            _note_superseded(ledger, batch, set(added), previous.get("weights_files") or {}, log)
+            ids = [j.job_id for j in batch.jobs]
+            _warn_if_short_of_space(out, [j for j in ledger.jobs(added)], log)
+            n_done = sum(j.state is JobState.DONE for j in ledger.jobs(present))
             log.line(f"{out}: {len(added)} new job(s), {len(present)} already in the ledger "
                      f"({n_done} done, skipped unless their video is corrupt); log: {out / RUN_LOG_NAME}")
             return _drive(args, out, ledger, ids, log, flags=overrides.flags())
@@ -165,10 +200,12 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if (err := _check_cluster_args(args)) is not None:
         return err
     out: Path = args.dir
-    if not (out / "ledger.sqlite").is_file():
-        _err(f"error: {out} has no ledger.sqlite: nothing to resume (start with `{_me()} run BATCH --out {out}`)")
+    if not (out / LEDGER_NAME).is_file():
+        _err(f"error: {out} has no {LEDGER_NAME}: nothing to resume (start with `{_me()} run BATCH --out {out}`)")
         return EXIT_USAGE
     with FolderLock(out):
+        if not _holds_a_batch(out, "nothing was resumed"):  # checked read-only: an empty file stays so
+            return EXIT_USAGE
         ledger = Ledger.open(out)
         log = RunLog(out / RUN_LOG_NAME)
         try:
@@ -176,10 +213,43 @@ def cmd_resume(args: argparse.Namespace) -> int:
             # The recorded specs are the batch as run, --set/--sweep applied: resume repeats them.
             flags = Overrides.from_json(batch.get("overrides")).flags()
             log.line(f"resume {out}: batch {batch.get('path', '?')} {' '.join(flags)}".rstrip())
+            _warn_if_short_of_space(out, [j for j in ledger.jobs() if j.state is not JobState.DONE], log)
             return _drive(args, out, ledger, [j.id for j in ledger.jobs()], log, flags=flags)
         finally:
             log.close()
             ledger.close()
+
+
+def _holds_a_batch(out: Path, consequence: str) -> bool:
+    """Does DIR's ledger hold a recorded batch? If not, say so (a damaged one raises LedgerError)."""
+    ledger = Ledger.open_readonly(out)
+    try:
+        if ledger.has_batch():
+            return True
+    finally:
+        ledger.close()
+    _err(f"error: the ledger {ledger.path} holds no batch (the batch was never recorded, or the file was "
+          f"emptied); {consequence}. Start the batch with `pan2-render run BATCH --out {out}`, or if it had "
+          f"run, `pan2-render repair {out}` rebuilds the ledger from its backup and the artifacts")
+    return False
+
+
+def cmd_repair(args: argparse.Namespace) -> int:
+    from pan2render.runner.repair import repair  # noqa: PLC0415
+
+    out: Path = args.dir
+    if not out.is_dir():
+        _err(f"error: {out} is not a folder; nothing to repair")
+        return EXIT_USAGE
+    batch = None
+    if args.batch is not None:
+        batch = _load(args.batch, Overrides(), check_model=True)
+        if batch is None:
+            return EXIT_USAGE
+    with FolderLock(out):
+        summary = repair(out, batch=batch, retries=args.retries, say=_err)
+    _err(summary.describe())
+    return EXIT_OK if summary.jobs else EXIT_FAILED
 
 
 def _drive(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str], log: RunLog, *,
@@ -188,7 +258,10 @@ def _drive(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str], 
     from pan2render.runner.groups import ClusterConnectError  # noqa: PLC0415
 
     config = DriverConfig(retries=args.retries, progress=not args.no_progress,
-                          group_start_timeout_s=args.group_start_timeout)
+                          group_start_timeout_s=args.group_start_timeout, cluster_wait_s=args.cluster_wait)
+    if not ids:
+        log.line(f"error: the ledger {ledger.path} holds no jobs; nothing was run")
+        return EXIT_USAGE
     jobs = ledger.jobs(ids)
     prepare_jobs(out_dir=out, ledger=ledger, job_ids=ids, retries=args.retries, say=log.line)
     if all(j.state is JobState.DONE for j in ledger.jobs(ids)):
@@ -217,17 +290,20 @@ def _drive(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str], 
     return summary.exit_code
 
 
-def _make_executor(args: argparse.Namespace, *, max_gpus: int, log: RunLog) -> RayExecutor:
-    from pan2render.runner.groups import RayExecutor  # noqa: PLC0415 - ray is imported only here
+def _make_executor(args: argparse.Namespace, *, max_gpus: int, log: RunLog) -> Executor:
+    from pan2render.runner.groups import LocalExecutor, RayExecutor  # noqa: PLC0415 - ray only here
     from pan2render.runner.worker import DEFAULT_PIPELINE_FACTORY, WorkerConfig  # noqa: PLC0415
 
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # no uv-run runtime env probing
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     faults = json.loads(os.environ.get("PAN2_RENDER_FAULTS", "{}"))
     factory = os.environ.get("PAN2_RENDER_PIPELINE", DEFAULT_PIPELINE_FACTORY)
+    if os.environ.get("PAN2_RENDER_EXECUTOR") == "local":
+        return LocalExecutor(gpus=args.cpu_gpus or max_gpus,
+                             config=WorkerConfig(pipeline_factory=factory, faults=faults))
     cpus = os.cpu_count() or 1
-    if args.address:
-        return RayExecutor(address=args.address, gpus=None, cpus=None,
+    if _address(args):
+        return RayExecutor(address=_address(args), gpus=None, cpus=None,
                            config=WorkerConfig(pipeline_factory=factory, faults=faults))
     import ray  # noqa: PLC0415
 
@@ -255,6 +331,44 @@ def _local_gpus(cpu_gpus: int | None, *, max_gpus: int) -> tuple[int, int, str |
                          f"(set --cpu-gpus N to change)")
 
 
+def _address(args: argparse.Namespace) -> str | None:
+    """The cluster to join: --address, else RAY_ADDRESS as Ray documents it (set on a cluster's
+    nodes, it means "join this cluster", never "start one"), else None (start a local one)."""
+    return args.address or os.environ.get("RAY_ADDRESS") or None
+
+
+def _note_superseded(ledger: Ledger, batch: Batch, added: set[str], old_files: dict[str, Any],
+                     log: RunLog) -> None:
+    """A new job that is an old one with other weights (same name, sweep values and model path):
+    the checkpoint was replaced in place. Say so, in the ledger and here, naming the files."""
+    def key(spec: JobSpec) -> str:
+        return json.dumps([spec.name, spec.sweep, spec.model], sort_keys=True, default=str)
+
+    old = {key(j.spec): j for j in ledger.jobs() if j.id not in added}
+    changed = sorted(r for r in set(old_files) | set(batch.weights_files)
+                     if old_files.get(r) != batch.weights_files.get(r))
+    files = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+    for spec in batch.jobs:
+        prev = old.get(key(spec))
+        if spec.job_id in added and prev is not None and prev.spec.weights != spec.weights:
+            why = f"the weights in {spec.model} changed" + (f" ({files})" if files else "")
+            ledger.log(prev.id, "superseded", f"by {spec.job_id}: {why}")
+            log.line(f"{prev.id} is superseded by {spec.job_id}: {why}")
+
+
+def _warn_if_short_of_space(out: Path, jobs: list[JobRecord], log: RunLog) -> None:
+    """Before starting: warn (only) when the unfinished jobs' artifacts may not fit. An estimate:
+    each write is checked against its real size, and a full disk stops the batch cleanly."""
+    from pan2render.runner.stages import estimated_bytes  # noqa: PLC0415 - imports torch
+
+    need = sum(estimated_bytes(j.spec) for j in jobs)
+    free = disk.free_bytes(out)
+    if need + disk.HEADROOM_BYTES > free:
+        log.line(f"warning: {len(jobs)} job(s) need about {need / 2**30:.2f} GiB in {out} but only "
+                 f"{free / 2**30:.2f} GiB is free; the batch will stop when the disk fills (`resume` "
+                 f"continues once space is freed)")
+
+
 def _print_summary(out: Path, s: RunSummary, log: RunLog) -> None:
     log.line(f"{len(s.done)} done, {len(s.failed)} failed in {s.seconds:.1f} s "
              f"({s.groups_created} worker group(s) started); see `{_me()} status {out}`")
@@ -277,7 +391,7 @@ def _print_plan(batch: Batch, out: Path | None, args: argparse.Namespace) -> Non
     from pan2render.runner.views import format_estimate, format_plan  # noqa: PLC0415
 
     done: set[str] = set()
-    if out is not None and (out / "ledger.sqlite").is_file():
+    if out is not None and (out / LEDGER_NAME).is_file():
         ledger = Ledger.open_readonly(out)
         done = {j.id for j in ledger.jobs() if j.state is JobState.DONE}
         ledger.close()
@@ -311,15 +425,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     from pan2render.runner.report import job_statuses  # noqa: PLC0415
     from pan2render.runner.views import format_status, holder  # noqa: PLC0415
 
-    if not (args.dir / "ledger.sqlite").is_file():
-        _err(f"error: no ledger at {args.dir / 'ledger.sqlite'}: {args.dir} is not a pan2-render output folder")
+    if not (args.dir / LEDGER_NAME).is_file():
+        _err(f"error: no ledger at {args.dir / LEDGER_NAME}: {args.dir} is not a pan2-render output folder")
+        return EXIT_USAGE
+    if not _holds_a_batch(args.dir, "there is no status to show"):
         return EXIT_USAGE
     while True:
         ledger = Ledger.open_readonly(args.dir)
         try:
             if args.json:
                 rows = job_statuses(args.dir, ledger)
-                text, failed = json.dumps([r.to_json() for r in rows], indent=1), any(r.state == "failed" for r in rows)
+                text = json.dumps([r.to_json() for r in rows], indent=1)
+                failed = any(r.state == "failed" or r.problem for r in rows)
             else:
                 text, failed = format_status(args.dir, ledger)
         finally:
@@ -338,8 +455,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     from pan2render.runner.views import JobNotFound, find_job, format_show  # noqa: PLC0415
 
-    if not (args.dir / "ledger.sqlite").is_file():
-        _err(f"error: no ledger at {args.dir / 'ledger.sqlite'}: {args.dir} is not a pan2-render output folder")
+    if not (args.dir / LEDGER_NAME).is_file():
+        _err(f"error: no ledger at {args.dir / LEDGER_NAME}: {args.dir} is not a pan2-render output folder")
         return EXIT_USAGE
     ledger = Ledger.open_readonly(args.dir)
     try:
@@ -357,8 +474,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from pan2render.runner.report import write_report  # noqa: PLC0415
 
-    if not (args.dir / "ledger.sqlite").is_file():
-        _err(f"error: {args.dir} has no ledger.sqlite; nothing to report")
+    if not (args.dir / LEDGER_NAME).is_file():
+        _err(f"error: {args.dir} has no {LEDGER_NAME}; nothing to report")
         return EXIT_USAGE
     path = write_report(args.dir)
     print(path)
@@ -401,19 +518,22 @@ def _check_cluster_args(args: argparse.Namespace) -> int | None:
         problem = f"--retries {args.retries}: must be >= 0"
     elif not args.group_start_timeout > 0:
         problem = f"--group-start-timeout {args.group_start_timeout}: must be > 0 seconds"
+    elif not args.cluster_wait >= 0:
+        problem = f"--cluster-wait {args.cluster_wait}: must be >= 0 seconds"
     elif args.cpu_gpus is not None and args.cpu_gpus < 1:
         problem = f"--cpu-gpus {args.cpu_gpus}: must be >= 1"
-    elif args.cpu_gpus is not None and args.address:
-        problem = "--cpu-gpus declares GPUs of a LOCAL cluster; it cannot be used with --address"
+    elif args.cpu_gpus is not None and _address(args):
+        given = "--address" if args.address else f"RAY_ADDRESS={os.environ['RAY_ADDRESS']} (set in the environment)"
+        problem = f"--cpu-gpus declares GPUs of a LOCAL cluster; it cannot be used with {given}"
     else:
         from pan2render.runner.groups import ray_client_missing  # noqa: PLC0415
 
-        problem = ray_client_missing(args.address)
-    if problem is None and args.address and not getattr(args, "dry_run", False):
+        problem = ray_client_missing(_address(args))
+    if problem is None and _address(args) and not getattr(args, "dry_run", False):
         from pan2render.runner.groups import ClusterConnectError, probe_address  # noqa: PLC0415
 
         try:
-            probe_address(args.address)
+            probe_address(_address(args))
         except ClusterConnectError as e:  # before the output folder exists
             problem = str(e)
     if problem is not None:

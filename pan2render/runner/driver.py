@@ -14,6 +14,7 @@ The scheduling loop never blocks on one call: it waits on all in-flight calls wi
 
 from __future__ import annotations
 
+import sqlite3
 import time
 import traceback
 from collections import deque
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pan2render.jobs.disk import is_disk_full
 from pan2render.jobs.ledger import (
     JobEvent,
     JobRecord,
@@ -30,9 +32,20 @@ from pan2render.jobs.ledger import (
     Stage,
     StageState,
 )
+from pan2render.jobs.weights import folder_fingerprint
 from pan2render.runner import stages
 from pan2render.runner.groups import Call, Executor, Group, GroupDied, GroupPool, GroupStartError
 from pan2render.runner.progress import RunLog, RunProgress
+from pan2render.runner.retry import (
+    Action,
+    BatchStopped,
+    ClusterLostError,
+    FailureKind,
+    RetryPolicy,
+    classify_error_type,
+    classify_exception,
+    classify_group_death,
+)
 from pan2render.runner.worker import Reply
 
 # Which ledger stage a worker call belongs to (for errors and timings).
@@ -53,10 +66,18 @@ class DriverConfig:
     call_timeouts_s: dict[str, float] = field(default_factory=lambda: {
         "load": 1800.0, "encode_prompts": 600.0, "sample": 7200.0, "decode_encode": 1800.0})
     progress: bool = True  # a live block on stderr when it is a terminal (else plain lines)
+    # How long the batch waits for GPUs to come back after the cluster lost the ones a job needs
+    # (a node died, its raylet or the GCS restarted) before it stops with a message.
+    cluster_wait_s: float = 300.0
+    # Times a job's artifact may be redone in one run because it failed its check (corrupt on
+    # disk, or freshly written and rejected) before the job fails with the check's reason.
+    max_redos: int = 2
 
     def __post_init__(self) -> None:
         if self.retries < 0:
             raise ValueError(f"retries={self.retries} must be >= 0 (0 = no retries)")
+        if self.cluster_wait_s < 0 or self.max_redos < 0:
+            raise ValueError(f"cluster_wait_s={self.cluster_wait_s} and max_redos={self.max_redos} must be >= 0")
         if self.poll_s <= 0:
             raise ValueError(f"poll_s={self.poll_s} must be > 0")
         missing = set(_CALL_STAGE) - set(self.call_timeouts_s)
@@ -64,8 +85,12 @@ class DriverConfig:
             raise ValueError(f"call_timeouts_s lacks {sorted(missing)}")
 
 
-class _JobInputError(RuntimeError):
+class JobInputError(RuntimeError):
     """A job's input (its first-frame image) is missing or changed: retrying cannot help."""
+
+
+class ArtifactCheckError(RuntimeError):
+    """An artifact kept failing its check after being redone: the job fails with the check's reason."""
 
 
 @dataclass(frozen=True)
@@ -137,6 +162,10 @@ class Driver:
         self._model_ids: dict[str, dict[str, str]] = {}  # model -> {model_id, text_encoder_id}
         self._pending: deque[str] = deque()
         self._active: dict[str, _Active] = {}
+        self._policy = RetryPolicy()
+        self._redos: dict[str, int] = {}  # job id -> artifacts redone after failing their check
+        self._stop: BaseException | None = None  # set on a full disk: start nothing more, then raise
+        self._lost_since: float | None = None  # monotonic time the cluster lost a job's GPUs
 
     # ================================================================== the loop
     def run(self, job_ids: list[str], *, prepared: bool = False) -> RunSummary:
@@ -158,7 +187,7 @@ class Driver:
         self.progress.begin(total=len(now), done=sum(j.state is JobState.DONE for j in now),
                             failed=sum(j.state is JobState.FAILED for j in now))
         try:
-            while self._pending or self._active:
+            while (self._pending and self._stop is None) or self._active:
                 self._dispatch()
                 if not self._active:  # nothing running: a group is starting (or failed to)
                     self.pool.wait_for_start(self.config.poll_s)
@@ -180,6 +209,8 @@ class Driver:
         finally:
             self.progress.close()
             self.pool.close()
+        if self._stop is not None:
+            raise self._stop
         final = self.ledger.jobs(job_ids)
         return RunSummary(done=[j.id for j in final if j.state is JobState.DONE],
                           failed=[j.id for j in final if j.state is JobState.FAILED],
@@ -189,6 +220,8 @@ class Driver:
         """Start pending jobs, in order, on free groups. Strictly in order: when the head job's
         group size is not free, later jobs wait too, so a 4-GPU job is never starved by a stream of
         1-GPU jobs taking every GPU that frees up (the pool tears idle groups down for it)."""
+        if self._stop is not None or not self._cluster_ready():
+            return
         for job_id in list(self._pending):
             try:
                 group = self.pool.try_acquire(self._gpus[job_id])
@@ -198,8 +231,8 @@ class Driver:
                 # Charged to the stage the job would have run next; its finished stages (and their
                 # artifacts) stay done.
                 stage = self._next_stage(job_id)
-                self.ledger.set_stage(job_id, stage, StageState.FAILED, error=str(e))
-                self._retry_or_fail(self.ledger.job(job_id), stage, str(e), None, retryable=True)
+                kind = self._unless_cluster_lost(FailureKind.UNKNOWN, self._gpus[job_id])
+                self._on_failure(self.ledger.job(job_id), stage, str(e), None, kind)
                 continue
             if group is None:
                 break
@@ -223,17 +256,19 @@ class Driver:
             self._advance(a)
         except Exception as e:  # noqa: BLE001
             stage = self._next_stage(a.job.id)
-            tb = traceback.format_exc()
-            msg = f"driver: {type(e).__name__}: {e}"
             self.pool.release(a.group)
             del self._active[a.job.id]
-            self.ledger.set_stage(a.job.id, stage, StageState.FAILED, error=msg, traceback=tb)
-            self._retry_or_fail(self.ledger.job(a.job.id), stage, msg, tb,
-                                retryable=not isinstance(e, (_JobInputError, FileNotFoundError)))
+            self._on_failure(self.ledger.job(a.job.id), stage, f"driver: {type(e).__name__}: {e}",
+                             traceback.format_exc(), classify_exception(e), e)
 
     def _advance(self, a: _Active) -> None:
         """Issue the next call for the job, or finish it. Decided from the ledger + the disk."""
         spec, jid = a.job.spec, a.job.id
+        if self._stop is not None:  # e.g. the disk is full: this job goes back to pending, uncharged
+            self.pool.release(a.group)
+            del self._active[jid]
+            self._requeue(jid, "the output folder refused a write: the batch stops; `resume` continues")
+            return None
         st = self.ledger.stages(jid)
         if st[Stage.ENCODE].state is StageState.DONE:  # (a driver died between the two writes)
             return self._finish(a)
@@ -249,13 +284,17 @@ class Driver:
                 return self._start_call(a, "decode_encode",
                                         {"model": spec.model, "spec": spec.to_dict(), "latents": latents},
                                         stage=Stage.DECODE)
+            self._count_redo(jid, problem)
             self.ledger.reset_stages(jid, Stage.SAMPLING, reason=f"{problem}: sampling again")
             self._say(f"{spec.name}: {problem}; sampling again")
         # Conditioning: the embedding cache is content-addressed (prompt + text encoder id).
         texts = (spec.prompt, spec.negative_prompt)
         keys = [stages.embedding_key(prompt=t, text_encoder_id=ids["text_encoder_id"]) for t in texts]
-        missing = [t for t, k in zip(texts, keys)
-                   if stages.check_embedding(self.out_dir, stages.embedding_relpath(k), key=k)]
+        problems = {t: p for t, k in zip(texts, keys)
+                    if (p := stages.check_embedding(self.out_dir, stages.embedding_relpath(k), key=k))}
+        missing = list(problems)
+        if a.encode_texts and missing:  # written by this job's own encode and already rejected
+            self._count_redo(jid, problems[missing[0]])
         if missing:
             a.encode_texts = list(dict.fromkeys(missing))  # prompt == negative prompt: encode once
             return self._start_call(a, "encode_prompts", {"model": spec.model, "texts": a.encode_texts},
@@ -263,13 +302,17 @@ class Driver:
         if st[Stage.CONDITIONING].state is not StageState.DONE:
             self._record_conditioning(jid, keys[0], seconds=0.0)
         embeds = [(self.out_dir / stages.embedding_relpath(k)).read_bytes() for k in keys]
+        if spec.weights is not None and folder_fingerprint(Path(spec.model))[0] != spec.weights:
+            # The id promises these weights; rendering others under it would mislabel the video.
+            raise JobInputError(f"the weights in {spec.model} changed since the batch was validated "
+                                f"(fingerprint differs); run the batch again: its jobs get new ids")
         image = None
         if spec.image is not None:
             image = Path(spec.image).read_bytes()
             if spec.image_sha256 and stages.sha256_bytes(image) != spec.image_sha256:
                 # The spec hash covers the image's content; rendering a changed file under the old
                 # id would mislabel the video.
-                raise _JobInputError(f"image {spec.image} changed since the batch was validated "
+                raise JobInputError(f"image {spec.image} changed since the batch was validated "
                                      f"(sha256 differs); run the batch again to render the new image")
         return self._start_call(a, "sample", {"model": spec.model, "job_id": jid, "spec": spec.to_dict(),
                                               "prompt_embeds": embeds[0], "negative_embeds": embeds[1],
@@ -298,10 +341,8 @@ class Driver:
         except Exception as e:  # noqa: BLE001 - e.g. disk full, or the written video fails its check
             self.pool.release(a.group)
             del self._active[a.job.id]
-            tb = traceback.format_exc()
-            msg = f"driver: {type(e).__name__}: {e}"
-            self.ledger.set_stage(a.job.id, stage, StageState.FAILED, error=msg, traceback=tb)
-            return self._retry_or_fail(self.ledger.job(a.job.id), stage, msg, tb, retryable=True)
+            return self._on_failure(self.ledger.job(a.job.id), stage, f"driver: {type(e).__name__}: {e}",
+                                    traceback.format_exc(), classify_exception(e), e)
         self._advance_or_fail(a)
 
     def _apply(self, a: _Active, method: str, reply: Reply) -> None:
@@ -313,25 +354,26 @@ class Driver:
             self.ledger.log(jid, "group-load",
                             f"group {a.group.id}: {spec.model} ({reply.value['model_id']}) loaded on "
                             f"{reply.value['world_size']} rank(s), device {reply.value['device']}, "
-                            f"process group backend {reply.value['backend']}, {reply.stage_seconds:.1f} s")
+                            f"process group backend {reply.value['backend']}, attention "
+                            f"{reply.value['attention']}, {reply.stage_seconds:.1f} s")
         elif method == "encode_prompts":
             ids = self._model_ids[spec.model]
             for text, data in zip(a.encode_texts, reply.value, strict=True):
                 key = stages.embedding_key(prompt=text, text_encoder_id=ids["text_encoder_id"])
-                stages.write_atomic(self.out_dir / stages.embedding_relpath(key), data)
+                stages.write_artifact(self.out_dir, stages.embedding_relpath(key), data)
             key = stages.embedding_key(prompt=spec.prompt, text_encoder_id=ids["text_encoder_id"])
             self._record_conditioning(jid, key, seconds=reply.stage_seconds)
         elif method == "sample":
             data: bytes = reply.value
             rel = stages.latents_relpath(jid)
-            stages.write_atomic(self.out_dir / rel, data)
+            stages.write_artifact(self.out_dir, rel, data)
             self.ledger.set_stage(jid, Stage.SAMPLING, StageState.DONE, artifact=rel,
                                   sha256=stages.sha256_bytes(data), size=len(data),
                                   seconds=reply.stage_seconds)
         elif method == "decode_encode":
             mp4: bytes = reply.value["mp4"]
             rel = stages.video_relpath(jid)
-            stages.write_atomic(self.out_dir / rel, mp4)
+            stages.write_artifact(self.out_dir, rel, mp4)
             rec = stages.Recorded(rel, stages.sha256_bytes(mp4), len(mp4))
             problem = stages.check_video(self.out_dir, rec, frames=spec.frames, width=spec.width,
                                          height=spec.height)
@@ -360,9 +402,9 @@ class Driver:
         self.pool.discard(a.group)
         del self._active[a.job.id]
         msg = f"worker group {a.group.id} died or stopped answering: {reason}"
-        self.ledger.set_stage(a.job.id, stage, StageState.FAILED, error=msg)
         self.ledger.log(a.job.id, "group-died", msg)
-        self._retry_or_fail(self.ledger.job(a.job.id), stage, msg, None, retryable=True)
+        kind = self._unless_cluster_lost(classify_group_death(reason), a.group.size)
+        self._on_failure(self.ledger.job(a.job.id), stage, msg, None, kind)
 
     def _on_worker_error(self, a: _Active, stage: Stage, reply: Reply) -> None:
         if _group_is_suspect(a.group, reply):
@@ -374,23 +416,89 @@ class Driver:
         if reply.failed_stage:
             stage = Stage(reply.failed_stage)
         msg = f"rank {reply.rank}: {reply.error}"
-        self.ledger.set_stage(a.job.id, stage, StageState.FAILED, error=msg, traceback=reply.traceback)
-        self._retry_or_fail(self.ledger.job(a.job.id), stage, msg, reply.traceback,
-                            retryable=reply.retryable)
+        error_type = (reply.error or "").split(":", 1)[0]
+        kind = classify_error_type(error_type, reply.error or "") if reply.retryable else FailureKind.INPUT
+        self._on_failure(self.ledger.job(a.job.id), stage, msg, reply.traceback, kind)
 
-    def _retry_or_fail(self, job: JobRecord, stage: Stage, error: str, tb: str | None, *,
-                       retryable: bool) -> None:
-        if retryable and job.retries_left > 0:
+    def _on_failure(self, job: JobRecord, stage: Stage, error: str, tb: str | None,
+                    kind: FailureKind, cause: BaseException | None = None) -> None:
+        """The one place a job's failure is decided (see retry.py for the rules)."""
+        decision = self._policy.decide(job, kind, stage, error)
+        line = f"{stage.value}: [{kind.value}] {error.splitlines()[0][:200] if error else ''}"
+        if decision.action is Action.REQUEUE:
+            if decision.stop_batch and self._stop is None:
+                self._stop = BatchStopped(cause or RuntimeError(error))
+            if kind is FailureKind.CLUSTER_LOST and self._lost_since is None:
+                self._lost_since = time.monotonic()
+            self._requeue(job.id, f"{decision.reason}: {error}")
+            self.progress.job_ended(job.id, "requeued", f"{line}; {decision.reason}")
+            return
+        self.ledger.set_stage(job.id, stage, StageState.FAILED, error=error, traceback=tb)
+        if decision.action is Action.RETRY:
             self.ledger.transition(job.id, JobEvent.RETRY, error=error, error_stage=stage,
-                                   reason=f"{stage.value} failed, {job.retries_left - 1} retries left "
-                                          f"after this one: {error}")
+                                   reason=f"{stage.value} failed [{kind.value}], {decision.reason}: {error}")
             self._pending.append(job.id)
-            self.progress.job_ended(job.id, "retry", f"{stage.value}: {error.splitlines()[0][:200]}")
+            self.progress.job_ended(job.id, "retry", line)
         else:
-            why = "not retryable" if not retryable else "retry budget spent"
-            self.ledger.transition(job.id, JobEvent.FAIL, error=error, error_stage=stage,
-                                   reason=f"{stage.value} failed ({why}): {error}")
-            self.progress.job_ended(job.id, "FAILED", f"{stage.value}: {error.splitlines()[0][:200]}")
+            self.ledger.transition(job.id, JobEvent.FAIL, error=f"{error} [{kind.value}: {decision.reason}]",
+                                   error_stage=stage,
+                                   reason=f"{stage.value} failed [{kind.value}] ({decision.reason}): {error}")
+            self.progress.job_ended(job.id, "FAILED", f"{line}; {decision.reason}")
+
+    def _requeue(self, job_id: str, reason: str) -> None:
+        """Back to pending without charging the job (the environment failed, not the job). If the
+        ledger cannot record it (the disk that filled holds it too), the job stays "running" there,
+        which the next run or resume treats as interrupted: the same outcome."""
+        try:
+            self.ledger.transition(job_id, JobEvent.INTERRUPT, reason=reason)
+        except sqlite3.OperationalError as e:
+            if not is_disk_full(e):
+                raise
+        if self._stop is None:
+            self._pending.append(job_id)
+
+    def _unless_cluster_lost(self, kind: FailureKind, gpus: int) -> FailureKind:
+        """``kind``, or cluster-lost when the cluster no longer has the GPUs such a group needs
+        (a node died): then the failure is not the job's."""
+        try:
+            available = self.ex.total_gpus()
+        except Exception:  # noqa: BLE001 - the cluster cannot even be asked: it is gone
+            available = 0
+        return FailureKind.CLUSTER_LOST if available < gpus else kind
+
+    def _cluster_ready(self) -> bool:
+        """After the cluster lost GPUs: have enough come back for every pending job? Raises
+        ClusterLostError once they have been gone for ``cluster_wait_s``."""
+        if self._lost_since is None:
+            return True
+        need = max((self._gpus[j] for j in self._pending), default=0)
+        try:
+            available = self.ex.total_gpus()
+        except Exception:  # noqa: BLE001
+            available = 0
+        if available >= need:
+            self.pool.total_gpus = available
+            self._lost_since = None
+            self._say(f"the cluster has {available} GPU(s) again; continuing")
+            return True
+        waited = time.monotonic() - self._lost_since
+        if waited > self.config.cluster_wait_s and not self._active:  # running jobs finish first
+            raise ClusterLostError(
+                f"the Ray cluster lost its GPUs ({available} left, {need} needed) and they did not come back "
+                f"within {self.config.cluster_wait_s:.0f} s; the {len(self._pending)} unfinished job(s) are "
+                f"pending, none was charged an attempt. Bring the node(s) back (`ray status` on the head "
+                f"shows them), then `pan2-render resume {self.out_dir}`")
+        return False
+
+    def _count_redo(self, job_id: str, problem: str) -> None:
+        """A check rejected one of the job's artifacts, which is about to be redone: allowed
+        ``max_redos`` times in a run, then the job fails with the check's reason (so an artifact
+        that keeps failing its check can never loop)."""
+        n = self._redos.get(job_id, 0) + 1
+        self._redos[job_id] = n
+        if n > self.config.max_redos:
+            raise ArtifactCheckError(f"an artifact failed its check {n} times in this run, even freshly "
+                                     f"written: {problem}")
 
     def _fail_unrunnable(self, job: JobRecord) -> None:
         msg = (f"needs a group of {job.spec.gpus} GPUs but the cluster has {self.pool.total_gpus} "

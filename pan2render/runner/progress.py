@@ -180,7 +180,8 @@ class RunProgress:
                 r.steps = rep
 
     def job_ended(self, job_id: str, outcome: str, detail: str = "") -> None:
-        """``outcome``: done, retry, FAILED or interrupted."""
+        """``outcome``: done, retry, FAILED, requeued (not charged: the environment failed) or
+        interrupted."""
         self._running.pop(job_id, None)
         if outcome == "done":
             self.done += 1

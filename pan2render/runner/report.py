@@ -22,24 +22,28 @@ class JobStatus:
     error: str | None
     video: str | None  # absolute path of a finished video, else None
     seconds: dict[str, float | None]  # per stage
+    problem: str | None = None  # a done job whose video is missing or not the recorded size
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "name": self.name, "state": self.state, "stage": self.stage,
                 "attempts": self.attempts, "error": self.error, "video": self.video,
-                "seconds": self.seconds}
+                "seconds": self.seconds, "problem": self.problem}
 
 
 def job_statuses(out_dir: Path, ledger: Ledger) -> list[JobStatus]:
     out = []
     for job in ledger.jobs():
         stages = ledger.stages(job.id)
-        video = None
+        video = problem = None
         enc = stages[Stage.ENCODE]
-        if enc.state is StageState.DONE and enc.artifact and (out_dir / enc.artifact).is_file():
+        if job.state is JobState.DONE:
+            # Cheap checks only (status must stay fast on hundreds of jobs): present, recorded size.
+            problem = st.check_present(out_dir, st.Recorded(enc.artifact, enc.sha256, enc.size))
+        if enc.state is StageState.DONE and enc.artifact and not problem and (out_dir / enc.artifact).is_file():
             video = str((out_dir / enc.artifact).absolute())
         out.append(JobStatus(id=job.id, name=job.name, state=job.state.value, stage=_stage_of(job, stages),
                              attempts=job.attempts, error=job.error, video=video,
-                             seconds={s.value: stages[s].seconds for s in STAGES}))
+                             seconds={s.value: stages[s].seconds for s in STAGES}, problem=problem))
     return out
 
 
@@ -52,15 +56,33 @@ def _stage_of(job: JobRecord, stages: dict[Stage, Any]) -> str | None:
     return STAGES[-1].value
 
 
+def shown_state(r: JobStatus) -> str:
+    """The state as status shows it: a done job whose video is missing or damaged gets a ``!``."""
+    return r.state + ("!" if r.problem else "")
+
+
+def shown_error(r: JobStatus, width: int = 100) -> str:
+    if r.problem:
+        return f"VIDEO PROBLEM: {r.problem}; `pan2-render resume` re-encodes it"
+    return (r.error or "").splitlines()[0][:width] if r.error else ""
+
+
+def counts_lines(rows: list[JobStatus]) -> list[str]:
+    """The closing lines of status: jobs per state, and the damaged videos if any."""
+    counts = {s.value: sum(r.state == s.value for r in rows) for s in JobState}
+    lines = [", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no jobs"]
+    damaged = sum(bool(r.problem) for r in rows)
+    if damaged:
+        lines.append(f"{damaged} done job(s) marked ! have a missing or damaged video")
+    return lines
+
+
 def format_table(rows: list[JobStatus]) -> str:
     head = f"{'state':8} {'stage':13} {'att':>3}  {'id':50} error"
     lines = [head]
     for r in rows:
-        err = (r.error or "").splitlines()[0][:100] if r.error else ""
-        lines.append(f"{r.state:8} {r.stage or '-':13} {r.attempts:>3}  {r.id:50} {err}")
-    counts = {s.value: sum(r.state == s.value for r in rows) for s in JobState}
-    lines.append(", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no jobs")
-    return "\n".join(lines)
+        lines.append(f"{shown_state(r):8} {r.stage or '-':13} {r.attempts:>3}  {r.id:50} {shown_error(r)}")
+    return "\n".join(lines + counts_lines(rows))
 
 
 def write_report(out_dir: Path) -> Path:

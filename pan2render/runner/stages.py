@@ -12,9 +12,12 @@ shared filesystem. Layout under the output folder ``DIR``::
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -22,6 +25,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from pan2render.jobs.batch import sha256_file
+from pan2render.jobs.disk import ensure_free
+from pan2render.jobs.spec import JobSpec
 from pan2render.media.video import fsync_dir
 
 EMBED_CACHE = Path("_cache") / "embeddings"
@@ -31,6 +36,11 @@ VIDEO_NAME = "video.mp4"
 
 class NonFiniteError(FloatingPointError):
     """Latents or frames contain NaN/Inf. Deterministic for a given spec, so never retried."""
+
+
+class UnsafePathError(OSError):
+    """A folder on an artifact's path inside DIR is a symlink or not a folder: writing through it
+    could put files outside DIR."""
 
 
 # ------------------------------------------------------------------ paths
@@ -52,17 +62,26 @@ def video_relpath(job_id: str) -> str:
 
 # ------------------------------------------------------------------ (de)serialisation
 def pack_embedding(emb: torch.Tensor, *, key: str, text_encoder_id: str) -> bytes:
-    """emb: float32 [512, text_dim] -> safetensors bytes carrying its cache key."""
-    return st_save({"prompt_embeds": emb.detach().to("cpu", torch.float32).contiguous()},
-                   metadata={"key": key, "text_encoder_id": text_encoder_id})
+    """emb: float32 [512, text_dim] -> safetensors bytes carrying its cache key and the sha256 of
+    the tensor's bytes (the cache is keyed by prompt, not content: the digest is what proves a
+    cached file holds what the encoder wrote)."""
+    emb = emb.detach().to("cpu", torch.float32).contiguous()
+    return st_save({"prompt_embeds": emb}, metadata={"key": key, "text_encoder_id": text_encoder_id,
+                                                     "sha256": _tensor_digest(emb)})
+
+
+def _tensor_digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def unpack_embedding(data: bytes) -> torch.Tensor:
     return st_load(data)["prompt_embeds"]
 
 
-def pack_latents(lat: torch.Tensor, *, spec_hash: str, seed: int, steps: int, model_id: str) -> bytes:
-    """lat: float32 [48, T, h, w]. Raises NonFiniteError before anything is written."""
+def pack_latents(lat: torch.Tensor, *, spec_hash: str, seed: int, steps: int, model_id: str,
+                 spec: dict[str, Any] | None = None) -> bytes:
+    """lat: float32 [48, T, h, w]. Raises NonFiniteError before anything is written. ``spec`` (the
+    job's resolved spec) travels in the metadata so ``repair`` can rebuild the job from the file."""
     lat = lat.detach().to("cpu", torch.float32).contiguous()
     if not torch.isfinite(lat).all():
         bad = int((~torch.isfinite(lat)).sum())
@@ -70,17 +89,55 @@ def pack_latents(lat: torch.Tensor, *, spec_hash: str, seed: int, steps: int, mo
             f"sampling produced non-finite latents ({bad} of {lat.numel()} values NaN/Inf, shape "
             f"{list(lat.shape)}); this is deterministic for the spec: change seed, steps or guidance"
         )
-    return st_save({"latents": lat}, metadata={"spec_hash": spec_hash, "seed": str(seed),
-                                                "steps": str(steps), "model_id": model_id})
+    meta = {"spec_hash": spec_hash, "seed": str(seed), "steps": str(steps), "model_id": model_id}
+    if spec is not None:
+        meta["spec"] = json.dumps(spec, sort_keys=True)
+    return st_save({"latents": lat}, metadata=meta)
 
 
 def unpack_latents(data: bytes) -> torch.Tensor:
     return st_load(data)["latents"]
 
 
+def estimated_bytes(spec: JobSpec) -> int:
+    """What a job will write, roughly: float32 latents [48, T, h/16, w/16] plus an mp4 budgeted at
+    a generous 2 bits a pixel (crf 18 on detailed content stays well under it)."""
+    latent_frames = (spec.frames - 1) // 4 + 1
+    latents = 48 * latent_frames * (spec.height // 16) * (spec.width // 16) * 4
+    return latents + spec.frames * spec.height * spec.width // 4
+
+
 # ------------------------------------------------------------------ durable writes
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def write_artifact(out_dir: Path, relpath: str, data: bytes) -> None:
+    """Write one artifact under DIR: free space checked first (DiskFullError, nothing written),
+    folders created without following symlinks (UnsafePathError), then :func:`write_atomic`."""
+    path = safe_path(out_dir, relpath)
+    ensure_free(path.parent, len(data), what=relpath)
+    write_atomic(path, data)
+
+
+def safe_path(out_dir: Path, relpath: str) -> Path:
+    """``DIR/relpath`` with each folder between created if absent and refused if it is a symlink
+    or not a folder, so a link planted at ``DIR/<job-id>`` cannot send files outside DIR."""
+    folder = Path(out_dir)
+    parts = Path(relpath).parts
+    assert parts and not Path(relpath).is_absolute() and ".." not in parts, relpath
+    for name in parts[:-1]:
+        folder = folder / name
+        try:
+            os.mkdir(folder)
+        except FileExistsError:
+            pass
+        mode = os.lstat(folder).st_mode
+        if not stat.S_ISDIR(mode):
+            what = "a symlink" if stat.S_ISLNK(mode) else "not a folder"
+            raise UnsafePathError(f"{folder} is {what}; pan2-render writes only into real folders inside "
+                                  f"{out_dir}: remove it (or move it away), then resume")
+    return folder / parts[-1]
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -110,7 +167,8 @@ class Recorded:
     size: int | None
 
 
-def check_recorded(out_dir: Path, rec: Recorded) -> str | None:
+def check_present(out_dir: Path, rec: Recorded) -> str | None:
+    """The cheap part of :func:`check_recorded`: the file is there with the recorded size."""
     if rec.relpath is None:
         return "no artifact recorded"
     path = out_dir / rec.relpath
@@ -119,6 +177,14 @@ def check_recorded(out_dir: Path, rec: Recorded) -> str | None:
     size = path.stat().st_size
     if rec.size is not None and size != rec.size:
         return f"{rec.relpath} is {size} bytes, the ledger recorded {rec.size} (truncated or replaced)"
+    return None
+
+
+def check_recorded(out_dir: Path, rec: Recorded) -> str | None:
+    problem = check_present(out_dir, rec)
+    if problem:
+        return problem
+    path = out_dir / str(rec.relpath)
     if rec.sha256 is not None and sha256_file(path) != rec.sha256:
         return f"{rec.relpath} sha256 differs from the ledger's (corrupt or replaced)"
     return None
@@ -138,6 +204,8 @@ def check_embedding(out_dir: Path, relpath: str, *, key: str) -> str | None:
         return f"{relpath} is unreadable ({e})"
     if meta.get("key") != key:
         return f"{relpath} belongs to another prompt/encoder (key {meta.get('key')!r})"
+    if meta.get("sha256") != _tensor_digest(emb):
+        return f"{relpath} does not match its recorded sha256 (corrupt, or written without one)"
     if not torch.isfinite(emb).all():
         return f"{relpath} holds non-finite embeddings"
     return None

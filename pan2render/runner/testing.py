@@ -34,9 +34,14 @@ class FakePipeline:
         return torch.randn(512, TEXT_DIM, generator=g)  # float32 [512, text_dim]
 
     def sample(self, *, prompt_embeds: torch.Tensor, negative_prompt_embeds: torch.Tensor | None = None,
-               image: Any = None, height: int, width: int, frames: int, steps: int, guidance: float,
+               image: Any = None, height: int, width: int, frames: int, steps: int | None, guidance: float,
                seed: int, flow_shift: float = 5.0, sampler: str = "unipc",
+               timesteps: tuple[int, ...] | None = None,
                progress: Callable[[int, int], None] | None = None, **_: Any) -> torch.Tensor:
+        if steps is None:  # dmd: as many steps as timesteps
+            if timesteps is None:
+                raise ValueError("sampler dmd needs timesteps")
+            steps = len(timesteps)
         if height % 16 or width % 16 or (frames - 1) % 4:
             raise ValueError(f"bad size {height}x{width}x{frames}")
         g = torch.Generator().manual_seed(seed)
@@ -73,3 +78,13 @@ def load_fake_pipeline(model: str, device: str) -> FakePipeline:
 def load_nan_pipeline(model: str, device: str) -> FakePipeline:
     """Always produces a NaN in its latents (the non-finite failure path)."""
     return FakePipeline(model, nan=True)
+
+
+class _OutOfMemoryPipeline(FakePipeline):
+    def sample(self, **kwargs: Any) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.60 GiB (fake)")
+
+
+def load_oom_pipeline(model: str, device: str) -> FakePipeline:
+    """Runs out of (device) memory in every sampling call, as torch reports it."""
+    return _OutOfMemoryPipeline(model)

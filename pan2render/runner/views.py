@@ -163,7 +163,7 @@ def holder(out_dir: Path) -> dict[str, Any] | None:
 
 def format_status(out_dir: Path, ledger: Ledger) -> tuple[str, bool]:
     """The status table and whether any job failed."""
-    from pan2render.runner.report import job_statuses  # noqa: PLC0415
+    from pan2render.runner.report import counts_lines, job_statuses, shown_error, shown_state  # noqa: PLC0415
 
     statuses = job_statuses(out_dir, ledger)
     jobs = {j.id: j for j in ledger.jobs()}
@@ -173,13 +173,11 @@ def format_status(out_dir: Path, ledger: Ledger) -> tuple[str, bool]:
         spec = jobs[r.id].spec
         secs = sum(v for v in r.seconds.values() if v)
         video = os.path.relpath(r.video, out_dir.absolute()) if r.video else ""
-        err = (r.error or "").splitlines()[0][:80] if r.error else ""
-        rows.append([r.state, r.stage or "-", str(r.attempts), r.id, *(_value(spec.sweep.get(k, "")) for k in keys),
-                     f"{secs:.1f}" if secs else "-", video, err])
+        rows.append([shown_state(r), r.stage or "-", str(r.attempts), r.id, *(_value(spec.sweep.get(k, "")) for k in keys),
+                     f"{secs:.1f}" if secs else "-", video, shown_error(r, 80)])
     text = table(["state", "stage", "att", "id", *keys, "seconds", "video", "error"], rows)
-    counts = {s.value: sum(r.state == s.value for r in statuses) for s in JobState}
-    summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no jobs"
-    return "\n".join([_run_line(out_dir, ledger, jobs), text, summary]), counts["failed"] > 0
+    failed = any(r.state == "failed" or r.problem for r in statuses)
+    return "\n".join([_run_line(out_dir, ledger, jobs), text, *counts_lines(statuses)]), failed
 
 
 def _run_line(out_dir: Path, ledger: Ledger, jobs: dict[str, JobRecord]) -> str:

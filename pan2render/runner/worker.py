@@ -34,6 +34,7 @@ import torch
 
 from pan2render.jobs.spec import JobSpec
 from pan2render.runner import stages
+from pan2render.sampling import DMD
 
 DEFAULT_PIPELINE_FACTORY = "pan2render.runner.worker:load_pan2_pipeline"
 
@@ -176,7 +177,8 @@ class RenderWorker:
 
             backend, world = str(dist.get_backend()), dist.get_world_size()
         return {"model_id": pipe.model_id, "text_encoder_id": pipe.text_encoder_id,
-                "backend": backend, "world_size": world, "device": self.device}
+                "backend": backend, "world_size": world, "device": self.device,
+                "attention": getattr(pipe, "attention_backend", "n/a")}  # n/a: a pipeline without a DiT
 
     def _rpc_encode_prompts(self, *, model: str, texts: list[str]) -> list[bytes]:
         pipe = self._pipeline(model)
@@ -202,12 +204,14 @@ class RenderWorker:
         lat = pipe.sample(
             prompt_embeds=stages.unpack_embedding(prompt_embeds),
             negative_prompt_embeds=stages.unpack_embedding(negative_embeds),
-            image=first_frame, height=js.height, width=js.width, frames=js.frames, steps=js.steps,
+            image=first_frame, height=js.height, width=js.width, frames=js.frames,
+            # dmd: the step count is the number of timesteps, the job's or the checkpoint's own.
+            steps=None if js.sampler == DMD else js.steps, timesteps=js.timesteps,
             guidance=js.guidance, seed=js.seed, flow_shift=js.flow_shift, sampler=js.sampler,
             progress=progress,
         )  # float32 [48, T, h, w]
         return stages.pack_latents(lat, spec_hash=js.spec_hash, seed=js.seed, steps=js.steps,
-                                   model_id=pipe.model_id)
+                                   model_id=pipe.model_id, spec=spec)
 
     def _rpc_decode_encode(self, *, model: str, spec: dict[str, Any], latents: bytes) -> dict[str, Any]:
         """Decode and encode here, so frames (hundreds of MB) never enter the object store."""

@@ -54,8 +54,8 @@ preset: tiny-preview
 BAD_JOB_FIELDS = {
     "unknown-key": ("guidence: 3.0", "jobs[0].guidence", ["unknown key 'guidence'", "did you mean 'guidance'",
                                                           "allowed:", "flow_shift"]),
-    "steps-string": ("steps: '50'", "jobs[0].steps", ["'50' (str)", "an integer >= 1"]),
-    "steps-zero": ("steps: 0", "jobs[0].steps", ["got 0", "an integer >= 1"]),
+    "steps-string": ("steps: '50'", "jobs[0].steps", ["'50' (str)", "an integer from 1 to 1000"]),
+    "steps-zero": ("steps: 0", "jobs[0].steps", ["got 0", "an integer from 1 to 1000"]),
     "seed-bool": ("seed: yes", "jobs[0].seed", ["True (bool", "an integer in 0.."]),
     "seed-negative": ("seed: -1", "jobs[0].seed", ["got -1", "an integer in 0..9223372036854775807"]),
     "seed-float": ("seed: 1.5", "jobs[0].seed", ["1.5 (float)", "an integer in 0.."]),
@@ -134,7 +134,7 @@ def test_missing_checkpoint_folder(tmp_path: Path) -> None:
 def test_missing_image(tmp_path: Path) -> None:
     path = _write(tmp_path, HEADER + "jobs:\n  - prompt: a cat\n    image: frames/first.png\n")
     _assert_says(_find(_problems(path), line=5, field="jobs[0].image"), "batch.yaml:5",
-                 str(tmp_path / "frames" / "first.png"), "does not exist", "a path to an image file")
+                 str(tmp_path / "frames" / "first.png"), "does not exist", "a PNG, JPEG or WebP file")
 
 
 def test_missing_image_in_defaults_and_sweep(tmp_path: Path) -> None:
@@ -297,7 +297,7 @@ def test_missing_batch_file(tmp_path: Path) -> None:
 def test_presets_have_the_documented_values() -> None:
     presets = list_presets()
     print({k: {f: v for f, v in p.items() if f != "negative_prompt"} for k, p in presets.items()})
-    assert set(presets) == {"pan2-720p", "pan2-480p", "wan22-ti2v-720p", "tiny-preview"}
+    assert set(presets) == {"pan2-720p", "pan2-480p", "wan22-ti2v-720p", "tiny-preview", "fastwan-720p"}
     expect = {
         "pan2-720p": dict(height=704, width=1248, frames=121, fps=24.0, steps=50, guidance=2.5, flow_shift=5.0,
                           sampler="unipc"),
@@ -405,12 +405,16 @@ def test_repeated_unnamed_prompts_get_numbered_names(tmp_path: Path) -> None:
 
 
 def test_image_is_resolved_and_hashed(tmp_path: Path) -> None:
+    import numpy as np
+
+    from pan2render.media.video import png_bytes
+
     (tmp_path / "img").mkdir()
-    (tmp_path / "img" / "first.png").write_bytes(b"pixels v1")
+    (tmp_path / "img" / "first.png").write_bytes(png_bytes(np.full((8, 8, 3), 10, np.uint8)))
     path = _write(tmp_path, HEADER + "jobs:\n  - {prompt: x, image: img/first.png}\n")
     job = load_batch(path).jobs[0]
     assert job.image == str(tmp_path / "img" / "first.png") and job.image_sha256 is not None
-    (tmp_path / "img" / "first.png").write_bytes(b"pixels v2")
+    (tmp_path / "img" / "first.png").write_bytes(png_bytes(np.full((8, 8, 3), 20, np.uint8)))
     assert load_batch(path).jobs[0].spec_hash != job.spec_hash  # new pixels, new render
 
 
@@ -499,3 +503,105 @@ def test_other_example_batches_load() -> None:
     groups = load_batch(REPO / "jobs" / "groups.yaml")
     assert [(j.name, j.gpus, j.seed) for j in groups.jobs] == [
         ("lighthouse", 2, 0), ("lighthouse-seed-5", 2, 5), ("market-single-gpu", 1, 0)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Sampler dmd: the timesteps field and the rules tying it to sampler and guidance
+
+DMD_HEADER = HEADER + "defaults:\n  sampler: dmd\n  guidance: 1\n"
+
+
+@pytest.mark.parametrize(
+    ("value", "fragments"),
+    [
+        ("[1000, 522, 757]", ["not strictly decreasing (522 then 757)"]),
+        ("[1000, 1000]", ["not strictly decreasing"]),
+        ("[1001, 500]", ["1001", "out of range", "1..1000"]),
+        ("[1000, 0]", ["0 in [1000, 0] is out of range"]),
+        ("[]", ["is empty"]),
+        ("[1000, 757.5]", ["757.5 (float)"]),
+        ("1000", ["got 1000", "a non-empty list of integers"]),
+    ],
+)
+def test_bad_timesteps_name_file_line_and_what_is_allowed(tmp_path: Path, value: str, fragments: list[str]) -> None:
+    path = _write(tmp_path, DMD_HEADER + f"jobs:\n  - prompt: x\n  - prompt: y\n    timesteps: {value}\n")
+    problems = _problems(path)
+    assert len(problems) == 1
+    _assert_says(_find(problems, line=9, field="jobs[1].timesteps"), "batch.yaml:9", *fragments, "strictly decreasing")
+
+
+def test_dmd_with_guidance_and_timesteps_without_dmd_are_refused(tmp_path: Path) -> None:
+    path = _write(tmp_path, HEADER + textwrap.dedent("""
+        jobs:
+          - prompt: guided dmd
+            sampler: dmd
+            timesteps: [1000, 757, 522]
+            guidance: 3.0
+          - prompt: timesteps with euler
+            sampler: euler
+            timesteps: [1000, 500]
+          - prompt: dmd guided by the preset
+            sampler: dmd
+            timesteps: [1000, 500]
+          - prompt: dmd with steps of its own
+            sampler: dmd
+            guidance: 1
+            timesteps: [1000, 500]
+            steps: 4
+        sweep:
+          seed: [0, 1]
+        """))
+    problems = _problems(path)
+    _assert_says(_find(problems, line=8, field="jobs[0].guidance"), "got 3 with sampler dmd", "allowed: 1")
+    _assert_says(_find(problems, line=11, field="jobs[1].timesteps"), "sampler 'euler'", "for sampler dmd only")
+    # The guidance came from the preset (tiny-preview: 2.5): the job's own line is named.
+    _assert_says(_find(problems, line=12, field="jobs[2].guidance"), "got 2.5 with sampler dmd")
+    _assert_says(_find(problems, line=19, field="jobs[3].steps"), "got 4", "2 timesteps", "drop steps")
+    # One problem per job, not one per sweep combination.
+    assert len(problems) == 4
+
+
+def test_dmd_steps_is_the_number_of_timesteps_and_timesteps_change_the_id(tmp_path: Path) -> None:
+    path = _write(tmp_path, DMD_HEADER + "jobs:\n  - {name: a, prompt: x, timesteps: [1000, 757, 522]}\n"
+                                         "  - {name: b, prompt: x, timesteps: [1000, 757, 500]}\n"
+                                         "  - {name: c, prompt: x, sampler: unipc, guidance: 2.5}\n")
+    a, b, c = load_batch(path).jobs
+    assert (a.sampler, a.steps, a.timesteps, a.guidance) == ("dmd", 3, (1000, 757, 522), 1.0)
+    assert c.timesteps is None and c.steps == 8
+    # Only the timesteps differ between a and b (names do not enter the hash): new pixels, new id.
+    assert a.spec_hash != b.spec_hash
+    # A round trip through the ledger's JSON keeps the spec and its id.
+    again = JobSpec.from_dict(json.loads(json.dumps(a.to_dict())))
+    assert again == a and again.job_id == a.job_id
+
+
+def test_ids_of_jobs_without_timesteps_are_unchanged(tmp_path: Path) -> None:
+    """timesteps joined the hashed fields later: unset, it stays out of the hash, so folders rendered
+    before keep their ids (the payload below is the hash as it was before the field existed)."""
+    import hashlib
+
+    job = load_batch(_write(tmp_path, HEADER + "jobs:\n  - {name: a, prompt: x}\n")).jobs[0]
+    before = ("model", "prompt", "negative_prompt", "image_sha256", "seed", "steps", "guidance", "height",
+              "width", "frames", "fps", "flow_shift", "sampler", "crf")
+    blob = json.dumps({k: getattr(job, k) for k in before}, sort_keys=True, separators=(",", ":"), default=str)
+    assert job.spec_hash == hashlib.sha256(blob.encode()).hexdigest()
+
+
+def test_timesteps_can_be_swept(tmp_path: Path) -> None:
+    path = _write(tmp_path, DMD_HEADER + "jobs:\n  - {name: a, prompt: x}\n"
+                                         "sweep:\n  timesteps: [[1000, 757, 522], [1000, 500]]\n")
+    jobs = load_batch(path).jobs
+    print([j.job_id for j in jobs])
+    assert [(j.timesteps, j.steps) for j in jobs] == [((1000, 757, 522), 3), ((1000, 500), 2)]
+    assert jobs[0].job_id.startswith("a-timesteps-1000-757-522-")
+
+
+def test_fastwan_preset_and_example_batch() -> None:
+    preset = list_presets()["fastwan-720p"]
+    assert {k: preset[k] for k in ("height", "width", "frames", "fps", "sampler", "timesteps", "steps", "guidance")} \
+        == dict(height=704, width=1248, frames=121, fps=24.0, sampler="dmd", timesteps=(1000, 757, 522), steps=3,
+                guidance=1.0)
+    batch = load_batch(REPO / "jobs" / "fastwan.yaml")
+    assert [(j.name, j.sampler, j.timesteps, j.steps, j.guidance, j.gpus) for j in batch.jobs] == [
+        ("fox", "dmd", (1000, 757, 522), 3, 1.0, 1), ("fox-two-steps", "dmd", (1000, 500), 2, 1.0, 1),
+        ("harbour-group", "dmd", (1000, 757, 522), 3, 1.0, 2)]

@@ -81,7 +81,7 @@ def test_sweep_adds_an_axis_or_replaces_the_batchs(tmp_path: Path) -> None:
     ({"sets": ("guidance_scale=5",)}, ["did you mean 'guidance'?"]),
     ({"sweeps": ("num_frames=17,33",)}, ["--sweep num_frames=17,33", "did you mean 'frames'?"]),
     ({"sets": ("frames=16",)}, ["--set frames=16: frames: got 16 (nearest: 13 or 17)", "4k+1"]),
-    ({"sets": ("steps=many",)}, ["--set steps=many: steps: got 'many' (str); allowed: an integer >= 1"]),
+    ({"sets": ("steps=many",)}, ["--set steps=many: steps: got 'many' (str); allowed: an integer from 1 to 1000"]),
     ({"sets": ("preset=tiny",)}, ["--set preset=tiny: preset: unknown preset 'tiny'", "did you mean 'tiny-preview'"]),
     ({"sets": ("model=./nowhere",)}, ["--set model=./nowhere: model: checkpoint folder", "does not exist"]),
     ({"sets": ("steps",)}, ["--set steps: (flag): must look like key=value"]),

@@ -321,7 +321,7 @@ def test_flow_sigmas_are_monotone_and_in_range() -> None:
         ("num_train_timesteps", 0),
         ("disable_corrector", [-1]),
         ("disable_corrector", 0),
-        ("shift", 5.0),  # a FlowMatchEuler key: unknown here
+        ("_class_name", "DDIMScheduler"),
     ],
 )
 def test_from_dict_rejects_unsupported_values(key: str, value: object) -> None:
@@ -338,6 +338,74 @@ def test_from_dict_missing_key_takes_diffusers_default() -> None:
     print(info.value)
     minimal = {"prediction_type": "flow_prediction", "use_flow_sigmas": True}
     assert SchedulerConfig.from_dict(minimal).flow_shift == 1.0  # diffusers' default shift
+
+
+# A FlowMatchEulerDiscreteScheduler config as diffusers 0.33 writes it (the class distilled Wan
+# checkpoints ship), with FastWan2.2's shift.
+FLOW_MATCH_EULER_CONFIG = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler",
+    "_diffusers_version": "0.33.1",
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "invert_sigmas": False,
+    "max_image_seq_len": 4096,
+    "max_shift": 1.15,
+    "num_train_timesteps": 1000,
+    "shift": 5.0,
+    "shift_terminal": None,
+    "stochastic_sampling": False,
+    "time_shift_type": "exponential",
+    "use_beta_sigmas": False,
+    "use_dynamic_shifting": False,
+    "use_exponential_sigmas": False,
+    "use_karras_sigmas": False,
+}
+
+
+def test_flow_match_euler_config_loads_with_its_own_shift(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="pan2render.models.scheduler"):
+        cfg = SchedulerConfig.from_dict(FLOW_MATCH_EULER_CONFIG, source="ckpt/scheduler/scheduler_config.json")
+    print(cfg, caplog.text)
+    assert cfg == SchedulerConfig(num_train_timesteps=1000, flow_shift=5.0, default_sampler="euler")
+    assert "base_shift" in caplog.text and "ckpt/scheduler/scheduler_config.json" in caplog.text
+    assert SchedulerConfig.from_dict({"_class_name": "FlowMatchEulerDiscreteScheduler"}).flow_shift == 1.0
+    # The same sigmas as a UniPC config of the same shift: the shift is what the samplers read.
+    for name in ("euler", "dmd"):
+        a, b = make_scheduler(name, cfg), make_scheduler(name, SchedulerConfig.from_dict(WAN22_TI2V_5B_SCHEDULER_CONFIG))
+        for s in (a, b):
+            if name == "dmd":
+                s.set_dmd_timesteps([1000, 757, 522], generator=torch.Generator())
+            else:
+                s.set_timesteps(4)
+        assert torch.equal(a.sigmas, b.sigmas) and torch.equal(a.timesteps, b.timesteps)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("use_dynamic_shifting", True),
+        ("invert_sigmas", True),
+        ("stochastic_sampling", True),
+        ("shift_terminal", 0.02),
+        ("use_beta_sigmas", True),
+        ("shift", 0),
+        ("shift", "5.0"),
+    ],
+)
+def test_flow_match_euler_config_refuses_what_changes_the_math(key: str, value: object) -> None:
+    raw = {**FLOW_MATCH_EULER_CONFIG, key: value}
+    with pytest.raises(ValueError, match=rf"^ckpt/scheduler_config.json: {key}=") as info:
+        SchedulerConfig.from_dict(raw, source="ckpt/scheduler_config.json")
+    print(info.value)
+
+
+def test_unknown_and_newer_keys_are_logged_not_refused(caplog: pytest.LogCaptureFixture) -> None:
+    newer = {**WAN22_TI2V_5B_SCHEDULER_CONFIG, "_diffusers_version": "0.99.0", "shift": 3.0,
+             "a_key_from_a_newer_diffusers": 1, "use_flow_sigmas": True}
+    with caplog.at_level("INFO", logger="pan2render.models.scheduler"):
+        assert SchedulerConfig.from_dict(newer) == SchedulerConfig.from_dict(WAN22_TI2V_5B_SCHEDULER_CONFIG)
+    print(caplog.text)
+    assert "a_key_from_a_newer_diffusers" in caplog.text and "shift" in caplog.text
 
 
 def test_inert_keys_are_accepted_with_any_value() -> None:

@@ -25,6 +25,11 @@ from dist_helpers import max_rel, run_group
 T2V = dict(height=96, width=160, frames=9, steps=2, guidance=3.0, seed=7, sampler="unipc")
 I2V = dict(height=96, width=160, frames=9, steps=2, guidance=2.0, seed=11, sampler="euler")
 HEADS = 8  # 4 heads per rank at N=2, 2 at N=4 (the worker attends them in 4 / 2 overlap groups)
+# The few-step sampler: unguided, so every step is one forward over the whole group, and its fresh
+# noise comes from the job's CPU generator. The i2v case keeps the first frame's tokens at t=0.
+DMD_T2V = dict(height=96, width=160, frames=9, guidance=1.0, seed=7, sampler="dmd", timesteps=[1000, 757, 522])
+DMD_I2V = dict(height=96, width=160, frames=9, guidance=1.0, seed=11, sampler="dmd", timesteps=[1000, 500])
+TOKENS = 45
 
 
 def tiny_pipeline(**config: object) -> PAN2Pipeline:
@@ -55,6 +60,11 @@ def render(pipe: PAN2Pipeline) -> dict[str, torch.Tensor | None]:
     return {"t2v": t2v, "i2v": i2v, "frames": pipe.decode(t2v)}
 
 
+def render_dmd(pipe: PAN2Pipeline) -> dict[str, torch.Tensor]:
+    x = unguided_inputs()
+    return {"dmd_t2v": pipe.sample(**x, **DMD_T2V), "dmd_i2v": pipe.sample(**x, image=inputs()["image"], **DMD_I2V)}
+
+
 def batch2_forward(dit: torch.nn.Module) -> torch.Tensor:
     """A direct DiT call at batch 2 with per-token timesteps (the pipeline only uses batch 1)."""
     gen = torch.Generator().manual_seed(4)
@@ -65,15 +75,18 @@ def batch2_forward(dit: torch.nn.Module) -> torch.Tensor:
 
 
 class RecordingContexts:
-    """Records, for every block-stack run of a DiT, which prompt context it used (`fingerprint`)."""
+    """Records, for every block-stack run of a DiT (one per forward), which prompt context it used
+    (`fingerprint`) and how many tokens it ran on this rank."""
 
     def __init__(self, dit: PAN2DiT) -> None:
         self.seen: list[float] = []
+        self.tokens: list[int] = []
         self._run = dit.run_blocks
         dit.run_blocks = self  # instance attribute: shadows the method for this model only
 
     def __call__(self, tokens: torch.Tensor, **kw: object) -> torch.Tensor:
         self.seen.append(fingerprint(kw["context"]))
+        self.tokens.append(int(tokens.shape[1]))
         return self._run(tokens, **kw)
 
 
@@ -97,6 +110,9 @@ def _worker(rank: int, world: int, out: Path) -> None:
     # Outside the wrapper's forward the model is plain again (the backend the blocks had).
     assert all(b.attn1.attention_fn is dit_ops.attention for b in pipe.dit.model.blocks)
     result["unguided"] = pipe.sample(**{**unguided_inputs(), **T2V, "guidance": 1.0})
+    before = len(calls.tokens)
+    result.update(render_dmd(pipe))
+    result["dmd_tokens_per_forward"] = calls.tokens[before:]
     # Both branches Ulysses-parallel over the whole group (guidance_parallel off). Groups of 2 take the
     # overlap path (one head chunk per head of the rank, q/k/v packed per chunk); 4 and 8 the default
     # one chunk, where q, k, v arrive in the send layout itself.
@@ -116,7 +132,7 @@ def unguided_inputs() -> dict[str, object]:
 def reference() -> dict[str, torch.Tensor | None]:
     pipe = tiny_pipeline()
     return {**render(pipe), "batch2": batch2_forward(pipe.dit),
-            "unguided": pipe.sample(**{**unguided_inputs(), **T2V, "guidance": 1.0})}
+            "unguided": pipe.sample(**{**unguided_inputs(), **T2V, "guidance": 1.0}), **render_dmd(pipe)}
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -129,6 +145,16 @@ def test_group_latents_match_one_process(world: int, tmp_path: Path, reference) 
         assert max(errs) < 1e-5
         for r in results[1:]:  # the gathered velocity is the same bits everywhere -> same latents
             assert torch.equal(r[key], results[0][key])
+    # DMD: the same bits as one process on every rank, one forward per step over this rank's shard
+    # of the whole group's tokens.
+    shard = ShardLayout(num_tokens=TOKENS, world_size=world, rank=0).shard
+    for rank, r in enumerate(results):
+        for key in ("dmd_t2v", "dmd_i2v"):
+            diff = float((r[key] - reference[key]).abs().max())
+            print(f"group of {world}, {key}, rank {rank}: max abs diff vs one process {diff:.3e}")
+            assert torch.equal(r[key], reference[key]), f"{key} rank {rank}"
+        steps = len(DMD_T2V["timesteps"]) + len(DMD_I2V["timesteps"])
+        assert r["dmd_tokens_per_forward"] == [shard] * steps, f"rank {rank}"
     # The guidance split ran one forward per guided step (4) on every rank, each with its own half's
     # branch: the conditional context on the first half of the ranks, the unconditional on the second.
     for rank, r in enumerate(results):

@@ -44,6 +44,32 @@ def test_invalid_batch_lists_every_problem_exits_2_and_writes_nothing(
     assert cli.main(["validate", str(batch)]) == 2
 
 
+@pytest.mark.parametrize(("jobs", "expected"), [
+    ([{"name": "unsorted", "prompt": "x", "timesteps": [522, 757, 1000]},
+      {"name": "range", "prompt": "x", "timesteps": [1500, 500]},
+      {"name": "empty", "prompt": "x", "timesteps": []}],
+     ["dmd.yaml:6: jobs[0].timesteps: [522, 757, 1000] is not strictly decreasing",
+      "dmd.yaml:12: jobs[1].timesteps: 1500 in [1500, 500] is out of range",
+      "dmd.yaml:17: jobs[2].timesteps: is empty"]),
+    ([{"name": "guided", "prompt": "x", "guidance": 3.5, "timesteps": [1000, 500]},
+      {"name": "euler", "prompt": "x", "sampler": "euler", "timesteps": [1000, 500]}],
+     ["dmd.yaml:6: jobs[0].guidance: got 3.5 with sampler dmd",
+      "dmd.yaml:13: jobs[1].timesteps: set with sampler 'euler'"]),
+])
+def test_bad_dmd_jobs_exit_2_with_file_line_and_write_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], jobs: list[dict], expected: list[str]) -> None:
+    batch = write_batch(tmp_path / "dmd.yaml", jobs, defaults={"sampler": "dmd", "guidance": 1})
+    out = tmp_path / "never" / "out"
+    assert cli.main(["run", str(batch), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    print(err)
+    for where in expected:
+        assert where in err, where
+    assert f"{len(expected)} problem(s)" in err
+    assert not (tmp_path / "never").exists()
+    assert cli.main(["validate", str(batch)]) == 2
+
+
 def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         cli.main(["run", "missing-out.yaml"])  # --out is required

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from pan2render.jobs.ledger import JobState, Ledger, Stage, StageState
 from pan2render.jobs.spec import JobSpec
@@ -96,8 +97,9 @@ def test_always_failing_job_fails_with_stage_and_error_after_budget(tmp_path: Pa
     bad = led.job(jobs[1].job_id)
     print("bad:", bad.state.value, bad.attempts, bad.error_stage, bad.error)
     assert summary.exit_code == 1 and summary.failed == [bad.id] and len(summary.done) == 2
-    assert (bad.state, bad.attempts, bad.error_stage) == (JobState.FAILED, 3, stage.value)
-    assert f"injected failure in {stage.value}" in (bad.error or "")
+    # The same error twice in a row on the same stage stops retrying, budget left or not.
+    assert (bad.state, bad.attempts, bad.error_stage) == (JobState.FAILED, 2, stage.value)
+    assert f"injected failure in {stage.value}" in (bad.error or "") and "twice in a row" in (bad.error or "")
     st = led.stages(bad.id)
     print({s.value: r.state.value for s, r in st.items()})
     assert st[stage].state is StageState.FAILED and "Traceback" in (st[stage].traceback or "")
@@ -128,6 +130,7 @@ def test_nonfinite_latents_fail_at_once_with_reason(tmp_path: Path) -> None:
     assert not (tmp_path / job.id / "latents.safetensors").exists()
 
 
+@pytest.mark.timeout(30)  # a check that keeps rejecting must fail the job, never loop
 def test_resume_starts_at_decode_when_latents_are_valid(tmp_path: Path) -> None:
     j = spec("x")
     summary, _, led = render(tmp_path, [j], retries=0, faults={"fail": {"job": "x", "stage": "decode"}})
@@ -141,6 +144,7 @@ def test_resume_starts_at_decode_when_latents_are_valid(tmp_path: Path) -> None:
     assert file_id(lat) == before
 
 
+@pytest.mark.timeout(30)  # a check that keeps rejecting must fail the job, never loop
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
 def test_corrupt_latents_are_detected_and_resampled(tmp_path: Path, damage: str) -> None:
     j = spec("x")
@@ -153,6 +157,7 @@ def test_corrupt_latents_are_detected_and_resampled(tmp_path: Path, damage: str)
     assert summary.done == [j.job_id] and ("sample", "x") in ex.calls and events
 
 
+@pytest.mark.timeout(30)  # a check that keeps rejecting must fail the job, never loop
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
 def test_corrupt_video_is_reencoded_from_latents(tmp_path: Path, damage: str) -> None:
     j = spec("v")
@@ -283,3 +288,38 @@ def test_closing_the_pool_during_a_start_tears_the_late_group_down() -> None:
     while not destroyed and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(destroyed) == 1 and not pool.starting
+
+
+_SHARED: dict[str, Any] = {}
+
+
+def shared_tiny_pipeline(model: str, device: str) -> Any:
+    """A pipeline factory for the worker that loads the tiny model once per test process, so the
+    test compares against the very pipeline the worker used."""
+    from pan2render.runner.worker import load_pan2_pipeline
+
+    if model not in _SHARED:
+        _SHARED[model] = load_pan2_pipeline(model, device)
+    return _SHARED[model]
+
+
+def test_a_dmd_job_reaches_the_real_pipeline_with_its_timesteps(tmp_path: Path) -> None:
+    """The worker hand-over carries sampler dmd and the timesteps: the ledger's latents are exactly
+    what the tiny pipeline samples for them (and differ from another timesteps list)."""
+    import dataclasses
+
+    from pan2render.runner.stages import unpack_latents
+
+    # The embedded tiny model from the default cache, as the Ray runner tests use it (built once).
+    base = dataclasses.replace(spec("dmd"), sampler="dmd", guidance=1.0, height=32, width=32, frames=5)
+    jobs = [dataclasses.replace(base, timesteps=(1000, 757, 522), steps=3),
+            dataclasses.replace(base, name="dmd-2", timesteps=(1000, 500), steps=2)]
+    summary, _, led = render(tmp_path / "out", jobs, factory=f"{__name__}:shared_tiny_pipeline", retries=0)
+    assert len(summary.done) == 2, [j.error for j in led.jobs()]
+    pipe = _SHARED["tiny"]
+    latents = [unpack_latents((tmp_path / "out" / j.job_id / "latents.safetensors").read_bytes()) for j in jobs]
+    for job, got in zip(jobs, latents):
+        want = pipe.sample(prompt=job.prompt, height=32, width=32, frames=5, guidance=1.0, seed=job.seed,
+                           flow_shift=job.flow_shift, sampler="dmd", timesteps=job.timesteps)
+        assert torch.equal(got, want), job.name
+    assert not torch.equal(latents[0], latents[1])

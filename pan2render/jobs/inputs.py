@@ -1,0 +1,154 @@
+"""What a batch may ask for, and reading the files it names without trusting them.
+
+A batch file comes from a user, a script or a colleague's folder: it may be hostile or just wrong.
+Everything here fails in milliseconds with a message saying what is allowed, never by running a
+worker out of memory hours later:
+
+- :class:`InputLimits` bounds one job's cost (frames x height x width as DiT tokens, steps), a first
+  frame's pixels, the files' sizes, YAML alias expansion and the number of jobs.
+- :func:`read_regular_file` reads a named file only if it is a regular file under a size limit
+  (a FIFO would block forever, ``/dev/zero`` never ends, a folder is not a file).
+- :func:`control_chars` finds NUL and other control characters, which no path or prompt needs.
+- :func:`image_size` reads a PNG, JPEG or WebP header for its pixel size without decoding it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """Bounds on one batch. Each is far above any real use and far below what breaks a worker."""
+
+    # The DiT attends over every token of a video at once and the VAE decodes every pixel, so the
+    # token count bounds both. 1080p (1088x1920) x 241 frames is 124,440 tokens; the 720p presets
+    # are 26,598.
+    dit_tokens: int = 131_072
+    # libx264 refuses frames wider or taller than this (H.264's largest levels stop near 8K).
+    side: int = 4096
+    # Flow-matching schedules are defined on 1000 training timesteps: more steps repeat timesteps.
+    steps: int = 1000
+    # A first frame is decoded to RGB in the worker (3 bytes a pixel) before it is resized.
+    image_pixels: int = 4096 * 4096
+    image_bytes: int = 64 << 20
+    batch_bytes: int = 4 << 20
+    prompts_file_bytes: int = 16 << 20
+    # YAML aliases share nodes; expanded, a few lines can stand for billions of values.
+    yaml_aliases: int = 1000
+    yaml_values: int = 100_000
+    jobs: int = 20_000
+
+
+LIMITS = InputLimits()
+
+
+def dit_tokens(*, frames: int, height: int, width: int) -> int:
+    """DiT sequence length of a video: VAE 4x time / 16x space, then DiT patches of (1, 2, 2)."""
+    return ((frames - 1) // 4 + 1) * (height // 32) * (width // 32)
+
+
+class InputFileError(Exception):
+    """A named file is not something we may read; the message says what it is instead."""
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def read_regular_file(path: Path, *, limit: int) -> bytes:
+    """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes.
+
+    Opened non-blocking so that a FIFO is refused instead of waiting for a writer; the size is
+    checked on the open descriptor and the read stops at ``limit`` + 1 bytes whatever the file does
+    meanwhile. Raises InputFileError (or FileNotFoundError / PermissionError / OSError)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InputFileError(f"is {_kind(st.st_mode)}; allowed: a regular file")
+        if st.st_size > limit:
+            raise InputFileError(f"is {st.st_size:,} bytes; allowed: at most {limit:,} bytes")
+        chunks: list[bytes] = []
+        left = limit + 1
+        while left > 0:
+            block = os.read(fd, min(left, 1 << 20))
+            if not block:
+                break
+            chunks.append(block)
+            left -= len(block)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > limit:
+        raise InputFileError(f"grew past {limit:,} bytes while being read; allowed: at most {limit:,} bytes")
+    return data
+
+
+# C0 controls and DEL, except tab, line feed and carriage return (line structure, not content).
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+_CONTROL_OR_NEWLINE = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def control_chars(text: str, *, newlines: bool) -> list[tuple[int, str]]:
+    """(index, character) of each control character in ``text``; tab/LF/CR pass if ``newlines``."""
+    pattern = _CONTROL if newlines else _CONTROL_OR_NEWLINE
+    return [(m.start(), m.group()) for m in pattern.finditer(text)]
+
+
+def describe_char(c: str) -> str:
+    names = {"\x00": "NUL", "\t": "tab", "\n": "line feed", "\r": "carriage return", "\x7f": "DEL"}
+    return f"U+{ord(c):04X}" + (f" ({names[c]})" if c in names else "")
+
+
+def image_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from a PNG, JPEG or WebP header, without decoding. Raises InputFileError."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) >= 24 and data[12:16] == b"IHDR":
+        return struct.unpack(">II", data[16:24])
+    if data.startswith(b"\xff\xd8"):
+        return _jpeg_size(data)
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP" and len(data) >= 30:
+        chunk = data[12:16]
+        if chunk == b"VP8X":
+            w = int.from_bytes(data[24:27], "little") + 1
+            h = int.from_bytes(data[27:30], "little") + 1
+            return w, h
+        if chunk == b"VP8L":
+            bits = int.from_bytes(data[21:25], "little")
+            return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+        if chunk == b"VP8 ":
+            w, h = struct.unpack("<HH", data[26:30])
+            return w & 0x3FFF, h & 0x3FFF
+    raise InputFileError("is not a PNG, JPEG or WebP image (its header is not one of theirs)")
+
+
+def _jpeg_size(data: bytes) -> tuple[int, int]:
+    # Segments after SOI: FF <marker> <length:2> <payload>; the frame header (SOF0..SOF15 except
+    # DHT C4, JPG C8, DAC CC) holds precision:1, height:2, width:2.
+    i = 2
+    while i + 9 <= len(data):
+        if data[i] != 0xFF:
+            break
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        length = int.from_bytes(data[i + 2:i + 4], "big")
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            h, w = struct.unpack(">HH", data[i + 5:i + 9])
+            return w, h
+        i += 2 + length
+    raise InputFileError("is a JPEG without a readable frame header (truncated or corrupt)")

@@ -1,0 +1,78 @@
+"""Failures of the environment as one paragraph for the terminal; tracebacks go to a log file.
+
+A user at 3 a.m. needs what happened, to which path or cluster, and what to do, not a stack of
+frames from sqlite3 or Ray. :func:`explain` writes that paragraph for every failure the CLI can
+meet; :func:`write_log` keeps the traceback where someone debugging can find it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sqlite3
+import tempfile
+import time
+from pathlib import Path
+
+from pan2render.jobs.disk import is_disk_full
+from pan2render.jobs.ledger import LedgerError
+from pan2render.runner.retry import BatchStopped, ClusterLostError
+
+LOG_DIR = "_logs"
+
+
+class NothingRecorded(RuntimeError):
+    """Recording a new batch in the ledger failed: nothing of it was recorded (one transaction)."""
+
+    def __init__(self, cause: BaseException):
+        self.cause = cause
+        super().__init__(str(cause))
+
+
+def explain(e: BaseException, *, folder: Path | None) -> str:
+    """One paragraph: what happened, where, and what to do."""
+    where = str(folder) if folder is not None else "the output folder"
+    resume = f"`pan2-render resume {where}`"
+    if isinstance(e, NothingRecorded):
+        return (f"{explain(e.cause, folder=folder)} Nothing of the batch was recorded in {where}, so no "
+                f"command will report any of it as done: once that is fixed, run the same command again.")
+    if isinstance(e, BatchStopped):
+        return (f"{explain(e.cause, folder=folder)} The batch stopped: the jobs that were running went back "
+                f"to pending without being charged an attempt, finished jobs are intact.")
+    if isinstance(e, (LedgerError, ClusterLostError)):
+        return str(e)
+    if is_disk_full(e):
+        return (f"the disk holding {where} is full ({e}). Free space there (or move the folder to a larger "
+                f"disk), then {resume} continues where the batch stopped.")
+    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        path = e.filename or where
+        return (f"{path} cannot be written ({e.strerror}): the filesystem is read-only or this user lacks "
+                f"permission. Give this user write access to {where}, then {resume}.")
+    if isinstance(e, sqlite3.OperationalError) and "locked" in str(e):
+        return (f"the ledger in {where} stayed locked by another process for longer than its 10 s "
+                f"wait ({e}); run the command again in a moment.")
+    if isinstance(e, sqlite3.Error):
+        return (f"the ledger in {where} failed ({type(e).__name__}: {e}). If it is damaged, `pan2-render "
+                f"repair {where}` rebuilds it from its backup and the finished artifacts.")
+    if isinstance(e, OSError):
+        path = f"{e.filename}: " if e.filename else ""
+        return f"{path}{e.strerror or e} ({type(e).__name__}). Fix that, then {resume}."
+    return (f"unexpected {type(e).__name__}: {e}. This is likely a bug in pan2-render: please report it "
+            f"with the log named below. Finished jobs are intact; {resume} continues.")
+
+
+def write_log(folder: Path | None, text: str) -> Path | None:
+    """Write ``text`` (a traceback) to ``DIR/_logs/error-<time>-<pid>.log``, or to the temp folder
+    when DIR cannot take it (it may be the full disk). None if nowhere can."""
+    name = f"error-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}.log"
+    candidates = ([folder / LOG_DIR] if folder is not None and folder.is_dir() else []) + \
+                 [Path(tempfile.gettempdir()) / "pan2-render"]
+    for log_dir in candidates:
+        try:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            path = log_dir / name
+            path.write_text(text)
+            return path
+        except OSError:
+            continue
+    return None

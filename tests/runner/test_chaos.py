@@ -1,0 +1,498 @@
+"""Faults of the environment and of the artifacts, as a user meets them through the CLI.
+
+Each case asserts what the user sees (exit code, one paragraph, no traceback), that the ledger stays
+consistent (no job done without a valid video, no attempt charged for the environment's fault), and
+that `resume` finishes once the fault is gone. Jobs run in this process (PAN2_RENDER_EXECUTOR=local,
+the fake pipeline), so no case needs Ray; each is bounded by its own timeout.
+(Hostile batch files are in tests/jobs/test_hostile_input.py.)
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sqlite3
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from runner_helpers import write_batch
+
+from pan2render.jobs import disk
+from pan2render.jobs.ledger import BACKUP_NAME, LEDGER_NAME, JobState, Ledger, Stage, StageState
+from pan2render.media.video import encode_mp4, probe_mp4
+from pan2render.runner import cli, stages
+from pan2render.runner.driver import Driver, DriverConfig
+from pan2render.runner.groups import Call, Group, GroupDied, LocalExecutor
+from pan2render.runner.retry import ClusterLostError
+from pan2render.runner.testing import FAKE_FACTORY
+from pan2render.runner.worker import WorkerConfig
+
+pytestmark = pytest.mark.timeout(60)
+N_JOBS = 3
+
+
+@pytest.fixture(autouse=True)
+def in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAN2_RENDER_EXECUTOR", "local")
+    monkeypatch.setenv("PAN2_RENDER_PIPELINE", FAKE_FACTORY)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("PAN2_RENDER_FAULTS", raising=False)
+
+
+def _batch(tmp_path: Path, n: int = N_JOBS) -> Path:
+    return write_batch(tmp_path / "b.yaml", [{"name": f"j{i}", "prompt": f"clip {i}"} for i in range(n)],
+                       defaults={"steps": 2, "frames": 5, "width": 32, "height": 32})
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    code = cli.main([*args, "--no-progress"] if args[0] in ("run", "resume") else list(args))
+    captured = capsys.readouterr()
+    err = captured.err + captured.out
+    # Past capsys (it would read this back as the next command's output), into pytest's fd capture.
+    print(f"$ pan2-render {' '.join(args)} -> {code}\n{err}", file=sys.__stdout__, flush=True)
+    assert "Traceback" not in err
+    return code, err
+
+
+def _states(out: Path) -> dict[str, tuple[str, int, int]]:
+    led = Ledger.open_readonly(out)
+    try:
+        return {j.name: (j.state.value, j.attempts, j.retries_left) for j in led.jobs()}
+    finally:
+        led.close()
+
+
+def _assert_consistent(out: Path) -> None:
+    """Every job the ledger calls done has a video that checks out."""
+    led = Ledger.open_readonly(out)
+    try:
+        for job in led.jobs():
+            if job.state is JobState.DONE:
+                rec = led.stages(job.id)[Stage.ENCODE]
+                assert stages.check_video(out, stages.Recorded(rec.artifact, rec.sha256, rec.size),
+                                          frames=job.spec.frames, width=job.spec.width,
+                                          height=job.spec.height) is None, job.id
+    finally:
+        led.close()
+
+
+def _video_ids(out: Path) -> dict[str, tuple[int, int]]:
+    return {p.parent.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("*/video.mp4")}
+
+
+# ------------------------------------------------------------------------------------------ disk full
+@pytest.mark.parametrize("moment", [0, 1, 2, 4, 6])
+def test_disk_full_at_an_artifact_write_stops_cleanly_and_resume_finishes(
+        tmp_path: Path, moment: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """ENOSPC from the kernel at the `moment`-th artifact write (embeddings, latents, videos)."""
+    writes = {"n": 0}
+    real = stages.write_atomic
+
+    def write_atomic(path: Path, data: bytes) -> None:
+        writes["n"] += 1
+        if writes["n"] > moment:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, data)
+
+    monkeypatch.setattr(stages, "write_atomic", write_atomic)
+    out = tmp_path / "out"
+    code, err = _cli(capsys, "run", str(_batch(tmp_path)), "--out", str(out))
+    assert code == 3 and f"the disk holding {out} is full" in err and "resume" in err
+    states = _states(out)
+    assert len(states) == N_JOBS  # the batch was recorded before any work
+    assert all(retries == 2 for _, _, retries in states.values())  # nobody charged for the disk
+    _assert_consistent(out)
+    done_before = _video_ids(out)
+
+    monkeypatch.setattr(stages, "write_atomic", real)  # space freed
+    code, err = _cli(capsys, "resume", str(out))
+    assert code == 0 and all(s == "done" for s, _, _ in _states(out).values())
+    _assert_consistent(out)
+    after = _video_ids(out)
+    assert all(after[j] == ident for j, ident in done_before.items())  # finished jobs not redone
+
+
+def test_free_space_is_checked_before_each_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The pre-write check refuses a write that would not fit: nothing half-written, same outcome."""
+    monkeypatch.setattr(disk, "free_bytes", lambda folder: disk.HEADROOM_BYTES)  # a few bytes short
+    out = tmp_path / "out"
+    code, err = _cli(capsys, "run", str(_batch(tmp_path)), "--out", str(out))
+    assert code == 3 and "not enough space in" in err and "MiB needed" in err
+    assert "warning:" in err and "GiB is free" in err  # the estimate before starting
+    assert not list(out.glob("**/*.tmp*")) and not list(out.glob("*/latents.safetensors"))
+    monkeypatch.undo()
+    monkeypatch.setenv("PAN2_RENDER_EXECUTOR", "local")
+    monkeypatch.setenv("PAN2_RENDER_PIPELINE", FAKE_FACTORY)
+    assert _cli(capsys, "resume", str(out))[0] == 0
+
+
+def test_disk_full_while_recording_the_batch_records_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    real = Ledger._add_jobs
+    added = {"n": 0}
+
+    def add_jobs(self: Ledger, c: sqlite3.Connection, specs: Any, *, retries: int) -> Any:
+        result = real(self, c, list(specs)[:1], retries=retries)  # one job in, then the disk fills
+        added["n"] += 1
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(Ledger, "_add_jobs", add_jobs)
+    out, batch = tmp_path / "out", _batch(tmp_path)
+    code, err = _cli(capsys, "run", str(batch), "--out", str(out))
+    assert code == 3 and added["n"] == 1
+    assert "is full" in err and "Nothing of the batch was recorded" in err
+    code, err = _cli(capsys, "resume", str(out))  # never "all 0 job(s) already done"
+    assert code == 2 and "holds no batch" in err and "already done" not in err
+    monkeypatch.setattr(Ledger, "_add_jobs", real)
+    assert _cli(capsys, "run", str(batch), "--out", str(out))[0] == 0
+    assert len(_states(out)) == N_JOBS
+
+
+# ------------------------------------------------------------------------------------- damaged ledger
+def _damage(path: Path, how: str) -> None:
+    if how == "delete":
+        path.unlink()
+    elif how == "zero":
+        path.write_bytes(b"")
+    elif how == "truncate":
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    else:
+        path.write_bytes(os.urandom(8192))
+
+
+@pytest.mark.parametrize("how", ["zero", "truncate", "garbage"])
+def test_damaged_ledger_gives_one_paragraph_and_never_done(
+        tmp_path: Path, how: str, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path)), "--out", str(out))[0] == 0
+    _damage(out / LEDGER_NAME, how)
+    for command in ("resume", "status"):
+        code, err = _cli(capsys, command, str(out))
+        assert code in (2, 3) and "already done" not in err and f"pan2-render repair {out}" in err
+        assert len(err.strip().splitlines()) <= 2  # the paragraph, and where the details are
+    if how != "zero":
+        assert list((out / "_logs").glob("error-*.log"))  # the traceback went to the log
+
+
+def test_read_only_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                          capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))[0] == 0
+    real = sqlite3.connect
+    # A read-only file (the tests may run as root, whom chmod does not stop): SQLite's own ro mode.
+    monkeypatch.setattr(sqlite3, "connect", lambda path, **kw: real(f"file:{path}?mode=ro", uri=True, **kw))
+    code, err = _cli(capsys, "resume", str(out))
+    assert code == 3 and "cannot be written" in err and "write access" in err
+
+
+# ------------------------------------------------------------------------------------------- repair
+@pytest.mark.parametrize("how", ["delete", "zero", "truncate", "garbage"])
+@pytest.mark.parametrize("finished", [True, False])
+def test_repair_rebuilds_the_ledger_and_resume_redoes_nothing(
+        tmp_path: Path, how: str, finished: bool, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    if not finished:  # j1 fails in decode: it keeps valid latents; j2 never runs (no retries)
+        monkeypatch.setenv("PAN2_RENDER_FAULTS", '{"fail": {"job": "j1", "stage": "decode"}}')
+    code, _ = _cli(capsys, "run", str(_batch(tmp_path)), "--out", str(out), "--retries", "0")
+    monkeypatch.delenv("PAN2_RENDER_FAULTS", raising=False)
+    before = _states(out)
+    videos = _video_ids(out)
+    latents = {p.parent.name: p.stat().st_mtime_ns for p in out.glob("*/latents.safetensors")}
+    _damage(out / LEDGER_NAME, how)
+
+    code, err = _cli(capsys, "repair", str(out))
+    assert code == 0 and "ledger rebuilt" in err
+    if how != "delete":
+        assert list(out.glob(f"{LEDGER_NAME}.damaged-*"))
+    code, err = _cli(capsys, "status", str(out), "--json")
+    rebuilt = _states(out)
+    assert set(rebuilt) == set(before)
+    assert {n for n, (s, _, _) in rebuilt.items() if s == "done"} == {n for n, (s, _, _) in before.items()
+                                                                     if s == "done"}
+    assert _cli(capsys, "resume", str(out))[0] == 0
+    assert all(s == "done" for s, _, _ in _states(out).values())
+    assert all(_video_ids(out)[j] == ident for j, ident in videos.items())  # no finished video redone
+    for j, mtime in latents.items():  # no valid latents resampled
+        assert (out / j / "latents.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_repair_without_a_backup_rebuilds_from_the_job_folders(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path)), "--out", str(out))[0] == 0
+    (out / LEDGER_NAME).unlink()
+    (out / BACKUP_NAME).unlink()
+    code, err = _cli(capsys, "repair", str(out))
+    assert code == 0 and f"{N_JOBS} from the job folders" in err  # specs from the latents' metadata
+    assert all(s == "done" for s, _, _ in _states(out).values()) and len(_states(out)) == N_JOBS
+    assert _cli(capsys, "repair", str(out))[1].count("healthy") == 1
+
+
+# --------------------------------------------------------------------------------------- the cluster
+class LosesItsGpus(LocalExecutor):
+    """The node's GPUs vanish when job `victim` samples (its group dies), and come back after
+    `back_after` calls to total_gpus() (None: never)."""
+
+    def __init__(self, *, victim: str, back_after: int | None, **kw: Any):
+        super().__init__(**kw)
+        self.victim, self.back_after, self.lost, self.asked = victim, back_after, False, 0
+
+    def total_gpus(self) -> int:
+        if self.lost:
+            self.asked += 1
+            if self.back_after is not None and self.asked > self.back_after:
+                self.lost = False
+        return 0 if self.lost else super().total_gpus()
+
+    def call(self, group: Group, method: str, kwargs: dict[str, Any], *, timeout_s: float) -> Call:
+        if method == "sample" and kwargs["spec"]["name"] == self.victim and not self.asked:
+            self.lost = True
+            return Call(group=group, method=method, started=0.0, timeout_s=timeout_s,
+                        handle=GroupDied("ActorDiedError: the node running this actor died"))
+        return super().call(group, method, kwargs, timeout_s=timeout_s)
+
+
+@pytest.mark.parametrize("back", [True, False])
+def test_lost_cluster_requeues_without_charging_and_waits_bounded(tmp_path: Path, back: bool) -> None:
+    from pan2render.jobs.batch import load_batch
+
+    out = tmp_path / "out"
+    out.mkdir()
+    specs = load_batch(_batch(tmp_path)).jobs
+    led = Ledger.open(out)
+    led.add_jobs(specs, retries=2)
+    ex = LosesItsGpus(victim="j1", back_after=3 if back else None, gpus=1,
+                      config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
+    driver = Driver(out_dir=out, ledger=led, executor=ex,
+                    config=DriverConfig(retries=2, progress=False, poll_s=0.01, cluster_wait_s=0.3))
+    ids = [s.job_id for s in specs]
+    if back:
+        summary = driver.run(ids)
+        assert len(summary.done) == N_JOBS
+    else:
+        with pytest.raises(ClusterLostError) as info:
+            driver.run(ids)
+        print(info.value)
+        assert "did not come back within 0 s" in str(info.value) and "resume" in str(info.value)
+        states = {j.name: j.state for j in led.jobs()}
+        assert states["j0"] is JobState.DONE and states["j1"] is JobState.PENDING
+    j1 = next(j for j in led.jobs() if j.name == "j1")
+    assert j1.retries_left == 2  # the lost node was not the job's fault
+    if not back:  # the GPUs are back: resume finishes
+        ex2 = LocalExecutor(gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
+        summary = Driver(out_dir=out, ledger=led, executor=ex2,
+                         config=DriverConfig(progress=False, poll_s=0.01)).run(ids)
+        assert len(summary.done) == N_JOBS
+    led.close()
+
+
+def test_ray_address_in_the_environment_joins_like_address(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("PAN2_RENDER_EXECUTOR")  # the real executor: it must try to JOIN
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    batch, out = _batch(tmp_path, 1), tmp_path / "out"
+    code, err = _cli(capsys, "run", str(batch), "--out", str(out))
+    assert code == 2 and "could not join the Ray cluster at '127.0.0.1:1'" in err
+    code, err = _cli(capsys, "run", str(batch), "--out", str(out), "--cpu-gpus", "1")
+    assert code == 2 and "cannot be used with RAY_ADDRESS=127.0.0.1:1" in err
+
+
+# ------------------------------------------------------------------------------- retries and limits
+def test_out_of_memory_is_named_and_not_retried_forever(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PAN2_RENDER_PIPELINE", "pan2render.runner.testing:load_oom_pipeline")
+    out = tmp_path / "out"
+    code, err = _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out), "--retries", "5")
+    led = Ledger.open_readonly(out)
+    (job,) = led.jobs()
+    led.close()
+    assert code == 1 and job.state is JobState.FAILED and job.attempts == 2  # same OOM twice: stop
+    assert "[out-of-memory" in (job.error or "") and "OutOfMemoryError" in (job.error or "")
+
+
+# ---------------------------------------------------------------------------- artifacts and status
+def test_corrupt_cached_embedding_is_not_used(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))[0] == 0
+    (emb,) = [p for p in (out / "_cache" / "embeddings").iterdir()
+              if stages.check_embedding(out, str(p.relative_to(out)), key=p.stem) is None
+              and len(p.read_bytes()) > 1000 and p.stem == stages.embedding_key(
+                  prompt="clip 0", text_encoder_id="fake-text-v1")]
+    data = bytearray(emb.read_bytes())
+    data[-3] ^= 0x01  # one mantissa bit of the last float: finite, plausible, wrong
+    emb.write_bytes(bytes(data))
+    calls: list[str] = []
+    real_call = LocalExecutor.call
+
+    def call(self: LocalExecutor, group: Group, method: str, kwargs: dict[str, Any], *, timeout_s: float) -> Call:
+        calls.append(method)
+        return real_call(self, group, method, kwargs, timeout_s=timeout_s)
+
+    monkeypatch.setattr(LocalExecutor, "call", call)
+    batch2 = write_batch(tmp_path / "b2.yaml", [{"name": "again", "prompt": "clip 0", "seed": 9}],
+                         defaults={"steps": 2, "frames": 5, "width": 32, "height": 32})
+    assert _cli(capsys, "run", str(batch2), "--out", str(out))[0] == 0
+    assert "encode_prompts" in calls  # re-encoded, not rendered from the corrupt cache
+    assert stages.check_embedding(out, str(emb.relative_to(out)), key=emb.stem) is None
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate"])
+def test_status_flags_a_done_job_whose_video_is_gone(tmp_path: Path, damage: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path, 2)), "--out", str(out))[0] == 0
+    video = next(out.glob("j0-*/video.mp4"))
+    if damage == "delete":
+        video.unlink()
+    else:
+        video.write_bytes(video.read_bytes()[:100])
+    code, text = _cli(capsys, "status", str(out))
+    assert code == 1 and "done!" in text and "1 done job(s) marked ! have a missing or damaged video" in text
+    code, text = _cli(capsys, "status", str(out), "--json")
+    assert code == 1 and ('is missing' in text or "truncated" in text)
+
+
+def test_out_that_is_a_file_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    out.write_text("not a folder")
+    code, err = _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))
+    assert code == 2 and "is a file, not a folder" in err and out.read_text() == "not a folder"
+
+
+def test_a_symlink_planted_at_a_job_folder_is_not_followed(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from pan2render.jobs.batch import load_batch
+
+    batch, out, elsewhere = _batch(tmp_path, 2), tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    victim = load_batch(batch).jobs[0].job_id
+    (out / victim).symlink_to(elsewhere)
+    code, err = _cli(capsys, "run", str(batch), "--out", str(out))
+    assert code == 1 and list(elsewhere.iterdir()) == []
+    led = Ledger.open_readonly(out)
+    job = led.job(victim)
+    led.close()
+    assert job.state is JobState.FAILED and "is a symlink" in (job.error or "") and job.attempts == 1
+
+
+# ------------------------------------------------------------------------------ durability rules
+def test_a_valid_mp4_with_too_few_frames_never_counts_as_done(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Guards check_video's frame count: a short but valid mp4, recorded with its true sha256 and
+    size, must be re-encoded by resume."""
+    import numpy as np
+
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))[0] == 0
+    video = next(out.glob("*/video.mp4"))
+    encode_mp4(np.zeros((1, 32, 32, 3), np.uint8), video, fps=8.0, crf=18)  # 1 frame, not 5
+    led = Ledger.open(out)
+    (job,) = led.jobs()
+    data = video.read_bytes()
+    led.set_stage(job.id, Stage.ENCODE, StageState.DONE, artifact=str(video.relative_to(out)),
+                  sha256=stages.sha256_bytes(data), size=len(data))
+    led.close()
+    assert _cli(capsys, "resume", str(out))[0] == 0
+    assert probe_mp4(video).frames == 5
+
+
+def test_a_crash_inside_invalidation_leaves_a_state_that_resume_fixes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Guards the order in prepare_jobs: a crash between its two ledger writes (reset the stages,
+    invalidate the job) must never leave a job that resume finishes without a valid video."""
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))[0] == 0
+    video = next(out.glob("*/video.mp4"))
+    video.write_bytes(video.read_bytes()[:200])  # corrupt: resume must invalidate the job
+    writes = {"n": 0}
+    real_reset, real_transition = Ledger.reset_stages, Ledger.transition
+
+    def crash_on_second(real: Any) -> Any:
+        def wrapped(self: Ledger, *a: Any, **kw: Any) -> Any:
+            writes["n"] += 1
+            if writes["n"] == 2:
+                raise KeyboardInterrupt  # the driver dies between the two writes
+            return real(self, *a, **kw)
+        return wrapped
+
+    monkeypatch.setattr(Ledger, "reset_stages", crash_on_second(real_reset))
+    monkeypatch.setattr(Ledger, "transition", crash_on_second(real_transition))
+    assert cli.main(["resume", str(out), "--no-progress"]) == 130
+    monkeypatch.setattr(Ledger, "reset_stages", real_reset)
+    monkeypatch.setattr(Ledger, "transition", real_transition)
+    capsys.readouterr()
+    assert _cli(capsys, "resume", str(out))[0] == 0
+    assert probe_mp4(video).frames == 5  # a video that checks out, not the corrupt one marked done
+
+
+# ------------------------------------------------------------------------------------ no endless loops
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("check", ["check_latents", "check_embedding"])
+def test_an_artifact_that_always_fails_its_check_fails_the_job(
+        tmp_path: Path, check: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(stages, check, lambda *a, **kw: "rejected by the test's check")
+    out = tmp_path / "out"
+    code, err = _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))
+    led = Ledger.open_readonly(out)
+    (job,) = led.jobs()
+    led.close()
+    assert code == 1 and job.state is JobState.FAILED
+    assert "failed its check 3 times" in (job.error or "") and "rejected by the test's check" in job.error
+
+
+# ------------------------------------------------------------------------------- weights identity
+def _checkpoint(folder: Path, fill: int) -> Path:
+    (folder / "transformer").mkdir(parents=True, exist_ok=True)
+    (folder / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
+    # 3 MiB: large enough that the fingerprint samples it rather than hashing all of it.
+    (folder / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(
+        bytes([fill]) * (3 << 20))
+    return folder
+
+
+def test_weights_replaced_in_place_make_new_jobs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = _checkpoint(tmp_path / "ckpt", 1)
+    batch = write_batch(tmp_path / "b.yaml", [{"name": "w", "prompt": "weights"}], model=str(ckpt),
+                        defaults={"steps": 2, "frames": 5, "width": 32, "height": 32})
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(batch), "--out", str(out))[0] == 0
+    (old,) = _video_ids(out)
+    _checkpoint(ckpt, 2)  # same path, same sizes, other weights
+    code, err = _cli(capsys, "run", str(batch), "--out", str(out))
+    videos = _video_ids(out)
+    assert code == 0 and len(videos) == 2 and old in videos  # rendered again under a new id
+    (new,) = set(videos) - {old}
+    assert f"{old} is superseded by {new}: the weights in {ckpt} changed " \
+           f"(transformer/diffusion_pytorch_model.safetensors)" in err
+    led = Ledger.open_readonly(out)
+    assert any(k == "superseded" for _, _, k, _ in led.events(old))
+    led.close()
+
+
+def test_weights_changed_after_validation_fail_the_job_not_mislabel_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pan2render.jobs.batch import load_batch
+
+    ckpt = _checkpoint(tmp_path / "ckpt", 1)
+    batch = write_batch(tmp_path / "b.yaml", [{"name": "w", "prompt": "weights"}], model=str(ckpt),
+                        defaults={"steps": 2, "frames": 5, "width": 32, "height": 32})
+    (spec,) = load_batch(batch).jobs
+    _checkpoint(ckpt, 3)
+    out = tmp_path / "out"
+    out.mkdir()
+    led = Ledger.open(out)
+    led.add_jobs([spec], retries=2)
+    ex = LocalExecutor(gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
+    summary = Driver(out_dir=out, ledger=led, executor=ex, config=DriverConfig(progress=False)).run([spec.job_id])
+    job = led.job(spec.job_id)
+    led.close()
+    assert summary.failed == [spec.job_id] and job.attempts == 1
+    assert "weights in" in (job.error or "") and "changed since the batch was validated" in job.error
+    assert not (out / spec.job_id / "latents.safetensors").exists()
