@@ -54,6 +54,7 @@ from pan2render.jobs.spec import (
     SourceLocation,
 )
 from pan2render.jobs.weights import folder_fingerprint
+from pan2render.media.x264 import DEFAULT_X264_PRESET, X264_PRESETS
 from pan2render.sampling import DEFAULT_NUM_TRAIN_TIMESTEPS, DMD, combination_problems, timesteps_problem
 
 TINY_MODEL = "tiny"
@@ -63,7 +64,7 @@ MAX_SEED = 2**63 - 1
 TOP_LEVEL_KEYS = ("model", "preset", "defaults", "jobs", "prompts_file", "sweep")
 JOB_KEYS = (
     "prompt", "name", "negative_prompt", "image", "seed", "steps", "guidance", "height", "width",
-    "frames", "fps", "flow_shift", "sampler", "gpus", "crf", "timesteps",
+    "frames", "fps", "flow_shift", "sampler", "gpus", "crf", "timesteps", "encode_preset",
 )
 # `defaults` sets anything a job may set except what identifies the job itself.
 DEFAULTS_KEYS = tuple(k for k in JOB_KEYS if k not in ("prompt", "name"))
@@ -71,7 +72,8 @@ SWEEP_KEYS = DEFAULTS_KEYS
 # Presets hold render settings only: not paths (they have no folder of their own) and not seeds.
 PRESET_KEYS = ("description",) + tuple(k for k in DEFAULTS_KEYS if k not in ("image", "seed"))
 PRESET_REQUIRED = ("steps", "guidance", "height", "width", "frames", "fps", "flow_shift", "sampler", "crf")
-BUILTIN_DEFAULTS: dict[str, Any] = {"negative_prompt": "", "image": None, "seed": 0, "gpus": 1, "timesteps": None}
+BUILTIN_DEFAULTS: dict[str, Any] = {"negative_prompt": "", "image": None, "seed": 0, "gpus": 1, "timesteps": None,
+                                    "encode_preset": DEFAULT_X264_PRESET}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -394,6 +396,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "gpus": _one_of(ALLOWED_GPUS, _as_int),
     "crf": _check_crf,
     "timesteps": _check_timesteps,
+    "encode_preset": _one_of(X264_PRESETS, lambda v, a: _as_str(v, a, non_empty=True)),
 }
 
 
@@ -991,6 +994,7 @@ def _expand(raw_jobs: list[_RawJob], *, model: str, weights: str | None, preset_
                 height=merged["height"], width=merged["width"], frames=merged["frames"], fps=merged["fps"],
                 flow_shift=merged["flow_shift"], sampler=merged["sampler"], gpus=merged["gpus"],
                 crf=merged["crf"], preset=preset_name, weights=weights, timesteps=merged["timesteps"],
+                encode_preset=merged["encode_preset"],
                 sweep=dict(combo), source=raw.location,
             ))
     return jobs

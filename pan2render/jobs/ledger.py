@@ -89,9 +89,9 @@ class StageState(str, enum.Enum):
 
 
 class Stage(str, enum.Enum):
-    """The stages of one job, in order. Decode's output (frames) is never durable: decode and
-    encode run in one worker call and only the mp4 comes back, so decode is marked done together
-    with encode."""
+    """The stages of one job, in order. Decode's output (frames) is never durable: it stays on the
+    worker, which encodes it in the background, and only the mp4 comes back, so decode is marked
+    done together with encode."""
 
     CONDITIONING = "conditioning"  # artifact: DIR/_cache/embeddings/<sha>.safetensors
     SAMPLING = "sampling"  # artifact: DIR/<job>/latents.safetensors

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from pan2render.media.x264 import DEFAULT_X264_PRESET
 from pan2render.sampling import SAMPLERS
 
 ALLOWED_GPUS = (1, 2, 4, 8)
@@ -22,11 +23,11 @@ ALLOWED_GPUS = (1, 2, 4, 8)
 # that would alter the pixels always does.
 RENDER_FIELDS = (
     "model", "weights", "prompt", "negative_prompt", "image_sha256", "seed", "steps", "guidance", "height",
-    "width", "frames", "fps", "flow_shift", "sampler", "crf", "timesteps",
+    "width", "frames", "fps", "flow_shift", "sampler", "crf", "timesteps", "encode_preset",
 )
-# Render fields added after job ids were first handed out: left out of the hash while unset, so
-# that the jobs of an existing output folder keep their ids.
-OPTIONAL_RENDER_FIELDS = ("weights", "timesteps")
+# Render fields added after job ids were first handed out, with their defaults: one counts in the
+# hash only when set away from its default, so the jobs of an existing output folder keep their ids.
+LATER_RENDER_FIELDS: dict[str, Any] = {"weights": None, "timesteps": None, "encode_preset": DEFAULT_X264_PRESET}
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class JobSpec:
     gpus: int  # one of ALLOWED_GPUS
     crf: int
     preset: str
+    encode_preset: str = DEFAULT_X264_PRESET  # libx264 preset (media/x264.py), not the job preset
     # Fingerprint of the checkpoint folder's weights (jobs.weights), None for the embedded tiny
     # model: a checkpoint replaced under the same path makes new jobs.
     weights: str | None = None
@@ -97,7 +99,7 @@ class JobSpec:
     def spec_hash(self) -> str:
         """sha256 over the render-affecting fields, as canonical JSON."""
         payload = {k: getattr(self, k) for k in RENDER_FIELDS
-                   if not (k in OPTIONAL_RENDER_FIELDS and getattr(self, k) is None)}
+                   if k not in LATER_RENDER_FIELDS or getattr(self, k) != LATER_RENDER_FIELDS[k]}
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
 

@@ -1,4 +1,4 @@
-"""mp4 encode / probe / thumbnails with PyAV (libx264, yuv420p).
+"""mp4 encode / probe / thumbnails with PyAV (libx264, yuv420p, BT.709 limited range).
 
 A video counts as done only once it decodes to the expected number of frames, so every write goes
 to a temp name in the destination folder, is flushed, fsynced and decoded back, and only then
@@ -12,6 +12,7 @@ import math
 import os
 import struct
 import tempfile
+import time
 import zlib
 from dataclasses import dataclass
 from fractions import Fraction
@@ -21,9 +22,17 @@ from typing import Any
 import av
 import numpy as np
 
+from pan2render.media.x264 import DEFAULT_X264_PRESET, X264_PRESETS
+
 # Frame rates are stored as exact rationals in the container; 1001 keeps NTSC-style rates
 # (24000/1001, 30000/1001) exact and maps 24.0 to 24/1.
 _FPS_MAX_DENOMINATOR = 1001
+
+
+# How every stream is tagged: BT.709 matrix, primaries and transfer, limited range; the numbers
+# the conversion in media/yuv.py uses. (Values of FFmpeg's AVColorSpace / AVColorPrimaries /
+# AVColorTransferCharacteristic / AVColorRange enums.)
+COLOUR_TAGS = {"colorspace": 1, "color_primaries": 1, "color_trc": 1, "color_range": 1}
 
 
 class MediaError(Exception):
@@ -40,18 +49,51 @@ class VideoInfo:
     fps: float
 
 
-def encode_mp4(frames: Any, path: str | os.PathLike[str], *, fps: float, crf: int) -> None:
-    """Write ``frames`` (uint8 RGB ``[F, H, W, 3]``, numpy or torch) to ``path`` as H.264 mp4.
+@dataclass(frozen=True)
+class Yuv420Video:
+    """Frames already converted to yuv420p (media/yuv.py): uint8 ``[F, H * 3 // 2, W]``, I420 rows
+    (Y, then U, then V), BT.709 limited range."""
+
+    planes: np.ndarray
+
+    def __post_init__(self) -> None:
+        p = self.planes
+        if not isinstance(p, np.ndarray) or p.dtype != np.uint8 or p.ndim != 3 or p.shape[1] % 3:
+            raise MediaError(f"Yuv420Video needs uint8 numpy [F, H*3/2, W], got "
+                             f"{getattr(p, 'dtype', type(p))} {tuple(getattr(p, 'shape', ()))}")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(frames, height, width) of the picture."""
+        f, rows, w = self.planes.shape
+        return f, rows * 2 // 3, w
+
+
+def check_x264_preset(preset: str) -> str:
+    if preset not in X264_PRESETS:
+        raise MediaError(f"encode preset {preset!r} is not one of libx264's: {', '.join(X264_PRESETS)}")
+    return preset
+
+
+def encode_mp4(frames: Any, path: str | os.PathLike[str], *, fps: float, crf: int,
+               preset: str = DEFAULT_X264_PRESET) -> float:
+    """Write ``frames`` to ``path`` as H.264 mp4 (yuv420p, tagged BT.709 limited range); returns
+    the seconds spent encoding (without the check that decodes the file back).
+
+    ``frames``: uint8 RGB ``[F, H, W, 3]`` (numpy or torch; converted with media/yuv.py) or a
+    :class:`Yuv420Video` converted already (on the GPU by the worker). ``preset``: one of
+    :data:`X264_PRESETS`. The encoder uses every core (frame threads).
 
     The file appears under ``path`` only after it has been decoded back and found to hold ``F``
     frames of ``W x H``; on any error no temp file is left behind and an existing ``path`` is
     untouched. Raises MediaError.
     """
-    video = _as_uint8_video(frames)
-    num_frames, height, width, _ = video.shape
+    video = frames if isinstance(frames, Yuv420Video) else _to_yuv420(_as_uint8_video(frames))
+    num_frames, height, width = video.shape
     rate = _fps_fraction(fps)
     if isinstance(crf, bool) or not isinstance(crf, int) or not 0 <= crf <= 51:
         raise MediaError(f"crf={crf!r} is not an integer in 0..51 (libx264's range; 18 is near lossless)")
+    check_x264_preset(preset)
     dest = Path(path)
     if not dest.parent.is_dir():
         raise MediaError(f"cannot write {dest}: folder {dest.parent} does not exist")
@@ -65,7 +107,9 @@ def encode_mp4(frames: Any, path: str | os.PathLike[str], *, fps: float, crf: in
     os.close(fd)  # PyAV opens the file by name; mkstemp only reserves a unique name
     tmp = Path(tmp_name)
     try:
-        _write_h264(video, tmp, rate=rate, crf=crf)
+        t0 = time.perf_counter()
+        _write_h264(video, tmp, rate=rate, crf=crf, preset=preset)
+        encode_s = time.perf_counter() - t0
         _fsync_file(tmp)
         info = probe_mp4(tmp)
         if (info.frames, info.width, info.height) != (num_frames, width, height):
@@ -75,6 +119,7 @@ def encode_mp4(frames: Any, path: str | os.PathLike[str], *, fps: float, crf: in
             )
         os.replace(tmp, dest)
         fsync_dir(dest.parent)
+        return encode_s
     except OSError as exc:  # fsync or rename: e.g. dest is a folder, or the disk is full
         tmp.unlink(missing_ok=True)
         raise MediaError(f"writing {dest} failed: {exc}") from exc
@@ -172,6 +217,14 @@ def _as_uint8_video(frames: Any) -> np.ndarray:
     return np.ascontiguousarray(video)
 
 
+def _to_yuv420(video: np.ndarray) -> Yuv420Video:
+    import torch  # noqa: PLC0415 - the conversion is shared with the GPU path
+
+    from pan2render.media.yuv import rgb_to_yuv420  # noqa: PLC0415
+
+    return Yuv420Video(rgb_to_yuv420(torch.from_numpy(video)).numpy())
+
+
 def _fps_fraction(fps: float) -> Fraction:
     if isinstance(fps, bool) or not isinstance(fps, (int, float, Fraction)) or not math.isfinite(fps) or fps <= 0:
         raise MediaError(f"fps={fps!r} must be a finite number > 0 (e.g. 24)")
@@ -181,18 +234,26 @@ def _fps_fraction(fps: float) -> Fraction:
     return rate
 
 
-def _write_h264(video: np.ndarray, path: Path, *, rate: Fraction, crf: int) -> None:
-    num_frames, height, width, _ = video.shape
+def _write_h264(video: Yuv420Video, path: Path, *, rate: Fraction, crf: int, preset: str) -> None:
+    num_frames, height, width = video.shape
     try:
         # +faststart puts the index at the front so the report's <video> tags play at once.
         with av.open(str(path), mode="w", format="mp4", options={"movflags": "+faststart"}) as container:
             stream = container.add_stream("libx264", rate=rate)
             stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-            stream.options = {"crf": str(crf)}
+            stream.options = {"crf": str(crf), "preset": preset}
+            ctx = stream.codec_context
+            # Frame threads on every core (thread_count 0 = libx264's auto). PyAV's default is
+            # slice threads, which split each frame and parallelise far less.
+            ctx.thread_type, ctx.thread_count = "FRAME", 0
+            for name, value in COLOUR_TAGS.items():
+                setattr(ctx, name, value)
             for i in range(num_frames):
-                frame = av.VideoFrame.from_ndarray(video[i], format="rgb24")
+                frame = av.VideoFrame.from_ndarray(video.planes[i], format="yuv420p")
+                for name, value in COLOUR_TAGS.items():
+                    setattr(frame, name, value)
                 frame.pts = i  # in units of 1/rate: frame i is shown at i / fps seconds
-                for packet in stream.encode(frame):  # rgb24 -> yuv420p happens inside encode
+                for packet in stream.encode(frame):
                     container.mux(packet)
             for packet in stream.encode(None):  # flush: x264 holds back frames for B-frame lookahead
                 container.mux(packet)

@@ -90,9 +90,14 @@ def safetensors_files(folder: Path, prefix: str = WEIGHTS_NAME) -> list[Path]:
 
 
 def read_state_dict(
-    folder: Path, *, prefix: str = WEIGHTS_NAME, device: str | torch.device = "cpu"
+    folder: Path, *, prefix: str = WEIGHTS_NAME, device: str | torch.device = "cpu",
+    cast: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
-    """All tensors of a component and the file each key came from (for error messages)."""
+    """All tensors of a component and the file each key came from (for error messages).
+
+    Each tensor is read straight onto ``device`` and passed through ``cast(key, tensor)`` at once,
+    so at most one tensor is ever held in the file's dtype (an fp32 release read for a bf16 model
+    on the GPU never needs the whole fp32 copy, in host or device memory)."""
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
     for file in safetensors_files(folder, prefix):
@@ -101,7 +106,8 @@ def read_state_dict(
                 for key in f.keys():
                     if key in tensors:
                         raise CheckpointError(f"{file}: key '{key}' also appears in {origin[key]}")
-                    tensors[key] = f.get_tensor(key)
+                    t = f.get_tensor(key)
+                    tensors[key] = t if cast is None else cast(key, t)
                     origin[key] = file
         except CheckpointError:
             raise
@@ -156,14 +162,15 @@ def instantiate(
     device = torch.device(device)
     with torch.device("meta"):
         model = build()
-    state_dict, origin = read_state_dict(folder, device="cpu")
+
+    def cast(key: str, t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point():
+            return t
+        return t.to(torch.float32 if any(part in key for part in keep_in_fp32) else dtype)
+
+    # Read onto the target device and cast there, tensor by tensor: no fp32 detour through the host.
+    state_dict, origin = read_state_dict(folder, device=device, cast=cast)
     check_state_dict(model, state_dict, where=folder, origin=origin)
-    for key, t in state_dict.items():
-        if t.is_floating_point():
-            want = torch.float32 if any(part in key for part in keep_in_fp32) else dtype
-            state_dict[key] = t.to(device=device, dtype=want)
-        else:
-            state_dict[key] = t.to(device=device)
     model.load_state_dict(state_dict, strict=True, assign=True)
     stale = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     assert not stale, f"tensors not filled from the checkpoint (non-persistent buffers?): {stale}"

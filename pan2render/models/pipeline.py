@@ -419,11 +419,30 @@ class PAN2Pipeline:
         return make_denoiser(self.dit, cond, uncond, guidance, batch=self.config.guidance_batch)
 
     # ----------------------------------------------------------------------------------------
+    # Warm-up
+    @torch.no_grad()
+    def warm_up(self, *, height: int, width: int, frames: int, guidance: float) -> None:
+        """One sampling step and one decode at this size, through the same paths a job takes (the
+        guidance split and Ulysses in a group): the first-call costs (Triton compiles, cuDNN
+        autotuning per shape, the fast decoder's plans) are paid here, at load, not inside the
+        first job's stages. CUDA only (nothing is compiled or tuned on the CPU). In a group every
+        rank calls it, as every rank runs a job's calls."""
+        if self.device.type != "cuda":
+            return
+        ctx = torch.zeros(512, self.dit.config.text_dim)  # [512, text_dim]: no prompt needed
+        lat = self.sample(prompt_embeds=ctx, negative_prompt_embeds=ctx, height=height, width=width,
+                          frames=frames, steps=1, guidance=guidance, seed=0)
+        self.decode(lat, on_device=True)
+        torch.cuda.synchronize()
+
+    # ----------------------------------------------------------------------------------------
     # Decoding
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor | None:
+    def decode(self, latents: torch.Tensor, *, on_device: bool = False) -> torch.Tensor | None:
         """Normalised latents ``[48, T, h, w]`` (or ``[1, 48, T, h, w]``) -> uint8 CPU ``[F, H, W, 3]``
-        (None on ranks other than 0 of a parallelized pipeline with vae_decode_kernel_parallel)."""
+        (None on ranks other than 0 of a parallelized pipeline with vae_decode_kernel_parallel).
+        ``on_device``: leave the frames on the pipeline's device (the caller converts them there
+        before its own host copy)."""
         if latents.dim() == 4:
             latents = latents[None]
         if latents.dim() != 5 or latents.shape[0] != 1 or latents.shape[1] != self.vae.config.z_dim:
@@ -437,13 +456,15 @@ class PAN2Pipeline:
             from ..parallel.decode import decode_on_group
 
             grouped = decode_on_group(self, z)
-            return None if grouped is None else grouped.cpu()
+            if grouped is None or on_device:
+                return grouped
+            return grouped.cpu()
         frames = self._decode_fast(z)
         if frames is None:
             vae_dtype = next(self.vae.parameters()).dtype
             video = self.vae.decode(z.to(vae_dtype))  # [1, 3, F, H, W] in [-1, 1]
             frames = to_uint8_frames(video[0])
-        return frames.cpu()  # the one device -> host copy
+        return frames if on_device else frames.cpu()  # the one device -> host copy
 
     def _decode_fast(self, z: torch.Tensor) -> torch.Tensor | None:
         """uint8 ``[F, H, W, 3]`` on the device from the fast decoder, or None to fall back."""

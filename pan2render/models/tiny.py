@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file, save_model
@@ -94,6 +95,20 @@ SCHEDULER_CONFIG = {
 }
 
 
+# model_index.json of a Wan2.2-TI2V-5B-Diffusers folder (what diffusers' WanPipeline loads).
+MODEL_INDEX = {
+    "_class_name": "WanPipeline",
+    "expand_timesteps": True,
+    "boundary_ratio": None,
+    "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+    "text_encoder": ["transformers", "UMT5EncoderModel"],
+    "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+    "transformer": ["diffusers", "WanTransformer3DModel"],
+    "transformer_2": [None, None],
+    "vae": ["diffusers", "AutoencoderKLWan"],
+}
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("PAN2_RENDER_CACHE", Path.home() / ".cache" / "pan2-render")).expanduser()
 
@@ -157,18 +172,7 @@ def write_tiny_checkpoint(root: Path) -> None:
     from .vae import WanVAE, WanVAEConfig
 
     root.mkdir(parents=True, exist_ok=True)
-    _write_json(root / "model_index.json", {
-        "_class_name": "WanPipeline",
-        "expand_timesteps": True,
-        "boundary_ratio": None,
-        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
-        "text_encoder": ["transformers", "UMT5EncoderModel"],
-        "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
-        "transformer": ["diffusers", "WanTransformer3DModel"],
-        "transformer_2": [None, None],
-        "vae": ["diffusers", "AutoencoderKLWan"],
-        "pan2_render_tiny": TINY_VERSION,
-    })
+    _write_json(root / "model_index.json", {**MODEL_INDEX, "pan2_render_tiny": TINY_VERSION})
     torch.manual_seed(TINY_SEED)
     dit = PAN2DiT(PAN2DiTConfig.from_dict(TINY_DIT_CONFIG))
     _save_component(root / "transformer", TINY_DIT_CONFIG, dit.state_dict())
@@ -185,28 +189,40 @@ def _save_component(folder: Path, config: dict, state_dict: dict[str, torch.Tens
     save_file(tensors, str(folder / "diffusion_pytorch_model.safetensors"))
 
 
-def _write_text_encoder(root: Path) -> None:
+def build_tokenizer(vocab_size: int | None = None) -> Any:
+    """A byte-level tokenizer with no merges (every string has a tokenisation, no files to fetch):
+    <pad> = 0, </s> = 1, <unk> = 2, then the 256 byte symbols; ``vocab_size`` pads the vocabulary
+    with unused tokens up to a real encoder's size (umT5's 256384)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
-    from transformers.utils import logging as hf_logging
+    from transformers import PreTrainedTokenizerFast
 
-    hf_logging.disable_progress_bar()  # no "Writing model shards" bar in a render log
-
-    # A byte-level tokenizer with no merges: every string has a tokenisation, no files to fetch.
     specials = ["<pad>", "</s>", "<unk>"]
     vocab = {tok: i for i, tok in enumerate(specials)}
     for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab[ch] = len(vocab)
+    if vocab_size is not None:
+        if vocab_size < len(vocab):
+            raise ValueError(f"vocab_size={vocab_size}: the byte-level vocabulary needs {len(vocab)}")
+        vocab.update({f"<unused_{i}>": i for i in range(len(vocab), vocab_size)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.normalizer = normalizers.NFKC()
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
                                    unk_token="<unk>", model_max_length=512)
+
+
+def _write_text_encoder(root: Path) -> None:
+    from transformers import UMT5Config, UMT5EncoderModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar in a render log
+
+    fast = build_tokenizer()
     fast.save_pretrained(str(root / "tokenizer"))
 
-    config = UMT5Config(vocab_size=len(vocab), pad_token_id=0, eos_token_id=1,
+    config = UMT5Config(vocab_size=len(fast), pad_token_id=0, eos_token_id=1,
                         decoder_start_token_id=0, is_encoder_decoder=False, use_cache=False,
                         **TINY_TEXT_CONFIG)
     torch.manual_seed(TINY_SEED + 1)

@@ -4,7 +4,14 @@ It is the ledger's only writer and the only process that touches the output fold
 small sequence of collective calls on one group (see ``worker.py`` for the protocol)::
 
     load (once per group and model) -> encode_prompts (skipped on a cache hit) -> sample
-        -> decode_encode -> done
+        -> decode -> collect -> done
+
+The GPU never waits for the driver or the encoder: ``decode`` returns once the frames are on the
+host and the job then only waits for its background encode (``collect``, the worker's I/O lane),
+while the group already works on the next job, whose first call was queued behind that decode.
+So a group owns up to two kinds of jobs at once: one on its GPU lane (plus the next one queued
+behind a decode) and up to ``MAX_ENCODES_IN_FLIGHT`` encoding. Prompts of upcoming jobs are
+encoded together with the current job's, in one call, so later jobs find them cached.
 
 Which call comes next is decided from the ledger and from checking the artifacts on disk, so a job
 re-queued after a crash, or resumed by another driver, restarts at its last durable stage.
@@ -46,14 +53,18 @@ from pan2render.runner.retry import (
     classify_exception,
     classify_group_death,
 )
-from pan2render.runner.worker import Reply
+from pan2render.runner.worker import IO_METHODS, MAX_ENCODES_IN_FLIGHT, Reply
 
 # Which ledger stage a worker call belongs to (for errors and timings).
 _CALL_STAGE = {"load": Stage.CONDITIONING, "encode_prompts": Stage.CONDITIONING,
-               "sample": Stage.SAMPLING, "decode_encode": Stage.DECODE}
+               "sample": Stage.SAMPLING, "decode": Stage.DECODE, "collect": Stage.ENCODE}
 # What progress shows while a call runs.
 _CALL_SHOWN = {"load": "loading model", "encode_prompts": "conditioning", "sample": "sampling",
-               "decode_encode": "decode+encode"}
+               "decode": "decode", "collect": "encode"}
+
+# Prompts encoded in one encode_prompts call (the current job's and upcoming jobs'); each
+# embedding is 512 x 4096 float32 = 8 MB of reply.
+CONDITIONING_AHEAD_TEXTS = 16
 
 
 @dataclass(frozen=True)
@@ -64,7 +75,7 @@ class DriverConfig:
     # Per-call deadlines; a call past its deadline is treated as a dead group. Generous: 50 steps
     # at 720p take minutes on one H200, loading a 5B checkpoint from a network disk can too.
     call_timeouts_s: dict[str, float] = field(default_factory=lambda: {
-        "load": 1800.0, "encode_prompts": 600.0, "sample": 7200.0, "decode_encode": 1800.0})
+        "load": 1800.0, "encode_prompts": 600.0, "sample": 7200.0, "decode": 1800.0, "collect": 1800.0})
     progress: bool = True  # a live block on stderr when it is a terminal (else plain lines)
     # How long the batch waits for GPUs to come back after the cluster lost the ones a job needs
     # (a node died, its raylet or the GCS restarted) before it stops with a message.
@@ -111,6 +122,17 @@ class _Active:
     group: Group
     call: Call | None = None
     encode_texts: list[str] = field(default_factory=list)  # texts of the encode_prompts in flight
+    decode_s: float | None = None  # set when its decode returned: the encode runs in the background
+
+    @property
+    def encoding(self) -> bool:
+        """Waiting only for its background encode: the group's GPU lane is not this job's."""
+        return self.decode_s is not None
+
+    @property
+    def decoding(self) -> bool:
+        """Its decode is in flight: the last GPU work of the job."""
+        return self.call is not None and self.call.method == "decode"
 
 
 def prepare_jobs(*, out_dir: Path, ledger: Ledger, job_ids: list[str], retries: int,
@@ -137,10 +159,13 @@ def prepare_jobs(*, out_dir: Path, ledger: Ledger, job_ids: list[str], retries: 
                 say(f"{job.name}: {problem}; encoding it again")
 
 
-def _group_is_suspect(group: Group, reply: Reply) -> bool:
+def _group_is_suspect(group: Group, method: str, reply: Reply) -> bool:
     """After a worker error, is the group still fit for the next job? Not when the device may be
     poisoned (CUDA errors, out of memory, NCCL) or when a group's ranks may have stopped at
-    different collectives (any error in a group of more than one)."""
+    different collectives (any GPU-lane error in a group of more than one). An encode failure
+    (the I/O lane: CPU work on rank 0 alone) never is."""
+    if method in IO_METHODS:
+        return False
     error = reply.error or ""
     return group.size > 1 or any(m in error for m in ("CUDA", "OutOfMemory", "NCCL", "out of memory"))
 
@@ -217,14 +242,20 @@ class Driver:
                           groups_created=self.pool.created, seconds=time.monotonic() - t0)
 
     def _dispatch(self) -> None:
-        """Start pending jobs, in order, on free groups. Strictly in order: when the head job's
-        group size is not free, later jobs wait too, so a 4-GPU job is never starved by a stream of
-        1-GPU jobs taking every GPU that frees up (the pool tears idle groups down for it)."""
+        """Start pending jobs, in order, on groups. Strictly in order: when the head job's group
+        size is not free, later jobs wait too, so a 4-GPU job is never starved by a stream of
+        1-GPU jobs taking every GPU that frees up (the pool tears idle groups down for it).
+
+        Where a job goes, best first: a group this driver holds whose GPU lane is free (its jobs
+        only encode); an idle or new group from the pool; a held group whose GPU lane runs only a
+        decode, the job's first call queued behind it."""
         if self._stop is not None or not self._cluster_ready():
             return
         for job_id in list(self._pending):
+            size = self._gpus[job_id]
+            group = self._held_group(size, behind_decode=False)
             try:
-                group = self.pool.try_acquire(self._gpus[job_id])
+                group = group or self.pool.try_acquire(size)
             except GroupStartError as e:
                 self._pending.remove(job_id)
                 self.ledger.transition(job_id, JobEvent.START, reason="starting a group")
@@ -234,6 +265,7 @@ class Driver:
                 kind = self._unless_cluster_lost(FailureKind.UNKNOWN, self._gpus[job_id])
                 self._on_failure(self.ledger.job(job_id), stage, str(e), None, kind)
                 continue
+            group = group or self._held_group(size, behind_decode=True)
             if group is None:
                 break
             self._pending.remove(job_id)
@@ -243,6 +275,31 @@ class Driver:
             self.progress.job_started(job_id, group=group.id, attempt=active.job.attempts)
             self._active[job_id] = active
             self._advance_or_fail(active)
+
+    def _jobs_on(self, group: Group) -> list[_Active]:
+        return [a for a in self._active.values() if a.group is group]
+
+    def _held_group(self, size: int, *, behind_decode: bool) -> Group | None:
+        """A group of ``size`` this driver holds (it has active jobs) that can take one more job:
+        its GPU lane is free (or, with ``behind_decode``, runs only a decode) and its encodes,
+        counting that decode's, stay within MAX_ENCODES_IN_FLIGHT."""
+        held = {id(a.group): a.group for a in self._active.values() if a.group.size == size}
+        for group in held.values():
+            jobs = self._jobs_on(group)
+            on_gpu = [a for a in jobs if not a.encoding]
+            if not on_gpu:
+                free = True
+            else:
+                free = behind_decode and len(on_gpu) == 1 and on_gpu[0].decoding
+            if free and len(jobs) < MAX_ENCODES_IN_FLIGHT:
+                return group
+        return None
+
+    def _leave(self, a: _Active) -> None:
+        """The job no longer runs on its group; the group goes back to the pool once it holds no job."""
+        del self._active[a.job.id]
+        if not self._jobs_on(a.group):
+            self.pool.release(a.group)
 
     def _next_stage(self, job_id: str) -> Stage:
         """The first stage of the job that is not done (the one a failure now belongs to)."""
@@ -256,8 +313,7 @@ class Driver:
             self._advance(a)
         except Exception as e:  # noqa: BLE001
             stage = self._next_stage(a.job.id)
-            self.pool.release(a.group)
-            del self._active[a.job.id]
+            self._leave(a)
             self._on_failure(self.ledger.job(a.job.id), stage, f"driver: {type(e).__name__}: {e}",
                              traceback.format_exc(), classify_exception(e), e)
 
@@ -265,15 +321,20 @@ class Driver:
         """Issue the next call for the job, or finish it. Decided from the ledger + the disk."""
         spec, jid = a.job.spec, a.job.id
         if self._stop is not None:  # e.g. the disk is full: this job goes back to pending, uncharged
-            self.pool.release(a.group)
-            del self._active[jid]
+            self._leave(a)
             self._requeue(jid, "the output folder refused a write: the batch stops; `resume` continues")
             return None
         st = self.ledger.stages(jid)
         if st[Stage.ENCODE].state is StageState.DONE:  # (a driver died between the two writes)
             return self._finish(a)
+        if a.encoding:
+            return self._start_call(a, "collect", {"job_id": jid}, stage=Stage.ENCODE)
         if spec.model not in a.group.models:
-            return self._start_call(a, "load", {"model": spec.model}, stage=None)
+            # Warm-up (compiles, autotuning) at this job's size, once per group: load time, not
+            # the first job's stage times.
+            warmup = {"height": spec.height, "width": spec.width, "frames": spec.frames,
+                      "guidance": spec.guidance}
+            return self._start_call(a, "load", {"model": spec.model, "warmup": warmup}, stage=None)
         ids = self._model_ids[spec.model]
         if st[Stage.SAMPLING].state is StageState.DONE:
             rec = st[Stage.SAMPLING]
@@ -281,8 +342,8 @@ class Driver:
                                            spec_hash=spec.spec_hash)
             if problem is None:
                 latents = (self.out_dir / str(rec.artifact)).read_bytes()
-                return self._start_call(a, "decode_encode",
-                                        {"model": spec.model, "spec": spec.to_dict(), "latents": latents},
+                return self._start_call(a, "decode", {"model": spec.model, "job_id": jid,
+                                                      "spec": spec.to_dict(), "latents": latents},
                                         stage=Stage.DECODE)
             self._count_redo(jid, problem)
             self.ledger.reset_stages(jid, Stage.SAMPLING, reason=f"{problem}: sampling again")
@@ -296,7 +357,9 @@ class Driver:
         if a.encode_texts and missing:  # written by this job's own encode and already rejected
             self._count_redo(jid, problems[missing[0]])
         if missing:
-            a.encode_texts = list(dict.fromkeys(missing))  # prompt == negative prompt: encode once
+            # prompt == negative prompt: encode once; upcoming jobs' prompts ride along.
+            a.encode_texts = list(dict.fromkeys(missing + self._upcoming_texts(spec.model, ids)))
+            a.encode_texts = a.encode_texts[:max(CONDITIONING_AHEAD_TEXTS, len(missing))]
             return self._start_call(a, "encode_prompts", {"model": spec.model, "texts": a.encode_texts},
                                     stage=Stage.CONDITIONING)
         if st[Stage.CONDITIONING].state is not StageState.DONE:
@@ -319,6 +382,20 @@ class Driver:
                                               "image": image},
                                 stage=Stage.SAMPLING)
 
+    def _upcoming_texts(self, model: str, ids: dict[str, str]) -> list[str]:
+        """Prompts of pending jobs of ``model`` not in the embedding cache, in queue order."""
+        texts: list[str] = []
+        for job in self.ledger.jobs(list(self._pending)):
+            if job.spec.model != model:
+                continue
+            for text in (job.spec.prompt, job.spec.negative_prompt):
+                key = stages.embedding_key(prompt=text, text_encoder_id=ids["text_encoder_id"])
+                if text not in texts and stages.check_embedding(self.out_dir, stages.embedding_relpath(key), key=key):
+                    texts.append(text)
+            if len(texts) >= CONDITIONING_AHEAD_TEXTS:
+                break
+        return texts
+
     def _start_call(self, a: _Active, method: str, kwargs: dict[str, Any], *, stage: Stage | None) -> None:
         if stage is not None:
             self.ledger.set_stage(a.job.id, stage, StageState.RUNNING)
@@ -327,7 +404,9 @@ class Driver:
 
     # ================================================================== results
     def _on_ready(self, call: Call) -> None:
-        a = next(x for x in self._active.values() if x.call is call)
+        a = next((x for x in self._active.values() if x.call is call), None)
+        if a is None:
+            return  # its job left when its group was torn down: the reply is void
         a.call = None
         stage = _CALL_STAGE[call.method]
         try:
@@ -335,12 +414,11 @@ class Driver:
         except GroupDied as e:
             return self._on_group_died(a, stage, str(e))
         if not reply.ok:
-            return self._on_worker_error(a, stage, reply)
+            return self._on_worker_error(a, call.method, stage, reply)
         try:
             self._apply(a, call.method, reply)
         except Exception as e:  # noqa: BLE001 - e.g. disk full, or the written video fails its check
-            self.pool.release(a.group)
-            del self._active[a.job.id]
+            self._leave(a)
             return self._on_failure(self.ledger.job(a.job.id), stage, f"driver: {type(e).__name__}: {e}",
                                     traceback.format_exc(), classify_exception(e), e)
         self._advance_or_fail(a)
@@ -355,7 +433,8 @@ class Driver:
                             f"group {a.group.id}: {spec.model} ({reply.value['model_id']}) loaded on "
                             f"{reply.value['world_size']} rank(s), device {reply.value['device']}, "
                             f"process group backend {reply.value['backend']}, attention "
-                            f"{reply.value['attention']}, {reply.stage_seconds:.1f} s")
+                            f"{reply.value['attention']}, {reply.stage_seconds:.1f} s "
+                            f"(weights {reply.value['load_s']:.1f} s, warm-up {reply.value['warmup_s']:.1f} s)")
         elif method == "encode_prompts":
             ids = self._model_ids[spec.model]
             for text, data in zip(a.encode_texts, reply.value, strict=True):
@@ -363,6 +442,8 @@ class Driver:
                 stages.write_artifact(self.out_dir, stages.embedding_relpath(key), data)
             key = stages.embedding_key(prompt=spec.prompt, text_encoder_id=ids["text_encoder_id"])
             self._record_conditioning(jid, key, seconds=reply.stage_seconds)
+            self.ledger.log(jid, "conditioning", f"{len(a.encode_texts)} prompt(s) encoded in one call, "
+                                                 f"{reply.stage_seconds:.2f} s")
         elif method == "sample":
             data: bytes = reply.value
             rel = stages.latents_relpath(jid)
@@ -370,7 +451,11 @@ class Driver:
             self.ledger.set_stage(jid, Stage.SAMPLING, StageState.DONE, artifact=rel,
                                   sha256=stages.sha256_bytes(data), size=len(data),
                                   seconds=reply.stage_seconds)
-        elif method == "decode_encode":
+        elif method == "decode":
+            # Decode's output is not durable: decode is recorded done together with the encode.
+            a.decode_s = float(reply.value["decode_s"])
+            self.ledger.set_stage(jid, Stage.ENCODE, StageState.RUNNING)
+        elif method == "collect":
             mp4: bytes = reply.value["mp4"]
             rel = stages.video_relpath(jid)
             stages.write_artifact(self.out_dir, rel, mp4)
@@ -379,11 +464,14 @@ class Driver:
                                          height=spec.height)
             if problem:
                 raise RuntimeError(f"the written video does not check out: {problem}")
+            encode_s, check_s = float(reply.value["encode_s"]), float(reply.value["check_s"])
             self.ledger.set_stages(jid, [
-                (Stage.DECODE, StageState.DONE, {"seconds": reply.value["decode_s"]}),
+                (Stage.DECODE, StageState.DONE, {"seconds": a.decode_s}),
                 (Stage.ENCODE, StageState.DONE, {"artifact": rel, "sha256": rec.sha256, "size": rec.size,
-                                                 "seconds": reply.value["encode_s"]}),
+                                                 "seconds": encode_s + check_s}),
             ])
+            self.ledger.log(jid, "encode", f"libx264 {encode_s:.2f} s, decode-back check {check_s:.2f} s, "
+                                           f"{len(mp4)} bytes")
 
     def _record_conditioning(self, jid: str, key: str, *, seconds: float) -> None:
         rel = stages.embedding_relpath(key)
@@ -392,33 +480,45 @@ class Driver:
                               sha256=stages.sha256_bytes(data), size=len(data), seconds=seconds)
 
     def _finish(self, a: _Active) -> None:
-        self.pool.release(a.group)
-        del self._active[a.job.id]
+        self._leave(a)
         self.ledger.transition(a.job.id, JobEvent.FINISH, reason="video.mp4 written and checked")
         self.progress.job_ended(a.job.id, "done")
 
     # ================================================================== failures
     def _on_group_died(self, a: _Active, stage: Stage, reason: str) -> None:
-        self.pool.discard(a.group)
-        del self._active[a.job.id]
         msg = f"worker group {a.group.id} died or stopped answering: {reason}"
-        self.ledger.log(a.job.id, "group-died", msg)
         kind = self._unless_cluster_lost(classify_group_death(reason), a.group.size)
-        self._on_failure(self.ledger.job(a.job.id), stage, msg, None, kind)
+        self._drop_group(a, stage, msg, None, kind)
 
-    def _on_worker_error(self, a: _Active, stage: Stage, reply: Reply) -> None:
-        if _group_is_suspect(a.group, reply):
-            self.pool.discard(a.group)
-            self.ledger.log(a.job.id, "group-discarded", f"group {a.group.id} after: {reply.error}")
-        else:
-            self.pool.release(a.group)  # the group is healthy; only this job's call failed
-        del self._active[a.job.id]
+    def _on_worker_error(self, a: _Active, method: str, stage: Stage, reply: Reply) -> None:
         if reply.failed_stage:
             stage = Stage(reply.failed_stage)
         msg = f"rank {reply.rank}: {reply.error}"
         error_type = (reply.error or "").split(":", 1)[0]
         kind = classify_error_type(error_type, reply.error or "") if reply.retryable else FailureKind.INPUT
+        if _group_is_suspect(a.group, method, reply):
+            self.ledger.log(a.job.id, "group-discarded", f"group {a.group.id} after: {reply.error}")
+            return self._drop_group(a, stage, msg, reply.traceback, kind)
+        self._leave(a)  # the group is healthy; only this job's call failed
         self._on_failure(self.ledger.job(a.job.id), stage, msg, reply.traceback, kind)
+
+    def _drop_group(self, a: _Active, stage: Stage, msg: str, tb: str | None, kind: FailureKind) -> None:
+        """Tear ``a``'s group down; ``a`` fails at ``stage`` with ``msg`` as ``kind``, and every other
+        job the group owned (one queued on its GPU lane, ones encoding) fails where it stood, as a
+        worker death; each goes back from its last durable stage (retry.py decides how)."""
+        group = a.group
+        others = [x for x in self._jobs_on(group) if x is not a]
+        self.pool.discard(group)
+        for x in [a, *others]:
+            del self._active[x.job.id]
+        self.ledger.log(a.job.id, "group-died", msg)
+        self._on_failure(self.ledger.job(a.job.id), stage, msg, tb, kind)
+        for x in others:
+            x_stage = _CALL_STAGE[x.call.method] if x.call is not None else self._next_stage(x.job.id)
+            x_msg = f"group {group.id} was torn down (after job {a.job.name}: {msg.splitlines()[0][:300]})"
+            self.ledger.log(x.job.id, "group-died", x_msg)
+            x_kind = self._unless_cluster_lost(FailureKind.WORKER_DEATH, group.size)
+            self._on_failure(self.ledger.job(x.job.id), x_stage, x_msg, None, x_kind)
 
     def _on_failure(self, job: JobRecord, stage: Stage, error: str, tb: str | None,
                     kind: FailureKind, cause: BaseException | None = None) -> None:
@@ -512,6 +612,8 @@ class Driver:
     def _check_deadlines(self) -> None:
         now = time.monotonic()
         for a in list(self._active.values()):
+            if a.job.id not in self._active:
+                continue  # failed with a group torn down for an earlier job of this loop
             if a.call is not None and now - a.call.started > a.call.timeout_s:
                 method, limit = a.call.method, a.call.timeout_s
                 a.call = None

@@ -9,7 +9,9 @@ An :class:`Executor` makes groups of N workers (one per GPU) and runs *collectiv
   joined into a torch.distributed group (NCCL on GPUs, gloo on CPU) with the rendezvous on rank
   0's node.
 - :class:`LocalExecutor`: the same calls on in-process workers, for fast unit tests of the driver.
-  It does not form a torch.distributed group (a group of N is one world-size-1 worker).
+  It does not form a torch.distributed group (a group of N is one world-size-1 worker). GPU-lane
+  calls run at ``call`` time; ``collect`` runs on a thread and is ready when that job's background
+  encode is, so the driver's tests see the same two lanes as on Ray.
 
 :class:`GroupPool` keeps idle groups per size so models stay loaded between jobs, and tears idle
 groups of other sizes down when a job needs their GPUs. Where the executor says so
@@ -25,11 +27,20 @@ import threading
 import time
 import traceback
 from collections.abc import Sequence
+from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pan2render.runner.progress import StepClock, StepReport
-from pan2render.runner.worker import RenderWorker, Reply, WorkerConfig, _WorkerDeath
+from pan2render.runner.worker import (
+    GPU_QUEUE_DEPTH,
+    IO_CONCURRENCY,
+    IO_METHODS,
+    RenderWorker,
+    Reply,
+    WorkerConfig,
+    _WorkerDeath,
+)
 
 
 class GroupDied(RuntimeError):
@@ -67,6 +78,14 @@ class Group:
     size: int
     handle: Any  # executor-specific: actors + placement group, or local workers
     models: set[str] = field(default_factory=set)  # models loaded on every rank
+    next_seq: int = 0  # number of the next GPU-lane call (the workers run them in this order)
+
+    def take_seq(self, method: str) -> int | None:
+        """The GPU-lane number for a call of ``method`` (None for the I/O lane)."""
+        if method in IO_METHODS:
+            return None
+        seq, self.next_seq = self.next_seq, self.next_seq + 1
+        return seq
 
 
 @dataclass
@@ -105,7 +124,8 @@ def _first_failure(replies: list[Reply]) -> Reply:
 
 # ====================================================================== in-process
 class LocalExecutor:
-    """Runs each call synchronously at ``call`` time, in this process."""
+    """Runs each GPU-lane call synchronously at ``call`` time, in this process; ``collect`` on a
+    thread (it waits for the worker's encode thread)."""
 
     starts_in_background = False  # a group is one in-process object: nothing to wait for
     worker_logs = None  # the workers log where this process does
@@ -114,6 +134,7 @@ class LocalExecutor:
         self._gpus = gpus
         self._config = config
         self._progress = StepClock()
+        self._io = futures.ThreadPoolExecutor(max_workers=4 * IO_CONCURRENCY, thread_name_prefix="local-io")
         self.groups_created = 0
 
     def total_gpus(self) -> int:
@@ -134,31 +155,44 @@ class LocalExecutor:
         group.handle["dead"] = True
 
     def call(self, group: Group, method: str, kwargs: dict[str, Any], *, timeout_s: float) -> Call:
-        outcome: Reply | GroupDied
-        if group.handle["dead"]:
-            outcome = GroupDied(f"group {group.id} was torn down")
+        seq = group.take_seq(method)
+        started = time.monotonic()
+        if method in IO_METHODS:
+            handle: Any = self._io.submit(self._execute, group, method, kwargs, seq)
         else:
-            try:
-                outcome = group.handle["worker"].execute(method, kwargs)
-            except _WorkerDeath:
-                group.handle["dead"] = True
-                outcome = GroupDied(f"worker rank 0 of group {group.id} died in {method}")
-        return Call(group=group, method=method, started=time.monotonic(), timeout_s=timeout_s,
-                    handle=outcome)
+            handle = self._execute(group, method, kwargs, seq)
+        return Call(group=group, method=method, started=started, timeout_s=timeout_s, handle=handle)
+
+    @staticmethod
+    def _execute(group: Group, method: str, kwargs: dict[str, Any], seq: int | None) -> Reply | GroupDied:
+        if group.handle["dead"]:
+            return GroupDied(f"group {group.id} was torn down")
+        try:
+            return group.handle["worker"].execute(method, kwargs, seq)
+        except _WorkerDeath:
+            group.handle["dead"] = True
+            return GroupDied(f"worker rank 0 of group {group.id} died in {method}")
 
     def wait(self, calls: Sequence[Call], *, timeout_s: float) -> list[Call]:
-        return list(calls)
+        """The finished calls; waits up to ``timeout_s`` for one when only collects are running."""
+        pending = [c.handle for c in calls if isinstance(c.handle, futures.Future)]
+        if pending and len(pending) == len(calls):
+            futures.wait(pending, timeout=timeout_s, return_when=futures.FIRST_COMPLETED)
+        return [c for c in calls if not isinstance(c.handle, futures.Future) or c.handle.done()]
 
     def result(self, call: Call) -> Reply:
-        if isinstance(call.handle, GroupDied):
-            raise call.handle
-        return call.handle
+        outcome = call.handle.result() if isinstance(call.handle, futures.Future) else call.handle
+        if isinstance(outcome, GroupDied):
+            raise outcome
+        if call.group.handle["dead"]:  # torn down while this call ran: its answer is void
+            raise GroupDied(f"group {call.group.id} was torn down")
+        return outcome
 
     def progress(self) -> dict[str, StepReport]:
         return self._progress.snapshot()
 
     def shutdown(self) -> None:
-        pass
+        self._io.shutdown(wait=False, cancel_futures=True)
 
 
 # ====================================================================== Ray
@@ -202,7 +236,10 @@ class RayExecutor:
         session = (getattr(context, "address_info", None) or {}).get("session_dir")
         if session:
             self.worker_logs = f"{session}/logs"
-        self._actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(RenderWorker)
+        # Two lanes per actor (worker.py): the default group runs the GPU lane with one thread per
+        # call the driver may queue (the worker orders them by seq), "io" runs collects.
+        self._actor_cls = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=GPU_QUEUE_DEPTH,
+                                     concurrency_groups={"io": IO_CONCURRENCY})(RenderWorker)
         self._progress_actor = ray.remote(StepClock).options(num_cpus=0).remote()
         self._groups: dict[str, Group] = {}
         self._lock = threading.Lock()
@@ -281,8 +318,12 @@ class RayExecutor:
     def call(self, group: Group, method: str, kwargs: dict[str, Any], *, timeout_s: float) -> Call:
         # In a group the arguments (latents, embeddings: MBs) are put in the object store once and
         # every rank reads the same object (a top-level ref argument, so Ray resolves it).
-        args: Any = self._ray.put(kwargs) if group.size > 1 else kwargs
-        refs = [a.execute.remote(method, args) for a in group.handle["actors"]]
+        seq = group.take_seq(method)
+        if seq is None:  # the I/O lane: rank 0 alone holds the encode
+            refs = [group.handle["actors"][0].execute.options(concurrency_group="io").remote(method, kwargs)]
+        else:
+            args: Any = self._ray.put(kwargs) if group.size > 1 else kwargs
+            refs = [a.execute.remote(method, args, seq) for a in group.handle["actors"]]
         return Call(group=group, method=method, started=time.monotonic(), timeout_s=timeout_s, handle=refs)
 
     def wait(self, calls: Sequence[Call], *, timeout_s: float) -> list[Call]:

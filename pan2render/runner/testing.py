@@ -62,7 +62,7 @@ class FakePipeline:
             lat[0, 0, 0, 0] = float("nan")
         return lat  # float32 [48, T, h, w]
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, *, on_device: bool = False) -> torch.Tensor:
         c, t, h, w = latents.shape
         frames = 1 + 4 * (t - 1)
         base = latents[:3].repeat_interleave(4, dim=1)[:, :frames]  # [3, frames, h, w]

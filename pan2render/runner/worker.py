@@ -1,19 +1,31 @@
 """The GPU worker: one per GPU (rank) of a group; the body of the Ray actor.
 
-The driver reaches it through ONE entry point, :meth:`RenderWorker.execute` ``(method, kwargs)``:
-the method names below are the protocol (vLLM's ``collective_rpc`` habit). ``execute`` never
-raises: every outcome comes back as a small :class:`Reply` carrying the rank, the error and its
-traceback, so a Ray-level exception always means the actor itself died.
+The driver reaches it through ONE entry point, :meth:`RenderWorker.execute` ``(method, kwargs,
+seq)``: the method names below are the protocol (vLLM's ``collective_rpc`` habit). ``execute``
+never raises: every outcome comes back as a small :class:`Reply` carrying the rank, the error and
+its traceback, so a Ray-level exception always means the actor itself died.
 
 Protocol (all keyword arguments, all replies small except the artifact bytes):
     rendezvous()                                   -> (ip, free port, backend)   rank 0 only
     init_group(master_addr, master_port, backend)  -> None   torch.distributed, every rank
-    load(model)                                    -> {"model_id", "text_encoder_id"}
+    load(model, warmup)                            -> {"model_id", "text_encoder_id", "warmup_s", ...}
     encode_prompts(model, texts)                   -> [embedding safetensors bytes]
     sample(model, job_id, spec, prompt_embeds, negative_embeds) -> latents safetensors bytes
-    decode_encode(model, spec, latents)            -> {"mp4": bytes, "decode_s", "encode_s"}
-Every rank of a group runs every call; rank 0's value is the reply, other ranks return None so
-artifacts cross the object store once.
+    decode(model, job_id, spec, latents)           -> {"decode_s"}   hands the encode to a thread
+    collect(job_id)                                -> {"mp4": bytes, "encode_s", "check_s"}
+Every rank of a group runs every call but ``collect``; rank 0's value is the reply, other ranks
+return None so artifacts cross the object store once.
+
+Two lanes. The GPU lane (every method but ``collect``) runs one call at a time, in the order the
+driver issued them: the driver numbers them (``seq``) and may queue a job's first call behind the
+previous job's ``decode``, so the GPU starts it the moment the decode ends; the worker holds a
+call until its turn, because Ray runs the calls of a threaded actor in arrival order, not
+submission order, and every rank of a group must meet its collectives in the same order. ``decode``
+ends once the frames are converted to yuv420p on the device and copied to the host; the libx264
+encode then runs on the worker's encode thread while the GPU lane takes the next call. The
+I/O lane (``collect``, rank 0 only, Ray concurrency group ``io``) waits for one job's encode
+without holding the GPU lane, and returns the mp4 (written in a temp folder here, decoded back and
+frame-counted by ``encode_mp4``) for the driver to write, check and record.
 """
 
 from __future__ import annotations
@@ -22,9 +34,11 @@ import importlib
 import os
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -33,10 +47,23 @@ from typing import Any, Protocol
 import torch
 
 from pan2render.jobs.spec import JobSpec
+from pan2render.models.tiny import cache_root
 from pan2render.runner import stages
 from pan2render.sampling import DMD
 
 DEFAULT_PIPELINE_FACTORY = "pan2render.runner.worker:load_pan2_pipeline"
+
+# Methods of the I/O lane (see the module doc); every other method is a GPU-lane call.
+IO_METHODS = frozenset({"collect"})
+# Jobs of one group whose encode is not collected yet (the driver keeps to it). Each holds its
+# video's yuv420p planes in this worker's host memory until encoded (121 frames of 704x1248:
+# 160 MB), so a group whose encodes fall behind stops taking jobs instead of piling frames up.
+MAX_ENCODES_IN_FLIGHT = 2
+IO_CONCURRENCY = MAX_ENCODES_IN_FLIGHT  # collects that may wait at once on one actor
+# GPU-lane calls the driver may have issued to one group at once: the one running and the next
+# job's first call queued behind it. The actor's GPU lane gets this many threads, so the call whose
+# turn it is always has one while the other waits for its turn.
+GPU_QUEUE_DEPTH = 2
 
 
 @dataclass(frozen=True)
@@ -106,19 +133,42 @@ class RenderWorker:
         self._die = die or (lambda: os._exit(17))
         self._pipes: dict[str, Any] = {}  # model (as named in the spec) -> loaded pipeline
         self._group: Any = None  # torch.distributed default group once init_group ran
-        self._stage: str | None = None  # set by decode_encode so a failure names decode or encode
+        # The stage a failing call was in ("decode" or "encode"), per thread: the lanes run at once.
+        self._call_state = threading.local()
+        self._turn = threading.Condition()
+        self._next_seq = 0  # the GPU-lane call whose turn it is
+        # One encode at a time: libx264 already uses every core for one video.
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
+        self._encodes: dict[str, Future[dict[str, Any]]] = {}  # job id -> its encode
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cpu" and config.threads:
             torch.set_num_threads(config.threads)
+        # Compiled Triton kernels persist in the pan2-render cache folder, so the second batch on
+        # a machine loads them instead of compiling (read by Triton at its first compile).
+        os.environ.setdefault("TRITON_CACHE_DIR", str(cache_root() / "triton"))
 
     # ------------------------------------------------------------------ the one entry point
-    def execute(self, method: str, kwargs: dict[str, Any]) -> Reply:
+    def execute(self, method: str, kwargs: dict[str, Any], seq: int | None = None) -> Reply:
+        """Run one protocol call. ``seq``: the GPU-lane call's number (0, 1, 2, ... per group), or
+        None for calls that need no ordering (group set-up, ``collect``)."""
+        if seq is None:
+            return self._run(method, kwargs)
+        with self._turn:
+            self._turn.wait_for(lambda: self._next_seq == seq)
+        try:
+            return self._run(method, kwargs)
+        finally:
+            with self._turn:
+                self._next_seq = seq + 1
+                self._turn.notify_all()
+
+    def _run(self, method: str, kwargs: dict[str, Any]) -> Reply:
         fn = getattr(self, f"_rpc_{method}", None)
         if fn is None:
             return Reply(ok=False, rank=self.rank, error=f"ValueError: unknown worker method {method!r}",
                          retryable=False)
         t0 = time.perf_counter()
-        self._stage = None
+        self._call_state.stage = "encode" if method in IO_METHODS else None
         try:
             value = fn(**kwargs)
         except _WorkerDeath:
@@ -127,7 +177,7 @@ class RenderWorker:
             retryable = not isinstance(e, (stages.NonFiniteError, FloatingPointError, ValueError))
             return Reply(ok=False, rank=self.rank, error=f"{type(e).__name__}: {e}",
                          traceback=traceback.format_exc(), retryable=retryable,
-                         failed_stage=self._stage, stage_seconds=time.perf_counter() - t0)
+                         failed_stage=self._call_state.stage, stage_seconds=time.perf_counter() - t0)
         return Reply(ok=True, rank=self.rank, value=value if self.rank == 0 else None,
                      stage_seconds=time.perf_counter() - t0)
 
@@ -169,8 +219,16 @@ class RenderWorker:
             self._pipes[model] = pipe
         return pipe
 
-    def _rpc_load(self, *, model: str) -> dict[str, Any]:
+    def _rpc_load(self, *, model: str, warmup: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Load ``model`` (once per group) and, where the pipeline has ``warm_up``, run its
+        compiles and autotuning at ``warmup`` = {height, width, frames, guidance}, so they count as
+        load time rather than inside the first job's stages."""
+        t0 = time.perf_counter()
         pipe = self._pipeline(model)
+        load_s = time.perf_counter() - t0
+        warm = getattr(pipe, "warm_up", None)
+        if warmup is not None and warm is not None:
+            warm(**warmup)
         backend, world = "none", 1
         if self._group is not None:
             import torch.distributed as dist  # noqa: PLC0415
@@ -178,7 +236,8 @@ class RenderWorker:
             backend, world = str(dist.get_backend()), dist.get_world_size()
         return {"model_id": pipe.model_id, "text_encoder_id": pipe.text_encoder_id,
                 "backend": backend, "world_size": world, "device": self.device,
-                "attention": getattr(pipe, "attention_backend", "n/a")}  # n/a: a pipeline without a DiT
+                "attention": getattr(pipe, "attention_backend", "n/a"),  # n/a: a pipeline without a DiT
+                "load_s": load_s, "warmup_s": time.perf_counter() - t0 - load_s}
 
     def _rpc_encode_prompts(self, *, model: str, texts: list[str]) -> list[bytes]:
         pipe = self._pipeline(model)
@@ -213,38 +272,62 @@ class RenderWorker:
         return stages.pack_latents(lat, spec_hash=js.spec_hash, seed=js.seed, steps=js.steps,
                                    model_id=pipe.model_id, spec=spec)
 
-    def _rpc_decode_encode(self, *, model: str, spec: dict[str, Any], latents: bytes) -> dict[str, Any]:
-        """Decode and encode here, so frames (hundreds of MB) never enter the object store."""
-        from pan2render.media.video import encode_mp4  # noqa: PLC0415
+    def _rpc_decode(self, *, model: str, job_id: str, spec: dict[str, Any], latents: bytes) -> dict[str, Any]:
+        """Decode on the device, convert to yuv420p there, copy to the host once and hand the planes
+        to the encode thread; frames (hundreds of MB) never enter the object store."""
+        from pan2render.media.yuv import rgb_to_yuv420  # noqa: PLC0415
 
         pipe = self._pipeline(model)
         js = JobSpec.from_dict(spec)
-        self._stage = "decode"
+        self._call_state.stage = "decode"
         self._maybe_fault(js, "decode")
         t0 = time.perf_counter()
-        frames = pipe.decode(stages.unpack_latents(latents))  # uint8 [frames, H, W, 3]
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-        decode_s = time.perf_counter() - t0
+        frames = pipe.decode(stages.unpack_latents(latents), on_device=True)  # uint8 [F, H, W, 3]
         if self.rank != 0:
             return {}
         want = (js.frames, js.height, js.width, 3)
         if tuple(frames.shape) != want:
             raise ValueError(f"decode returned frames of shape {tuple(frames.shape)}, expected {want}")
-        self._stage = "encode"
+        planes = rgb_to_yuv420(frames).cpu().numpy()  # uint8 [F, H*3/2, W]: the one host copy
+        del frames
+        decode_s = time.perf_counter() - t0
+        with self._turn:  # (the lock also guards the table against a collect on the I/O lane)
+            stale = self._encodes.pop(job_id, None)
+            self._encodes[job_id] = self._encoder.submit(self._encode, js, planes)
+        if stale is not None:
+            stale.cancel()  # a retry's decode replaces an encode nobody collected
+        return {"decode_s": decode_s}
+
+    def _rpc_collect(self, *, job_id: str) -> dict[str, Any]:
+        """Wait for the job's encode (handed over by ``decode``) and return the checked mp4."""
+        with self._turn:
+            future = self._encodes.get(job_id)
+        if future is None:
+            raise RuntimeError(f"no encode of job {job_id} on this worker (its decode did not run here)")
+        try:
+            return future.result()
+        finally:
+            with self._turn:
+                if self._encodes.get(job_id) is future:
+                    del self._encodes[job_id]
+
+    def _encode(self, js: JobSpec, planes: Any) -> dict[str, Any]:
+        """On the encode thread: planes uint8 [F, H*3/2, W] -> mp4 bytes, decoded back and counted."""
+        from pan2render.media.video import Yuv420Video, encode_mp4  # noqa: PLC0415
+
         self._maybe_fault(js, "encode")
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="pan2-encode-") as tmp:
             path = Path(tmp) / stages.VIDEO_NAME
-            # encode_mp4 decodes the file and counts its frames before it renames it into place.
-            encode_mp4(frames, path, fps=js.fps, crf=js.crf)
+            encode_s = encode_mp4(Yuv420Video(planes), path, fps=js.fps, crf=js.crf, preset=js.encode_preset)
             mp4 = path.read_bytes()
-        return {"mp4": mp4, "decode_s": decode_s, "encode_s": time.perf_counter() - t0}
+        return {"mp4": mp4, "encode_s": encode_s, "check_s": time.perf_counter() - t0 - encode_s}
 
     # ------------------------------------------------------------------ test hooks
     # faults = {"crash": {"job": NAME, "step": K, "marker": PATH}}: exit the process at sampling
     #            step K of job NAME, once (the marker file records that it happened);
-    #          {"fail": {"job": NAME, "stage": "sampling"|"decode"|"encode"}}: raise there, always.
+    #          {"fail": {"job": NAME, "stage": "sampling"|"decode"|"encode"}}: raise there, always;
+    #          {"slow": {"job": NAME, "stage": ..., "seconds": S}}: sleep S seconds there first.
     def _maybe_crash(self, js: JobSpec, step: int) -> None:
         crash = self.config.faults.get("crash")
         if not crash or crash["job"] != js.name or step != int(crash["step"]) or self.rank != 0:
@@ -259,6 +342,9 @@ class RenderWorker:
         self._die()
 
     def _maybe_fault(self, js: JobSpec, stage: str) -> None:
+        slow = self.config.faults.get("slow")
+        if slow and slow["job"] == js.name and slow.get("stage", "sampling") == stage:
+            time.sleep(float(slow["seconds"]))
         fail = self.config.faults.get("fail")
         if fail and fail["job"] == js.name and fail.get("stage", "sampling") == stage:
             raise RuntimeError(f"injected failure in {stage} of job {js.name} (test hook)")

@@ -80,6 +80,8 @@ BAD_JOB_FIELDS = {
     "prompt-empty": ("prompt: '   '", "jobs[0].prompt", ["is empty", "a non-empty string"]),
     "prompt-number": ("prompt: 42", "jobs[0].prompt", ["42 (int)", "a non-empty string"]),
     "negative-prompt-list": ("negative_prompt: [a]", "jobs[0].negative_prompt", ["(list)", "a string"]),
+    "encode-preset-unknown": ("encode_preset: veryfst", "jobs[0].encode_preset",
+                              ["'veryfst'", "did you mean 'veryfast'", "one of ultrafast, superfast"]),
 }
 
 
@@ -503,6 +505,19 @@ def test_other_example_batches_load() -> None:
     groups = load_batch(REPO / "jobs" / "groups.yaml")
     assert [(j.name, j.gpus, j.seed) for j in groups.jobs] == [
         ("lighthouse", 2, 0), ("lighthouse-seed-5", 2, 5), ("market-single-gpu", 1, 0)]
+
+
+def test_encode_preset_reaches_the_job_and_counts_in_its_id_only_when_set(tmp_path: Path) -> None:
+    jobs = "jobs:\n  - name: a\n    prompt: a cat\n"
+    plain = load_batch(_write(tmp_path, HEADER + jobs, "plain.yaml")).jobs[0]
+    medium = load_batch(_write(tmp_path, HEADER + "defaults:\n  encode_preset: medium\n" + jobs, "m.yaml")).jobs[0]
+    fast = load_batch(_write(tmp_path, HEADER + "defaults:\n  encode_preset: veryfast\n" + jobs, "f.yaml")).jobs[0]
+    print(plain.job_id, medium.job_id, fast.job_id)
+    assert (plain.encode_preset, fast.encode_preset) == ("medium", "veryfast")
+    # The default leaves the id of a job as it was before the field existed; another value is
+    # another video (another bitstream), so another id.
+    assert plain.job_id == medium.job_id != fast.job_id
+    assert JobSpec.from_dict({k: v for k, v in plain.to_dict().items() if k != "encode_preset"}) == plain
 
 
 # --------------------------------------------------------------------------------------------------

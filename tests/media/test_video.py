@@ -167,3 +167,89 @@ def test_destination_that_is_a_folder_is_a_media_error(tmp_path: Path) -> None:
     with pytest.raises(MediaError, match="writing .*video.mp4 failed"):
         encode_mp4(_smooth_video(frames=5), tmp_path / "video.mp4", fps=8, crf=18)
     assert [p.name for p in tmp_path.iterdir()] == ["video.mp4"]  # the folder, and no temp file
+
+
+# --------------------------------------------------------------------------------------------------
+# Colour: conversion on the device (media/yuv.py), BT.709 limited range, stream tagged so
+
+
+_PATCHES = np.array([[255, 0, 0], [0, 255, 0], [0, 0, 255], [255, 255, 0], [30, 200, 120],
+                     [128, 128, 128], [250, 250, 250], [10, 10, 10]], np.uint8)
+
+
+def _patches(frames: int = 3) -> np.ndarray:
+    """Flat saturated patches 16 px wide, uint8 [F, 32, 128, 3]: a wrong matrix or range shows."""
+    video = np.zeros((frames, 32, 128, 3), np.uint8)
+    for i, colour in enumerate(_PATCHES):
+        video[:, :, i * 16:(i + 1) * 16] = colour
+    return video
+
+
+@pytest.mark.parametrize("converted_first", [False, True])
+def test_colours_round_trip_through_the_tagged_bt709_stream(tmp_path: Path, converted_first: bool) -> None:
+    from pan2render.media.video import Yuv420Video
+    from pan2render.media.yuv import rgb_to_yuv420
+
+    video = _patches()
+    src = Yuv420Video(rgb_to_yuv420(torch.from_numpy(video)).numpy()) if converted_first else video
+    encode_mp4(src, tmp_path / "v.mp4", fps=8, crf=18)
+    with av.open(str(tmp_path / "v.mp4")) as c:
+        ctx = c.streams.video[0].codec_context
+        tags = (ctx.colorspace, ctx.color_primaries, ctx.color_trc, ctx.color_range)
+    decoded = _decode_all(tmp_path / "v.mp4")  # PyAV converts with the stream's tagged matrix
+    centres = decoded[:, 8:24, [i * 16 + 8 for i in range(8)]].astype(int)  # [F, 16, 8, 3]
+    err = np.abs(centres - _PATCHES[None, None].astype(int)).max()
+    print(f"tags {tags}; max error at patch centres {err} (of 255)")
+    assert tags == (1, 1, 1, 1)  # BT.709 matrix, primaries, transfer; limited (MPEG) range
+    assert err <= 3  # measured 2: limited-range rounding and crf 18
+
+
+def test_a_wrong_matrix_would_fail_the_colour_check() -> None:
+    """Negative control for the tolerance above: BT.601 numbers decoded as BT.709 miss by far more."""
+    rgb = _PATCHES.astype(float)
+    kr, kb = 0.299, 0.114  # BT.601
+    y = kr * rgb[:, 0] + (1 - kr - kb) * rgb[:, 1] + kb * rgb[:, 2]
+    cb, cr = (rgb[:, 2] - y) / (2 * (1 - kb)), (rgb[:, 0] - y) / (2 * (1 - kr))
+    kr7, kb7 = 0.2126, 0.0722  # read back as BT.709
+    r = y + 2 * (1 - kr7) * cr
+    b = y + 2 * (1 - kb7) * cb
+    g = (y - kr7 * r - kb7 * b) / (1 - kr7 - kb7)
+    err = np.abs(np.stack([r, g, b], 1) - rgb).max()
+    print(f"BT.601 read as BT.709: max error {err:.0f}")
+    assert err > 3 * 5
+
+
+def test_yuv420_planes_match_the_formula() -> None:
+    from pan2render.media.yuv import rgb_to_yuv420
+
+    frame = torch.tensor(_PATCHES[None, None].repeat(2, axis=1).repeat(2, axis=2))  # [1, 2, 16, 3]
+    planes = rgb_to_yuv420(frame)  # [1, 3, 16]: Y rows 0-1, then U (1x8) and V (1x8) in row 2
+    y, u, v = planes[0, :2], planes[0, 2, :8], planes[0, 2, 8:]
+    print("Y", y[0, ::2].tolist(), "U", u.tolist(), "V", v.tolist())
+    assert y[0, 0] == 63 and u[0] == 102 and v[0] == 240  # red: BT.709 limited range
+    assert y[0, 10] == 126 and u[5] == 128 and v[5] == 128  # grey 128: neutral chroma
+    with pytest.raises(ValueError, match="even width and height"):
+        rgb_to_yuv420(torch.zeros(1, 3, 4, 3, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("preset", ["ultrafast", "veryslow"])
+def test_encode_presets_validate_and_name_the_allowed_ones(tmp_path: Path, preset: str) -> None:
+    encode_mp4(_smooth_video(frames=5), tmp_path / "v.mp4", fps=8, crf=18, preset=preset)
+    assert probe_mp4(tmp_path / "v.mp4").frames == 5
+    with pytest.raises(MediaError, match="'quick' is not one of libx264's: ultrafast, superfast"):
+        encode_mp4(_smooth_video(frames=5), tmp_path / "w.mp4", fps=8, crf=18, preset="quick")
+    assert not (tmp_path / "w.mp4").exists()
+
+
+@pytest.mark.gpu
+def test_yuv420_on_the_gpu_matches_the_cpu() -> None:
+    """The worker converts on the GPU; the CPU path (and the tests above) on the CPU: same planes."""
+    from pan2render.media.yuv import rgb_to_yuv420
+
+    video = torch.from_numpy(np.concatenate([_smooth_video(frames=20, height=64, width=96),
+                                             _patches(frames=20)[:, :, :96][:, :64].repeat(2, axis=1)], axis=0))
+    cpu = rgb_to_yuv420(video)
+    gpu = rgb_to_yuv420(video.cuda()).cpu()
+    diff = (cpu.int() - gpu.int()).abs()
+    print(f"GPU vs CPU planes: max |diff| {int(diff.max())}, {int((diff > 0).sum())} of {diff.numel()} differ")
+    assert int(diff.max()) <= 1  # float rounding at .5 may go either way; nothing else may differ

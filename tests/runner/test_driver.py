@@ -42,9 +42,13 @@ class RecordingExecutor(LocalExecutor):
     def __init__(self, **kw: Any):
         super().__init__(**kw)
         self.calls: list[tuple[str, str | None]] = []
+        self.encoded_texts: list[list[str]] = []  # the texts of each encode_prompts call
 
     def call(self, group: Group, method: str, kwargs: dict[str, Any], *, timeout_s: float) -> Call:
-        self.calls.append((method, kwargs.get("spec", {}).get("name")))
+        job_id = kwargs.get("job_id")  # collect names its job by id: "<name>-<hash8>"
+        self.calls.append((method, kwargs.get("spec", {}).get("name") or (job_id and job_id.rsplit("-", 1)[0])))
+        if method == "encode_prompts":
+            self.encoded_texts.append(list(kwargs["texts"]))
         return super().call(group, method, kwargs, timeout_s=timeout_s)
 
 
@@ -76,10 +80,10 @@ def test_batch_renders_valid_videos_and_rerun_skips_done(tmp_path: Path) -> None
         st = led.stages(j.job_id)
         assert all(st[s].state is StageState.DONE for s in Stage)
         assert st[Stage.ENCODE].artifact == f"{j.job_id}/video.mp4" and st[Stage.ENCODE].size > 0
-    # Embeddings are cached by prompt: "a clip of a" and "" encoded once for a and c.
-    encoded = [c for c in ex.calls if c[0] == "encode_prompts"]
-    print("encode calls:", encoded, "groups:", ex.groups_created)
-    assert len(encoded) == 2 and ex.groups_created == 1  # b's new prompt; one group reused
+    # Embeddings are cached by prompt and computed ahead: the first job's call also encoded the
+    # upcoming jobs' prompts, each distinct text once ("a clip of a" serves a and c).
+    print("encode calls:", ex.encoded_texts, "groups:", ex.groups_created)
+    assert ex.encoded_texts == [["a clip of a", "", "a clip of b"]] and ex.groups_created == 1
     before = {j.job_id: file_id(tmp_path / j.job_id / "video.mp4") for j in jobs}
 
     summary2, ex2, led2 = render(tmp_path, jobs + [spec("d")])
@@ -140,7 +144,7 @@ def test_resume_starts_at_decode_when_latents_are_valid(tmp_path: Path) -> None:
     summary2, ex2, led2 = render(tmp_path, [j])  # no fault now: a resume
     print("resume calls:", ex2.calls)
     assert summary2.done == [j.job_id]
-    assert [m for m, _ in ex2.calls] == ["load", "decode_encode"]
+    assert [m for m, _ in ex2.calls] == ["load", "decode", "collect"]
     assert file_id(lat) == before
 
 
@@ -166,7 +170,7 @@ def test_corrupt_video_is_reencoded_from_latents(tmp_path: Path, damage: str) ->
     _damage(video, damage)
     summary, ex, led = render(tmp_path, [j])
     print(damage, "calls:", ex.calls, "events:", [d for _, _, k, d in led.events(j.job_id) if "->" in k][-3:])
-    assert summary.done == [j.job_id] and [m for m, _ in ex.calls] == ["load", "decode_encode"]
+    assert summary.done == [j.job_id] and [m for m, _ in ex.calls] == ["load", "decode", "collect"]
     assert probe_mp4(video).frames == 9 and led.job(j.job_id).attempts == 2
 
 
@@ -239,7 +243,7 @@ def test_running_jobs_advance_while_a_group_starts(tmp_path: Path) -> None:
             if size != 2:
                 return
             deadline = time.monotonic() + 10
-            while ("decode_encode", "a") not in self.calls:
+            while ("decode", "a") not in self.calls:
                 if time.monotonic() > deadline:
                     raise GroupStartError("the driver did not serve job a while this group was starting")
                 time.sleep(0.005)
@@ -247,7 +251,7 @@ def test_running_jobs_advance_while_a_group_starts(tmp_path: Path) -> None:
     summary, ex, led = render(tmp_path, [spec("a"), spec("b", gpus=2)], gpus=3, retries=0, executor=SlowPairStart)
     print("calls:", ex.calls, "| groups created:", ex.groups_created)
     assert sorted(summary.done) == sorted([spec("a").job_id, spec("b", gpus=2).job_id]) and not summary.failed
-    assert ex.calls.index(("decode_encode", "a")) < ex.calls.index(("sample", "b"))
+    assert ex.calls.index(("decode", "a")) < ex.calls.index(("sample", "b"))
     assert summary.groups_created == ex.groups_created == 2
 
 
@@ -288,6 +292,138 @@ def test_closing_the_pool_during_a_start_tears_the_late_group_down() -> None:
     while not destroyed and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(destroyed) == 1 and not pool.starting
+
+
+# --------------------------------------------------------------------------------------------------
+# The overlapped worker: encode off the GPU lane, the next job handed over early
+
+
+class TimedExecutor(RecordingExecutor):
+    """Also records when each call finished: GPU-lane calls at once (they run in ``call``),
+    collects when their background encode is done."""
+
+    def __init__(self, **kw: Any):
+        super().__init__(**kw)
+        self.finished: dict[tuple[str, str | None], float] = {}
+
+    def call(self, group: Group, method: str, kwargs: dict[str, Any], *, timeout_s: float) -> Call:
+        c = super().call(group, method, kwargs, timeout_s=timeout_s)
+        key = self.calls[-1]
+        if hasattr(c.handle, "add_done_callback"):
+            c.handle.add_done_callback(lambda _f: self.finished.setdefault(key, time.monotonic()))
+        else:
+            self.finished.setdefault(key, time.monotonic())
+        return c
+
+
+def test_next_job_samples_while_the_previous_one_encodes(tmp_path: Path) -> None:
+    jobs = [spec("a"), spec("b", seed=1)]
+    # a's encode takes a second on the worker's encode thread; b's whole GPU work far less.
+    summary, ex, led = render(tmp_path, jobs, retries=0, executor=TimedExecutor,
+                              faults={"slow": {"job": "a", "stage": "encode", "seconds": 1.0}})
+    print("calls:", ex.calls)
+    print({k: round(v - min(ex.finished.values()), 3) for k, v in ex.finished.items()})
+    assert sorted(summary.done) == sorted(j.job_id for j in jobs) and ex.groups_created == 1
+    # b's first GPU call was handed over right behind a's decode, before a's decode reply was handled
+    # (and so before a's collect was even issued).
+    assert ex.calls.index(("sample", "b")) < ex.calls.index(("collect", "a"))
+    # b sampled and decoded on the group while a's encode still ran.
+    assert ex.finished[("decode", "b")] < ex.finished[("collect", "a")]
+    a = led.stages(jobs[0].job_id)
+    assert a[Stage.DECODE].state is a[Stage.ENCODE].state is StageState.DONE and a[Stage.ENCODE].seconds > 0
+
+
+def test_an_encode_failure_fails_that_jobs_encode_only_and_the_group_stays(tmp_path: Path) -> None:
+    jobs = [spec("good"), spec("bad", seed=1), spec("good2", seed=2)]
+    summary, ex, led = render(tmp_path, jobs, retries=1, faults={"fail": {"job": "bad", "stage": "encode"}})
+    bad = led.job(jobs[1].job_id)
+    st = led.stages(bad.id)
+    print("bad:", bad.state.value, bad.attempts, bad.error_stage, bad.error, "| calls:", ex.calls)
+    assert sorted(summary.done) == sorted([jobs[0].job_id, jobs[2].job_id]) and ex.groups_created == 1
+    assert (bad.state, bad.attempts, bad.error_stage) == (JobState.FAILED, 2, "encode")
+    assert st[Stage.ENCODE].state is StageState.FAILED and "injected failure in encode" in st[Stage.ENCODE].error
+    # The retry started from the latents: sampled once, decoded (and encoded) twice.
+    assert ex.calls.count(("sample", "bad")) == 1 and ex.calls.count(("decode", "bad")) == 2
+    assert not (tmp_path / bad.id / "video.mp4").exists()
+
+
+_DRIVER_SCRIPT = """
+import json, sys
+from pathlib import Path
+from pan2render.jobs.ledger import Ledger
+from pan2render.jobs.spec import JobSpec
+from pan2render.runner.driver import Driver, DriverConfig
+from pan2render.runner.groups import LocalExecutor
+from pan2render.runner.worker import WorkerConfig
+out, specs, faults = Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
+jobs = [JobSpec.from_dict(d) for d in specs]
+ledger = Ledger.open(out)
+ledger.add_jobs(jobs, retries=2)
+ex = LocalExecutor(gpus=1, config=WorkerConfig(pipeline_factory=sys.argv[4], faults=faults))
+Driver(out_dir=out, ledger=ledger, executor=ex, config=DriverConfig(progress=False, poll_s=0.01)).run(
+    [j.job_id for j in jobs])
+"""
+
+
+def test_sigkill_while_an_encode_runs_in_the_background_then_resume(tmp_path: Path) -> None:
+    """The driver process dies (SIGKILL) while job `slow` encodes on the worker's thread: nothing
+    of it is recorded, no half-written mp4 is left under its name; the resume re-encodes it from
+    its latents (no sampling, no conditioning) and redoes nothing done."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    jobs = [spec("first"), spec("slow", seed=1), spec("last", seed=2)]
+    out = tmp_path / "out"
+    out.mkdir()
+    faults = {"slow": {"job": "slow", "stage": "encode", "seconds": 60}}
+    proc = subprocess.Popen([sys.executable, "-c", _DRIVER_SCRIPT, str(out), json.dumps([j.to_dict() for j in jobs]),
+                             json.dumps(faults), FAKE_FACTORY], stderr=subprocess.PIPE, text=True)
+    slow = jobs[1].job_id
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "job slow never reached its background encode"
+            if (out / "ledger.sqlite").exists():
+                led = Ledger.open_readonly(out)
+                try:
+                    if led.stages(slow)[Stage.ENCODE].state is StageState.RUNNING:
+                        break
+                except Exception:  # noqa: BLE001 - the writer holds the journal this instant
+                    pass
+                finally:
+                    led.close()
+            time.sleep(0.02)
+        time.sleep(0.2)  # let the driver go on (job last samples meanwhile)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    led = Ledger.open_readonly(out)
+    killed = {j.name: (j.state.value, {s.value: r.state.value for s, r in led.stages(j.id).items()}) for j in led.jobs()}
+    done = [j.id for j in led.jobs() if j.state is JobState.DONE]
+    before = {jid: (led.job(jid).attempts, file_id(out / jid / "video.mp4")) for jid in done}
+    latents_before = file_id(out / slow / "latents.safetensors")
+    led.close()
+    print("at the kill:", killed)
+    assert killed["first"][0] == "done" and killed["slow"][0] == "running"
+    assert killed["slow"][1]["encode"] == "running" and killed["slow"][1]["sampling"] == "done"
+    assert not (out / slow / "video.mp4").exists()  # nothing written under the final name
+
+    summary, ex, led = render(out, jobs)  # the resume: no faults now
+    print("resume calls:", ex.calls)
+    assert sorted(summary.done) == sorted(j.job_id for j in jobs)
+    assert [m for m, n in ex.calls if n == "slow"] == ["decode", "collect"]  # from its latents
+    assert ("sample", "first") not in ex.calls and ("decode", "first") not in ex.calls
+    assert not [m for m, n in ex.calls if m == "encode_prompts"]
+    assert file_id(out / slow / "latents.safetensors") == latents_before
+    for jid, (attempts, fid) in before.items():
+        assert led.job(jid).attempts == attempts and file_id(out / jid / "video.mp4") == fid
+    assert probe_mp4(out / slow / "video.mp4").frames == 9
+    assert sorted(p.name for p in (out / slow).iterdir()) == ["latents.safetensors", "video.mp4"]
 
 
 _SHARED: dict[str, Any] = {}

@@ -57,11 +57,13 @@ def _kill_session(proc: subprocess.Popen) -> None:
 
 
 def test_sigkill_driver_then_resume_finishes_without_rerendering(tmp_path: Path) -> None:
+    # ~5 s of sampling per job: with the encode off the GPU's path nothing else slows a job down,
+    # and the refused second run below needs several seconds to start on a busy 2-core machine.
     batch = write_batch(tmp_path / "b.yaml", [{"name": f"j{i}", "prompt": f"clip {i}"} for i in range(6)],
-                        defaults={"steps": 4})
+                        defaults={"steps": 16})
     out = tmp_path / "out"
     env = _env(PAN2_RENDER_PIPELINE="pan2render.runner.testing:load_fake_pipeline",
-               PAN2_FAKE_STEP_SECONDS="0.3")  # ~1.2 s of sampling per job: time to kill mid-batch
+               PAN2_FAKE_STEP_SECONDS="0.3")
     run = subprocess.Popen([*CLI, "run", str(batch), "--out", str(out), "--cpu-gpus", "1", "--no-progress"],
                            env=env, start_new_session=True, stderr=subprocess.PIPE, text=True)
     try:

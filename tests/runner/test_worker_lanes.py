@@ -1,0 +1,75 @@
+"""The worker's two lanes, in-process: GPU-lane calls run in the driver's order (``seq``) whatever
+order they arrive in, and ``collect`` returns an encode while the GPU lane is busy."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from pan2render.jobs.spec import JobSpec
+from pan2render.media.video import probe_mp4
+from pan2render.runner import stages
+from pan2render.runner.testing import FAKE_FACTORY, FakePipeline
+from pan2render.runner.worker import RenderWorker, WorkerConfig
+
+
+class _Worker(RenderWorker):
+    """Two extra GPU-lane methods for the test: one that records its tag, one that holds the lane."""
+
+    def __init__(self) -> None:
+        super().__init__(rank=0, world_size=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
+        self.order: list[str] = []
+        self.release = threading.Event()
+
+    def _rpc_mark(self, *, tag: str) -> str:
+        self.order.append(tag)
+        return tag
+
+    def _rpc_hold(self) -> None:
+        assert self.release.wait(10), "never released"
+
+
+def _spec() -> JobSpec:
+    return JobSpec(name="v", model="tiny", prompt="p", negative_prompt="", image=None, image_sha256=None, seed=0,
+                   steps=2, guidance=1.0, height=32, width=48, frames=9, fps=8.0, flow_shift=5.0,
+                   sampler="unipc", gpus=1, crf=18, preset="tiny-preview")
+
+
+def test_gpu_lane_calls_run_in_seq_order_whatever_the_arrival_order() -> None:
+    w = _Worker()
+    late = threading.Thread(target=w.execute, args=("mark", {"tag": "second"}, 1))
+    late.start()  # seq 1 arrives first and must wait for seq 0
+    time.sleep(0.2)
+    assert w.order == []
+    assert w.execute("mark", {"tag": "first"}, 0).value == "first"
+    late.join(5)
+    print("order:", w.order)
+    assert w.order == ["first", "second"]
+
+
+def test_collect_returns_while_the_gpu_lane_is_held(tmp_path: Any) -> None:
+    w = _Worker()
+    js = _spec()
+    latents = stages.pack_latents(FakePipeline("tiny").sample(
+        prompt_embeds=FakePipeline("tiny").encode_prompt("p"), height=32, width=48, frames=9, steps=2,
+        guidance=1.0, seed=0), spec_hash=js.spec_hash, seed=0, steps=2, model_id="fake")
+    decoded = w.execute("decode", {"model": "tiny", "job_id": js.job_id, "spec": js.to_dict(), "latents": latents}, 0)
+    assert decoded.ok, decoded.error
+    holder = threading.Thread(target=w.execute, args=("hold", {}, 1))
+    holder.start()  # the GPU lane is busy with the next call now
+    try:
+        t0 = time.monotonic()
+        reply: Any = w.execute("collect", {"job_id": js.job_id})
+        print(f"collect while the GPU lane is held: ok={reply.ok} in {time.monotonic() - t0:.2f} s, "
+              f"{len(reply.value['mp4'])} bytes, encode {reply.value['encode_s']:.3f} s")
+        assert reply.ok and holder.is_alive()
+        (tmp_path / "v.mp4").write_bytes(reply.value["mp4"])
+        info = probe_mp4(tmp_path / "v.mp4")
+        assert (info.frames, info.width, info.height) == (9, 48, 32)
+    finally:
+        w.release.set()
+        holder.join(5)
+    again = w.execute("collect", {"job_id": js.job_id})  # collected once: the table forgets it
+    assert not again.ok and again.failed_stage == "encode" and "no encode of job" in again.error
+
