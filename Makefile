@@ -1,26 +1,35 @@
 # Two commands: `make run` renders the quickstart batch with the embedded tiny model,
-# `make test` runs the whole test suite. Both create .venv and install on first use.
+# `make test` runs the whole test suite. Both create .venv on first use: `make run` installs
+# pan2-render with its runtime dependencies only, `make test` adds the test extras.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+RUN_STAMP  := $(VENV)/.installed-run
+TEST_STAMP := $(VENV)/.installed-test
 # The CPU wheel keeps a fresh install small where it is available; any torch >= 2.4 works.
 TORCH  ?= torch==2.13.0
 
 .PHONY: run test install clean
 
-$(STAMP): pyproject.toml
+$(RUN_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test]'
-	touch $(STAMP)
+	@echo ">> installing into $(VENV): $(TORCH), then pan2-render and its runtime dependencies (pyproject.toml, [project] dependencies); pip names each package; a few minutes the first time"
+	$(BIN)/python -m pip install --disable-pip-version-check --progress-bar on "$(TORCH)"
+	$(BIN)/python -m pip install --disable-pip-version-check -e .
+	touch $@
 
-install: $(STAMP)
+$(TEST_STAMP): $(RUN_STAMP) pyproject.toml
+	@echo ">> installing the test extras into $(VENV): pytest, pytest-timeout, diffusers (the reference our models are tested against), triton (kernel tests)"
+	$(BIN)/python -m pip install --disable-pip-version-check -e '.[test]'
+	touch $@
 
-run: $(STAMP)
+install: $(RUN_STAMP)
+
+run: $(RUN_STAMP)
 	$(BIN)/pan2-render run jobs/quickstart.yaml --out renders/quickstart
+	@echo ">> pan2-render is installed in $(VENV): 'source $(VENV)/bin/activate' puts it on PATH (README.md, First five minutes)"
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q
 
 clean:

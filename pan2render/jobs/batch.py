@@ -400,7 +400,23 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
 }
 
 
+# Names other tools give our fields (diffusers' pipeline arguments, FastVideo's flags, Wan2.2's
+# config keys): a batch or flag using one gets our name as its did-you-mean, never a silent rename.
+ALIASES: dict[str, str] = {
+    "num_inference_steps": "steps", "sample_steps": "steps",
+    "guidance_scale": "guidance", "sample_guide_scale": "guidance", "cfg_scale": "guidance",
+    "num_frames": "frames", "frame_num": "frames",
+    "shift": "flow_shift", "sample_shift": "flow_shift",
+    "sample_solver": "sampler", "scheduler": "sampler",
+    "base_seed": "seed", "sample_fps": "fps", "frame_rate": "fps", "num_gpus": "gpus",
+    "image_path": "image", "negative": "negative_prompt",
+    "model_path": "model", "pretrained_model_name_or_path": "model", "checkpoint": "model",
+}
+
+
 def _did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:
+    if ALIASES.get(word) in choices:
+        return f" (did you mean {ALIASES[word]!r}? {word!r} is another tool's name for it)"
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     if not close and len(word) >= 3:  # a truncated name: "tiny" for "tiny-preview"
         close = [c for c in choices if c.startswith(word)][:1]
@@ -450,6 +466,145 @@ def list_presets() -> dict[str, dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------------------------------
+# Command-line overrides
+
+
+# What ``--set`` may change: the batch's model and preset, and any field ``defaults`` may set.
+SET_KEYS = ("model", "preset") + DEFAULTS_KEYS
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """``--set key=value`` and ``--sweep key=a,b,c`` as typed, in order. Kept as text so the ledger
+    records exactly what was asked and a later load validates it the same way."""
+
+    sets: tuple[str, ...] = ()
+    sweeps: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, list[str]]:
+        return {"set": list(self.sets), "sweep": list(self.sweeps)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, list[str]] | None) -> "Overrides":
+        d = d or {}
+        return cls(sets=tuple(d.get("set", ())), sweeps=tuple(d.get("sweep", ())))
+
+    def flags(self) -> list[str]:
+        """The command-line flags that give these overrides (for messages and hints)."""
+        return [f for s in self.sets for f in ("--set", s)] + [f for s in self.sweeps for f in ("--sweep", s)]
+
+
+def _flag_scalar(text: str) -> Any:
+    """A flag's value read as a YAML scalar, as if written in the batch (``4`` int, ``2.5`` float,
+    ``euler`` str); raises _Bad for YAML that is not a plain scalar."""
+    try:
+        value = yaml.safe_load(text) if text.strip() else text
+    except yaml.YAMLError as exc:
+        raise _Bad(f"{text!r} is not a plain value ({str(exc).splitlines()[0]})") from None
+    if isinstance(value, (dict, list)):
+        raise _Bad(f"got {text!r}; a flag value must be a single number or word (no YAML lists or mappings)")
+    return value
+
+
+@dataclass
+class _FlagValues:
+    """Overrides validated: model, preset and job fields from ``--set``, axes from ``--sweep``."""
+
+    model: str | None = None
+    preset: tuple[str, dict[str, Any]] | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+    field_flags: dict[str, str] = field(default_factory=dict)  # key -> the --set flag as typed
+    axes: dict[str, list[Any]] = field(default_factory=dict)  # key -> values, from --sweep
+
+    @classmethod
+    def parse(cls, overrides: Overrides, ctx: _Ctx) -> "_FlagValues":
+        out = cls()
+        given: dict[str, str] = {}  # key -> the flag that gave it first
+        for kind, items, allowed in (("--set", overrides.sets, SET_KEYS), ("--sweep", overrides.sweeps, SWEEP_KEYS)):
+            for item in items:
+                flag = f"{kind} {item}"
+                key, sep, text = item.partition("=")
+                key = key.strip()
+                # Flags have no file: their problems are located by the flag as typed (line 0).
+                fctx = _Ctx(display=flag, base_dir=Path.cwd(), check_files=ctx.check_files,
+                            check_model=ctx.check_model, problems=ctx.problems)
+                if not sep or not key:
+                    example = "steps=4" if kind == "--set" else "seed=0,1,2"
+                    fctx.problem(0, "(flag)", f"must look like key=value, e.g. {kind} {example}")
+                    continue
+                if key not in allowed:
+                    fctx.problem(0, key, f"unknown key {key!r}{_did_you_mean(key, allowed)}; allowed: "
+                                         f"{', '.join(allowed)}")
+                    continue
+                if key in given:  # also a field both set and swept
+                    fctx.problem(0, key, f"{key!r} is given again (first by `{given[key]}`); give it once")
+                    continue
+                given[key] = flag
+                if kind == "--set":
+                    out._set(key, text, fctx)
+                else:
+                    out._sweep(key, text, fctx)
+        return out
+
+    def _set(self, key: str, text: str, fctx: _Ctx) -> None:
+        try:
+            value = _flag_scalar(text)
+        except _Bad as exc:
+            fctx.problem(0, key, str(exc))
+            return
+        node = _Node(value, 0)
+        if key == "model":
+            self.model = _parse_model(node, fctx)
+        elif key == "preset":
+            self.preset = _parse_preset(node, fctx)
+        else:
+            checked = _fields({key: node}, DEFAULTS_KEYS, "", fctx.display, fctx.problems)
+            if key in checked:
+                try:
+                    self.fields[key] = _flag_path(key, checked[key], fctx)
+                except _Bad as exc:
+                    fctx.problem(0, key, str(exc))
+                    return
+                self.field_flags[key] = fctx.display
+
+    def _sweep(self, key: str, text: str, fctx: _Ctx) -> None:
+        values: list[Any] = []
+        for i, part in enumerate(text.split(",")):
+            try:
+                values.append(_flag_path(key, _CHECKS[key](_flag_scalar(part.strip())), fctx))
+            except _Bad as exc:
+                fctx.problem(0, f"{key}[{i}]", str(exc))
+        repeated = sorted({repr(v) for v in values if values.count(v) > 1})
+        if repeated:
+            fctx.problem(0, key, f"values {', '.join(repeated)} appear more than once; each sweep value must "
+                                 "be distinct")
+        self.axes[key] = values
+
+    def apply_to_sweep(self, sweep: dict[str, list[Any]], node: _Node | None,
+                       ctx: _Ctx) -> dict[str, list[Any]]:
+        """The file's sweep with --sweep axes added or replacing its own; a --set of a field the
+        sweep varies is refused (which value would win is not obvious: --sweep says it)."""
+        for key in self.fields:
+            if key in sweep and key not in self.axes:
+                line = node.value[key].line if node is not None and isinstance(node.value, dict) else 1
+                ctx.problem(0, key, f"the batch sweeps {key!r} ({ctx.display}:{line}); to fix it to one "
+                                    f"value use --sweep {key}=VALUE, which replaces the axis",
+                            self.field_flags[key])
+        return {**sweep, **self.axes}
+
+
+def _flag_path(key: str, value: Any, fctx: _Ctx) -> Any:
+    """A path given on the command line is relative to the working folder, not the batch."""
+    if key != "image":
+        return value
+    path = (fctx.base_dir / Path(value).expanduser()).resolve()
+    if fctx.check_files and not path.is_file():
+        raise _Bad(f"image {str(path)!r} does not exist; allowed: a path to an image file, relative to the "
+                   "folder the command runs in")
+    return str(path)
+
+
+# --------------------------------------------------------------------------------------------------
 # The batch
 
 
@@ -487,6 +642,7 @@ class _Ctx:
     display: str  # the batch path as the user gave it, for messages
     base_dir: Path  # absolute folder of the batch file
     check_files: bool
+    check_model: bool = True
     problems: list[Problem] = field(default_factory=list)
     image_hashes: dict[str, str] = field(default_factory=dict)  # per load: an edited image re-hashes
 
@@ -494,10 +650,15 @@ class _Ctx:
         self.problems.append(Problem(SourceLocation(display or self.display, line), fld, message))
 
 
-def load_batch(path: str | Path, *, check_files: bool = True) -> Batch:
-    """Parse, validate and resolve a batch file; raise BatchValidationError listing every problem."""
+def load_batch(path: str | Path, *, check_files: bool = True, check_model: bool = True,
+               overrides: Overrides | None = None) -> Batch:
+    """Parse, validate and resolve a batch file; raise BatchValidationError listing every problem.
+
+    ``check_model=False`` plans without the checkpoint (dry runs); ``overrides`` are the
+    command line's ``--set``/``--sweep``, validated like the file and reported by flag."""
     batch_path = Path(path)
-    ctx = _Ctx(display=str(path), base_dir=batch_path.absolute().parent, check_files=check_files)
+    ctx = _Ctx(display=str(path), base_dir=batch_path.absolute().parent, check_files=check_files,
+               check_model=check_model)
     text = _read_text(batch_path, ctx.display, ctx.problems, what="batch file", limit=LIMITS.batch_bytes)
     root = None if text is None else _YamlReader(ctx.display, ctx.problems).read(text)
     if ctx.problems:
@@ -512,11 +673,13 @@ def load_batch(path: str | Path, *, check_files: bool = True) -> Batch:
             ctx.problem(node.line, key, f"unknown top-level key {key!r}{_did_you_mean(key, TOP_LEVEL_KEYS)}; "
                                         f"allowed: {', '.join(TOP_LEVEL_KEYS)}")
 
-    model = _parse_model(top.get("model"), ctx)
-    preset_name, preset = _parse_preset(top.get("preset"), ctx)
+    flags = _FlagValues.parse(overrides or Overrides(), ctx)
+    model = flags.model if flags.model is not None else _parse_model(top.get("model"), ctx)
+    preset_name, preset = flags.preset if flags.preset is not None else _parse_preset(top.get("preset"), ctx)
     defaults = _parse_defaults(top.get("defaults"), ctx)
     raw_jobs = _parse_jobs(top.get("jobs"), ctx) + _parse_prompts_file(top.get("prompts_file"), ctx)
     sweep = _parse_sweep(top.get("sweep"), ctx)
+    sweep = flags.apply_to_sweep(sweep, top.get("sweep"), ctx)
     defaults_lines = {k: n.line for k, n in top["defaults"].value.items()} if defaults else {}
     for raw in [*raw_jobs, _RawJob(defaults, SourceLocation(ctx.display, 1), "defaults", ctx.base_dir,
                                    defaults_lines)]:
@@ -542,7 +705,7 @@ def load_batch(path: str | Path, *, check_files: bool = True) -> Batch:
         weights, files = folder_fingerprint(Path(model))
         weights_files = {rel: {"size": fp.size, "sampled_sha256": fp.sampled_sha256} for rel, fp in files.items()}
     jobs = _expand(raw_jobs, model=model, weights=weights, preset_name=preset_name, preset=preset,
-                   defaults=defaults, sweep=sweep, ctx=ctx)
+                   defaults=defaults, sets=flags.fields, sweep=sweep, ctx=ctx)
     _check_cost(jobs, ctx)
     _check_unique(jobs, ctx)
     if ctx.problems:
@@ -591,7 +754,7 @@ def _parse_model(node: _Node | None, ctx: _Ctx) -> str:
         ctx.problem(node.line, "model", str(exc))
         return TINY_MODEL
     folder = (ctx.base_dir / Path(node.value).expanduser()).resolve()
-    if ctx.check_files:
+    if ctx.check_files and ctx.check_model:
         if not folder.is_dir():
             ctx.problem(node.line, "model", f"checkpoint folder {str(folder)!r} does not exist; allowed: {allowed}")
         elif not (folder / "model_index.json").is_file():
@@ -806,14 +969,16 @@ def _name_jobs(raw_jobs: list[_RawJob], ctx: _Ctx) -> None:
 
 
 def _expand(raw_jobs: list[_RawJob], *, model: str, weights: str | None, preset_name: str, preset: dict[str, Any],
-            defaults: dict[str, Any], sweep: dict[str, list[Any]], ctx: _Ctx) -> list[JobSpec]:
-    """Resolve every job under every sweep combination: built-in < preset < defaults < job < sweep."""
+            defaults: dict[str, Any], sets: dict[str, Any], sweep: dict[str, list[Any]],
+            ctx: _Ctx) -> list[JobSpec]:
+    """Resolve every job under every sweep combination:
+    built-in < preset < defaults < job < --set < sweep (from the file or --sweep)."""
     keys = list(sweep)
     combos = [dict(zip(keys, values)) for values in itertools.product(*(sweep[k] for k in keys))]
     jobs: list[JobSpec] = []
     for raw in raw_jobs:
         for combo in combos:  # [{}] when there is no sweep
-            merged = {**BUILTIN_DEFAULTS, **preset, **defaults, **raw.fields, **combo}
+            merged = {**BUILTIN_DEFAULTS, **preset, **defaults, **raw.fields, **sets, **combo}
             if "image" in combo and combo["image"] is not None:
                 merged["image"] = str((ctx.base_dir / Path(combo["image"]).expanduser()).resolve())
             image = merged["image"]

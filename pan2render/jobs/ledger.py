@@ -390,6 +390,13 @@ class Ledger:
                 c.execute("UPDATE stages SET state = ? WHERE job_id = ? AND state = ?",
                           (StageState.PENDING.value, job_id, StageState.RUNNING.value))
             self._event(c, job_id, f"{job.state.value}->{new.value}", reason)
+            if keep_error and error_stage is not None:
+                # The failed stage's row keeps only its latest traceback; this attempt's is kept
+                # with its events so `show` can list every attempt's.
+                row = c.execute("SELECT traceback FROM stages WHERE job_id = ? AND stage = ?",
+                                (job_id, error_stage.value)).fetchone()
+                if row and row[0]:
+                    self._event(c, job_id, "traceback", row[0])
         if event is JobEvent.FINISH:
             self.backup_quietly()  # a safe point: a damaged ledger then loses at most this job
         return new

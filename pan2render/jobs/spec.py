@@ -32,13 +32,14 @@ LATER_RENDER_FIELDS: dict[str, Any] = {"weights": None, "timesteps": None, "enco
 
 @dataclass(frozen=True)
 class SourceLocation:
-    """Where a value came from, for error messages: ``file:line``."""
+    """Where a value came from, for error messages: ``file:line``, or a command-line flag as typed
+    (``--set steps=x``), which has no line: ``line`` 0."""
 
     file: str
     line: int
 
     def __str__(self) -> str:
-        return f"{self.file}:{self.line}"
+        return self.file if self.line == 0 else f"{self.file}:{self.line}"
 
 
 @dataclass(frozen=True)

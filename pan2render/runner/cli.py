@@ -1,73 +1,91 @@
-"""``pan2-render``: run / resume / status / validate / report.
+"""``pan2-render``: run / resume / status / show / validate / report / repair / presets.
 
 Exit codes: 0 every job done, 1 some job failed, 2 invalid input or usage (nothing written),
 3 the environment failed (disk full, permission, damaged ledger, lost cluster: one paragraph on the
-terminal, the traceback in DIR/_logs/), 130 interrupted.
+terminal, the traceback in DIR/_logs/), 130 interrupted (Ctrl-C, SIGTERM or SIGHUP; finished
+stages kept, `resume` continues).
 Environment (for tests and debugging, not user settings):
-    PAN2_RENDER_PIPELINE  "module:callable(model, device)" that builds the pipeline in each worker
-    PAN2_RENDER_FAULTS    JSON test hooks for the workers (see RenderWorker._maybe_crash/_fault)
     PAN2_RENDER_EXECUTOR  "local": run jobs in this process (LocalExecutor), no Ray; for tests of the
                           CLI's behaviour around the driver (ledger, disk, messages)
+    PAN2_RENDER_PIPELINE  "module:callable(model, device)" that builds the pipeline in each worker
+    PAN2_RENDER_FAULTS    JSON test hooks for the workers (see RenderWorker._maybe_crash/_fault)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
+import signal
+import socket
 import sys
+import threading
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import pan2render
 from pan2render.jobs import disk
+from pan2render.jobs.batch import Overrides, list_presets
 from pan2render.jobs.ledger import LEDGER_NAME, FolderLock, FolderLockedError, JobRecord, JobState, Ledger
 from pan2render.jobs.spec import Batch, BatchValidationError, JobSpec
 from pan2render.runner import errors
-from pan2render.runner.driver import Driver, DriverConfig, RunSummary, prepare_jobs
-from pan2render.runner.groups import (  # ray is imported only on use
-    ClusterConnectError,
-    Executor,
-    LocalExecutor,
-    RayExecutor,
-)
-from pan2render.runner.stages import estimated_bytes
-from pan2render.runner.worker import DEFAULT_PIPELINE_FACTORY, WorkerConfig
+from pan2render.runner.progress import RUN_LOG_NAME, RunLog, RunProgress
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENVIRONMENT = 0, 1, 2, 3
+# The driver, the groups and the workers import torch (seconds); commands that read a batch or a
+# ledger (--version, presets, validate, show) do without them, so they are imported on use.
+if TYPE_CHECKING:
+    from pan2render.runner.driver import RunSummary
+    from pan2render.runner.groups import Executor
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENVIRONMENT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)  # argparse exits 2 on usage errors
+    renders = args.command in ("run", "resume") and not getattr(args, "dry_run", False)
     try:
-        return int(args.func(args))
+        with _stop_signals_interrupt() if renders else contextlib.nullcontext():
+            return int(args.func(args))
     except FolderLockedError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _err(f"error: {e}")
         return EXIT_USAGE
-    except ClusterConnectError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    except BrokenPipeError:  # `pan2-render status DIR | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except KeyboardInterrupt:
-        where = getattr(args, "out", None) or getattr(args, "dir", None) or "DIR"
-        print(f"\ninterrupted; finished stages are kept: `pan2-render resume {where}` continues",
-              file=sys.stderr)
-        return 130
+        if renders:
+            where = getattr(args, "out", None) or getattr(args, "dir", None)
+            by = f" by {_stopped_by[-1]}" if _stopped_by else ""
+            _err(f"\ninterrupted{by}; finished stages are kept: `{_me()} resume {where}` continues")
+        return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - never a traceback on the terminal: one paragraph + a log
         folder = getattr(args, "out", None) or getattr(args, "dir", None)
         log = errors.write_log(folder, traceback.format_exc())
-        print(f"error: {errors.explain(e, folder=folder)}"
-              + (f"\n(details: {log})" if log is not None else ""), file=sys.stderr)
+        _err(f"error: {errors.explain(e, folder=folder)}" + (f"\n(details: {log})" if log is not None else ""))
         return EXIT_ENVIRONMENT
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pan2-render", description="Render PAN2 / Wan2.2 video batches on Ray.")
+    p.add_argument("--version", action="version", version=f"pan2-render {pan2render.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
+    def override_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
+                        help="override for every job, after the batch's defaults and the jobs' own values: "
+                             "a job field (steps=4), model=tiny or model=PATH, preset=NAME (repeatable)")
+        sp.add_argument("--sweep", action="append", default=[], metavar="KEY=A,B,C", dest="sweeps",
+                        help="sweep a job field over these values, adding or replacing the batch's axis "
+                             "(repeatable; axes multiply)")
+
     def cluster_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--address", help="join this Ray cluster (e.g. ray://head:10001 or auto); "
-                                          "default: start a local one")
+        sp.add_argument("--address", help="join this Ray cluster (auto, HOST:6379, or ray://HOST:10001 with "
+                                          "the client extra); default: start a local one")
         sp.add_argument("--cpu-gpus", type=int, metavar="N",
                         help="declare N logical GPUs on a CPU-only machine (groups of N run on CPU, gloo)")
         sp.add_argument("--retries", type=int, default=2, metavar="N", help="retries per job (default 2)")
@@ -78,12 +96,16 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--cluster-wait", type=float, default=300.0, metavar="S",
                         help="seconds to wait for GPUs to come back after the cluster lost them (a node "
                              "died) before the batch stops, its jobs pending and uncharged (default 300)")
-        sp.add_argument("--no-progress", action="store_true", help="no progress bars (plain log lines)")
+        sp.add_argument("--no-progress", action="store_true",
+                        help="plain lines even on a terminal (one per job event, a summary each minute)")
 
     r = sub.add_parser("run", help="render a batch into an output folder")
     r.add_argument("batch", type=Path)
     r.add_argument("--out", type=Path, required=True, metavar="DIR")
-    r.add_argument("--dry-run", action="store_true", help="validate and list the jobs; write nothing")
+    r.add_argument("--dry-run", action="store_true",
+                   help="plan only: the jobs, and an estimate of GPU and wall time; needs no checkpoint, "
+                        "writes nothing")
+    override_args(r)
     cluster_args(r)
     r.set_defaults(func=cmd_run)
 
@@ -95,10 +117,22 @@ def _parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="where each job of an output folder stands")
     st.add_argument("dir", type=Path)
     st.add_argument("--json", action="store_true")
+    st.add_argument("--watch", type=float, nargs="?", const=5.0, metavar="S",
+                    help="redraw every S seconds (default 5) until the run holding the folder ends")
     st.set_defaults(func=cmd_status)
 
-    v = sub.add_parser("validate", help="check a batch file and list its jobs")
+    sh = sub.add_parser("show", help="one job: its spec, stages, every attempt with its error and traceback, "
+                                     "its events")
+    sh.add_argument("dir", type=Path)
+    sh.add_argument("job", help="a job id, a unique id prefix, or a unique name")
+    sh.set_defaults(func=cmd_show)
+
+    v = sub.add_parser("validate", help="check a batch file and plan it (no checkpoint needed)")
     v.add_argument("batch", type=Path)
+    v.add_argument("--out", type=Path, metavar="DIR",
+                   help="the output folder it would render into: its jobs already done are skipped, and its "
+                        "and its neighbours' ledgers give the estimate")
+    override_args(v)
     v.set_defaults(func=cmd_validate)
 
     rep = sub.add_parser("report", help="write DIR/index.html (every video inline, sweep grids, errors); "
@@ -113,50 +147,27 @@ def _parser() -> argparse.ArgumentParser:
                                                 "and are not in the backup")
     fix.add_argument("--retries", type=int, default=2, metavar="N", help="retry budget of rebuilt jobs")
     fix.set_defaults(func=cmd_repair)
+
+    pr = sub.add_parser("presets", help="list the presets and their fields")
+    pr.set_defaults(func=cmd_presets)
     return p
 
 
-# ---------------------------------------------------------------------- commands
-def _load(batch_path: Path) -> Batch | None:
-    from pan2render.jobs.batch import load_batch  # noqa: PLC0415
-
-    try:
-        return load_batch(batch_path)
-    except BatchValidationError as e:
-        print(f"error: {batch_path}: {len(e.problems)} problem(s); nothing was run:", file=sys.stderr)
-        for problem in e.problems:
-            print(f"  {problem}", file=sys.stderr)
-        return None
-
-
-def cmd_validate(args: argparse.Namespace) -> int:
-    batch = _load(args.batch)
-    if batch is None:
-        return EXIT_USAGE
-    _print_jobs(batch.jobs, done=set())
-    print(f"{args.batch}: valid, {len(batch.jobs)} job(s)")
-    return EXIT_OK
-
-
+# ====================================================================== run
 def cmd_run(args: argparse.Namespace) -> int:
     if (err := _check_cluster_args(args)) is not None:
         return err
-    batch = _load(args.batch)
+    overrides = Overrides(sets=tuple(args.sets), sweeps=tuple(args.sweeps))
+    batch = _load(args.batch, overrides, check_model=not args.dry_run)
     if batch is None:
         return EXIT_USAGE  # nothing written: the out folder is created only after validation
     out: Path = args.out
     if out.exists() and not out.is_dir():
-        print(f"error: --out {out} is a file, not a folder; name a new or existing folder", file=sys.stderr)
+        _err(f"error: --out {out} is a file, not a folder; name a new or existing folder")
         return EXIT_USAGE
     if args.dry_run:
-        done: set[str] = set()
-        if (out / LEDGER_NAME).is_file():
-            ledger = Ledger.open_readonly(out)
-            done = {j.id for j in ledger.jobs() if j.state is JobState.DONE}
-            ledger.close()
-        _print_jobs(batch.jobs, done=done)
-        print(f"dry run: {len(batch.jobs) - len(done & {j.job_id for j in batch.jobs})} job(s) would "
-              f"render into {out}; nothing written")
+        _print_plan(batch, out, args)
+        print(f"dry run: nothing written to {out}")
         return EXIT_OK
     out.mkdir(parents=True, exist_ok=True)
     with FolderLock(out):
@@ -164,22 +175,26 @@ def cmd_run(args: argparse.Namespace) -> int:
             ledger = Ledger.open(out)
         except Exception as e:  # noqa: BLE001 - told apart by errors.explain
             raise errors.NothingRecorded(e) from e
+        log = RunLog(out / RUN_LOG_NAME)
         try:
             previous = ledger.get_meta("batch") or {}
             try:
                 added, present = ledger.record_batch(
                     {"path": batch.path, "model": batch.model, "preset": batch.preset,
-                     "weights_files": batch.weights_files}, batch.jobs, retries=args.retries)
+                     "weights_files": batch.weights_files, "overrides": overrides.to_json()},
+                    batch.jobs, retries=args.retries)
             except Exception as e:  # noqa: BLE001
                 raise errors.NothingRecorded(e) from e
-            _note_superseded(ledger, batch, set(added), previous.get("weights_files") or {})
+            log.line(f"run {args.batch} {' '.join(overrides.flags())}".rstrip())
+            _note_superseded(ledger, batch, set(added), previous.get("weights_files") or {}, log)
             ids = [j.job_id for j in batch.jobs]
-            _warn_if_short_of_space(out, [j for j in ledger.jobs(added)])
+            _warn_if_short_of_space(out, [j for j in ledger.jobs(added)], log)
             n_done = sum(j.state is JobState.DONE for j in ledger.jobs(present))
-            print(f"{out}: {len(added)} new job(s), {len(present)} already in the ledger "
-                  f"({n_done} done, skipped unless their video is corrupt)", file=sys.stderr)
-            return _drive(args, out, ledger, ids)
+            log.line(f"{out}: {len(added)} new job(s), {len(present)} already in the ledger "
+                     f"({n_done} done, skipped unless their video is corrupt); log: {out / RUN_LOG_NAME}")
+            return _drive(args, out, ledger, ids, log, flags=overrides.flags())
         finally:
+            log.close()
             ledger.close()
 
 
@@ -188,17 +203,22 @@ def cmd_resume(args: argparse.Namespace) -> int:
         return err
     out: Path = args.dir
     if not (out / LEDGER_NAME).is_file():
-        print(f"error: {out} has no {LEDGER_NAME}: nothing to resume (start with `pan2-render run "
-              f"BATCH --out {out}`)", file=sys.stderr)
+        _err(f"error: {out} has no {LEDGER_NAME}: nothing to resume (start with `{_me()} run BATCH --out {out}`)")
         return EXIT_USAGE
     with FolderLock(out):
         if not _holds_a_batch(out, "nothing was resumed"):  # checked read-only: an empty file stays so
             return EXIT_USAGE
         ledger = Ledger.open(out)
+        log = RunLog(out / RUN_LOG_NAME)
         try:
-            _warn_if_short_of_space(out, [j for j in ledger.jobs() if j.state is not JobState.DONE])
-            return _drive(args, out, ledger, [j.id for j in ledger.jobs()])
+            batch = ledger.get_meta("batch", {})
+            # The recorded specs are the batch as run, --set/--sweep applied: resume repeats them.
+            flags = Overrides.from_json(batch.get("overrides")).flags()
+            log.line(f"resume {out}: batch {batch.get('path', '?')} {' '.join(flags)}".rstrip())
+            _warn_if_short_of_space(out, [j for j in ledger.jobs() if j.state is not JobState.DONE], log)
+            return _drive(args, out, ledger, [j.id for j in ledger.jobs()], log, flags=flags)
         finally:
+            log.close()
             ledger.close()
 
 
@@ -210,10 +230,9 @@ def _holds_a_batch(out: Path, consequence: str) -> bool:
             return True
     finally:
         ledger.close()
-    print(f"error: the ledger {ledger.path} holds no batch (the batch was never recorded, or the file was "
+    _err(f"error: the ledger {ledger.path} holds no batch (the batch was never recorded, or the file was "
           f"emptied); {consequence}. Start the batch with `pan2-render run BATCH --out {out}`, or if it had "
-          f"run, `pan2-render repair {out}` rebuilds the ledger from its backup and the artifacts",
-          file=sys.stderr)
+          f"run, `pan2-render repair {out}` rebuilds the ledger from its backup and the artifacts")
     return False
 
 
@@ -222,73 +241,110 @@ def cmd_repair(args: argparse.Namespace) -> int:
 
     out: Path = args.dir
     if not out.is_dir():
-        print(f"error: {out} is not a folder; nothing to repair", file=sys.stderr)
+        _err(f"error: {out} is not a folder; nothing to repair")
         return EXIT_USAGE
     batch = None
     if args.batch is not None:
-        batch = _load(args.batch)
+        batch = _load(args.batch, Overrides(), check_model=True)
         if batch is None:
             return EXIT_USAGE
     with FolderLock(out):
-        summary = repair(out, batch=batch, retries=args.retries, say=lambda s: print(s, file=sys.stderr))
-    print(summary.describe(), file=sys.stderr)
+        summary = repair(out, batch=batch, retries=args.retries, say=_err)
+    _err(summary.describe())
     return EXIT_OK if summary.jobs else EXIT_FAILED
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    from pan2render.runner.report import format_table, job_statuses  # noqa: PLC0415
+def _drive(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str], log: RunLog, *,
+           flags: list[str]) -> int:
+    from pan2render.runner.driver import Driver, DriverConfig, prepare_jobs  # noqa: PLC0415
+    from pan2render.runner.groups import ClusterConnectError  # noqa: PLC0415
 
-    try:
-        if not _holds_a_batch(args.dir, "there is no status to show"):
-            return EXIT_USAGE
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
+    config = DriverConfig(retries=args.retries, progress=not args.no_progress,
+                          group_start_timeout_s=args.group_start_timeout, cluster_wait_s=args.cluster_wait)
+    if not ids:
+        log.line(f"error: the ledger {ledger.path} holds no jobs; nothing was run")
         return EXIT_USAGE
-    ledger = Ledger.open_readonly(args.dir)
+    jobs = ledger.jobs(ids)
+    prepare_jobs(out_dir=out, ledger=ledger, job_ids=ids, retries=args.retries, say=log.line)
+    if all(j.state is JobState.DONE for j in ledger.jobs(ids)):
+        # Every job done and its video intact: no workers needed, so Ray never starts.
+        log.line(f"all {len(ids)} job(s) already done in {out}")
+        return EXIT_OK
     try:
-        rows = job_statuses(args.dir, ledger)
+        executor = _make_executor(args, max_gpus=max(j.spec.gpus for j in jobs), log=log)
+    except ClusterConnectError as e:
+        log.line(f"error: {e}")
+        return EXIT_USAGE
+    # ray.init installs its own SIGTERM handler, which aborts the process: ours again.
+    _install_stop_handlers()
+    try:
+        if executor.worker_logs:
+            log.line(f"Ray's worker logs: {executor.worker_logs}")
+        ledger.set_meta("runs", [*ledger.get_meta("runs", []), {
+            "command": args.command, "started": time.time(), "pid": os.getpid(), "host": socket.gethostname(),
+            "flags": flags, "gpus": executor.total_gpus()}])
+        progress = RunProgress(log=log, live=config.progress and log.is_terminal)
+        summary = _run_with_report(out, log, lambda on_job_end: Driver(
+            out_dir=out, ledger=ledger, executor=executor, config=config, progress=progress,
+            on_job_end=on_job_end).run(ids, prepared=True))
     finally:
-        ledger.close()
-    if args.json:
-        print(json.dumps([r.to_json() for r in rows], indent=1))
-    else:
-        print(format_table(rows))
-    return EXIT_FAILED if any(r.state == "failed" or r.problem for r in rows) else EXIT_OK
+        executor.shutdown()
+    _print_summary(out, summary, log)
+    return summary.exit_code
 
 
-def cmd_report(args: argparse.Namespace) -> int:
-    from pan2render.runner.report import open_in_browser, write_report  # noqa: PLC0415
+def _run_with_report(out: Path, log: RunLog, run: Callable[[Callable[[], None]], RunSummary]) -> RunSummary:
+    """Run the driver, keeping DIR/index.html current as jobs end and writing it once more at the
+    end, however the run ends."""
+    from pan2render.runner.report import ReportUpdater  # noqa: PLC0415
 
-    if not (args.dir / LEDGER_NAME).is_file():
-        print(f"error: {args.dir} has no {LEDGER_NAME}; nothing to report", file=sys.stderr)
-        return EXIT_USAGE
-    path = write_report(args.dir)
-    print(path)
-    if args.open and not open_in_browser(path):
-        print(f"no web browser found; open {path.resolve().as_uri()}", file=sys.stderr)
-    return EXIT_OK
+    report = ReportUpdater(out, say=log.line)
+    try:
+        return run(report.request)
+    finally:
+        if (path := report.close()) is not None:
+            log.line(f"report: {path}")
 
 
-# ---------------------------------------------------------------------- helpers
-def _check_cluster_args(args: argparse.Namespace) -> int | None:
-    if args.retries < 0:
-        print(f"error: --retries {args.retries}: must be >= 0", file=sys.stderr)
-        return EXIT_USAGE
-    if not args.group_start_timeout > 0:
-        print(f"error: --group-start-timeout {args.group_start_timeout}: must be > 0 seconds", file=sys.stderr)
-        return EXIT_USAGE
-    if not args.cluster_wait >= 0:
-        print(f"error: --cluster-wait {args.cluster_wait}: must be >= 0 seconds", file=sys.stderr)
-        return EXIT_USAGE
-    if args.cpu_gpus is not None and args.cpu_gpus < 1:
-        print(f"error: --cpu-gpus {args.cpu_gpus}: must be >= 1", file=sys.stderr)
-        return EXIT_USAGE
-    if args.cpu_gpus is not None and _address(args):
-        given = "--address" if args.address else f"RAY_ADDRESS={os.environ['RAY_ADDRESS']} (set in the environment)"
-        print(f"error: --cpu-gpus declares GPUs of a LOCAL cluster; it cannot be used with {given}",
-              file=sys.stderr)
-        return EXIT_USAGE
-    return None
+def _make_executor(args: argparse.Namespace, *, max_gpus: int, log: RunLog) -> Executor:
+    from pan2render.runner.groups import LocalExecutor, RayExecutor  # noqa: PLC0415 - ray only here
+    from pan2render.runner.worker import DEFAULT_PIPELINE_FACTORY, WorkerConfig  # noqa: PLC0415
+
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # no uv-run runtime env probing
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    faults = json.loads(os.environ.get("PAN2_RENDER_FAULTS", "{}"))
+    factory = os.environ.get("PAN2_RENDER_PIPELINE", DEFAULT_PIPELINE_FACTORY)
+    if os.environ.get("PAN2_RENDER_EXECUTOR") == "local":
+        return LocalExecutor(gpus=args.cpu_gpus or max_gpus,
+                             config=WorkerConfig(pipeline_factory=factory, faults=faults))
+    cpus = os.cpu_count() or 1
+    if _address(args):
+        return RayExecutor(address=_address(args), gpus=None, cpus=None,
+                           config=WorkerConfig(pipeline_factory=factory, faults=faults))
+    import ray  # noqa: PLC0415
+
+    gpus, cuda, why = _local_gpus(args.cpu_gpus, max_gpus=max_gpus)
+    if ray.is_initialized():  # embedded in a process already connected to a cluster (tests)
+        gpus = int(ray.cluster_resources().get("GPU", 0)) or 1
+    elif why:
+        log.line(why)
+    threads = None if cuda and args.cpu_gpus is None else max(1, cpus // gpus)
+    return RayExecutor(address=None, gpus=gpus, cpus=cpus,
+                       config=WorkerConfig(pipeline_factory=factory, faults=faults, threads=threads))
+
+
+def _local_gpus(cpu_gpus: int | None, *, max_gpus: int) -> tuple[int, int, str | None]:
+    """(GPUs a local cluster gets, CUDA devices found, a note for the user when they are logical)."""
+    import torch  # noqa: PLC0415
+
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cpu_gpus is not None:
+        return cpu_gpus, cuda, None
+    if cuda:
+        return cuda, cuda, None
+    # A CPU-only machine: logical GPUs, enough for the largest group.
+    return max_gpus, 0, (f"no CUDA GPU found: running on CPU with {max_gpus} logical GPU(s) "
+                         f"(set --cpu-gpus N to change)")
 
 
 def _address(args: argparse.Namespace) -> str | None:
@@ -297,7 +353,8 @@ def _address(args: argparse.Namespace) -> str | None:
     return args.address or os.environ.get("RAY_ADDRESS") or None
 
 
-def _note_superseded(ledger: Ledger, batch: Batch, added: set[str], old_files: dict[str, Any]) -> None:
+def _note_superseded(ledger: Ledger, batch: Batch, added: set[str], old_files: dict[str, Any],
+                     log: RunLog) -> None:
     """A new job that is an old one with other weights (same name, sweep values and model path):
     the checkpoint was replaced in place. Say so, in the ledger and here, naming the files."""
     def key(spec: JobSpec) -> str:
@@ -312,102 +369,226 @@ def _note_superseded(ledger: Ledger, batch: Batch, added: set[str], old_files: d
         if spec.job_id in added and prev is not None and prev.spec.weights != spec.weights:
             why = f"the weights in {spec.model} changed" + (f" ({files})" if files else "")
             ledger.log(prev.id, "superseded", f"by {spec.job_id}: {why}")
-            print(f"{prev.id} is superseded by {spec.job_id}: {why}", file=sys.stderr)
+            log.line(f"{prev.id} is superseded by {spec.job_id}: {why}")
 
 
-def _warn_if_short_of_space(out: Path, jobs: list[JobRecord]) -> None:
+def _warn_if_short_of_space(out: Path, jobs: list[JobRecord], log: RunLog) -> None:
     """Before starting: warn (only) when the unfinished jobs' artifacts may not fit. An estimate:
     each write is checked against its real size, and a full disk stops the batch cleanly."""
+    from pan2render.runner.stages import estimated_bytes  # noqa: PLC0415 - imports torch
+
     need = sum(estimated_bytes(j.spec) for j in jobs)
     free = disk.free_bytes(out)
     if need + disk.HEADROOM_BYTES > free:
-        print(f"warning: {len(jobs)} job(s) need about {need / 2**30:.2f} GiB in {out} but only "
-              f"{free / 2**30:.2f} GiB is free; the batch will stop when the disk fills (`resume` "
-              f"continues once space is freed)", file=sys.stderr)
+        log.line(f"warning: {len(jobs)} job(s) need about {need / 2**30:.2f} GiB in {out} but only "
+                 f"{free / 2**30:.2f} GiB is free; the batch will stop when the disk fills (`resume` "
+                 f"continues once space is freed)")
 
 
-def _print_jobs(jobs: list[JobSpec], *, done: set[str]) -> None:
-    for j in jobs:
-        mark = "done, skip" if j.job_id in done else "to render"
-        print(f"  {j.job_id:55} {j.width}x{j.height}x{j.frames} {j.steps} steps  gpus {j.gpus}  "
-              f"seed {j.seed}  [{mark}]")
-
-
-def _drive(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str]) -> int:
-    """Run the jobs, keeping DIR/index.html current as they end and writing it once more at the
-    end, however the run ends."""
-    from pan2render.runner.report import ReportUpdater  # noqa: PLC0415
-
-    report = ReportUpdater(out, say=lambda s: print(s, file=sys.stderr))
-    try:
-        return _drive_jobs(args, out, ledger, ids, on_job_end=report.request)
-    finally:
-        if (path := report.close()) is not None:
-            print(f"report: {path}", file=sys.stderr)
-
-
-def _drive_jobs(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str], *,
-                on_job_end: Callable[[], None]) -> int:
-    config = DriverConfig(retries=args.retries, progress=not args.no_progress and sys.stderr.isatty(),
-                          group_start_timeout_s=args.group_start_timeout, cluster_wait_s=args.cluster_wait)
-    if not ids:
-        print(f"error: the ledger {ledger.path} holds no jobs; nothing was run", file=sys.stderr)
-        return EXIT_USAGE
-    jobs = ledger.jobs(ids)
-    prepare_jobs(out_dir=out, ledger=ledger, job_ids=ids, retries=args.retries,
-                 say=lambda s: print(s, file=sys.stderr))
-    if all(j.state is JobState.DONE for j in ledger.jobs(ids)):
-        # Every job done and its video intact: no workers needed, so Ray never starts.
-        print(f"all {len(ids)} job(s) already done in {out}", file=sys.stderr)
-        return EXIT_OK
-    executor = _make_executor(args, max_gpus=max(j.spec.gpus for j in jobs))
-    try:
-        driver = Driver(out_dir=out, ledger=ledger, executor=executor, config=config, on_job_end=on_job_end)
-        summary = driver.run(ids, prepared=True)
-    finally:
-        executor.shutdown()
-    _print_summary(out, summary)
-    return summary.exit_code
-
-
-def _make_executor(args: argparse.Namespace, *, max_gpus: int) -> Executor:
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # no uv-run runtime env probing
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    import torch  # noqa: PLC0415
-
-    faults = json.loads(os.environ.get("PAN2_RENDER_FAULTS", "{}"))
-    factory = os.environ.get("PAN2_RENDER_PIPELINE", DEFAULT_PIPELINE_FACTORY)
-    if os.environ.get("PAN2_RENDER_EXECUTOR") == "local":
-        return LocalExecutor(gpus=args.cpu_gpus or max_gpus,
-                             config=WorkerConfig(pipeline_factory=factory, faults=faults))
-    cpus = os.cpu_count() or 1
-    if _address(args):
-        return RayExecutor(address=_address(args), gpus=None, cpus=None,
-                           config=WorkerConfig(pipeline_factory=factory, faults=faults))
-    import ray  # noqa: PLC0415
-
-    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if ray.is_initialized():  # embedded in a process already connected to a cluster (tests)
-        gpus = int(ray.cluster_resources().get("GPU", 0)) or 1
-    elif args.cpu_gpus is not None:
-        gpus = args.cpu_gpus
-    elif cuda:
-        gpus = cuda
-    else:
-        gpus = max_gpus  # a CPU-only machine: logical GPUs, enough for the largest group
-        print(f"no CUDA GPU found: running on CPU with {gpus} logical GPU(s) "
-              f"(set --cpu-gpus N to change)", file=sys.stderr)
-    threads = None if cuda and args.cpu_gpus is None else max(1, cpus // gpus)
-    return RayExecutor(address=None, gpus=gpus, cpus=cpus,
-                       config=WorkerConfig(pipeline_factory=factory, faults=faults, threads=threads))
-
-
-def _print_summary(out: Path, s: RunSummary) -> None:
-    print(f"{len(s.done)} done, {len(s.failed)} failed in {s.seconds:.1f} s "
-          f"({s.groups_created} worker group(s) started); see `pan2-render status {out}`",
-          file=sys.stderr)
+def _print_summary(out: Path, s: RunSummary, log: RunLog) -> None:
+    log.line(f"{len(s.done)} done, {len(s.failed)} failed in {s.seconds:.1f} s "
+             f"({s.groups_created} worker group(s) started); see `{_me()} status {out}`")
     for jid in s.failed:
-        print(f"  failed: {jid}", file=sys.stderr)
+        log.line(f"  failed: {jid}  (`{_me()} show {out} {jid}` has its traceback)")
+
+
+# ====================================================================== validate / dry run
+def cmd_validate(args: argparse.Namespace) -> int:
+    batch = _load(args.batch, Overrides(sets=tuple(args.sets), sweeps=tuple(args.sweeps)), check_model=False)
+    if batch is None:
+        return EXIT_USAGE
+    _print_plan(batch, args.out, args)
+    print(f"{args.batch}: valid, {len(batch.jobs)} job(s) (the checkpoint is checked by `run`)")
+    return EXIT_OK
+
+
+def _print_plan(batch: Batch, out: Path | None, args: argparse.Namespace) -> None:
+    from pan2render.runner.plan import History, history_folders, plan  # noqa: PLC0415
+    from pan2render.runner.views import format_estimate, format_plan  # noqa: PLC0415
+
+    done: set[str] = set()
+    if out is not None and (out / LEDGER_NAME).is_file():
+        ledger = Ledger.open_readonly(out)
+        done = {j.id for j in ledger.jobs() if j.state is JobState.DONE}
+        ledger.close()
+    todo = [j for j in batch.jobs if j.job_id not in done]
+    max_gpus = max((j.gpus for j in batch.jobs), default=1)
+    if getattr(args, "address", None):
+        gpus, note = max_gpus, "the cluster's GPU count is known only once joined: assumed"
+    else:
+        gpus, cuda, _why = _local_gpus(getattr(args, "cpu_gpus", None), max_gpus=max_gpus)
+        note = "GPUs found on this machine" if cuda and gpus == cuda else "logical GPUs on this CPU"
+    the_plan = plan(todo, gpus=gpus, history=History.from_folders(history_folders(out)))
+    print(format_plan(batch.jobs, done=done, the_plan=the_plan))
+    print(f"{len(todo)} job(s) to render, {len(batch.jobs) - len(todo)} done already")
+    print(format_estimate(the_plan, gpus_note=note))
+
+
+def _load(batch_path: Path, overrides: Overrides, *, check_model: bool) -> Batch | None:
+    from pan2render.jobs.batch import load_batch  # noqa: PLC0415
+
+    try:
+        return load_batch(batch_path, overrides=overrides, check_model=check_model)
+    except BatchValidationError as e:
+        _err(f"error: {batch_path}: {len(e.problems)} problem(s); nothing was run:")
+        for problem in e.problems:
+            _err(f"  {problem}")
+        return None
+
+
+# ====================================================================== status / show
+def cmd_status(args: argparse.Namespace) -> int:
+    from pan2render.runner.report import job_statuses  # noqa: PLC0415
+    from pan2render.runner.views import format_status, holder  # noqa: PLC0415
+
+    if not (args.dir / LEDGER_NAME).is_file():
+        _err(f"error: no ledger at {args.dir / LEDGER_NAME}: {args.dir} is not a pan2-render output folder")
+        return EXIT_USAGE
+    if not _holds_a_batch(args.dir, "there is no status to show"):
+        return EXIT_USAGE
+    while True:
+        ledger = Ledger.open_readonly(args.dir)
+        try:
+            if args.json:
+                rows = job_statuses(args.dir, ledger)
+                text = json.dumps([r.to_json() for r in rows], indent=1)
+                failed = any(r.state == "failed" or r.problem for r in rows)
+            else:
+                text, failed = format_status(args.dir, ledger)
+        finally:
+            ledger.close()
+        if args.watch is None:
+            print(text)
+            return EXIT_FAILED if failed else EXIT_OK
+        if sys.stdout.isatty():
+            sys.stdout.write("\x1b[H\x1b[J")  # redraw from the top of the screen
+        print(f"{text}\n(every {args.watch:g} s; Ctrl-C to stop watching, the run carries on)", flush=True)
+        if holder(args.dir) is None:
+            return EXIT_FAILED if failed else EXIT_OK
+        time.sleep(args.watch)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from pan2render.runner.views import JobNotFound, find_job, format_show  # noqa: PLC0415
+
+    if not (args.dir / LEDGER_NAME).is_file():
+        _err(f"error: no ledger at {args.dir / LEDGER_NAME}: {args.dir} is not a pan2-render output folder")
+        return EXIT_USAGE
+    ledger = Ledger.open_readonly(args.dir)
+    try:
+        try:
+            job = find_job(ledger, args.job)
+        except JobNotFound as e:
+            _err(f"error: {e}")
+            return EXIT_USAGE
+        print(format_show(args.dir, ledger, job))
+        return EXIT_FAILED if job.state is JobState.FAILED else EXIT_OK
+    finally:
+        ledger.close()
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from pan2render.runner.report import open_in_browser, write_report  # noqa: PLC0415
+
+    if not (args.dir / LEDGER_NAME).is_file():
+        _err(f"error: {args.dir} has no {LEDGER_NAME}; nothing to report")
+        return EXIT_USAGE
+    path = write_report(args.dir)
+    print(path)
+    if args.open and not open_in_browser(path):
+        _err(f"no web browser found; open {path.resolve().as_uri()}")
+    return EXIT_OK
+
+
+def cmd_presets(args: argparse.Namespace) -> int:
+    from pan2render.runner.views import table  # noqa: PLC0415
+
+    keys = ["height", "width", "frames", "fps", "steps", "guidance", "flow_shift", "sampler", "gpus", "crf"]
+    rows = [[name, *(str(values.get(k, "")) for k in keys), str(values.get("description", ""))]
+            for name, values in sorted(list_presets().items())]
+    print(table(["preset", *keys, "description"], rows))
+    print("Use one with `preset: NAME` in a batch or `--set preset=NAME`; any job field overrides it.")
+    return EXIT_OK
+
+
+# ====================================================================== helpers
+def _err(text: str) -> None:
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # the terminal went away (SIGHUP)
+        pass
+
+
+def _me() -> str:
+    """How to call this command again, as typed: ``pan2-render`` when that name on PATH is this
+    program, else its full path (a venv that is not activated)."""
+    exe = Path(sys.argv[0])
+    if exe.name != "pan2-render":
+        return "pan2-render"
+    found = shutil.which("pan2-render")
+    return "pan2-render" if found and Path(found).resolve() == exe.resolve() else str(exe.absolute())
+
+
+def _check_cluster_args(args: argparse.Namespace) -> int | None:
+    """Usage checks that need no cluster; all before anything is written."""
+    problem = None
+    if args.retries < 0:
+        problem = f"--retries {args.retries}: must be >= 0"
+    elif not args.group_start_timeout > 0:
+        problem = f"--group-start-timeout {args.group_start_timeout}: must be > 0 seconds"
+    elif not args.cluster_wait >= 0:
+        problem = f"--cluster-wait {args.cluster_wait}: must be >= 0 seconds"
+    elif args.cpu_gpus is not None and args.cpu_gpus < 1:
+        problem = f"--cpu-gpus {args.cpu_gpus}: must be >= 1"
+    elif args.cpu_gpus is not None and _address(args):
+        given = "--address" if args.address else f"RAY_ADDRESS={os.environ['RAY_ADDRESS']} (set in the environment)"
+        problem = f"--cpu-gpus declares GPUs of a LOCAL cluster; it cannot be used with {given}"
+    else:
+        from pan2render.runner.groups import ray_client_missing  # noqa: PLC0415
+
+        problem = ray_client_missing(_address(args))
+    if problem is None and _address(args) and not getattr(args, "dry_run", False):
+        from pan2render.runner.groups import ClusterConnectError, probe_address  # noqa: PLC0415
+
+        try:
+            probe_address(_address(args))
+        except ClusterConnectError as e:  # before the output folder exists
+            problem = str(e)
+    if problem is not None:
+        _err(f"error: {problem}")
+        return EXIT_USAGE
+    return None
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+_stopped_by: list[str] = []  # the stop signal received, for the closing message
+
+
+def _on_stop_signal(signum: int, _frame: object) -> None:
+    for s in _STOP_SIGNALS:  # one clean stop: later signals must not interrupt the clean-up
+        signal.signal(s, signal.SIG_IGN)
+    _stopped_by.append(signal.Signals(signum).name)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _install_stop_handlers() -> dict[int, Any]:
+    """SIGTERM (kill, a scheduler) and SIGHUP (a dropped SSH session) stop a run the way Ctrl-C
+    does: the running jobs go back to pending in the ledger and the Ray processes this run started
+    are shut down. A signal ignored when we started stays ignored: under ``nohup`` a dropped SSH
+    session must not stop the run. Returns the handlers replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, _on_stop_signal) for s in _STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
+
+
+@contextlib.contextmanager
+def _stop_signals_interrupt() -> Iterator[None]:
+    previous = _install_stop_handlers()
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 if __name__ == "__main__":

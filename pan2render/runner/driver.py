@@ -22,7 +22,6 @@ The scheduling loop never blocks on one call: it waits on all in-flight calls wi
 from __future__ import annotations
 
 import sqlite3
-import sys
 import time
 import traceback
 from collections import deque
@@ -30,8 +29,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from tqdm import tqdm
 
 from pan2render.jobs.disk import is_disk_full
 from pan2render.jobs.ledger import (
@@ -45,6 +42,7 @@ from pan2render.jobs.ledger import (
 from pan2render.jobs.weights import folder_fingerprint
 from pan2render.runner import outputs, stages
 from pan2render.runner.groups import Call, Executor, Group, GroupDied, GroupPool, GroupStartError
+from pan2render.runner.progress import RunLog, RunProgress
 from pan2render.runner.retry import (
     Action,
     BatchStopped,
@@ -60,6 +58,9 @@ from pan2render.runner.worker import IO_METHODS, MAX_ENCODES_IN_FLIGHT, Reply
 # Which ledger stage a worker call belongs to (for errors and timings).
 _CALL_STAGE = {"load": Stage.CONDITIONING, "encode_prompts": Stage.CONDITIONING,
                "sample": Stage.SAMPLING, "decode": Stage.DECODE, "collect": Stage.ENCODE}
+# What progress shows while a call runs.
+_CALL_SHOWN = {"load": "loading model", "encode_prompts": "conditioning", "sample": "sampling",
+               "decode": "decode", "collect": "encode"}
 
 # Prompts encoded in one encode_prompts call (the current job's and upcoming jobs'); each
 # embedding is 512 x 4096 float32 = 8 MB of reply.
@@ -75,7 +76,7 @@ class DriverConfig:
     # at 720p take minutes on one H200, loading a 5B checkpoint from a network disk can too.
     call_timeouts_s: dict[str, float] = field(default_factory=lambda: {
         "load": 1800.0, "encode_prompts": 600.0, "sample": 7200.0, "decode": 1800.0, "collect": 1800.0})
-    progress: bool = True  # tqdm bars on stderr
+    progress: bool = True  # a live block on stderr when it is a terminal (else plain lines)
     # How long the batch waits for GPUs to come back after the cluster lost the ones a job needs
     # (a node died, its raylet or the GCS restarted) before it stops with a message.
     cluster_wait_s: float = 300.0
@@ -174,11 +175,15 @@ def _group_is_suspect(group: Group, method: str, reply: Reply) -> bool:
 
 class Driver:
     def __init__(self, *, out_dir: Path, ledger: Ledger, executor: Executor, config: DriverConfig,
-                 on_job_end: Callable[[], None] | None = None):
+                 progress: RunProgress | None = None, on_job_end: Callable[[], None] | None = None):
         """``on_job_end``: called from the loop after any job finished or failed (e.g. to refresh
         the report); it must return quickly."""
         self.out_dir = Path(out_dir)
         self._on_job_end = on_job_end
+        if progress is None:  # stderr only (the CLI passes one that also writes DIR/run.log)
+            log = RunLog(None)
+            progress = RunProgress(log=log, live=config.progress and log.is_terminal)
+        self.progress = progress
         self.ledger = ledger
         self.ex = executor
         self.config = config
@@ -189,8 +194,7 @@ class Driver:
         self._loads: dict[tuple[str, str], dict[str, Any]] = {}  # (group id, model) -> load reply
         self._pending: deque[str] = deque()
         self._active: dict[str, _Active] = {}
-        self._n_done = self._n_failed = 0
-        self._ended_seen = 0  # jobs ended when on_job_end was last called
+        self._ended = self._ended_seen = 0  # jobs ended so far / when on_job_end was last called
         self._policy = RetryPolicy()
         self._redos: dict[str, int] = {}  # job id -> artifacts redone after failing their check
         self._stop: BaseException | None = None  # set on a full disk: start nothing more, then raise
@@ -212,10 +216,9 @@ class Driver:
                     self._fail_unrunnable(job)
                 else:
                     self._pending.append(job.id)
-        bar = self._jobs_bar(self.ledger.jobs(job_ids))
-        step_bar = tqdm(total=1, desc="sampling", unit="step", position=1, leave=False,
-                        file=sys.stderr, disable=not self.config.progress, dynamic_ncols=True)
-        self._step_bar, self._step_job = step_bar, ""
+        now = self.ledger.jobs(job_ids)
+        self.progress.begin(total=len(now), done=sum(j.state is JobState.DONE for j in now),
+                            failed=sum(j.state is JobState.FAILED for j in now))
         try:
             while (self._pending and self._stop is None) or self._active:
                 self._dispatch()
@@ -226,15 +229,19 @@ class Driver:
                 for call in self.ex.wait(calls, timeout_s=self.config.poll_s):
                     self._on_ready(call)
                 self._check_deadlines()
-                self._update_bars(bar)
+                if any(a.call is not None and a.call.method == "sample" for a in self._active.values()):
+                    self.progress.steps(self.ex.progress())  # a Ray call: only while a job samples
+                self.progress.tick()
                 self._notify_job_end()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
+            # The CLI raises it with a stop signal's name (Ray's calls may raise a bare one).
+            why = e.args[0] if e.args else "Ctrl-C or a stop signal"
             for a in list(self._active.values()):
-                self.ledger.transition(a.job.id, JobEvent.INTERRUPT, reason="interrupted (Ctrl-C)")
+                self.ledger.transition(a.job.id, JobEvent.INTERRUPT, reason=f"interrupted ({why})")
+                self.progress.job_ended(a.job.id, "interrupted")
             raise
         finally:
-            step_bar.close()
-            bar.close()
+            self.progress.close()
             self.pool.close()
         if self._stop is not None:
             raise self._stop
@@ -274,6 +281,7 @@ class Driver:
             self.ledger.transition(job_id, JobEvent.START,
                                    reason=f"on group {group.id} ({group.size} GPU(s))")
             active = _Active(job=self.ledger.job(job_id), group=group)
+            self.progress.job_started(job_id, group=group.id, attempt=active.job.attempts)
             self._active[job_id] = active
             self._advance_or_fail(active)
 
@@ -400,6 +408,7 @@ class Driver:
     def _start_call(self, a: _Active, method: str, kwargs: dict[str, Any], *, stage: Stage | None) -> None:
         if stage is not None:
             self.ledger.set_stage(a.job.id, stage, StageState.RUNNING)
+        self.progress.stage(a.job.id, _CALL_SHOWN[method])
         a.call = self.ex.call(a.group, method, kwargs, timeout_s=self.config.call_timeouts_s[method])
 
     # ================================================================== results
@@ -489,8 +498,8 @@ class Driver:
     def _finish(self, a: _Active) -> None:
         self._leave(a)
         self.ledger.transition(a.job.id, JobEvent.FINISH, reason="video.mp4 written and checked")
-        self._n_done += 1
-        self._say(f"done   {a.job.name}  ({a.job.id})")
+        self.progress.job_ended(a.job.id, "done")
+        self._ended += 1
 
     # ================================================================== failures
     def _on_group_died(self, a: _Active, stage: Stage, reason: str) -> None:
@@ -539,20 +548,20 @@ class Driver:
             if kind is FailureKind.CLUSTER_LOST and self._lost_since is None:
                 self._lost_since = time.monotonic()
             self._requeue(job.id, f"{decision.reason}: {error}")
-            self._say(f"requeued {job.name}  ({line}; {decision.reason})")
+            self.progress.job_ended(job.id, "requeued", f"{line}; {decision.reason}")
             return
         self.ledger.set_stage(job.id, stage, StageState.FAILED, error=error, traceback=tb)
         if decision.action is Action.RETRY:
             self.ledger.transition(job.id, JobEvent.RETRY, error=error, error_stage=stage,
                                    reason=f"{stage.value} failed [{kind.value}], {decision.reason}: {error}")
             self._pending.append(job.id)
-            self._say(f"retry  {job.name}  ({line})")
+            self.progress.job_ended(job.id, "retry", line)
         else:
             self.ledger.transition(job.id, JobEvent.FAIL, error=f"{error} [{kind.value}: {decision.reason}]",
                                    error_stage=stage,
                                    reason=f"{stage.value} failed [{kind.value}] ({decision.reason}): {error}")
-            self._n_failed += 1
-            self._say(f"FAILED {job.name}  ({line}; {decision.reason})")
+            self.progress.job_ended(job.id, "FAILED", f"{line}; {decision.reason}")
+            self._ended += 1
 
     def _requeue(self, job_id: str, reason: str) -> None:
         """Back to pending without charging the job (the environment failed, not the job). If the
@@ -616,8 +625,8 @@ class Driver:
         self.ledger.set_stage(job.id, Stage.CONDITIONING, StageState.FAILED, error=msg)
         self.ledger.transition(job.id, JobEvent.FAIL, error=msg, error_stage=Stage.CONDITIONING,
                                reason=msg)
-        self._n_failed += 1
-        self._say(f"FAILED {job.name}  ({msg})")
+        self.progress.job_ended(job.id, "FAILED", msg)
+        self._ended += 1
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
@@ -630,39 +639,10 @@ class Driver:
                 self._on_group_died(a, _CALL_STAGE[method],
                                     f"no reply to {method} within its {limit:.0f} s deadline")
 
-    # ================================================================== progress
     def _notify_job_end(self) -> None:
-        ended = self._n_done + self._n_failed
-        if self._on_job_end is not None and ended != self._ended_seen:
-            self._ended_seen = ended
+        if self._on_job_end is not None and self._ended != self._ended_seen:
+            self._ended_seen = self._ended
             self._on_job_end()
 
-    def _jobs_bar(self, jobs: list[JobRecord]) -> tqdm:
-        self._n_done = sum(j.state is JobState.DONE for j in jobs)
-        self._n_failed = sum(j.state is JobState.FAILED for j in jobs)
-        return tqdm(total=len(jobs), initial=self._n_done + self._n_failed, desc="jobs", unit="job",
-                    position=0, file=sys.stderr, disable=not self.config.progress, dynamic_ncols=True)
-
-    def _update_bars(self, bar: tqdm) -> None:
-        if bar.disable:
-            return
-        bar.n = self._n_done + self._n_failed
-        bar.set_postfix({"done": self._n_done, "failed": self._n_failed, "running": len(self._active)},
-                        refresh=True)
-        sampling = [a for a in self._active.values() if a.call is not None and a.call.method == "sample"]
-        if not sampling:
-            return
-        a = sampling[0]  # the oldest job now sampling; the bar follows it until it finishes
-        done, total = self.ex.progress().get(a.job.id, (0, a.job.spec.steps))
-        if a.job.id != self._step_job:
-            self._step_job = a.job.id
-            self._step_bar.reset(total=total)
-            self._step_bar.set_description(f"sampling {a.job.id[:48]}")
-        self._step_bar.n = done
-        self._step_bar.refresh()
-
     def _say(self, text: str) -> None:
-        if self.config.progress:
-            tqdm.write(text, file=sys.stderr)
-        else:
-            print(text, file=sys.stderr, flush=True)
+        self.progress.say(text)

@@ -31,6 +31,7 @@ from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pan2render.runner.progress import StepClock, StepReport
 from pan2render.runner.worker import (
     GPU_QUEUE_DEPTH,
     IO_CONCURRENCY,
@@ -48,6 +49,23 @@ class GroupDied(RuntimeError):
 
 class ClusterConnectError(RuntimeError):
     """``--address`` names no reachable Ray cluster (or one we may not join)."""
+
+
+RAY_CLIENT_SCHEME = "ray://"  # a Ray client connection: needs the `ray[client]` extra (grpcio)
+
+
+def ray_client_missing(address: str | None) -> str | None:
+    """Why ``address`` cannot be joined from this install, checked before anything is written:
+    a ``ray://`` address needs Ray's client extra. None when nothing is missing."""
+    if address is None or not address.startswith(RAY_CLIENT_SCHEME):
+        return None
+    try:
+        import grpc  # noqa: F401, PLC0415 - what ray[client] adds
+    except ImportError:
+        return (f"--address {address}: a ray:// address needs Ray's client extra, which is not installed; "
+                f"install it with `pip install 'pan2-render[client]'` (or `pip install 'ray[client]'`), or "
+                f"run on a node of the cluster with --address auto")
+    return None
 
 
 class GroupStartError(RuntimeError):
@@ -81,6 +99,7 @@ class Call:
 
 class Executor(Protocol):
     starts_in_background: bool  # GroupPool runs create_group on a thread (it blocks for long)
+    worker_logs: str | None  # where the workers' own logs are, to tell the user once
 
     def total_gpus(self) -> int: ...
     def max_group_size(self) -> int: ...  # most GPUs on one node (a group is STRICT_PACK)
@@ -89,7 +108,7 @@ class Executor(Protocol):
     def call(self, group: Group, method: str, kwargs: dict[str, Any], *, timeout_s: float) -> Call: ...
     def wait(self, calls: Sequence[Call], *, timeout_s: float) -> list[Call]: ...
     def result(self, call: Call) -> Reply: ...
-    def progress(self) -> dict[str, tuple[int, int]]: ...
+    def progress(self) -> dict[str, StepReport]: ...
     def shutdown(self) -> None: ...
 
 
@@ -104,24 +123,17 @@ def _first_failure(replies: list[Reply]) -> Reply:
 
 
 # ====================================================================== in-process
-class _LocalProgress:
-    def __init__(self) -> None:
-        self.state: dict[str, tuple[int, int]] = {}
-
-    def report(self, job_id: str, done: int, total: int) -> None:
-        self.state[job_id] = (done, total)
-
-
 class LocalExecutor:
     """Runs each GPU-lane call synchronously at ``call`` time, in this process; ``collect`` on a
     thread (it waits for the worker's encode thread)."""
 
     starts_in_background = False  # a group is one in-process object: nothing to wait for
+    worker_logs = None  # the workers log where this process does
 
     def __init__(self, *, gpus: int, config: WorkerConfig):
         self._gpus = gpus
         self._config = config
-        self._progress = _LocalProgress()
+        self._progress = StepClock()
         self._io = futures.ThreadPoolExecutor(max_workers=4 * IO_CONCURRENCY, thread_name_prefix="local-io")
         self.groups_created = 0
 
@@ -176,8 +188,8 @@ class LocalExecutor:
             raise GroupDied(f"group {call.group.id} was torn down")
         return outcome
 
-    def progress(self) -> dict[str, tuple[int, int]]:
-        return dict(self._progress.state)
+    def progress(self) -> dict[str, StepReport]:
+        return self._progress.snapshot()
 
     def shutdown(self) -> None:
         self._io.shutdown(wait=False, cancel_futures=True)
@@ -202,26 +214,33 @@ class RayExecutor:
         # Already connected (a test's module-wide cluster, or an embedding application): use that
         # cluster as it is and leave it running at shutdown.
         self._owns_ray = not ray.is_initialized()
+        # Where Ray keeps the workers' own logs (this node's session folder), when we started or
+        # joined Ray here; a Ray client (ray://) keeps them on the cluster's nodes.
+        self.worker_logs: str | None = None
+        context: Any = None
         if self._owns_ray and address is None:
             # A local cluster: no dashboard (slow to start, not needed), a modest object store
             # (artifacts are MBs: latents ~10 MB, an mp4 a few MB), worker logs shown here.
-            ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, log_to_driver=True,
-                     object_store_memory=object_store_bytes, logging_level="WARNING")
+            context = ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, log_to_driver=True,
+                               object_store_memory=object_store_bytes, logging_level="WARNING")
         elif self._owns_ray:
-            _probe_address(address)
+            probe_address(address)
             try:
-                ray.init(address=address, log_to_driver=True, logging_level="WARNING")
+                context = ray.init(address=address, log_to_driver=True, logging_level="WARNING")
             except (ConnectionError, RuntimeError) as e:
                 raise ClusterConnectError(
                     f"could not join the Ray cluster at {address!r}: {str(e).splitlines()[0]}; check "
                     f"the address (`ray status` on the head node) and, where the cluster uses token "
                     f"authentication, that its token is in ~/.ray/auth_token or RAY_AUTH_TOKEN"
                 ) from e
+        session = (getattr(context, "address_info", None) or {}).get("session_dir")
+        if session:
+            self.worker_logs = f"{session}/logs"
         # Two lanes per actor (worker.py): the default group runs the GPU lane with one thread per
         # call the driver may queue (the worker orders them by seq), "io" runs collects.
         self._actor_cls = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=GPU_QUEUE_DEPTH,
                                      concurrency_groups={"io": IO_CONCURRENCY})(RenderWorker)
-        self._progress_actor = ray.remote(_ProgressActor).options(num_cpus=0).remote()
+        self._progress_actor = ray.remote(StepClock).options(num_cpus=0).remote()
         self._groups: dict[str, Group] = {}
         self._lock = threading.Lock()
 
@@ -352,7 +371,7 @@ class RayExecutor:
                             f"{type(e).__name__}: {str(e)[:2000]}") from e
         return _first_failure(replies)
 
-    def progress(self) -> dict[str, tuple[int, int]]:
+    def progress(self) -> dict[str, StepReport]:
         try:
             return self._ray.get(self._progress_actor.snapshot.remote(), timeout=10)
         except Exception:  # noqa: BLE001 - progress is cosmetic; never let it stop the batch
@@ -371,13 +390,13 @@ class RayExecutor:
             self._ray.shutdown()
 
 
-def _probe_address(address: str) -> None:
+def probe_address(address: str) -> None:
     """Fail in seconds, not minutes (ray.init retries a dead GCS address for a long time), when a
-    plain ``host:port`` does not accept connections. ``auto`` and ``ray://`` are left to Ray."""
+    ``host:port`` or ``ray://host:port`` does not accept connections. ``auto`` is left to Ray."""
     import socket  # noqa: PLC0415
 
-    host, sep, port = address.rpartition(":")
-    if not sep or "://" in address or not port.isdigit():
+    host, sep, port = address.removeprefix(RAY_CLIENT_SCHEME).rpartition(":")
+    if not sep or "://" in host or not port.isdigit():
         return
     try:
         socket.create_connection((host, int(port)), timeout=5).close()
@@ -389,25 +408,15 @@ def _probe_address(address: str) -> None:
         ) from None
 
 
-class _ProgressActor:
-    """Latest (done, total) sampling steps per job, pushed by rank-0 workers fire-and-forget."""
-
-    def __init__(self) -> None:
-        self.state: dict[str, tuple[int, int]] = {}
-
-    def update(self, job_id: str, done: int, total: int) -> None:
-        self.state[job_id] = (done, total)
-
-    def snapshot(self) -> dict[str, tuple[int, int]]:
-        return dict(self.state)
-
-
 class _RayProgress:
+    """The workers' progress sink: step reports pushed fire-and-forget to the run's StepClock
+    actor, which stamps them as they arrive."""
+
     def __init__(self, actor: Any):
         self._actor = actor
 
     def report(self, job_id: str, done: int, total: int) -> None:
-        self._actor.update.remote(job_id, done, total)
+        self._actor.report.remote(job_id, done, total)
 
 
 # ====================================================================== pool

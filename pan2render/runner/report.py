@@ -95,24 +95,40 @@ def _stage_of(job: JobRecord, stages: dict[Stage, Any]) -> str | None:
     return STAGES[-1].value
 
 
+def shown_state(r: JobStatus) -> str:
+    """The state as status shows it: a done job whose video is missing or damaged gets a ``!``."""
+    return r.state + ("!" if r.problem else "")
+
+
+def shown_error(r: JobStatus, width: int = 100) -> str:
+    """The error column of status: the video problem or the job's error, after a note naming the
+    newer version when this one is superseded."""
+    if r.problem:
+        error = f"VIDEO PROBLEM: {r.problem}; `pan2-render resume` re-encodes it"
+    else:
+        error = (r.error or "").splitlines()[0][:width] if r.error else ""
+    note = f"superseded by {r.superseded_by}" if r.superseded_by else ""
+    return "; ".join(x for x in (note, error) if x)
+
+
+def counts_lines(rows: list[JobStatus]) -> list[str]:
+    """The closing lines of status: jobs per state, and the damaged videos if any."""
+    counts = {s.value: sum(r.state == s.value for r in rows) for s in JobState}
+    n_old = sum(r.superseded_by is not None for r in rows)
+    lines = [(", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no jobs")
+             + (f" ({n_old} superseded by a newer version)" if n_old else "")]
+    damaged = sum(bool(r.problem) for r in rows)
+    if damaged:
+        lines.append(f"{damaged} done job(s) marked ! have a missing or damaged video")
+    return lines
+
+
 def format_table(rows: list[JobStatus]) -> str:
     head = f"{'state':8} {'stage':13} {'att':>3}  {'id':50} error"
     lines = [head]
     for r in rows:
-        err = (r.error or "").splitlines()[0][:100] if r.error else ""
-        if r.problem:
-            err = f"VIDEO PROBLEM: {r.problem}; `pan2-render resume` re-encodes it"
-        note = f"superseded by {r.superseded_by}" if r.superseded_by else ""
-        lines.append(f"{r.state + ('!' if r.problem else ''):8} {r.stage or '-':13} {r.attempts:>3}  {r.id:50} "
-                     f"{'; '.join(x for x in (note, err) if x)}")
-    counts = {s.value: sum(r.state == s.value for r in rows) for s in JobState}
-    n_old = sum(r.superseded_by is not None for r in rows)
-    summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no jobs"
-    lines.append(summary + (f" ({n_old} superseded by a newer version)" if n_old else ""))
-    damaged = sum(bool(r.problem) for r in rows)
-    if damaged:
-        lines.append(f"{damaged} done job(s) marked ! have a missing or damaged video")
-    return "\n".join(lines)
+        lines.append(f"{shown_state(r):8} {r.stage or '-':13} {r.attempts:>3}  {r.id:50} {shown_error(r)}")
+    return "\n".join(lines + counts_lines(rows))
 
 
 # ---------------------------------------------------------------------- the page's model

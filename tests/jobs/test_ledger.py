@@ -64,7 +64,9 @@ def test_jobs_stages_and_events_persist(tmp_path: Path) -> None:
     assert (job.state, job.attempts, job.retries_left, job.error) == (JobState.PENDING, 1, 1, "boom")
     assert job.spec == _spec("a")  # the spec round-trips through the ledger (resume needs no YAML)
     assert ro.stages(jid)[Stage.SAMPLING].traceback == "tb"
-    assert [e[2] for e in ro.events(jid)] == ["added", "pending->running", "running->pending"]
+    # The retry keeps the failed stage's traceback with the attempt (`show` lists every attempt's).
+    assert [e[2] for e in ro.events(jid)] == ["added", "pending->running", "running->pending", "traceback"]
+    assert ro.events(jid)[-1][3] == "tb"
     assert [j.name for j in ro.jobs()] == ["a", "b", "c"]  # batch order kept
     with pytest.raises(sqlite_readonly_error()):
         ro.set_meta("x", 1)

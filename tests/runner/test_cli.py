@@ -98,7 +98,7 @@ def test_validate_and_dry_run_write_nothing(tmp_path: Path, capsys: pytest.Captu
     assert cli.main(["run", str(batch), "--out", str(out), "--dry-run"]) == 0
     text = capsys.readouterr().out
     print(text)
-    assert "a-seed0-" in text and "a-seed1-" in text and "2 job(s) would render" in text
+    assert "a-seed0-" in text and "a-seed1-" in text and "2 job(s) to render" in text
     assert not out.exists()
 
 

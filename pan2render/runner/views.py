@@ -1,0 +1,203 @@
+"""Text views of a batch and an output folder for the CLI: the plan of a dry run, ``show`` (one
+job's whole history) and ``status`` (every job, with elapsed time and an ETA). All read-only."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pan2render.jobs.ledger import LOCK_NAME, STAGES, JobRecord, JobState, Ledger
+from pan2render.jobs.spec import JobSpec
+from pan2render.runner.plan import History, Plan, plan
+from pan2render.runner.progress import duration
+
+
+# ---------------------------------------------------------------------------------------- tables
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """Left-aligned columns, two spaces apart."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows])
+
+
+def sweep_keys(specs: list[JobSpec]) -> list[str]:
+    """The swept fields of a batch, in first-seen order: one column each."""
+    return list(dict.fromkeys(k for s in specs for k in s.sweep))
+
+
+def _value(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def format_plan(jobs: list[JobSpec], *, done: set[str], the_plan: Plan) -> str:
+    """A dry run's table: one row per job, the swept fields as columns, and the estimate."""
+    keys = sweep_keys(jobs)
+    fixed = [k for k in ("steps", "guidance", "gpus") if k not in keys]  # a swept one has its column
+    est = {e.job.job_id: e for e in the_plan.estimates}
+    rows = []
+    for j in jobs:
+        e = est.get(j.job_id)
+        rows.append([j.job_id, *(_value(j.sweep.get(k, "")) for k in keys), f"{j.width}x{j.height}x{j.frames}",
+                     *(_value(getattr(j, k)) for k in fixed),
+                     "done, skip" if j.job_id in done else (duration(e.gpu_seconds) if e else "-")])
+    return table(["id", *keys, "size", *fixed, "est. GPU time"], rows)
+
+
+def format_estimate(the_plan: Plan, *, gpus_note: str) -> str:
+    n = len(the_plan.estimates)
+    if not n:
+        return "estimate: nothing to render"
+    return (f"estimate: {n} job(s), GPU time {duration(the_plan.gpu_seconds)}, wall time "
+            f"~{duration(the_plan.wall_seconds)} on {the_plan.gpus} GPU(s) ({gpus_note})\n"
+            f"  from: {the_plan.sources()}")
+
+
+# ---------------------------------------------------------------------------------------- show
+class JobNotFound(LookupError):
+    """``show``'s JOB matches no job, or several."""
+
+
+def find_job(ledger: Ledger, query: str) -> JobRecord:
+    """A job by its id, a unique id prefix, or its name when one job has it."""
+    jobs = ledger.jobs()
+    for match in ([j for j in jobs if j.id == query], [j for j in jobs if j.id.startswith(query)],
+                  [j for j in jobs if j.name == query]):
+        if len(match) == 1:
+            return match[0]
+        if len(match) > 1:
+            listed = ", ".join(j.id for j in match[:8]) + (" ..." if len(match) > 8 else "")
+            raise JobNotFound(f"{query!r} matches {len(match)} jobs ({listed}); give more of the id")
+    raise JobNotFound(f"no job {query!r} in {ledger.path.parent} (an id, a unique id prefix, or a unique "
+                      f"name; `pan2-render status {ledger.path.parent}` lists them)")
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
+
+
+@dataclass
+class _Attempt:
+    started: float
+    on: str
+    ended: str = "still running, or the driver stopped"
+    traceback: str | None = None
+
+
+def _attempts(events: list[tuple[float, str | None, str, str]]) -> list[_Attempt]:
+    """Attempts from the job's events: each ``pending->running`` opens one, the next transition out
+    of ``running`` closes it; the traceback event that follows a failure belongs to it."""
+    out: list[_Attempt] = []
+    for at, _job, kind, detail in events:
+        if kind == "pending->running":
+            out.append(_Attempt(started=at, on=detail))
+        elif kind.startswith("running->") and out:
+            out[-1].ended = f"{kind.split('->')[1]} at {_when(at)}: {detail}"
+        elif kind == "traceback" and out:
+            out[-1].traceback = detail
+    return out
+
+
+def format_show(out_dir: Path, ledger: Ledger, job: JobRecord) -> str:
+    lines = [f"job      {job.id}", f"name     {job.name}",
+             f"state    {job.state.value}" + (f" (stage {job.error_stage})" if job.error_stage else "")
+             + f", {job.attempts} attempt(s), {job.retries_left} retries left",
+             f"folder   {out_dir.absolute() / job.id}"]
+    if job.error:
+        lines.append(f"error    {job.error}")
+    spec = job.spec.to_dict()
+    source = spec.pop("source")
+    lines.append("spec" + (f" (from {source['file']}:{source['line']})" if source else "") + ":")
+    lines += [f"  {k:16} {json.dumps(v)}" for k, v in spec.items()]
+    lines.append("stages:")
+    st = ledger.stages(job.id)
+    rows = []
+    for s in STAGES:
+        r = st[s]
+        art = "" if not r.artifact else f"{r.artifact} ({r.size} bytes)"
+        rows.append([f"  {s.value}", r.state.value, "-" if r.seconds is None else f"{r.seconds:.2f} s", art,
+                     (r.error or "").splitlines()[0][:120] if r.error else ""])
+    lines.append(table(["  stage", "state", "seconds", "artifact", "error"], rows))
+    events = ledger.events(job.id)
+    attempts = _attempts(events)
+    lines.append(f"attempts ({len(attempts)}):")
+    for i, a in enumerate(attempts, 1):
+        lines.append(f"  {i}. started {_when(a.started)} {a.on}; ended {a.ended}")
+        if a.traceback:
+            lines += [f"     | {t}" for t in a.traceback.rstrip().splitlines()]
+    # The last failure's traceback also sits on its stage row (e.g. one from before this history).
+    shown = {a.traceback for a in attempts}
+    for s in STAGES:
+        tb = st[s].traceback
+        if tb and tb not in shown:
+            lines.append(f"  traceback of the failed {s.value} stage:")
+            lines += [f"     | {t}" for t in tb.rstrip().splitlines()]
+    lines.append(f"events ({len(events)}):")
+    lines += [f"  {_when(at)}  {kind:18} {detail.splitlines()[0] if detail else ''}"
+              for at, _j, kind, detail in events if kind != "traceback"]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- status
+def holder(out_dir: Path) -> dict[str, Any] | None:
+    """The live run holding the folder (pid, host, started), or None. A holder line left by a
+    killed run on this host is recognised as dead by its pid."""
+    try:
+        h = json.loads((out_dir / LOCK_NAME).read_text() or "null")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(h, dict) or "pid" not in h:
+        return None
+    if h.get("host") == socket.gethostname():
+        try:
+            os.kill(int(h["pid"]), 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+    return h
+
+
+def format_status(out_dir: Path, ledger: Ledger) -> tuple[str, bool]:
+    """The status table and whether any job failed."""
+    from pan2render.runner.report import counts_lines, job_statuses, shown_error, shown_state  # noqa: PLC0415
+
+    statuses = job_statuses(out_dir, ledger)
+    jobs = {j.id: j for j in ledger.jobs()}
+    keys = sweep_keys([j.spec for j in jobs.values()])
+    rows = []
+    for r in statuses:
+        spec = jobs[r.id].spec
+        secs = sum(v for v in r.seconds.values() if v)
+        video = os.path.relpath(r.video, out_dir.absolute()) if r.video else ""
+        rows.append([shown_state(r), r.stage or "-", str(r.attempts), r.id, *(_value(spec.sweep.get(k, "")) for k in keys),
+                     f"{secs:.1f}" if secs else "-", video, shown_error(r, 80)])
+    text = table(["state", "stage", "att", "id", *keys, "seconds", "video", "error"], rows)
+    failed = any(r.state == "failed" or r.problem for r in statuses)
+    return "\n".join([_run_line(out_dir, ledger, jobs), text, *counts_lines(statuses)]), failed
+
+
+def _run_line(out_dir: Path, ledger: Ledger, jobs: dict[str, JobRecord]) -> str:
+    runs = ledger.get_meta("runs", [])
+    live = holder(out_dir)
+    last = runs[-1] if runs else None
+    flags = " ".join(last.get("flags", [])) if last else ""
+    head = f"{out_dir}: batch {ledger.get_meta('batch', {}).get('path', '?')}" + (f" {flags}" if flags else "")
+    if last is None:
+        return head
+    started = float(last["started"])
+    events = ledger.events()
+    end = time.time() if live else (events[-1][0] if events else started)
+    state = f"running (pid {live['pid']} on {live['host']})" if live else "not running"
+    line = f"{head}\n{state}; last run started {_when(started)}, elapsed {duration(end - started)}"
+    if live:
+        left = [j.spec for j in jobs.values() if j.state not in (JobState.DONE, JobState.FAILED)]
+        # The live run's groups are up already: no start-up in its ETA.
+        est = plan(left, gpus=int(last.get("gpus") or 1), history=History.from_folders([out_dir]),
+                   group_starts=False)
+        if left:
+            line += f", ETA ~{duration(est.wall_seconds)} ({est.sources()})"
+    return line

@@ -1,0 +1,288 @@
+"""The command line for overnight runs, without Ray: the in-process executor stands in for the Ray
+one (same interface), so each test runs whole ``pan2-render`` commands in about a second.
+
+Overrides recorded and repeated by ``resume``; a dry run that plans without the checkpoint from an
+earlier run's ledger; ``show`` with every attempt's traceback; plain output off a terminal that
+``run.log`` repeats; ``ray://`` refused before anything is written; ``presets`` and ``--version``.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from runner_helpers import write_batch
+
+from pan2render.jobs.batch import load_batch
+from pan2render.jobs.ledger import JobEvent, JobState, Ledger, Stage, StageState
+from pan2render.runner import cli
+from pan2render.runner.groups import LocalExecutor
+from pan2render.runner.progress import RUN_LOG_NAME
+from pan2render.runner.testing import FAKE_FACTORY
+from pan2render.runner.worker import WorkerConfig
+
+
+@pytest.fixture
+def local_executor(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """`run`/`resume` get an in-process executor with the fake pipeline; ``faults`` is read at
+    each executor's creation, so a test can change it between commands."""
+    settings: dict[str, Any] = {"faults": {}}
+
+    def make(args: Any, *, max_gpus: int, log: Any) -> LocalExecutor:
+        return LocalExecutor(gpus=max(max_gpus, 1),
+                             config=WorkerConfig(pipeline_factory=FAKE_FACTORY, faults=dict(settings["faults"])))
+
+    monkeypatch.setattr(cli, "_make_executor", make)
+    return settings
+
+
+def test_overrides_are_recorded_and_resume_repeats_them(
+        tmp_path: Path, local_executor: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    batch = write_batch(tmp_path / "b.yaml", [{"name": "a", "prompt": "x"}, {"name": "b", "prompt": "y"}])
+    out = tmp_path / "out"
+    local_executor["faults"] = {"fail": {"job": "b", "stage": "sampling"}}
+    flags = ["--set", "steps=3", "--set", "guidance=1.0", "--sweep", "seed=5,6"]
+    assert cli.main(["run", str(batch), "--out", str(out), "--retries", "0", *flags]) == 1
+    capsys.readouterr()
+    led = Ledger.open_readonly(out)
+    assert led.get_meta("batch")["overrides"] == {"set": ["steps=3", "guidance=1.0"], "sweep": ["seed=5,6"]}
+    assert led.get_meta("runs")[-1]["flags"] == flags
+    states = {j.id: j.state for j in led.jobs()}
+    led.close()
+    assert sorted(states) == sorted(s.job_id for s in load_batch(
+        batch, overrides=cli.Overrides(sets=("steps=3", "guidance=1.0"), sweeps=("seed=5,6",))).jobs)
+    assert sum(s is JobState.FAILED for s in states.values()) == 2
+
+    local_executor["faults"] = {}
+    assert cli.main(["resume", str(out)]) == 0
+    err = capsys.readouterr().err
+    print(err)
+    assert f"resume {out}: batch {batch.absolute()} --set steps=3 --set guidance=1.0 --sweep seed=5,6" in err
+    led = Ledger.open_readonly(out)
+    jobs = led.jobs()
+    assert len(jobs) == 4 and all(j.state is JobState.DONE for j in jobs)
+    assert {(j.spec.steps, j.spec.guidance, j.spec.seed) for j in jobs} == {(3, 1.0, 5), (3, 1.0, 6)}
+    assert led.get_meta("runs")[-1]["command"] == "resume" and led.get_meta("runs")[-1]["flags"] == flags
+    led.close()
+
+
+def test_bad_override_exits_2_naming_the_flag_and_writes_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    batch = write_batch(tmp_path / "b.yaml", [{"name": "a", "prompt": "x"}])
+    out = tmp_path / "out"
+    assert cli.main(["run", str(batch), "--out", str(out), "--set", "num_inference_steps=4"]) == 2
+    err = capsys.readouterr().err
+    print(err)
+    assert "--set num_inference_steps=4: num_inference_steps: unknown key" in err and "did you mean 'steps'?" in err
+    assert not out.exists()
+    assert cli.main(["validate", str(batch), "--sweep", "steps=4,0"]) == 2
+    assert "--sweep steps=4,0: steps[1]: got 0" in capsys.readouterr().err
+
+
+def _history(folder: Path, batch: Path) -> None:
+    """An earlier run's ledger: every job done with set stage seconds (2 s conditioning, 5 s per
+    sampling step, 10 s decode, 3 s encode)."""
+    folder.mkdir()
+    led = Ledger.open(folder)
+    specs = load_batch(batch, check_model=False).jobs
+    led.add_jobs(specs, retries=0)
+    for s in specs:
+        led.transition(s.job_id, JobEvent.START, reason="test")
+        for stage, secs in [(Stage.CONDITIONING, 2.0), (Stage.SAMPLING, 5.0 * s.steps), (Stage.DECODE, 10.0),
+                            (Stage.ENCODE, 3.0)]:
+            led.set_stage(s.job_id, stage, StageState.DONE, seconds=secs)
+        led.transition(s.job_id, JobEvent.FINISH, reason="test")
+    led.close()
+
+
+def test_dry_run_plans_without_the_checkpoint_from_an_earlier_runs_ledger(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    renders = tmp_path / "renders"
+    renders.mkdir()
+    batch = write_batch(tmp_path / "b.yaml", [{"name": "a", "prompt": "x"}], sweep={"seed": [0, 1]},
+                        model="checkpoints/not-downloaded-yet")
+    _history(renders / "yesterday", batch)
+    out = renders / "tonight"
+    # `run` needs the checkpoint; the dry run and validate do not.
+    assert cli.main(["run", str(batch), "--out", str(out)]) == 2
+    assert "not-downloaded-yet' does not exist" in capsys.readouterr().err
+    assert cli.main(["run", str(batch), "--out", str(out), "--dry-run", "--set", "steps=20",
+                     "--sweep", "guidance=2,4", "--cpu-gpus", "2"]) == 0
+    text = capsys.readouterr().out
+    print(text)
+    header = text.splitlines()[0].split()
+    # The swept fields are columns (once: guidance is not repeated among the fixed ones).
+    assert header == ["id", "seed", "guidance", "size", "steps", "gpus", "est.", "GPU", "time"]
+    # Per job on one GPU: 2 + 20 x 5 + 10 + 3 = 115 s, from the earlier run; 4 jobs on 2 GPUs.
+    rows = [line.split() for line in text.splitlines()[1:5]]
+    assert sorted((r[1], r[2], r[-1]) for r in rows) == [("0", "2", "1m55s"), ("0", "4", "1m55s"),
+                                                         ("1", "2", "1m55s"), ("1", "4", "1m55s")]
+    assert "GPU time 7m40s" in text and "on 2 GPU(s)" in text
+    assert f"4 job(s) from earlier runs' measured stage seconds (same model and size; {renders / 'yesterday'})" in text
+    assert not out.exists()
+
+    # A size no earlier run had: the reference table, and the output says so.
+    assert cli.main(["validate", str(batch), "--out", str(out), "--set", "frames=33"]) == 0
+    text = capsys.readouterr().out
+    assert "2 job(s) from the reference table (one H200, full-size checkpoint" in text
+    assert not out.exists()
+
+
+def _failed_twice(tmp_path: Path, local_executor: dict[str, Any]) -> Path:
+    batch = write_batch(tmp_path / "b.yaml", [{"name": "fine", "prompt": "x"}, {"name": "broken", "prompt": "y"}],
+                        sweep={"seed": [0, 1]}, defaults={"steps": 2})
+    out = tmp_path / "out"
+    local_executor["faults"] = {"fail": {"job": "broken", "stage": "decode"}}
+    assert cli.main(["run", str(batch), "--out", str(out), "--retries", "1"]) == 1
+    return out
+
+
+def test_show_on_a_failed_job_prints_every_attempts_traceback(
+        tmp_path: Path, local_executor: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    out = _failed_twice(tmp_path, local_executor)
+    capsys.readouterr()
+    led = Ledger.open_readonly(out)
+    broken = next(j for j in led.jobs() if j.name == "broken" and j.spec.seed == 1)
+    led.close()
+    for query in (broken.id, broken.id[:len("broken-seed1")]):
+        assert cli.main(["show", str(out), query]) == 1  # exit 1: the job failed
+        text = capsys.readouterr().out
+        assert text.startswith(f"job      {broken.id}\n")
+    print(text)
+    assert "state    failed (stage decode), 2 attempt(s), 0 retries left" in text
+    assert "attempts (2):" in text
+    assert text.count("Traceback (most recent call last)") == 2
+    assert text.count("RuntimeError: injected failure in decode of job broken") >= 2
+    assert re.search(r"sampling\s+done\s+[\d.]+ s\s+broken-seed1-\w+/latents.safetensors \(\d+ bytes\)", text)
+    assert "pending->running" in text and "running->failed" in text
+    assert re.search(r"\n  seed\s+1\n", text) and '\n  sweep            {"seed": 1}\n' in text
+    # A name shared by two jobs of the sweep is ambiguous; an unknown one is named.
+    assert cli.main(["show", str(out), "broken"]) == 2
+    assert "'broken' matches 2 jobs" in capsys.readouterr().err
+    assert cli.main(["show", str(out), "nope"]) == 2
+    assert "no job 'nope'" in capsys.readouterr().err
+
+
+def test_status_shows_swept_values_videos_and_the_last_run(
+        tmp_path: Path, local_executor: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    out = _failed_twice(tmp_path, local_executor)
+    capsys.readouterr()
+    assert cli.main(["status", str(out)]) == 1
+    text = capsys.readouterr().out
+    print(text)
+    lines = text.splitlines()
+    assert "not running; last run started" in lines[1] and "elapsed" in lines[1]
+    assert lines[2].split()[:5] == ["state", "stage", "att", "id", "seed"]
+    fine0 = next(line for line in lines if line.startswith("done") and "fine-seed0-" in line)
+    assert re.search(r"fine-seed0-\w+\s+0\s+[\d.]+\s+fine-seed0-\w+/video.mp4", fine0)
+    assert lines[-1] == "2 done, 2 failed"
+    # --watch on a folder no run holds draws once and ends.
+    assert cli.main(["status", str(out), "--watch", "0.1"]) == 1
+    assert "every 0.1 s" in capsys.readouterr().out
+
+
+def test_plain_output_has_one_line_per_event_and_run_log_repeats_it(
+        tmp_path: Path, local_executor: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    out = _failed_twice(tmp_path, local_executor)
+    err = capsys.readouterr().err
+    printed = [line for line in err.splitlines() if line]
+    logged = (out / RUN_LOG_NAME).read_text().splitlines()
+    print(err)
+    # Every line printed is in run.log, in order, after a UTC timestamp.
+    assert [re.sub(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ ", "", line) for line in logged] == printed
+    assert all(re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ ", line) for line in logged)
+    led = Ledger.open_readonly(out)
+    events = led.events()
+    led.close()
+    # One plain line per job event, naming the job by id: starts, stages, retries, ends.
+    kinds = {"pending->running": "start", "running->done": "done", "running->pending": "retry",
+             "running->failed": "FAILED"}
+    for kind, word in kinds.items():
+        ledger_ids = sorted(j for _, j, k, _ in events if k == kind)
+        printed_ids = sorted(line.split()[1] for line in printed if line.split()[0] == word)
+        assert printed_ids == ledger_ids, (word, printed_ids, ledger_ids)
+    assert sum(line.startswith("stage ") for line in printed) >= 4 * 2  # sampling + decode+encode at least
+    assert printed[-1].startswith("  failed: broken-seed1-") and "show" in printed[-1]
+
+
+def test_ray_client_address_without_the_extra_exits_2_and_writes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "grpc", None)  # as without `ray[client]`: `import grpc` fails
+    batch = write_batch(tmp_path / "b.yaml", [{"name": "a", "prompt": "x"}])
+    out = tmp_path / "out"
+    assert cli.main(["run", str(batch), "--out", str(out), "--address", "ray://head:10001"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    print(err)
+    assert len(err) == 1 and "ray:// address needs Ray's client extra" in err[0]
+    assert "pip install 'pan2-render[client]'" in err[0]
+    assert not out.exists()
+
+
+def test_presets_and_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["presets"]) == 0
+    text = capsys.readouterr().out
+    row = next(line for line in text.splitlines() if line.startswith("tiny-preview "))
+    assert row.split()[1:6] == ["64", "64", "17", "8.0", "8"]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert re.fullmatch(r"pan2-render \d+\.\d+\.\d+\n", capsys.readouterr().out)
+
+
+def test_stop_signals_are_handled_unless_ignored_as_under_nohup() -> None:
+    import signal
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what `nohup` does
+    term_before = signal.getsignal(signal.SIGTERM)  # (Ray, when an earlier test started it here)
+    try:
+        with cli._stop_signals_interrupt():
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is cli._on_stop_signal
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGTERM)
+            assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # a second one waits for the clean-up
+        assert signal.getsignal(signal.SIGTERM) == term_before
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+        cli._stopped_by.clear()
+
+
+def test_status_of_a_live_run_has_an_eta_from_its_own_measured_stages(
+        tmp_path: Path, local_executor: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+    import os
+    import socket
+
+    out = _failed_twice(tmp_path, local_executor)
+    extra = write_batch(tmp_path / "more.yaml", [{"name": "later", "prompt": "z"}], defaults={"steps": 2})
+    led = Ledger.open(out)
+    led.add_jobs(load_batch(extra).jobs, retries=0)  # pending, as in a run still going
+    led.close()
+    # The folder's lock names a live holder (this process) on this host, as a running driver's does.
+    (out / ".lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                           "started": "2026-01-01T00:00:00Z"}))
+    capsys.readouterr()
+    assert cli.main(["status", str(out)]) == 1
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.startswith(f"running (pid {os.getpid()} on {socket.gethostname()}); last run started")
+    assert "ETA ~" in line and "1 job(s) from earlier runs' measured stage seconds" in line
+    (out / ".lock").write_text("")  # released
+    assert cli.main(["status", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert "\nnot running; last run started" in text and "ETA" not in text
+
+
+def test_hints_name_the_command_as_it_can_be_typed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run from a venv that is not activated, the closing hints give the full path."""
+    exe = tmp_path / ".venv" / "bin" / "pan2-render"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    monkeypatch.setattr(sys, "argv", [str(exe), "status"])
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert cli._me() == str(exe)
+    monkeypatch.setenv("PATH", f"{exe.parent}:/usr/bin:/bin")  # activated
+    assert cli._me() == "pan2-render"

@@ -1,0 +1,99 @@
+"""SIGTERM (a scheduler, `kill`) and SIGHUP (a dropped SSH session) stop `pan2-render run` the way
+Ctrl-C does: running jobs back to pending in the ledger, the Ray processes the run started gone,
+and `resume` finishes the batch. A subprocess with its own local Ray cluster, as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from runner_helpers import write_batch
+
+from pan2render.jobs.ledger import JobState, Ledger, StageState
+
+pytestmark = pytest.mark.slow
+CLI = [sys.executable, "-m", "pan2render.runner.cli"]
+
+
+def _session_pids(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (the run was started as a session leader, so everything
+    it and Ray started is in it unless they left it)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # field 6 of stat: session id
+            pids.append(int(entry.name))
+    return pids
+
+
+def _done(out: Path) -> int:
+    try:
+        led = Ledger.open_readonly(out)
+    except FileNotFoundError:
+        return 0
+    try:
+        return sum(j.state is JobState.DONE for j in led.jobs())
+    except Exception:  # noqa: BLE001 - the writer holds the journal this instant
+        return 0
+    finally:
+        led.close()
+
+
+def test_sigterm_mid_run_leaves_a_consistent_ledger_and_resume_finishes(tmp_path: Path) -> None:
+    batch = write_batch(tmp_path / "b.yaml", [{"name": f"j{i}", "prompt": f"clip {i}"} for i in range(3)],
+                        defaults={"steps": 4})
+    out = tmp_path / "out"
+    env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0",
+           "PAN2_RENDER_PIPELINE": "pan2render.runner.testing:load_fake_pipeline", "PAN2_FAKE_STEP_SECONDS": "0.3"}
+    run = subprocess.Popen([*CLI, "run", str(batch), "--out", str(out), "--cpu-gpus", "1"], env=env,
+                           start_new_session=True, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while _done(out) < 1:
+            assert run.poll() is None, f"run ended early: {run.stderr.read() if run.stderr else ''}"
+            assert time.monotonic() < deadline, "no job done within 120 s"
+            time.sleep(0.1)
+        time.sleep(0.5)  # into the next job's sampling
+        run.send_signal(signal.SIGTERM)
+        _, err = run.communicate(timeout=90)
+        print(err[-1500:])
+        assert run.returncode == 130, err
+        assert f"interrupted by SIGTERM; finished stages are kept: `pan2-render resume {out}` continues" in err
+        # Everything the run started is gone (Ray's GCS, raylet, workers), without our help.
+        deadline = time.monotonic() + 20
+        while _session_pids(run.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _session_pids(run.pid)
+        assert not left, [Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ")[:120] for p in left]
+    finally:
+        try:
+            os.killpg(run.pid, signal.SIGKILL)  # clean-up should the test fail
+        except ProcessLookupError:
+            pass
+    led = Ledger.open_readonly(out)
+    jobs = led.jobs()
+    stage_states = {s.state for j in jobs for s in led.stages(j.id).values()}
+    interrupted = [d for _, _, k, d in led.events() if k == "running->pending"]
+    led.close()
+    print({j.name: j.state.value for j in jobs}, interrupted)
+    assert JobState.RUNNING not in {j.state for j in jobs} and StageState.RUNNING not in stage_states
+    assert len(interrupted) == 1 and interrupted[0].startswith("interrupted (")
+    assert "interrupted" in (out / "run.log").read_text()
+
+    resume = subprocess.run([*CLI, "resume", str(out), "--cpu-gpus", "1"], env=env, capture_output=True,
+                            text=True, timeout=180, start_new_session=True)
+    print(resume.stderr[-600:])
+    assert resume.returncode == 0, resume.stderr
+    led = Ledger.open_readonly(out)
+    assert all(j.state is JobState.DONE for j in led.jobs()) and len(led.jobs()) == 3
+    led.close()
