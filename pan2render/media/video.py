@@ -147,6 +147,9 @@ def probe_mp4(path: str | os.PathLike[str]) -> VideoInfo:
             stream = container.streams.video[0]
             if stream.codec_context is None:  # header cut before the codec parameters
                 raise MediaError(f"{p} is truncated or corrupt: its video stream has no codec parameters; re-encode it")
+            # Frame threads: the check decodes every frame of a video that libx264 encoded on
+            # every core, and one decoder thread made it longer than the encode itself.
+            stream.thread_type = "AUTO"
             declared = int(stream.frames or 0)
             rate = stream.average_rate or stream.guessed_rate
             width, height = stream.codec_context.width, stream.codec_context.height

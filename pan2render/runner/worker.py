@@ -138,8 +138,11 @@ class RenderWorker:
         self._call_state = threading.local()
         self._turn = threading.Condition()
         self._next_seq = 0  # the GPU-lane call whose turn it is
-        # One encode at a time: libx264 already uses every core for one video.
-        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
+        # As many encodes at once as the driver keeps in flight: one at a time made the encode the
+        # batch's bottleneck once sampling took a few steps (docs/performance.md, the few-step
+        # batch): half of an encode is its decode-back check, which does not fill the cores that
+        # libx264 does, so two videos overlap well.
+        self._encoder = ThreadPoolExecutor(max_workers=MAX_ENCODES_IN_FLIGHT, thread_name_prefix="encode")
         self._encodes: dict[str, Future[dict[str, Any]]] = {}  # job id -> its encode
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cpu" and config.threads:
