@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark the PAN2 DiT against diffusers' WanTransformer3DModel (issue 5), in one process.
+"""Benchmark the PAN2 DiT against diffusers' WanTransformer3DModel, in one process.
 
 Both models are built on the GPU in bf16 from ONE random state dict (Wan2.2-TI2V-5B config by
 default), at 704x1248x121 (latent 48x31x44x78 -> 26,598 tokens, 512 text tokens). Prints and writes
@@ -564,7 +564,7 @@ def main() -> int:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul_tf32, cudnn_tf32
         for name, out in outs.items():
             results[f"rel_l2_{name}"] = round(rel_l2(out, want), 5)
-        if "ours_unfused" in outs:  # the fused default vs diffusers' numerics (issue 5: <= 1e-2)
+        if "ours_unfused" in outs:  # the fused default vs diffusers' numerics (bound: <= 1e-2)
             results["fused_vs_unfused_error_ratio"] = round(
                 results[f"rel_l2_ours_fused_{best}"] / max(results["rel_l2_ours_unfused"], 1e-12), 3)
             log(f"rel L2: diffusers bf16 {results['rel_l2_diffusers']:.3e}, ours unfused (diffusers' "

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark sequence-parallel groups (issue 6): a guided sampling step and the VAE decode, on one
+"""Benchmark sequence-parallel groups: a guided sampling step and the VAE decode, on one
 GPU and on a group of N (default 2), in ONE run, printing the ratios and the memory per rank.
 
 - DiT: the full-size random-weight PAN2 DiT (Wan2.2-TI2V-5B config) built directly on each GPU in

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark the fast Wan2.2 VAE decoder against diffusers (issue 4), all in one run.
+"""Benchmark the fast Wan2.2 VAE decoder against diffusers, all in one run.
 
 Builds diffusers' ``AutoencoderKLWan`` (Wan2.2-TI2V-5B config) with PyTorch's default random init,
 loads the same state dict into ours (``WanVAE``; the fast decoder reads it), and decodes one random

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Why does the DiT's self-attention run slower inside the forward than alone? (issue 5)
+"""Why does the DiT's self-attention run slower inside the forward than alone?
 
 docs/performance.md: cuDNN SDPA at the DiT's self-attention shape ([1, 24, 26598, 128]) does
 ~640 TFLOP/s in a short burst, but the 30 calls inside a forward average ~550 TFLOP/s. This probe

@@ -32,7 +32,7 @@ RESIDUAL_NORM_MODULATE = "residual_norm_modulate"  # residual (+ gate) fused wit
 GATED_RESIDUAL = "gated_residual"  # the block's last residual + gate (same kernel, no norm)
 FUSED_KERNEL_NAMES: frozenset[str] = frozenset({QK_NORM_ROPE, NORM_MODULATE, RESIDUAL_NORM_MODULATE, GATED_RESIDUAL})
 
-_enabled: frozenset[str] = FUSED_KERNEL_NAMES  # on by default where they apply (DESIGN.md section 5)
+_enabled: frozenset[str] = FUSED_KERNEL_NAMES  # on by default where they apply
 # Whether the fused Q/K prologue writes q, k head-major ([B, H, L, D] contiguous, SDPA's native
 # layout) instead of token-major views; chosen by measurement (scripts/bench_dit.py, docs/performance.md).
 QK_HEAD_MAJOR = False

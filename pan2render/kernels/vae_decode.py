@@ -1,4 +1,4 @@
-"""Fast, memory-lean Wan2.2 VAE decoder for Hopper GPUs (issue 4).
+"""Fast, memory-lean Wan2.2 VAE decoder for Hopper GPUs.
 
 Same math as diffusers' ``AutoencoderKLWan.decode`` / our ``WanVAE.decode`` (weights read from the
 ``decoder.*`` / ``post_quant_conv.*`` state-dict keys), organised for speed and memory:
@@ -189,9 +189,7 @@ class FastWanDecoder:
 
         g = self._loader(state)
         self.post_quant = g.linear("post_quant_conv")
-        # conv_in's 48 input channels padded to 64 (zeros) for aligned channels-last rows. (Tried
-        # against a slow sm80 "indexed" cuDNN kernel in run 2; it stayed in run 3, so that kernel
-        # belongs to another conv: docs/performance.md.)
+        # conv_in's 48 input channels padded to 64 (zeros) for aligned channels-last rows.
         self.z_width = -(-self.z_dim // _IN_CHANNEL_ALIGN) * _IN_CHANNEL_ALIGN
         self.conv_in = g.conv("decoder.conv_in", pad_in_to=self.z_width)
         self.mid_resnets = [g.resblock(f"decoder.mid_block.resnets.{i}") for i in range(2)]
@@ -545,7 +543,7 @@ class FastWanDecoder:
     def _time_up(self, x: torch.Tensor, blk: _UpBlock, key: str) -> torch.Tensor:
         """The causal (3, 1, 1) time conv: [B, T, H, W, C] -> [B, T, 2, H, W, C] (frame 2t+a =
         output channel half a). Run as one cuBLAS GEMM over the three frame taps laid side by
-        side (K = 3C, fp32 accumulation), ~660 TFLOP/s at up block 1 (run 3 profile)."""
+        side (K = 3C, fp32 accumulation), ~660 TFLOP/s at up block 1 on an H200 (docs/performance.md)."""
         b, t, h, w, c = x.shape
         buf = self._fill([x], f"{key}.time_conv", gamma=None, bias=None)  # [B, 2 + T, H, W, C]
         del x

@@ -273,7 +273,7 @@ def add_bias_residual_(
 # only ever sees two distinct input rows: py = 0 -> X[h-1] (tap 0), X[h] (taps 1+2);
 # py = 1 -> X[h] (taps 0+1), X[h+1] (tap 2); columns alike. So each output parity (py, px) is a
 # 2x2 convolution of the low-resolution X: 4 taps instead of 9, at a quarter of the positions
-# (DESIGN.md section 5). All four run as ONE conv2d(X, [4*Cout, Cin, 2, 2], padding=1) whose
+# (the upsample's work shrinks to 4/9). All four run as ONE conv2d(X, [4*Cout, Cin, 2, 2], padding=1) whose
 # output O[N, H+1, W+1, 4*Cout] holds phase (py, px) at rows h+py, columns w+px and channel block
 # 2*py+px; ``upsample_phase_combine`` interleaves the phases into Y[N, 2H, 2W, Cout] and adds the
 # conv bias and the duplicate-upsample shortcut in the same pass.

@@ -3,7 +3,7 @@
 A video counts as done only once it decodes to the expected number of frames, so every write goes
 to a temp name in the destination folder, is flushed, fsynced and decoded back, and only then
 ``os.replace``d onto the final name: a crash at any point leaves either the old file or the new
-one, never a half-written mp4 under the final name (DESIGN.md section 8).
+one, never a half-written mp4 under the final name.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Plain-torch reference ops of the PAN2 DiT block: one function per step a kernel may fuse.
 
 The DiT (`pan2render.models.dit`) calls these only through a `DiTOps` table held by the model, so
-the fused-kernel switch (DESIGN.md section 5, `dit_fused_kernels`) swaps the table and never touches
+the fused-kernel switch (`PAN2PipelineConfig.dit_fused_kernels`) swaps the table and never touches
 the model. A kernel that replaces one of these takes the same arguments and must return the same
 values (dtype included); these functions are the references its tests compare against.
 

@@ -65,7 +65,7 @@ class PAN2PipelineConfig:
     # Keep the DiT's residual stream in fp32 and round only the norms' outputs to the compute dtype
     # (PAN2DiT.set_residual_dtype). diffusers rounds it to bf16 after each of the 4 residual adds per
     # block: on one H200 at 704x1248x121 (docs/performance.md) rel. L2 vs a strict fp32 forward was
-    # 1.46e-2 that way (issue 5 requires <= 1e-2) and 3.35e-3 with the fp32 stream, for +7.5-9 ms per
+    # 1.46e-2 that way (over the 1e-2 we hold the bf16 DiT to) and 3.35e-3 with the fp32 stream, for +7.5-9 ms per
     # forward. False: diffusers' numerics bit for bit. A no-op when the DiT runs in fp32.
     dit_fp32_residual: bool = True
     # Classifier-free guidance as one batch-2 forward (True) or two batch-1 forwards (False). On one
@@ -253,8 +253,8 @@ class PAN2Pipeline:
         return pipe
 
     def parallelize(self, group: "torch.distributed.ProcessGroup | None") -> "PAN2Pipeline":
-        """Make this pipeline sequence-parallel over an initialised torch.distributed ``group``
-        (issue 6): Ulysses DiT + split decode, applied from outside by ``pan2render.parallel``.
+        """Make this pipeline sequence-parallel over an initialised torch.distributed ``group``:
+        Ulysses DiT + split decode, applied from outside by ``pan2render.parallel``.
         Returns self. Every rank then calls ``sample`` with identical arguments (same latents
         everywhere); ``decode`` returns the frames on rank 0 and None on the other ranks."""
         from ..parallel import parallelize_pipeline
@@ -478,7 +478,7 @@ class PAN2Pipeline:
             raise FloatingPointError("non-finite values in the latents to decode")
         z = self.vae.denormalize_latents(latents.to(self.device, torch.float32))
         if self.process_group is not None and self.config.vae_decode_kernel_parallel:
-            # Sequence-parallel group (issue 6, pan2render/parallel/decode.py): one decode split
+            # Sequence-parallel group (pan2render/parallel/decode.py): one decode split
             # over the ranks; the frames on rank 0, None on the other ranks.
             from ..parallel.decode import decode_on_group
 

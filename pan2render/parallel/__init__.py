@@ -1,4 +1,4 @@
-"""Sequence-parallel groups (issue 6): applied to a plain pipeline from outside.
+"""Sequence-parallel groups: applied to a plain pipeline from outside.
 
 - `parallelize_dit` (ulysses.py): Ulysses sequence parallelism for the PAN2 DiT;
 - `pipelined_decode` / `decode_on_group` (decode.py): ``vae_decode_kernel_parallel``, one VAE

@@ -11,7 +11,7 @@ and its 2-frame causal cache live on exactly one rank, so the causal cache is "h
 construction and the result is exactly the single-GPU decode (same ops on the same inputs;
 tests/parallel compare it to 1e-5).
 
-Why not the alternatives (DESIGN.md section 5, the Wan2.2 decoder at 704x1248x121, latent 44x78):
+Why not the alternatives (the Wan2.2 decoder at 704x1248x121, latent 44x78):
 - rows with a halo: the mid-block attention is global over each frame (3432 positions), so a row
   shard needs the whole frame there, and the ~28 convs after it give a receptive field of ~12
   latent rows. With 2 ranks (22 rows each) and the halo trimmed after every up block a rank still
@@ -74,7 +74,7 @@ _FAST_DECODER_API = ("begin_decode", "end_decode", "unit_names", "run_unit", "se
 
 # Bytes moved by the elementwise work around the convs (norms, SiLU, residuals, copies) cost time
 # too, and matter more in the high-resolution, narrow layers: one byte counts as this many MACs,
-# the H200's bf16 matmul rate over its copy bandwidth (781 TFLOP/s / 4.25 TB/s, DESIGN.md 6).
+# the H200's bf16 matmul rate over its copy bandwidth (781 TFLOP/s / 4.25 TB/s, measured on one H200).
 MACS_PER_BYTE = 92.0
 
 
