@@ -209,6 +209,8 @@ class Ledger:
     @classmethod
     def open_file(cls, path: Path) -> "Ledger":
         """Open (creating if absent) a ledger file for writing; raises LedgerError if damaged."""
+        if not path.exists():
+            _create_whole(path)
         with _opening(path) as conn:
             conn.execute("PRAGMA journal_mode=DELETE")
             conn.execute("PRAGMA synchronous=FULL")
@@ -518,6 +520,28 @@ def _opening(path: Path) -> Iterator[sqlite3.Connection]:
         _raise_as_ledger_error(path, e)
     except BaseException:
         conn.close()
+        raise
+
+
+def _create_whole(path: Path) -> None:
+    """Create the ledger under a temp name and rename it into place: a reader (``status`` while
+    ``run`` starts) sees no ledger or one with its whole schema, never a file without tables, which
+    would read as a damaged or empty ledger. Writers hold the folder lock, so nothing races the
+    rename."""
+    tmp = path.with_name(f".{path.name}.new-{os.getpid()}")
+    try:
+        with _opening(tmp) as conn:
+            try:
+                conn.execute("PRAGMA journal_mode=DELETE")
+                conn.executescript(_SCHEMA)
+                conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            finally:
+                conn.close()
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
         raise
 
 

@@ -137,3 +137,30 @@ def test_present_job_takes_fields_outside_the_hash_unless_done(tmp_path: Path) -
     assert led.job(other.job_id).spec.gpus == 1  # a done job's record is history: unchanged
     assert any(k == "spec-updated" for _, _, k, _ in led.events(wide.job_id))
     led.close()
+
+
+def test_a_new_ledger_appears_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader polling the folder (`status` while `run` starts) must never find a ledger file
+    without its tables: it would report the ledger empty or damaged. The file appears by a rename
+    of a complete one."""
+    import pan2render.jobs.ledger as ledger_module
+
+    target = tmp_path / "ledger.sqlite"
+    renamed: list[str] = []
+    real_replace = ledger_module.os.replace
+
+    def checked_replace(src: str | Path, dst: str | Path) -> None:
+        if Path(dst) == target:
+            assert not target.exists()
+            seen = Ledger.open_file_readonly(Path(src))  # raises unless every table is there
+            try:
+                assert seen.get_meta("schema_version") is not None
+            finally:
+                seen.close()
+            renamed.append(str(dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(ledger_module.os, "replace", checked_replace)
+    Ledger.open(tmp_path).close()
+    assert renamed == [str(target)]
+    assert [p.name for p in tmp_path.iterdir()] == ["ledger.sqlite"]
