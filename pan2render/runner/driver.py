@@ -41,7 +41,7 @@ from pan2render.jobs.ledger import (
 )
 from pan2render.jobs.weights import folder_fingerprint
 from pan2render.runner import outputs, stages
-from pan2render.runner.groups import Call, Executor, Group, GroupDied, GroupPool, GroupStartError
+from pan2render.runner.groups import Call, Executor, GcsLost, Group, GroupDied, GroupPool, GroupStartError
 from pan2render.runner.progress import RunLog, RunProgress
 from pan2render.runner.retry import (
     Action,
@@ -221,6 +221,7 @@ class Driver:
                             failed=sum(j.state is JobState.FAILED for j in now))
         try:
             while (self._pending and self._stop is None) or self._active:
+                self.ex.check_cluster()
                 self._dispatch()
                 if not self._active:  # nothing running: a group is starting (or failed to)
                     self.pool.wait_for_start(self.config.poll_s)
@@ -239,6 +240,18 @@ class Driver:
             for a in list(self._active.values()):
                 self.ledger.transition(a.job.id, JobEvent.INTERRUPT, reason=f"interrupted ({why})")
                 self.progress.job_ended(a.job.id, "interrupted")
+            raise
+        except ClusterLostError as e:
+            for a in list(self._active.values()):
+                self.ledger.transition(a.job.id, JobEvent.INTERRUPT, reason=f"the cluster was lost: {e}")
+                self.progress.job_ended(a.job.id, "requeued", "the cluster was lost")
+            if isinstance(e, GcsLost):
+                left = sum(j.state is JobState.PENDING for j in self.ledger.jobs(job_ids))
+                raise ClusterLostError(
+                    f"{e}. The {left} unfinished job(s) are pending, none was charged an attempt for the "
+                    f"loss; finished jobs are intact. Start the cluster again (`ray start --head` on its "
+                    f"head node), then `pan2-render resume {self.out_dir}` (with --address naming the new "
+                    f"head) finishes the batch") from e
             raise
         finally:
             self.progress.close()
@@ -421,7 +434,7 @@ class Driver:
         try:
             reply = self.ex.result(call)
         except GroupDied as e:
-            return self._on_group_died(a, stage, str(e))
+            return self._on_group_died(a, stage, str(e), node_lost=e.node_lost)
         if not reply.ok:
             return self._on_worker_error(a, call.method, stage, reply)
         try:
@@ -505,9 +518,10 @@ class Driver:
         self._ended += 1
 
     # ================================================================== failures
-    def _on_group_died(self, a: _Active, stage: Stage, reason: str) -> None:
+    def _on_group_died(self, a: _Active, stage: Stage, reason: str, *, node_lost: bool = False) -> None:
         msg = f"worker group {a.group.id} died or stopped answering: {reason}"
-        kind = self._unless_cluster_lost(classify_group_death(reason), a.group.size)
+        kind = (FailureKind.CLUSTER_LOST if node_lost
+                else self._unless_cluster_lost(classify_group_death(reason), a.group.size))
         self._drop_group(a, stage, msg, None, kind)
 
     def _on_worker_error(self, a: _Active, method: str, stage: Stage, reply: Reply) -> None:
@@ -537,7 +551,8 @@ class Driver:
             x_stage = _CALL_STAGE[x.call.method] if x.call is not None else self._next_stage(x.job.id)
             x_msg = f"group {group.id} was torn down (after job {a.job.name}: {msg.splitlines()[0][:300]})"
             self.ledger.log(x.job.id, "group-died", x_msg)
-            x_kind = self._unless_cluster_lost(FailureKind.WORKER_DEATH, group.size)
+            x_kind = (kind if kind is FailureKind.CLUSTER_LOST
+                      else self._unless_cluster_lost(FailureKind.WORKER_DEATH, group.size))
             self._on_failure(self.ledger.job(x.job.id), x_stage, x_msg, None, x_kind)
 
     def _on_failure(self, job: JobRecord, stage: Stage, error: str, tb: str | None,
@@ -605,7 +620,7 @@ class Driver:
         waited = time.monotonic() - self._lost_since
         if waited > self.config.cluster_wait_s and not self._active:  # running jobs finish first
             raise ClusterLostError(
-                f"the Ray cluster lost its GPUs ({available} left, {need} needed) and they did not come back "
+                f"{self.ex.cluster} lost its GPUs ({available} left, {need} needed) and they did not come back "
                 f"within {self.config.cluster_wait_s:.0f} s; the {len(self._pending)} unfinished job(s) are "
                 f"pending, none was charged an attempt. Bring the node(s) back (`ray status` on the head "
                 f"shows them), then `pan2-render resume {self.out_dir}`")

@@ -23,6 +23,8 @@ creates a group on a background thread, so the driver keeps serving the running 
 from __future__ import annotations
 
 import itertools
+import os
+import socket
 import threading
 import time
 import traceback
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pan2render.runner.progress import StepClock, StepReport
+from pan2render.runner.retry import ClusterLostError
 from pan2render.runner.worker import (
     GPU_QUEUE_DEPTH,
     IO_CONCURRENCY,
@@ -44,7 +47,18 @@ from pan2render.runner.worker import (
 
 
 class GroupDied(RuntimeError):
-    """A worker of the group died or stopped answering; the group must be torn down."""
+    """A worker of the group died or stopped answering; the group must be torn down.
+    ``node_lost``: the group's node left the cluster (or the cluster cannot be asked), so the
+    failure is the cluster's, not the job's."""
+
+    def __init__(self, message: str, *, node_lost: bool = False):
+        super().__init__(message)
+        self.node_lost = node_lost
+
+
+class GcsLost(ClusterLostError):
+    """The cluster's GCS (on its head node) stopped accepting connections for longer than
+    :func:`gcs_lost_after_s`: the head node or its GCS process died."""
 
 
 class ClusterConnectError(RuntimeError):
@@ -100,6 +114,7 @@ class Call:
 class Executor(Protocol):
     starts_in_background: bool  # GroupPool runs create_group on a thread (it blocks for long)
     worker_logs: str | None  # where the workers' own logs are, to tell the user once
+    cluster: str  # how messages name the cluster ("the Ray cluster at HOST:PORT")
 
     def total_gpus(self) -> int: ...
     def max_group_size(self) -> int: ...  # most GPUs on one node (a group is STRICT_PACK)
@@ -109,6 +124,7 @@ class Executor(Protocol):
     def wait(self, calls: Sequence[Call], *, timeout_s: float) -> list[Call]: ...
     def result(self, call: Call) -> Reply: ...
     def progress(self) -> dict[str, StepReport]: ...
+    def check_cluster(self) -> None: ...  # raises ClusterLostError when the cluster is gone
     def shutdown(self) -> None: ...
 
 
@@ -129,6 +145,7 @@ class LocalExecutor:
 
     starts_in_background = False  # a group is one in-process object: nothing to wait for
     worker_logs = None  # the workers log where this process does
+    cluster = "the in-process cluster"
 
     def __init__(self, *, gpus: int, config: WorkerConfig):
         self._gpus = gpus
@@ -191,6 +208,9 @@ class LocalExecutor:
     def progress(self) -> dict[str, StepReport]:
         return self._progress.snapshot()
 
+    def check_cluster(self) -> None:
+        """An in-process cluster cannot be lost."""
+
     def shutdown(self) -> None:
         self._io.shutdown(wait=False, cancel_futures=True)
 
@@ -236,6 +256,17 @@ class RayExecutor:
         session = (getattr(context, "address_info", None) or {}).get("session_dir")
         if session:
             self.worker_logs = f"{session}/logs"
+        # A Ray client (ray://) reaches the cluster through its client server, not the GCS.
+        self._gcs: GcsWatch | None = None
+        self.cluster = f"the Ray cluster at {address}"
+        if not (address or "").startswith(RAY_CLIENT_SCHEME):
+            self._gcs = GcsWatch(ray.get_runtime_context().gcs_address)
+            self.cluster = (f"the Ray cluster at {self._gcs.address}" if address is not None or not self._owns_ray
+                            else f"the local Ray cluster this run started (GCS at {self._gcs.address})")
+        self._gcs_lost_after_s = gcs_lost_after_s()
+        # GCS queries run here, each with a deadline: one that would block (the GCS died after the
+        # last probe) leaves its thread stuck instead of the driver's loop.
+        self._gcs_queries = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="gcs-query")
         # Two lanes per actor (worker.py): the default group runs the GPU lane with one thread per
         # call the driver may queue (the worker orders them by seq), "io" runs collects.
         self._actor_cls = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=GPU_QUEUE_DEPTH,
@@ -245,15 +276,49 @@ class RayExecutor:
         self._lock = threading.Lock()
 
     def total_gpus(self) -> int:
-        return int(self._ray.cluster_resources().get("GPU", 0))
+        return int(self._ask_gcs(self._ray.cluster_resources).get("GPU", 0))
 
     def max_group_size(self) -> int:
-        per_node = [n.get("Resources", {}).get("GPU", 0) for n in self._ray.nodes() if n.get("Alive")]
+        per_node = [n.get("Resources", {}).get("GPU", 0) for n in self._ask_gcs(self._ray.nodes) if n.get("Alive")]
         return int(max(per_node, default=0))
+
+    def _ask_gcs(self, query: Any) -> Any:
+        """``query()``, a Ray call that the GCS answers. With the GCS gone such a call blocks,
+        deaf to signals, until Ray ends the process: so it is not made while the GCS refuses
+        connections, and is given up (GcsLost) after a deadline."""
+        if self._gcs is None:
+            return query()
+        if not self._gcs.probe():
+            raise GcsLost(f"{self.cluster}: its GCS refuses connections")
+        deadline = min(GCS_QUERY_TIMEOUT_S, self._gcs_lost_after_s / 2)
+        try:
+            return self._gcs_queries.submit(query).result(timeout=deadline)
+        except futures.TimeoutError:
+            raise GcsLost(f"{self.cluster}: its GCS did not answer within {deadline:.0f} s") from None
+
+    def _gcs_down(self) -> bool:
+        return self._gcs is not None and not self._gcs.probe()
+
+    def check_cluster(self) -> None:
+        """Raise GcsLost once the GCS has refused connections for ``gcs_lost_after_s``: the run
+        must end while it still can (Ray ends a driver that cannot reach its GCS for
+        RAY_gcs_rpc_server_reconnect_timeout_s, without running any of its clean-up)."""
+        if self._gcs is None:
+            return
+        down = self._gcs.down_for()
+        if down >= self._gcs_lost_after_s:
+            raise GcsLost(
+                f"{self.cluster} is gone: its GCS (on the head node) has refused "
+                f"connections for {down:.0f} s, so the head node or its GCS process died, and with it "
+                f"this run's workers")
 
     def create_group(self, size: int, *, timeout_s: float) -> Group:
         ray = self._ray
-        from ray.util.placement_group import placement_group, remove_placement_group  # noqa: PLC0415
+        from ray.util.placement_group import (  # noqa: PLC0415
+            placement_group,
+            placement_group_table,
+            remove_placement_group,
+        )
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
 
         gid = f"g{next(_ids)}x{size}"
@@ -268,6 +333,8 @@ class RayExecutor:
                 f"the cluster has {self.total_gpus()} GPUs, {free} free now (a group needs {size} on ONE "
                 f"node; on a shared cluster others may hold them: see --group-start-timeout)"
             ) from None
+        # The nodes holding the group, to tell a lost node from a dead worker when a call fails.
+        nodes = set(placement_group_table(pg).get("bundles_to_node_id", {}).values())
         progress = _RayProgress(self._progress_actor)
         actors = [
             self._actor_cls.options(
@@ -277,7 +344,7 @@ class RayExecutor:
             ).remote(rank=rank, world_size=size, config=self._config, progress=progress)
             for rank in range(size)
         ]
-        group = Group(id=gid, size=size, handle={"pg": pg, "actors": actors})
+        group = Group(id=gid, size=size, handle={"pg": pg, "actors": actors, "nodes": nodes})
         with self._lock:
             self._groups[gid] = group
         if size > 1:
@@ -303,6 +370,10 @@ class RayExecutor:
     def destroy_group(self, group: Group) -> None:
         from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
 
+        if self._gcs_down():  # both calls below need the GCS; the cluster's end took the group
+            with self._lock:
+                self._groups.pop(group.id, None)
+            return
         for actor in group.handle["actors"]:
             try:
                 self._ray.kill(actor, no_restart=True)
@@ -367,11 +438,25 @@ class RayExecutor:
             # monitor, lost objects; `execute` itself never raises, so any of them means the group.
             # Keep the whole message (capped): for an actor that failed to start, the cause (e.g.
             # an ImportError on that node) is on the lines after the first.
-            raise GroupDied(f"group {call.group.id} failed in {call.method}: "
-                            f"{type(e).__name__}: {str(e)[:2000]}") from e
+            lost = self._node_lost(call.group)
+            where = " (its node left the cluster)" if lost else ""
+            raise GroupDied(f"group {call.group.id} failed in {call.method}{where}: "
+                            f"{type(e).__name__}: {str(e)[:2000]}", node_lost=lost) from e
         return _first_failure(replies)
 
+    def _node_lost(self, group: Group) -> bool:
+        """Is a node of ``group`` gone from the cluster (or the cluster past asking)? Ray reports
+        the actors of a dead node dead only once the GCS has marked the node dead, so by the
+        time a call fails for it the node table says so."""
+        try:
+            alive = {n["NodeID"] for n in self._ask_gcs(self._ray.nodes) if n.get("Alive")}
+        except Exception:  # noqa: BLE001 - the GCS cannot be asked: the cluster itself is failing
+            return True
+        return not group.handle.get("nodes", set()) <= alive
+
     def progress(self) -> dict[str, StepReport]:
+        if self._gcs is not None and self._gcs.down_for() > 0:
+            return {}  # its actor may have died with the cluster: Ray would ask the GCS, and block
         try:
             return self._ray.get(self._progress_actor.snapshot.remote(), timeout=10)
         except Exception:  # noqa: BLE001 - progress is cosmetic; never let it stop the batch
@@ -382,10 +467,14 @@ class RayExecutor:
             groups = list(self._groups.values())
         for group in groups:
             self.destroy_group(group)
-        try:
-            self._ray.kill(self._progress_actor, no_restart=True)
-        except Exception:  # noqa: BLE001
-            pass
+        if not self._gcs_down():
+            try:
+                self._ray.kill(self._progress_actor, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        if self._gcs is not None:
+            self._gcs.stop()
+        self._gcs_queries.shutdown(wait=False, cancel_futures=True)
         if self._owns_ray:
             self._ray.shutdown()
 
@@ -406,6 +495,65 @@ def probe_address(address: str) -> None:
             f"head's GCS address (`ray status` on the head node prints it), or omit --address to "
             f"start a local cluster"
         ) from None
+
+
+# Ray's default for RAY_gcs_rpc_server_reconnect_timeout_s: how long a driver keeps trying to
+# reach a GCS that stopped answering before Ray ends the process.
+RAY_GCS_RECONNECT_DEFAULT_S = 60.0
+GCS_QUERY_TIMEOUT_S = 10.0  # a live GCS answers a query in milliseconds, even on a busy cluster
+
+
+def gcs_lost_after_s() -> float:
+    """How long the GCS may refuse connections before the run ends, cluster lost: half of Ray's
+    own reconnect timeout, which leaves the other half to put the running jobs back to pending and
+    say so. (A GCS with fault tolerance restarts within seconds, and is waited for.)"""
+    try:
+        ray_s = float(os.environ.get("RAY_gcs_rpc_server_reconnect_timeout_s", RAY_GCS_RECONNECT_DEFAULT_S))
+    except ValueError:
+        ray_s = RAY_GCS_RECONNECT_DEFAULT_S
+    return ray_s / 2
+
+
+class GcsWatch:
+    """Probes, once a second on a daemon thread, that the GCS at ``address`` (host:port) accepts
+    a TCP connection. A probe needs nothing from Ray, so it works when every Ray call that needs
+    the GCS would block."""
+
+    def __init__(self, address: str, *, period_s: float = 1.0):
+        self.address = address
+        host, _, port = address.rpartition(":")
+        self._target = (host, int(port))
+        self._period_s = period_s
+        self._down_since: float | None = None
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        threading.Thread(target=self._run, name="gcs-watch", daemon=True).start()
+
+    def probe(self) -> bool:
+        """Probe now; True when the GCS accepted the connection."""
+        try:
+            socket.create_connection(self._target, timeout=self._period_s).close()
+            up = True
+        except OSError:
+            up = False
+        with self._lock:
+            if up:
+                self._down_since = None
+            elif self._down_since is None:
+                self._down_since = time.monotonic()
+        return up
+
+    def down_for(self) -> float:
+        """Seconds since the GCS first refused a connection in the current outage (0: it is up)."""
+        with self._lock:
+            return 0.0 if self._down_since is None else time.monotonic() - self._down_since
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._period_s):
+            self.probe()
 
 
 class _RayProgress:
