@@ -18,6 +18,12 @@ groups of other sizes down when a job needs their GPUs. Where the executor says 
 (``starts_in_background``: Ray, where a start waits for a placement group, up to the start timeout
 on a busy shared cluster, and then for the actors' processes and their process group) the pool
 creates a group on a background thread, so the driver keeps serving the running jobs meanwhile.
+
+A :class:`RayExecutor` also watches its cluster. A call that fails because its group's node left
+the cluster says so (``GroupDied.node_lost``): the failure is the cluster's, not the job's. And a
+GCS that stops accepting connections is noticed by probing its port (:class:`GcsWatch`), since
+Ray's own calls that need the GCS then block until Ray ends the driver: ``check_cluster`` raises
+:class:`GcsLost` before that, while the driver can still put its jobs back and say so.
 """
 
 from __future__ import annotations
@@ -259,10 +265,12 @@ class RayExecutor:
         # A Ray client (ray://) reaches the cluster through its client server, not the GCS.
         self._gcs: GcsWatch | None = None
         self.cluster = f"the Ray cluster at {address}"
-        if not (address or "").startswith(RAY_CLIENT_SCHEME):
-            self._gcs = GcsWatch(ray.get_runtime_context().gcs_address)
-            self.cluster = (f"the Ray cluster at {self._gcs.address}" if address is not None or not self._owns_ray
-                            else f"the local Ray cluster this run started (GCS at {self._gcs.address})")
+        gcs_address = None if (address or "").startswith(RAY_CLIENT_SCHEME) else \
+            ray.get_runtime_context().gcs_address
+        if gcs_address and GcsWatch.parse(gcs_address) is not None:
+            self._gcs = GcsWatch(gcs_address)
+            self.cluster = (f"the Ray cluster at {gcs_address}" if address is not None or not self._owns_ray
+                            else f"the local Ray cluster this run started (GCS at {gcs_address})")
         self._gcs_lost_after_s = gcs_lost_after_s()
         # GCS queries run here, each with a deadline: one that would block (the GCS died after the
         # last probe) leaves its thread stuck instead of the driver's loop.
@@ -500,7 +508,9 @@ def probe_address(address: str) -> None:
 # Ray's default for RAY_gcs_rpc_server_reconnect_timeout_s: how long a driver keeps trying to
 # reach a GCS that stopped answering before Ray ends the process.
 RAY_GCS_RECONNECT_DEFAULT_S = 60.0
-GCS_QUERY_TIMEOUT_S = 10.0  # a live GCS answers a query in milliseconds, even on a busy cluster
+# Longest a GCS query (cluster resources, the node table) may take before the GCS counts as
+# unreachable; a live GCS answers them in well under a second.
+GCS_QUERY_TIMEOUT_S = 10.0
 
 
 def gcs_lost_after_s() -> float:
@@ -520,14 +530,24 @@ class GcsWatch:
     the GCS would block."""
 
     def __init__(self, address: str, *, period_s: float = 1.0):
+        target = self.parse(address)
+        if target is None:
+            raise ValueError(f"GCS address {address!r} is not HOST:PORT")
         self.address = address
-        host, _, port = address.rpartition(":")
-        self._target = (host, int(port))
+        self._target = target
         self._period_s = period_s
         self._down_since: float | None = None
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         threading.Thread(target=self._run, name="gcs-watch", daemon=True).start()
+
+    @staticmethod
+    def parse(address: str) -> tuple[str, int] | None:
+        """(host, port) of ``HOST:PORT`` or ``[IPv6]:PORT``; None when it is neither."""
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            return None
+        return host.removeprefix("[").removesuffix("]"), int(port)
 
     def probe(self) -> bool:
         """Probe now; True when the GCS accepted the connection."""
