@@ -59,7 +59,8 @@ def _head() -> Iterator[tuple[str, subprocess.Popen]]:
              "--include-dashboard", "false", "--disable-usage-stats", "--block"],
             # The workers inherit the node's environment, not the driver's: ~3 s of sampling per
             # job, time to kill the GCS under one.
-            env=_env(PAN2_FAKE_STEP_SECONDS="0.3"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            env=_env(PAN2_FAKE_STEP_SECONDS="0.3"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
         try:
             assert head.stdout is not None
             address = None
