@@ -171,6 +171,7 @@ def test_node_lost_for_good_stops_then_resume_finishes(cluster: Any, tmp_path: P
         err = _finish(run)
     assert run.returncode == EXIT_ENVIRONMENT, err
     assert "Traceback" not in err
+    assert f"the Ray cluster at {cluster.address} lost its GPUs" in err
     assert "did not come back within 5 s" in err and f"pan2-render resume {out}" in err
     _assert_lost_jobs_uncharged(out)
     after = _jobs(out)
