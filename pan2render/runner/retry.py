@@ -7,8 +7,8 @@ costs it an attempt, and whether the group it ran on may take the next job:
 | class          | what it is                                           | rule                                 |
 |----------------|------------------------------------------------------|--------------------------------------|
 | worker-death   | a worker process died or stopped answering, or its   | retry on a new group (attempt        |
-|                | device faulted (DeviceError, torch's AcceleratorError,| charged); the group is torn down     |
-|                | a torch.distributed backend error)                   |                                      |
+|                | device faulted (DeviceError, torch's                 | charged); the group is torn down     |
+|                | AcceleratorError, a torch.distributed error)         |                                      |
 | out-of-memory  | torch's OutOfMemoryError, MemoryError, or Ray's      | retry on a new group (charged): the  |
 |                | memory monitor killed the worker                     | device may hold fragments            |
 | input          | JobInputError and its kinds: bad input detected by   | fail now: retrying gives the same    |
