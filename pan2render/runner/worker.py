@@ -231,10 +231,11 @@ class RenderWorker:
         if pipe is None:
             module, attr = self.config.pipeline_factory.split(":", 1)
             pipe = getattr(importlib.import_module(module), attr)(model, self.device)
-            if self._group is not None and hasattr(pipe, "parallelize"):
-                # The one place a group's pipeline becomes sequence-parallel. Without it every rank
-                # runs the same computation (same seed => same result) and rank 0 replies.
-                pipe = pipe.parallelize(self._group)
+            if self._group is not None:
+                from pan2render.parallel import parallelize_pipeline  # noqa: PLC0415 - groups only
+
+                # The one place a group's pipeline becomes sequence-parallel.
+                pipe = parallelize_pipeline(pipe, self._group)
             self._pipes[model] = pipe
         return pipe
 
