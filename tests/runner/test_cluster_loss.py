@@ -22,6 +22,8 @@ from runner_helpers import write_batch
 from pan2render.jobs.ledger import JobState, Ledger
 from pan2render.runner import cli
 from pan2render.runner.groups import Call, GcsLost, GcsWatch, Group, GroupDied, LocalExecutor, RayExecutor
+from pan2render.runner.messages import SampleCall, WorkerCall
+from pan2render.runner.retry import FailureKind
 from pan2render.runner.testing import FAKE_FACTORY
 from pan2render.runner.worker import WorkerConfig
 
@@ -58,16 +60,16 @@ class _Cluster(LocalExecutor):
         super().__init__(**kw)
         self.victim, self.lose, self.gcs_lost = victim, lose, False
 
-    def call(self, group: Group, method: str, kwargs: dict[str, Any], *, timeout_s: float) -> Call:
-        if method == "sample" and kwargs["spec"]["name"] == self.victim:
+    def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
+        if isinstance(message, SampleCall) and message.spec["name"] == self.victim:
             self.victim = None
             if self.lose == "node":
-                return Call(group=group, method=method, started=0.0, timeout_s=timeout_s,
+                return Call(group=group, message=message, started=0.0, timeout_s=timeout_s,
                             handle=GroupDied("ActorDiedError: the actor died because its node has died",
-                                             node_lost=True))
+                                             kind=FailureKind.CLUSTER_LOST))
             self.gcs_lost = True  # the call itself hangs: its worker went with the cluster
-            return Call(group=group, method=method, started=0.0, timeout_s=1e9, handle=None)
-        return super().call(group, method, kwargs, timeout_s=timeout_s)
+            return Call(group=group, message=message, started=0.0, timeout_s=1e9, handle=None)
+        return super().call(group, message, timeout_s=timeout_s)
 
     def wait(self, calls: Any, *, timeout_s: float) -> list[Call]:
         return [c for c in super().wait(calls, timeout_s=timeout_s) if c.handle is not None]
