@@ -382,6 +382,15 @@ def list_presets() -> dict[str, dict[str, Any]]:
     return {name: dict(values) for name, values in _load_presets().items()}
 
 
+def preset_text(name: str) -> str:
+    """The shipped preset ``name`` as its file is written, comments included (they say why each
+    value); LookupError naming the presets (and the nearest one) if there is none of that name."""
+    presets = sorted(_load_presets())
+    if name not in presets:
+        raise LookupError(f"unknown preset {name!r}{_did_you_mean(name, presets)}; allowed: one of {', '.join(presets)}")
+    return (_preset_dir() / f"{name}.yaml").read_text(encoding="utf-8")
+
+
 # --------------------------------------------------------------------------------------------------
 # Command-line overrides
 

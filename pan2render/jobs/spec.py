@@ -298,7 +298,7 @@ _check_schema()
 
 def field_table() -> str:
     """The README's table of job fields, as markdown."""
-    rows = ["| field | what it does | allowed | default | set in | in the job id |",
+    rows = ["| field | what it does | allowed | default | set in | hashed into the job id |",
             "|---|---|---|---|---|---|"]
     for name in JOB_KEYS:
         f = next(f for f in FIELDS if f.name == name)
