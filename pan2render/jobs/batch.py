@@ -262,7 +262,7 @@ def _as_str(value: Any, allowed: str, *, non_empty: bool, newlines: bool = False
 
 
 def _nearest(n: float, rule: Rule) -> str:
-    """The valid values of a stepped field either side of ``n`` (the first one below it)."""
+    """The valid values of a stepped field either side of ``n`` (the smallest one when ``n`` is below it)."""
     assert rule.step is not None
     first = rule.first_valid()
     lo = (n - rule.offset) // rule.step * rule.step + rule.offset

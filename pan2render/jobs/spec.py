@@ -85,7 +85,7 @@ class Rule:
                                    choices=", ".join(str(c) for c in self.choices))
 
     def first_valid(self) -> float:
-        """The smallest value of a stepped field (``min`` and ``step`` both given)."""
+        """The smallest value of a stepped integer field (``min`` and ``step`` both given)."""
         assert self.step is not None and self.min is not None
         lo = self.min + 1 if self.min_open else self.min
         return lo + (self.offset - lo) % self.step
