@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pan2render.models.dit_ops import ROUTED_OPS, TORCH_OPS, DiTOps, attention, rms_norm_heads
+from pan2render.sampling import is_int
 
 __all__ = [
     "AttentionOp",
@@ -94,15 +95,15 @@ class PAN2DiTConfig:
 
     def __post_init__(self) -> None:
         patch = self.patch_size
-        if not (isinstance(patch, (list, tuple)) and len(patch) == 3 and all(_is_int(p) and p > 0 for p in patch)):
+        if not (isinstance(patch, (list, tuple)) and len(patch) == 3 and all(is_int(p) and p > 0 for p in patch)):
             raise ValueError(f"patch_size={patch!r}: expected 3 positive ints (t, h, w), e.g. [1, 2, 2]")
         object.__setattr__(self, "patch_size", tuple(patch))  # config.json holds a list
         for key in ("num_attention_heads", "attention_head_dim", "in_channels", "text_dim", "freq_dim",
                     "ffn_dim", "num_layers", "rope_max_seq_len"):
             value = getattr(self, key)
-            if not (_is_int(value) and value > 0):
+            if not (is_int(value) and value > 0):
                 raise ValueError(f"{key}={value!r}: expected a positive int")
-        if self.out_channels is not None and not (_is_int(self.out_channels) and self.out_channels > 0):
+        if self.out_channels is not None and not (is_int(self.out_channels) and self.out_channels > 0):
             raise ValueError(f"out_channels={self.out_channels!r}: expected a positive int or null")
         if self.attention_head_dim % 2 or self.attention_head_dim < 6:
             raise ValueError(
@@ -167,9 +168,6 @@ class PAN2DiTConfig:
         out["patch_size"] = list(self.patch_size)
         return out
 
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # ---------------------------------------------------------------------------------------------

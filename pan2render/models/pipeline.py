@@ -27,7 +27,7 @@ from .checkpoint import CheckpointError, instantiate, read_json, resolve_compone
 from .dit import PAN2DiT, PAN2DiTConfig
 from ..kernels.vae_decode import to_uint8_frames
 from .dit_ops import ROUTED_OPS, TORCH_OPS
-from ..sampling import DMD, SAMPLERS, combination_problems, timesteps_problem
+from ..sampling import DMD, SAMPLERS, WAN22, Geometry, combination_problems, is_int, timesteps_problem
 from .scheduler import FlowDMDScheduler, SchedulerConfig, make_scheduler
 from .strategies import (BatchedGuidance, Denoiser, FastDecoder, FrameDecoder, ReferenceDecoder, SeparateGuidance,
                          apply_guidance, make_denoiser)
@@ -102,7 +102,7 @@ class PAN2PipelineConfig:
 
 @dataclass(frozen=True)
 class SampleRequest:
-    """A validated sampling request (sizes in pixels)."""
+    """A validated sampling request (sizes in pixels), checked against the model's geometry."""
 
     height: int
     width: int
@@ -115,21 +115,23 @@ class SampleRequest:
     # DMD only: the listed timesteps (ints in [1, T], strictly decreasing); None for the other
     # samplers. For dmd the step count is len(timesteps) and ``steps`` must equal it.
     timesteps: tuple[int, ...] | None = None
+    geometry: Geometry = WAN22  # the pipeline's, from its VAE and DiT configs
 
     def __post_init__(self) -> None:
         problems = []
-        if not _is_int(self.frames) or self.frames < 1 or (self.frames - 1) % 4:
-            problems.append(f"frames={self.frames!r}: must be 4k+1 (1, 5, ..., 17, ..., 121)")
+        geo = self.geometry
+        if not is_int(self.frames) or not geo.frames_ok(self.frames):
+            problems.append(f"frames={self.frames!r}: must be {geo.vae_temporal}k+1 (1, 5, ..., 17, ..., 121)")
         for name in ("height", "width"):
             v = getattr(self, name)
-            if not _is_int(v) or v < 32 or v % 32:
-                problems.append(f"{name}={v!r}: must be a positive multiple of 32")
-        if not _is_int(self.steps) or self.steps < 1:
+            if not is_int(v) or v < geo.spatial_multiple or v % geo.spatial_multiple:
+                problems.append(f"{name}={v!r}: must be a positive multiple of {geo.spatial_multiple}")
+        if not is_int(self.steps) or self.steps < 1:
             problems.append(f"steps={self.steps!r}: must be an integer >= 1")
         if isinstance(self.guidance, bool) or not isinstance(self.guidance, (int, float)) \
                 or not math.isfinite(self.guidance) or self.guidance < 1:
             problems.append(f"guidance={self.guidance!r}: must be a number >= 1 (1 means no guidance)")
-        if not _is_int(self.seed) or self.seed < 0:
+        if not is_int(self.seed) or self.seed < 0:
             problems.append(f"seed={self.seed!r}: must be a non-negative integer")
         if self.sampler not in SAMPLERS:
             problems.append(f"sampler={self.sampler!r}: must be one of {', '.join(SAMPLERS)}")
@@ -138,7 +140,7 @@ class SampleRequest:
             problems.append(f"flow_shift={self.flow_shift!r}: must be a number > 0")
         if self.sampler == DMD and self.timesteps is None:
             problems.append("sampler='dmd' needs timesteps (the job's, or the checkpoint's dmd_denoising_steps)")
-        if self.timesteps is not None and _is_int(self.steps) and self.steps != len(self.timesteps):
+        if self.timesteps is not None and is_int(self.steps) and self.steps != len(self.timesteps):
             problems.append(f"steps={self.steps!r}: must equal the number of timesteps ({len(self.timesteps)})")
         if not problems:  # the combination rules assume each value is well formed
             problems += [f"{fld}: {msg}" for fld, msg in combination_problems(
@@ -148,11 +150,7 @@ class SampleRequest:
 
     @property
     def latent_frames(self) -> int:
-        return (self.frames - 1) // 4 + 1
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+        return self.geometry.latent_frames(self.frames)
 
 
 def default_denoiser(dit: PAN2DiT, config: PAN2PipelineConfig) -> Denoiser:
@@ -354,7 +352,8 @@ class PAN2Pipeline:
         elif timesteps is not None:
             timesteps = tuple(timesteps)
         req = SampleRequest(height=height, width=width, frames=frames, steps=steps, guidance=guidance,
-                            seed=seed, sampler=sampler, flow_shift=flow_shift, timesteps=timesteps)
+                            seed=seed, sampler=sampler, flow_shift=flow_shift, timesteps=timesteps,
+                            geometry=Geometry.of(self.vae.config, self.dit.config))
         cond = self._context(prompt_embeds, prompt)
         guided = req.guidance > 1.0
         uncond = self._context(negative_prompt_embeds, negative_prompt) if guided else None
