@@ -48,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pan2render.models.dit import PAN2DiT, PAN2DiTConfig  # noqa: E402
 from pan2render.models.vae import WanVAE, WanVAEConfig  # noqa: E402
 from pan2render.models.pipeline import DIT_KEEP_IN_FP32, make_denoiser  # noqa: E402
-from pan2render.parallel import GuidanceSplit, agree_fast_decode, parallelize_dit, pipelined_decode  # noqa: E402
+from pan2render.parallel import GuidanceSplit, GuidanceSplitDenoiser, agree_fast_decode, parallelize_dit, pipelined_decode  # noqa: E402
+from pan2render.parallel import parallelize_pipeline  # noqa: E402
 from pan2render.parallel.group import SequenceGroup  # noqa: E402
 
 FULL = dict(frames=31, height=44, width=78, text=512)  # latent sizes of 704x1248x121
@@ -294,7 +295,7 @@ def bench_dit(rank: int, world: int, device: torch.device, args: argparse.Namesp
 def bench_sample(model: PAN2DiT, cond: torch.Tensor, uncond: torch.Tensor, rank: int, world: int,
                  device: torch.device, args: argparse.Namespace, res: dict) -> None:
     """A whole ``PAN2Pipeline.sample`` (UniPC, --sample-steps steps) on one GPU, then on the group
-    through ``pipe.parallelize`` exactly as the runner does it: the pipeline-level ratio."""
+    through ``parallelize_pipeline`` exactly as the runner does it: the pipeline-level ratio."""
     from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
     from pan2render.models.scheduler import SchedulerConfig
 
@@ -312,14 +313,14 @@ def bench_sample(model: PAN2DiT, cond: torch.Tensor, uncond: torch.Tensor, rank:
         res["sample_1gpu_s"] = round(secs, 2)
         log(rank, f"PAN2Pipeline.sample, {args.sample_steps} guided steps, 1 GPU: {secs:.2f} s")
     dist.barrier()
-    pipe.parallelize(SequenceGroup.of(None))
+    pipe = parallelize_pipeline(pipe, SequenceGroup.of(None))
     secs, latents = timed(lambda: pipe.sample(**request), device=device, reps=1, group=True)
     res["sample_group_s"] = round(secs, 2)
     if rank == 0:
         res["sample_speedup"] = round(res["sample_1gpu_s"] / secs, 3)
         res["sample_group_vs_1gpu_rel_l2"] = rel_l2(latents, one)
         log(rank, f"PAN2Pipeline.sample, {args.sample_steps} guided steps, group of {world} "
-                  f"({'guidance split' if pipe.guidance_split is not None else 'Ulysses'}): {secs:.2f} s -> "
+                  f"({'guidance split' if isinstance(pipe.denoiser, GuidanceSplitDenoiser) else 'Ulysses'}): {secs:.2f} s -> "
                   f"{res['sample_speedup']}x; latents rel L2 vs 1 GPU {res['sample_group_vs_1gpu_rel_l2']:.2e}")
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from pan2render.models.tiny import TINY_VAE_CONFIG
 from pan2render.models.vae import WanVAE, WanVAEConfig
 from pan2render.parallel import decode as split
+from pan2render.parallel import parallelize_pipeline
 from pan2render.parallel.group import SequenceGroup
 
 from dist_helpers import max_rel, run_group
@@ -58,7 +59,7 @@ def _decode_worker(rank: int, world: int, out: Path) -> None:
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
     split.log.addHandler(handler)
     split.log.setLevel(logging.INFO)
-    pipe = tiny_pipeline().parallelize(dist.group.WORLD)
+    pipe = parallelize_pipeline(tiny_pipeline(), dist.group.WORLD)
     latents = torch.randn(48, 3, 6, 10, generator=torch.Generator().manual_seed(9))
     frames = pipe.decode(latents)
     frames_again = pipe.decode(latents)  # the reason is logged once, not per decode
