@@ -141,9 +141,7 @@ def use_fast_paths(model: PAN2DiT, attention: str = "auto") -> str:
     """Fused DiT ops + the chosen attention backend where pan2render.kernels has them (``attention``:
     'auto', the pipeline's choice: FlashAttention-4 where it runs, else SDPA; or one forced), its
     first-call compile done here as at model load."""
-    import dataclasses
-
-    from pan2render.models.dit_ops import TORCH_OPS, DiTOps
+    from pan2render.models.dit_ops import ROUTED_OPS
 
     used = []
     try:  # the pipeline's default numerics (fp32 residual stream), as PAN2Pipeline applies them
@@ -155,11 +153,7 @@ def use_fast_paths(model: PAN2DiT, attention: str = "auto") -> str:
     except Exception as e:  # noqa: BLE001
         used.append(f"compute-dtype residual stream ({type(e).__name__}: {e})")
     try:
-        from pan2render.kernels import dit_fused
-
-        eager = {f.name: getattr(TORCH_OPS, f.name) for f in dataclasses.fields(DiTOps)}
-        model.set_ops(DiTOps(**dit_fused.routed_dit_ops(eager)))
-        dit_fused.set_fused_kernels(True)
+        model.set_ops(ROUTED_OPS)  # the table PAN2PipelineConfig.dit_fused_kernels=True gives
         used.append("fused DiT kernels")
     except Exception as e:  # noqa: BLE001 - bench what exists, say what did not
         used.append(f"eager ops ({type(e).__name__}: {e})")

@@ -190,9 +190,8 @@ class PAN2Pipeline:
         self.denoiser = default_denoiser(dit, config) if denoiser is None else denoiser
         self.frame_decoder = default_frame_decoder(vae, config) if frame_decoder is None else frame_decoder
         if dit is not None:
-            # Per pipeline, not process-wide: this DiT's op table is the fused-where-possible one
-            # or the plain-torch one. (kernels.set_fused_kernels stays a global knob for tests and
-            # benchmarks, consulted by the fused table on every call.)
+            # The fused-kernel switch, per pipeline (there is no process-wide one): this DiT's op
+            # table is the fused-where-possible one or the plain-torch one.
             dit.set_ops(ROUTED_OPS if config.dit_fused_kernels else TORCH_OPS)
             dit.set_residual_dtype(torch.float32 if config.dit_fp32_residual else None)
             # FlashAttention-4 (where it runs) compiles on its first call: do it here, at load,
