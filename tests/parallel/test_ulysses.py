@@ -34,7 +34,7 @@ TOKENS = 45
 
 
 def tiny_pipeline(**config: object) -> PAN2Pipeline:
-    """An 8-head tiny PAN2 (the embedded tiny DiT has 2 heads, too few for a group of 4)."""
+    """A tiny PAN2 with 8 heads, so groups of 2, 4 and 8 split them evenly."""
     torch.manual_seed(0)  # the same weights in every process
     dit = PAN2DiT(PAN2DiTConfig(num_attention_heads=HEADS, attention_head_dim=12, text_dim=32, freq_dim=32,
                                 ffn_dim=64, num_layers=2)).eval()

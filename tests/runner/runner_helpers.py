@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import sqlite3
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from pan2render.jobs.ledger import Ledger
+from pan2render.jobs.ledger import JobState, Ledger, Stage, StageState
 from pan2render.jobs.spec import JobSpec
 from pan2render.runner.driver import Driver, DriverConfig, RunSummary
 from pan2render.runner.groups import Call, Group, LocalExecutor
@@ -74,3 +75,21 @@ def render(out: Path, jobs: list[JobSpec], *, gpus: int = 1, retries: int = 2,
     driver = Driver(out_dir=out, ledger=ledger, executor=ex,
                     config=DriverConfig(retries=retries, progress=False, poll_s=0.01))
     return driver.run([j.job_id for j in jobs]), ex, ledger
+
+
+def one_done_and_one_sampling(out: Path) -> bool:
+    """One job done and another sampling: a fault injected now hits a running job, with a finished
+    one beside it that must not be redone. False while the ledger is not readable yet."""
+    try:
+        led = Ledger.open_readonly(out)
+    except (FileNotFoundError, sqlite3.Error):
+        return False
+    try:
+        jobs = led.jobs()
+        return any(j.state is JobState.DONE for j in jobs) and any(
+            j.state is JobState.RUNNING and led.stages(j.id)[Stage.SAMPLING].state is StageState.RUNNING
+            for j in jobs)
+    except sqlite3.Error:  # the writer holds the journal this instant
+        return False
+    finally:
+        led.close()

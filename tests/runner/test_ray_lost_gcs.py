@@ -14,7 +14,6 @@ import hashlib
 import os
 import re
 import signal
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -24,9 +23,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from runner_helpers import write_batch
+from runner_helpers import one_done_and_one_sampling, write_batch
 
-from pan2render.jobs.ledger import JobState, Ledger, Stage, StageState
+from pan2render.jobs.ledger import JobState, Ledger, Stage
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "pan2render.runner.cli"]
@@ -91,22 +90,6 @@ def _kill_gcs(head: subprocess.Popen) -> None:
     os.kill(gcs[0], signal.SIGKILL)
 
 
-def _sampling_after_a_done_job(out: Path) -> bool:
-    try:
-        led = Ledger.open_readonly(out)
-    except (FileNotFoundError, sqlite3.Error):
-        return False
-    try:
-        jobs = led.jobs()
-        return any(j.state is JobState.DONE for j in jobs) and any(
-            j.state is JobState.RUNNING and led.stages(j.id)[Stage.SAMPLING].state is StageState.RUNNING
-            for j in jobs)
-    except sqlite3.Error:
-        return False
-    finally:
-        led.close()
-
-
 def _fingerprint(path: Path) -> tuple[int, str]:
     return path.stat().st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -123,7 +106,7 @@ def test_gcs_killed_mid_run_ends_cleanly_and_resume_finishes(tmp_path: Path) -> 
                                text=True)
         try:
             deadline = time.monotonic() + 90
-            while not _sampling_after_a_done_job(out):
+            while not one_done_and_one_sampling(out):
                 assert run.poll() is None, f"the run ended first: {run.stderr.read() if run.stderr else ''}"
                 assert time.monotonic() < deadline, "no job sampling after another finished within 90 s"
                 time.sleep(0.05)

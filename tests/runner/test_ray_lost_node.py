@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -21,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from runner_helpers import write_batch
+from runner_helpers import one_done_and_one_sampling, write_batch
 
-from pan2render.jobs.ledger import JobState, Ledger, Stage, StageState
+from pan2render.jobs.ledger import JobState, Ledger
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "pan2render.runner.cli"]
@@ -91,27 +90,9 @@ def _jobs(out: Path) -> dict[str, Any]:
         led.close()
 
 
-def _second_job_sampling(out: Path) -> bool:
-    """One job done and another sampling: the node then dies under a running job, with a finished
-    one that must not be redone."""
-    try:
-        led = Ledger.open_readonly(out)
-    except (FileNotFoundError, sqlite3.Error):
-        return False
-    try:
-        jobs = led.jobs()
-        return any(j.state is JobState.DONE for j in jobs) and any(
-            j.state is JobState.RUNNING and led.stages(j.id)[Stage.SAMPLING].state is StageState.RUNNING
-            for j in jobs)
-    except sqlite3.Error:  # the writer holds the journal this instant
-        return False
-    finally:
-        led.close()
-
-
 def _kill_node_mid_job(cluster: Any, node: Any, proc: subprocess.Popen, out: Path) -> None:
     deadline = time.monotonic() + 90
-    while not _second_job_sampling(out):
+    while not one_done_and_one_sampling(out):
         assert proc.poll() is None, f"the run ended first: {proc.stderr.read() if proc.stderr else ''}"
         assert time.monotonic() < deadline, "no job sampling after another finished within 90 s"
         time.sleep(0.05)
