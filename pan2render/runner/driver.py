@@ -1,13 +1,13 @@
 """The driver: feeds ledger jobs to worker groups, stage by stage, and records every result.
 
 It is the ledger's only writer and the only process that touches the output folder. Each job is a
-small sequence of collective calls on one group (see ``worker.py`` for the protocol)::
+small sequence of collective calls on one group (typed messages, see ``messages.py``)::
 
-    load (once per group and model) -> encode_prompts (skipped on a cache hit) -> sample
-        -> decode -> collect -> done
+    LoadCall (once per group and model) -> EncodePromptsCall (skipped on a cache hit) -> SampleCall
+        -> DecodeCall -> CollectCall -> done
 
-The GPU never waits for the driver or the encoder: ``decode`` returns once the frames are on the
-host and the job then only waits for its background encode (``collect``, the worker's I/O lane),
+The GPU never waits for the driver or the encoder: a decode returns once the frames are on the
+host and the job then only waits for its background encode (the collect, the worker's I/O lane),
 while the group already works on the next job, whose first call was queued behind that decode.
 So a group owns up to two kinds of jobs at once: one on its GPU lane (plus the next one queued
 behind a decode) and up to ``MAX_ENCODES_IN_FLIGHT`` encoding. Prompts of upcoming jobs are
@@ -17,10 +17,12 @@ Which call comes next is decided from the ledger and from checking the artifacts
 re-queued after a crash, or resumed by another driver, restarts at its last durable stage.
 The scheduling loop never blocks on one call: it waits on all in-flight calls with a short timeout
 (``ray.wait``), and every call has its own deadline; a call past it counts as a dead group.
+What a failure costs the job and whether its group takes the next job is decided in ``retry.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 import time
 import traceback
@@ -28,7 +30,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from pan2render.jobs.disk import is_disk_full
 from pan2render.jobs.ledger import (
@@ -42,25 +43,38 @@ from pan2render.jobs.ledger import (
 from pan2render.jobs.weights import folder_fingerprint
 from pan2render.runner import outputs, stages
 from pan2render.runner.groups import Call, Executor, Group, GroupDied, GroupPool, GroupStartError
+from pan2render.runner.messages import (
+    JOB_CALLS,
+    CollectCall,
+    CollectReply,
+    DecodeCall,
+    DecodeReply,
+    EncodePromptsCall,
+    EncodePromptsReply,
+    Lane,
+    LoadCall,
+    LoadReply,
+    Reply,
+    SampleCall,
+    SampleReply,
+    Warmup,
+    WorkerCall,
+    default_call_timeouts,
+)
 from pan2render.runner.progress import RunLog, RunProgress
 from pan2render.runner.retry import (
     Action,
+    ArtifactCheckError,
     BatchStopped,
     ClusterLostError,
+    Decision,
     FailureKind,
+    JobInputError,
+    OnGroup,
     RetryPolicy,
-    classify_error_type,
     classify_exception,
-    classify_group_death,
 )
-from pan2render.runner.worker import IO_METHODS, MAX_ENCODES_IN_FLIGHT, Reply
-
-# Which ledger stage a worker call belongs to (for errors and timings).
-_CALL_STAGE = {"load": Stage.CONDITIONING, "encode_prompts": Stage.CONDITIONING,
-               "sample": Stage.SAMPLING, "decode": Stage.DECODE, "collect": Stage.ENCODE}
-# What progress shows while a call runs.
-_CALL_SHOWN = {"load": "loading model", "encode_prompts": "conditioning", "sample": "sampling",
-               "decode": "decode", "collect": "encode"}
+from pan2render.runner.worker import MAX_ENCODES_IN_FLIGHT
 
 # Prompts encoded in one encode_prompts call (the current job's and upcoming jobs'); each
 # embedding is 512 x 4096 float32 = 8 MB of reply.
@@ -72,10 +86,9 @@ class DriverConfig:
     retries: int = 2  # retries per job after its first attempt (resume grants a fresh budget)
     poll_s: float = 0.5  # longest the loop sleeps in ray.wait before checking deadlines/progress
     group_start_timeout_s: float = 300.0
-    # Per-call deadlines; a call past its deadline is treated as a dead group. Generous: 50 steps
-    # at 720p take minutes on one H200, loading a 5B checkpoint from a network disk can too.
-    call_timeouts_s: dict[str, float] = field(default_factory=lambda: {
-        "load": 1800.0, "encode_prompts": 600.0, "sample": 7200.0, "decode": 1800.0, "collect": 1800.0})
+    # Per-call deadlines, by each call type's timeout_key (defaults: messages.py); a call past its
+    # deadline is treated as a dead group.
+    call_timeouts_s: dict[str, float] = field(default_factory=default_call_timeouts)
     progress: bool = True  # a live block on stderr when it is a terminal (else plain lines)
     # How long the batch waits for GPUs to come back after the cluster lost the ones a job needs
     # (a node died, its raylet or the GCS restarted) before it stops with a message.
@@ -91,17 +104,15 @@ class DriverConfig:
             raise ValueError(f"cluster_wait_s={self.cluster_wait_s} and max_redos={self.max_redos} must be >= 0")
         if self.poll_s <= 0:
             raise ValueError(f"poll_s={self.poll_s} must be > 0")
-        missing = set(_CALL_STAGE) - set(self.call_timeouts_s)
+        missing = {c.timeout_key for c in JOB_CALLS} - set(self.call_timeouts_s)
         if missing:
             raise ValueError(f"call_timeouts_s lacks {sorted(missing)}")
 
 
-class JobInputError(RuntimeError):
-    """A job's input (its first-frame image) is missing or changed: retrying cannot help."""
-
-
-class ArtifactCheckError(RuntimeError):
-    """An artifact kept failing its check after being redone: the job fails with the check's reason."""
+def _stage_of(message: WorkerCall) -> Stage:
+    """The ledger stage a failure of this job call is charged to."""
+    assert message.stage is not None, f"{type(message).__name__} is not a job's call"
+    return message.stage
 
 
 @dataclass(frozen=True)
@@ -132,7 +143,7 @@ class _Active:
     @property
     def decoding(self) -> bool:
         """Its decode is in flight: the last GPU work of the job."""
-        return self.call is not None and self.call.method == "decode"
+        return self.call is not None and isinstance(self.call.message, DecodeCall)
 
 
 def prepare_jobs(*, out_dir: Path, ledger: Ledger, job_ids: list[str], retries: int,
@@ -162,17 +173,6 @@ def prepare_jobs(*, out_dir: Path, ledger: Ledger, job_ids: list[str], retries: 
                 say(f"{job.name}: {fixed}; rewritten")
 
 
-def _group_is_suspect(group: Group, method: str, reply: Reply) -> bool:
-    """After a worker error, is the group still fit for the next job? Not when the device may be
-    poisoned (CUDA errors, out of memory, NCCL) or when a group's ranks may have stopped at
-    different collectives (any GPU-lane error in a group of more than one). An encode failure
-    (the I/O lane: CPU work on rank 0 alone) never is."""
-    if method in IO_METHODS:
-        return False
-    error = reply.error or ""
-    return group.size > 1 or any(m in error for m in ("CUDA", "OutOfMemory", "NCCL", "out of memory"))
-
-
 class Driver:
     def __init__(self, *, out_dir: Path, ledger: Ledger, executor: Executor, config: DriverConfig,
                  progress: RunProgress | None = None, on_job_end: Callable[[], None] | None = None):
@@ -191,7 +191,7 @@ class Driver:
                               start_timeout_s=config.group_start_timeout_s)
         self._max_group = executor.max_group_size()  # a group's GPUs must all be on one node
         self._model_ids: dict[str, dict[str, str]] = {}  # model -> {model_id, text_encoder_id}
-        self._loads: dict[tuple[str, str], dict[str, Any]] = {}  # (group id, model) -> load reply
+        self._loads: dict[tuple[str, str], LoadReply] = {}  # (group id, model) -> its load reply
         self._pending: deque[str] = deque()
         self._active: dict[str, _Active] = {}
         self._ended = self._ended_seen = 0  # jobs ended so far / when on_job_end was last called
@@ -229,7 +229,7 @@ class Driver:
                 for call in self.ex.wait(calls, timeout_s=self.config.poll_s):
                     self._on_ready(call)
                 self._check_deadlines()
-                if any(a.call is not None and a.call.method == "sample" for a in self._active.values()):
+                if any(a.call is not None and isinstance(a.call.message, SampleCall) for a in self._active.values()):
                     self.progress.steps(self.ex.progress())  # a Ray call: only while a job samples
                 self.progress.tick()
                 self._notify_job_end()
@@ -337,13 +337,12 @@ class Driver:
         if st[Stage.ENCODE].state is StageState.DONE:  # (a driver died between the two writes)
             return self._finish(a)
         if a.encoding:
-            return self._start_call(a, "collect", {"job_id": jid}, stage=Stage.ENCODE)
+            return self._start_call(a, CollectCall(job_id=jid))
         if spec.model not in a.group.models:
             # Warm-up (compiles, autotuning) at this job's size, once per group: load time, not
             # the first job's stage times.
-            warmup = {"height": spec.height, "width": spec.width, "frames": spec.frames,
-                      "guidance": spec.guidance}
-            return self._start_call(a, "load", {"model": spec.model, "warmup": warmup}, stage=None)
+            warmup = Warmup(height=spec.height, width=spec.width, frames=spec.frames, guidance=spec.guidance)
+            return self._start_call(a, LoadCall(model=spec.model, warmup=warmup))
         ids = self._model_ids[spec.model]
         if st[Stage.SAMPLING].state is StageState.DONE:
             rec = st[Stage.SAMPLING]
@@ -351,9 +350,8 @@ class Driver:
                                            spec_hash=spec.spec_hash)
             if problem is None:
                 latents = (self.out_dir / str(rec.artifact)).read_bytes()
-                return self._start_call(a, "decode", {"model": spec.model, "job_id": jid,
-                                                      "spec": spec.to_dict(), "latents": latents},
-                                        stage=Stage.DECODE)
+                return self._start_call(a, DecodeCall(model=spec.model, job_id=jid, spec=spec.to_dict(),
+                                                      latents=latents))
             self._count_redo(jid, problem)
             self.ledger.reset_stages(jid, Stage.SAMPLING, reason=f"{problem}: sampling again")
             self._say(f"{spec.name}: {problem}; sampling again")
@@ -369,8 +367,7 @@ class Driver:
             # prompt == negative prompt: encode once; upcoming jobs' prompts ride along.
             a.encode_texts = list(dict.fromkeys(missing + self._upcoming_texts(spec.model, ids)))
             a.encode_texts = a.encode_texts[:max(CONDITIONING_AHEAD_TEXTS, len(missing))]
-            return self._start_call(a, "encode_prompts", {"model": spec.model, "texts": a.encode_texts},
-                                    stage=Stage.CONDITIONING)
+            return self._start_call(a, EncodePromptsCall(model=spec.model, texts=tuple(a.encode_texts)))
         if st[Stage.CONDITIONING].state is not StageState.DONE:
             self._record_conditioning(jid, keys[0], seconds=0.0)
         embeds = [(self.out_dir / stages.embedding_relpath(k)).read_bytes() for k in keys]
@@ -380,16 +377,19 @@ class Driver:
                                 f"(fingerprint differs); run the batch again: its jobs get new ids")
         image = None
         if spec.image is not None:
-            image = Path(spec.image).read_bytes()
+            try:
+                image = Path(spec.image).read_bytes()
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
+                # The input is gone or unreadable; retrying reads the same path.
+                raise JobInputError(f"image {spec.image} cannot be read ({type(e).__name__}: {e.strerror or e}); "
+                                    f"restore it or run the batch again with another image") from e
             if spec.image_sha256 and stages.sha256_bytes(image) != spec.image_sha256:
                 # The spec hash covers the image's content; rendering a changed file under the old
                 # id would mislabel the video.
                 raise JobInputError(f"image {spec.image} changed since the batch was validated "
                                      f"(sha256 differs); run the batch again to render the new image")
-        return self._start_call(a, "sample", {"model": spec.model, "job_id": jid, "spec": spec.to_dict(),
-                                              "prompt_embeds": embeds[0], "negative_embeds": embeds[1],
-                                              "image": image},
-                                stage=Stage.SAMPLING)
+        return self._start_call(a, SampleCall(model=spec.model, job_id=jid, spec=spec.to_dict(),
+                                              prompt_embeds=embeds[0], negative_embeds=embeds[1], image=image))
 
     def _upcoming_texts(self, model: str, ids: dict[str, str]) -> list[str]:
         """Prompts of pending jobs of ``model`` not in the embedding cache, in queue order."""
@@ -405,11 +405,11 @@ class Driver:
                 break
         return texts
 
-    def _start_call(self, a: _Active, method: str, kwargs: dict[str, Any], *, stage: Stage | None) -> None:
-        if stage is not None:
-            self.ledger.set_stage(a.job.id, stage, StageState.RUNNING)
-        self.progress.stage(a.job.id, _CALL_SHOWN[method])
-        a.call = self.ex.call(a.group, method, kwargs, timeout_s=self.config.call_timeouts_s[method])
+    def _start_call(self, a: _Active, message: WorkerCall) -> None:
+        if message.marks_stage and message.stage is not None:
+            self.ledger.set_stage(a.job.id, message.stage, StageState.RUNNING)
+        self.progress.stage(a.job.id, message.shown)
+        a.call = self.ex.call(a.group, message, timeout_s=self.config.call_timeouts_s[message.timeout_key])
 
     # ================================================================== results
     def _on_ready(self, call: Call) -> None:
@@ -417,80 +417,84 @@ class Driver:
         if a is None:
             return  # its job left when its group was torn down: the reply is void
         a.call = None
-        stage = _CALL_STAGE[call.method]
+        stage = _stage_of(call.message)
         try:
             reply = self.ex.result(call)
         except GroupDied as e:
-            return self._on_group_died(a, stage, str(e))
+            return self._on_group_died(a, stage, str(e), e.kind)
         if not reply.ok:
-            return self._on_worker_error(a, call.method, stage, reply)
+            return self._on_worker_error(a, call.message, reply)
         try:
-            self._apply(a, call.method, reply)
+            self._apply(a, reply)
         except Exception as e:  # noqa: BLE001 - e.g. disk full, or the written video fails its check
             self._leave(a)
             return self._on_failure(self.ledger.job(a.job.id), stage, f"driver: {type(e).__name__}: {e}",
                                     traceback.format_exc(), classify_exception(e), e)
         self._advance_or_fail(a)
 
-    def _apply(self, a: _Active, method: str, reply: Reply) -> None:
+    def _apply(self, a: _Active, reply: Reply[object]) -> None:
         """Write the artifact (temp + rename), then record it in the ledger."""
         jid, spec = a.job.id, a.job.spec
-        if method == "load":
-            a.group.models.add(spec.model)
-            self._model_ids[spec.model] = {k: reply.value[k] for k in ("model_id", "text_encoder_id")}
-            self._loads[(a.group.id, spec.model)] = reply.value
-            self.ledger.log(jid, "group-load",
-                            f"group {a.group.id}: {spec.model} ({reply.value['model_id']}) loaded on "
-                            f"{reply.value['world_size']} rank(s), device {reply.value['device']}, "
-                            f"process group backend {reply.value['backend']}, attention "
-                            f"{reply.value['attention']}, {reply.stage_seconds:.1f} s "
-                            f"(weights {reply.value['load_s']:.1f} s, warm-up {reply.value['warmup_s']:.1f} s)")
-        elif method == "encode_prompts":
-            ids = self._model_ids[spec.model]
-            for text, data in zip(a.encode_texts, reply.value, strict=True):
-                key = stages.embedding_key(prompt=text, text_encoder_id=ids["text_encoder_id"])
-                stages.write_artifact(self.out_dir, stages.embedding_relpath(key), data)
-            key = stages.embedding_key(prompt=spec.prompt, text_encoder_id=ids["text_encoder_id"])
-            self._record_conditioning(jid, key, seconds=reply.stage_seconds)
-            self.ledger.log(jid, "conditioning", f"{len(a.encode_texts)} prompt(s) encoded in one call, "
-                                                 f"{reply.stage_seconds:.2f} s")
-        elif method == "sample":
-            data: bytes = reply.value
-            rel = stages.latents_relpath(jid)
-            stages.write_artifact(self.out_dir, rel, data)
-            self.ledger.set_stage(jid, Stage.SAMPLING, StageState.DONE, artifact=rel,
-                                  sha256=stages.sha256_bytes(data), size=len(data),
-                                  seconds=reply.stage_seconds)
-        elif method == "decode":
-            # Decode's output is not durable: decode is recorded done together with the encode.
-            a.decode_s = float(reply.value["decode_s"])
-            self.ledger.set_stage(jid, Stage.ENCODE, StageState.RUNNING)
-        elif method == "collect":
-            mp4: bytes = reply.value["mp4"]
-            # params.json first: a write that fails between the two then leaves no video that the
-            # ledger does not record (a lone params.json is rewritten with the next attempt).
-            encode_s, check_s = float(reply.value["encode_s"]), float(reply.value["check_s"])
-            seconds = {s.value: r.seconds for s, r in self.ledger.stages(jid).items()}
-            seconds.update(decode=a.decode_s, encode=encode_s + check_s)
-            params = outputs.write_params(self.out_dir, job=a.job, seconds=seconds,
-                                          load=self._loads.get((a.group.id, spec.model)))
-            rel = stages.video_relpath(jid)
-            stages.write_artifact(self.out_dir, rel, mp4)
-            rec = stages.Recorded(rel, stages.sha256_bytes(mp4), len(mp4))
-            # The worker decoded these very bytes back and counted the spec's frames at the spec's
-            # size before sending them (encode_mp4, after decode checked the frames' shape), so the
-            # file needs only to hold the same bytes. Decoding it again here would stall the loop,
-            # and so the GPU's next call, for seconds per 720p video. Resume still decodes it.
-            problem = stages.check_recorded(self.out_dir, rec)
-            if problem:
-                raise RuntimeError(f"the written video does not check out: {problem}")
-            self.ledger.set_stages(jid, [
-                (Stage.DECODE, StageState.DONE, {"seconds": a.decode_s}),
-                (Stage.ENCODE, StageState.DONE, {"artifact": rel, "sha256": rec.sha256, "size": rec.size,
-                                                 "seconds": encode_s + check_s}),
-            ], documents={outputs.PARAMS_NAME: params})
-            self.ledger.log(jid, "encode", f"libx264 {encode_s:.2f} s, decode-back check {check_s:.2f} s, "
-                                           f"{len(mp4)} bytes")
+        match reply.value:
+            case LoadReply() as load:
+                a.group.models.add(spec.model)
+                self._model_ids[spec.model] = {"model_id": load.model_id, "text_encoder_id": load.text_encoder_id}
+                self._loads[(a.group.id, spec.model)] = load
+                self.ledger.log(jid, "group-load",
+                                f"group {a.group.id}: {spec.model} ({load.model_id}) loaded on "
+                                f"{load.world_size} rank(s), device {load.device}, process group backend "
+                                f"{load.backend}, attention {load.attention}, {reply.seconds:.1f} s "
+                                f"(weights {load.load_s:.1f} s, warm-up {load.warmup_s:.1f} s)")
+            case EncodePromptsReply(embeddings=embeddings):
+                ids = self._model_ids[spec.model]
+                for text, data in zip(a.encode_texts, embeddings, strict=True):
+                    key = stages.embedding_key(prompt=text, text_encoder_id=ids["text_encoder_id"])
+                    stages.write_artifact(self.out_dir, stages.embedding_relpath(key), data)
+                key = stages.embedding_key(prompt=spec.prompt, text_encoder_id=ids["text_encoder_id"])
+                self._record_conditioning(jid, key, seconds=reply.seconds)
+                self.ledger.log(jid, "conditioning", f"{len(a.encode_texts)} prompt(s) encoded in one call, "
+                                                     f"{reply.seconds:.2f} s")
+            case SampleReply(latents=data):
+                rel = stages.latents_relpath(jid)
+                stages.write_artifact(self.out_dir, rel, data)
+                self.ledger.set_stage(jid, Stage.SAMPLING, StageState.DONE, artifact=rel,
+                                      sha256=stages.sha256_bytes(data), size=len(data), seconds=reply.seconds)
+            case DecodeReply(decode_s=decode_s):
+                # Decode's output is not durable: decode is recorded done together with the encode.
+                a.decode_s = decode_s
+                self.ledger.set_stage(jid, Stage.ENCODE, StageState.RUNNING)
+            case CollectReply() as collected:
+                self._record_video(a, collected)
+            case other:
+                raise TypeError(f"unexpected reply {type(other).__name__} from group {a.group.id}")
+
+    def _record_video(self, a: _Active, collected: CollectReply) -> None:
+        jid, spec = a.job.id, a.job.spec
+        mp4, encode_s, check_s = collected.mp4, collected.encode_s, collected.check_s
+        # params.json first: a write that fails between the two then leaves no video that the
+        # ledger does not record (a lone params.json is rewritten with the next attempt).
+        seconds = {s.value: r.seconds for s, r in self.ledger.stages(jid).items()}
+        seconds.update(decode=a.decode_s, encode=encode_s + check_s)
+        load = self._loads.get((a.group.id, spec.model))
+        params = outputs.write_params(self.out_dir, job=a.job, seconds=seconds,
+                                      load=None if load is None else dataclasses.asdict(load))
+        rel = stages.video_relpath(jid)
+        stages.write_artifact(self.out_dir, rel, mp4)
+        rec = stages.Recorded(rel, stages.sha256_bytes(mp4), len(mp4))
+        # The worker decoded these very bytes back and counted the spec's frames at the spec's
+        # size before sending them (encode_mp4, after decode checked the frames' shape), so the
+        # file needs only to hold the same bytes. Decoding it again here would stall the loop,
+        # and so the GPU's next call, for seconds per 720p video. Resume still decodes it.
+        problem = stages.check_recorded(self.out_dir, rec)
+        if problem:
+            raise RuntimeError(f"the written video does not check out: {problem}")
+        self.ledger.set_stages(jid, [
+            (Stage.DECODE, StageState.DONE, {"seconds": a.decode_s}),
+            (Stage.ENCODE, StageState.DONE, {"artifact": rel, "sha256": rec.sha256, "size": rec.size,
+                                             "seconds": encode_s + check_s}),
+        ], documents={outputs.PARAMS_NAME: params})
+        self.ledger.log(jid, "encode", f"libx264 {encode_s:.2f} s, decode-back check {check_s:.2f} s, "
+                                       f"{len(mp4)} bytes")
 
     def _record_conditioning(self, jid: str, key: str, *, seconds: float) -> None:
         rel = stages.embedding_relpath(key)
@@ -505,36 +509,45 @@ class Driver:
         self._ended += 1
 
     # ================================================================== failures
-    def _on_group_died(self, a: _Active, stage: Stage, reason: str) -> None:
+    def _on_group_died(self, a: _Active, stage: Stage, reason: str, kind: FailureKind) -> None:
         msg = f"worker group {a.group.id} died or stopped answering: {reason}"
-        kind = self._unless_cluster_lost(classify_group_death(reason), a.group.size)
-        self._drop_group(a, stage, msg, None, kind)
+        self._on_call_failed(a, stage, msg, None, self._unless_cluster_lost(kind, a.group.size), died=True)
 
-    def _on_worker_error(self, a: _Active, method: str, stage: Stage, reply: Reply) -> None:
-        if reply.failed_stage:
-            stage = Stage(reply.failed_stage)
-        msg = f"rank {reply.rank}: {reply.error}"
-        error_type = (reply.error or "").split(":", 1)[0]
-        kind = classify_error_type(error_type, reply.error or "") if reply.retryable else FailureKind.INPUT
-        if _group_is_suspect(a.group, method, reply):
-            self.ledger.log(a.job.id, "group-discarded", f"group {a.group.id} after: {reply.error}")
-            return self._drop_group(a, stage, msg, reply.traceback, kind)
-        self._leave(a)  # the group is healthy; only this job's call failed
-        self._on_failure(self.ledger.job(a.job.id), stage, msg, reply.traceback, kind)
+    def _on_worker_error(self, a: _Active, message: WorkerCall, reply: Reply[object]) -> None:
+        assert reply.failure is not None
+        self._on_call_failed(a, _stage_of(message), f"rank {reply.rank}: {reply.failure.error}",
+                             reply.failure.traceback, reply.failure.kind, io_lane=message.lane is Lane.IO)
 
-    def _drop_group(self, a: _Active, stage: Stage, msg: str, tb: str | None, kind: FailureKind) -> None:
-        """Tear ``a``'s group down; ``a`` fails at ``stage`` with ``msg`` as ``kind``, and every other
-        job the group owned (one queued on its GPU lane, ones encoding) fails where it stood, as a
-        worker death; each goes back from its last durable stage (retry.py decides how)."""
-        group = a.group
-        others = [x for x in self._jobs_on(group) if x is not a]
-        self.pool.discard(group)
+    def _on_call_failed(self, a: _Active, stage: Stage, msg: str, tb: str | None, kind: FailureKind, *,
+                        io_lane: bool = False, died: bool = False) -> None:
+        """A call of ``a`` failed on its group: one decision (retry.py) says what becomes of the job
+        and whether the group takes the next job or is torn down."""
+        job = self.ledger.job(a.job.id)
+        decision = self._policy.decide(job, kind, stage, msg, on_group=OnGroup(size=a.group.size, io_lane=io_lane))
+        if decision.keep_group:
+            self._leave(a)  # only this job's call failed; the group goes on
+            return self._record_failure(job, stage, msg, tb, kind, decision)
+        if not died:
+            self.ledger.log(a.job.id, "group-discarded", f"group {a.group.id} after [{kind.value}]: {msg}")
+        others = self._drop_group(a, msg)
+        self._record_failure(job, stage, msg, tb, kind, decision)
+        self._fail_others(a, others, msg)
+
+    def _drop_group(self, a: _Active, msg: str) -> list[_Active]:
+        """Tear ``a``'s group down; every job on it leaves it. Returns the jobs other than ``a``."""
+        others = [x for x in self._jobs_on(a.group) if x is not a]
+        self.pool.discard(a.group)
         for x in [a, *others]:
             del self._active[x.job.id]
         self.ledger.log(a.job.id, "group-died", msg)
-        self._on_failure(self.ledger.job(a.job.id), stage, msg, tb, kind)
+        return others
+
+    def _fail_others(self, a: _Active, others: list[_Active], msg: str) -> None:
+        """Every other job the torn-down group owned (one queued on its GPU lane, ones encoding)
+        fails where it stood, as a worker death; each goes back from its last durable stage."""
+        group = a.group
         for x in others:
-            x_stage = _CALL_STAGE[x.call.method] if x.call is not None else self._next_stage(x.job.id)
+            x_stage = _stage_of(x.call.message) if x.call is not None else self._next_stage(x.job.id)
             x_msg = f"group {group.id} was torn down (after job {a.job.name}: {msg.splitlines()[0][:300]})"
             self.ledger.log(x.job.id, "group-died", x_msg)
             x_kind = self._unless_cluster_lost(FailureKind.WORKER_DEATH, group.size)
@@ -542,8 +555,14 @@ class Driver:
 
     def _on_failure(self, job: JobRecord, stage: Stage, error: str, tb: str | None,
                     kind: FailureKind, cause: BaseException | None = None) -> None:
-        """The one place a job's failure is decided (see retry.py for the rules)."""
+        """A failure of a job off any group (a driver write, a group that never formed, a job of a
+        group torn down for another): decided by retry.py, then recorded."""
         decision = self._policy.decide(job, kind, stage, error)
+        self._record_failure(job, stage, error, tb, kind, decision, cause)
+
+    def _record_failure(self, job: JobRecord, stage: Stage, error: str, tb: str | None, kind: FailureKind,
+                        decision: Decision, cause: BaseException | None = None) -> None:
+        """Carry a decision out: the job is re-queued, retried or failed, and the ledger says why."""
         line = f"{stage.value}: [{kind.value}] {error.splitlines()[0][:200] if error else ''}"
         if decision.action is Action.REQUEUE:
             if decision.stop_batch and self._stop is None:
@@ -637,10 +656,10 @@ class Driver:
             if a.job.id not in self._active:
                 continue  # failed with a group torn down for an earlier job of this loop
             if a.call is not None and now - a.call.started > a.call.timeout_s:
-                method, limit = a.call.method, a.call.timeout_s
+                message, limit = a.call.message, a.call.timeout_s
                 a.call = None
-                self._on_group_died(a, _CALL_STAGE[method],
-                                    f"no reply to {method} within its {limit:.0f} s deadline")
+                self._on_group_died(a, _stage_of(message), f"no reply to {type(message).__name__} within its "
+                                                           f"{limit:.0f} s deadline", FailureKind.WORKER_DEATH)
 
     def _notify_job_end(self) -> None:
         if self._on_job_end is not None and self._ended != self._ended_seen:

@@ -1,8 +1,9 @@
 """Worker groups and the one narrow interface the driver uses to reach them.
 
 An :class:`Executor` makes groups of N workers (one per GPU) and runs *collective calls* on them:
-``call(group, method, kwargs)`` runs ``RenderWorker.execute(method, kwargs)`` on every rank and
-``result(call)`` returns rank 0's :class:`Reply` (or the first failing rank's), or raises
+``call(group, message)`` runs ``RenderWorker.execute(message)`` on every rank (``message``: one of
+the typed calls of ``messages.py``) and ``result(call)`` returns rank 0's
+:class:`~pan2render.runner.messages.Reply` (or the first failing rank's), or raises
 :class:`GroupDied` when a worker process is gone. Two implementations:
 
 - :class:`RayExecutor`: one actor per GPU, the group's actors in one STRICT_PACK placement group,
@@ -10,8 +11,8 @@ An :class:`Executor` makes groups of N workers (one per GPU) and runs *collectiv
   0's node.
 - :class:`LocalExecutor`: the same calls on in-process workers, for fast unit tests of the driver.
   It does not form a torch.distributed group (a group of N is one world-size-1 worker). GPU-lane
-  calls run at ``call`` time; ``collect`` runs on a thread and is ready when that job's background
-  encode is, so the driver's tests see the same two lanes as on Ray.
+  calls run at ``call`` time; an I/O-lane call (the collect) runs on a thread and is ready when
+  that job's background encode is, so the driver's tests see the same two lanes as on Ray.
 
 :class:`GroupPool` keeps idle groups per size so models stay loaded between jobs, and tears idle
 groups of other sizes down when a job needs their GPUs. Where the executor says so
@@ -31,20 +32,25 @@ from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pan2render.runner.messages import InitGroupCall, Lane, RendezvousCall, Reply, WorkerCall
 from pan2render.runner.progress import StepClock, StepReport
+from pan2render.runner.retry import FailureKind, classify_group_death
 from pan2render.runner.worker import (
     GPU_QUEUE_DEPTH,
     IO_CONCURRENCY,
-    IO_METHODS,
     RenderWorker,
-    Reply,
     WorkerConfig,
     _WorkerDeath,
 )
 
 
 class GroupDied(RuntimeError):
-    """A worker of the group died or stopped answering; the group must be torn down."""
+    """A worker of the group died or stopped answering; the group must be torn down. ``kind``:
+    its failure class, from the type of what Ray raised (retry.classify_group_death)."""
+
+    def __init__(self, message: str, *, kind: FailureKind = FailureKind.WORKER_DEATH):
+        super().__init__(message)
+        self.kind = kind
 
 
 class ClusterConnectError(RuntimeError):
@@ -80,9 +86,9 @@ class Group:
     models: set[str] = field(default_factory=set)  # models loaded on every rank
     next_seq: int = 0  # number of the next GPU-lane call (the workers run them in this order)
 
-    def take_seq(self, method: str) -> int | None:
-        """The GPU-lane number for a call of ``method`` (None for the I/O lane)."""
-        if method in IO_METHODS:
+    def take_seq(self, message: WorkerCall) -> int | None:
+        """The GPU-lane number for ``message`` (None off the GPU lane)."""
+        if message.lane is not Lane.GPU:
             return None
         seq, self.next_seq = self.next_seq, self.next_seq + 1
         return seq
@@ -90,8 +96,10 @@ class Group:
 
 @dataclass
 class Call:
+    """A message in flight to a group."""
+
     group: Group
-    method: str
+    message: WorkerCall
     started: float
     timeout_s: float
     handle: Any  # executor-specific: object refs, or the finished reply
@@ -105,9 +113,9 @@ class Executor(Protocol):
     def max_group_size(self) -> int: ...  # most GPUs on one node (a group is STRICT_PACK)
     def create_group(self, size: int, *, timeout_s: float) -> Group: ...
     def destroy_group(self, group: Group) -> None: ...
-    def call(self, group: Group, method: str, kwargs: dict[str, Any], *, timeout_s: float) -> Call: ...
+    def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call: ...
     def wait(self, calls: Sequence[Call], *, timeout_s: float) -> list[Call]: ...
-    def result(self, call: Call) -> Reply: ...
+    def result(self, call: Call) -> Reply[Any]: ...
     def progress(self) -> dict[str, StepReport]: ...
     def shutdown(self) -> None: ...
 
@@ -115,7 +123,7 @@ class Executor(Protocol):
 _ids = itertools.count()
 
 
-def _first_failure(replies: list[Reply]) -> Reply:
+def _first_failure(replies: list[Reply[Any]]) -> Reply[Any]:
     for r in replies:
         if not r.ok:
             return r
@@ -124,8 +132,8 @@ def _first_failure(replies: list[Reply]) -> Reply:
 
 # ====================================================================== in-process
 class LocalExecutor:
-    """Runs each GPU-lane call synchronously at ``call`` time, in this process; ``collect`` on a
-    thread (it waits for the worker's encode thread)."""
+    """Runs each GPU-lane call synchronously at ``call`` time, in this process; an I/O-lane call
+    on a thread (it waits for the worker's encode thread)."""
 
     starts_in_background = False  # a group is one in-process object: nothing to wait for
     worker_logs = None  # the workers log where this process does
@@ -154,24 +162,24 @@ class LocalExecutor:
     def destroy_group(self, group: Group) -> None:
         group.handle["dead"] = True
 
-    def call(self, group: Group, method: str, kwargs: dict[str, Any], *, timeout_s: float) -> Call:
-        seq = group.take_seq(method)
+    def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
+        seq = group.take_seq(message)
         started = time.monotonic()
-        if method in IO_METHODS:
-            handle: Any = self._io.submit(self._execute, group, method, kwargs, seq)
+        if message.lane is Lane.IO:
+            handle: Any = self._io.submit(self._execute, group, message, seq)
         else:
-            handle = self._execute(group, method, kwargs, seq)
-        return Call(group=group, method=method, started=started, timeout_s=timeout_s, handle=handle)
+            handle = self._execute(group, message, seq)
+        return Call(group=group, message=message, started=started, timeout_s=timeout_s, handle=handle)
 
     @staticmethod
-    def _execute(group: Group, method: str, kwargs: dict[str, Any], seq: int | None) -> Reply | GroupDied:
+    def _execute(group: Group, message: WorkerCall, seq: int | None) -> Reply[Any] | GroupDied:
         if group.handle["dead"]:
             return GroupDied(f"group {group.id} was torn down")
         try:
-            return group.handle["worker"].execute(method, kwargs, seq)
+            return group.handle["worker"].execute(message, seq)
         except _WorkerDeath:
             group.handle["dead"] = True
-            return GroupDied(f"worker rank 0 of group {group.id} died in {method}")
+            return GroupDied(f"worker rank 0 of group {group.id} died in {type(message).__name__}")
 
     def wait(self, calls: Sequence[Call], *, timeout_s: float) -> list[Call]:
         """The finished calls; waits up to ``timeout_s`` for one when only collects are running."""
@@ -180,7 +188,7 @@ class LocalExecutor:
             futures.wait(pending, timeout=timeout_s, return_when=futures.FIRST_COMPLETED)
         return [c for c in calls if not isinstance(c.handle, futures.Future) or c.handle.done()]
 
-    def result(self, call: Call) -> Reply:
+    def result(self, call: Call) -> Reply[Any]:
         outcome = call.handle.result() if isinstance(call.handle, futures.Future) else call.handle
         if isinstance(outcome, GroupDied):
             raise outcome
@@ -237,7 +245,7 @@ class RayExecutor:
         if session:
             self.worker_logs = f"{session}/logs"
         # Two lanes per actor (worker.py): the default group runs the GPU lane with one thread per
-        # call the driver may queue (the worker orders them by seq), "io" runs collects.
+        # call the driver may queue (the worker orders them by seq), "io" runs the I/O lane.
         self._actor_cls = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=GPU_QUEUE_DEPTH,
                                      concurrency_groups={"io": IO_CONCURRENCY})(RenderWorker)
         self._progress_actor = ray.remote(StepClock).options(num_cpus=0).remote()
@@ -290,15 +298,15 @@ class RayExecutor:
 
     def _form_process_group(self, group: Group, *, timeout_s: float) -> None:
         actors = group.handle["actors"]
-        r0 = self._ray.get(actors[0].execute.remote("rendezvous", {}), timeout=timeout_s)
-        if not r0.ok:
-            raise RuntimeError(f"rank 0 rendezvous failed: {r0.error}\n{r0.traceback}")
-        addr, port, backend = r0.value
-        kwargs = {"master_addr": addr, "master_port": port, "backend": backend}
-        replies = self._ray.get([a.execute.remote("init_group", kwargs) for a in actors], timeout=timeout_s)
+        r0 = self._ray.get(actors[0].execute.remote(RendezvousCall()), timeout=timeout_s)
+        if r0.failure is not None:
+            raise RuntimeError(f"rank 0 rendezvous failed: {r0.failure.error}\n{r0.failure.traceback}")
+        where = r0.value
+        join = InitGroupCall(master_addr=where.addr, master_port=where.port, backend=where.backend)
+        replies = self._ray.get([a.execute.remote(join) for a in actors], timeout=timeout_s)
         bad = _first_failure(replies)
-        if not bad.ok:
-            raise RuntimeError(f"rank {bad.rank}: {bad.error}\n{bad.traceback}")
+        if bad.failure is not None:
+            raise RuntimeError(f"rank {bad.rank}: {bad.failure.error}\n{bad.failure.traceback}")
 
     def destroy_group(self, group: Group) -> None:
         from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
@@ -315,16 +323,16 @@ class RayExecutor:
         with self._lock:
             self._groups.pop(group.id, None)
 
-    def call(self, group: Group, method: str, kwargs: dict[str, Any], *, timeout_s: float) -> Call:
-        # In a group the arguments (latents, embeddings: MBs) are put in the object store once and
+    def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
+        # In a group the message (latents, embeddings: MBs) is put in the object store once and
         # every rank reads the same object (a top-level ref argument, so Ray resolves it).
-        seq = group.take_seq(method)
-        if seq is None:  # the I/O lane: rank 0 alone holds the encode
-            refs = [group.handle["actors"][0].execute.options(concurrency_group="io").remote(method, kwargs)]
+        seq = group.take_seq(message)
+        if message.lane is Lane.IO:  # rank 0 alone holds the encode
+            refs = [group.handle["actors"][0].execute.options(concurrency_group="io").remote(message)]
         else:
-            args: Any = self._ray.put(kwargs) if group.size > 1 else kwargs
-            refs = [a.execute.remote(method, args, seq) for a in group.handle["actors"]]
-        return Call(group=group, method=method, started=time.monotonic(), timeout_s=timeout_s, handle=refs)
+            arg: Any = self._ray.put(message) if group.size > 1 else message
+            refs = [a.execute.remote(arg, seq) for a in group.handle["actors"]]
+        return Call(group=group, message=message, started=time.monotonic(), timeout_s=timeout_s, handle=refs)
 
     def wait(self, calls: Sequence[Call], *, timeout_s: float) -> list[Call]:
         ray = self._ray
@@ -349,7 +357,7 @@ class RayExecutor:
 
     def _any_error(self, refs: Any) -> bool:
         """Did a finished rank fail? Its actor died (get raises) or its call failed: ``execute``
-        never raises, so a failed call is a Reply with ok=False."""
+        never raises, so a failed call is a Reply with a failure."""
         for r in refs:
             try:
                 if not self._ray.get(r, timeout=0).ok:
@@ -358,7 +366,7 @@ class RayExecutor:
                 return True
         return False
 
-    def result(self, call: Call) -> Reply:
+    def result(self, call: Call) -> Reply[Any]:
         ray = self._ray
         try:
             replies = ray.get(call.handle, timeout=60)
@@ -367,8 +375,8 @@ class RayExecutor:
             # monitor, lost objects; `execute` itself never raises, so any of them means the group.
             # Keep the whole message (capped): for an actor that failed to start, the cause (e.g.
             # an ImportError on that node) is on the lines after the first.
-            raise GroupDied(f"group {call.group.id} failed in {call.method}: "
-                            f"{type(e).__name__}: {str(e)[:2000]}") from e
+            raise GroupDied(f"group {call.group.id} failed in {type(call.message).__name__}: "
+                            f"{type(e).__name__}: {str(e)[:2000]}", kind=classify_group_death(e)) from e
         return _first_failure(replies)
 
     def progress(self) -> dict[str, StepReport]:

@@ -1,22 +1,30 @@
 """What a failure is, and what the driver does about it: one place for every retry decision.
 
-A failure is classified by the type of what was raised (on the worker, in Ray, or in the driver),
-then one rule per class decides:
+A failure is classified by the TYPE of what was raised (on the worker, in Ray, or in the driver),
+never by its message, then one rule per class decides whether the job is retried, whether that
+costs it an attempt, and whether the group it ran on may take the next job:
 
-| class          | what it is                                          | rule                                  |
-|----------------|-----------------------------------------------------|---------------------------------------|
-| worker-death   | a worker process died or stopped answering          | retry on a new group (attempt charged) |
-| out-of-memory  | CUDA/host OOM, or Ray's memory monitor killed it    | retry on a new group (charged)        |
-| input          | deterministic for this spec (bad image, NaN output, | fail now: retrying gives the same     |
-|                | an artifact that keeps failing its check)           | result                                |
-| unknown        | anything else                                       | retry (charged)                       |
-| cluster-lost   | the cluster lost the GPUs the job needs             | back to pending, NOT charged; the     |
-|                |                                                     | batch waits for GPUs (bounded)        |
-| storage        | the output folder refused a write: disk full, quota,| back to pending, NOT charged; the     |
-|                | read-only filesystem, permission denied             | batch stops scheduling and exits      |
+| class          | what it is                                           | rule                                 |
+|----------------|------------------------------------------------------|--------------------------------------|
+| worker-death   | a worker process died or stopped answering, or its   | retry on a new group (attempt        |
+|                | device faulted (DeviceError, torch's                 | charged); the group is torn down     |
+|                | AcceleratorError, a torch.distributed error)         |                                      |
+| out-of-memory  | torch's OutOfMemoryError, MemoryError, or Ray's      | retry on a new group (charged): the  |
+|                | memory monitor killed the worker                     | device may hold fragments            |
+| input          | JobInputError and its kinds: bad input detected by   | fail now: retrying gives the same    |
+|                | our code (an image that does not decode, NaN output, | result; the group stays              |
+|                | an artifact that keeps failing its check)            |                                      |
+| unknown        | anything else, a library's ValueError included       | retry (charged); the group stays     |
+| cluster-lost   | the cluster lost the GPUs the job needs              | back to pending, NOT charged; the    |
+|                |                                                      | batch waits for GPUs (bounded)       |
+| storage        | the output folder refused a driver write: disk full, | back to pending, NOT charged; the    |
+|                | quota, read-only filesystem, permission denied       | batch stops scheduling and exits     |
 
-And across classes: the same error twice in a row on the same stage of a job stops retrying it
-(a deterministic failure we did not recognise by type), as does a spent retry budget.
+Across classes: the same error twice in a row on the same stage of a job stops retrying it (the
+backstop for a deterministic failure we did not recognise by type), as does a spent retry budget.
+And whatever the class, a group of more than one rank that failed on its GPU lane is torn down: its
+ranks may have stopped at different collectives. A failure on the I/O lane (rank 0's encode, CPU
+work) leaves the group as it was unless its worker died.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import enum
 import errno
 import re
+import sys
 from dataclasses import dataclass
 
 from pan2render.jobs.disk import is_disk_full
@@ -45,12 +54,20 @@ class Action(str, enum.Enum):
     FAIL = "fail"
 
 
-# Exception type names (as a worker reply or a Ray error spells them) that say the device or the
-# host ran out of memory.
-_OOM_TYPES = ("OutOfMemoryError", "MemoryError")
-# Deterministic for a job's spec: the same inputs fail the same way on any worker.
-_INPUT_TYPES = ("NonFiniteError", "FloatingPointError", "ValueError", "ArtifactCheckError", "JobInputError",
-                "FileNotFoundError", "IsADirectoryError", "UnsafePathError")
+# ---------------------------------------------------------------------- our exception types
+class JobInputError(RuntimeError):
+    """A job's input is bad in a way that fails the same on any worker (its first-frame image is
+    missing, changed or does not decode; its weights changed): retrying cannot help. Raise it (or
+    a subclass) where our code finds such input; nothing else counts as deterministic."""
+
+
+class ArtifactCheckError(JobInputError):
+    """An artifact kept failing its check after being redone: the job fails with the check's reason."""
+
+
+class DeviceError(RuntimeError):
+    """The worker's device faulted and may be unusable (a sticky CUDA error): the worker raises it
+    where it catches a failure after which the device no longer answers."""
 
 
 class ClusterLostError(RuntimeError):
@@ -66,35 +83,79 @@ class BatchStopped(RuntimeError):
         super().__init__(str(cause))
 
 
+# ---------------------------------------------------------------------- classification
+def _is_a(e: BaseException, module: str, name: str) -> bool:
+    """``isinstance(e, module.name)`` without importing ``module`` (torch, ray: seconds to import):
+    an exception of one of its types exists only once the module is loaded. A name the installed
+    version lacks (torch.AcceleratorError is recent) matches nothing."""
+    mod = sys.modules.get(module)
+    cls = getattr(mod, name, None) if mod is not None else None
+    return isinstance(cls, type) and isinstance(e, cls)
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    return (isinstance(e, MemoryError) or _is_a(e, "torch.cuda", "OutOfMemoryError")
+            or _is_a(e, "ray.exceptions", "OutOfMemoryError"))
+
+
+def _device_fault(e: BaseException) -> bool:
+    """The device or the group's communicator failed: the worker is as good as dead."""
+    return (isinstance(e, DeviceError) or _is_a(e, "torch", "AcceleratorError")
+            or _is_a(e, "torch.distributed", "DistError"))
+
+
+def classify_exception(e: BaseException, *, on_worker: bool = False) -> FailureKind:
+    """The class of ``e``, raised in the driver or (``on_worker``) in a worker call. Storage is a
+    driver class: the driver alone writes the output folder, so a full disk on a worker (its temp
+    folder) is that worker's unknown failure, not a reason to stop the batch."""
+    if _device_fault(e):
+        return FailureKind.WORKER_DEATH
+    if _out_of_memory(e):
+        return FailureKind.OUT_OF_MEMORY
+    if isinstance(e, JobInputError):
+        return FailureKind.INPUT
+    if not on_worker and (is_disk_full(e) or (isinstance(e, OSError)
+                                              and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS))):
+        return FailureKind.STORAGE
+    return FailureKind.UNKNOWN
+
+
+def classify_group_death(cause: BaseException | None) -> FailureKind:
+    """A group whose worker process is gone (``cause``: what Ray raised, None when the call ran
+    past its deadline or the in-process worker died): out of memory when Ray's memory monitor
+    killed it, else a worker death."""
+    return FailureKind.OUT_OF_MEMORY if cause is not None and _out_of_memory(cause) else FailureKind.WORKER_DEATH
+
+
+# ---------------------------------------------------------------------- the policy
 @dataclass(frozen=True)
 class Decision:
     action: Action
     reason: str  # why, for the ledger's event and the log line
     stop_batch: bool = False  # stop starting jobs (storage): the run exits once running ones stop
+    keep_group: bool = True  # the group the job failed on may take the next job
 
 
-def classify_error_type(type_name: str, message: str = "") -> FailureKind:
-    """The class of an error known by its exception type name (a worker reply's ``error`` starts
-    with it; a Ray error's is in the group-death message)."""
-    if any(t in type_name for t in _OOM_TYPES) or "out of memory" in message.lower():
-        return FailureKind.OUT_OF_MEMORY
-    if type_name in _INPUT_TYPES:
-        return FailureKind.INPUT
-    return FailureKind.UNKNOWN
+@dataclass(frozen=True)
+class OnGroup:
+    """Where on a group a failure happened, for the group's half of the decision."""
+
+    size: int  # the group's ranks
+    io_lane: bool = False  # the I/O lane (rank 0's encode), not the GPU lane
 
 
-def classify_exception(e: BaseException) -> FailureKind:
-    """A failure raised in the driver itself (writing an artifact, reading an input)."""
-    if is_disk_full(e) or (isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)):
-        return FailureKind.STORAGE
-    return classify_error_type(type(e).__name__, str(e))
-
-
-def classify_group_death(message: str) -> FailureKind:
-    """A worker process that died: Ray names an OOM kill (its memory monitor) in the message."""
-    if any(t in message for t in _OOM_TYPES) or "out of memory" in message.lower():
-        return FailureKind.OUT_OF_MEMORY
-    return FailureKind.WORKER_DEATH
+def keeps_group(kind: FailureKind, where: OnGroup | None) -> bool:
+    """May the group take the next job after this failure?"""
+    if where is None:
+        return True  # the failure was not the group's (a driver write, a group that never formed)
+    if kind in (FailureKind.WORKER_DEATH, FailureKind.CLUSTER_LOST):
+        return False  # gone, or its device is
+    if where.io_lane:
+        return True  # CPU work on rank 0 alone: the GPU lane and the collectives are untouched
+    if kind is FailureKind.OUT_OF_MEMORY:
+        return False  # the allocator may be fragmented or the device left in a bad state
+    # One rank's GPU-lane error may leave the others waiting in a collective it never reached.
+    return where.size == 1
 
 
 def _signature(stage: Stage, error: str) -> str:
@@ -110,22 +171,25 @@ class RetryPolicy:
     def __init__(self) -> None:
         self._last: dict[str, str] = {}  # job id -> signature of its last failure in this run
 
-    def decide(self, job: JobRecord, kind: FailureKind, stage: Stage, error: str) -> Decision:
+    def decide(self, job: JobRecord, kind: FailureKind, stage: Stage, error: str, *,
+               on_group: OnGroup | None = None) -> Decision:
+        keep = keeps_group(kind, on_group)
         if kind is FailureKind.STORAGE:
             return Decision(Action.REQUEUE, "the output folder refused a write (not charged to the job); "
-                                            "stopping the batch", stop_batch=True)
+                                            "stopping the batch", stop_batch=True, keep_group=keep)
         if kind is FailureKind.CLUSTER_LOST:
             return Decision(Action.REQUEUE, "the cluster lost the GPUs this job ran on (not charged to the "
-                                            "job); waiting for GPUs to return")
+                                            "job); waiting for GPUs to return", keep_group=keep)
         if kind is FailureKind.INPUT:
-            return Decision(Action.FAIL, "not retryable: deterministic for this job's inputs")
+            return Decision(Action.FAIL, "not retryable: deterministic for this job's inputs", keep_group=keep)
         signature = _signature(stage, error)
         repeated = self._last.get(job.id) == signature
         self._last[job.id] = signature
         if repeated:
             return Decision(Action.FAIL, f"the same {kind.value} error twice in a row in {stage.value}: "
-                                         "retrying again would repeat it")
+                                         "retrying again would repeat it", keep_group=keep)
         if job.retries_left <= 0:
-            return Decision(Action.FAIL, "retry budget spent")
+            return Decision(Action.FAIL, "retry budget spent", keep_group=keep)
         what = "out of memory: retrying on a fresh group" if kind is FailureKind.OUT_OF_MEMORY else kind.value
-        return Decision(Action.RETRY, f"{what}; {job.retries_left - 1} retries left after this one")
+        return Decision(Action.RETRY, f"{what}; {job.retries_left - 1} retries left after this one",
+                        keep_group=keep)

@@ -28,19 +28,20 @@ from pan2render.jobs.batch import sha256_file
 from pan2render.jobs.disk import ensure_free
 from pan2render.jobs.spec import JobSpec
 from pan2render.media.video import fsync_dir
+from pan2render.runner.retry import JobInputError
 
 EMBED_CACHE = Path("_cache") / "embeddings"
 LATENTS_NAME = "latents.safetensors"
 VIDEO_NAME = "video.mp4"
 
 
-class NonFiniteError(FloatingPointError):
+class NonFiniteError(JobInputError, FloatingPointError):
     """Latents or frames contain NaN/Inf. Deterministic for a given spec, so never retried."""
 
 
-class UnsafePathError(OSError):
+class UnsafePathError(JobInputError, OSError):
     """A folder on an artifact's path inside DIR is a symlink or not a folder: writing through it
-    could put files outside DIR."""
+    could put files outside DIR. Deterministic for the job's folder, so never retried."""
 
 
 # ------------------------------------------------------------------ paths

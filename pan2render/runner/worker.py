@@ -1,30 +1,22 @@
 """The GPU worker: one per GPU (rank) of a group; the body of the Ray actor.
 
-The driver reaches it through ONE entry point, :meth:`RenderWorker.execute` ``(method, kwargs,
-seq)``: the method names below are the protocol (vLLM's ``collective_rpc`` habit). ``execute``
-never raises: every outcome comes back as a small :class:`Reply` carrying the rank, the error and
-its traceback, so a Ray-level exception always means the actor itself died.
+The driver reaches it through ONE entry point, :meth:`RenderWorker.execute` ``(call, seq)``: the
+call is one of the typed messages of ``messages.py`` and the worker runs the handler registered
+for its type (:attr:`RenderWorker.handlers`). ``execute`` never raises: every outcome comes back as
+a small :class:`~pan2render.runner.messages.Reply` carrying the rank, and for a failure its class
+(decided here, from the exception's type, by retry.py), the error and its traceback, so a
+Ray-level exception always means the actor itself died. Every rank of a group runs every call but
+the I/O lane's; rank 0's value is the reply, other ranks return None so artifacts cross the
+object store once.
 
-Protocol (all keyword arguments, all replies small except the artifact bytes):
-    rendezvous()                                   -> (ip, free port, backend)   rank 0 only
-    init_group(master_addr, master_port, backend)  -> None   torch.distributed, every rank
-    load(model, warmup)                            -> {"model_id", "text_encoder_id", "warmup_s",
-                                                       "describe", "versions", ...}
-    encode_prompts(model, texts)                   -> [embedding safetensors bytes]
-    sample(model, job_id, spec, prompt_embeds, negative_embeds) -> latents safetensors bytes
-    decode(model, job_id, spec, latents)           -> {"decode_s"}   hands the encode to a thread
-    collect(job_id)                                -> {"mp4": bytes, "encode_s", "check_s"}
-Every rank of a group runs every call but ``collect``; rank 0's value is the reply, other ranks
-return None so artifacts cross the object store once.
-
-Two lanes. The GPU lane (every method but ``collect``) runs one call at a time, in the order the
+Two lanes. The GPU lane (every job call but ``CollectCall``) runs one call at a time, in the order the
 driver issued them: the driver numbers them (``seq``) and may queue a job's first call behind the
 previous job's ``decode``, so the GPU starts it the moment the decode ends; the worker holds a
 call until its turn, because Ray runs the calls of a threaded actor in arrival order, not
 submission order, and every rank of a group must meet its collectives in the same order. ``decode``
 ends once the frames are converted to yuv420p on the device and copied to the host; the libx264
 encode then runs on the worker's encode thread while the GPU lane takes the next call. The
-I/O lane (``collect``, rank 0 only, Ray concurrency group ``io``) waits for one job's encode
+I/O lane (``CollectCall``, rank 0 only, Ray concurrency group ``io``) waits for one job's encode
 without holding the GPU lane, and returns the mp4 (written in a temp folder here, decoded back and
 frame-counted by ``encode_mp4``) for the driver to write, check and record.
 """
@@ -43,19 +35,38 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from pan2render.jobs.spec import JobSpec
 from pan2render.models.tiny import cache_root
 from pan2render.runner import outputs, stages
+from pan2render.runner.messages import (
+    CollectCall,
+    CollectReply,
+    DecodeCall,
+    DecodeReply,
+    EncodePromptsCall,
+    EncodePromptsReply,
+    InitGroupCall,
+    InitGroupReply,
+    Lane,
+    LoadCall,
+    LoadReply,
+    RendezvousCall,
+    RendezvousReply,
+    Reply,
+    SampleCall,
+    SampleReply,
+    WorkerCall,
+    WorkerFailure,
+)
+from pan2render.runner.retry import DeviceError, FailureKind, JobInputError, classify_exception
 from pan2render.sampling import DMD
 
 DEFAULT_PIPELINE_FACTORY = "pan2render.runner.worker:load_pan2_pipeline"
 
-# Methods of the I/O lane (see the module doc); every other method is a GPU-lane call.
-IO_METHODS = frozenset({"collect"})
 # Jobs of one group whose encode is not collected yet (the driver keeps to it). Each holds its
 # video's yuv420p planes in this worker's host memory until encoded (121 frames of 704x1248:
 # 160 MB), so a group whose encodes fall behind stops taking jobs instead of piling frames up.
@@ -65,18 +76,6 @@ IO_CONCURRENCY = MAX_ENCODES_IN_FLIGHT  # collects that may wait at once on one 
 # job's first call queued behind it. The actor's GPU lane gets this many threads, so the call whose
 # turn it is always has one while the other waits for its turn.
 GPU_QUEUE_DEPTH = 2
-
-
-@dataclass(frozen=True)
-class Reply:
-    ok: bool
-    rank: int
-    value: Any = None
-    error: str | None = None  # "ExcType: message"
-    traceback: str | None = None
-    retryable: bool = True  # False for deterministic failures (non-finite latents, bad request)
-    failed_stage: str | None = None  # the stage the worker was in when it failed
-    stage_seconds: float = 0.0
 
 
 class ProgressSink(Protocol):
@@ -117,7 +116,7 @@ def _decode_image(data: bytes) -> Any:
             frame = next(container.decode(video=0))
             return frame.to_ndarray(format="rgb24")
     except (av.FFmpegError, StopIteration) as e:
-        raise ValueError(f"the first-frame image ({len(data)} bytes) does not decode: {e}") from e
+        raise JobInputError(f"the first-frame image ({len(data)} bytes) does not decode: {e}") from e
 
 
 class _WorkerDeath(BaseException):
@@ -134,8 +133,6 @@ class RenderWorker:
         self._die = die or (lambda: os._exit(17))
         self._pipes: dict[str, Any] = {}  # model (as named in the spec) -> loaded pipeline
         self._group: Any = None  # torch.distributed default group once init_group ran
-        # The stage a failing call was in ("decode" or "encode"), per thread: the lanes run at once.
-        self._call_state = threading.local()
         self._turn = threading.Condition()
         self._next_seq = 0  # the GPU-lane call whose turn it is
         # As many encodes at once as the driver keeps in flight: one at a time made the encode the
@@ -143,7 +140,7 @@ class RenderWorker:
         # batch): half of an encode is its decode-back check, which does not fill the cores that
         # libx264 does, so two videos overlap well.
         self._encoder = ThreadPoolExecutor(max_workers=MAX_ENCODES_IN_FLIGHT, thread_name_prefix="encode")
-        self._encodes: dict[str, Future[dict[str, Any]]] = {}  # job id -> its encode
+        self._encodes: dict[str, Future[CollectReply]] = {}  # job id -> its encode
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cpu" and config.threads:
             torch.set_num_threads(config.threads)
@@ -152,41 +149,58 @@ class RenderWorker:
         os.environ.setdefault("TRITON_CACHE_DIR", str(cache_root() / "triton"))
 
     # ------------------------------------------------------------------ the one entry point
-    def execute(self, method: str, kwargs: dict[str, Any], seq: int | None = None) -> Reply:
-        """Run one protocol call. ``seq``: the GPU-lane call's number (0, 1, 2, ... per group), or
-        None for calls that need no ordering (group set-up, ``collect``)."""
+    # The handler of each call type (filled in below the class; a subclass extends a copy).
+    handlers: ClassVar[dict[type[WorkerCall], Callable[[Any, Any], Any]]] = {}
+
+    def execute(self, call: WorkerCall, seq: int | None = None) -> Reply[Any]:
+        """Run one call. ``seq``: the GPU-lane call's number (0, 1, 2, ... per group), or None
+        for calls that need no ordering (group set-up, the I/O lane)."""
         if seq is None:
-            return self._run(method, kwargs)
+            return self._run(call)
         with self._turn:
             self._turn.wait_for(lambda: self._next_seq == seq)
         try:
-            return self._run(method, kwargs)
+            return self._run(call)
         finally:
             with self._turn:
                 self._next_seq = seq + 1
                 self._turn.notify_all()
 
-    def _run(self, method: str, kwargs: dict[str, Any]) -> Reply:
-        fn = getattr(self, f"_rpc_{method}", None)
-        if fn is None:
-            return Reply(ok=False, rank=self.rank, error=f"ValueError: unknown worker method {method!r}",
-                         retryable=False)
+    def _run(self, call: WorkerCall) -> Reply[Any]:
         t0 = time.perf_counter()
-        self._call_state.stage = "encode" if method in IO_METHODS else None
         try:
-            value = fn(**kwargs)
+            handler = self.handlers.get(type(call))
+            if handler is None:
+                raise TypeError(f"no handler for {type(call).__name__} on {type(self).__name__}")
+            value = handler(self, call)
         except _WorkerDeath:
             raise
         except Exception as e:  # noqa: BLE001 - every failure goes back to the driver, with rank
-            retryable = not isinstance(e, (stages.NonFiniteError, FloatingPointError, ValueError))
-            return Reply(ok=False, rank=self.rank, error=f"{type(e).__name__}: {e}",
-                         traceback=traceback.format_exc(), retryable=retryable,
-                         failed_stage=self._call_state.stage, stage_seconds=time.perf_counter() - t0)
-        return Reply(ok=True, rank=self.rank, value=value if self.rank == 0 else None,
-                     stage_seconds=time.perf_counter() - t0)
+            tb = traceback.format_exc()
+            if call.lane is Lane.GPU:
+                e = self._device_fault(e)
+            failure = WorkerFailure(kind=classify_exception(e, on_worker=True), error=f"{type(e).__name__}: {e}",
+                                    traceback=tb)
+            return Reply(rank=self.rank, failure=failure, seconds=time.perf_counter() - t0)
+        return Reply(rank=self.rank, value=value if self.rank == 0 else None, seconds=time.perf_counter() - t0)
+
+    def _device_fault(self, e: Exception) -> Exception:
+        """``e``, or a DeviceError when the GPU no longer works after it. Torch names some device
+        faults by type (AcceleratorError, retry.py knows it); others arrive as a plain
+        RuntimeError. A sticky fault (an illegal address, a device-side assert) fails every later
+        call on the device, so a synchronize tells one that poisoned the device from one that did
+        not, without reading the message."""
+        if self.device != "cuda" or classify_exception(e, on_worker=True) is not FailureKind.UNKNOWN:
+            return e
+        try:
+            torch.cuda.synchronize()
+        except Exception as probe:  # noqa: BLE001 - any failure of the probe means the device is gone
+            return DeviceError(f"the device fails after {type(e).__name__}: {e} "
+                               f"(synchronize: {type(probe).__name__}: {probe})")
+        return e
 
     # ------------------------------------------------------------------ group set-up
-    def _rpc_rendezvous(self) -> tuple[str, int, str]:
+    def _rendezvous(self, call: RendezvousCall) -> RendezvousReply:
         """Rank 0 picks the rendezvous address on its own node (so no port is guessed remotely)."""
         import ray  # noqa: PLC0415 - only meaningful inside a Ray actor
 
@@ -194,14 +208,14 @@ class RenderWorker:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        return ip, port, "nccl" if self.device == "cuda" else "gloo"
+        return RendezvousReply(addr=ip, port=port, backend="nccl" if self.device == "cuda" else "gloo")
 
-    def _rpc_init_group(self, *, master_addr: str, master_port: int, backend: str) -> None:
+    def _init_group(self, call: InitGroupCall) -> InitGroupReply:
         import torch.distributed as dist  # noqa: PLC0415
 
         if self.device == "cuda":
             torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU as device 0
-        dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
+        dist.init_process_group(backend=call.backend, init_method=f"tcp://{call.master_addr}:{call.master_port}",
                                 rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(seconds=self.config.dist_timeout_s))
         # A first collective proves every rank joined before any job is placed on the group.
@@ -209,6 +223,7 @@ class RenderWorker:
         dist.all_reduce(probe)
         assert int(probe.item()) == self.world_size, f"all_reduce gave {probe.item()}"
         self._group = dist.group.WORLD
+        return InitGroupReply(world_size=self.world_size)
 
     # ------------------------------------------------------------------ stages
     def _pipeline(self, model: str) -> Any:
@@ -223,41 +238,42 @@ class RenderWorker:
             self._pipes[model] = pipe
         return pipe
 
-    def _rpc_load(self, *, model: str, warmup: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Load ``model`` (once per group) and, where the pipeline has ``warm_up``, run its
-        compiles and autotuning at ``warmup`` = {height, width, frames, guidance}, so they count as
-        load time rather than inside the first job's stages."""
+    def _load(self, call: LoadCall) -> LoadReply:
+        """Load the model (once per group) and, where the pipeline has ``warm_up``, run its
+        compiles and autotuning at the call's warm-up size, so they count as load time rather than
+        inside the first job's stages."""
         t0 = time.perf_counter()
-        pipe = self._pipeline(model)
+        pipe = self._pipeline(call.model)
         load_s = time.perf_counter() - t0
         warm = getattr(pipe, "warm_up", None)
-        if warmup is not None and warm is not None:
-            warm(**warmup)
+        if call.warmup is not None and warm is not None:
+            warm(height=call.warmup.height, width=call.warmup.width, frames=call.warmup.frames,
+                 guidance=call.warmup.guidance)
         backend, world = "none", 1
         if self._group is not None:
             import torch.distributed as dist  # noqa: PLC0415
 
             backend, world = str(dist.get_backend()), dist.get_world_size()
-        return {"model_id": pipe.model_id, "text_encoder_id": pipe.text_encoder_id,
-                "backend": backend, "world_size": world, "device": self.device,
-                "attention": getattr(pipe, "attention_backend", "n/a"),  # n/a: a pipeline without a DiT
-                "load_s": load_s, "warmup_s": time.perf_counter() - t0 - load_s,
-                "describe": pipe.describe(), "versions": outputs.runtime_versions()}
+        return LoadReply(model_id=pipe.model_id, text_encoder_id=pipe.text_encoder_id,
+                         backend=backend, world_size=world, device=self.device,
+                         attention=getattr(pipe, "attention_backend", "n/a"),  # n/a: a pipeline without a DiT
+                         load_s=load_s, warmup_s=time.perf_counter() - t0 - load_s,
+                         describe=pipe.describe(), versions=outputs.runtime_versions())
 
-    def _rpc_encode_prompts(self, *, model: str, texts: list[str]) -> list[bytes]:
-        pipe = self._pipeline(model)
+    def _encode_prompts(self, call: EncodePromptsCall) -> EncodePromptsReply:
+        pipe = self._pipeline(call.model)
         out = []
-        for text in texts:
+        for text in call.texts:
             emb = pipe.encode_prompt(text)  # float32 [512, text_dim]
             key = stages.embedding_key(prompt=text, text_encoder_id=pipe.text_encoder_id)
             out.append(stages.pack_embedding(emb, key=key, text_encoder_id=pipe.text_encoder_id))
-        return out
+        return EncodePromptsReply(embeddings=tuple(out))
 
-    def _rpc_sample(self, *, model: str, job_id: str, spec: dict[str, Any], prompt_embeds: bytes,
-                    negative_embeds: bytes, image: bytes | None = None) -> bytes:
-        pipe = self._pipeline(model)
+    def _sample(self, call: SampleCall) -> SampleReply:
+        pipe = self._pipeline(call.model)
+        spec, job_id = call.spec, call.job_id
         js = JobSpec.from_dict(spec)
-        first_frame = None if image is None else _decode_image(image)  # uint8 [H, W, 3]
+        first_frame = None if call.image is None else _decode_image(call.image)  # uint8 [H, W, 3]
         self._maybe_fault(js, "sampling")
 
         def progress(done: int, total: int) -> None:
@@ -266,30 +282,30 @@ class RenderWorker:
             self._maybe_crash(js, done)
 
         lat = pipe.sample(
-            prompt_embeds=stages.unpack_embedding(prompt_embeds),
-            negative_prompt_embeds=stages.unpack_embedding(negative_embeds),
+            prompt_embeds=stages.unpack_embedding(call.prompt_embeds),
+            negative_prompt_embeds=stages.unpack_embedding(call.negative_embeds),
             image=first_frame, height=js.height, width=js.width, frames=js.frames,
             # dmd: the step count is the number of timesteps, the job's or the checkpoint's own.
             steps=None if js.sampler == DMD else js.steps, timesteps=js.timesteps,
             guidance=js.guidance, seed=js.seed, flow_shift=js.flow_shift, sampler=js.sampler,
             progress=progress,
         )  # float32 [48, T, h, w]
-        return stages.pack_latents(lat, spec_hash=js.spec_hash, seed=js.seed, steps=js.steps,
-                                   model_id=pipe.model_id, spec=spec)
+        return SampleReply(latents=stages.pack_latents(lat, spec_hash=js.spec_hash, seed=js.seed, steps=js.steps,
+                                                       model_id=pipe.model_id, spec=spec))
 
-    def _rpc_decode(self, *, model: str, job_id: str, spec: dict[str, Any], latents: bytes) -> dict[str, Any]:
+    def _decode(self, call: DecodeCall) -> DecodeReply | None:
         """Decode on the device, convert to yuv420p there, copy to the host once and hand the planes
         to the encode thread; frames (hundreds of MB) never enter the object store."""
         from pan2render.media.yuv import rgb_to_yuv420  # noqa: PLC0415
 
-        pipe = self._pipeline(model)
-        js = JobSpec.from_dict(spec)
-        self._call_state.stage = "decode"
+        pipe = self._pipeline(call.model)
+        job_id = call.job_id
+        js = JobSpec.from_dict(call.spec)
         self._maybe_fault(js, "decode")
         t0 = time.perf_counter()
-        frames = pipe.decode(stages.unpack_latents(latents), on_device=True)  # uint8 [F, H, W, 3]
+        frames = pipe.decode(stages.unpack_latents(call.latents), on_device=True)  # uint8 [F, H, W, 3]
         if self.rank != 0:
-            return {}
+            return None
         want = (js.frames, js.height, js.width, 3)
         if tuple(frames.shape) != want:
             raise ValueError(f"decode returned frames of shape {tuple(frames.shape)}, expected {want}")
@@ -301,10 +317,11 @@ class RenderWorker:
             self._encodes[job_id] = self._encoder.submit(self._encode, js, planes)
         if stale is not None:
             stale.cancel()  # a retry's decode replaces an encode nobody collected
-        return {"decode_s": decode_s}
+        return DecodeReply(decode_s=decode_s)
 
-    def _rpc_collect(self, *, job_id: str) -> dict[str, Any]:
-        """Wait for the job's encode (handed over by ``decode``) and return the checked mp4."""
+    def _collect(self, call: CollectCall) -> CollectReply:
+        """Wait for the job's encode (handed over by the decode) and return the checked mp4."""
+        job_id = call.job_id
         with self._turn:
             future = self._encodes.get(job_id)
         if future is None:
@@ -316,7 +333,7 @@ class RenderWorker:
                 if self._encodes.get(job_id) is future:
                     del self._encodes[job_id]
 
-    def _encode(self, js: JobSpec, planes: Any) -> dict[str, Any]:
+    def _encode(self, js: JobSpec, planes: Any) -> CollectReply:
         """On the encode thread: planes uint8 [F, H*3/2, W] -> mp4 bytes, decoded back and counted."""
         from pan2render.media.video import Yuv420Video, encode_mp4  # noqa: PLC0415
 
@@ -327,12 +344,14 @@ class RenderWorker:
             encode_s = encode_mp4(Yuv420Video(planes), path, fps=js.fps, crf=js.crf, preset=js.encode_preset,
                                   metadata=outputs.video_tags(js, model_id=self._pipeline(js.model).model_id))
             mp4 = path.read_bytes()
-        return {"mp4": mp4, "encode_s": encode_s, "check_s": time.perf_counter() - t0 - encode_s}
+        return CollectReply(mp4=mp4, encode_s=encode_s, check_s=time.perf_counter() - t0 - encode_s)
 
     # ------------------------------------------------------------------ test hooks
     # faults = {"crash": {"job": NAME, "step": K, "marker": PATH}}: exit the process at sampling
     #            step K of job NAME, once (the marker file records that it happened);
-    #          {"fail": {"job": NAME, "stage": "sampling"|"decode"|"encode"}}: raise there, always;
+    #          {"fail": {"job": NAME, "stage": "sampling"|"decode"|"encode", "raise": TYPE}}: raise
+    #            there, always; TYPE (default RuntimeError) names one of _FAULT_TYPES, so a test can
+    #            meet each failure class;
     #          {"slow": {"job": NAME, "stage": ..., "seconds": S}}: sleep S seconds there first.
     def _maybe_crash(self, js: JobSpec, step: int) -> None:
         crash = self.config.faults.get("crash")
@@ -353,4 +372,27 @@ class RenderWorker:
             time.sleep(float(slow["seconds"]))
         fail = self.config.faults.get("fail")
         if fail and fail["job"] == js.name and fail.get("stage", "sampling") == stage:
-            raise RuntimeError(f"injected failure in {stage} of job {js.name} (test hook)")
+            raise _FAULT_TYPES[fail.get("raise", "RuntimeError")](
+                f"injected failure in {stage} of job {js.name} (test hook)")
+
+
+# What a "fail" fault may raise, by name (faults travel as JSON): one type per failure class.
+_FAULT_TYPES: dict[str, type[Exception]] = {
+    "RuntimeError": RuntimeError,  # unknown
+    "ValueError": ValueError,  # unknown too: a library's ValueError is not a bad input
+    "JobInputError": JobInputError,  # input
+    "DeviceError": DeviceError,  # worker death (the device)
+    "OutOfMemoryError": torch.cuda.OutOfMemoryError,  # out of memory, as torch raises it
+}
+if hasattr(torch, "AcceleratorError"):  # a device fault by torch's own type (recent torch)
+    _FAULT_TYPES["AcceleratorError"] = torch.AcceleratorError
+
+RenderWorker.handlers = {
+    RendezvousCall: RenderWorker._rendezvous,
+    InitGroupCall: RenderWorker._init_group,
+    LoadCall: RenderWorker._load,
+    EncodePromptsCall: RenderWorker._encode_prompts,
+    SampleCall: RenderWorker._sample,
+    DecodeCall: RenderWorker._decode,
+    CollectCall: RenderWorker._collect,
+}

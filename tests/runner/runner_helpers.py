@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
+from typing import Any
 
 import yaml
+
+from pan2render.jobs.ledger import Ledger
+from pan2render.jobs.spec import JobSpec
+from pan2render.runner.driver import Driver, DriverConfig, RunSummary
+from pan2render.runner.groups import Call, Group, LocalExecutor
+from pan2render.runner.messages import CollectCall, DecodeCall, EncodePromptsCall, SampleCall, WorkerCall
+from pan2render.runner.testing import FAKE_FACTORY
+from pan2render.runner.worker import WorkerConfig
 
 
 def write_batch(path: Path, jobs: list[dict], *, defaults: dict | None = None,
@@ -16,3 +26,51 @@ def write_batch(path: Path, jobs: list[dict], *, defaults: dict | None = None,
         doc["sweep"] = sweep
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
+
+
+def spec(name: str, *, seed: int = 0, gpus: int = 1, prompt: str | None = None, steps: int = 3,
+         image: Path | None = None) -> JobSpec:
+    return JobSpec(name=name, model="tiny", prompt=prompt or f"a clip of {name}", negative_prompt="",
+                   image=None if image is None else str(image),
+                   image_sha256=None if image is None else hashlib.sha256(image.read_bytes()).hexdigest(),
+                   seed=seed, steps=steps, guidance=2.5, height=32,
+                   width=48, frames=9, fps=8.0, flow_shift=5.0, sampler="unipc", gpus=gpus, crf=18,
+                   preset="tiny-preview")
+
+
+class RecordingExecutor(LocalExecutor):
+    """Records every worker call (its type, the job's name) so tests can see what was (not) redone."""
+
+    def __init__(self, **kw: Any):
+        super().__init__(**kw)
+        self.calls: list[tuple[type[WorkerCall], str | None]] = []
+        self.on_group: list[tuple[type[WorkerCall], str | None, str]] = []  # ... and the group's id
+        self.encoded_texts: list[list[str]] = []  # the texts of each EncodePromptsCall
+
+    def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
+        self.calls.append((type(message), job_name(message)))
+        self.on_group.append((type(message), job_name(message), group.id))
+        if isinstance(message, EncodePromptsCall):
+            self.encoded_texts.append(list(message.texts))
+        return super().call(group, message, timeout_s=timeout_s)
+
+
+def job_name(message: WorkerCall) -> str | None:
+    """The name of the job a call is for (None for one that serves several: load, encode)."""
+    if isinstance(message, (SampleCall, DecodeCall)):
+        return message.spec["name"]
+    if isinstance(message, CollectCall):
+        return message.job_id.rsplit("-", 1)[0]  # a job id is "<name>-<hash8>"
+    return None
+
+
+def render(out: Path, jobs: list[JobSpec], *, gpus: int = 1, retries: int = 2,
+           faults: dict[str, Any] | None = None, factory: str = FAKE_FACTORY,
+           executor: type[RecordingExecutor] | None = None) -> tuple[RunSummary, RecordingExecutor, Ledger]:
+    out.mkdir(exist_ok=True)
+    ledger = Ledger.open(out)
+    ledger.add_jobs(jobs, retries=retries)
+    ex = (executor or RecordingExecutor)(gpus=gpus, config=WorkerConfig(pipeline_factory=factory, faults=faults or {}))
+    driver = Driver(out_dir=out, ledger=ledger, executor=ex,
+                    config=DriverConfig(retries=retries, progress=False, poll_s=0.01))
+    return driver.run([j.job_id for j in jobs]), ex, ledger

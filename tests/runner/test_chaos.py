@@ -25,6 +25,7 @@ from pan2render.media.video import encode_mp4, probe_mp4
 from pan2render.runner import cli, stages
 from pan2render.runner.driver import Driver, DriverConfig
 from pan2render.runner.groups import Call, Group, GroupDied, LocalExecutor
+from pan2render.runner.messages import EncodePromptsCall, SampleCall, WorkerCall
 from pan2render.runner.retry import ClusterLostError
 from pan2render.runner.testing import FAKE_FACTORY
 from pan2render.runner.worker import WorkerConfig
@@ -249,12 +250,12 @@ class LosesItsGpus(LocalExecutor):
                 self.lost = False
         return 0 if self.lost else super().total_gpus()
 
-    def call(self, group: Group, method: str, kwargs: dict[str, Any], *, timeout_s: float) -> Call:
-        if method == "sample" and kwargs["spec"]["name"] == self.victim and not self.asked:
+    def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
+        if isinstance(message, SampleCall) and message.spec["name"] == self.victim and not self.asked:
             self.lost = True
-            return Call(group=group, method=method, started=0.0, timeout_s=timeout_s,
+            return Call(group=group, message=message, started=0.0, timeout_s=timeout_s,
                         handle=GroupDied("ActorDiedError: the node running this actor died"))
-        return super().call(group, method, kwargs, timeout_s=timeout_s)
+        return super().call(group, message, timeout_s=timeout_s)
 
 
 @pytest.mark.parametrize("back", [True, False])
@@ -330,18 +331,18 @@ def test_corrupt_cached_embedding_is_not_used(tmp_path: Path, capsys: pytest.Cap
     data = bytearray(emb.read_bytes())
     data[-3] ^= 0x01  # one mantissa bit of the last float: finite, plausible, wrong
     emb.write_bytes(bytes(data))
-    calls: list[str] = []
+    calls: list[type[WorkerCall]] = []
     real_call = LocalExecutor.call
 
-    def call(self: LocalExecutor, group: Group, method: str, kwargs: dict[str, Any], *, timeout_s: float) -> Call:
-        calls.append(method)
-        return real_call(self, group, method, kwargs, timeout_s=timeout_s)
+    def call(self: LocalExecutor, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
+        calls.append(type(message))
+        return real_call(self, group, message, timeout_s=timeout_s)
 
     monkeypatch.setattr(LocalExecutor, "call", call)
     batch2 = write_batch(tmp_path / "b2.yaml", [{"name": "again", "prompt": "clip 0", "seed": 9}],
                          defaults={"steps": 2, "frames": 5, "width": 32, "height": 32})
     assert _cli(capsys, "run", str(batch2), "--out", str(out))[0] == 0
-    assert "encode_prompts" in calls  # re-encoded, not rendered from the corrupt cache
+    assert EncodePromptsCall in calls  # re-encoded, not rendered from the corrupt cache
     assert stages.check_embedding(out, str(emb.relative_to(out)), key=emb.stem) is None
 
 

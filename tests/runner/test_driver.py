@@ -7,7 +7,6 @@ same paths through real Ray actors.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 import time
@@ -16,52 +15,22 @@ from typing import Any
 
 import pytest
 import torch
+from runner_helpers import RecordingExecutor, render, spec
 
 from pan2render.jobs.ledger import JobState, Ledger, Stage, StageState
 from pan2render.jobs.spec import JobSpec
 from pan2render.media.video import probe_mp4
-from pan2render.runner.driver import Driver, DriverConfig, RunSummary
-from pan2render.runner.groups import Call, Group, GroupPool, GroupStartError, LocalExecutor
+from pan2render.runner.groups import Call, Group, GroupPool, GroupStartError
+from pan2render.runner.messages import (
+    CollectCall,
+    DecodeCall,
+    EncodePromptsCall,
+    LoadCall,
+    SampleCall,
+    WorkerCall,
+)
 from pan2render.runner.testing import FAKE_FACTORY
 from pan2render.runner.worker import WorkerConfig
-
-
-def spec(name: str, *, seed: int = 0, gpus: int = 1, prompt: str | None = None, steps: int = 3,
-         image: Path | None = None) -> JobSpec:
-    return JobSpec(name=name, model="tiny", prompt=prompt or f"a clip of {name}", negative_prompt="",
-                   image=None if image is None else str(image),
-                   image_sha256=None if image is None else hashlib.sha256(image.read_bytes()).hexdigest(),
-                   seed=seed, steps=steps, guidance=2.5, height=32,
-                   width=48, frames=9, fps=8.0, flow_shift=5.0, sampler="unipc", gpus=gpus, crf=18,
-                   preset="tiny-preview")
-
-
-class RecordingExecutor(LocalExecutor):
-    """Records every worker call (method, job name) so tests can see what was (not) redone."""
-
-    def __init__(self, **kw: Any):
-        super().__init__(**kw)
-        self.calls: list[tuple[str, str | None]] = []
-        self.encoded_texts: list[list[str]] = []  # the texts of each encode_prompts call
-
-    def call(self, group: Group, method: str, kwargs: dict[str, Any], *, timeout_s: float) -> Call:
-        job_id = kwargs.get("job_id")  # collect names its job by id: "<name>-<hash8>"
-        self.calls.append((method, kwargs.get("spec", {}).get("name") or (job_id and job_id.rsplit("-", 1)[0])))
-        if method == "encode_prompts":
-            self.encoded_texts.append(list(kwargs["texts"]))
-        return super().call(group, method, kwargs, timeout_s=timeout_s)
-
-
-def render(out: Path, jobs: list[JobSpec], *, gpus: int = 1, retries: int = 2,
-           faults: dict[str, Any] | None = None, factory: str = FAKE_FACTORY,
-           executor: type[RecordingExecutor] | None = None) -> tuple[RunSummary, RecordingExecutor, Ledger]:
-    out.mkdir(exist_ok=True)
-    ledger = Ledger.open(out)
-    ledger.add_jobs(jobs, retries=retries)
-    ex = (executor or RecordingExecutor)(gpus=gpus, config=WorkerConfig(pipeline_factory=factory, faults=faults or {}))
-    driver = Driver(out_dir=out, ledger=ledger, executor=ex,
-                    config=DriverConfig(retries=retries, progress=False, poll_s=0.01))
-    return driver.run([j.job_id for j in jobs]), ex, ledger
 
 
 def file_id(path: Path) -> tuple[int, int]:
@@ -110,7 +79,7 @@ def test_always_failing_job_fails_with_stage_and_error_after_budget(tmp_path: Pa
     assert st[Stage.SAMPLING].state is StageState.DONE
     assert not any(r.state is StageState.RUNNING for r in st.values())
     # Each retry started at decode: the latents were sampled once.
-    assert [c for c in ex.calls if c == ("sample", "bad")] == [("sample", "bad")]
+    assert [c for c in ex.calls if c == (SampleCall, "bad")] == [(SampleCall, "bad")]
 
 
 def test_worker_death_requeues_job_on_a_new_group(tmp_path: Path) -> None:
@@ -144,7 +113,7 @@ def test_resume_starts_at_decode_when_latents_are_valid(tmp_path: Path) -> None:
     summary2, ex2, led2 = render(tmp_path, [j])  # no fault now: a resume
     print("resume calls:", ex2.calls)
     assert summary2.done == [j.job_id]
-    assert [m for m, _ in ex2.calls] == ["load", "decode", "collect"]
+    assert [m for m, _ in ex2.calls] == [LoadCall, DecodeCall, CollectCall]
     assert file_id(lat) == before
 
 
@@ -158,7 +127,7 @@ def test_corrupt_latents_are_detected_and_resampled(tmp_path: Path, damage: str)
     summary, ex, led = render(tmp_path, [j])
     events = [d for _, _, k, d in led.events(j.job_id) if k == "reset:sampling"]
     print(damage, "->", events)
-    assert summary.done == [j.job_id] and ("sample", "x") in ex.calls and events
+    assert summary.done == [j.job_id] and (SampleCall, "x") in ex.calls and events
 
 
 @pytest.mark.timeout(30)  # a check that keeps rejecting must fail the job, never loop
@@ -170,7 +139,7 @@ def test_corrupt_video_is_reencoded_from_latents(tmp_path: Path, damage: str) ->
     _damage(video, damage)
     summary, ex, led = render(tmp_path, [j])
     print(damage, "calls:", ex.calls, "events:", [d for _, _, k, d in led.events(j.job_id) if "->" in k][-3:])
-    assert summary.done == [j.job_id] and [m for m, _ in ex.calls] == ["load", "decode", "collect"]
+    assert summary.done == [j.job_id] and [m for m, _ in ex.calls] == [LoadCall, DecodeCall, CollectCall]
     assert probe_mp4(video).frames == 9 and led.job(j.job_id).attempts == 2
 
 
@@ -243,7 +212,7 @@ def test_running_jobs_advance_while_a_group_starts(tmp_path: Path) -> None:
             if size != 2:
                 return
             deadline = time.monotonic() + 10
-            while ("decode", "a") not in self.calls:
+            while (DecodeCall, "a") not in self.calls:
                 if time.monotonic() > deadline:
                     raise GroupStartError("the driver did not serve job a while this group was starting")
                 time.sleep(0.005)
@@ -251,7 +220,7 @@ def test_running_jobs_advance_while_a_group_starts(tmp_path: Path) -> None:
     summary, ex, led = render(tmp_path, [spec("a"), spec("b", gpus=2)], gpus=3, retries=0, executor=SlowPairStart)
     print("calls:", ex.calls, "| groups created:", ex.groups_created)
     assert sorted(summary.done) == sorted([spec("a").job_id, spec("b", gpus=2).job_id]) and not summary.failed
-    assert ex.calls.index(("decode", "a")) < ex.calls.index(("sample", "b"))
+    assert ex.calls.index((DecodeCall, "a")) < ex.calls.index((SampleCall, "b"))
     assert summary.groups_created == ex.groups_created == 2
 
 
@@ -304,10 +273,10 @@ class TimedExecutor(RecordingExecutor):
 
     def __init__(self, **kw: Any):
         super().__init__(**kw)
-        self.finished: dict[tuple[str, str | None], float] = {}
+        self.finished: dict[tuple[type[WorkerCall], str | None], float] = {}
 
-    def call(self, group: Group, method: str, kwargs: dict[str, Any], *, timeout_s: float) -> Call:
-        c = super().call(group, method, kwargs, timeout_s=timeout_s)
+    def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
+        c = super().call(group, message, timeout_s=timeout_s)
         key = self.calls[-1]
         if hasattr(c.handle, "add_done_callback"):
             c.handle.add_done_callback(lambda _f: self.finished.setdefault(key, time.monotonic()))
@@ -326,9 +295,9 @@ def test_next_job_samples_while_the_previous_one_encodes(tmp_path: Path) -> None
     assert sorted(summary.done) == sorted(j.job_id for j in jobs) and ex.groups_created == 1
     # b's first GPU call was handed over right behind a's decode, before a's decode reply was handled
     # (and so before a's collect was even issued).
-    assert ex.calls.index(("sample", "b")) < ex.calls.index(("collect", "a"))
+    assert ex.calls.index((SampleCall, "b")) < ex.calls.index((CollectCall, "a"))
     # b sampled and decoded on the group while a's encode still ran.
-    assert ex.finished[("decode", "b")] < ex.finished[("collect", "a")]
+    assert ex.finished[(DecodeCall, "b")] < ex.finished[(CollectCall, "a")]
     a = led.stages(jobs[0].job_id)
     assert a[Stage.DECODE].state is a[Stage.ENCODE].state is StageState.DONE and a[Stage.ENCODE].seconds > 0
 
@@ -343,7 +312,7 @@ def test_an_encode_failure_fails_that_jobs_encode_only_and_the_group_stays(tmp_p
     assert (bad.state, bad.attempts, bad.error_stage) == (JobState.FAILED, 2, "encode")
     assert st[Stage.ENCODE].state is StageState.FAILED and "injected failure in encode" in st[Stage.ENCODE].error
     # The retry started from the latents: sampled once, decoded (and encoded) twice.
-    assert ex.calls.count(("sample", "bad")) == 1 and ex.calls.count(("decode", "bad")) == 2
+    assert ex.calls.count((SampleCall, "bad")) == 1 and ex.calls.count((DecodeCall, "bad")) == 2
     assert not (tmp_path / bad.id / "video.mp4").exists()
 
 
@@ -416,9 +385,9 @@ def test_sigkill_while_an_encode_runs_in_the_background_then_resume(tmp_path: Pa
     summary, ex, led = render(out, jobs)  # the resume: no faults now
     print("resume calls:", ex.calls)
     assert sorted(summary.done) == sorted(j.job_id for j in jobs)
-    assert [m for m, n in ex.calls if n == "slow"] == ["decode", "collect"]  # from its latents
-    assert ("sample", "first") not in ex.calls and ("decode", "first") not in ex.calls
-    assert not [m for m, n in ex.calls if m == "encode_prompts"]
+    assert [m for m, n in ex.calls if n == "slow"] == [DecodeCall, CollectCall]  # from its latents
+    assert (SampleCall, "first") not in ex.calls and (DecodeCall, "first") not in ex.calls
+    assert not [m for m, n in ex.calls if m == EncodePromptsCall]
     assert file_id(out / slow / "latents.safetensors") == latents_before
     for jid, (attempts, fid) in before.items():
         assert led.job(jid).attempts == attempts and file_id(out / jid / "video.mp4") == fid

@@ -4,7 +4,8 @@ whether its actor died or its call came back with an error, so the other ranks a
 from __future__ import annotations
 
 from pan2render.runner.groups import Call, RayExecutor
-from pan2render.runner.worker import Reply
+from pan2render.runner.messages import Reply, SampleCall, WorkerFailure
+from pan2render.runner.retry import FailureKind
 
 
 class _FakeRay:
@@ -31,12 +32,14 @@ def _executor(finished: dict[str, object]) -> RayExecutor:
 
 
 def _call(*refs: str) -> Call:
-    return Call(group=None, method="sample", started=0.0, timeout_s=60.0, handle=list(refs))
+    message = SampleCall(model="tiny", job_id="j", spec={}, prompt_embeds=b"", negative_embeds=b"")
+    return Call(group=None, message=message, started=0.0, timeout_s=60.0, handle=list(refs))
 
 
 def test_a_rank_that_replied_with_an_error_ends_the_wait() -> None:
     call = _call("rank0", "rank1")  # rank 0 still waits in a collective; rank 1 failed
-    ex = _executor({"rank1": Reply(ok=False, rank=1, error="OutOfMemoryError: CUDA out of memory")})
+    oom = WorkerFailure(kind=FailureKind.OUT_OF_MEMORY, error="OutOfMemoryError: CUDA out of memory", traceback="")
+    ex = _executor({"rank1": Reply(rank=1, failure=oom)})
     assert ex.wait([call], timeout_s=0.0) == [call]
 
 
@@ -47,6 +50,6 @@ def test_a_rank_whose_actor_died_ends_the_wait() -> None:
 
 def test_a_rank_that_succeeded_waits_for_the_others() -> None:
     call = _call("rank0", "rank1")
-    assert _executor({"rank1": Reply(ok=True, rank=1)}).wait([call], timeout_s=0.0) == []
-    both = {"rank0": Reply(ok=True, rank=0), "rank1": Reply(ok=True, rank=1)}
+    assert _executor({"rank1": Reply(rank=1)}).wait([call], timeout_s=0.0) == []
+    both = {"rank0": Reply(rank=0), "rank1": Reply(rank=1)}
     assert _executor(both).wait([call], timeout_s=0.0) == [call]

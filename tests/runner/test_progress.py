@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pan2render.jobs.batch import load_batch
 from pan2render.runner import stages
+from pan2render.runner.messages import LoadCall, SampleCall
 from pan2render.runner.progress import RunLog, RunProgress, StepClock
 from pan2render.runner.testing import FAKE_FACTORY, FakePipeline
 from pan2render.runner.worker import RenderWorker, WorkerConfig
@@ -36,13 +37,13 @@ def test_step_rate_equals_steps_over_seconds_on_a_slow_fake_model(tmp_path: Path
                      "jobs: [{name: slow, prompt: x}]\n")
     spec = load_batch(batch).jobs[0]
     emb = stages.pack_embedding(FakePipeline("tiny").encode_prompt("x"), key="k", text_encoder_id="fake-text-v1")
-    worker.execute("load", {"model": "tiny"})
+    worker.execute(LoadCall(model="tiny"))
     reply: dict = {}
 
     def sample() -> None:
         t0 = time.perf_counter()
-        reply["r"] = worker.execute("sample", {"model": "tiny", "job_id": spec.job_id, "spec": spec.to_dict(),
-                                               "prompt_embeds": emb, "negative_embeds": emb})
+        reply["r"] = worker.execute(SampleCall(model="tiny", job_id=spec.job_id, spec=spec.to_dict(),
+                                               prompt_embeds=emb, negative_embeds=emb))
         reply["seconds"] = time.perf_counter() - t0
 
     progress = RunProgress(log=RunLog(None, stream=io.StringIO()))
@@ -58,7 +59,7 @@ def test_step_rate_equals_steps_over_seconds_on_a_slow_fake_model(tmp_path: Path
         shown.append(progress.group_rows()[0])
     thread.join()
     progress.steps(clock.snapshot())
-    assert reply["r"].ok, reply["r"].error
+    assert reply["r"].ok, reply["r"].failure
     true_rate = 12 / reply["seconds"]
     row = progress.group_rows()[0]
     print("\n".join(shown), f"\nfinal: {row}; true {true_rate:.2f} step/s")

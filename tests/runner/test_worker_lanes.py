@@ -5,29 +5,48 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from pan2render.jobs.spec import JobSpec
 from pan2render.media.video import probe_mp4
+from pan2render.jobs.ledger import Stage
 from pan2render.runner import stages
+from pan2render.runner.messages import CollectCall, DecodeCall, WorkerCall
+from pan2render.runner.retry import FailureKind
 from pan2render.runner.testing import FAKE_FACTORY, FakePipeline
 from pan2render.runner.worker import RenderWorker, WorkerConfig
 
 
+@dataclass(frozen=True)
+class _Mark(WorkerCall):
+    """A GPU-lane call that records its tag."""
+
+    tag: str
+
+
+@dataclass(frozen=True)
+class _Hold(WorkerCall):
+    """A GPU-lane call that holds the lane until released."""
+
+
 class _Worker(RenderWorker):
-    """Two extra GPU-lane methods for the test: one that records its tag, one that holds the lane."""
+    """Two extra GPU-lane calls for the test."""
 
     def __init__(self) -> None:
         super().__init__(rank=0, world_size=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
         self.order: list[str] = []
         self.release = threading.Event()
 
-    def _rpc_mark(self, *, tag: str) -> str:
-        self.order.append(tag)
-        return tag
+    def _mark(self, call: _Mark) -> str:
+        self.order.append(call.tag)
+        return call.tag
 
-    def _rpc_hold(self) -> None:
+    def _hold(self, call: _Hold) -> None:
         assert self.release.wait(10), "never released"
+
+
+_Worker.handlers = {**RenderWorker.handlers, _Mark: _Worker._mark, _Hold: _Worker._hold}
 
 
 def _spec() -> JobSpec:
@@ -38,11 +57,11 @@ def _spec() -> JobSpec:
 
 def test_gpu_lane_calls_run_in_seq_order_whatever_the_arrival_order() -> None:
     w = _Worker()
-    late = threading.Thread(target=w.execute, args=("mark", {"tag": "second"}, 1))
+    late = threading.Thread(target=w.execute, args=(_Mark(tag="second"), 1))
     late.start()  # seq 1 arrives first and must wait for seq 0
     time.sleep(0.2)
     assert w.order == []
-    assert w.execute("mark", {"tag": "first"}, 0).value == "first"
+    assert w.execute(_Mark(tag="first"), 0).value == "first"
     late.join(5)
     print("order:", w.order)
     assert w.order == ["first", "second"]
@@ -54,22 +73,23 @@ def test_collect_returns_while_the_gpu_lane_is_held(tmp_path: Any) -> None:
     latents = stages.pack_latents(FakePipeline("tiny").sample(
         prompt_embeds=FakePipeline("tiny").encode_prompt("p"), height=32, width=48, frames=9, steps=2,
         guidance=1.0, seed=0), spec_hash=js.spec_hash, seed=0, steps=2, model_id="fake")
-    decoded = w.execute("decode", {"model": "tiny", "job_id": js.job_id, "spec": js.to_dict(), "latents": latents}, 0)
-    assert decoded.ok, decoded.error
-    holder = threading.Thread(target=w.execute, args=("hold", {}, 1))
+    decoded = w.execute(DecodeCall(model="tiny", job_id=js.job_id, spec=js.to_dict(), latents=latents), 0)
+    assert decoded.ok, decoded.failure
+    holder = threading.Thread(target=w.execute, args=(_Hold(), 1))
     holder.start()  # the GPU lane is busy with the next call now
     try:
         t0 = time.monotonic()
-        reply: Any = w.execute("collect", {"job_id": js.job_id})
+        reply: Any = w.execute(CollectCall(job_id=js.job_id))
         print(f"collect while the GPU lane is held: ok={reply.ok} in {time.monotonic() - t0:.2f} s, "
-              f"{len(reply.value['mp4'])} bytes, encode {reply.value['encode_s']:.3f} s")
+              f"{len(reply.value.mp4)} bytes, encode {reply.value.encode_s:.3f} s")
         assert reply.ok and holder.is_alive()
-        (tmp_path / "v.mp4").write_bytes(reply.value["mp4"])
+        (tmp_path / "v.mp4").write_bytes(reply.value.mp4)
         info = probe_mp4(tmp_path / "v.mp4")
         assert (info.frames, info.width, info.height) == (9, 48, 32)
     finally:
         w.release.set()
         holder.join(5)
-    again = w.execute("collect", {"job_id": js.job_id})  # collected once: the table forgets it
-    assert not again.ok and again.failed_stage == "encode" and "no encode of job" in again.error
+    again = w.execute(CollectCall(job_id=js.job_id))  # collected once: the table forgets it
+    assert not again.ok and CollectCall.stage is Stage.ENCODE and "no encode of job" in again.failure.error
+    assert again.failure.kind is FailureKind.UNKNOWN
 

@@ -1,0 +1,226 @@
+"""The driver <-> worker protocol: one frozen dataclass per call, one per reply.
+
+The driver builds a call, the executor (``groups.py``) carries it to every rank of a group, and the
+worker (``worker.py``) dispatches on its type and answers with a :class:`Reply` whose ``value`` is
+the call's typed reply (rank 0's; other ranks send None so artifacts cross the object store once).
+Each call type says, once, everything the driver and the executor need to know about it: the
+ledger stage it belongs to, what progress shows while it runs, its lane on the worker, and its
+deadline (key and default of ``DriverConfig.call_timeouts_s``).
+
+Messages stay small: artifacts (embeddings, latents, mp4s) travel as ``bytes``, specs as the
+job's plain dict (what the ledger stores), so Ray pickles plain data only.
+
+    RendezvousCall                              -> RendezvousReply     rank 0 only, group set-up
+    InitGroupCall                               -> InitGroupReply      every rank, group set-up
+    LoadCall(model, warmup)                     -> LoadReply
+    EncodePromptsCall(model, texts)             -> EncodePromptsReply  embedding safetensors bytes
+    SampleCall(model, job_id, spec, embeds...)  -> SampleReply         latents safetensors bytes
+    DecodeCall(model, job_id, spec, latents)    -> DecodeReply         hands the encode to a thread
+    CollectCall(job_id)                         -> CollectReply        the checked mp4 (I/O lane)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
+
+from pan2render.jobs.ledger import Stage
+from pan2render.runner.retry import FailureKind
+
+
+class Lane(enum.Enum):
+    """Where a call runs on a worker (see worker.py)."""
+
+    SETUP = "setup"  # forming the group: before any job, unordered
+    GPU = "gpu"  # one call at a time, in the order the driver numbered them, on every rank
+    IO = "io"  # rank 0 alone, beside the GPU lane: waiting for an encode
+
+
+@dataclass(frozen=True)
+class WorkerCall:
+    """A call to every rank of a group (rank 0 alone for the I/O lane and the rendezvous)."""
+
+    lane: ClassVar[Lane] = Lane.GPU
+    # The ledger stage a failure of this call is charged to (None: group set-up, no job).
+    stage: ClassVar[Stage | None] = None
+    # Whether the call marks its stage running when it starts. Loading a model is the group's
+    # work, done once for many jobs: a failure is charged to the job's conditioning, but the
+    # stage is not shown running for it.
+    marks_stage: ClassVar[bool] = True
+    shown: ClassVar[str] = ""  # what progress shows while the call runs
+    timeout_key: ClassVar[str] = ""  # its key in DriverConfig.call_timeouts_s ("" for set-up calls)
+    default_timeout_s: ClassVar[float] = 0.0
+
+
+# ---------------------------------------------------------------------- group set-up
+@dataclass(frozen=True)
+class RendezvousCall(WorkerCall):
+    """Rank 0 picks the process group's rendezvous address on its own node."""
+
+    lane: ClassVar[Lane] = Lane.SETUP
+
+
+@dataclass(frozen=True)
+class RendezvousReply:
+    addr: str
+    port: int
+    backend: str  # "nccl" on GPUs, "gloo" on CPU
+
+
+@dataclass(frozen=True)
+class InitGroupCall(WorkerCall):
+    """Every rank joins the torch.distributed group at rank 0's address."""
+
+    lane: ClassVar[Lane] = Lane.SETUP
+    master_addr: str
+    master_port: int
+    backend: str
+
+
+@dataclass(frozen=True)
+class InitGroupReply:
+    world_size: int
+
+
+# ---------------------------------------------------------------------- a job's calls
+@dataclass(frozen=True)
+class Warmup:
+    """The size a freshly loaded model compiles and autotunes at (the first job's)."""
+
+    height: int
+    width: int
+    frames: int
+    guidance: float
+
+
+@dataclass(frozen=True)
+class LoadCall(WorkerCall):
+    stage: ClassVar[Stage | None] = Stage.CONDITIONING
+    marks_stage: ClassVar[bool] = False
+    shown: ClassVar[str] = "loading model"
+    timeout_key: ClassVar[str] = "load"
+    # Loading a 5B checkpoint from a network disk, then compiling, can take many minutes.
+    default_timeout_s: ClassVar[float] = 1800.0
+    model: str
+    warmup: Warmup | None = None
+
+
+@dataclass(frozen=True)
+class LoadReply:
+    model_id: str
+    text_encoder_id: str
+    backend: str  # the process group's backend, "none" for one rank
+    world_size: int
+    device: str
+    attention: str  # the DiT's attention backend, "n/a" for a pipeline without one
+    load_s: float
+    warmup_s: float
+    describe: dict[str, Any] = field(default_factory=dict)  # the pipeline's own account of its set-up
+    versions: dict[str, Any] = field(default_factory=dict)  # of what renders (outputs.runtime_versions)
+
+
+@dataclass(frozen=True)
+class EncodePromptsCall(WorkerCall):
+    stage: ClassVar[Stage | None] = Stage.CONDITIONING
+    shown: ClassVar[str] = "conditioning"
+    timeout_key: ClassVar[str] = "encode_prompts"
+    default_timeout_s: ClassVar[float] = 600.0
+    model: str
+    texts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class EncodePromptsReply:
+    embeddings: tuple[bytes, ...]  # one safetensors file per text, in the call's order
+
+
+@dataclass(frozen=True)
+class SampleCall(WorkerCall):
+    stage: ClassVar[Stage | None] = Stage.SAMPLING
+    shown: ClassVar[str] = "sampling"
+    timeout_key: ClassVar[str] = "sample"
+    # 50 steps at 720p take minutes on one H200.
+    default_timeout_s: ClassVar[float] = 7200.0
+    model: str
+    job_id: str
+    spec: dict[str, Any]  # JobSpec.to_dict()
+    prompt_embeds: bytes  # safetensors, as cached
+    negative_embeds: bytes
+    image: bytes | None = None  # the first-frame image file's bytes: workers need no shared disk
+
+
+@dataclass(frozen=True)
+class SampleReply:
+    latents: bytes  # safetensors, with the spec in its metadata
+
+
+@dataclass(frozen=True)
+class DecodeCall(WorkerCall):
+    stage: ClassVar[Stage | None] = Stage.DECODE
+    shown: ClassVar[str] = "decode"
+    timeout_key: ClassVar[str] = "decode"
+    default_timeout_s: ClassVar[float] = 1800.0
+    model: str
+    job_id: str
+    spec: dict[str, Any]
+    latents: bytes
+
+
+@dataclass(frozen=True)
+class DecodeReply:
+    decode_s: float  # the frames are on the host; the encode runs on the worker's encode thread
+
+
+@dataclass(frozen=True)
+class CollectCall(WorkerCall):
+    lane: ClassVar[Lane] = Lane.IO
+    stage: ClassVar[Stage | None] = Stage.ENCODE
+    shown: ClassVar[str] = "encode"
+    timeout_key: ClassVar[str] = "collect"
+    default_timeout_s: ClassVar[float] = 1800.0
+    job_id: str
+
+
+@dataclass(frozen=True)
+class CollectReply:
+    mp4: bytes  # decoded back and frame-counted on the worker
+    encode_s: float
+    check_s: float
+
+
+# Every call the driver makes for a job (each with a deadline), in a job's order.
+JOB_CALLS: tuple[type[WorkerCall], ...] = (LoadCall, EncodePromptsCall, SampleCall, DecodeCall, CollectCall)
+SETUP_CALLS: tuple[type[WorkerCall], ...] = (RendezvousCall, InitGroupCall)
+
+
+def default_call_timeouts() -> dict[str, float]:
+    return {c.timeout_key: c.default_timeout_s for c in JOB_CALLS}
+
+
+# ---------------------------------------------------------------------- the envelope
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """A call that raised on a worker, classified there by the exception's type (retry.py)."""
+
+    kind: FailureKind
+    error: str  # "ExcType: message"
+    traceback: str
+
+
+@dataclass(frozen=True)
+class Reply(Generic[R]):
+    """One rank's answer to a call. ``execute`` never raises, so a failure comes back here, with
+    its rank; an exception from Ray instead means the worker process itself is gone."""
+
+    rank: int
+    value: R | None = None  # the call's typed reply on rank 0; None on other ranks and on failure
+    failure: WorkerFailure | None = None
+    seconds: float = 0.0  # how long the call ran on this rank
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
