@@ -27,13 +27,11 @@ Same math as diffusers' ``AutoencoderKLWan.decode`` / our ``WanVAE.decode`` (wei
 - Intermediates are dropped as soon as they are consumed; each decoded chunk is written straight
   into the preallocated output (uint8 ``[F, H, W, 3]`` or bf16 ``[B, 3, F, H, W]``).
 
-Measured on one H200 (docs/performance.md): 2.78-2.81 s at 704x1248x121, 2.04x diffusers bf16
-in the same run, 5.75 GiB peak above the resident weights (uint8 output included), PSNR 53.5 dB
-against strict fp32.
+Its speed, memory and accuracy against diffusers are in docs/performance.md ("VAE decode kernel").
 
 The first latent frame is special, as in the reference: the temporal upsamplers skip their time
 conv on it (one frame out, not two) and the duplicate-upsample shortcut keeps only its last
-temporal copy. Pass 0 is that frame alone; the time convs' histories start at zeros on pass 1.
+temporal copy. Chunk 0 is that frame alone; the time convs' histories start at zeros on chunk 1.
 
 Entry points: ``fast_decode(vae, z)`` (falls back to ``vae.decode`` where the fast path cannot
 run, logging why once), ``fast_decode_available(device)`` and ``fast_decoder_for(vae, device)``
@@ -396,7 +394,7 @@ class FastWanDecoder:
     def _time_up(self, x: torch.Tensor, blk: _UpBlock, key: str) -> torch.Tensor:
         """The causal (3, 1, 1) time conv: [B, T, H, W, C] -> [B, T, 2, H, W, C] (frame 2t+a =
         output channel half a). Run as one cuBLAS GEMM over the three frame taps laid side by
-        side (K = 3C, fp32 accumulation), ~660 TFLOP/s at up block 1 on an H200 (docs/performance.md)."""
+        side (K = 3C, fp32 accumulation): one large GEMM instead of a thin (3, 1, 1) conv."""
         b, t, h, w, c = x.shape
         buf = self._fill([x], f"{key}.time_conv", gamma=None, bias=None)  # [B, 2 + T, H, W, C]
         del x
@@ -529,7 +527,7 @@ def _rows(y: torch.Tensor, b: int) -> torch.Tensor:
 
 
 # Below this many bytes of im2col rows a phase conv runs as one GEMM (the first up block: 44x78
-# latent frames, where cuDNN's best engine is an sm80 kernel at ~300 TFLOP/s; docs/performance.md).
+# latent frames, where cuDNN's best engine is a slow sm80 kernel; docs/performance.md).
 PHASE_GEMM_MAX_BYTES = 64 * 2**20
 
 
