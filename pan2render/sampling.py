@@ -1,13 +1,61 @@
-"""Sampler names and the rules that tie a job's ``sampler``, ``timesteps`` and ``guidance`` together.
+"""Sampler names, the video geometry, and the rules that tie a job's ``sampler``, ``timesteps`` and
+``guidance`` together.
 
 One torch-free place shared by batch validation (``pan2render.jobs``), the sampling request
-(``pan2render.models.pipeline``) and the samplers themselves (``pan2render.models.scheduler``), so
-that a job the batch accepts is a job the pipeline runs, and the reverse.
+(``pan2render.models.pipeline``), the model configs and the samplers themselves
+(``pan2render.models.scheduler``), so that a job the batch accepts is a job the pipeline runs, and
+the reverse.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+def is_int(value: object) -> bool:
+    """An int that is not a bool (YAML and JSON ``true`` must not pass for 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How a video's pixels map to latent cells and DiT tokens: the VAE's compression, then the
+    DiT's patch. A loaded model's comes from its configs (``Geometry.of``); ``WAN22`` is the one of
+    every checkpoint the loader accepts, which a batch is checked against before any model loads."""
+
+    vae_spatial: int = 16  # pixels per latent cell, each side (WanVAEConfig.scale_factor_spatial)
+    vae_temporal: int = 4  # frames per latent frame after the first (WanVAEConfig.scale_factor_temporal)
+    patch: tuple[int, int, int] = (1, 2, 2)  # (t, h, w) latent cells per token (PAN2DiTConfig.patch_size)
+
+    @classmethod
+    def of(cls, vae_config: Any, dit_config: Any) -> "Geometry":
+        """From a ``WanVAEConfig`` and a ``PAN2DiTConfig`` (read by attribute: no torch here)."""
+        return cls(vae_spatial=vae_config.scale_factor_spatial, vae_temporal=vae_config.scale_factor_temporal,
+                   patch=tuple(dit_config.patch_size))
+
+    @property
+    def spatial_multiple(self) -> int:
+        """What height and width must be a multiple of: a whole number of tokens per side."""
+        return math.lcm(self.vae_spatial * self.patch[1], self.vae_spatial * self.patch[2])
+
+    def frames_ok(self, frames: int) -> bool:
+        """The causal VAE keeps the first frame and packs every further ``vae_temporal`` into one."""
+        return frames >= 1 and (frames - 1) % self.vae_temporal == 0
+
+    def latent_frames(self, frames: int) -> int:
+        return (frames - 1) // self.vae_temporal + 1
+
+    def tokens(self, *, frames: int, height: int, width: int) -> int:
+        """The DiT's sequence length for a video of this size."""
+        cell = self.vae_spatial
+        return (self.latent_frames(frames) // self.patch[0] * (height // (cell * self.patch[1]))
+                * (width // (cell * self.patch[2])))
+
+
+WAN22 = Geometry()
 
 # The samplers a job may name. "dmd" is the few-step sampler of step-distilled checkpoints
 # (distribution matching distillation): it takes an explicit list of timesteps and no guidance.

@@ -38,7 +38,7 @@ CPU smoke test of the script itself: python scripts/bench_dit.py --tiny
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
 import json
 import math
 import os
@@ -56,7 +56,7 @@ from pan2render.kernels import attention as attn_mod  # noqa: E402
 from pan2render.kernels.attention import describe_attention, fa4_unusable_reason, warm_up_attention  # noqa: E402
 from pan2render.kernels import dit_fused  # noqa: E402
 from pan2render.models.dit import ContextCache, PAN2DiT, PAN2DiTConfig  # noqa: E402
-from pan2render.models.dit_ops import TORCH_OPS, DiTOps  # noqa: E402
+from pan2render.models.dit_ops import ROUTED_OPS, TORCH_OPS  # noqa: E402
 from pan2render.models.pipeline import PAN2PipelineConfig  # noqa: E402
 
 # diffusers keeps these in fp32 when loading the transformer in bf16 (_keep_in_fp32_modules).
@@ -123,9 +123,13 @@ def build_models(config: PAN2DiTConfig, device: torch.device, dtype: torch.dtype
     return ours, ref
 
 
-def fused_ops() -> DiTOps:
-    eager = {f.name: getattr(TORCH_OPS, f.name) for f in dataclasses.fields(DiTOps)}
-    return DiTOps(**dit_fused.routed_dit_ops(eager))
+def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The 'head' layout variant: q / k / v copied to contiguous [B, H, L, D] before the library's
+    attention (which takes the token-major views as they lie)."""
+    return attn_mod.attention(q.contiguous(), k.contiguous(), v.contiguous())
+
+
+LAYOUTS: dict[str, Callable] = {"token": attn_mod.attention, "head": contiguous_attention}
 
 
 def set_attention(model: PAN2DiT, fn: Callable) -> None:
@@ -136,18 +140,17 @@ def set_attention(model: PAN2DiT, fn: Callable) -> None:
 
 def use_ours(model: PAN2DiT, *, fused: bool, chosen_attention: bool, fp32_residual: bool,
              variant: str = "token", backend: str = "auto") -> None:
-    """Route ``model``: eager or fused ops, default SDPA or our backend choice (``backend``: 'auto'
-    or forced, see pan2render.kernels.attention), the residual stream in fp32 or in the compute
-    dtype (diffusers' numerics), and a layout variant: 'token' (q/k token-major views) or 'head'
-    (q/k written head-major, v made contiguous)."""
+    """Route ``model``: eager or fused ops (the two tables PAN2PipelineConfig.dit_fused_kernels
+    chooses between), default SDPA or our backend choice (``backend``: 'auto' or forced, see
+    pan2render.kernels.attention), the residual stream in fp32 or in the compute dtype (diffusers'
+    numerics), and a layout variant of our choice (LAYOUTS): 'token' (q/k/v token-major views, as
+    the model makes them) or 'head' (copied to contiguous [B, H, L, D] first)."""
     from pan2render.models.dit_ops import attention as default_attention
 
-    dit_fused.QK_HEAD_MAJOR = variant == "head"
-    attn_mod.set_attention_backend(backend, contiguous=variant == "head", short_kv_backend=SHORT_KV_BACKEND)
-    model.set_ops(fused_ops() if fused else TORCH_OPS)
+    attn_mod.set_attention_backend(backend, short_kv_backend=SHORT_KV_BACKEND)
+    model.set_ops(ROUTED_OPS if fused else TORCH_OPS)
     model.set_residual_dtype(torch.float32 if fp32_residual else None)
-    dit_fused.set_fused_kernels(fused)
-    set_attention(model, attn_mod.attention if chosen_attention else default_attention)
+    set_attention(model, LAYOUTS[variant] if chosen_attention else default_attention)
 
 
 SHORT_KV_BACKEND = "auto"  # set from the attention micro-benchmark when it runs
@@ -295,7 +298,8 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--variants", default="token,head",
-                   help="fused layouts to time at batch 1 (token, head); the fastest runs the residual-dtype "
+                   help="fused layouts to time at batch 1 (token: q/k/v as the model makes them; head: copied "
+                        "to contiguous [B, H, L, D] before the attention); the fastest runs the residual-dtype "
                         "comparison and the batch-2, guided and sample sections")
     p.add_argument("--no-b2", action="store_true", help="skip the batch-2 forwards")
     p.add_argument("--no-unfused", action="store_true", help="skip our unfused forward")
@@ -315,6 +319,11 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None, help="folder for the results (bench_dit.json)")
     args = p.parse_args()
+    with contextlib.ExitStack() as stack:
+        return run(p, args, stack)
+
+
+def run(p: argparse.ArgumentParser, args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         args.json = args.json or args.out / "bench_dit.json"
@@ -329,10 +338,10 @@ def main() -> int:
     if args.tiny:
         args.height, args.width, args.frames = 64, 96, 9
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-            dit_fused.allow_interpreter(True)
+            stack.enter_context(dit_fused.interpret_on_cpu())  # the fused kernels, interpreted
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     variants = [v for v in args.variants.split(",") if v]
-    unknown = set(variants) - {"token", "head"}
+    unknown = set(variants) - set(LAYOUTS)
     if unknown or not variants:
         p.error(f"--variants {args.variants!r}: use token, head or token,head")
     results: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -491,12 +500,12 @@ def main() -> int:
             s, _, out = timed(lambda: ours(x1, t1, cache1), device=device, reps=reps, warmup=warmup)
             outs[f"ours_{backend}"] = out
             del out
-            timer = TimedAttention(attn_mod.attention, device)
+            timer = TimedAttention(LAYOUTS[best], device)
             set_attention(ours, timer)
             ours(x1, t1, cache1)
             for key, value in timer.tflops().items():
                 results[f"{backend}_attn_{key}"] = value
-            set_attention(ours, attn_mod.attention)
+            set_attention(ours, LAYOUTS[best])
             g_s, g_peak, _ = timed(step_two, device=device, reps=max(1, reps - 1), warmup=1)
             results[f"{backend}_b1_s"], results[f"{backend}_guided_step_s"] = round(s, 4), round(g_s, 4)
             log(f"backend {backend} ({results[f'{backend}_runs_as']}): b1 {s:.3f} s, guided step {g_s:.3f} s, "

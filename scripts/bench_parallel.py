@@ -52,7 +52,8 @@ from pan2render.models.dit import PAN2DiT, PAN2DiTConfig  # noqa: E402
 from pan2render.models.vae import WanVAE, WanVAEConfig  # noqa: E402
 from pan2render.models.pipeline import DIT_KEEP_IN_FP32, make_denoiser  # noqa: E402
 from pan2render.kernels.vae_decode import fast_decoder_for  # noqa: E402
-from pan2render.parallel import GuidanceSplit, agree_fast_decode, parallelize_dit  # noqa: E402
+from pan2render.parallel import GuidanceSplit, GuidanceSplitDenoiser, agree_fast_decode, parallelize_dit  # noqa: E402
+from pan2render.parallel import parallelize_pipeline  # noqa: E402
 from pan2render.parallel.decode import split_decode  # noqa: E402
 from pan2render.parallel.group import SequenceGroup  # noqa: E402
 from pan2render.vae_plan import DecodeUnit, UnitDecoder  # noqa: E402
@@ -146,9 +147,7 @@ def use_fast_paths(model: PAN2DiT, attention: str = "auto") -> str:
     """Fused DiT ops + the chosen attention backend where pan2render.kernels has them (``attention``:
     'auto', the pipeline's choice: FlashAttention-4 where it runs, else SDPA; or one forced), its
     first-call compile done here as at model load."""
-    import dataclasses
-
-    from pan2render.models.dit_ops import TORCH_OPS, DiTOps
+    from pan2render.models.dit_ops import ROUTED_OPS
 
     used = []
     try:  # the pipeline's default numerics (fp32 residual stream), as PAN2Pipeline applies them
@@ -160,11 +159,7 @@ def use_fast_paths(model: PAN2DiT, attention: str = "auto") -> str:
     except Exception as e:  # noqa: BLE001
         used.append(f"compute-dtype residual stream ({type(e).__name__}: {e})")
     try:
-        from pan2render.kernels import dit_fused
-
-        eager = {f.name: getattr(TORCH_OPS, f.name) for f in dataclasses.fields(DiTOps)}
-        model.set_ops(DiTOps(**dit_fused.routed_dit_ops(eager)))
-        dit_fused.set_fused_kernels(True)
+        model.set_ops(ROUTED_OPS)  # the table PAN2PipelineConfig.dit_fused_kernels=True gives
         used.append("fused DiT kernels")
     except Exception as e:  # noqa: BLE001 - bench what exists, say what did not
         used.append(f"eager ops ({type(e).__name__}: {e})")
@@ -306,7 +301,7 @@ def bench_dit(rank: int, world: int, device: torch.device, args: argparse.Namesp
 def bench_sample(model: PAN2DiT, cond: torch.Tensor, uncond: torch.Tensor, rank: int, world: int,
                  device: torch.device, args: argparse.Namespace, res: dict) -> None:
     """A whole ``PAN2Pipeline.sample`` (UniPC, --sample-steps steps) on one GPU, then on the group
-    through ``pipe.parallelize`` exactly as the runner does it: the pipeline-level ratio."""
+    through ``parallelize_pipeline`` exactly as the runner does it: the pipeline-level ratio."""
     from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
     from pan2render.models.scheduler import SchedulerConfig
 
@@ -324,14 +319,14 @@ def bench_sample(model: PAN2DiT, cond: torch.Tensor, uncond: torch.Tensor, rank:
         res["sample_1gpu_s"] = round(secs, 2)
         log(rank, f"PAN2Pipeline.sample, {args.sample_steps} guided steps, 1 GPU: {secs:.2f} s")
     dist.barrier()
-    pipe.parallelize(SequenceGroup.of(None))
+    pipe = parallelize_pipeline(pipe, SequenceGroup.of(None))
     secs, latents = timed(lambda: pipe.sample(**request), device=device, reps=1, group=True)
     res["sample_group_s"] = round(secs, 2)
     if rank == 0:
         res["sample_speedup"] = round(res["sample_1gpu_s"] / secs, 3)
         res["sample_group_vs_1gpu_rel_l2"] = rel_l2(latents, one)
         log(rank, f"PAN2Pipeline.sample, {args.sample_steps} guided steps, group of {world} "
-                  f"({'guidance split' if pipe.guidance_split is not None else 'Ulysses'}): {secs:.2f} s -> "
+                  f"({'guidance split' if isinstance(pipe.denoiser, GuidanceSplitDenoiser) else 'Ulysses'}): {secs:.2f} s -> "
                   f"{res['sample_speedup']}x; latents rel L2 vs 1 GPU {res['sample_group_vs_1gpu_rel_l2']:.2e}")
 
 

@@ -4,7 +4,6 @@
 from pan2render.jobs.batch import list_presets, load_batch
 from pan2render.jobs.spec import (
     ALLOWED_GPUS,
-    SAMPLERS,
     Batch,
     BatchValidationError,
     JobSpec,
@@ -13,6 +12,6 @@ from pan2render.jobs.spec import (
 )
 
 __all__ = [
-    "ALLOWED_GPUS", "SAMPLERS", "Batch", "BatchValidationError", "JobSpec", "Problem", "SourceLocation",
+    "ALLOWED_GPUS", "Batch", "BatchValidationError", "JobSpec", "Problem", "SourceLocation",
     "list_presets", "load_batch",
 ]

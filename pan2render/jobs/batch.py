@@ -45,35 +45,29 @@ from pan2render.jobs.inputs import (
     read_regular_file,
 )
 from pan2render.jobs.spec import (
-    ALLOWED_GPUS,
-    SAMPLERS,
+    BUILTIN_DEFAULTS,
+    DEFAULTS_KEYS,
+    JOB_KEYS,
+    PRESET_FIELDS,
+    PRESET_REQUIRED,
+    RULES,
     Batch,
     BatchValidationError,
     JobSpec,
+    Kind,
     Problem,
+    Rule,
+    Scope,
     SourceLocation,
 )
 from pan2render.jobs.weights import folder_fingerprint
-from pan2render.media.x264 import DEFAULT_X264_PRESET, X264_PRESETS
-from pan2render.sampling import DEFAULT_NUM_TRAIN_TIMESTEPS, DMD, combination_problems, timesteps_problem
+from pan2render.sampling import DEFAULT_NUM_TRAIN_TIMESTEPS, DMD, combination_problems, is_int, timesteps_problem
 
 TINY_MODEL = "tiny"
-# Seeds are stored in the SQLite ledger (signed 64-bit INTEGER) and fed to torch.Generator.
-MAX_SEED = 2**63 - 1
 
 TOP_LEVEL_KEYS = ("model", "preset", "defaults", "jobs", "prompts_file", "sweep")
-JOB_KEYS = (
-    "prompt", "name", "negative_prompt", "image", "seed", "steps", "guidance", "height", "width",
-    "frames", "fps", "flow_shift", "sampler", "gpus", "crf", "timesteps", "encode_preset",
-)
-# `defaults` sets anything a job may set except what identifies the job itself.
-DEFAULTS_KEYS = tuple(k for k in JOB_KEYS if k not in ("prompt", "name"))
 SWEEP_KEYS = DEFAULTS_KEYS
-# Presets hold render settings only: not paths (they have no folder of their own) and not seeds.
-PRESET_KEYS = ("description",) + tuple(k for k in DEFAULTS_KEYS if k not in ("image", "seed"))
-PRESET_REQUIRED = ("steps", "guidance", "height", "width", "frames", "fps", "flow_shift", "sampler", "crf")
-BUILTIN_DEFAULTS: dict[str, Any] = {"negative_prompt": "", "image": None, "seed": 0, "gpus": 1, "timesteps": None,
-                                    "encode_preset": DEFAULT_X264_PRESET}
+PRESET_KEYS = ("description",) + PRESET_FIELDS
 
 
 # --------------------------------------------------------------------------------------------------
@@ -243,7 +237,7 @@ def _type_name(value: Any) -> str:
 
 
 def _as_int(value: Any, allowed: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):  # YAML `yes` is a bool, not 1
+    if not is_int(value):  # YAML `yes` is a bool, not 1
         raise _Bad(f"got {value!r} ({_type_name(value)}); allowed: {allowed}")
     return value
 
@@ -267,98 +261,32 @@ def _as_str(value: Any, allowed: str, *, non_empty: bool, newlines: bool = False
     return value
 
 
-def _nearest_4k1(n: int) -> str:
-    lo = max(1, (n - 1) // 4 * 4 + 1)
-    return f"{lo} or {lo + 4}" if lo != n else str(n)
+def _nearest(n: float, rule: Rule) -> str:
+    """The valid values of a stepped field either side of ``n`` (the smallest one when ``n`` is below it)."""
+    assert rule.step is not None
+    first = rule.first_valid()
+    lo = (n - rule.offset) // rule.step * rule.step + rule.offset
+    return f"{first}" if lo < first else f"{lo} or {lo + rule.step}"
 
 
-def _nearest_32(n: int) -> str:
-    lo = n // 32 * 32
-    return f"{lo} or {lo + 32}" if lo > 0 else "32"
-
-
-def _check_seed(v: Any) -> int:
-    allowed = f"an integer in 0..{MAX_SEED}"
-    n = _as_int(v, allowed)
-    if not 0 <= n <= MAX_SEED:
-        raise _Bad(f"got {n}; allowed: {allowed}")
-    return n
-
-
-def _check_steps(v: Any) -> int:
-    allowed = (f"an integer from 1 to {LIMITS.steps} (sampling steps; the flow-matching schedule has "
-               f"{LIMITS.steps} training timesteps)")
-    n = _as_int(v, allowed)
-    if not 1 <= n <= LIMITS.steps:
-        raise _Bad(f"got {n}; allowed: {allowed}")
-    return n
-
-
-def _check_guidance(v: Any) -> float:
-    allowed = "a number >= 1.0 (1.0 turns classifier-free guidance off)"
-    x = _as_float(v, allowed)
-    if x < 1.0:
+def _check_number(rule: Rule, v: Any) -> float:
+    allowed = rule.allowed_text()
+    x = _as_int(v, allowed) if rule.kind is Kind.INT else _as_float(v, allowed)
+    low = rule.min is not None and (x <= rule.min if rule.min_open else x < rule.min)
+    if rule.step is not None and (low or (x - rule.offset) % rule.step):
+        raise _Bad(f"got {x} (nearest: {_nearest(x, rule)}); allowed: {allowed}")
+    if low or (rule.max is not None and x > rule.max):
         raise _Bad(f"got {x}; allowed: {allowed}")
     return x
 
 
-def _check_size(v: Any) -> int:
-    # The VAE downsamples 16x and the DiT patchifies 2x2 on top: pixels must split into 32s.
-    allowed = (f"a positive multiple of 32 (VAE 16x times DiT patch 2) up to {LIMITS.side} (libx264's "
-               f"largest frame), e.g. 704, 1248")
-    n = _as_int(v, allowed)
-    if n <= 0 or n % 32:
-        raise _Bad(f"got {n} (nearest: {_nearest_32(n)}); allowed: {allowed}")
-    if n > LIMITS.side:
-        raise _Bad(f"got {n}; allowed: {allowed}")
-    return n
-
-
-def _check_frames(v: Any) -> int:
-    # The causal VAE keeps the first frame and packs every further 4 frames into one latent frame.
-    allowed = "4k+1 frames (1, 5, ..., 17, ..., 81, ..., 121)"
-    n = _as_int(v, allowed)
-    if n < 1 or (n - 1) % 4:
-        raise _Bad(f"got {n} (nearest: {_nearest_4k1(n)}); allowed: {allowed}")
-    return n
-
-
-def _positive_float(what: str) -> Callable[[Any], float]:
-    def check(v: Any) -> float:
-        allowed = f"a number > 0 ({what})"
-        x = _as_float(v, allowed)
-        if x <= 0:
-            raise _Bad(f"got {x}; allowed: {allowed}")
-        return x
-
-    return check
-
-
-# The mp4's frame rate: what players and libx264 handle (a tiny rate passed validation and then
-# failed only at encode time, after the sampling it needed).
-FPS_RANGE = (1.0, 240.0)
-
-
-def _check_fps(v: Any) -> float:
-    lo, hi = FPS_RANGE
-    allowed = f"a number from {lo:g} to {hi:g} (frames per second of the mp4, e.g. 24)"
-    x = _as_float(v, allowed)
-    if not lo <= x <= hi:
-        raise _Bad(f"got {x}; allowed: {allowed}")
+def _check_choice(rule: Rule, v: Any) -> Any:
+    allowed = rule.allowed_text()
+    x = _as_int(v, allowed) if is_int(rule.choices[0]) else _as_str(v, allowed, non_empty=True)
+    if x not in rule.choices:
+        hint = _did_you_mean(str(x), [str(c) for c in rule.choices])
+        raise _Bad(f"got {x!r}{hint}; allowed: {allowed}")
     return x
-
-
-def _one_of(choices: tuple[Any, ...], convert: Callable[[Any, str], Any]) -> Callable[[Any], Any]:
-    allowed = "one of " + ", ".join(str(c) for c in choices)
-
-    def check(v: Any) -> Any:
-        x = convert(v, allowed)
-        if x not in choices:
-            hint = _did_you_mean(str(x), [str(c) for c in choices])
-            raise _Bad(f"got {x!r}{hint}; allowed: {allowed}")
-        return x
-
-    return check
 
 
 def _check_timesteps(v: Any) -> tuple[int, ...]:
@@ -370,33 +298,22 @@ def _check_timesteps(v: Any) -> tuple[int, ...]:
     return tuple(items)
 
 
-def _check_crf(v: Any) -> int:
-    allowed = "an integer in 0..51 (libx264 quality, lower is better; 18 is near lossless)"
-    n = _as_int(v, allowed)
-    if not 0 <= n <= 51:
-        raise _Bad(f"got {n}; allowed: {allowed}")
-    return n
+def _checker(rule: Rule) -> Callable[[Any], Any]:
+    """The check of one field's values, from its rule in the schema (``JobSpec``)."""
+    kind = rule.kind
+    if kind in (Kind.TEXT, Kind.LINE, Kind.PATH):
+        return lambda v: _as_str(v, rule.allowed_text(), non_empty=not rule.empty_ok, newlines=kind is Kind.TEXT)
+    if kind is Kind.CHOICE:
+        return functools.partial(_check_choice, rule)
+    if kind is Kind.TIMESTEPS:
+        return _check_timesteps
+    assert kind in (Kind.INT, Kind.FLOAT), kind
+    return functools.partial(_check_number, rule)
 
 
 _CHECKS: dict[str, Callable[[Any], Any]] = {
-    "prompt": lambda v: _as_str(v, "a non-empty string", non_empty=True, newlines=True),
-    "name": lambda v: _as_str(v, "a non-empty string", non_empty=True),
-    "negative_prompt": lambda v: _as_str(v, "a string (may be empty)", non_empty=False, newlines=True),
-    "image": lambda v: _as_str(v, "a path to an image file (relative to this file)", non_empty=True),
-    "description": lambda v: _as_str(v, "a string", non_empty=False, newlines=True),
-    "seed": _check_seed,
-    "steps": _check_steps,
-    "guidance": _check_guidance,
-    "height": _check_size,
-    "width": _check_size,
-    "frames": _check_frames,
-    "fps": _check_fps,
-    "flow_shift": _positive_float("flow-matching timestep shift; 5.0 for 720p, 3.0 for 480p"),
-    "sampler": _one_of(SAMPLERS, lambda v, a: _as_str(v, a, non_empty=True)),
-    "gpus": _one_of(ALLOWED_GPUS, _as_int),
-    "crf": _check_crf,
-    "timesteps": _check_timesteps,
-    "encode_preset": _one_of(X264_PRESETS, lambda v, a: _as_str(v, a, non_empty=True)),
+    **{name: _checker(rule) for name, rule in RULES.items() if rule.scope is not Scope.NOWHERE},
+    "description": lambda v: _as_str(v, "a string", non_empty=False, newlines=True),  # a preset's own
 }
 
 
@@ -463,6 +380,15 @@ def _load_presets() -> dict[str, dict[str, Any]]:
 def list_presets() -> dict[str, dict[str, Any]]:
     """Every shipped preset: name -> its fields (coerced values, plus ``description``)."""
     return {name: dict(values) for name, values in _load_presets().items()}
+
+
+def preset_text(name: str) -> str:
+    """The shipped preset ``name`` as its file is written, comments included (they say why each
+    value); LookupError naming the presets (and the nearest one) if there is none of that name."""
+    presets = sorted(_load_presets())
+    if name not in presets:
+        raise LookupError(f"unknown preset {name!r}{_did_you_mean(name, presets)}; allowed: one of {', '.join(presets)}")
+    return (_preset_dir() / f"{name}.yaml").read_text(encoding="utf-8")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -988,14 +914,8 @@ def _expand(raw_jobs: list[_RawJob], *, model: str, weights: str | None, preset_
             if not _check_sampling(merged, raw, {**defaults, **raw.fields, **combo}, ctx):
                 continue
             jobs.append(JobSpec(
-                name=merged["name"], model=model, prompt=merged["prompt"],
-                negative_prompt=merged["negative_prompt"], image=image, image_sha256=image_sha,
-                seed=merged["seed"], steps=merged["steps"], guidance=merged["guidance"],
-                height=merged["height"], width=merged["width"], frames=merged["frames"], fps=merged["fps"],
-                flow_shift=merged["flow_shift"], sampler=merged["sampler"], gpus=merged["gpus"],
-                crf=merged["crf"], preset=preset_name, weights=weights, timesteps=merged["timesteps"],
-                encode_preset=merged["encode_preset"],
-                sweep=dict(combo), source=raw.location,
+                **{k: merged[k] for k in JOB_KEYS if k != "image"}, image=image, image_sha256=image_sha,
+                model=model, preset=preset_name, weights=weights, sweep=dict(combo), source=raw.location,
             ))
     return jobs
 

@@ -21,6 +21,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from pan2render.sampling import WAN22
+
 
 @dataclass(frozen=True)
 class InputLimits:
@@ -49,8 +51,8 @@ LIMITS = InputLimits()
 
 
 def dit_tokens(*, frames: int, height: int, width: int) -> int:
-    """DiT sequence length of a video: VAE 4x time / 16x space, then DiT patches of (1, 2, 2)."""
-    return ((frames - 1) // 4 + 1) * (height // 32) * (width // 32)
+    """DiT sequence length of a video (the VAE's compression, then the DiT's patches)."""
+    return WAN22.tokens(frames=frames, height=height, width=width)
 
 
 class InputFileError(Exception):

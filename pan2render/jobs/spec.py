@@ -1,33 +1,104 @@
-"""Typed records shared by the batch parser, the ledger and the runner.
+"""Typed records shared by the batch parser, the ledger and the runner, and the job schema.
 
 The parser (``pan2render.jobs.batch``) turns a YAML batch into these dataclasses once; nothing
 downstream reads raw YAML dicts.
+
+``JobSpec`` is the one description of a job's fields: each field's ``Rule`` (its dataclass
+metadata) says where a batch may set it, what values are allowed, what it does and whether it
+changes the video. The batch keys and value checks, the built-in defaults, the hash behind the job
+id, the pipeline's sampling arguments and the README's field table are all derived from it, so a
+new field is one declaration here (plus what the pipeline does with it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from pan2render.media.x264 import DEFAULT_X264_PRESET
-from pan2render.sampling import SAMPLERS
+from pan2render.jobs.inputs import LIMITS
+from pan2render.media.x264 import DEFAULT_X264_PRESET, X264_PRESETS
+from pan2render.sampling import DEFAULT_NUM_TRAIN_TIMESTEPS, DMD, SAMPLERS, WAN22
 
 ALLOWED_GPUS = (1, 2, 4, 8)
+# Seeds are stored in the SQLite ledger (signed 64-bit INTEGER) and fed to torch.Generator.
+MAX_SEED = 2**63 - 1
+# The mp4's frame rate: what players and libx264 handle (a tiny rate passed validation and then
+# failed only at encode time, after the sampling it needed).
+FPS_RANGE = (1.0, 240.0)
 
-# Fields of a resolved job that change the rendered video. The spec hash covers exactly these, so
-# a cosmetic change (a comment, the order of keys) never re-renders a finished job, and any change
-# that would alter the pixels always does.
-RENDER_FIELDS = (
-    "model", "weights", "prompt", "negative_prompt", "image_sha256", "seed", "steps", "guidance", "height",
-    "width", "frames", "fps", "flow_shift", "sampler", "crf", "timesteps", "encode_preset",
-)
-# Render fields added after job ids were first handed out, with their defaults: one counts in the
-# hash only when set away from its default, so the jobs of an existing output folder keep their ids.
-LATER_RENDER_FIELDS: dict[str, Any] = {"weights": None, "timesteps": None, "encode_preset": DEFAULT_X264_PRESET}
+
+class Scope(enum.Enum):
+    """Where a batch may set a field (each wider scope includes the narrower ones)."""
+
+    NOWHERE = "resolved by the batch"  # model, preset, image hash, weights, bookkeeping
+    JOB = "a job only"  # identifies one job: prompt, name
+    DEFAULTS = "anywhere but a preset"  # a job, defaults, --set, sweep: paths have no folder in a preset, seeds vary
+    PRESET = "anywhere"  # a preset too
+
+
+class Kind(enum.Enum):
+    """The kind of value a batch gives a field; ``jobs.batch`` checks each kind one way."""
+
+    TEXT = "text"  # a string; line breaks allowed
+    LINE = "line"  # a one-line string
+    PATH = "path"  # a file path, relative to the file that names it
+    INT = "int"
+    FLOAT = "float"  # ints are read as floats (5 and 5.0 hash alike)
+    CHOICE = "choice"  # one of ``choices``
+    TIMESTEPS = "timesteps"  # a DMD timestep list (pan2render.sampling.timesteps_problem)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What the schema says about one ``JobSpec`` field (its ``dataclasses.field`` metadata).
+
+    The field's default, if it has one, is the dataclass default: a batch that sets the field
+    nowhere gets it. A settable field without one must come from the preset (or the job).
+    """
+
+    help: str  # what the field does, one line (the README's field table)
+    pixels: bool  # changes the rendered video: hashed into the job id
+    scope: Scope = Scope.NOWHERE
+    kind: Kind | None = None
+    # The phrase after "allowed:" in messages and in the README, formatted with this rule's min,
+    # max, step and choices (so each bound is written once).
+    allowed: str = ""
+    min: float | None = None
+    max: float | None = None
+    min_open: bool = False  # min itself is not allowed (> rather than >=)
+    step: int | None = None  # the value must be offset + k * step ...
+    offset: int = 0  # ... and the nearest such values are suggested
+    choices: tuple[Any, ...] = ()
+    empty_ok: bool = False  # TEXT: the empty string is allowed
+    to_sampler: bool = False  # handed to PAN2Pipeline.sample under its own name
+    # Hashed in every job id since ids were first handed out. A pixel field added since (this is
+    # False) counts in the hash only when set away from its default, so existing jobs keep their ids.
+    in_first_ids: bool = False
+
+    def allowed_text(self) -> str:
+        return self.allowed.format(min=self.min, max=self.max, step=self.step,
+                                   choices=", ".join(str(c) for c in self.choices))
+
+    def first_valid(self) -> float:
+        """The smallest value of a stepped integer field (``min`` and ``step`` both given)."""
+        assert self.step is not None and self.min is not None
+        lo = self.min + 1 if self.min_open else self.min
+        return lo + (self.offset - lo) % self.step
+
+
+def _rule(rule: Rule, default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING) -> Any:
+    if rule.kind is Kind.CHOICE and not rule.allowed:
+        rule = dataclasses.replace(rule, allowed="one of {choices}")
+    return field(default=default, default_factory=factory, metadata={"rule": rule})
+
+
+def _rule_of(f: dataclasses.Field[Any]) -> Rule:
+    return f.metadata["rule"]
 
 
 @dataclass(frozen=True)
@@ -63,43 +134,96 @@ class BatchValidationError(Exception):
         super().__init__(f"{len(problems)} problem(s) in the batch:\n{lines}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class JobSpec:
-    """One fully resolved job: preset < defaults < job < sweep value already applied."""
+    """One fully resolved job: preset < defaults < job < sweep value already applied.
 
-    name: str  # readable name given or derived ("job-3"); unique within the batch
-    model: str  # "tiny" or an absolute checkpoint folder
-    prompt: str
-    negative_prompt: str
-    image: str | None  # absolute path of the first-frame image (TI2V), or None
-    image_sha256: str | None  # content hash of the image, so the spec hash follows the pixels
-    seed: int
-    steps: int
-    guidance: float
-    height: int
-    width: int
-    frames: int
-    fps: float
-    flow_shift: float
-    sampler: str  # one of SAMPLERS
-    gpus: int  # one of ALLOWED_GPUS
-    crf: int
-    preset: str
-    encode_preset: str = DEFAULT_X264_PRESET  # libx264 preset (media/x264.py), not the job preset
-    # Fingerprint of the checkpoint folder's weights (jobs.weights), None for the embedded tiny
-    # model: a checkpoint replaced under the same path makes new jobs.
-    weights: str | None = None
-    # Sampler dmd: the listed timesteps (ints in [1, T], strictly decreasing); None: the
-    # checkpoint's own (dmd) or not applicable (unipc, euler).
-    timesteps: tuple[int, ...] | None = None
-    sweep: dict[str, Any] = field(default_factory=dict)  # the sweep values applied to this job
-    source: SourceLocation | None = None
+    Declared in the order a batch lists its job fields (the order of messages and the README).
+    """
+
+    prompt: str = _rule(Rule(
+        "what the video shows", pixels=True, in_first_ids=True, scope=Scope.JOB, kind=Kind.TEXT,
+        allowed="a non-empty string"))
+    name: str = _rule(Rule(
+        "readable name, unique in the batch; an unnamed job is named after its prompt's first words",
+        pixels=False, scope=Scope.JOB, kind=Kind.LINE, allowed="a non-empty string"))
+    negative_prompt: str = _rule(Rule(
+        "what guidance steers away from", pixels=True, in_first_ids=True, scope=Scope.PRESET,
+        kind=Kind.TEXT, empty_ok=True, allowed="a string (may be empty)"), "")
+    # The path is not hashed, its content is (image_sha256): a moved image keeps its jobs.
+    image: str | None = _rule(Rule(
+        "first frame to animate (TI2V): PNG, JPEG or WebP", pixels=False, scope=Scope.DEFAULTS,
+        kind=Kind.PATH, allowed="a path to an image file (relative to this file)"), None)
+    seed: int = _rule(Rule(
+        "noise seed", pixels=True, in_first_ids=True, scope=Scope.DEFAULTS, kind=Kind.INT,
+        allowed="an integer in {min}..{max}", min=0, max=MAX_SEED, to_sampler=True), 0)
+    steps: int = _rule(Rule(
+        "denoising steps (with sampler dmd: the number of timesteps)", pixels=True, in_first_ids=True,
+        scope=Scope.PRESET, kind=Kind.INT, min=1, max=LIMITS.steps, to_sampler=True,
+        allowed="an integer from {min} to {max} (sampling steps; the flow-matching schedule has {max} "
+                "training timesteps)"))
+    guidance: float = _rule(Rule(
+        "classifier-free guidance scale", pixels=True, in_first_ids=True, scope=Scope.PRESET,
+        kind=Kind.FLOAT, min=1.0, to_sampler=True,
+        allowed="a number >= {min} ({min} turns classifier-free guidance off)"))
+    height: int = _rule(Rule(
+        "frame height in pixels", pixels=True, in_first_ids=True, scope=Scope.PRESET, kind=Kind.INT,
+        min=0, min_open=True, max=LIMITS.side, step=WAN22.spatial_multiple, to_sampler=True,
+        allowed=f"a positive multiple of {{step}} (VAE {WAN22.vae_spatial}x times DiT patch {WAN22.patch[1]}) "
+                "up to {max} (libx264's largest frame), e.g. 704, 1248"))
+    width: int = _rule(Rule(
+        "frame width in pixels", pixels=True, in_first_ids=True, scope=Scope.PRESET, kind=Kind.INT,
+        min=0, min_open=True, max=LIMITS.side, step=WAN22.spatial_multiple, to_sampler=True,
+        allowed=f"a positive multiple of {{step}} (VAE {WAN22.vae_spatial}x times DiT patch {WAN22.patch[1]}) "
+                "up to {max} (libx264's largest frame), e.g. 704, 1248"))
+    frames: int = _rule(Rule(
+        "frames of the video", pixels=True, in_first_ids=True, scope=Scope.PRESET, kind=Kind.INT,
+        min=1, step=WAN22.vae_temporal, offset=1, to_sampler=True,
+        allowed="{step}k+1 frames (1, 5, ..., 17, ..., 81, ..., 121)"))
+    fps: float = _rule(Rule(
+        "frame rate of the mp4", pixels=True, in_first_ids=True, scope=Scope.PRESET, kind=Kind.FLOAT,
+        min=FPS_RANGE[0], max=FPS_RANGE[1],
+        allowed="a number from {min:g} to {max:g} (frames per second of the mp4, e.g. 24)"))
+    flow_shift: float = _rule(Rule(
+        "how far the schedule leans to the noisy end", pixels=True, in_first_ids=True, scope=Scope.PRESET,
+        kind=Kind.FLOAT, min=0, min_open=True, to_sampler=True,
+        allowed="a number > {min} (flow-matching timestep shift; 5.0 for 720p, 3.0 for 480p)"))
+    sampler: str = _rule(Rule(
+        "unipc and euler run `steps`; dmd (step-distilled checkpoints) runs `timesteps`", pixels=True,
+        in_first_ids=True, scope=Scope.PRESET, kind=Kind.CHOICE, choices=SAMPLERS, to_sampler=True))
+    gpus: int = _rule(Rule(
+        "GPUs of the group that renders the job (sequence-parallel)", pixels=False, scope=Scope.PRESET,
+        kind=Kind.CHOICE, choices=ALLOWED_GPUS), 1)
+    crf: int = _rule(Rule(
+        "libx264 quality of the mp4", pixels=True, in_first_ids=True, scope=Scope.PRESET, kind=Kind.INT,
+        min=0, max=51, allowed="an integer in {min}..{max} (libx264 quality, lower is better; 18 is near lossless)"))
+    # None: the checkpoint's own (dmd) or not applicable (unipc, euler).
+    timesteps: tuple[int, ...] | None = _rule(Rule(
+        "sampler dmd: the timesteps to run, noisiest first", pixels=True, scope=Scope.PRESET,
+        kind=Kind.TIMESTEPS, to_sampler=True,
+        allowed=f"a non-empty list of integers in 1..{DEFAULT_NUM_TRAIN_TIMESTEPS}, strictly decreasing, "
+                "e.g. [1000, 757, 522]"), None)
+    encode_preset: str = _rule(Rule(
+        "libx264 speed/size trade-off (not the job preset): slower gives a smaller file at a given crf",
+        pixels=True, scope=Scope.PRESET, kind=Kind.CHOICE, choices=X264_PRESETS), DEFAULT_X264_PRESET)
+
+    # Resolved by the batch, not set in it.
+    model: str = _rule(Rule("\"tiny\" or an absolute checkpoint folder", pixels=True, in_first_ids=True))
+    preset: str = _rule(Rule("the job preset's name", pixels=False))
+    image_sha256: str | None = _rule(Rule(
+        "content hash of the image, so the job id follows its pixels", pixels=True, in_first_ids=True), None)
+    # A checkpoint replaced under the same path makes new jobs.
+    weights: str | None = _rule(Rule(
+        "fingerprint of the checkpoint folder's weights (jobs.weights); None for the tiny model",
+        pixels=True), None)
+    sweep: dict[str, Any] = _rule(Rule("the sweep values applied to this job", pixels=False), factory=dict)
+    source: SourceLocation | None = _rule(Rule("where the job was written", pixels=False), None)
 
     @property
     def spec_hash(self) -> str:
         """sha256 over the render-affecting fields, as canonical JSON."""
-        payload = {k: getattr(self, k) for k in RENDER_FIELDS
-                   if k not in LATER_RENDER_FIELDS or getattr(self, k) != LATER_RENDER_FIELDS[k]}
+        payload = {f.name: getattr(self, f.name) for f in PIXEL_FIELDS
+                   if _rule_of(f).in_first_ids or getattr(self, f.name) != f.default}
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -114,6 +238,13 @@ class JobSpec:
         readable = _slug("-".join(parts))[:80].strip("-.") or "job"
         return f"{readable}-{self.spec_hash[:8]}"
 
+    def sample_args(self) -> dict[str, Any]:
+        """The keyword arguments ``PAN2Pipeline.sample`` takes from this job: its sampler fields."""
+        args = {f.name: getattr(self, f.name) for f in SAMPLER_FIELDS}
+        if self.sampler == DMD:  # the step count is the number of timesteps, the job's or the checkpoint's own
+            args["steps"] = None
+        return args
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["source"] = None if self.source is None else {"file": self.source.file, "line": self.source.line}
@@ -126,6 +257,59 @@ class JobSpec:
         if d.get("timesteps") is not None:  # JSON gives a list
             d["timesteps"] = tuple(d["timesteps"])
         return cls(**d, source=None if src is None else SourceLocation(src["file"], int(src["line"])))
+
+
+# --------------------------------------------------------------------------------------------------
+# Derived from the schema
+
+
+FIELDS: tuple[dataclasses.Field[Any], ...] = dataclasses.fields(JobSpec)
+RULES: dict[str, Rule] = {f.name: _rule_of(f) for f in FIELDS}
+# Fields that change the rendered video, hence the job id.
+PIXEL_FIELDS = tuple(f for f in FIELDS if _rule_of(f).pixels)
+RENDER_FIELDS = tuple(f.name for f in PIXEL_FIELDS)
+SAMPLER_FIELDS = tuple(f for f in FIELDS if _rule_of(f).to_sampler)
+
+# What a batch's job may set; `defaults` (and sweeps, --set) anything but what identifies one job;
+# a preset holds render settings only (no paths, no seeds).
+JOB_KEYS = tuple(f.name for f in FIELDS if _rule_of(f).scope is not Scope.NOWHERE)
+DEFAULTS_KEYS = tuple(f.name for f in FIELDS if _rule_of(f).scope in (Scope.DEFAULTS, Scope.PRESET))
+PRESET_FIELDS = tuple(f.name for f in FIELDS if _rule_of(f).scope is Scope.PRESET)
+# The value a field settable in a batch gets when nothing sets it; the others a preset must give.
+BUILTIN_DEFAULTS: dict[str, Any] = {f.name: f.default for f in FIELDS
+                                    if f.name in JOB_KEYS and f.default is not dataclasses.MISSING}
+PRESET_REQUIRED = tuple(k for k in PRESET_FIELDS if k not in BUILTIN_DEFAULTS)
+
+
+def _check_schema() -> None:
+    for f in FIELDS:
+        rule = _rule_of(f)
+        if rule.pixels and not rule.in_first_ids and f.default is dataclasses.MISSING:
+            raise TypeError(f"JobSpec.{f.name}: a pixel field added after the first job ids needs a default "
+                            "(it counts in the hash only when set away from it, so old ids stay)")
+        if (rule.scope is Scope.NOWHERE) != (rule.kind is None):
+            raise TypeError(f"JobSpec.{f.name}: a field a batch may set needs a kind, and only such a field")
+        if rule.to_sampler and not rule.pixels:
+            raise TypeError(f"JobSpec.{f.name}: what the sampler reads changes the video: pixels=True")
+
+
+_check_schema()
+
+
+def field_table() -> str:
+    """The README's table of job fields, as markdown."""
+    rows = ["| field | what it does | allowed | default | set in | hashed into the job id |",
+            "|---|---|---|---|---|---|"]
+    for name in JOB_KEYS:
+        f = next(f for f in FIELDS if f.name == name)
+        rule = _rule_of(f)
+        if f.default is not dataclasses.MISSING:
+            default = "none" if f.default is None else f"`{json.dumps(f.default)}`"
+        else:
+            default = "from the preset" if rule.scope is Scope.PRESET else "required" if name == "prompt" else "-"
+        in_id = "no" if not rule.pixels else "yes" if rule.in_first_ids else "yes, when not the default"
+        rows.append(f"| `{name}` | {rule.help} | {rule.allowed_text()} | {default} | {rule.scope.value} | {in_id} |")
+    return "\n".join(rows) + "\n"
 
 
 @dataclass(frozen=True)

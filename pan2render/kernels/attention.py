@@ -26,9 +26,9 @@ next one rather than failing):
 
 Measured on one H200 (docs/performance.md): cuDNN 630-640 TFLOP/s on the self-attention shape in
 isolation (flash 356) and 536 on the cross-attention one (flash 312), whatever the q/k/v layout, so
-cuDNN leads for both. ``split_batch`` (one batch entry at a time) and ``contiguous`` (copy to
-[B, H, L, D] first) exist because the issue expected them to pay; both measured slower in the DiT
-forward and are off by default. ``set_attention_backend`` forces one backend ('fa4' or an SDPA one)
+cuDNN leads for both. The inputs go to SDPA as they lie and the batch whole: running one batch
+entry at a time, or copying q / k / v to contiguous [B, H, L, D] first, measured slower in the DiT
+forward (scripts/bench_dit.py keeps the layout comparison). ``set_attention_backend`` forces one backend ('fa4' or an SDPA one)
 for tests and benchmarks; if the forced backend cannot run here, the call falls back to the
 device's SDPA order and says so once. The backend used is logged once per process and input kind
 (`describe_attention` gives the same words for the load reply and the group's layout line).
@@ -76,11 +76,6 @@ class AttentionConfig:
     backend: str = "auto"
     """'auto' (FlashAttention-4 where usable, else the device's SDPA order; see the module doc),
     'fa4', or one of BACKENDS' names, forced."""
-    split_batch: bool = False
-    """Run batch entries one at a time when cuDNN leads the order. Off: in the DiT forward on an
-    H200 it measured slower (batch 2: 1.78 s split vs 1.72 s whole; docs/performance.md)."""
-    contiguous: bool = False
-    """Copy q / k / v to contiguous [B, H, L, D] before SDPA (when a layout is faster there)."""
     short_kv_backend: str = "auto"
     """SDPA backend tried first when k has at most SHORT_KV positions (cross-attention), which then
     goes to SDPA even where FlashAttention-4 runs the rest; 'auto': same choice as every call."""
@@ -100,7 +95,7 @@ _fa4_broken: str | None = None  # why FlashAttention-4 is off for this process (
 
 def set_attention_backend(backend: str = "auto", **changes: object) -> None:
     """Force a backend ('fa4', 'cudnn', 'flash', 'efficient', 'math') or go back to 'auto'; keyword
-    arguments change the other AttentionConfig fields (split_batch, contiguous, short_kv_backend)."""
+    arguments change the other AttentionConfig fields (short_kv_backend)."""
     global _config
     _config = dataclasses.replace(_config, backend=backend, **changes)  # validated in __post_init__
 
@@ -294,13 +289,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     _announce(q)
     if _use_fa4(q, k):
         return _fa4_attention(q, k, v)
-    order = attention_backends(q, k, v)
-    if _config.contiguous:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    split = _config.split_batch and q.shape[0] > 1 and order[0] == SDPBackend.CUDNN_ATTENTION
-    with sdpa_kernel(order, set_priority=True):
-        if not split:
-            return F.scaled_dot_product_attention(q, k, v)
-        return torch.cat(
-            [F.scaled_dot_product_attention(q[i : i + 1], k[i : i + 1], v[i : i + 1]) for i in range(q.shape[0])]
-        )
+    with sdpa_kernel(attention_backends(q, k, v), set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v)

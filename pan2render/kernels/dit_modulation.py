@@ -10,84 +10,35 @@ block with modulation rows (shift, scale, gate, c_shift, c_scale, c_gate) does
     n = (LayerNorm(h.float()) * (1 + c_scale) + c_shift).to(bf16)                    # before the FFN
     h = (h.float() + ffn(n).float() * c_gate).to(bf16)                               # then the next
                                                                                      # block's norm1
-Two kernels cover every step:
-- :func:`layernorm_modulate`: ``n = LN(x) [* w + b] [* (1 + scale) + shift]``;
-- :func:`residual_layernorm_modulate`: ``h' = round(h + y [* gate])`` then (unless ``norm=False``,
-  the block's last residual) the same norm of the rounded ``h'`` (rounded first, exactly as the
-  unfused code sees it): one read of h and y, one write of h' and of the normed row.
+
+One Triton kernel covers every step, exposed as the four ops of ``pan2render.models.dit_ops`` it
+replaces, with their signatures; those plain-torch functions are the references (the model runs
+them wherever the kernel cannot run, and tests/kernels/test_dit_modulation.py compares the two):
+
+- :func:`modulated_norm`: ``n = LN(x) * (1 + scale) + shift``;
+- :func:`residual_layer_norm` / :func:`residual_modulated_norm`: ``x' = round(x + y [* gate])``,
+  then the affine / modulated norm of the rounded ``x'`` (rounded first, exactly as the unfused
+  code sees it): one read of x and y, one write of x' and of the normed row;
+- :func:`gated_residual`: ``x' = round(x + y [* gate])`` alone (the block's last residual).
 
 Per-token timesteps (Wan2.2 TI2V: the first latent frame is clean, t=0) without a per-token table,
 in the conventions of ``pan2render.models.dit_ops``: each modulation row (shift, scale, gate) is a
 ``[U, D]`` table with one row per DISTINCT timestep value (any row stride, e.g. a ``unbind`` of the
 block's ``[U, 6, D]`` table), and ``index`` (int) maps tokens to rows: ``[B]`` (per sample) or
 ``[B, L]`` (per token); the kernel gathers each token's row itself. All math is fp32; x / y are
-loaded in their dtype and outputs stored in x's dtype.
+loaded in their dtype, x' is stored in x's dtype and the normed row in ``out_dtype`` (default x's).
 """
 
 from __future__ import annotations
 
 import torch
 
-try:  # CPU-only installs may lack triton: the references below still work, the kernels do not.
+try:  # CPU-only installs may lack triton: the model then runs the dit_ops references.
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised only on installs without triton
     triton = None
     tl = None
-
-
-def per_token_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """rows [U, D], index [B] or [B, L] -> [B, 1, D] or [B, L, D] fp32 (the reference's gather)."""
-    picked = rows.float()[index.long()]
-    return picked.unsqueeze(1) if index.ndim == 1 else picked
-
-
-def layernorm_modulate_reference(
-    x: torch.Tensor,
-    *,
-    shift: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None,
-    index: torch.Tensor | None = None,
-    weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    eps: float = 1e-6,
-) -> torch.Tensor:
-    """Plain torch: ``LN(x) [* weight + bias] [* (1 + scale[index]) + shift[index]]`` -> x.dtype."""
-    dim = x.shape[-1]
-    w = None if weight is None else weight.float()
-    b = None if bias is None else bias.float()
-    n = torch.nn.functional.layer_norm(x.float(), (dim,), w, b, eps)
-    if shift is not None:
-        assert scale is not None and index is not None
-        n = n * (1 + per_token_rows(scale, index)) + per_token_rows(shift, index)
-    return n.to(x.dtype)
-
-
-def residual_layernorm_modulate_reference(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    *,
-    gate: torch.Tensor | None = None,
-    index: torch.Tensor | None = None,
-    norm: bool = True,
-    shift: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None,
-    weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Plain torch: ``x' = (x + y [* gate[index]]).to(x.dtype)``; returns (x', norm-modulate(x') or None)."""
-    if gate is None:
-        x_new = (x.float() + y.float()).to(x.dtype)
-    else:
-        assert index is not None
-        x_new = (x.float() + y.float() * per_token_rows(gate, index)).to(x.dtype)
-    if not norm:
-        return x_new, None
-    normed = layernorm_modulate_reference(
-        x_new, shift=shift, scale=scale, index=index, weight=weight, bias=bias, eps=eps
-    )
-    return x_new, normed
 
 
 if triton is not None:
@@ -121,7 +72,6 @@ if triton is not None:
         HAS_NORM: tl.constexpr,
         HAS_AFFINE: tl.constexpr,
         HAS_MOD: tl.constexpr,
-        HAS_INDEX: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         # One program = one token row of `dim` channels held in registers (dim 3072 -> BLOCK 4096).
@@ -130,10 +80,7 @@ if triton is not None:
         l = row % seq
         d = tl.arange(0, BLOCK)
         mask = d < dim
-        if HAS_INDEX:
-            u = tl.load(idx_ptr + b * idx_sb + l * idx_sl).to(tl.int64)  # this token's timestep row
-        else:
-            u = 0
+        u = tl.load(idx_ptr + b * idx_sb + l * idx_sl).to(tl.int64)  # this token's timestep row
         x = tl.load(x_ptr + b * x_sb + l * x_sl + d, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             y = tl.load(y_ptr + b * y_sb + l * y_sl + d, mask=mask, other=0.0).to(tl.float32)
@@ -165,7 +112,7 @@ _MAX_DIM = 16384
 
 def _block(dim: int) -> tuple[int, int]:
     if dim > _MAX_DIM:
-        raise ValueError(f"dim={dim} exceeds the kernel's cap {_MAX_DIM}; use the reference")
+        raise ValueError(f"dim={dim} exceeds the kernel's cap {_MAX_DIM}; use the pan2render.models.dit_ops reference")
     block = triton.next_power_of_2(dim)
     return block, (4 if block <= 1024 else 8)
 
@@ -179,10 +126,8 @@ def _check_rows(name: str, rows: torch.Tensor | None, dim: int) -> None:
         )
 
 
-def _index_strides(index: torch.Tensor | None, batch: int, seq: int) -> tuple[int, int]:
+def _index_strides(index: torch.Tensor, batch: int, seq: int) -> tuple[int, int]:
     """(batch stride, token stride) of index [B] (token stride 0) or [B, L]."""
-    if index is None:
-        return 0, 0
     if index.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"index dtype {index.dtype} must be int32 or int64")
     if tuple(index.shape) == (batch,):
@@ -196,18 +141,21 @@ def _launch(
     x: torch.Tensor,
     y: torch.Tensor | None,
     *,
-    gate: torch.Tensor | None,
-    index: torch.Tensor | None,
-    norm: bool,
-    shift: torch.Tensor | None,
-    scale: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float,
+    index: torch.Tensor,
+    gate: torch.Tensor | None = None,
+    norm: bool = True,
+    shift: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-6,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One pass over the rows: ``x' = x + y [* gate]`` when y is given, then (``norm``) the
+    LayerNorm of x' (or of x) with the affine ``weight, bias`` or the modulation ``shift, scale``.
+    Returns (x' or None, normed or None)."""
     if triton is None:
-        raise RuntimeError("the DiT modulation kernels need triton; install it or use the *_reference functions")
+        raise RuntimeError("the DiT modulation kernels need triton; install it or use pan2render.models.dit_ops")
     if x.ndim != 3:
         raise ValueError(f"x has shape {tuple(x.shape)}; expected [B, L, D]")
     batch, seq, dim = x.shape
@@ -222,8 +170,6 @@ def _launch(
         raise ValueError("pass both weight and bias for an affine LayerNorm, or neither")
     for name, rows in (("shift", shift), ("scale", scale), ("gate", gate)):
         _check_rows(name, rows, dim)
-    if (shift is not None or gate is not None) and index is None:
-        raise ValueError("modulation rows need an index ([B] or [B, L]) naming each token's row")
     idx_sb, idx_sl = _index_strides(index, batch, seq)
     block, warps = _block(dim)
     x_out = torch.empty_like(x, memory_format=torch.contiguous_format) if y is not None else None
@@ -241,7 +187,7 @@ def _launch(
         dummy if shift is None else shift,
         dummy if scale is None else scale,
         dummy if gate is None else gate,
-        dummy if index is None else index,
+        index,
         seq,
         dim,
         x.stride(0),
@@ -259,53 +205,70 @@ def _launch(
         HAS_NORM=norm,
         HAS_AFFINE=weight is not None,
         HAS_MOD=shift is not None,
-        HAS_INDEX=index is not None,
         BLOCK=block,
         num_warps=warps,
     )
     return x_out, n_out
 
 
-def layernorm_modulate(
+# The ops, with pan2render.models.dit_ops' signatures and results (dtype included).
+
+
+def modulated_norm(
     x: torch.Tensor,
     *,
-    shift: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None,
-    index: torch.Tensor | None = None,
-    weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    eps: float = 1e-6,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    index: torch.Tensor,
+    eps: float,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Triton kernel for :func:`layernorm_modulate_reference`: x [B, L, D] -> [B, L, D] in x's dtype
-    (or ``out_dtype``: an fp32 residual stream feeding bf16 linears)."""
-    _, normed = _launch(
-        x, None, gate=None, index=index, norm=True, shift=shift, scale=scale, weight=weight, bias=bias, eps=eps,
-        out_dtype=out_dtype,
-    )
+    """Fused ``dit_ops.modulated_norm``: ``LN(x) * (1 + scale) + shift`` -> ``out_dtype`` (default x's)."""
+    _, normed = _launch(x, None, index=index, shift=shift, scale=scale, eps=eps, out_dtype=out_dtype)
     assert normed is not None
     return normed
 
 
-def residual_layernorm_modulate(
+def residual_layer_norm(
     x: torch.Tensor,
     y: torch.Tensor,
     *,
-    gate: torch.Tensor | None = None,
-    index: torch.Tensor | None = None,
-    norm: bool = True,
-    shift: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None,
-    weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    eps: float = 1e-6,
+    gate: torch.Tensor | None,
+    index: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
     out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Triton kernel for :func:`residual_layernorm_modulate_reference`: returns (x', normed or None);
-    x' keeps x's dtype, normed is in ``out_dtype`` (default x's dtype)."""
-    x_new, normed = _launch(
-        x, y, gate=gate, index=index, norm=norm, shift=shift, scale=scale, weight=weight, bias=bias, eps=eps,
-        out_dtype=out_dtype,
-    )
-    assert x_new is not None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused ``dit_ops.residual_layer_norm`` (affine norm only: the reference takes the identity
+    ``weight=None`` layout): returns (x' in x's dtype, normed in ``out_dtype``)."""
+    if weight is None:
+        raise ValueError("the fused residual_layer_norm needs the norm's weight and bias; weight=None is "
+                         "the identity norm, which pan2render.models.dit_ops.residual_layer_norm runs")
+    x_new, normed = _launch(x, y, index=index, gate=gate, weight=weight, bias=bias, eps=eps, out_dtype=out_dtype)
+    assert x_new is not None and normed is not None
     return x_new, normed
+
+
+def residual_modulated_norm(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    gate: torch.Tensor | None,
+    index: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused ``dit_ops.residual_modulated_norm``: returns (x' in x's dtype, normed in ``out_dtype``)."""
+    x_new, normed = _launch(x, y, index=index, gate=gate, shift=shift, scale=scale, eps=eps, out_dtype=out_dtype)
+    assert x_new is not None and normed is not None
+    return x_new, normed
+
+
+def gated_residual(x: torch.Tensor, y: torch.Tensor, *, gate: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor:
+    """Fused ``dit_ops.gated_residual``: ``x + y [* gate]`` in fp32, stored in x's dtype."""
+    x_new, _ = _launch(x, y, index=index, gate=gate, norm=False)
+    assert x_new is not None
+    return x_new

@@ -24,7 +24,8 @@ What differs otherwise is the structure around the math, for the follow-up work:
 - Sequence parallelism (Ulysses) plugs in from outside: RoPE tables are computable for any token
   slice (``RotaryPosEmbed(start=, length=)``), the timestep index slices per token
   (``TimestepConditioning.for_tokens``), and self-attention has one call site
-  (``SelfAttention.attention_fn``, default ``dit_ops.attention``) taking ``[B, heads, L, head_dim]``.
+  (``SelfAttention.attention_fn``, an `AttentionOp`; by default `LocalAttention` over
+  ``dit_ops.attention``) taking ``[B, heads, L, head_dim]``.
 - Guidance: the cross-attention K/V depend only on the text; ``prepare_context`` computes them
   once per job into a ``ContextCache`` that ``forward`` accepts in place of the context.
 
@@ -33,19 +34,24 @@ Read bottom-up: config, RoPE, leaf modules, block, model.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pan2render.models.dit_ops import ROUTED_OPS, TORCH_OPS, DiTOps, attention, rms_norm_heads
+from pan2render.sampling import is_int
 
 __all__ = [
+    "AttentionOp",
     "ContextCache",
+    "LocalAttention",
     "PAN2DiT",
     "PAN2DiTBlock",
     "PAN2DiTConfig",
@@ -89,15 +95,15 @@ class PAN2DiTConfig:
 
     def __post_init__(self) -> None:
         patch = self.patch_size
-        if not (isinstance(patch, (list, tuple)) and len(patch) == 3 and all(_is_int(p) and p > 0 for p in patch)):
+        if not (isinstance(patch, (list, tuple)) and len(patch) == 3 and all(is_int(p) and p > 0 for p in patch)):
             raise ValueError(f"patch_size={patch!r}: expected 3 positive ints (t, h, w), e.g. [1, 2, 2]")
         object.__setattr__(self, "patch_size", tuple(patch))  # config.json holds a list
         for key in ("num_attention_heads", "attention_head_dim", "in_channels", "text_dim", "freq_dim",
                     "ffn_dim", "num_layers", "rope_max_seq_len"):
             value = getattr(self, key)
-            if not (_is_int(value) and value > 0):
+            if not (is_int(value) and value > 0):
                 raise ValueError(f"{key}={value!r}: expected a positive int")
-        if self.out_channels is not None and not (_is_int(self.out_channels) and self.out_channels > 0):
+        if self.out_channels is not None and not (is_int(self.out_channels) and self.out_channels > 0):
             raise ValueError(f"out_channels={self.out_channels!r}: expected a positive int or null")
         if self.attention_head_dim % 2 or self.attention_head_dim < 6:
             raise ValueError(
@@ -162,9 +168,6 @@ class PAN2DiTConfig:
         out["patch_size"] = list(self.patch_size)
         return out
 
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,6 +310,47 @@ class ConditionEmbedder(nn.Module):
         return temb, projection.unflatten(1, (6, -1))
 
 
+class AttentionOp(abc.ABC):
+    """What an attention layer calls: q, k, v ``[B, H, L, D]`` -> ``[B, H, L, D]``, plus the two
+    layout requests a sequence-parallel op makes of `SelfAttention` (declared here, with the
+    local defaults, so the layer reads them from the interface rather than probing the op):
+
+    - ``head_groups`` G > 1: q, k, v wanted in the all-to-all's send layout ``[G, B, L, H/G, D]``
+      contiguous (the Q/K kernel and the v projection write it, so nothing is repacked);
+    - ``accepts_lazy_v``: v may come as a zero-argument callable, so the op can start moving q and
+      k before the v projection has run.
+    """
+
+    head_groups: int = 1
+    accepts_lazy_v: bool = False
+
+    @abc.abstractmethod
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor | Callable[[], Tensor]) -> Tensor:
+        """Attend; ``v`` is a callable only when ``accepts_lazy_v``."""
+
+
+@dataclass(frozen=True)
+class LocalAttention(AttentionOp):
+    """A plain attention function as an `AttentionOp`: the whole sequence on this process, the
+    layer's own layout, v evaluated before the call."""
+
+    fn: Callable[[Tensor, Tensor, Tensor], Tensor] = attention
+    head_groups: ClassVar[int] = 1
+    accepts_lazy_v: ClassVar[bool] = False
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor | Callable[[], Tensor]) -> Tensor:
+        return self.fn(q, k, v)  # type: ignore[arg-type]  # never lazy: accepts_lazy_v is False
+
+
+def as_attention_op(fn: AttentionOp | Callable[[Tensor, Tensor, Tensor], Tensor]) -> AttentionOp:
+    """``fn`` itself when it is an `AttentionOp`, else a `LocalAttention` around the function."""
+    if isinstance(fn, AttentionOp):
+        return fn
+    if not callable(fn):
+        raise TypeError(f"attention_fn must be an AttentionOp or a function (q, k, v) -> out, got {fn!r}")
+    return LocalAttention(fn)
+
+
 class _AttentionParams(nn.Module):
     """Parameters of one Wan attention layer: to_q/to_k/to_v/to_out.0 and the across-heads
     RMSNorms norm_q/norm_k (to_out.1 is diffusers' no-op Dropout; kept so indices match)."""
@@ -323,6 +367,15 @@ class _AttentionParams(nn.Module):
         # The one attention call site; sequence parallelism wraps it (self-attention only).
         self.attention_fn = attention
 
+    @property
+    def attention_fn(self) -> AttentionOp:
+        """The attention op; a plain function assigned here becomes a `LocalAttention`."""
+        return self._attention_op
+
+    @attention_fn.setter
+    def attention_fn(self, fn: AttentionOp | Callable[[Tensor, Tensor, Tensor], Tensor]) -> None:
+        self._attention_op = as_attention_op(fn)
+
     def _heads(self, x: Tensor) -> Tensor:
         return x.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)  # [B, L, H*D] -> [B, H, L, D]
 
@@ -334,12 +387,13 @@ class SelfAttention(_AttentionParams):
     def forward(self, h: Tensor, *, rope: tuple[Tensor, Tensor], ops: DiTOps) -> Tensor:
         """h ``[B, L, dim]``, rope (cos, sin) ``[L, head_dim // 2]`` -> ``[B, L, dim]``.
 
-        A sequence-parallel ``attention_fn`` may ask for q, k, v in its all-to-all's send layout
+        A sequence-parallel `AttentionOp` may ask for q, k, v in its all-to-all's send layout
         (``head_groups`` G: ``[G, B, L, H/G, D]`` contiguous, written so by the Q/K kernel and the
         v projection, so nothing is repacked) and for v unevaluated (``accepts_lazy_v``: q's and
         k's exchanges then overlap the v projection). Same math either way.
         """
-        groups = getattr(self.attention_fn, "head_groups", 1)
+        op = self.attention_fn
+        groups = op.head_groups
         extra = {"head_groups": groups} if groups > 1 else {}
         q, k = ops.qk_norm_rope(
             self.to_q(h),
@@ -358,8 +412,7 @@ class SelfAttention(_AttentionParams):
                 return self._grouped_projection(self.to_v, h, groups)
             return self._heads(self.to_v(h))
 
-        lazy = getattr(self.attention_fn, "accepts_lazy_v", False)
-        out = self.attention_fn(q, k, value if lazy else value())
+        out = op(q, k, value if op.accepts_lazy_v else value())
         return self._output(out, dtype=q.dtype)
 
     def _grouped_projection(self, linear: nn.Linear, h: Tensor, groups: int) -> Tensor:

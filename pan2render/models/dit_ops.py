@@ -2,8 +2,10 @@
 
 The DiT (`pan2render.models.dit`) calls these only through a `DiTOps` table held by the model, so
 the fused-kernel switch (`PAN2PipelineConfig.dit_fused_kernels`) swaps the table and never touches
-the model. A kernel that replaces one of these takes the same arguments and must return the same
-values (dtype included); these functions are the references its tests compare against.
+the model. A kernel that replaces one of these (``pan2render.kernels.dit_modulation``,
+``pan2render.kernels.dit_qk_norm_rope``) takes the same arguments and must return the same values
+(dtype included): these functions are the only references, the ones the model runs wherever a
+kernel cannot and the ones the kernel tests compare against.
 
 Conventions (shapes):
 - ``x`` hidden states ``[B, L, dim]`` in the compute dtype (fp32 or bf16).
@@ -210,8 +212,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 class DiTOps:
     """The swappable steps of a DiT block; the defaults are the plain-torch references above.
 
-    A fused-kernel switch builds another `DiTOps` with kernel entries (same signatures) and hands
-    it to `PAN2DiT.set_ops`. Attention is not in here: it is swapped per attention module
+    `ROUTED_OPS` (below) has kernel entries with the same signatures; the pipeline hands one table
+    or the other to `PAN2DiT.set_ops` (``PAN2PipelineConfig.dit_fused_kernels``), and
+    ``dataclasses.replace`` makes a table fusing only some ops. Attention is not in here: it is swapped per attention module
     (`attention_fn`) because sequence parallelism wraps self-attention only.
     """
 
@@ -224,7 +227,7 @@ class DiTOps:
 
 TORCH_OPS = DiTOps()
 
-# The table the model uses by default: each entry runs its fused Triton kernel where the switch
-# (pan2render.kernels.dit_fused.set_fused_kernels) allows it on these tensors (CUDA, no grad, not
-# compiling) and the reference above otherwise.
+# The table the model uses by default (PAN2PipelineConfig.dit_fused_kernels=True): each entry runs
+# its fused Triton kernel where it can run on these tensors (CUDA, no grad, not compiling; see
+# pan2render.kernels.dit_fused) and the reference above otherwise.
 ROUTED_OPS = DiTOps(**routed_dit_ops({f.name: getattr(TORCH_OPS, f.name) for f in fields(DiTOps)}))

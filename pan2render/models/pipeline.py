@@ -3,13 +3,15 @@
 ``PAN2Pipeline.sample`` returns latents in the normalised latent space (what diffusers' WanPipeline
 returns with ``output_type="latent"``); ``PAN2Pipeline.decode`` turns them into uint8 frames
 ``[F, H, W, 3]`` converted on the device and copied to the host once. Model code knows nothing of
-Ray; sequence parallelism is applied from outside.
+Ray or process groups: the pipeline is built from a denoiser and a frame decoder
+(`pan2render.models.strategies`), single-process ones by default, and
+``pan2render.parallel.parallelize_pipeline`` returns one built from sequence-parallel ones.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
-import logging
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -23,18 +25,17 @@ import torch.nn.functional as F
 from ..kernels.attention import describe_attention, warm_up_attention
 from .checkpoint import CheckpointError, instantiate, read_json, resolve_component
 from .dit import PAN2DiT, PAN2DiTConfig
-from ..kernels.vae_decode import fast_decode, fast_decode_available, to_uint8_frames
+from ..kernels.vae_decode import to_uint8_frames
 from .dit_ops import ROUTED_OPS, TORCH_OPS
-from ..sampling import DMD, SAMPLERS, combination_problems, timesteps_problem
+from ..sampling import DMD, SAMPLERS, WAN22, Geometry, combination_problems, is_int, timesteps_problem
 from .scheduler import FlowDMDScheduler, SchedulerConfig, make_scheduler
+from .strategies import (BatchedGuidance, Denoiser, FastDecoder, FrameDecoder, ReferenceDecoder, SeparateGuidance,
+                         apply_guidance, make_denoiser)
 from .text import TextEncoder
 from .tiny import cache_root
 from .vae import WanVAE, WanVAEConfig
 
-log = logging.getLogger(__name__)
-
 ProgressFn = Callable[[int, int], None]
-Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (latents, timestep) -> velocity
 
 # diffusers keeps these in fp32 when the transformer runs in bf16 (WanTransformer3DModel's
 # _keep_in_fp32_modules): the time embedding, the modulation tables and the norms.
@@ -73,6 +74,7 @@ class PAN2PipelineConfig:
     # kernels, cuDNN attention; docs/performance.md): equal within noise, while batching doubles the
     # activation peak (4.1 vs 2.0 GiB). Hence two passes by default; re-measure on other GPUs.
     # (A group running the guidance split below runs one branch per rank and ignores this.)
+    # Read when the pipeline is built (it picks the denoiser), not per job.
     guidance_batch: bool = False
     # In a parallelized pipeline whose group size is even: run a guided step's two branches on the
     # two halves of the group (each half sequence-parallel over its own ranks when it has more than
@@ -100,7 +102,7 @@ class PAN2PipelineConfig:
 
 @dataclass(frozen=True)
 class SampleRequest:
-    """A validated sampling request (sizes in pixels)."""
+    """A validated sampling request (sizes in pixels), checked against the model's geometry."""
 
     height: int
     width: int
@@ -113,21 +115,23 @@ class SampleRequest:
     # DMD only: the listed timesteps (ints in [1, T], strictly decreasing); None for the other
     # samplers. For dmd the step count is len(timesteps) and ``steps`` must equal it.
     timesteps: tuple[int, ...] | None = None
+    geometry: Geometry = WAN22  # the pipeline's, from its VAE and DiT configs
 
     def __post_init__(self) -> None:
         problems = []
-        if not _is_int(self.frames) or self.frames < 1 or (self.frames - 1) % 4:
-            problems.append(f"frames={self.frames!r}: must be 4k+1 (1, 5, ..., 17, ..., 121)")
+        geo = self.geometry
+        if not is_int(self.frames) or not geo.frames_ok(self.frames):
+            problems.append(f"frames={self.frames!r}: must be {geo.vae_temporal}k+1 (1, 5, ..., 17, ..., 121)")
         for name in ("height", "width"):
             v = getattr(self, name)
-            if not _is_int(v) or v < 32 or v % 32:
-                problems.append(f"{name}={v!r}: must be a positive multiple of 32")
-        if not _is_int(self.steps) or self.steps < 1:
+            if not is_int(v) or v < geo.spatial_multiple or v % geo.spatial_multiple:
+                problems.append(f"{name}={v!r}: must be a positive multiple of {geo.spatial_multiple}")
+        if not is_int(self.steps) or self.steps < 1:
             problems.append(f"steps={self.steps!r}: must be an integer >= 1")
         if isinstance(self.guidance, bool) or not isinstance(self.guidance, (int, float)) \
                 or not math.isfinite(self.guidance) or self.guidance < 1:
             problems.append(f"guidance={self.guidance!r}: must be a number >= 1 (1 means no guidance)")
-        if not _is_int(self.seed) or self.seed < 0:
+        if not is_int(self.seed) or self.seed < 0:
             problems.append(f"seed={self.seed!r}: must be a non-negative integer")
         if self.sampler not in SAMPLERS:
             problems.append(f"sampler={self.sampler!r}: must be one of {', '.join(SAMPLERS)}")
@@ -136,7 +140,7 @@ class SampleRequest:
             problems.append(f"flow_shift={self.flow_shift!r}: must be a number > 0")
         if self.sampler == DMD and self.timesteps is None:
             problems.append("sampler='dmd' needs timesteps (the job's, or the checkpoint's dmd_denoising_steps)")
-        if self.timesteps is not None and _is_int(self.steps) and self.steps != len(self.timesteps):
+        if self.timesteps is not None and is_int(self.steps) and self.steps != len(self.timesteps):
             problems.append(f"steps={self.steps!r}: must equal the number of timesteps ({len(self.timesteps)})")
         if not problems:  # the combination rules assume each value is well formed
             problems += [f"{fld}: {msg}" for fld, msg in combination_problems(
@@ -146,51 +150,32 @@ class SampleRequest:
 
     @property
     def latent_frames(self) -> int:
-        return (self.frames - 1) // 4 + 1
+        return self.geometry.latent_frames(self.frames)
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def default_denoiser(dit: PAN2DiT, config: PAN2PipelineConfig) -> Denoiser:
+    """The single-process denoiser ``config`` asks for (``guidance_batch``)."""
+    return BatchedGuidance(dit) if config.guidance_batch else SeparateGuidance(dit)
 
 
-def apply_guidance(pred: torch.Tensor, pred_uncond: torch.Tensor, guidance: float) -> torch.Tensor:
-    """Classifier-free guidance: the unconditional velocity moved ``guidance`` times the way the
-    conditional one differs from it (diffusers' WanPipeline order of operations)."""
-    return pred_uncond + guidance * (pred - pred_uncond)
-
-
-def make_denoiser(dit: torch.nn.Module, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float, *,
-                  batch: bool = False) -> Denoiser:
-    """``(latents, timestep) -> velocity`` for one job: the DiT call with classifier-free guidance
-    when ``uncond`` is given; the text K/V are prepared once per job. ``batch``: both branches as one
-    batch-2 forward (`PAN2PipelineConfig.guidance_batch`) instead of two batch-1 forwards."""
-    prepare = getattr(dit, "prepare_context", None)
-    cond_ctx = prepare(cond) if prepare is not None else cond
-    if uncond is None:
-        return lambda x, t: dit(x, t, cond_ctx)
-    if batch:
-        both = torch.cat([cond, uncond])  # [2, 512, text_dim]
-        both_ctx = prepare(both) if prepare is not None else both
-
-        def guided_batched(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            pred, pred_uncond = dit(torch.cat([x, x]), t.expand(2, *t.shape[1:]), both_ctx).chunk(2)
-            return apply_guidance(pred, pred_uncond, guidance)
-
-        return guided_batched
-    uncond_ctx = prepare(uncond) if prepare is not None else uncond
-
-    def guided(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return apply_guidance(dit(x, t, cond_ctx), dit(x, t, uncond_ctx), guidance)
-
-    return guided
+def default_frame_decoder(vae: WanVAE, config: PAN2PipelineConfig) -> FrameDecoder:
+    """The single-process frame decoder ``config`` asks for (``vae_decode_kernel``)."""
+    if config.vae_decode_kernel:
+        return FastDecoder(vae, device=torch.device(config.device))
+    return ReferenceDecoder(vae, why="vae_decode_kernel is off")
 
 
 class PAN2Pipeline:
-    """Text -> latents -> uint8 frames for one PAN2 checkpoint, in one process."""
+    """Text -> latents -> uint8 frames for one PAN2 checkpoint.
+
+    ``denoiser`` / ``frame_decoder``: the strategies it samples and decodes with (None: the
+    single-process ones ``config`` selects, `default_denoiser` / `default_frame_decoder`).
+    """
 
     def __init__(self, *, dit: PAN2DiT, vae: WanVAE, text_encoder: TextEncoder | None,
                  scheduler_config: SchedulerConfig, config: PAN2PipelineConfig, model_id: str,
-                 expand_timesteps: bool = True, default_timesteps: tuple[int, ...] | None = None):
+                 expand_timesteps: bool = True, default_timesteps: tuple[int, ...] | None = None,
+                 denoiser: Denoiser | None = None, frame_decoder: FrameDecoder | None = None):
         self.dit = dit
         self.vae = vae
         self.text_encoder = text_encoder
@@ -202,13 +187,11 @@ class PAN2Pipeline:
         # A step-distilled checkpoint's own DMD timesteps (see checkpoint_dmd_timesteps); a job's
         # timesteps win. With them the checkpoint's default sampler is dmd.
         self.default_timesteps = default_timesteps
-        self.process_group = None  # set by a sequence-parallel wrapper applied from outside
-        self.guidance_split = None  # likewise: guided steps over the two halves of an even group
-        self._warned_fallback = False
+        self.denoiser = default_denoiser(dit, config) if denoiser is None else denoiser
+        self.frame_decoder = default_frame_decoder(vae, config) if frame_decoder is None else frame_decoder
         if dit is not None:
-            # Per pipeline, not process-wide: this DiT's op table is the fused-where-possible one
-            # or the plain-torch one. (kernels.set_fused_kernels stays a global knob for tests and
-            # benchmarks, consulted by the fused table on every call.)
+            # The fused-kernel switch, per pipeline (there is no process-wide one): this DiT's op
+            # table is the fused-where-possible one or the plain-torch one.
             dit.set_ops(ROUTED_OPS if config.dit_fused_kernels else TORCH_OPS)
             dit.set_residual_dtype(torch.float32 if config.dit_fp32_residual else None)
             # FlashAttention-4 (where it runs) compiles on its first call: do it here, at load,
@@ -252,38 +235,27 @@ class PAN2Pipeline:
                    default_timesteps=default_timesteps)
         return pipe
 
-    def parallelize(self, group: "torch.distributed.ProcessGroup | None") -> "PAN2Pipeline":
-        """Make this pipeline sequence-parallel over an initialised torch.distributed ``group``:
-        Ulysses DiT + split decode, applied from outside by ``pan2render.parallel``.
-        Returns self. Every rank then calls ``sample`` with identical arguments (same latents
-        everywhere); ``decode`` returns the frames on rank 0 and None on the other ranks."""
-        from ..parallel import parallelize_pipeline
-
-        return parallelize_pipeline(self, group)
+    def with_strategies(self, *, denoiser: Denoiser | None = None,
+                        frame_decoder: FrameDecoder | None = None) -> "PAN2Pipeline":
+        """A pipeline over the same models and config with these strategies (None: keep this one's).
+        The models are shared, not copied: use the returned pipeline in place of this one."""
+        twin = copy.copy(self)
+        if denoiser is not None:
+            twin.denoiser = denoiser
+        if frame_decoder is not None:
+            twin.frame_decoder = frame_decoder
+        return twin
 
     def describe(self) -> dict[str, object]:
         """How this pipeline runs a job, as plain JSON values (recorded beside every video): the
         ranks, how guided and unguided steps use them, the decode path, the DiT's dtype, the
         scheduler config."""
-        ranks = 1 if self.process_group is None else self.process_group.world_size
-        if ranks == 1:
-            guided = "one rank"
-        elif self.guidance_split is not None:
-            half = self.guidance_split.half_size
-            guided = f"one branch per half of the group ({half} rank(s) each, Ulysses within a half)"
-        else:
-            guided = f"both branches Ulysses over {ranks} ranks"
-        fast, why_not = (fast_decode_available(self.device) if self.config.vae_decode_kernel
-                         else (False, "vae_decode_kernel is off"))
-        if ranks > 1 and self.config.vae_decode_kernel_parallel:
-            decode = f"split by layers over {ranks} ranks"
-        else:
-            decode = "fast decoder" if fast else f"reference decoder ({why_not})"
+        steps = self.denoiser.describe()
         return {
-            "ranks": ranks,
-            "guided_steps": guided,
-            "unguided_steps": "one rank" if ranks == 1 else f"Ulysses over {ranks} ranks",
-            "decode": decode,
+            "ranks": steps["ranks"],
+            "guided_steps": steps["guided_steps"],
+            "unguided_steps": steps["unguided_steps"],
+            "decode": self.frame_decoder.describe(),
             "dit_dtype": str(self.config.dtype).removeprefix("torch."),
             "scheduler": asdict(self.scheduler_config),
         }
@@ -379,7 +351,8 @@ class PAN2Pipeline:
         elif timesteps is not None:
             timesteps = tuple(timesteps)
         req = SampleRequest(height=height, width=width, frames=frames, steps=steps, guidance=guidance,
-                            seed=seed, sampler=sampler, flow_shift=flow_shift, timesteps=timesteps)
+                            seed=seed, sampler=sampler, flow_shift=flow_shift, timesteps=timesteps,
+                            geometry=Geometry.of(self.vae.config, self.dit.config))
         cond = self._context(prompt_embeds, prompt)
         guided = req.guidance > 1.0
         uncond = self._context(negative_prompt_embeds, negative_prompt) if guided else None
@@ -405,10 +378,10 @@ class PAN2Pipeline:
         else:
             scheduler.set_timesteps(req.steps, flow_shift=req.flow_shift)
         timesteps = scheduler.timesteps
-        runner = self._make_denoiser(cond, uncond, req.guidance)
+        velocity = self.denoiser.prepare(cond, uncond, req.guidance)
         for i, t in enumerate(timesteps):
             timestep = self._timestep_for(t, shape, conditioned=first_frame is not None)
-            noise_pred = runner(latents.to(self.config.dtype), timestep)
+            noise_pred = velocity(latents.to(self.config.dtype), timestep)
             latents = scheduler.step(noise_pred.float(), t, latents)
             if first_frame is not None:
                 # Re-impose the conditioning frame after every step, as the official Wan2.2 code does.
@@ -438,13 +411,6 @@ class PAN2Pipeline:
         ts[:per_frame] = 0.0  # first-frame tokens are clean
         return ts[None]
 
-    def _make_denoiser(self, cond: torch.Tensor, uncond: torch.Tensor | None, guidance: float) -> Denoiser:
-        if uncond is not None and self.guidance_split is not None:
-            # An even group with guidance_parallel: each half of the group runs one branch
-            # (pan2render/parallel/guidance.py), set by parallelize().
-            return self.guidance_split.denoiser(cond, uncond, guidance)
-        return make_denoiser(self.dit, cond, uncond, guidance, batch=self.config.guidance_batch)
-
     # ----------------------------------------------------------------------------------------
     # Warm-up
     @torch.no_grad()
@@ -467,7 +433,7 @@ class PAN2Pipeline:
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, *, on_device: bool = False) -> torch.Tensor | None:
         """Normalised latents ``[48, T, h, w]`` (or ``[1, 48, T, h, w]``) -> uint8 CPU ``[F, H, W, 3]``
-        (None on ranks other than 0 of a parallelized pipeline with vae_decode_kernel_parallel).
+        (None where the frame decoder leaves no frames: ranks other than 0 of a group's split decode).
         ``on_device``: leave the frames on the pipeline's device (the caller converts them there
         before its own host copy)."""
         if latents.dim() == 4:
@@ -477,42 +443,10 @@ class PAN2Pipeline:
         if not bool(torch.isfinite(latents).all()):
             raise FloatingPointError("non-finite values in the latents to decode")
         z = self.vae.denormalize_latents(latents.to(self.device, torch.float32))
-        if self.process_group is not None and self.config.vae_decode_kernel_parallel:
-            # Sequence-parallel group (pan2render/parallel/decode.py): one decode split
-            # over the ranks; the frames on rank 0, None on the other ranks.
-            from ..parallel.decode import decode_on_group
-
-            grouped = decode_on_group(self, z)
-            if grouped is None or on_device:
-                return grouped
-            return grouped.cpu()
-        frames = self._decode_fast(z)
-        if frames is None:
-            vae_dtype = next(self.vae.parameters()).dtype
-            video = self.vae.decode(z.to(vae_dtype))  # [1, 3, F, H, W] in [-1, 1]
-            frames = to_uint8_frames(video[0])
-        return frames if on_device else frames.cpu()  # the one device -> host copy
-
-    def _decode_fast(self, z: torch.Tensor) -> torch.Tensor | None:
-        """uint8 ``[F, H, W, 3]`` on the device from the fast decoder, or None to fall back."""
-        if not self.config.vae_decode_kernel:
-            return None
-        ok, reason = fast_decode_available(self.device)
-        if not ok:
-            self._log_fallback(reason)
-            return None
-        try:
-            return fast_decode(self.vae, z, out_dtype=torch.uint8)
-        except torch.cuda.OutOfMemoryError:
-            raise  # the reference decoder needs more memory, not less
-        except Exception as e:  # noqa: BLE001 - e.g. a Triton kernel variant that fails to build
-            self._log_fallback(f"the fast decoder failed ({type(e).__name__}: {e})")
-            return None
-
-    def _log_fallback(self, reason: str) -> None:
-        if not self._warned_fallback:
-            log.info("vae_decode_kernel: using the reference decoder: %s", reason)
-            self._warned_fallback = True
+        frames = self.frame_decoder.decode(z)
+        if frames is None or on_device:
+            return frames
+        return frames.cpu()  # the one device -> host copy
 
 
 def load_vae(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> WanVAE:
@@ -578,5 +512,5 @@ def _checkpoint_digest(root: Path, default_timesteps: tuple[int, ...] | None) ->
     return h.hexdigest()[:10]
 
 
-__all__ = ["PAN2Pipeline", "PAN2PipelineConfig", "SampleRequest", "apply_guidance", "load_dit", "load_vae",
-           "make_denoiser", "to_uint8_frames"]
+__all__ = ["PAN2Pipeline", "PAN2PipelineConfig", "SampleRequest", "apply_guidance", "default_denoiser",
+           "default_frame_decoder", "load_dit", "load_vae", "make_denoiser", "to_uint8_frames"]

@@ -73,7 +73,7 @@ from typing import Any
 
 import torch
 
-from ..sampling import DEFAULT_NUM_TRAIN_TIMESTEPS, DMD, SAMPLERS, timesteps_problem
+from ..sampling import DEFAULT_NUM_TRAIN_TIMESTEPS, DMD, SAMPLERS, is_int, timesteps_problem
 
 log = logging.getLogger(__name__)
 
@@ -144,9 +144,6 @@ _CLASSES: dict[str, _ClassRules] = {
 _DEFAULT_CLASS = "UniPCMultistepScheduler"
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
 
 def _check_flow_shift(flow_shift: object, *, where: str) -> float:
     if not isinstance(flow_shift, (int, float)) or isinstance(flow_shift, bool):
@@ -177,17 +174,17 @@ class SchedulerConfig:
     default_sampler: str = "unipc"
 
     def __post_init__(self) -> None:
-        if not _is_int(self.num_train_timesteps) or self.num_train_timesteps < 2:
+        if not is_int(self.num_train_timesteps) or self.num_train_timesteps < 2:
             raise ValueError(
                 f"num_train_timesteps={self.num_train_timesteps!r} must be an int >= 2 (Wan2.2 uses 1000)"
             )
         object.__setattr__(self, "flow_shift", _check_flow_shift(self.flow_shift, where="flow_shift"))
-        if not _is_int(self.solver_order) or self.solver_order not in (1, 2):
+        if not is_int(self.solver_order) or self.solver_order not in (1, 2):
             raise ValueError(
                 f"solver_order={self.solver_order!r} is not supported: allowed 1 or 2 (Wan2.2 ships 2)"
             )
         dc = self.disable_corrector
-        if not isinstance(dc, (tuple, list)) or not all(_is_int(i) and i >= 0 for i in dc):
+        if not isinstance(dc, (tuple, list)) or not all(is_int(i) and i >= 0 for i in dc):
             raise ValueError(
                 f"disable_corrector={list(dc) if isinstance(dc, tuple) else dc!r} must be a list of step indices (ints >= 0), e.g. [] or [0]"
             )
@@ -297,7 +294,7 @@ class FlowScheduler:
 
     def set_timesteps(self, num_steps: int, *, flow_shift: float | None = None) -> None:
         """Start a new job of ``num_steps`` model evaluations; clears all per-job state."""
-        if not _is_int(num_steps) or num_steps < 1:
+        if not is_int(num_steps) or num_steps < 1:
             raise ValueError(f"num_steps={num_steps!r} must be an int >= 1 (Wan2.2 uses 50)")
         shift = self._shift(flow_shift)
         T = self.config.num_train_timesteps

@@ -28,12 +28,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pan2render.models.dit import PAN2DiT
-from pan2render.models.pipeline import Denoiser, apply_guidance
+from pan2render.models.strategies import Denoiser, VelocityFn, apply_guidance
 
 from .group import SequenceGroup
 from .ulysses import parallelize_dit
 
-__all__ = ["GuidanceSplit"]
+__all__ = ["GuidanceSplit", "GuidanceSplitDenoiser", "guidance_split_for"]
 
 BRANCHES = ("conditional", "unconditional")
 
@@ -60,7 +60,7 @@ class GuidanceSplit:
     def branch_name(self) -> str:
         return BRANCHES[self.branch]
 
-    def denoiser(self, cond: Tensor, uncond: Tensor, guidance: float) -> Denoiser:
+    def denoiser(self, cond: Tensor, uncond: Tensor, guidance: float) -> VelocityFn:
         """``(latents, timestep) -> guided velocity``, the same on every rank. Only this half's text
         K/V are prepared: the other branch's context never runs here."""
         context = self.dit.prepare_context(cond if self.branch == 0 else uncond)
@@ -103,3 +103,30 @@ def guidance_split_for(model: PAN2DiT, group: SequenceGroup, *, enabled: bool) -
     if not enabled or group.world_size < 2 or group.world_size % 2:
         return None
     return GuidanceSplit(model, group)
+
+
+class GuidanceSplitDenoiser:
+    """The `Denoiser` of an even group with the split: guided steps through ``split`` (one branch per
+    half), unguided steps (one pass, nothing to split) through ``unguided``, Ulysses over the whole
+    group."""
+
+    def __init__(self, split: GuidanceSplit, *, unguided: Denoiser) -> None:
+        if unguided.ranks != split.group.world_size:
+            raise ValueError(f"the unguided denoiser runs on {unguided.ranks} ranks, the split on "
+                             f"{split.group.world_size}: both must use the whole group")
+        self.split = split
+        self.unguided = unguided
+
+    @property
+    def ranks(self) -> int:
+        return self.split.group.world_size
+
+    def prepare(self, cond: Tensor, uncond: Tensor | None, guidance: float) -> VelocityFn:
+        if uncond is None:
+            return self.unguided.prepare(cond, None, guidance)
+        return self.split.denoiser(cond, uncond, guidance)
+
+    def describe(self) -> dict[str, object]:
+        half = self.split.half_size
+        return {**self.unguided.describe(),
+                "guided_steps": f"one branch per half of the group ({half} rank(s) each, Ulysses within a half)"}

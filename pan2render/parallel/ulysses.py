@@ -45,11 +45,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pan2render.models.dit import ContextCache, PAN2DiT, TimestepConditioning
+from pan2render.models.dit import AttentionOp, ContextCache, PAN2DiT, TimestepConditioning
+from pan2render.models.strategies import BatchedGuidance, SeparateGuidance, VelocityFn
 
 from .group import SequenceGroup, all_gather_seq
 
-__all__ = ["SequenceParallelDiT", "ShardLayout", "UlyssesAttention", "default_chunks", "parallelize_dit"]
+__all__ = ["SequenceParallelDiT", "ShardLayout", "UlyssesAttention", "UlyssesDenoiser", "default_chunks",
+           "parallelize_dit"]
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
@@ -87,11 +89,11 @@ class ShardLayout:
         return min(self.start + self.shard, self.num_tokens) - self.start
 
 
-class UlyssesAttention:
+class UlyssesAttention(AttentionOp):
     """Self-attention of the whole sequence computed from sequence shards (see the module doc).
 
-    Call signature of `pan2render.models.dit_ops.attention`: q, k, v ``[B, H, s, D]`` (this
-    rank's padded shard, all heads) -> ``[B, H, s, D]``. ``v`` may also be a zero-argument callable
+    An `AttentionOp`: q, k, v ``[B, H, s, D]`` (this rank's padded shard, all heads) ->
+    ``[B, H, s, D]``. ``v`` may also be a zero-argument callable
     returning it (``accepts_lazy_v``): `SelfAttention` then passes its v projection unevaluated,
     and q's and k's exchanges run on the communication stream while the v GEMM computes (two
     thirds of the inbound all-to-all hidden behind it).
@@ -103,7 +105,7 @@ class UlyssesAttention:
     exchange stay exposed.
     """
 
-    accepts_lazy_v = True  # see the class doc; read by SelfAttention
+    accepts_lazy_v = True  # see the class doc
 
     def __init__(self, inner: AttentionFn, *, group: SequenceGroup, layout: ShardLayout, chunks: int = 1) -> None:
         self.inner = inner
@@ -113,7 +115,7 @@ class UlyssesAttention:
 
     @property
     def head_groups(self) -> int:
-        """Read by SelfAttention: with one chunk, q, k, v come as ``[N, B, s, H/N, D]``
+        """With one chunk, q, k, v come as ``[N, B, s, H/N, D]``
         contiguous, the send buffer itself (measured on 2 H200s: the packing copies of q, k, v were
         ~30 ms of a 0.91 s guided step). With head chunks they come ``[B, H, s, D]`` and are
         packed per chunk here."""
@@ -318,3 +320,27 @@ def parallelize_dit(
     if seq.world_size == 1:
         return model
     return SequenceParallelDiT(model, seq, chunks=chunks)
+
+
+class UlyssesDenoiser:
+    """The `Denoiser` of a group running every forward Ulysses-parallel over the whole group: a
+    guided step's two branches one after the other (or as one batch-2 forward with
+    ``batch_guidance``, `PAN2PipelineConfig.guidance_batch`), each over all ranks."""
+
+    def __init__(self, model: PAN2DiT, group: SequenceGroup, *, batch_guidance: bool = False,
+                 chunks: int | None = None) -> None:
+        self.group = group
+        self.dit = parallelize_dit(model, group, chunks=chunks)
+        # The single-process strategy, run over the Ulysses wrapper instead of the plain model.
+        self.local = (BatchedGuidance if batch_guidance else SeparateGuidance)(self.dit)
+
+    @property
+    def ranks(self) -> int:
+        return self.group.world_size
+
+    def prepare(self, cond: Tensor, uncond: Tensor | None, guidance: float) -> VelocityFn:
+        return self.local.prepare(cond, uncond, guidance)
+
+    def describe(self) -> dict[str, object]:
+        where = f"Ulysses over {self.ranks} ranks"
+        return {"ranks": self.ranks, "guided_steps": f"both branches {where}", "unguided_steps": where}

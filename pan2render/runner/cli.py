@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import pan2render
 from pan2render.jobs import disk
-from pan2render.jobs.batch import Overrides, list_presets
+from pan2render.jobs.batch import Overrides, list_presets, preset_text
 from pan2render.jobs.ledger import LEDGER_NAME, FolderLock, FolderLockedError, JobRecord, JobState, Ledger
 from pan2render.jobs.spec import Batch, BatchValidationError, JobSpec
 from pan2render.runner import errors
@@ -148,7 +148,8 @@ def _parser() -> argparse.ArgumentParser:
     fix.add_argument("--retries", type=int, default=2, metavar="N", help="retry budget of rebuilt jobs")
     fix.set_defaults(func=cmd_repair)
 
-    pr = sub.add_parser("presets", help="list the presets and their fields")
+    pr = sub.add_parser("presets", help="list the presets and their fields, or print one")
+    pr.add_argument("name", nargs="?", help="print this preset's file, comments included")
     pr.set_defaults(func=cmd_presets)
     return p
 
@@ -503,11 +504,19 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_presets(args: argparse.Namespace) -> int:
     from pan2render.runner.views import table  # noqa: PLC0415
 
+    if args.name is not None:
+        try:
+            print(preset_text(args.name), end="")
+        except LookupError as exc:
+            _err(f"pan2-render presets: {exc.args[0]}")
+            return EXIT_USAGE
+        return EXIT_OK
     keys = ["height", "width", "frames", "fps", "steps", "guidance", "flow_shift", "sampler", "gpus", "crf"]
     rows = [[name, *(str(values.get(k, "")) for k in keys), str(values.get("description", ""))]
             for name, values in sorted(list_presets().items())]
     print(table(["preset", *keys, "description"], rows))
-    print("Use one with `preset: NAME` in a batch or `--set preset=NAME`; any job field overrides it.")
+    print("`pan2-render presets NAME` prints one. Use one with `preset: NAME` in a batch or `--set preset=NAME`; "
+          "any job field overrides it.")
     return EXIT_OK
 
 

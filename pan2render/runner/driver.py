@@ -42,7 +42,7 @@ from pan2render.jobs.ledger import (
 )
 from pan2render.jobs.weights import folder_fingerprint
 from pan2render.runner import outputs, stages
-from pan2render.runner.groups import Call, Executor, Group, GroupDied, GroupPool, GroupStartError
+from pan2render.runner.groups import Call, Executor, GcsLost, Group, GroupDied, GroupPool, GroupStartError
 from pan2render.runner.messages import (
     JOB_CALLS,
     CollectCall,
@@ -221,6 +221,7 @@ class Driver:
                             failed=sum(j.state is JobState.FAILED for j in now))
         try:
             while (self._pending and self._stop is None) or self._active:
+                self.ex.check_cluster()
                 self._dispatch()
                 if not self._active:  # nothing running: a group is starting (or failed to)
                     self.pool.wait_for_start(self.config.poll_s)
@@ -239,6 +240,18 @@ class Driver:
             for a in list(self._active.values()):
                 self.ledger.transition(a.job.id, JobEvent.INTERRUPT, reason=f"interrupted ({why})")
                 self.progress.job_ended(a.job.id, "interrupted")
+            raise
+        except ClusterLostError as e:
+            for a in list(self._active.values()):
+                self.ledger.transition(a.job.id, JobEvent.INTERRUPT, reason=f"the cluster was lost: {e}")
+                self.progress.job_ended(a.job.id, "requeued", "the cluster was lost")
+            if isinstance(e, GcsLost):
+                left = sum(j.state is JobState.PENDING for j in self.ledger.jobs(job_ids))
+                raise ClusterLostError(
+                    f"{e}. The {left} unfinished job(s) are pending, none was charged an attempt for the "
+                    f"loss; finished jobs are intact. Start the cluster again (`ray start --head` on its "
+                    f"head node), then `pan2-render resume {self.out_dir}` (with --address naming the new "
+                    f"head) finishes the batch") from e
             raise
         finally:
             self.progress.close()
@@ -531,7 +544,7 @@ class Driver:
             self.ledger.log(a.job.id, "group-discarded", f"group {a.group.id} after [{kind.value}]: {msg}")
         others = self._drop_group(a, msg)
         self._record_failure(job, stage, msg, tb, kind, decision)
-        self._fail_others(a, others, msg)
+        self._fail_others(a, others, msg, kind)
 
     def _drop_group(self, a: _Active, msg: str) -> list[_Active]:
         """Tear ``a``'s group down; every job on it leaves it. Returns the jobs other than ``a``."""
@@ -542,15 +555,17 @@ class Driver:
         self.ledger.log(a.job.id, "group-died", msg)
         return others
 
-    def _fail_others(self, a: _Active, others: list[_Active], msg: str) -> None:
+    def _fail_others(self, a: _Active, others: list[_Active], msg: str, kind: FailureKind) -> None:
         """Every other job the torn-down group owned (one queued on its GPU lane, ones encoding)
-        fails where it stood, as a worker death; each goes back from its last durable stage."""
+        fails where it stood, as a worker death (as cluster-lost when ``a``'s failure was: they
+        were on the same lost node); each goes back from its last durable stage."""
         group = a.group
         for x in others:
             x_stage = _stage_of(x.call.message) if x.call is not None else self._next_stage(x.job.id)
             x_msg = f"group {group.id} was torn down (after job {a.job.name}: {msg.splitlines()[0][:300]})"
             self.ledger.log(x.job.id, "group-died", x_msg)
-            x_kind = self._unless_cluster_lost(FailureKind.WORKER_DEATH, group.size)
+            x_kind = (kind if kind is FailureKind.CLUSTER_LOST
+                      else self._unless_cluster_lost(FailureKind.WORKER_DEATH, group.size))
             self._on_failure(self.ledger.job(x.job.id), x_stage, x_msg, None, x_kind)
 
     def _on_failure(self, job: JobRecord, stage: Stage, error: str, tb: str | None,
@@ -624,7 +639,7 @@ class Driver:
         waited = time.monotonic() - self._lost_since
         if waited > self.config.cluster_wait_s and not self._active:  # running jobs finish first
             raise ClusterLostError(
-                f"the Ray cluster lost its GPUs ({available} left, {need} needed) and they did not come back "
+                f"{self.ex.cluster} lost its GPUs ({available} left, {need} needed) and they did not come back "
                 f"within {self.config.cluster_wait_s:.0f} s; the {len(self._pending)} unfinished job(s) are "
                 f"pending, none was charged an attempt. Bring the node(s) back (`ray status` on the head "
                 f"shows them), then `pan2-render resume {self.out_dir}`")

@@ -19,11 +19,20 @@ groups of other sizes down when a job needs their GPUs. Where the executor says 
 (``starts_in_background``: Ray, where a start waits for a placement group, up to the start timeout
 on a busy shared cluster, and then for the actors' processes and their process group) the pool
 creates a group on a background thread, so the driver keeps serving the running jobs meanwhile.
+
+A :class:`RayExecutor` also watches its cluster. A call that fails because its group's node left
+the cluster says so (its GroupDied's kind is cluster-lost): the failure is the cluster's, not the
+job's. And a GCS that stops accepting connections is noticed by probing its port
+(:class:`GcsWatch`), since Ray's own calls that need the GCS then block until Ray ends the driver:
+``check_cluster`` raises :class:`GcsLost` before that, while the driver can still put its jobs
+back and say so.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import socket
 import threading
 import time
 import traceback
@@ -34,7 +43,7 @@ from typing import Any, Protocol
 
 from pan2render.runner.messages import InitGroupCall, Lane, RendezvousCall, Reply, WorkerCall
 from pan2render.runner.progress import StepClock, StepReport
-from pan2render.runner.retry import FailureKind, classify_group_death
+from pan2render.runner.retry import ClusterLostError, FailureKind, classify_group_death
 from pan2render.runner.worker import (
     GPU_QUEUE_DEPTH,
     IO_CONCURRENCY,
@@ -46,11 +55,17 @@ from pan2render.runner.worker import (
 
 class GroupDied(RuntimeError):
     """A worker of the group died or stopped answering; the group must be torn down. ``kind``:
-    its failure class, from the type of what Ray raised (retry.classify_group_death)."""
+    its failure class, from the type of what Ray raised (retry.classify_group_death), or
+    cluster-lost when the group's node left the cluster (the failure is then not the job's)."""
 
     def __init__(self, message: str, *, kind: FailureKind = FailureKind.WORKER_DEATH):
         super().__init__(message)
         self.kind = kind
+
+
+class GcsLost(ClusterLostError):
+    """The cluster's GCS (on its head node) stopped accepting connections for longer than
+    :func:`gcs_lost_after_s`: the head node or its GCS process died."""
 
 
 class ClusterConnectError(RuntimeError):
@@ -108,6 +123,7 @@ class Call:
 class Executor(Protocol):
     starts_in_background: bool  # GroupPool runs create_group on a thread (it blocks for long)
     worker_logs: str | None  # where the workers' own logs are, to tell the user once
+    cluster: str  # how messages name the cluster ("the Ray cluster at HOST:PORT")
 
     def total_gpus(self) -> int: ...
     def max_group_size(self) -> int: ...  # most GPUs on one node (a group is STRICT_PACK)
@@ -117,6 +133,7 @@ class Executor(Protocol):
     def wait(self, calls: Sequence[Call], *, timeout_s: float) -> list[Call]: ...
     def result(self, call: Call) -> Reply[Any]: ...
     def progress(self) -> dict[str, StepReport]: ...
+    def check_cluster(self) -> None: ...  # raises ClusterLostError when the cluster is gone
     def shutdown(self) -> None: ...
 
 
@@ -137,6 +154,7 @@ class LocalExecutor:
 
     starts_in_background = False  # a group is one in-process object: nothing to wait for
     worker_logs = None  # the workers log where this process does
+    cluster = "the in-process cluster"
 
     def __init__(self, *, gpus: int, config: WorkerConfig):
         self._gpus = gpus
@@ -199,6 +217,9 @@ class LocalExecutor:
     def progress(self) -> dict[str, StepReport]:
         return self._progress.snapshot()
 
+    def check_cluster(self) -> None:
+        """An in-process cluster cannot be lost."""
+
     def shutdown(self) -> None:
         self._io.shutdown(wait=False, cancel_futures=True)
 
@@ -244,6 +265,19 @@ class RayExecutor:
         session = (getattr(context, "address_info", None) or {}).get("session_dir")
         if session:
             self.worker_logs = f"{session}/logs"
+        # A Ray client (ray://) reaches the cluster through its client server, not the GCS.
+        self._gcs: GcsWatch | None = None
+        self.cluster = f"the Ray cluster at {address}"
+        gcs_address = None if (address or "").startswith(RAY_CLIENT_SCHEME) else \
+            ray.get_runtime_context().gcs_address
+        if gcs_address and GcsWatch.parse(gcs_address) is not None:
+            self._gcs = GcsWatch(gcs_address)
+            self.cluster = (f"the Ray cluster at {gcs_address}" if address is not None or not self._owns_ray
+                            else f"the local Ray cluster this run started (GCS at {gcs_address})")
+        self._gcs_lost_after_s = gcs_lost_after_s()
+        # GCS queries run here, each with a deadline: one that would block (the GCS died after the
+        # last probe) leaves its thread stuck instead of the driver's loop.
+        self._gcs_queries = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="gcs-query")
         # Two lanes per actor (worker.py): the default group runs the GPU lane with one thread per
         # call the driver may queue (the worker orders them by seq), "io" runs the I/O lane.
         self._actor_cls = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=GPU_QUEUE_DEPTH,
@@ -253,15 +287,49 @@ class RayExecutor:
         self._lock = threading.Lock()
 
     def total_gpus(self) -> int:
-        return int(self._ray.cluster_resources().get("GPU", 0))
+        return int(self._ask_gcs(self._ray.cluster_resources).get("GPU", 0))
 
     def max_group_size(self) -> int:
-        per_node = [n.get("Resources", {}).get("GPU", 0) for n in self._ray.nodes() if n.get("Alive")]
+        per_node = [n.get("Resources", {}).get("GPU", 0) for n in self._ask_gcs(self._ray.nodes) if n.get("Alive")]
         return int(max(per_node, default=0))
+
+    def _ask_gcs(self, query: Any) -> Any:
+        """``query()``, a Ray call that the GCS answers. With the GCS gone such a call blocks,
+        deaf to signals, until Ray ends the process: so it is not made while the GCS refuses
+        connections, and is given up (GcsLost) after a deadline."""
+        if self._gcs is None:
+            return query()
+        if not self._gcs.probe():
+            raise GcsLost(f"{self.cluster}: its GCS refuses connections")
+        deadline = min(GCS_QUERY_TIMEOUT_S, self._gcs_lost_after_s / 2)
+        try:
+            return self._gcs_queries.submit(query).result(timeout=deadline)
+        except futures.TimeoutError:
+            raise GcsLost(f"{self.cluster}: its GCS did not answer within {deadline:.0f} s") from None
+
+    def _gcs_down(self) -> bool:
+        return self._gcs is not None and not self._gcs.probe()
+
+    def check_cluster(self) -> None:
+        """Raise GcsLost once the GCS has refused connections for ``gcs_lost_after_s``: the run
+        must end while it still can (Ray ends a driver that cannot reach its GCS for
+        RAY_gcs_rpc_server_reconnect_timeout_s, without running any of its clean-up)."""
+        if self._gcs is None:
+            return
+        down = self._gcs.down_for()
+        if down >= self._gcs_lost_after_s:
+            raise GcsLost(
+                f"{self.cluster} is gone: its GCS (on the head node) has refused "
+                f"connections for {down:.0f} s, so the head node or its GCS process died, and with it "
+                f"this run's workers")
 
     def create_group(self, size: int, *, timeout_s: float) -> Group:
         ray = self._ray
-        from ray.util.placement_group import placement_group, remove_placement_group  # noqa: PLC0415
+        from ray.util.placement_group import (  # noqa: PLC0415
+            placement_group,
+            placement_group_table,
+            remove_placement_group,
+        )
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
 
         gid = f"g{next(_ids)}x{size}"
@@ -276,6 +344,8 @@ class RayExecutor:
                 f"the cluster has {self.total_gpus()} GPUs, {free} free now (a group needs {size} on ONE "
                 f"node; on a shared cluster others may hold them: see --group-start-timeout)"
             ) from None
+        # The nodes holding the group, to tell a lost node from a dead worker when a call fails.
+        nodes = set(placement_group_table(pg).get("bundles_to_node_id", {}).values())
         progress = _RayProgress(self._progress_actor)
         actors = [
             self._actor_cls.options(
@@ -285,7 +355,7 @@ class RayExecutor:
             ).remote(rank=rank, world_size=size, config=self._config, progress=progress)
             for rank in range(size)
         ]
-        group = Group(id=gid, size=size, handle={"pg": pg, "actors": actors})
+        group = Group(id=gid, size=size, handle={"pg": pg, "actors": actors, "nodes": nodes})
         with self._lock:
             self._groups[gid] = group
         if size > 1:
@@ -311,6 +381,10 @@ class RayExecutor:
     def destroy_group(self, group: Group) -> None:
         from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
 
+        if self._gcs_down():  # both calls below need the GCS; the cluster's end took the group
+            with self._lock:
+                self._groups.pop(group.id, None)
+            return
         for actor in group.handle["actors"]:
             try:
                 self._ray.kill(actor, no_restart=True)
@@ -375,11 +449,26 @@ class RayExecutor:
             # monitor, lost objects; `execute` itself never raises, so any of them means the group.
             # Keep the whole message (capped): for an actor that failed to start, the cause (e.g.
             # an ImportError on that node) is on the lines after the first.
-            raise GroupDied(f"group {call.group.id} failed in {type(call.message).__name__}: "
-                            f"{type(e).__name__}: {str(e)[:2000]}", kind=classify_group_death(e)) from e
+            lost = self._node_lost(call.group)
+            where = " (its node left the cluster)" if lost else ""
+            raise GroupDied(f"group {call.group.id} failed in {type(call.message).__name__}{where}: "
+                            f"{type(e).__name__}: {str(e)[:2000]}",
+                            kind=FailureKind.CLUSTER_LOST if lost else classify_group_death(e)) from e
         return _first_failure(replies)
 
+    def _node_lost(self, group: Group) -> bool:
+        """Is a node of ``group`` gone from the cluster (or the cluster past asking)? Ray reports
+        the actors of a dead node dead only once the GCS has marked the node dead, so by the
+        time a call fails for it the node table says so."""
+        try:
+            alive = {n["NodeID"] for n in self._ask_gcs(self._ray.nodes) if n.get("Alive")}
+        except Exception:  # noqa: BLE001 - the GCS cannot be asked: the cluster itself is failing
+            return True
+        return not group.handle.get("nodes", set()) <= alive
+
     def progress(self) -> dict[str, StepReport]:
+        if self._gcs is not None and self._gcs.down_for() > 0:
+            return {}  # its actor may have died with the cluster: Ray would ask the GCS, and block
         try:
             return self._ray.get(self._progress_actor.snapshot.remote(), timeout=10)
         except Exception:  # noqa: BLE001 - progress is cosmetic; never let it stop the batch
@@ -390,10 +479,14 @@ class RayExecutor:
             groups = list(self._groups.values())
         for group in groups:
             self.destroy_group(group)
-        try:
-            self._ray.kill(self._progress_actor, no_restart=True)
-        except Exception:  # noqa: BLE001
-            pass
+        if not self._gcs_down():
+            try:
+                self._ray.kill(self._progress_actor, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        if self._gcs is not None:
+            self._gcs.stop()
+        self._gcs_queries.shutdown(wait=False, cancel_futures=True)
         if self._owns_ray:
             self._ray.shutdown()
 
@@ -414,6 +507,77 @@ def probe_address(address: str) -> None:
             f"head's GCS address (`ray status` on the head node prints it), or omit --address to "
             f"start a local cluster"
         ) from None
+
+
+# Ray's default for RAY_gcs_rpc_server_reconnect_timeout_s: how long a driver keeps trying to
+# reach a GCS that stopped answering before Ray ends the process.
+RAY_GCS_RECONNECT_DEFAULT_S = 60.0
+# Longest a GCS query (cluster resources, the node table) may take before the GCS counts as
+# unreachable; a live GCS answers them in well under a second.
+GCS_QUERY_TIMEOUT_S = 10.0
+
+
+def gcs_lost_after_s() -> float:
+    """How long the GCS may refuse connections before the run ends, cluster lost: half of Ray's
+    own reconnect timeout, which leaves the other half to put the running jobs back to pending and
+    say so. (A GCS with fault tolerance restarts within seconds, and is waited for.)"""
+    try:
+        ray_s = float(os.environ.get("RAY_gcs_rpc_server_reconnect_timeout_s", RAY_GCS_RECONNECT_DEFAULT_S))
+    except ValueError:
+        ray_s = RAY_GCS_RECONNECT_DEFAULT_S
+    return ray_s / 2
+
+
+class GcsWatch:
+    """Probes, once a second on a daemon thread, that the GCS at ``address`` (host:port) accepts
+    a TCP connection. A probe needs nothing from Ray, so it works when every Ray call that needs
+    the GCS would block."""
+
+    def __init__(self, address: str, *, period_s: float = 1.0):
+        target = self.parse(address)
+        if target is None:
+            raise ValueError(f"GCS address {address!r} is not HOST:PORT")
+        self.address = address
+        self._target = target
+        self._period_s = period_s
+        self._down_since: float | None = None
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        threading.Thread(target=self._run, name="gcs-watch", daemon=True).start()
+
+    @staticmethod
+    def parse(address: str) -> tuple[str, int] | None:
+        """(host, port) of ``HOST:PORT`` or ``[IPv6]:PORT``; None when it is neither."""
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            return None
+        return host.removeprefix("[").removesuffix("]"), int(port)
+
+    def probe(self) -> bool:
+        """Probe now; True when the GCS accepted the connection."""
+        try:
+            socket.create_connection(self._target, timeout=self._period_s).close()
+            up = True
+        except OSError:
+            up = False
+        with self._lock:
+            if up:
+                self._down_since = None
+            elif self._down_since is None:
+                self._down_since = time.monotonic()
+        return up
+
+    def down_for(self) -> float:
+        """Seconds since the GCS first refused a connection in the current outage (0: it is up)."""
+        with self._lock:
+            return 0.0 if self._down_since is None else time.monotonic() - self._down_since
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._period_s):
+            self.probe()
 
 
 class _RayProgress:

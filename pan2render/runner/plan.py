@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pan2render.jobs.batch import TINY_MODEL
+from pan2render.jobs.inputs import dit_tokens
 from pan2render.jobs.ledger import LEDGER_NAME, JobState, Ledger, Stage
 from pan2render.jobs.spec import JobSpec
 
@@ -60,11 +61,6 @@ REFERENCES: dict[str, Reference] = {
         where="shared 2-core CPU, tiny model", width=64, height=64, frames=17,
         times=StageTimes(conditioning=0.2, per_step=0.24, decode=2.4, encode=0.1), group_start_s=25.0),
 }
-
-
-def latent_tokens(width: int, height: int, frames: int) -> int:
-    """The DiT's sequence length: VAE 16x spatial and 4x temporal, patch 1x2x2 -> per 32x32 px."""
-    return ((frames - 1) // 4 + 1) * (height // 32) * (width // 32)
 
 
 def _key(spec: JobSpec) -> tuple[str, int, int, int, int, bool]:
@@ -136,7 +132,8 @@ def reference_times(spec: JobSpec) -> StageTimes:
     """The reference job scaled to this job: sampling and decode by latent tokens (linear: an
     optimistic bound for attention, which is quadratic), encode by pixels, steps by guidance."""
     ref = reference_for(spec)
-    tokens = latent_tokens(spec.width, spec.height, spec.frames) / latent_tokens(ref.width, ref.height, ref.frames)
+    tokens = (dit_tokens(frames=spec.frames, height=spec.height, width=spec.width)
+              / dit_tokens(frames=ref.frames, height=ref.height, width=ref.width))
     pixels = spec.width * spec.height * spec.frames / (ref.width * ref.height * ref.frames)
     guided = 1.0 if spec.guidance > 1.0 else 0.5
     t = ref.times

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from pan2render.parallel import parallelize_pipeline
+
 FAKE_FACTORY = "pan2render.runner.testing:load_fake_pipeline"
 TEXT_DIM = 16
 LATENT_CHANNELS = 48
@@ -73,6 +75,12 @@ class FakePipeline:
         base = torch.nn.functional.interpolate(base, scale_factor=16, mode="nearest")  # [3, F, H, W]
         rgb = (base.permute(1, 2, 3, 0) * 40 + 128).clamp(0, 255).to(torch.uint8)
         return rgb.contiguous()  # uint8 [frames, H, W, 3]
+
+
+@parallelize_pipeline.register
+def _replicated(pipe: FakePipeline, group: object) -> FakePipeline:
+    """In a group the stand-in runs the same computation on every rank (same seed, same result)."""
+    return pipe
 
 
 def load_fake_pipeline(model: str, device: str) -> FakePipeline:

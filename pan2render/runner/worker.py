@@ -63,7 +63,6 @@ from pan2render.runner.messages import (
     WorkerFailure,
 )
 from pan2render.runner.retry import DeviceError, FailureKind, JobInputError, classify_exception
-from pan2render.sampling import DMD
 
 DEFAULT_PIPELINE_FACTORY = "pan2render.runner.worker:load_pan2_pipeline"
 
@@ -231,10 +230,11 @@ class RenderWorker:
         if pipe is None:
             module, attr = self.config.pipeline_factory.split(":", 1)
             pipe = getattr(importlib.import_module(module), attr)(model, self.device)
-            if self._group is not None and hasattr(pipe, "parallelize"):
-                # The one place a group's pipeline becomes sequence-parallel. Without it every rank
-                # runs the same computation (same seed => same result) and rank 0 replies.
-                pipe = pipe.parallelize(self._group)
+            if self._group is not None:
+                from pan2render.parallel import parallelize_pipeline  # noqa: PLC0415 - groups only
+
+                # The one place a group's pipeline becomes sequence-parallel.
+                pipe = parallelize_pipeline(pipe, self._group)
             self._pipes[model] = pipe
         return pipe
 
@@ -284,11 +284,7 @@ class RenderWorker:
         lat = pipe.sample(
             prompt_embeds=stages.unpack_embedding(call.prompt_embeds),
             negative_prompt_embeds=stages.unpack_embedding(call.negative_embeds),
-            image=first_frame, height=js.height, width=js.width, frames=js.frames,
-            # dmd: the step count is the number of timesteps, the job's or the checkpoint's own.
-            steps=None if js.sampler == DMD else js.steps, timesteps=js.timesteps,
-            guidance=js.guidance, seed=js.seed, flow_shift=js.flow_shift, sampler=js.sampler,
-            progress=progress,
+            image=first_frame, progress=progress, **js.sample_args(),
         )  # float32 [48, T, h, w]
         return SampleReply(latents=stages.pack_latents(lat, spec_hash=js.spec_hash, seed=js.seed, steps=js.steps,
                                                        model_id=pipe.model_id, spec=spec))

@@ -315,17 +315,6 @@ def test_presets_have_the_documented_values() -> None:
         assert presets[name]["description"]
 
 
-def test_preset_copies_are_identical() -> None:
-    # The package copy is the one loaded (and shipped in the wheel); configs/presets mirrors it.
-    packaged = {p.name: p.read_bytes() for p in (REPO / "pan2render/configs/presets").glob("*.yaml")}
-    browsable = {p.name: p.read_bytes() for p in (REPO / "configs/presets").glob("*.yaml")}
-    assert packaged.keys() == browsable.keys()
-    for name in packaged:
-        assert packaged[name] == browsable[name], (
-            f"configs/presets/{name} differs from pan2render/configs/presets/{name}; edit the package copy "
-            "and run: cp pan2render/configs/presets/*.yaml configs/presets/")
-
-
 # --------------------------------------------------------------------------------------------------
 # Resolution
 

@@ -35,7 +35,7 @@ def _reset(monkeypatch: pytest.MonkeyPatch):
     attn_mod._warned.clear()
     monkeypatch.setattr(attn_mod, "_fa4_broken", None)
     yield
-    set_attention_backend("auto", split_batch=False, contiguous=False, short_kv_backend="auto")
+    set_attention_backend("auto", short_kv_backend="auto")
 
 
 def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -372,10 +372,10 @@ def test_bad_inputs_raise_clear_errors(models) -> None:
 
 
 def test_self_attention_hands_a_grouping_attention_fn_its_send_layout() -> None:
-    """An attention_fn with ``head_groups`` G and ``accepts_lazy_v`` (Ulysses) gets q, k as
+    """An AttentionOp with ``head_groups`` G and ``accepts_lazy_v`` (Ulysses) gets q, k as
     [G, B, L, H/G, D] and v as a callable giving the same layout; regrouped, the result equals
     the plain call's."""
-    from pan2render.models.dit import SelfAttention
+    from pan2render.models.dit import AttentionOp, SelfAttention
 
     torch.manual_seed(0)
     layer = SelfAttention(dim=48, num_heads=4, eps=1e-6).eval()
@@ -387,7 +387,7 @@ def test_self_attention_hands_a_grouping_attention_fn_its_send_layout() -> None:
         groups, batch, seq, per, dim = t.shape
         return t.permute(1, 2, 0, 3, 4).reshape(batch, seq, groups * per, dim).transpose(1, 2)
 
-    class Grouping:
+    class Grouping(AttentionOp):
         head_groups = 2
         accepts_lazy_v = True
 
@@ -404,3 +404,36 @@ def test_self_attention_hands_a_grouping_attention_fn_its_send_layout() -> None:
         got = layer(h, rope=rope, ops=TORCH_OPS)
     assert seen == {"lazy": True, "shapes": ((2, 2, 10, 2, 12),) * 3, "contiguous": True}
     torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_ops_declare_their_layout_requests() -> None:
+    """The layer reads ``head_groups`` / ``accepts_lazy_v`` from the `AttentionOp` interface only: a
+    plain function becomes a `LocalAttention` (one group, v evaluated), and an object that merely
+    carries such attributes without being an AttentionOp is not taken at its word."""
+    from pan2render.models.dit import AttentionOp, LocalAttention, SelfAttention
+
+    torch.manual_seed(0)
+    layer = SelfAttention(dim=48, num_heads=4, eps=1e-6).eval()
+    assert layer.attention_fn == LocalAttention(attention)  # the default: the local op
+    assert (layer.attention_fn.head_groups, layer.attention_fn.accepts_lazy_v) == (1, False)
+    h = torch.randn(2, 10, 48)
+    rope = (torch.rand(10, 6) * 2 - 1, torch.rand(10, 6) * 2 - 1)
+    seen: list[tuple[bool, tuple[int, ...]]] = []
+
+    class LooksGrouped:  # not an AttentionOp: its attributes are not a request
+        head_groups = 2
+        accepts_lazy_v = True
+
+        def __call__(self, q, k, v):
+            seen.append((callable(v), tuple(q.shape)))
+            return attention(q, k, v)
+
+    with torch.no_grad():
+        plain = layer(h, rope=rope, ops=TORCH_OPS)
+        layer.attention_fn = LooksGrouped()
+        assert isinstance(layer.attention_fn, LocalAttention) and isinstance(layer.attention_fn, AttentionOp)
+        got = layer(h, rope=rope, ops=TORCH_OPS)
+    assert seen == [(False, (2, 4, 10, 12))]
+    torch.testing.assert_close(got, plain, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="attention_fn must be an AttentionOp or a function"):
+        layer.attention_fn = "sdpa"

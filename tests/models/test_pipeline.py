@@ -236,14 +236,19 @@ def test_fused_kernel_switch_is_per_pipeline(tiny: PAN2Pipeline) -> None:
 
 
 def test_batched_guidance_equals_two_passes(tiny: PAN2Pipeline) -> None:
+    from pan2render.models.strategies import BatchedGuidance, SeparateGuidance
+
     req = dict(prompt="a boat", negative_prompt="blur", height=32, width=64, frames=9, steps=3,
                guidance=3.0, seed=2)
+    assert type(tiny.denoiser) is SeparateGuidance  # guidance_batch off by default
     two = tiny.sample(**req)
-    tiny.config.guidance_batch = True
-    try:
-        one = tiny.sample(**req)
-    finally:
-        tiny.config.guidance_batch = False
+    batched = PAN2Pipeline.from_pretrained("tiny", PAN2PipelineConfig(device="cpu", guidance_batch=True))
+    assert type(batched.denoiser) is BatchedGuidance
+    calls = []
+    forward = batched.dit.forward
+    batched.dit.forward = lambda x, t, c: calls.append(x.shape[0]) or forward(x, t, c)
+    one = batched.sample(**req)
+    assert calls == [2, 2, 2]  # one batch-2 forward per guided step
     err = _max_rel(one, two)
     print(f"guidance as one batch-2 forward vs two batch-1 forwards: max rel err {err:.1e}")
     assert err <= 1e-5
@@ -275,3 +280,53 @@ def test_fp32_residual_switch_is_per_pipeline_and_validated() -> None:
         PAN2PipelineConfig(device="cpu", dit_fp32_residual="no")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"dit_fused_kernels=1: expected True or False"):
         PAN2PipelineConfig(device="cpu", dit_fused_kernels=1)  # type: ignore[arg-type]
+
+
+def test_strategies_come_from_the_config_or_the_caller(tiny: PAN2Pipeline) -> None:
+    """The pipeline samples and decodes only through the denoiser and frame decoder it was built
+    with: the single-process ones its config selects, or the caller's."""
+    from pan2render.models.strategies import FastDecoder, ReferenceDecoder, SeparateGuidance
+
+    assert type(tiny.frame_decoder) is FastDecoder  # vae_decode_kernel on by default (falls back on the CPU)
+    off = PAN2Pipeline(dit=tiny.dit, vae=tiny.vae, text_encoder=None, scheduler_config=tiny.scheduler_config,
+                       config=PAN2PipelineConfig(device="cpu", vae_decode_kernel=False), model_id="off")
+    assert type(off.frame_decoder) is ReferenceDecoder
+    assert off.describe()["decode"] == "reference decoder (vae_decode_kernel is off)"
+    assert not any(hasattr(tiny, name) for name in ("process_group", "guidance_split", "parallelize"))
+
+    class Counting(SeparateGuidance):
+        def __init__(self, dit) -> None:
+            super().__init__(dit)
+            self.jobs: list[bool] = []
+            self.steps = 0
+
+        def prepare(self, cond, uncond, guidance):
+            self.jobs.append(uncond is not None)
+            velocity = super().prepare(cond, uncond, guidance)
+
+            def counted(x, t):
+                self.steps += 1
+                return velocity(x, t)
+
+            return counted
+
+    class NoFrames:  # as on a rank that does not hold the frames
+        def decode(self, z):
+            self.shape = tuple(z.shape)
+            return None
+
+        def describe(self) -> str:
+            return "elsewhere"
+
+    denoiser, decoder = Counting(tiny.dit), NoFrames()
+    custom = tiny.with_strategies(denoiser=denoiser, frame_decoder=decoder)
+    assert custom.dit is tiny.dit and tiny.denoiser is not denoiser  # shared models, own strategies
+    req = dict(prompt="x", height=32, width=32, frames=5, steps=3, seed=0)
+    latents = custom.sample(guidance=2.0, **req)
+    custom.sample(guidance=1.0, **req)
+    assert denoiser.jobs == [True, False] and denoiser.steps == 6
+    assert torch.equal(latents, tiny.sample(guidance=2.0, **req))
+    assert custom.decode(latents) is None and decoder.shape == (1, 48, 2, 2, 2)
+    assert custom.describe()["decode"] == "elsewhere"
+    assert {k: tiny.describe()[k] for k in ("ranks", "guided_steps", "unguided_steps")} == \
+        {"ranks": 1, "guided_steps": "one rank", "unguided_steps": "one rank"}

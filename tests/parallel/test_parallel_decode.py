@@ -16,6 +16,7 @@ from pan2render.kernels.vae_decode import FastWanDecoder
 from pan2render.models.tiny import TINY_VAE_CONFIG
 from pan2render.models.vae import WanVAE, WanVAEConfig
 from pan2render.parallel import decode as split
+from pan2render.parallel import parallelize_pipeline
 from pan2render.parallel.group import SequenceGroup
 from pan2render.vae_plan import DecodeRun, UnitDecoder, decoder_plan
 
@@ -97,12 +98,12 @@ def _decode_worker(rank: int, world: int, out: Path) -> None:
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
     split.log.addHandler(handler)
     split.log.setLevel(logging.INFO)
-    pipe = tiny_pipeline().parallelize(dist.group.WORLD)
+    pipe = parallelize_pipeline(tiny_pipeline(), dist.group.WORLD)
     latents = torch.randn(48, 3, 6, 10, generator=torch.Generator().manual_seed(9))
     frames = pipe.decode(latents)
     frames_again = pipe.decode(latents)  # the reason is logged once, not per decode
-    torch.save({"video": video, "fast_video": fast_video, "reference_video": reference_video, "verdict": verdict, "everyone": everyone, "frames": frames,
-                "again": frames_again, "log": records}, out / f"rank{rank}.pt")
+    torch.save({"video": video, "fast_video": fast_video, "reference_video": reference_video, "verdict": verdict,
+                "everyone": everyone, "frames": frames, "again": frames_again, "log": records}, out / f"rank{rank}.pt")
 
 
 @pytest.mark.parametrize("world", [2, 4])

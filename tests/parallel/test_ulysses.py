@@ -11,11 +11,12 @@ import torch.distributed as dist
 
 from pan2render.models import PAN2Pipeline, PAN2PipelineConfig
 from pan2render.models import dit_ops
-from pan2render.models.dit import PAN2DiT, PAN2DiTConfig
+from pan2render.models.dit import LocalAttention, PAN2DiT, PAN2DiTConfig
 from pan2render.models.scheduler import SchedulerConfig
 from pan2render.models.tiny import SCHEDULER_CONFIG, TINY_VAE_CONFIG
 from pan2render.models.vae import WanVAE, WanVAEConfig
-from pan2render.parallel import GuidanceSplit, SequenceParallelDiT, parallelize_dit
+from pan2render.parallel import (GuidanceSplit, GuidanceSplitDenoiser, SequenceParallelDiT, UlyssesDenoiser,
+                                  parallelize_dit, parallelize_pipeline)
 from pan2render.parallel.ulysses import ShardLayout
 
 from dist_helpers import max_rel, run_group
@@ -97,18 +98,23 @@ def fingerprint(cache: object) -> float:
 def _worker(rank: int, world: int, out: Path) -> None:
     # Default config: guided steps split over the two halves of the group (GuidanceSplit, each half
     # Ulysses over world/2 ranks), unguided steps Ulysses over the whole group.
-    pipe = tiny_pipeline().parallelize(dist.group.WORLD)
-    assert isinstance(pipe.dit, SequenceParallelDiT) and isinstance(pipe.guidance_split, GuidanceSplit)
-    assert pipe.guidance_split.branch == (0 if rank < world // 2 else 1)
-    calls = RecordingContexts(pipe.dit.model)
-    result = render(pipe)
+    result: dict[str, object] = {}
+    pipe = parallelize_pipeline(tiny_pipeline(), dist.group.WORLD)
+    assert isinstance(pipe.denoiser, GuidanceSplitDenoiser) and isinstance(pipe.denoiser.split, GuidanceSplit)
+    assert pipe.denoiser.split.branch == (0 if rank < world // 2 else 1)
+    whole_group_dit = pipe.denoiser.unguided.dit
+    assert isinstance(whole_group_dit, SequenceParallelDiT) and whole_group_dit.model is pipe.dit
+    result["describe"] = pipe.describe()
+    calls = RecordingContexts(pipe.dit)
+    result.update(render(pipe))
     # 2 guided steps of t2v + 2 of i2v (the same prompts): which contexts this rank's forwards used.
     result["contexts"] = list(calls.seen)
-    branch_contexts = [pipe.dit.prepare_context(inputs()[k][None]) for k in ("prompt_embeds", "negative_prompt_embeds")]
+    branch_contexts = [whole_group_dit.prepare_context(inputs()[k][None])
+                       for k in ("prompt_embeds", "negative_prompt_embeds")]
     result["branch_contexts"] = [fingerprint(c) for c in branch_contexts]
-    result["batch2"] = batch2_forward(pipe.dit)
+    result["batch2"] = batch2_forward(whole_group_dit)
     # Outside the wrapper's forward the model is plain again (the backend the blocks had).
-    assert all(b.attn1.attention_fn is dit_ops.attention for b in pipe.dit.model.blocks)
+    assert all(b.attn1.attention_fn == LocalAttention(dit_ops.attention) for b in pipe.dit.blocks)
     result["unguided"] = pipe.sample(**{**unguided_inputs(), **T2V, "guidance": 1.0})
     before = len(calls.tokens)
     result.update(render_dmd(pipe))
@@ -116,9 +122,9 @@ def _worker(rank: int, world: int, out: Path) -> None:
     # Both branches Ulysses-parallel over the whole group (guidance_parallel off). Groups of 2 take the
     # overlap path (one head chunk per head of the rank, q/k/v packed per chunk); 4 and 8 the default
     # one chunk, where q, k, v arrive in the send layout itself.
-    whole = tiny_pipeline(guidance_parallel=False).parallelize(dist.group.WORLD)
-    assert whole.guidance_split is None
-    whole.dit.chunks = HEADS // world if world == 2 else 1
+    whole = parallelize_pipeline(tiny_pipeline(guidance_parallel=False), dist.group.WORLD)
+    assert isinstance(whole.denoiser, UlyssesDenoiser)
+    whole.denoiser.dit.chunks = HEADS // world if world == 2 else 1
     embeds = {k: v for k, v in inputs().items() if k != "image"}
     result["t2v_whole_group"] = whole.sample(**embeds, **T2V)
     torch.save(result, out / f"rank{rank}.pt")
@@ -161,6 +167,12 @@ def test_group_latents_match_one_process(world: int, tmp_path: Path, reference) 
         cond, uncond = r["branch_contexts"]
         assert cond != uncond
         assert r["contexts"] == [cond if rank < world // 2 else uncond] * 4, f"rank {rank}"
+    half = world // 2
+    assert all(r["describe"] == {**results[0]["describe"], "ranks": world,
+                                 "guided_steps": f"one branch per half of the group ({half} rank(s) each, "
+                                                 f"Ulysses within a half)",
+                                 "unguided_steps": f"Ulysses over {world} ranks",
+                                 "decode": f"split by layers over {world} ranks"} for r in results)
     # Decoded on the group: uint8 frames on rank 0 only (the float comparison is in test_parallel_decode).
     frames, want = results[0]["frames"], reference["frames"]
     assert frames.shape == want.shape == (9, 96, 160, 3) and frames.dtype == torch.uint8
@@ -194,7 +206,8 @@ def test_heads_must_divide_by_group() -> None:
 
 
 def _tiny_checkpoint_worker(rank: int, world: int, out: Path) -> None:
-    pipe = PAN2Pipeline.from_pretrained("tiny", PAN2PipelineConfig(device="cpu")).parallelize(dist.group.WORLD)
+    pipe = parallelize_pipeline(PAN2Pipeline.from_pretrained("tiny", PAN2PipelineConfig(device="cpu")),
+                                dist.group.WORLD)
     latents = pipe.sample(prompt="a red kite over the sea", **T2V)
     torch.save({"latents": latents, "frames": pipe.decode(latents)}, out / f"rank{rank}.pt")
 
@@ -224,3 +237,39 @@ def test_guidance_split_only_for_even_groups() -> None:
     assert guidance_split_for(model, SequenceGroup(group=None, rank=1, world_size=2), enabled=False) is None
     split = guidance_split_for(model, SequenceGroup(group=None, rank=1, world_size=2), enabled=True)
     assert split.branch_name == "unconditional" and split.dit is model  # halves of one rank: the plain model
+
+
+@pytest.mark.parametrize("switches, guided, denoiser_type, batched, split_decode", [
+    ({}, "one branch per half of the group (1 rank(s) each, Ulysses within a half)", GuidanceSplitDenoiser,
+     False, True),
+    ({"guidance_parallel": False}, "both branches Ulysses over 2 ranks", UlyssesDenoiser, False, True),
+    ({"guidance_parallel": False, "guidance_batch": True}, "both branches Ulysses over 2 ranks", UlyssesDenoiser,
+     True, True),
+    ({"vae_decode_kernel_parallel": False}, "one branch per half of the group (1 rank(s) each, Ulysses within a "
+     "half)", GuidanceSplitDenoiser, False, False),
+])
+def test_parallelize_pipeline_picks_strategies_from_the_config(switches: dict, guided: str, denoiser_type: type,
+                                                               batched: bool, split_decode: bool) -> None:
+    """Rank 1 of a group of 2, built without a process group (nothing collective runs while building
+    halves of one rank): the config switches pick the parallel strategies, the plain pipeline is
+    left as it was, and a parallel pipeline is not parallelized twice."""
+    from pan2render.models.strategies import BatchedGuidance, FastDecoder
+    from pan2render.parallel import SplitDecoder
+    from pan2render.parallel.group import SequenceGroup
+
+    plain = tiny_pipeline(**switches)
+    alone = plain.describe()
+    pair = SequenceGroup(group=None, rank=1, world_size=2)
+    pipe = parallelize_pipeline(plain, pair)
+    assert pipe is not plain and pipe.dit is plain.dit and plain.describe() == alone
+    assert type(pipe.denoiser) is denoiser_type and pipe.denoiser.ranks == 2
+    whole = pipe.denoiser if denoiser_type is UlyssesDenoiser else pipe.denoiser.unguided
+    assert isinstance(whole.local, BatchedGuidance) is batched
+    assert isinstance(pipe.frame_decoder, SplitDecoder if split_decode else FastDecoder)
+    assert pipe.describe() == {**alone, "ranks": 2, "guided_steps": guided, "unguided_steps": "Ulysses over 2 ranks",
+                               "decode": "split by layers over 2 ranks" if split_decode else alone["decode"]}
+    with pytest.raises(ValueError, match="already parallelized"):
+        parallelize_pipeline(pipe, pair)
+    assert parallelize_pipeline(plain, SequenceGroup(group=None, rank=0, world_size=1)) is plain
+    with pytest.raises(TypeError, match="no implementation for str"):
+        parallelize_pipeline("a pipeline", pair)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from runner_helpers import write_batch
 
 from pan2render.jobs.batch import load_batch
@@ -230,6 +231,16 @@ def test_presets_and_version(capsys: pytest.CaptureFixture[str]) -> None:
         cli.main(["--version"])
     assert e.value.code == 0
     assert re.fullmatch(r"pan2-render \d+\.\d+\.\d+\n", capsys.readouterr().out)
+
+
+def test_presets_name_prints_that_preset_as_written(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["presets", "fastwan-720p"]) == 0
+    text = capsys.readouterr().out
+    assert "timesteps: [1000, 757, 522]" in text and "# FastVideo's FastWan2.2-TI2V-5B recipe" in text
+    assert yaml.safe_load(text)["sampler"] == "dmd"
+    assert cli.main(["presets", "tiny-preveiw"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown preset 'tiny-preveiw' (did you mean 'tiny-preview'?)" in err and "pan2-720p" in err
 
 
 def test_stop_signals_are_handled_unless_ignored_as_under_nohup() -> None:

@@ -1,0 +1,191 @@
+"""The two strategies a `PAN2Pipeline` is built from: how it denoises and how it decodes frames.
+
+A pipeline holds one `Denoiser` and one `FrameDecoder`, given at construction. The single-process
+implementations live here; the sequence-parallel ones (Ulysses, the guidance split, the decode split
+over a group) live in `pan2render.parallel`, which imports these protocols and `apply_guidance` from
+here and builds a parallel pipeline with `parallel.parallelize_pipeline`. Nothing in `models/` knows
+about process groups.
+
+- `Denoiser`: per job, ``prepare(cond, uncond, guidance)`` computes what depends only on the text
+  (the cross-attention K/V) and returns a `VelocityFn`, ``(latents, timestep) -> velocity`` with
+  classifier-free guidance applied, called once per sampling step. Implementations here:
+  `SeparateGuidance` (each guidance branch its own batch-1 forward) and `BatchedGuidance` (both as
+  one batch-2 forward).
+- `FrameDecoder`: raw latents -> uint8 frames ``[F, H, W, 3]`` on the pipeline's device, or None on a
+  process that does not hold the frames (ranks other than 0 of a group). Implementations here:
+  `ReferenceDecoder` (`WanVAE.decode`) and `FastDecoder` (the fast decoder, with the reference as its
+  fallback).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Protocol
+
+import torch
+from torch import Tensor
+
+from ..kernels.vae_decode import fast_decode, fast_decode_available, to_uint8_frames
+from .vae import WanVAE
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "BatchedGuidance",
+    "DiTModule",
+    "Denoiser",
+    "FastDecoder",
+    "FrameDecoder",
+    "ReferenceDecoder",
+    "SeparateGuidance",
+    "VelocityFn",
+    "apply_guidance",
+    "make_denoiser",
+]
+
+VelocityFn = Callable[[Tensor, Tensor], Tensor]  # (latents, timestep) -> velocity
+
+
+def apply_guidance(pred: Tensor, pred_uncond: Tensor, guidance: float) -> Tensor:
+    """Classifier-free guidance: the unconditional velocity moved ``guidance`` times the way the
+    conditional one differs from it (diffusers' WanPipeline order of operations)."""
+    return pred_uncond + guidance * (pred - pred_uncond)
+
+
+class DiTModule(Protocol):
+    """What a denoiser calls: `PAN2DiT`, or a wrapper with the same contract (a sequence-parallel one)."""
+
+    def prepare_context(self, context: Tensor) -> object:
+        """Text embeddings ``[B, S, text_dim]`` -> what ``__call__`` accepts as its context."""
+
+    def __call__(self, x: Tensor, timestep: Tensor, context: object) -> Tensor:
+        """Latents ``[B, C, T, h, w]``, timesteps ``[B]`` or ``[B, L]`` -> velocity, same shape as x."""
+
+
+class Denoiser(Protocol):
+    """How a pipeline turns (latents, timestep, conditioning, guidance) into a velocity."""
+
+    @property
+    def ranks(self) -> int:
+        """Processes that run every step together (1: this process alone)."""
+
+    def prepare(self, cond: Tensor, uncond: Tensor | None, guidance: float) -> VelocityFn:
+        """One job's velocity function. ``cond`` / ``uncond``: text embeddings ``[1, S, text_dim]``
+        on the device; ``uncond`` None for an unguided job (``guidance`` is then unused)."""
+
+    def describe(self) -> dict[str, object]:
+        """How steps use the ranks, as plain JSON values: ``ranks``, ``guided_steps``, ``unguided_steps``."""
+
+
+class FrameDecoder(Protocol):
+    """How a pipeline turns raw latents into frames."""
+
+    def decode(self, z: Tensor) -> Tensor | None:
+        """Denormalised latents ``[1, z_dim, T, h, w]`` (float32, on the pipeline's device) -> uint8
+        frames ``[F, H, W, 3]`` on that device, or None on a process that does not hold them."""
+
+    def describe(self) -> str:
+        """The decode path in words (recorded beside every video)."""
+
+
+class SeparateGuidance:
+    """One forward per guidance branch: an unguided step is one batch-1 forward, a guided step two.
+    ``dit`` may itself be parallel (`parallel.UlyssesDenoiser` runs this over a Ulysses wrapper)."""
+
+    ranks = 1
+
+    def __init__(self, dit: DiTModule) -> None:
+        self.dit = dit
+
+    def prepare(self, cond: Tensor, uncond: Tensor | None, guidance: float) -> VelocityFn:
+        dit = self.dit
+        cond_ctx = dit.prepare_context(cond)
+        if uncond is None:
+            return lambda x, t: dit(x, t, cond_ctx)
+        uncond_ctx = dit.prepare_context(uncond)
+
+        def guided(x: Tensor, t: Tensor) -> Tensor:
+            return apply_guidance(dit(x, t, cond_ctx), dit(x, t, uncond_ctx), guidance)
+
+        return guided
+
+    def describe(self) -> dict[str, object]:
+        return {"ranks": 1, "guided_steps": "one rank", "unguided_steps": "one rank"}
+
+
+class BatchedGuidance(SeparateGuidance):
+    """A guided step's two branches as one batch-2 forward (`PAN2PipelineConfig.guidance_batch`);
+    an unguided step is one batch-1 forward, as in `SeparateGuidance`."""
+
+    def prepare(self, cond: Tensor, uncond: Tensor | None, guidance: float) -> VelocityFn:
+        if uncond is None:
+            return super().prepare(cond, None, guidance)
+        dit = self.dit
+        both_ctx = dit.prepare_context(torch.cat([cond, uncond]))  # [2, S, text_dim]
+
+        def guided_batched(x: Tensor, t: Tensor) -> Tensor:
+            pred, pred_uncond = dit(torch.cat([x, x]), t.expand(2, *t.shape[1:]), both_ctx).chunk(2)
+            return apply_guidance(pred, pred_uncond, guidance)
+
+        return guided_batched
+
+
+def make_denoiser(dit: DiTModule, cond: Tensor, uncond: Tensor | None, guidance: float, *,
+                  batch: bool = False) -> VelocityFn:
+    """One job's ``(latents, timestep) -> velocity`` for ``dit`` on this process: `BatchedGuidance`
+    when ``batch``, else `SeparateGuidance` (for benchmarks that time the bare denoiser)."""
+    return (BatchedGuidance if batch else SeparateGuidance)(dit).prepare(cond, uncond, guidance)
+
+
+class ReferenceDecoder:
+    """`WanVAE.decode` in the VAE's own dtype, then the uint8 conversion on the device."""
+
+    def __init__(self, vae: WanVAE, *, why: str = "chosen") -> None:
+        self.vae = vae
+        self.why = why  # why this path and not the fast one, for describe()
+
+    def decode(self, z: Tensor) -> Tensor:
+        vae_dtype = next(self.vae.parameters()).dtype
+        video = self.vae.decode(z.to(vae_dtype))  # [1, 3, F, H, W] in [-1, 1]
+        return to_uint8_frames(video[0])
+
+    def describe(self) -> str:
+        return f"reference decoder ({self.why})"
+
+
+class FastDecoder:
+    """The fast decoder (`kernels.vae_decode.fast_decode`) where it runs; the reference decoder
+    where it cannot (another GPU, the CPU) or when it fails to build, logged once."""
+
+    def __init__(self, vae: WanVAE, *, device: torch.device) -> None:
+        self.vae = vae
+        self.device = torch.device(device)
+        self.reference = ReferenceDecoder(vae)
+        self._warned_fallback = False
+
+    def decode(self, z: Tensor) -> Tensor:
+        frames = self.decode_fast(z)
+        return self.reference.decode(z) if frames is None else frames
+
+    def decode_fast(self, z: Tensor) -> Tensor | None:
+        """uint8 ``[F, H, W, 3]`` on the device from the fast decoder, or None to fall back."""
+        ok, reason = fast_decode_available(self.device)
+        if not ok:
+            self._log_fallback(reason)
+            return None
+        try:
+            return fast_decode(self.vae, z, out_dtype=torch.uint8)
+        except torch.cuda.OutOfMemoryError:
+            raise  # the reference decoder needs more memory, not less
+        except Exception as e:  # noqa: BLE001 - e.g. a Triton kernel variant that fails to build
+            self._log_fallback(f"the fast decoder failed ({type(e).__name__}: {e})")
+            return None
+
+    def describe(self) -> str:
+        ok, why_not = fast_decode_available(self.device)
+        return "fast decoder" if ok else f"reference decoder ({why_not})"
+
+    def _log_fallback(self, reason: str) -> None:
+        if not self._warned_fallback:
+            log.info("vae_decode_kernel: using the reference decoder: %s", reason)
+            self._warned_fallback = True

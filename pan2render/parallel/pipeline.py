@@ -1,0 +1,93 @@
+"""`parallelize_pipeline`: a `PAN2Pipeline` rebuilt from sequence-parallel strategies.
+
+The pipeline itself knows no process group: it samples through its `Denoiser` and decodes through its
+`FrameDecoder` (`pan2render.models.strategies`). Here the group's strategies are chosen, from the same
+config switches the single-process ones come from, in this order:
+
+1. the denoiser: Ulysses over the whole group for every forward (`UlyssesDenoiser`); on an even group
+   with ``guidance_parallel``, guided steps one branch per half of the group instead
+   (`GuidanceSplitDenoiser`; creating the halves' process groups is collective);
+2. the frame decoder: with ``vae_decode_kernel_parallel``, one decode split over the group, the frames
+   on rank 0 (`SplitDecoder`); without it every rank keeps its own whole decode.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch.distributed as dist
+from torch import Tensor
+
+from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
+from pan2render.models.strategies import Denoiser
+from pan2render.models.vae import WanVAE
+
+from .decode import decode_on_group
+from .group import SequenceGroup
+from .guidance import GuidanceSplitDenoiser, guidance_split_for
+from .ulysses import UlyssesDenoiser
+
+__all__ = ["SplitDecoder", "parallel_denoiser", "parallelize_pipeline"]
+
+log = logging.getLogger(__name__)
+
+
+class SplitDecoder:
+    """The `FrameDecoder` of a group with ``vae_decode_kernel_parallel``: one decode split by layers
+    over the ranks (`decode_on_group`); the frames on rank 0, None on the others. Every rank must
+    call ``decode`` with the same latents. All ranks first agree on the decoder (the fast one only
+    if every rank can run it, else the reference one), so they take the same path."""
+
+    def __init__(self, vae: WanVAE, group: SequenceGroup, *, config: PAN2PipelineConfig) -> None:
+        # decode_on_group reads exactly these three: the VAE, the group and config.vae_decode_kernel.
+        self.vae = vae
+        self.process_group = group
+        self.config = config
+
+    def decode(self, z: Tensor) -> Tensor | None:
+        return decode_on_group(self, z)
+
+    def describe(self) -> str:
+        return f"split by layers over {self.process_group.world_size} ranks"
+
+
+def parallel_denoiser(pipe: PAN2Pipeline, group: SequenceGroup) -> Denoiser:
+    """The group's denoiser for ``pipe``'s DiT and config (collective on an even group with the split)."""
+    whole = UlyssesDenoiser(pipe.dit, group, batch_guidance=pipe.config.guidance_batch)
+    split = guidance_split_for(pipe.dit, group, enabled=pipe.config.guidance_parallel)
+    return whole if split is None else GuidanceSplitDenoiser(split, unguided=whole)
+
+
+@functools.singledispatch
+def parallelize_pipeline(pipe: object, group: dist.ProcessGroup | SequenceGroup | None) -> object:
+    """A pipeline that runs sequence-parallel over ``group`` (an initialised torch.distributed group;
+    None: WORLD). Called collectively, once per pipeline, on every rank of the group.
+
+    After this, every rank calls ``sample(...)`` with identical arguments and gets the same full
+    latents; ``decode(latents)`` returns the frames on rank 0 and None on the other ranks when
+    ``config.vae_decode_kernel_parallel`` is on (every rank decodes the whole video itself when it is
+    off). A group of one returns the pipeline as it is. Another pipeline class says how it runs on a
+    group by registering its own implementation (``parallelize_pipeline.register``).
+    """
+    raise TypeError(f"parallelize_pipeline has no implementation for {type(pipe).__name__}; "
+                    f"register one with parallelize_pipeline.register")
+
+
+@parallelize_pipeline.register
+def _(pipe: PAN2Pipeline, group: dist.ProcessGroup | SequenceGroup | None) -> PAN2Pipeline:
+    seq = group if isinstance(group, SequenceGroup) else SequenceGroup.of(group)
+    if seq.world_size == 1:
+        return pipe
+    if pipe.denoiser.ranks > 1:
+        raise ValueError("this pipeline is already parallelized; build a new one for another group")
+    config = pipe.config
+    denoiser = parallel_denoiser(pipe, seq)
+    decoder = SplitDecoder(pipe.vae, seq, config=config) if config.vae_decode_kernel_parallel else None
+    parallel = pipe.with_strategies(denoiser=denoiser, frame_decoder=decoder)
+    if seq.rank == 0:
+        steps = parallel.describe()
+        log.info("%s: parallel over %d ranks: guided steps %s, unguided steps %s, decode %s, attention %s",
+                 pipe.model_id, seq.world_size, steps["guided_steps"], steps["unguided_steps"],
+                 steps["decode"], pipe.attention_backend)
+    return parallel

@@ -1,0 +1,146 @@
+"""The job schema (``JobSpec``'s field rules) and what is derived from it: job ids, the batch keys
+and checks, the sampler's arguments, the README's field table."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pan2render.jobs import load_batch
+from pan2render.jobs.spec import (
+    FIELDS,
+    PIXEL_FIELDS,
+    RULES,
+    SAMPLER_FIELDS,
+    JobSpec,
+    Kind,
+    SourceLocation,
+    field_table,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+import field_table as field_table_script  # noqa: E402
+
+BASE = dict(name="fox", model="tiny", prompt="A red fox trots through fresh snow at dawn.", negative_prompt="blurry",
+            image=None, image_sha256=None, seed=3, steps=8, guidance=2.5, height=64, width=64, frames=17, fps=8.0,
+            flow_shift=5.0, sampler="unipc", gpus=1, crf=18, preset="tiny-preview", sweep={"seed": 3})
+
+
+def _another(f: dataclasses.Field[Any], value: Any) -> Any:
+    """A value of field ``f`` other than ``value`` that its rule allows (any value for the fields
+    the batch resolves itself)."""
+    rule = RULES[f.name]
+    if rule.kind is Kind.CHOICE:
+        return next(c for c in rule.choices if c != value)
+    if rule.kind is Kind.TIMESTEPS:
+        return (1000, 500) if value != (1000, 500) else (999,)
+    if rule.kind in (Kind.INT, Kind.FLOAT):
+        step = rule.step or 1
+        return value - step if rule.max is not None and value + step > rule.max else value + step
+    if value is None or isinstance(value, str):  # texts, paths, hashes, fingerprints
+        return (value or "") + "x"
+    raise AssertionError(f"JobSpec.{f.name}: teach _another a value of this kind ({rule.kind}, {value!r})")
+
+
+def test_each_pixel_field_changes_the_job_id() -> None:
+    base = JobSpec(**BASE)
+    assert PIXEL_FIELDS, "the schema marks no field as changing the video"
+    for f in PIXEL_FIELDS:
+        changed = dataclasses.replace(base, **{f.name: _another(f, getattr(base, f.name))})
+        assert changed.spec_hash != base.spec_hash, f"changing {f.name} left the job id as it was"
+        assert changed.job_id != base.job_id, f.name
+
+
+def test_fields_that_do_not_change_the_video_keep_the_job_id() -> None:
+    base = JobSpec(**BASE)
+    others = [f for f in FIELDS if not RULES[f.name].pixels and f.name not in ("name", "sweep")]
+    assert {f.name for f in others} >= {"gpus", "image", "preset", "source"}
+    for f in others:
+        value = getattr(base, f.name)
+        other = SourceLocation("elsewhere.yaml", 7) if f.name == "source" else _another(f, value)
+        changed = dataclasses.replace(base, **{f.name: other})
+        assert changed.spec_hash == base.spec_hash, f"changing {f.name} changed the job id"
+        assert changed.job_id == base.job_id, f.name
+    # The name and the sweep values are the readable part of the id, not its hash.
+    renamed = dataclasses.replace(base, name="vixen", sweep={})
+    assert renamed.spec_hash == base.spec_hash and renamed.job_id != base.job_id
+
+
+def test_job_ids_handed_out_before_the_schema_stay_the_same() -> None:
+    # Computed by the code before the schema existed: existing output folders must keep matching.
+    plain = JobSpec(**BASE)
+    assert plain.spec_hash == "c9478e33d4de42e3ee2487377fc843afe1b18a65b7cbede545c7e30f91467f84"
+    assert plain.job_id == "fox-seed3-c9478e33"
+    every = JobSpec(**{**BASE, "sampler": "dmd", "guidance": 1.0, "timesteps": (1000, 757, 522), "steps": 3,
+                       "weights": "w" * 16, "encode_preset": "fast", "image": "/x/a.png", "image_sha256": "ab" * 32,
+                       "gpus": 2, "sweep": {}})
+    assert every.spec_hash == "9b9cc2e6ba1ceae8b0b52e5eb34ce746842b88931b18de26b797e643713cd71c"
+
+
+def test_the_sampler_gets_exactly_the_fields_its_request_has() -> None:
+    from pan2render.models.pipeline import PAN2Pipeline, SampleRequest
+
+    names = {f.name for f in SAMPLER_FIELDS}
+    request = {f.name for f in dataclasses.fields(SampleRequest)} - {"geometry"}
+    assert names == request, "JobSpec's sampler fields and SampleRequest's fields differ"
+    assert names <= set(inspect.signature(PAN2Pipeline.sample).parameters)
+    job = JobSpec(**BASE)
+    assert job.sample_args() == {k: getattr(job, k) for k in names}
+    dmd = dataclasses.replace(job, sampler="dmd", guidance=1.0, steps=3)
+    assert dmd.sample_args()["steps"] is None  # the number of timesteps, the job's or the checkpoint's
+
+
+def test_size_rules_come_from_the_model_configs() -> None:
+    from pan2render.models.dit import PAN2DiTConfig
+    from pan2render.models.tiny import TINY_DIT_CONFIG, TINY_VAE_CONFIG
+    from pan2render.models.vae import WanVAEConfig
+    from pan2render.sampling import WAN22, Geometry
+
+    # The batch is checked before any model loads, against WAN22: the geometry of every checkpoint
+    # the loader accepts (the released configs' and the tiny model's).
+    assert Geometry.of(WanVAEConfig(), PAN2DiTConfig()) == WAN22
+    assert Geometry.of(WanVAEConfig.from_dict(TINY_VAE_CONFIG), PAN2DiTConfig.from_dict(TINY_DIT_CONFIG)) == WAN22
+    assert WAN22.spatial_multiple == 32 and RULES["height"].step == RULES["width"].step == 32
+    assert RULES["frames"].step == 4
+    doubled = Geometry(patch=(1, 4, 4))
+    assert doubled.spatial_multiple == 64 and doubled.tokens(frames=17, height=128, width=128) == 5 * 2 * 2
+
+
+def test_a_request_is_checked_against_its_models_geometry() -> None:
+    from pan2render.models.pipeline import SampleRequest
+    from pan2render.sampling import Geometry
+
+    SampleRequest(height=32, width=32, frames=5, steps=1, guidance=1.0, seed=0)
+    with pytest.raises(ValueError, match="height=32: must be a positive multiple of 64"):
+        SampleRequest(height=32, width=64, frames=5, steps=1, guidance=1.0, seed=0, geometry=Geometry(patch=(1, 4, 4)))
+
+
+def test_batch_keys_and_defaults_come_from_the_schema(tmp_path: Path) -> None:
+    from pan2render.jobs import batch
+
+    assert batch.JOB_KEYS[:2] == ("prompt", "name")
+    assert set(batch._CHECKS) == set(batch.JOB_KEYS) | {"description"}
+    assert "image" in batch.DEFAULTS_KEYS and "image" not in batch.PRESET_KEYS
+    # What a batch gets for a field it sets nowhere; the fields without a default come from the preset.
+    assert batch.BUILTIN_DEFAULTS.items() >= {"negative_prompt": "", "image": None, "seed": 0, "gpus": 1}.items()
+    assert set(batch.PRESET_REQUIRED) == {"steps", "guidance", "height", "width", "frames", "fps", "flow_shift",
+                                          "sampler", "crf"}
+    (tmp_path / "b.yaml").write_text("model: tiny\npreset: tiny-preview\njobs:\n  - prompt: a kite\n")
+    job = load_batch(tmp_path / "b.yaml").jobs[0]
+    assert (job.seed, job.gpus, job.negative_prompt, job.encode_preset) == (0, 1, "", "medium")
+
+
+def test_readme_field_table_is_the_schemas() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert field_table_script.START in readme, "README.md lost its job-fields block"
+    assert readme == field_table_script.with_table(readme), (
+        "README.md's job-field table differs from the schema's: run python scripts/field_table.py --write")
+    for name in RULES:
+        if RULES[name].kind is not None:
+            assert f"| `{name}` |" in field_table()
