@@ -15,7 +15,10 @@ GPU and on a group of N (default 2), in ONE run, printing the ratios and the mem
 - Decode: the full-size random-weight Wan2.2 VAE, raw latents 48x31x44x78 -> 121x704x1248 uint8.
   The ranks first agree on the fast decoder (`agree_fast_decode`); one GPU runs the shipped
   single-GPU decoder (`FastWanDecoder.decode`, or `WanVAE.decode` in bf16 on the reference path),
-  the group runs `pipelined_decode`. Both warm up on 3 latent frames (cuDNN autotuning) first.
+  the group runs the split decode (`split_decode`, what `pipelined_decode` runs) through a timing
+  wrapper of the decoder's unit interface (`TimedDecoder`: busy seconds per rank, seconds per
+  unit). The cut is the plan's cost model, and again from the units' seconds measured on one GPU.
+  Both warm up on 3 latent frames (cuDNN autotuning) first.
 
 Timings: the min of --reps, each between barriers, the group's time = the slowest rank. Memory:
 `torch.cuda.max_memory_allocated` per rank and phase (weights included).
@@ -48,9 +51,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pan2render.models.dit import PAN2DiT, PAN2DiTConfig  # noqa: E402
 from pan2render.models.vae import WanVAE, WanVAEConfig  # noqa: E402
 from pan2render.models.pipeline import DIT_KEEP_IN_FP32, make_denoiser  # noqa: E402
-from pan2render.parallel import GuidanceSplit, GuidanceSplitDenoiser, agree_fast_decode, parallelize_dit, pipelined_decode  # noqa: E402
+from pan2render.kernels.vae_decode import fast_decoder_for  # noqa: E402
+from pan2render.parallel import GuidanceSplit, GuidanceSplitDenoiser, agree_fast_decode, parallelize_dit  # noqa: E402
 from pan2render.parallel import parallelize_pipeline  # noqa: E402
+from pan2render.parallel.decode import split_decode  # noqa: E402
 from pan2render.parallel.group import SequenceGroup  # noqa: E402
+from pan2render.vae_plan import DecodeUnit, UnitDecoder  # noqa: E402
 
 FULL = dict(frames=31, height=44, width=78, text=512)  # latent sizes of 704x1248x121
 TINY = dict(frames=3, height=6, width=10, text=16)
@@ -324,7 +330,96 @@ def bench_sample(model: PAN2DiT, cond: torch.Tensor, uncond: torch.Tensor, rank:
                   f"{res['sample_speedup']}x; latents rel L2 vs 1 GPU {res['sample_group_vs_1gpu_rel_l2']:.2e}")
 
 
-# ---- decode --------------------------------------------------------------------------------------
+# ---- decode ----------------------------------------------------------------------------------------
+
+
+def _mark(device: torch.device) -> Any:
+    """A point in time on ``device``'s stream: a recorded CUDA event, or the host clock on CPU."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _elapsed(a: Any, b: Any) -> float:
+    """Seconds between two `_mark` points (synchronises on CUDA events)."""
+    if isinstance(a, float):
+        return b - a
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
+
+
+class TimedDecoder:
+    """A decoder seen through its unit interface (``vae_plan.UnitDecoder``) with marks on the GPU
+    stream: per chunk, from this rank's first unit to its settled state (and the frames written on
+    rank 0), so waits for transfers are excluded; with ``per_unit``, around every unit. ``costs``
+    (one per plan unit) replaces the plan's cost model in the split's cut."""
+
+    def __init__(self, decoder: UnitDecoder, device: torch.device, *, per_unit: bool = False,
+                 costs: list[float] | None = None) -> None:
+        self.decoder, self.device, self.per_unit, self.costs = decoder, device, per_unit, costs
+        self.busy: list[tuple[Any, Any]] = []  # (start, end) per chunk and span
+        self.units: list[DecodeUnit] = []  # this rank's units, in order
+        self.unit_marks: list[tuple[DecodeUnit, bool, Any, Any]] = []  # (unit, first chunk, start, end)
+
+    def start_decode(self, z: torch.Tensor) -> _TimedRun:
+        return _TimedRun(self, self.decoder.start_decode(z))
+
+    def busy_s(self) -> float:
+        return sum(_elapsed(a, b) for a, b in self.busy)
+
+    def unit_s(self) -> list[float]:
+        """Seconds per unit of this rank summed over the steady-state chunks (the first is 1 frame)."""
+        return [sum(_elapsed(a, b) for u, first, a, b in self.unit_marks if u == unit and not first)
+                for unit in self.units]
+
+
+class _TimedRun:
+    def __init__(self, owner: TimedDecoder, run: Any) -> None:
+        self._owner, self._run = owner, run
+        self.plan = run.plan if owner.costs is None else run.plan.with_costs(owner.costs)
+        self.latent_frames = run.latent_frames
+        self.state_dtype = run.state_dtype
+        self._open: Any = None
+
+    def __enter__(self) -> _TimedRun:
+        self._run.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._run.__exit__(*exc)
+
+    def latent_input(self, t: int) -> Any:
+        return self._run.latent_input(t)
+
+    def run_unit(self, unit: DecodeUnit, state: Any, *, first: bool) -> Any:
+        owner = self._owner
+        if self._open is None:
+            self._open = _mark(owner.device)
+        if unit not in owner.units:
+            owner.units.append(unit)
+        if not owner.per_unit:
+            return self._run.run_unit(unit, state, first=first)
+        a = _mark(owner.device)
+        state = self._run.run_unit(unit, state, first=first)
+        owner.unit_marks.append((unit, first, a, _mark(owner.device)))
+        return state
+
+    def settle(self, state: Any) -> Any:
+        state = self._run.settle(state)
+        self._owner.busy.append((self._open, _mark(self._owner.device)))
+        self._open = None
+        return state
+
+    def new_output(self, out_dtype: torch.dtype) -> torch.Tensor:
+        return self._run.new_output(out_dtype)
+
+    def write(self, state: Any, out: torch.Tensor, start: int) -> int:
+        a = _mark(self._owner.device)
+        frames = self._run.write(state, out, start)
+        self._owner.busy.append((a, _mark(self._owner.device)))
+        return frames
 
 
 def bench_decode(rank: int, world: int, device: torch.device, args: argparse.Namespace, res: dict) -> None:
@@ -345,16 +440,16 @@ def bench_decode(rank: int, world: int, device: torch.device, args: argparse.Nam
         def single_fn(latents: torch.Tensor, use_fast: bool = use_fast) -> Callable[[], torch.Tensor]:
             def run() -> torch.Tensor:
                 if use_fast:
-                    from pan2render.kernels import vae_decode
-
-                    return vae_decode._decoder_for(vae, device).decode(latents, out_dtype=torch.uint8)
+                    return fast_decoder_for(vae, device).decode(latents, out_dtype=torch.uint8)
                 with torch.inference_mode():
                     video = vae.decode(latents.to(dtype))
                 return ((video[0].float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0)
             return run
 
-        def group_fn(latents: torch.Tensor, use_fast: bool = use_fast) -> Callable[[], torch.Tensor | None]:
-            return lambda: pipelined_decode(vae, latents, group, fast=use_fast, out_dtype=torch.uint8)
+        decoder: UnitDecoder = fast_decoder_for(vae, device) if use_fast else vae  # what pipelined_decode picks
+
+        def group_fn(latents: torch.Tensor) -> Callable[[], torch.Tensor | None]:
+            return lambda: split_decode(decoder, latents, group, out_dtype=torch.uint8)
 
         warm = z[:, :, : min(3, z.shape[2])]
         one = None
@@ -369,32 +464,33 @@ def bench_decode(rank: int, world: int, device: torch.device, args: argparse.Nam
         # Profile the split units on rank 0 alone (steady-state seconds per unit), for a measured cut.
         measured: list[Any] = [None]
         if rank == 0:
-            prof: dict[str, Any] = {"per_unit": True}
+            prof = TimedDecoder(decoder, device, per_unit=True)
             solo = SequenceGroup(group=None, rank=0, world_size=1)
-            secs, _ = timed(lambda: pipelined_decode(vae, z, solo, fast=use_fast, stats=prof), device=device,
+            secs, _ = timed(lambda: split_decode(prof, z, solo, out_dtype=torch.uint8), device=device,
                             reps=1, group=False)
-            if "unit_s" in prof:
-                measured = [prof["unit_s"]]
-                res[f"decode_{key}_units_1gpu_s"] = round(secs, 3)
-                res[f"decode_{key}_unit_s"] = dict(zip(prof["units"], [round(u, 4) for u in prof["unit_s"]]))
-                log(rank, f"decode ({key}), the split's units run on 1 GPU: {secs:.3f} s; per unit (31 frames): "
-                          f"{res[f'decode_{key}_unit_s']}")
+            unit_s = prof.unit_s()
+            measured = [unit_s]
+            res[f"decode_{key}_units_1gpu_s"] = round(secs, 3)
+            res[f"decode_{key}_unit_s"] = {u.name: round(t, 4) for u, t in zip(prof.units, unit_s)}
+            log(rank, f"decode ({key}), the split's units run on 1 GPU: {secs:.3f} s; per unit (31 frames): "
+                      f"{res[f'decode_{key}_unit_s']}")
         dist.broadcast_object_list(measured, src=0)
         cuts = {"model": None} if measured[0] is None else {"model": None, "measured": measured[0]}
         frames = None
         for cut, costs in cuts.items():
             group_fn(warm)()
             peak_reset(device)
-            stats: dict[str, Any] = {}
+            stats: list[TimedDecoder] = []
 
-            def run(costs: Any = costs, stats: dict = stats) -> Any:
-                return pipelined_decode(vae, z, group, fast=use_fast, out_dtype=torch.uint8, stats=stats,
-                                        costs=costs)
+            def run(costs: Any = costs, stats: list = stats) -> Any:
+                stats[:] = [TimedDecoder(decoder, device, costs=costs)]  # the last rep's marks
+                return split_decode(stats[0], z, group, out_dtype=torch.uint8)
 
             secs, frames = timed(run, device=device, reps=args.decode_reps, group=True)
             name = f"decode_{key}_group_{cut}_cut"
             busy = [None] * world
-            dist.all_gather_object(busy, {"units": stats.get("units"), "busy_s": round(stats.get("busy_s", 0.0), 3)})
+            dist.all_gather_object(busy, {"units": [u.name for u in stats[0].units],
+                                          "busy_s": round(stats[0].busy_s(), 3)})
             res[f"{name}_s"] = round(secs, 3)
             res[f"{name}_peak_gib"] = peaks(device, world)
             res[f"{name}_per_rank"] = busy

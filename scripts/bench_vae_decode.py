@@ -7,7 +7,7 @@ raw latent with:
 
 - diffusers in bf16 (the stock path),
 - ours (``FastWanDecoder``), uint8 ``[F, H, W, 3]`` output (what the pipeline asks for) and bf16
-  ``[1, 3, F, H, W]`` output (for PSNR), for each ``--frames-per-pass`` x ``--hires-frames``,
+  ``[1, 3, F, H, W]`` output (for PSNR),
 - the strict fp32 reference: diffusers in fp32 with TF32 off (convs and matmuls).
 
 Prints per run: wall time (after a warm-up on a short clip with the same per-pass shapes, so
@@ -20,7 +20,7 @@ PSNR is ``10 log10(2^2 / MSE)`` over the [-1, 1] video (peak-to-peak 2, i.e. the
 formula, peak 255. Seed 0 runs at the full size; further seeds (other weights and latents) run at
 ``--second-seed-latent-frames`` latent frames to spare the ~71 s strict decode (0 = full size).
 
-Example (one H200, ~3 min): ``python scripts/bench_vae_decode.py --frames-per-pass 1 2``
+Example (one H200, ~3 min): ``python scripts/bench_vae_decode.py --seeds 0 1``
 """
 
 from __future__ import annotations
@@ -259,23 +259,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--second-seed-latent-frames", type=int, default=6,
                     help="latent frames for seeds after the first (0 = full clip)")
-    ap.add_argument("--frames-per-pass", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--hires-frames", type=int, nargs="+", default=[2])
-    ap.add_argument("--compare-no-phase", action="store_true",
-                    help="also time the first config with phase_upsample=False (materialised x2 frames)")
     ap.add_argument("--skip-diffusers", action="store_true")
     ap.add_argument("--skip-strict", action="store_true")
     ap.add_argument("--strict-latent-frames", type=int, default=0,
                     help="decode the strict reference (and PSNR) on this many latent frames only (0 = same clip)")
     ap.add_argument("--json", type=str, default="", help="write the rows here")
     ap.add_argument("--profile", action="store_true",
-                    help="also profile ours (first config) with torch.profiler: top kernels by GPU time")
+                    help="also profile ours with torch.profiler: top kernels by GPU time")
     ap.add_argument("--benchmark-limit", type=int, default=None,
-                    help="FastDecodeConfig.cudnn_benchmark_limit (cuDNN engines tried per conv shape; "
-                         "0 = all); default: the config's. Applies per process: cuDNN caches its choice")
-    ap.add_argument("--head-taps", choices=["default", "on", "off", "both"], default="default",
-                    help="FastDecodeConfig.head_frame_taps for ours (both: time each)")
-    ap.add_argument("--bf16-all", action="store_true", help="bf16 output (PSNR) for every config, not the first only")
+                    help="torch.backends.cudnn.benchmark_limit for this process (cuDNN engines tried per conv "
+                         "shape; 0 = all); default: torch's. Applies per process: cuDNN caches its choice")
     ap.add_argument("--tile-sweep", action="store_true", help="time the row kernels' tiles (vae_ops.ROW_TILES)")
     ap.add_argument("--tiles", type=str, default="",
                     help="override vae_ops.ROW_TILES for this run, e.g. norm=8192x8,combine=4096x4")
@@ -294,8 +287,6 @@ def main(argv: list[str] | None = None) -> int:
     import diffusers
     import triton
 
-    from pan2render.kernels.vae_decode import FastDecodeConfig
-
     from pan2render.kernels import vae_ops
 
     for item in filter(None, args.tiles.split(",")):
@@ -304,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         vae_ops.ROW_TILES[name] = (int(elems), int(warps))
     if args.tile_sweep and DEVICE == "cuda":
         tile_sweep()
-    cfg_extra = {} if args.benchmark_limit is None else {"cudnn_benchmark_limit": args.benchmark_limit}
+    if args.benchmark_limit is not None:
+        torch.backends.cudnn.benchmark_limit = args.benchmark_limit
     torch.backends.cudnn.benchmark = False  # diffusers' default; ours turns it on inside its call
     env = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -315,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version(),
         "row_tiles": dict(vae_ops.ROW_TILES),
-        "decode_config": {**asdict(FastDecodeConfig()), **cfg_extra},
+        "cudnn_benchmark_limit": torch.backends.cudnn.benchmark_limit,
     }
     print("env:", json.dumps(env), flush=True)
     rows: list[Row] = []
@@ -342,31 +334,18 @@ def main(argv: list[str] | None = None) -> int:
 
         dec, source = ours_decoder(state)
         print(f"[seed {seed}] ours built from {source}", flush=True)
-        first_bf16 = True
-        heads = {"default": [None], "on": [True], "off": [False], "both": [False, True]}[args.head_taps]
-        configs = [(k, s, True, ht) for k in args.frames_per_pass for s in args.hires_frames for ht in heads]
-        if args.compare_no_phase:
-            configs.append((configs[0][0], configs[0][1], False, None))
-        for k, s, phase, head_taps in configs:
-            extra = dict(cfg_extra) if head_taps is None else {**cfg_extra, "head_frame_taps": head_taps}
-            cfg = FastDecodeConfig(frames_per_pass=k, hires_frames=s, phase_upsample=phase, **extra)
-            r = (n - 1) % k
-            dec.decode(z[:, :, : 1 + k + r], out_dtype=torch.uint8, config=cfg)  # cuDNN autotune
-            for odt in (torch.uint8, torch.bfloat16):
-                if odt == torch.bfloat16 and not (first_bf16 or args.bf16_all):
-                    continue
-                name = (f"ours k={k} S={s}{'' if phase else ' nophase'}{' headtaps' if cfg.head_frame_taps else ''}"
-                        f" {'uint8' if odt == torch.uint8 else 'bf16'}")
-                out, dt, pk, pw = timed(lambda: dec.decode(z, out_dtype=odt, config=cfg))
-                outs[name] = out.cpu()
-                del out
-                sp = t_diff / dt if t_diff else None
-                rows.append(Row(seed, name, clip, dt, pk, pw, speedup_vs_diffusers=sp))
-                print(f"[seed {seed}] {name} {clip}: {dt:.3f} s, peak {pk:.2f} GiB (work {pw:.2f})"
-                      + (f", {sp:.2f}x diffusers" if sp else ""), flush=True)
-            first_bf16 = False
-            if args.profile and si == 0 and k == args.frames_per_pass[0] and s == args.hires_frames[0]:
-                profile(lambda: dec.decode(z, out_dtype=torch.uint8, config=cfg))
+        dec.decode(z[:, :, :2], out_dtype=torch.uint8)  # cuDNN autotune (first chunk and steady-state shapes)
+        for odt in (torch.uint8, torch.bfloat16):
+            name = f"ours {'uint8' if odt == torch.uint8 else 'bf16'}"
+            out, dt, pk, pw = timed(lambda: dec.decode(z, out_dtype=odt))
+            outs[name] = out.cpu()
+            del out
+            sp = t_diff / dt if t_diff else None
+            rows.append(Row(seed, name, clip, dt, pk, pw, speedup_vs_diffusers=sp))
+            print(f"[seed {seed}] {name} {clip}: {dt:.3f} s, peak {pk:.2f} GiB (work {pw:.2f})"
+                  + (f", {sp:.2f}x diffusers" if sp else ""), flush=True)
+        if args.profile and si == 0:
+            profile(lambda: dec.decode(z, out_dtype=torch.uint8))
         del dec
 
         if not args.skip_strict:

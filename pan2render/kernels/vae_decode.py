@@ -12,30 +12,30 @@ Same math as diffusers' ``AutoencoderKLWan.decode`` / our ``WanVAE.decode`` (wei
 - Upsampling (nearest x2, 3x3 conv) as four 2x2 phase convs in one cuDNN call, interleaved by one
   Triton pass that also adds the bias and the duplicate-upsample shortcut (2.25x fewer FLOPs
   there, no x2 frames in memory). The (3, 1, 1) time conv is one GEMM over its three taps.
-- ``frames_per_pass`` latent frames per pass through conv_in, the mid block and the first up
-  blocks; the last two up blocks (176x312 -> 352x624 at 704x1248, where activations are big)
-  and the head then run over sub-chunks of ``hires_frames`` frames. Causality makes any frame
-  chunking exact: a frame only ever sees earlier frames through the histories.
+- One latent frame per chunk through every layer (it becomes 4 frames, 1 for the first, after
+  the temporal upsamplers): more frames per chunk measured no faster and cost memory
+  (docs/performance.md). Causality makes the chunking exact: a frame only ever sees earlier
+  frames through the histories.
 - The mid-block attention (one head, C=1024) as two batched GEMMs with an fp32 softmax between.
 - Each resnet's closing add (conv2 bias + residual) is folded into the next RMS-norm kernel, which
   writes the sum back (it is the next residual); small phase convs run as im2col + one GEMM (cuDNN
   picks a slow sm80 kernel there); the head conv (12 output channels) runs as a 2-D conv with its
   three time taps side by side in the output, summed in fp32.
-- The decoder is a list of named units (`unit_names`, `run_unit`): this decode and the split
-  decode over a GPU group (`pan2render.parallel.decode`) run the same ones.
+- The decoder runs the units of its plan (``pan2render.vae_plan``) through the public
+  ``start_decode`` -> ``FastDecodeRun`` interface, which the split decode over a GPU group
+  (``pan2render.parallel.decode``) uses too, so both run the same code.
 - Intermediates are dropped as soon as they are consumed; each decoded chunk is written straight
   into the preallocated output (uint8 ``[F, H, W, 3]`` or bf16 ``[B, 3, F, H, W]``).
 
-Measured on one H200 (docs/performance.md): 2.78-2.81 s at 704x1248x121, 2.04x diffusers bf16
-in the same run, 5.75 GiB peak above the resident weights (uint8 output included), PSNR 53.5 dB
-against strict fp32.
+Its speed, memory and accuracy against diffusers are in docs/performance.md ("VAE decode kernel").
 
 The first latent frame is special, as in the reference: the temporal upsamplers skip their time
 conv on it (one frame out, not two) and the duplicate-upsample shortcut keeps only its last
-temporal copy. Pass 0 is that frame alone; the time convs' histories start at zeros on pass 1.
+temporal copy. Chunk 0 is that frame alone; the time convs' histories start at zeros on chunk 1.
 
 Entry points: ``fast_decode(vae, z)`` (falls back to ``vae.decode`` where the fast path cannot
-run, logging why once) and ``fast_decode_available(device)``.
+run, logging why once), ``fast_decode_available(device)`` and ``fast_decoder_for(vae, device)``
+(the decoder ``fast_decode`` uses, built once per VAE).
 """
 
 from __future__ import annotations
@@ -44,12 +44,15 @@ import logging
 import math
 import weakref
 from collections.abc import Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ..vae_plan import DecodeUnit, DecoderPlan, State, UnitKind, decode_frames, decoder_plan, new_video
 from . import vae_ops
 
 log = logging.getLogger(__name__)
@@ -58,37 +61,6 @@ CACHE_T = 2  # frames of history of a causal 3x3x3 conv (kernel 3 in time, padde
 RGB = 3
 _OUT_CHANNEL_ALIGN = 16  # conv_out's 12 channels padded to 16: bf16 rows of 32 B keep cuDNN fast
 _IN_CHANNEL_ALIGN = 64  # conv_in's input channels padded to a multiple of this
-
-
-@dataclass(frozen=True)
-class FastDecodeConfig:
-    """How a decode is chunked (results are identical for every valid choice)."""
-
-    frames_per_pass: int = 1  # latent frames per pass after the first (which is always 1)
-    # frames per sub-chunk through the last two up blocks and the head: 4 (one latent frame)
-    # measured 2.6% faster than 2 for ~1 GiB more peak (docs/performance.md)
-    hires_frames: int = 4
-    # nearest-x2 + 3x3 conv as four 2x2 phase convs (one cuDNN call) + one Triton pass that
-    # interleaves them with the bias and the shortcut; False: materialise the x2 frames (slower)
-    phase_upsample: bool = True
-    # cuDNN engines timed per conv shape on its first call (torch.backends.cudnn.benchmark_limit,
-    # torch's default 10); 0 = every engine (a slower first decode per shape, then cached).
-    # None leaves torch's setting alone.
-    cudnn_benchmark_limit: int | None = 10
-    # the head conv (256 -> 12 channels, 3x3x3) as one 2-D conv per frame with the three time taps
-    # side by side in its output (N = 48 instead of 16: cuDNN runs N=16 at ~130 TFLOP/s), then a
-    # sum of three shifted slices in fp32; 1.5x the head's FLOPs at 4 frames per sub-chunk, yet
-    # measured 2.810 vs 2.834 s per 704x1248x121 decode on an H200 (docs/performance.md)
-    head_frame_taps: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("frames_per_pass", "hires_frames"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or not 1 <= value <= 64:
-                raise ValueError(f"FastDecodeConfig.{name}={value!r}: must be an int in 1..64")
-        limit = self.cudnn_benchmark_limit
-        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
-            raise ValueError(f"FastDecodeConfig.cudnn_benchmark_limit={limit!r}: must be None or an int >= 0")
 
 
 # ---- weights in compute layout -------------------------------------------------------------
@@ -121,11 +93,11 @@ class _Attention:
 class _UpBlock:
     resnets: list[_ResBlock]
     time_conv: _Conv | None  # temporal upsamplers: the [2C, C, 3, 1, 1] conv as a [2C, 3C] matrix
-    up_conv: _Conv | None  # [C, C, 3, 3] after nearest x2 (None: no upsampling)
-    phase_conv: _Conv | None  # the same as four 2x2 phase kernels [4C, C, 2, 2] (vae_ops)
+    # nearest x2 + the [C, C, 3, 3] conv as four 2x2 phase kernels [4C, C, 2, 2] (vae_ops);
+    # None: no upsampler (the last block)
+    phase_conv: _Conv | None
     dup_index: torch.Tensor | None  # [factor_t, 2, 2, Cout] int32: the shortcut's channel map
-    factor_t: int  # duplicate-upsample shortcut factors (1 or 2 in time, 2 in space)
-    factor_s: int
+    factor_t: int  # duplicate-upsample shortcut factor in time (1 or 2; 2 in space)
 
 
 @dataclass
@@ -165,6 +137,8 @@ class FastWanDecoder:
     Holds its own copy of the decoder weights in ``dtype`` on ``device`` (~0.75 GiB in bf16 for
     Wan2.2), taken at construction: rebuild it after changing the VAE's weights. Runs on CPU too
     (fp32, Triton interpreted) for tests; ``fast_decode`` only uses it on Hopper GPUs.
+    ``decode`` runs the whole video; ``start_decode`` (``vae_plan.UnitDecoder``) hands out a run
+    of single units, for a decode split over several GPUs.
     """
 
     def __init__(
@@ -178,6 +152,7 @@ class FastWanDecoder:
         self.device = torch.device(device)
         self.dtype = dtype
         self._check_supported(config)
+        self._config = config  # what the decode plan is built from
         self.z_dim = int(_cfg_get(config, "z_dim"))
         self.patch = int(_cfg_get(config, "patch_size") or 1)
         self.out_channels = int(_cfg_get(config, "out_channels", RGB * self.patch**2))
@@ -214,11 +189,9 @@ class FastWanDecoder:
                 _UpBlock(
                     resnets=[g.resblock(f"{p}.resnets.{r}") for r in range(num_res + 1)],
                     time_conv=g.time_linear(f"{p}.upsampler.time_conv") if temporal else None,
-                    up_conv=g.conv(f"{p}.upsampler.resample.1") if up else None,
                     phase_conv=g.phase_conv(f"{p}.upsampler.resample.1") if up else None,
                     dup_index=index,
                     factor_t=ft,
-                    factor_s=2,
                 )
             )
         assert dims[-1] == self.up_blocks[-1].resnets[-1].conv2.weight.shape[0]
@@ -229,17 +202,7 @@ class FastWanDecoder:
         self.conv_out_taps = w.permute(2, 0, 1, 3, 4).reshape(-1, *w.shape[1:2], *w.shape[3:]).contiguous(
             memory_format=torch.channels_last
         )
-        self.time_factor = 2 ** sum(b.factor_t == 2 for b in self.up_blocks)
-        self.space_factor = 2 ** sum(b.up_conv is not None for b in self.up_blocks) * self.patch
-        # The high-resolution tail (the last two up blocks + head) runs over frame sub-chunks; it
-        # must hold no temporal upsampler (first-chunk semantics live in the per-pass part).
-        self.split = max(0, n_up - 2)
-        while any(b.factor_t != 1 for b in self.up_blocks[self.split :]):
-            self.split += 1
-        self._units, self._tail_start = self._list_units()
         self._history: dict[str, torch.Tensor] = {}  # conv key -> [B, 2, H, W, C] history
-        self._phase = True
-        self._head_taps = False
         self._busy = False
 
     # ---- construction ----------------------------------------------------------------------
@@ -273,77 +236,33 @@ class FastWanDecoder:
     # ---- decode --------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def decode(
-        self,
-        z: torch.Tensor,
-        *,
-        out_dtype: torch.dtype = torch.uint8,
-        config: FastDecodeConfig | None = None,
-    ) -> torch.Tensor:
+    def decode(self, z: torch.Tensor, *, out_dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """Raw latents ``[B, z, T, h, w]`` -> uint8 ``[F, H, W, 3]`` (B must be 1) or
         ``[B, 3, F, H, W]`` in ``out_dtype``, clamped to [-1, 1], F = 1 + 4 (T - 1)."""
-        cfg = config or FastDecodeConfig()
-        if z.dim() != 5 or z.shape[1] != self.z_dim or z.shape[2] < 1:
-            raise ValueError(f"latents of shape {tuple(z.shape)}: expected [B, {self.z_dim}, T>=1, h, w]")
-        b, _, n, h, w = z.shape
-        if out_dtype == torch.uint8 and b != 1:
-            raise ValueError(f"uint8 output is one video [F, H, W, 3]: got batch {b}; decode one at a time")
-        frames = 1 + self.time_factor * (n - 1)
-        hh, ww = h * self.space_factor, w * self.space_factor
-        if out_dtype == torch.uint8:
-            out = torch.empty(frames, hh, ww, RGB, dtype=torch.uint8, device=self.device)
-        else:
-            out = torch.empty(b, RGB, frames, hh, ww, dtype=out_dtype, device=self.device)
-
-        self.begin_decode(cfg)
-        saved_limit = None  # torch's setting, restored after the call
-        if cfg.cudnn_benchmark_limit is not None and self.device.type == "cuda":
-            saved_limit = torch.backends.cudnn.benchmark_limit
-            torch.backends.cudnn.benchmark_limit = cfg.cudnn_benchmark_limit
-        try:
-            zp = self._post_quant(z)  # [B, 2 + T, h, w, z]: 2 zero frames = conv_in's history
-            with torch.backends.cudnn.flags(
-                enabled=True, benchmark=True, deterministic=False,
-                allow_tf32=torch.backends.cudnn.allow_tf32,
-            ):  # fmt: skip
-                start = 0
-                for t0, t1 in self._passes(n, cfg.frames_per_pass):
-                    x = self._lowres(zp, t0, t1)  # [B, f, H', W', C] before the tail
-                    # One sub-chunk: hand the tensor over so the tail can free it after up block
-                    # `split` (it is big: 1024 ch at 176x312); several: they are views of it.
-                    subs = [x] if x.shape[1] <= cfg.hires_frames else list(x.split(cfg.hires_frames, dim=1))
-                    del x
-                    while subs:
-                        y = self._tail(subs.pop(0).contiguous())
-                        self._write(y, out, start)
-                        start += y.shape[1]
-                        del y
-            assert start == frames, (start, frames)
-        finally:
-            if saved_limit is not None:
-                torch.backends.cudnn.benchmark_limit = saved_limit
-            self.end_decode()
+        run = self.start_decode(z)
+        out = run.new_output(out_dtype)
+        with run:
+            written = decode_frames(run, out)
+        assert written == run.plan.decoded_frames(run.latent_frames), (written, out.shape)
         return out
 
-    def begin_decode(self, config: FastDecodeConfig | None = None) -> None:
-        """Start a decode (fresh causal histories, the config's layer variants); one at a time.
-        `decode` calls it; a caller running the units itself (the split decode) calls it and
-        `end_decode` around its own loop."""
-        cfg = config or FastDecodeConfig()
+    def start_decode(self, z: torch.Tensor) -> FastDecodeRun:
+        """A decode of raw latents ``z [B, z, T, h, w]`` run unit by unit (``vae_plan.UnitDecoder``):
+        what `decode` runs, and what the split decode over a GPU group runs a span of per rank."""
+        if z.dim() != 5 or z.shape[1] != self.z_dim or z.shape[2] < 1:
+            raise ValueError(f"latents of shape {tuple(z.shape)}: expected [B, {self.z_dim}, T>=1, h, w]")
+        return FastDecodeRun(self, z)
+
+    def _claim(self) -> None:
+        """Start a decode: fresh causal histories; one decode at a time."""
         if self._busy:
             raise RuntimeError("FastWanDecoder is already decoding; calls must not overlap")
         self._busy = True
         self._history = {}
-        self._phase = cfg.phase_upsample
-        self._head_taps = cfg.head_frame_taps
 
-    def end_decode(self) -> None:
+    def _release(self) -> None:
         self._history = {}
         self._busy = False
-
-    @staticmethod
-    def _passes(n: int, k: int) -> list[tuple[int, int]]:
-        return [(0, 1)] + [(s, min(s + k, n)) for s in range(1, n, k)]
 
     def _post_quant(self, z: torch.Tensor) -> torch.Tensor:
         b, c, n, h, w = z.shape
@@ -352,99 +271,48 @@ class FastWanDecoder:
         zp[:, CACHE_T:, :, :, :c] = F.linear(zr, self.post_quant.weight, self.post_quant.bias)
         return zp
 
-    def _lowres(self, zp: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
-        """Latent frames [t0, t1) through conv_in, the mid block and the up blocks before the
-        high-resolution tail. ``zp`` holds 2 zero frames in front, so frame t's history is
-        ``zp[t : t + 2]`` and conv_in needs no cache of its own."""
-        state: dict[str, Any] = {"x": zp[:, t0 : t1 + CACHE_T]}
-        for name in self._units[: self._tail_start]:
-            state = self.run_unit(name, state, first=t0 == 0)
-        return self.settle(state)["x"]
-
-    def _tail(self, x0: torch.Tensor) -> torch.Tensor:
-        state: dict[str, Any] = {"x": x0}
-        del x0
-        for name in self._units[self._tail_start :]:
-            state = self.run_unit(name, state, first=False)
-        return state["x"]  # [B, f, H, W, 16]
-
-    # ---- the decoder as named units (this decode and the split decode both run these) ----------
-
-    def unit_names(self) -> list[str]:
-        """The decoder's steps in call order, as `pan2render.parallel.decode.plan_layers` names
-        them: "conv_in", "mid", "up{i}.res{j}.a" / ".b" (a residual block's two convs),
-        "up{i}.up" (upsampler + the block's duplicate-upsample shortcut), "head"."""
-        return list(self._units)
-
-    def _list_units(self) -> tuple[list[str], int]:
-        """(unit names, index of the first unit of up block `split`: where the tail starts)."""
-        names = ["conv_in", "mid"]
-        for i, blk in enumerate(self.up_blocks):
-            if i == self.split:
-                tail = len(names)
-            names += [f"up{i}.res{j}.{half}" for j in range(len(blk.resnets)) for half in "ab"]
-            if blk.up_conv is not None:
-                names.append(f"up{i}.up")
-        if self.split >= len(self.up_blocks):
-            tail = len(names)
-        return names + ["head"], tail
-
-    def run_unit(self, name: str, state: dict[str, Any], *, first: bool) -> dict[str, Any]:
-        """Run one unit on a chunk's state and return it. ``state["x"]``: the activation rows
-        ``[B, T, H, W, C]`` (for "conv_in": the post-quant latents with their 2 history frames in
-        front), or a pending resnet sum (`_Sum`) that the next norm adds; ``"res"`` carries a
-        residual block's residual between its halves, ``"x_in"`` an up block's input to its
-        shortcut. ``first``: the chunk holds the video's first latent frame (the temporal
-        upsamplers' first-chunk rule). The input is consumed (popped), so it can be freed early.
-        Call `settle` before the state leaves this decoder (another rank, the output)."""
+    def _run_unit(self, unit: DecodeUnit, state: State, *, first: bool) -> State:
+        """One unit of the plan on a chunk's state (see `FastDecodeRun.run_unit`)."""
         x = state.pop("x")
-        if name == "conv_in":
+        kind = unit.kind
+        if kind is UnitKind.CONV_IN:
             return {**state, "x": _conv3d(x.contiguous(), self.conv_in, pad=1, bias=True)}
-        if name == "mid":
-            x = self._resnet_pending([x], self.mid_resnets[0], "mid.0")
-            x = self._attention([x], self.mid_attn)
-            return {**state, "x": self._resnet_pending([x], self.mid_resnets[1], "mid.1")}
-        if name == "head":
+        if kind is UnitKind.ATTENTION:
+            return {**state, "x": self._attention([x], self.mid_attn)}
+        if kind is UnitKind.HEAD:
             buf = self._fill([x], "head", gamma=self.gamma_out, bias=None)
             del x
-            y = self._head_by_frame_taps(buf) if self._head_taps else _conv3d(buf, self.conv_out, pad=1, bias=True)
-            return {**state, "x": y}
-        block_id, part, *half = name.split(".")
-        i = int(block_id[2:])
-        blk = self.up_blocks[i]
-        if part == "up":  # upsampler + duplicate-upsample shortcut (+ bias)
+            return {**state, "x": self._head_by_frame_taps(buf)}
+        blk = None if unit.block is None else self.up_blocks[unit.block]
+        if kind is UnitKind.UPSAMPLE:  # upsampler + duplicate-upsample shortcut (+ bias)
+            assert blk is not None and blk.phase_conv is not None, unit
             holder = [_materialized(x)]  # the callee pops it and frees it once consumed
             del x
             x_in = state.pop("x_in")
-            if self._phase:
-                return {**state, "x": self._upsample_phase(holder, blk, f"up.{i}", first=first, x_in=x_in)}
-            y = self._upsample(holder, blk, f"up.{i}", first=first)
-            _add_dup_shortcut_(y, x_in, blk.up_conv.bias32, factor_t=blk.factor_t, factor_s=blk.factor_s,
-                               first=first)  # fmt: skip
-            return {**state, "x": y}
-        j = int(part[3:])
-        res, key = blk.resnets[j], f"up.{i}.resnets.{j}"
-        if half == ["a"]:
-            if j == 0 and blk.up_conv is not None:  # the block's input, kept for its shortcut
+            return {**state, "x": self._upsample_phase(holder, blk, f"up.{unit.block}", first=first, x_in=x_in)}
+        j = unit.index
+        if blk is None:
+            res, key = self.mid_resnets[j], f"mid.{j}"
+        else:
+            res, key = blk.resnets[j], f"up.{unit.block}.resnets.{j}"
+        if kind is UnitKind.RES_IN:
+            if blk is not None and j == 0 and blk.phase_conv is not None:  # the block's input, for its shortcut
                 x = _materialized(x)
                 state["x_in"] = x
             buf = self._fill([x], f"{key}.conv1", gamma=res.gamma1, bias=None)  # adds a pending sum
             x = x.y if isinstance(x, _Sum) else x
+            # 1x1x1 shortcut conv (one GEMM) when the width changes, else the input itself.
             state["res"] = x if res.shortcut is None else F.linear(x, res.shortcut.weight, res.shortcut.bias)
             del x
             state["x"] = _conv3d(buf, res.conv1, pad=1, bias=False)  # conv1's bias folds into norm2
             return state
+        if kind is not UnitKind.RES_OUT:
+            raise ValueError(f"FastWanDecoder cannot run a {kind} unit")
         buf = self._fill([x], f"{key}.conv2", gamma=res.gamma2, bias=res.conv1.bias32)
         del x
         y = _conv3d(buf, res.conv2, pad=1, bias=False)
         del buf
         state["x"] = _Sum(y, res.conv2.bias32, state.pop("res"))  # added by the next unit's norm
-        return state
-
-    @staticmethod
-    def settle(state: dict[str, Any]) -> dict[str, Any]:
-        """Add a pending resnet sum, so ``state["x"]`` is a tensor (before it is sent or written)."""
-        state["x"] = _materialized(state["x"])
         return state
 
     def _head_by_frame_taps(self, buf: torch.Tensor) -> torch.Tensor:
@@ -503,23 +371,6 @@ class FastWanDecoder:
             )  # fmt: skip
         return buf
 
-    def _resnet_pending(self, holder: list[torch.Tensor | _Sum], blk: _ResBlock, key: str) -> _Sum:
-        """One residual block, its closing add left to the consumer's norm (`_Sum`)."""
-        x = holder.pop()
-        buf = self._fill([x], f"{key}.conv1", gamma=blk.gamma1, bias=None)
-        if isinstance(x, _Sum):  # `_fill` added it: its y now holds the block input
-            x = x.y
-        # 1x1x1 shortcut conv (one GEMM) when the width changes, else the input itself.
-        res = x if blk.shortcut is None else F.linear(x, blk.shortcut.weight, blk.shortcut.bias)
-        del x
-        y = _conv3d(buf, blk.conv1, pad=1, bias=False)  # conv1's bias is folded into norm2
-        del buf
-        buf = self._fill([y], f"{key}.conv2", gamma=blk.gamma2, bias=blk.conv1.bias32)
-        del y
-        y = _conv3d(buf, blk.conv2, pad=1, bias=False)
-        del buf
-        return _Sum(y, blk.conv2.bias32, res)
-
     def _attention(self, holder: list[torch.Tensor | _Sum], attn: _Attention) -> torch.Tensor:
         """Per-frame single-head self-attention over the H*W positions, + residual."""
         x = holder.pop()
@@ -543,7 +394,7 @@ class FastWanDecoder:
     def _time_up(self, x: torch.Tensor, blk: _UpBlock, key: str) -> torch.Tensor:
         """The causal (3, 1, 1) time conv: [B, T, H, W, C] -> [B, T, 2, H, W, C] (frame 2t+a =
         output channel half a). Run as one cuBLAS GEMM over the three frame taps laid side by
-        side (K = 3C, fp32 accumulation), ~660 TFLOP/s at up block 1 on an H200 (docs/performance.md)."""
+        side (K = 3C, fp32 accumulation): one large GEMM instead of a thin (3, 1, 1) conv."""
         b, t, h, w, c = x.shape
         buf = self._fill([x], f"{key}.time_conv", gamma=None, bias=None)  # [B, 2 + T, H, W, C]
         del x
@@ -574,23 +425,6 @@ class FastWanDecoder:
         y = vae_ops.upsample_phase_combine(o, blk.phase_conv.bias32, xs, index.contiguous(), r=r)
         return y.view(b, t * r, 2 * h, 2 * w, y.shape[-1])
 
-    def _upsample(self, holder: list[torch.Tensor], blk: _UpBlock, key: str, *, first: bool) -> torch.Tensor:
-        """(time conv: each frame -> 2, channel halves interleaved) -> nearest x2 -> 3x3 conv
-        (no bias: it is added with the shortcut). [B, T, H, W, C] -> [B, T*r, 2H, 2W, C]."""
-        x = holder.pop()
-        b, t, h, w, c = x.shape
-        if blk.time_conv is not None and not first:
-            src, r = self._time_up(x, blk, key), 2  # [B, T, 2, H, W, C]
-        else:  # first chunk: the reference skips the time conv (one frame stays one frame)
-            src, r = x.view(b, t, 1, h, w, c), 1
-        up = x.new_empty(b, t, r, h, 2, w, 2, c)
-        up.copy_(src[:, :, :, :, None, :, None, :].expand(b, t, r, h, 2, w, 2, c))  # nearest x2
-        del src, x
-        up4 = up.view(b * t * r, 2 * h, 2 * w, c).permute(0, 3, 1, 2)  # NCHW view, channels-last
-        y = F.conv2d(up4, blk.up_conv.weight, None, padding=1)
-        del up, up4
-        return _rows(y, b)  # [B, T*r, 2H, 2W, C]
-
     # ---- output -------------------------------------------------------------------------------
 
     def _write(self, y: torch.Tensor, out: torch.Tensor, f0: int) -> None:
@@ -609,6 +443,76 @@ class FastWanDecoder:
             dst.copy_(v.permute(0, 4, 1, 2, 6, 3, 5).clamp(-1.0, 1.0))
 
 
+class FastDecodeRun:
+    """`FastWanDecoder`'s side of ``vae_plan.DecodeRun``: activations are rows ``[B, T, H, W, C]``
+    in the decoder's dtype, each causal conv keeps its own history. Entering the run claims the
+    decoder and turns cuDNN's autotuning on for its convs (its kernels are chosen per shape on
+    the first chunk of that shape); leaving it drops the histories and restores torch's flags.
+
+    Inside a rank's span a unit may leave ``state["x"]`` as a pending residual sum that the next
+    unit's norm adds; `settle` adds it before the state leaves the run.
+    """
+
+    def __init__(self, dec: FastWanDecoder, z: torch.Tensor) -> None:
+        self._dec = dec
+        self._z = z
+        self._zp: torch.Tensor | None = None  # post-quant latents, 2 zero frames in front
+        self._stack: ExitStack | None = None
+        self.plan: DecoderPlan = decoder_plan(dec._config, height=z.shape[3], width=z.shape[4])
+        self.latent_frames: int = z.shape[2]
+        self.state_dtype: torch.dtype = dec.dtype
+
+    def __enter__(self) -> FastDecodeRun:
+        self._dec._claim()
+        stack = ExitStack()
+        stack.callback(self._dec._release)
+        try:
+            stack.enter_context(torch.backends.cudnn.flags(
+                enabled=True, benchmark=True, deterministic=False, allow_tf32=torch.backends.cudnn.allow_tf32,
+            ))  # fmt: skip
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        stack, self._stack = self._stack, None
+        self._zp = None
+        if stack is not None:
+            stack.close()
+
+    def latent_input(self, t: int) -> State:
+        """Latent frame t after post_quant_conv with its 2 history frames in front (conv_in keeps
+        no history of its own: the post-quant latents of every frame are at hand)."""
+        if self._zp is None:
+            self._zp = self._dec._post_quant(self._z)  # [B, 2 + T, h, w, z]: pointwise, all frames at once
+        return {"x": self._zp[:, t : t + 1 + CACHE_T]}
+
+    def run_unit(self, unit: DecodeUnit, state: State, *, first: bool) -> State:
+        """Run one unit on a chunk's state and return it. ``state["x"]``: the activation rows
+        ``[B, T, H, W, C]``, or a pending resnet sum that the next norm adds; ``"res"`` carries a
+        residual block's shortcut between its halves, ``"x_in"`` an up block's input to its
+        shortcut. The input is consumed (popped), so it can be freed early."""
+        if self._stack is None:
+            raise RuntimeError("enter the decode run (with decoder.start_decode(z) as run: ...) before running units")
+        return self._dec._run_unit(unit, state, first=first)
+
+    def settle(self, state: State) -> State:
+        state["x"] = _materialized(state["x"])
+        return state
+
+    def new_output(self, out_dtype: torch.dtype) -> torch.Tensor:
+        return new_video(self.plan, self._z.shape, out_dtype, self._dec.device)
+
+    def write(self, state: State, out: torch.Tensor, start: int) -> int:
+        y = state["x"]  # [B, f, H, W, >=12] after the head
+        self._dec._write(y, out, start)
+        return y.shape[1]
+
+
 # ---- helpers -----------------------------------------------------------------------------------
 
 
@@ -623,7 +527,7 @@ def _rows(y: torch.Tensor, b: int) -> torch.Tensor:
 
 
 # Below this many bytes of im2col rows a phase conv runs as one GEMM (the first up block: 44x78
-# latent frames, where cuDNN's best engine is an sm80 kernel at ~300 TFLOP/s; docs/performance.md).
+# latent frames, where cuDNN's best engine is a slow sm80 kernel; docs/performance.md).
 PHASE_GEMM_MAX_BYTES = 64 * 2**20
 
 
@@ -663,34 +567,6 @@ def _dup_channel_index(cin: int, cout: int, factor_t: int, factor_s: int) -> lis
         for i in range(factor_s)
         for j in range(factor_s)
     ]
-
-
-def _add_dup_shortcut_(
-    y: torch.Tensor, x_in: torch.Tensor, bias32: torch.Tensor, *, factor_t: int, factor_s: int, first: bool
-) -> None:
-    """``y [B, T*r, sH, sW, Cout] += bias + DupUp3D(x_in [B, T, H, W, Cin])`` in place, where the
-    first chunk of a temporal shortcut keeps only its last temporal copy (the reference's
-    ``first_chunk``). Each (time, row, column) phase is one strided add of a channel gather of
-    x_in; phases sharing a channel map are added in one broadcast."""
-    b, t, h, w, cin = x_in.shape
-    cout = y.shape[-1]
-    s = factor_s
-    phases_t = [factor_t - 1] if first else list(range(factor_t))
-    y8 = y.view(b, t, len(phases_t), h, s, w, s, cout)
-    index = _dup_channel_index(cin, cout, factor_t, factor_s)
-    bias = bias32.to(y.dtype)
-    if cin == cout and all(ix == list(range(cout)) for ix in index):
-        y8.add_((x_in + bias)[:, :, None, :, None, :, None, :])  # plain nearest upsampling
-        return
-    cache: dict[tuple[int, ...], torch.Tensor] = {}
-    for ai, a in enumerate(phases_t):
-        for i in range(s):
-            for j in range(s):
-                ix = tuple(index[(a * s + i) * s + j])
-                if ix not in cache:
-                    sel = torch.tensor(ix, device=x_in.device)
-                    cache[ix] = x_in.index_select(-1, sel).add_(bias)
-                y8[:, :, ai, :, i, :, j, :].add_(cache[ix])
 
 
 class _Loader:
@@ -798,7 +674,9 @@ def _probe(device: torch.device) -> tuple[bool, str]:
     return True, ""
 
 
-def _decoder_for(vae: torch.nn.Module, device: torch.device) -> FastWanDecoder:
+def fast_decoder_for(vae: torch.nn.Module, device: torch.device) -> FastWanDecoder:
+    """The fast decoder of ``vae`` on ``device`` (built on first use, kept while ``vae`` lives):
+    the one `fast_decode` runs. Raises ValueError / KeyError for a VAE it does not build."""
     dec = _DECODERS.get(vae)
     if dec is None or dec.device != device:
         dec = FastWanDecoder.from_vae(vae, device=device)
@@ -830,7 +708,6 @@ def fast_decode(
     z_raw: torch.Tensor,
     *,
     out_dtype: torch.dtype = torch.uint8,
-    config: FastDecodeConfig | None = None,
 ) -> torch.Tensor:
     """Decode raw latents ``[B, 48, T, h, w]`` with the fast decoder where it can run, else with
     ``vae.decode`` (the reason logged once). uint8: ``[F, H, W, 3]`` (B = 1),
@@ -839,7 +716,7 @@ def fast_decode(
     ok, reason = fast_decode_available(z_raw.device)
     if ok:
         try:
-            dec = _decoder_for(vae, z_raw.device)
+            dec = fast_decoder_for(vae, z_raw.device)
         except (ValueError, KeyError) as e:  # not a Wan2.2 layout we build
             ok, reason = False, str(e)
     if not ok:
@@ -847,4 +724,4 @@ def fast_decode(
             _FALLBACK_LOGGED.add(reason)
             log.warning("fast VAE decode unavailable, using the reference decoder: %s", reason)
         return _reference_decode(vae, z_raw, out_dtype)
-    return dec.decode(z_raw, out_dtype=out_dtype, config=config)
+    return dec.decode(z_raw, out_dtype=out_dtype)

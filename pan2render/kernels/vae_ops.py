@@ -34,9 +34,8 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
 NORM_EPS = 1e-12  # F.normalize's default, used by diffusers' WanRMS_norm
 MAX_CHANNELS = 4096  # one row must fit one program's registers; the Wan2.2 decoder needs <= 1024
 # (elements per program, warps) of each row kernel: rows per program = elements / padded C.
-# Chosen with the tile sweep of scripts/bench_vae_decode.py (--tile-sweep; docs/performance.md).
-# 2026-11-30 sweep on an H200 (GB/s, 4096/4 -> 2048/4): norm 4362 -> 4518 at C=256, combine
-# 1816 -> 2140 at 512 ch; 8192 and more elements per program were slower for every kernel.
+# Chosen with the tile sweep of scripts/bench_vae_decode.py (--tile-sweep); the figures are in
+# docs/performance.md ("What changed since the first session": row-kernel tiles).
 ROW_TILES: dict[str, tuple[int, int]] = {"norm": (2048, 4), "add": (2048, 4), "combine": (2048, 4)}
 
 

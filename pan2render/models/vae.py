@@ -14,20 +14,26 @@ halves H/W three times and T twice (causally: frame 0 alone, then chunks of 4 fr
 
 Read bottom-up: config, helpers, leaf modules, blocks, encoder/decoder, the public ``WanVAE`` last.
 The decoder's submodule names are diffusers' names on purpose: the fast decoder
-(``pan2render/kernels``) reads this module's weights by those names.
+(``pan2render/kernels``) reads this module's weights by those names. The decoder runs the units of
+its plan (``pan2render.vae_plan``), as the fast decoder and the split decode over a GPU group do:
+`WanVAE.start_decode` is its side of that interface.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ..kernels.vae_decode import to_uint8_frames
+from ..vae_plan import DecodeUnit, DecoderPlan, State, UnitKind, decode_frames, decoder_plan, new_video
 
 # Frames of history a 3-tap causal conv needs from the previous chunk.
 CACHE_T = 2
@@ -51,7 +57,7 @@ WAN22_LATENTS_STD: tuple[float, ...] = (
     0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744,
 )  # fmt: skip
 
-RGB_CHANNELS = 3
+RGB_CHANNELS = 3  # the same constant as vae_plan's
 
 
 # --------------------------------------------------------------------------------------------------
@@ -275,14 +281,25 @@ class CausalCache:
     Layers claim slots in call order; every chunk runs the same layers in the same order, so the
     n-th claim of a chunk is the same layer's slot as the n-th claim of the previous chunk.
     ``rewind()`` before each chunk, ``clear()`` when done (it drops every tensor at once).
+    A decode that runs the decoder unit by unit gives each unit its own `scope`, so a process that
+    runs only some of the units (a split decode) keeps exactly their histories.
     """
 
     def __init__(self) -> None:
         self._slots: list[Any] = []
         self._cursor = 0
+        self._scopes: dict[Hashable, CausalCache] = {}
 
     def rewind(self) -> None:
         self._cursor = 0
+
+    def scope(self, key: Hashable) -> CausalCache:
+        """The history of one unit of work (its own slots, rewound), created on first use."""
+        child = self._scopes.get(key)
+        if child is None:
+            child = self._scopes[key] = CausalCache()
+        child.rewind()
+        return child
 
     def claim(self) -> int:
         """Index of the next layer's slot (``None`` on a layer's first chunk)."""
@@ -298,9 +315,14 @@ class CausalCache:
         self._slots[i] = value
 
     def tensors(self) -> Iterator[torch.Tensor]:
-        return (s for s in self._slots if isinstance(s, torch.Tensor))
+        yield from (s for s in self._slots if isinstance(s, torch.Tensor))
+        for child in self._scopes.values():
+            yield from child.tensors()
 
     def clear(self) -> None:
+        for child in self._scopes.values():
+            child.clear()
+        self._scopes.clear()
         self._slots.clear()
         self._cursor = 0
 
@@ -513,10 +535,18 @@ class ResidualBlock(nn.Module):
         self.conv_shortcut = CausalConv3d(in_dim, out_dim, 1) if in_dim != out_dim else nn.Identity()
 
     def forward(self, x: torch.Tensor, cache: CausalCache | None = None) -> torch.Tensor:
-        h = self.conv_shortcut(x)
-        x = self.conv1(F.silu(self.norm1(x)), cache)
-        x = self.conv2(self.dropout(F.silu(self.norm2(x))), cache)
-        return x + h
+        return self.second_half(*self.first_half(x, cache), cache)
+
+    def first_half(
+        self, x: torch.Tensor, cache: CausalCache | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv1's output, the shortcut of x): the decoder's unit may end a rank's span here."""
+        return self.conv1(F.silu(self.norm1(x)), cache), self.conv_shortcut(x)
+
+    def second_half(
+        self, h: torch.Tensor, shortcut: torch.Tensor, cache: CausalCache | None = None
+    ) -> torch.Tensor:
+        return self.conv2(self.dropout(F.silu(self.norm2(h))), cache) + shortcut
 
 
 class AttentionBlock(nn.Module):
@@ -589,7 +619,8 @@ class ResidualDownBlock(nn.Module):
 
 class ResidualUpBlock(nn.Module):
     """Decoder stage: ``num_res_blocks + 1`` residual blocks, then (except the last stage) an
-    upsampler; plus the duplicate-up shortcut of the stage input."""
+    upsampler; plus the duplicate-up shortcut of the stage input, added after the upsampler.
+    Run by `Decoder3d.run_unit`, unit by unit."""
 
     def __init__(
         self,
@@ -612,16 +643,6 @@ class ResidualUpBlock(nn.Module):
         self.upsampler = (
             Resample(out_dim, up=True, temporal=temporal, out_dim=out_dim) if up else None
         )
-
-    def forward(
-        self, x: torch.Tensor, cache: CausalCache | None = None, *, first_chunk: bool = False
-    ) -> torch.Tensor:
-        shortcut = self.avg_shortcut(x, first_chunk=first_chunk) if self.avg_shortcut else None
-        for resnet in self.resnets:
-            x = resnet(x, cache)
-        if self.upsampler is not None:
-            x = self.upsampler(x, cache)
-        return x if shortcut is None else x + shortcut
 
 
 # --------------------------------------------------------------------------------------------------
@@ -663,7 +684,8 @@ class Encoder3d(nn.Module):
 
 
 class Decoder3d(nn.Module):
-    """[B, z, 1 latent frame, h, w] -> [B, 12, 1 (first chunk) or 4 frames, 8h, 8w] (patchified)."""
+    """[B, z, 1 latent frame, h, w] -> [B, 12, 1 (first chunk) or 4 frames, 8h, 8w] (patchified),
+    as the units of ``vae_plan.decoder_plan(cfg)``, each run by `run_unit`."""
 
     def __init__(self, cfg: WanVAEConfig) -> None:
         super().__init__()
@@ -688,12 +710,34 @@ class Decoder3d(nn.Module):
         self.norm_out = RMSNorm(dims[-1], spatial_dims=3)
         self.conv_out = CausalConv3d(dims[-1], cfg.out_channels, 3, padding=1)
 
-    def forward(self, x: torch.Tensor, cache: CausalCache, *, first_chunk: bool) -> torch.Tensor:
-        x = self.conv_in(x, cache)
-        x = self.mid_block(x, cache)
-        for block in self.up_blocks:
-            x = block(x, cache, first_chunk=first_chunk)
-        return self.conv_out(F.silu(self.norm_out(x)), cache)
+    def run_unit(self, unit: DecodeUnit, state: State, cache: CausalCache, *, first: bool) -> State:
+        """One unit of the plan on a chunk's state (``"x"``: ``[B, C, t, H, W]``; ``"res"``, ``"x_in"``:
+        see ``vae_plan.STATE_KEYS``); ``cache`` holds this unit's causal history. ``first``: the
+        chunk is the video's first latent frame (the duplicate-upsample shortcut keeps one frame)."""
+        x = state.pop("x")
+        kind = unit.kind
+        if kind is UnitKind.CONV_IN:
+            return {**state, "x": self.conv_in(x, cache)}
+        if kind is UnitKind.HEAD:
+            return {**state, "x": self.conv_out(F.silu(self.norm_out(x)), cache)}
+        if unit.block is None:
+            if kind is UnitKind.ATTENTION:
+                return {**state, "x": self.mid_block.attentions[0](x)}
+            res = self.mid_block.resnets[unit.index]
+        else:
+            block = self.up_blocks[unit.block]
+            if kind is UnitKind.UPSAMPLE:
+                assert block.upsampler is not None and block.avg_shortcut is not None, unit
+                shortcut = block.avg_shortcut(state.pop("x_in"), first_chunk=first)
+                return {**state, "x": block.upsampler(x, cache) + shortcut}
+            res = block.resnets[unit.index]
+            if kind is UnitKind.RES_IN and unit.index == 0 and block.avg_shortcut is not None:
+                state["x_in"] = x  # the block's input, for its shortcut after the upsampler
+        if kind is UnitKind.RES_IN:
+            state["x"], state["res"] = res.first_half(x, cache)
+        else:
+            state["x"] = res.second_half(x, state.pop("res"), cache)
+        return state
 
 
 # --------------------------------------------------------------------------------------------------
@@ -718,7 +762,8 @@ class WanVAE(nn.Module):
         self.quant_conv = CausalConv3d(cfg.z_dim * 2, cfg.z_dim * 2, 1)
         self.post_quant_conv = CausalConv3d(cfg.z_dim, cfg.z_dim, 1)
         self.decoder = Decoder3d(cfg)
-        # The causal history of the encode/decode in progress; None otherwise (see _run_cached).
+        # The causal history of the encode/decode in progress; None otherwise (see _run_cached and
+        # WanDecodeRun).
         self._cache: CausalCache | None = None
 
     # ---- latent statistics ------------------------------------------------------------------
@@ -770,52 +815,30 @@ class WanVAE(nn.Module):
         self._run_cached(run)
         return mean
 
-    def decode(
-        self,
-        z: torch.Tensor,
-        *,
-        out_dtype: torch.dtype | None = None,
-        on_chunk: Callable[[torch.Tensor, int, int], None] | None = None,
-    ) -> torch.Tensor:
+    def decode(self, z: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Raw latents ``[B, z, T, h, w]`` -> RGB ``[B, 3, 1 + 4 (T - 1), 16 h, 16 w]`` clamped to
         [-1, 1] (diffusers' ``decode(z).sample``).
 
-        Each latent frame's decoded frames are written straight into one preallocated output (no
-        growing concatenation); the causal cache is dropped when done, also on error.
+        One latent frame at a time through the decoder's units; each one's frames are written
+        straight into one preallocated output (no growing concatenation); the causal cache is
+        dropped when done, also on error.
 
         Args:
             z: raw (un-normalised) latents; see ``denormalize_latents``.
             out_dtype: dtype of the returned video (default: z's dtype, as diffusers). Frames are
                 clamped in the compute dtype and then cast.
-            on_chunk: called as ``on_chunk(video, start, stop)`` after frames ``[start, stop)`` of
-                ``video`` (the returned tensor) are final, e.g. to stream them out early.
         """
-        cfg = self.config
-        self._check_latents(z)
-        b, _, n, h, w = z.shape
-        s = cfg.scale_factor_spatial
-        video = torch.empty(
-            b, RGB_CHANNELS, cfg.decoded_frames(n), s * h, s * w,
-            dtype=out_dtype or z.dtype, device=z.device,
-        )  # fmt: skip
-        x = self.post_quant_conv(z)  # pointwise, so once for all frames
-
-        def run(cache: CausalCache) -> None:
-            start = 0
-            for t in range(n):
-                cache.rewind()
-                y = self.decoder(x[:, :, t : t + 1], cache, first_chunk=t == 0)  # [B, 12, f, 8h, 8w]
-                y = unpatchify(y, patch=cfg.patch_size).clamp_(-1.0, 1.0)  # [B, 3, f, 16h, 16w]
-                stop = start + y.shape[2]
-                video[:, :, start:stop] = y
-                del y
-                if on_chunk is not None:
-                    on_chunk(video, start, stop)
-                start = stop
-            assert start == video.shape[2], (start, video.shape)
-
-        self._run_cached(run)
+        with self.start_decode(z) as run:
+            video = run.new_output(out_dtype or z.dtype)
+            written = decode_frames(run, video)
+        assert written == video.shape[2], (written, video.shape)
         return video
+
+    def start_decode(self, z: torch.Tensor) -> WanDecodeRun:
+        """A decode of raw latents ``z`` run unit by unit (``vae_plan.UnitDecoder``): what `decode`
+        runs, and what the split decode over a GPU group runs a span of per rank."""
+        self._check_latents(z)
+        return WanDecodeRun(self, z)
 
     def _run_cached(self, run: Callable[[CausalCache], None]) -> None:
         """Run a chunked pass with a fresh causal cache and always drop the cache's tensors after,
@@ -852,3 +875,57 @@ class WanVAE(nn.Module):
             raise ValueError(
                 f"video is {height}x{width}: encode needs height and width that are multiples of {s}"
             )
+
+
+class WanDecodeRun:
+    """`WanVAE`'s side of ``vae_plan.DecodeRun``: the reference modules, activations
+    ``[B, C, T, H, W]`` in the VAE's dtype, one `CausalCache` scope per unit."""
+
+    def __init__(self, vae: WanVAE, z: torch.Tensor) -> None:
+        self._vae = vae
+        self._z = z
+        self._x: torch.Tensor | None = None  # post_quant_conv(z), made on the first latent_input
+        self._cache: CausalCache | None = None
+        self.plan: DecoderPlan = decoder_plan(vae.config, height=z.shape[3], width=z.shape[4])
+        self.latent_frames = z.shape[2]
+        self.state_dtype: torch.dtype = next(vae.parameters()).dtype
+
+    def __enter__(self) -> WanDecodeRun:
+        if self._vae._cache is not None:
+            raise RuntimeError("WanVAE is already encoding or decoding; calls must not overlap")
+        self._cache = self._vae._cache = CausalCache()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        # Drop the histories now: a failed decode's traceback may keep this run alive.
+        if self._cache is not None:
+            self._cache.clear()
+        self._cache = self._vae._cache = None
+        self._x = None
+
+    def latent_input(self, t: int) -> State:
+        if self._x is None:  # pointwise, so once for all frames
+            self._x = self._vae.post_quant_conv(self._z.to(self.state_dtype))
+        return {"x": self._x[:, :, t : t + 1]}
+
+    def run_unit(self, unit: DecodeUnit, state: State, *, first: bool) -> State:
+        if self._cache is None:
+            raise RuntimeError("enter the decode run (with vae.start_decode(z) as run: ...) before running units")
+        return self._vae.decoder.run_unit(unit, state, self._cache.scope(unit), first=first)
+
+    def settle(self, state: State) -> State:
+        return state
+
+    def new_output(self, out_dtype: torch.dtype) -> torch.Tensor:
+        return new_video(self.plan, self._z.shape, out_dtype, self._z.device)
+
+    def write(self, state: State, out: torch.Tensor, start: int) -> int:
+        video = unpatchify(state["x"], patch=self._vae.config.patch_size).clamp_(-1.0, 1.0)  # [B, 3, f, H, W]
+        frames = video.shape[2]
+        if out.dtype == torch.uint8:
+            out[start : start + frames] = to_uint8_frames(video[0])
+        else:
+            out[:, :, start : start + frames] = video
+        return frames

@@ -16,6 +16,7 @@ import torch
 from diffusers import AutoencoderKLWan
 
 from pan2render.models.vae import WanVAE, WanVAEConfig
+from pan2render.vae_plan import UnitKind, decoder_plan
 
 MAX_REL_ERR = 1e-4  # max|ours - ref| / max|ref|, fp32
 
@@ -205,19 +206,30 @@ def _unregistered_tensors(model: torch.nn.Module) -> list[str]:
 
 
 def test_decode_fills_one_preallocated_video_chunk_by_chunk(models) -> None:
+    """Driven through its unit interface (what the split decode uses): each latent frame's frames
+    land in place in the one output, later frames untouched, and the result is `decode`'s."""
     ours, _ = models
     z = torch.randn(1, 48, 3, 4, 6, generator=torch.Generator().manual_seed(9))
-    chunks: list[tuple[int, int, int]] = []
+    spans: list[tuple[int, int]] = []
     with torch.no_grad():
-        video = ours.decode(
-            z, out_dtype=torch.float64, on_chunk=lambda v, a, b: chunks.append((a, b, v.data_ptr()))
-        )
         plain = ours.decode(z)
-    print(f"chunks written: {[(a, b) for a, b, _ in chunks]}")
-    assert [(a, b) for a, b, _ in chunks] == [(0, 1), (1, 5), (5, 9)]
-    assert {ptr for _, _, ptr in chunks} == {video.data_ptr()}  # one buffer, written in place
-    assert video.dtype == torch.float64
-    assert torch.equal(video, plain.double())
+        as_float64 = ours.decode(z, out_dtype=torch.float64)
+        with ours.start_decode(z) as run:
+            video = run.new_output(torch.float64).fill_(float("nan"))
+            ptr, start = video.data_ptr(), 0
+            for t in range(run.latent_frames):
+                state = run.latent_input(t)
+                for unit in run.plan.units:
+                    state = run.run_unit(unit, state, first=t == 0)
+                n = run.write(run.settle(state), video, start)
+                assert video[:, :, start : start + n].isfinite().all()
+                assert video[:, :, start + n :].isnan().all()  # nothing written ahead
+                spans.append((start, start + n))
+                start += n
+    print(f"chunks written: {spans}")
+    assert spans == [(0, 1), (1, 5), (5, 9)]
+    assert video.data_ptr() == ptr and video.dtype == torch.float64  # one buffer, written in place
+    assert torch.equal(video, plain.double()) and torch.equal(as_float64, video)
 
 
 def test_cache_is_released_after_encode_and_decode(models) -> None:
@@ -242,7 +254,7 @@ def test_cache_is_released_when_decode_fails(models) -> None:
             history.extend(weakref.ref(t) for t in ours._cache.tensors())
             raise RuntimeError("injected failure")
 
-    handle = ours.decoder.up_blocks[1].register_forward_hook(fail_on_second_chunk)
+    handle = ours.decoder.up_blocks[1].upsampler.register_forward_hook(fail_on_second_chunk)
     try:
         with torch.no_grad(), pytest.raises(RuntimeError, match="injected failure") as failure:
             ours.decode(z)
@@ -277,3 +289,65 @@ def test_latent_normalisation_follows_the_diffusers_pipeline(models) -> None:
     # bf16 latents: statistics are cast to the latents' dtype first, as the pipeline does.
     zb = z.bfloat16()
     assert ours.normalize_latents(zb).dtype == torch.bfloat16
+
+
+# ---- the decoder's plan -------------------------------------------------------------------------
+
+
+def test_decoder_plan_covers_every_decoder_module_once_in_call_order() -> None:
+    """The plan (vae_plan) is the one description of the decoder's structure: its units name every
+    residual block, the attention and every upsampler of the module tree exactly once, in the
+    order the modules' data flows, for the released config and a smaller one."""
+    for cfg in (WanVAEConfig(), WanVAEConfig(dim_mult=(1, 2, 4), temperal_downsample=(True, True),
+                                             scale_factor_spatial=8, num_res_blocks=1)):
+        with torch.device("meta"):
+            dec = WanVAE(cfg).decoder
+        plan = decoder_plan(cfg)
+        names = [u.name for u in plan.units]
+        print(f"dim_mult={cfg.dim_mult}: {len(names)} units: {names}")
+        want = ["conv_in", "mid.res0.a", "mid.res0.b", "mid.attn", "mid.res1.a", "mid.res1.b"]
+        for i, block in enumerate(dec.up_blocks):
+            want += [f"up{i}.res{j}.{h}" for j in range(len(block.resnets)) for h in "ab"]
+            want += [f"up{i}.up"] if block.upsampler is not None else []
+        assert names == want + ["head"]
+        assert len(set(plan.units)) == len(plan.units)
+        assert plan.space_factor == cfg.scale_factor_spatial and plan.time_factor == cfg.scale_factor_temporal
+        assert [plan.decoded_frames(t) for t in (1, 2, 31)] == [cfg.decoded_frames(t) for t in (1, 2, 31)]
+        ups = [u for u in plan.units if u.kind is UnitKind.UPSAMPLE]
+        assert [u.block for u in ups] == [i for i, b in enumerate(dec.up_blocks) if b.upsampler is not None]
+        # diffusers' config.json (what the fast decoder may be built from) gives the same plan.
+        assert decoder_plan(_diffusers_kwargs(cfg)) == plan
+
+
+def test_decoder_plan_costs_are_the_modules_work() -> None:
+    """Each unit's MACs are the multiply-accumulates of the convs it runs (weights x output
+    positions, counted from the modules), plus the attention's two matmuls."""
+    cfg, (h, w) = WanVAEConfig(), (44, 78)
+    with torch.device("meta"):
+        dec = WanVAE(cfg).decoder
+    plan = decoder_plan(cfg, height=h, width=w)
+
+    def macs(module: torch.nn.Module, positions: int) -> float:
+        return float(module.weight.numel()) * positions
+
+    area, frames, want = h * w, 1, []
+    want.append(macs(dec.conv_in, area))
+    for j, res in enumerate(dec.mid_block.resnets):
+        want += [macs(res.conv1, area), macs(res.conv2, area)]
+        if j == 0:
+            attn = dec.mid_block.attentions[0]
+            want.append(macs(attn.to_qkv, area) + macs(attn.proj, area) + 2.0 * area * area * attn.proj.weight.shape[0])
+    for block in dec.up_blocks:
+        for res in block.resnets:
+            shortcut = macs(res.conv_shortcut, area * frames) if isinstance(res.conv_shortcut, torch.nn.Conv3d) else 0
+            want += [macs(res.conv1, area * frames) + shortcut, macs(res.conv2, area * frames)]
+        if block.upsampler is not None:
+            up = 0.0
+            if block.upsampler.temporal:
+                up, frames = macs(block.upsampler.time_conv, area * frames), frames * 2
+            area *= 4
+            want.append(up + macs(block.upsampler.resample[1], area * frames))
+    want.append(macs(dec.conv_out, area * frames))
+    got = [u.macs for u in plan.units]
+    print(f"decoder MACs per latent frame at {h}x{w}: {sum(got) / 1e12:.2f} T (modules: {sum(want) / 1e12:.2f} T)")
+    assert got == pytest.approx(want, rel=1e-12)

@@ -1,20 +1,24 @@
-"""The split VAE decode (vae_decode_kernel_parallel) on gloo groups of 2 and 4, and the ranks'
-agreement on the fast decoder."""
+"""The split VAE decode (vae_decode_kernel_parallel) on gloo groups of 2 and 4, the ranks'
+agreement on the fast decoder, and the unit interface (``vae_plan``) it runs both decoders by."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from pan2render.kernels.vae_decode import FastWanDecoder
 from pan2render.models.tiny import TINY_VAE_CONFIG
 from pan2render.models.vae import WanVAE, WanVAEConfig
 from pan2render.parallel import decode as split
 from pan2render.parallel import parallelize_pipeline
 from pan2render.parallel.group import SequenceGroup
+from pan2render.vae_plan import DecodeRun, UnitDecoder, decoder_plan
 
 from dist_helpers import max_rel, run_group
 from test_ulysses import tiny_pipeline
@@ -34,15 +38,50 @@ def raw_latents() -> torch.Tensor:
     return torch.randn(1, 48, 4, 4, 6, generator=torch.Generator().manual_seed(5))  # 13 frames, 64x96
 
 
+# What a decoder offers the split decode: the members vae_plan's protocols declare, nothing else.
+RUN_MEMBERS = frozenset(
+    name for name in (*vars(DecodeRun), *DecodeRun.__annotations__) if not name.startswith("_")
+)
+DECODER_MEMBERS = frozenset(name for name in vars(UnitDecoder) if not name.startswith("_"))
+
+
+class InterfaceOnly:
+    """A decoder seen only through ``vae_plan.UnitDecoder`` / ``DecodeRun``: reaching for anything
+    else (a private helper, an attribute of one implementation) raises AttributeError."""
+
+    def __init__(self, decoder: Any, *, hide: str = "") -> None:
+        self._decoder, self._hide = decoder, hide
+
+    def start_decode(self, z: torch.Tensor) -> _RunView:
+        return _RunView(self._decoder.start_decode(z), self._hide)
+
+
+class _RunView:
+    def __init__(self, run: Any, hide: str) -> None:
+        self._run, self._hide = run, hide
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in RUN_MEMBERS or name == self._hide:
+            raise AttributeError(f"{name!r} is not part of vae_plan.DecodeRun (as offered here)")
+        return getattr(self._run, name)
+
+    def __enter__(self) -> _RunView:
+        self._run.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._run.__exit__(*exc)
+
+
 def _decode_worker(rank: int, world: int, out: Path) -> None:
     group = SequenceGroup.of(None)
     vae = tiny_vae()
     video = split.pipelined_decode(vae, raw_latents(), group, fast=False, out_dtype=torch.float32)
-    # The fast decoder's layers split the same way (fp32 on CPU, its Triton kernels interpreted).
-    from pan2render.kernels import vae_decode as fast
-
-    fast._DECODERS[vae] = fast.FastWanDecoder.from_vae(vae, device="cpu", dtype=torch.float32)
-    fast_video = split.pipelined_decode(vae, raw_latents(), group, fast=True, out_dtype=torch.float32)
+    # The fast decoder splits the same way (fp32 on CPU, its Triton kernels interpreted), and the
+    # split uses nothing of either decoder but the unit interface.
+    fast_decoder = FastWanDecoder.from_vae(vae, device="cpu", dtype=torch.float32)
+    fast_video = split.split_decode(InterfaceOnly(fast_decoder), raw_latents(), group, out_dtype=torch.float32)
+    reference_video = split.split_decode(InterfaceOnly(vae), raw_latents(), group, out_dtype=torch.float32)
 
     # Agreement: rank 1 says it cannot run the fast decoder -> every rank falls back, naming rank 1.
     def one_rank_cannot(_vae, _device, *, enabled):
@@ -53,7 +92,7 @@ def _decode_worker(rank: int, world: int, out: Path) -> None:
                                        can_run=lambda *_a, **_k: (True, ""))
 
     # Through the pipeline: rank 0 claims the fast decoder, rank 1 cannot -> all take the reference path.
-    split._can_run_fast = lambda *_a, **_k: (rank != 1, "patched: no fast decoder on this rank")
+    split.fast_decode_available = lambda device: (rank != 1, "patched: no fast decoder on this rank")
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
@@ -63,8 +102,8 @@ def _decode_worker(rank: int, world: int, out: Path) -> None:
     latents = torch.randn(48, 3, 6, 10, generator=torch.Generator().manual_seed(9))
     frames = pipe.decode(latents)
     frames_again = pipe.decode(latents)  # the reason is logged once, not per decode
-    torch.save({"video": video, "fast_video": fast_video, "verdict": verdict, "everyone": everyone, "frames": frames,
-                "again": frames_again, "log": records}, out / f"rank{rank}.pt")
+    torch.save({"video": video, "fast_video": fast_video, "reference_video": reference_video, "verdict": verdict,
+                "everyone": everyone, "frames": frames, "again": frames_again, "log": records}, out / f"rank{rank}.pt")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -82,6 +121,7 @@ def test_split_decode_matches_one_process(world: int, tmp_path: Path) -> None:
     print(f"group of {world}: split fast decoder (fp32, interpreted) vs one-process reference: "
           f"max rel err {fast_err:.2e}")
     assert fast_err < 1e-5 and all(r["fast_video"] is None for r in results[1:])
+    assert torch.equal(results[0]["reference_video"], video)  # the same decode, seen through the interface
 
     # Agreement: every rank reaches the same verdict, naming the rank that cannot.
     for r in results:
@@ -104,29 +144,62 @@ def test_split_decode_matches_one_process(world: int, tmp_path: Path) -> None:
 
 def test_layer_split_is_balanced_at_full_size() -> None:
     """The released decoder at 704x1248 (latent 44x78) cut for 2, 4 and 8 ranks."""
-    with torch.device("meta"):
-        vae = WanVAE(WanVAEConfig())
-    plan = split.plan_layers(vae, height=44, width=78)
-    total = sum(u.cost for u in plan)
-    print(f"decoder work per latent frame at 704x1248: {2 * sum(u.macs for u in plan) / 1e12:.1f} TFLOP")
+    plan = decoder_plan(WanVAEConfig(), height=44, width=78)
+    total = sum(u.cost for u in plan.units)
+    print(f"decoder work per latent frame at 704x1248: {2 * sum(u.macs for u in plan.units) / 1e12:.1f} TFLOP")
     for parts in (2, 4, 8):
-        bounds = split.split_layers(plan, parts)
-        spans = [sum(u.cost for u in plan[a:b]) for a, b in zip(bounds, bounds[1:])]
+        bounds = split.split_units(plan.units, parts)
+        spans = [sum(u.cost for u in plan.units[a:b]) for a, b in zip(bounds, bounds[1:])]
         worst = max(spans) / (total / parts)
         print(f"{parts} ranks: largest span {worst:.3f}x the even share; cuts after "
-              f"{[plan[b - 1].name for b in bounds[1:-1]]}")
+              f"{[plan.units[b - 1].name for b in bounds[1:-1]]}")
         assert worst < {2: 1.05, 4: 1.3, 8: 2.0}[parts]  # unit granularity: one resnet
 
 
-def test_split_needs_the_fast_decoders_units_to_match_its_plan(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The split runs FastWanDecoder.run_unit by the names of plan_layers: the local check says
-    yes when they match and falls back, saying why, when the decoder's units differ."""
-    from pan2render.kernels import vae_decode as fast
+def _members(cls: type, names: frozenset[str]) -> dict[str, Any]:
+    """Each member's call signature (parameter names and kinds, self left out), or "attribute"."""
+    found = {}
+    for name in sorted(names):
+        member = inspect.getattr_static(cls, name, None)
+        if callable(member):
+            params = list(inspect.signature(member).parameters.values())[1:]
+            found[name] = [(p.name, p.kind) for p in params]
+        else:
+            found[name] = "attribute"
+    return found
 
+
+@pytest.mark.parametrize("which", ["reference", "fast"])
+def test_both_decoders_implement_the_unit_interface(which: str) -> None:
+    """Each decoder offers every member of vae_plan's protocols with the protocol's parameters, so
+    renaming one (or changing its call) fails here, not as a silent fallback on a GPU group."""
     vae = tiny_vae()
-    monkeypatch.setattr(fast, "fast_decode_available", lambda device: (True, ""))
-    ok, why = split._can_run_fast(vae, torch.device("cpu"), enabled=True)
-    assert ok, why
-    monkeypatch.setattr(fast.FastWanDecoder, "unit_names", lambda self: ["conv_in", "mid", "head"])
-    ok, why = split._can_run_fast(vae, torch.device("cpu"), enabled=True)
-    assert not ok and "differ from the split's plan" in why
+    decoder = vae if which == "reference" else FastWanDecoder.from_vae(vae, device="cpu", dtype=torch.float32)
+    z = raw_latents()
+    run = decoder.start_decode(z)
+    assert isinstance(decoder, UnitDecoder) and isinstance(run, DecodeRun)
+    want = _members(UnitDecoder, DECODER_MEMBERS)
+    assert _members(type(decoder), DECODER_MEMBERS) == want
+    want_run = {k: v for k, v in _members(DecodeRun, RUN_MEMBERS).items()}
+    got_run = _members(type(run), RUN_MEMBERS)
+    for name in RUN_MEMBERS:  # attributes are set per run
+        if want_run[name] == "attribute":
+            assert got_run[name] == "attribute" and hasattr(run, name), name
+    assert {k: v for k, v in got_run.items() if v != "attribute"} == {
+        k: v for k, v in want_run.items() if v != "attribute"}
+    assert run.plan == decoder_plan(vae.config, height=4, width=6) and run.latent_frames == 4
+
+
+def test_a_decoder_without_the_interface_fails_loudly() -> None:
+    """The split decode has no fallback for a decoder that lacks a member of the interface: it
+    raises, naming the member (negative control of the interface-only runs above)."""
+    vae = tiny_vae()
+    solo = SequenceGroup(group=None, rank=0, world_size=1)
+    with torch.inference_mode():
+        want = vae.decode(raw_latents())
+        got = split.split_decode(InterfaceOnly(vae), raw_latents(), solo, out_dtype=torch.float32)
+        assert torch.equal(got, want)
+        for missing in ("settle", "run_unit", "plan"):
+            with pytest.raises(AttributeError, match=missing):
+                split.split_decode(InterfaceOnly(vae, hide=missing), raw_latents(), solo, out_dtype=torch.float32)
+        assert torch.equal(vae.decode(raw_latents()), want)  # the failed runs released the decoder
