@@ -15,8 +15,8 @@ costs it an attempt, and whether the group it ran on may take the next job:
 |                | our code (an image that does not decode, NaN output, | result; the group stays              |
 |                | an artifact that keeps failing its check)            |                                      |
 | unknown        | anything else, a library's ValueError included       | retry (charged); the group stays     |
-| cluster-lost   | the cluster lost the GPUs the job needs              | back to pending, NOT charged; the    |
-|                |                                                      | batch waits for GPUs (bounded)       |
+| cluster-lost   | the job's node left the cluster, or the cluster lost | back to pending, NOT charged; the    |
+|                | the GPUs the job needs, or its GCS stopped answering | batch waits for GPUs (bounded)       |
 | storage        | the output folder refused a driver write: disk full, | back to pending, NOT charged; the    |
 |                | quota, read-only filesystem, permission denied       | batch stops scheduling and exits     |
 
