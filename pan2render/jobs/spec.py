@@ -76,6 +76,7 @@ class Rule:
     choices: tuple[Any, ...] = ()
     empty_ok: bool = False  # TEXT: the empty string is allowed
     to_sampler: bool = False  # handed to PAN2Pipeline.sample under its own name
+    to_encoder: str | None = None  # handed to media.video.encode_mp4 as this keyword
     # Hashed in every job id since ids were first handed out. A pixel field added since (this is
     # False) counts in the hash only when set away from its default, so existing jobs keep their ids.
     in_first_ids: bool = False
@@ -183,7 +184,7 @@ class JobSpec:
     fps: float = _rule(Rule(
         "frame rate of the mp4", pixels=True, in_first_ids=True, scope=Scope.PRESET, kind=Kind.FLOAT,
         min=FPS_RANGE[0], max=FPS_RANGE[1],
-        allowed="a number from {min:g} to {max:g} (frames per second of the mp4, e.g. 24)"))
+        to_encoder="fps", allowed="a number from {min:g} to {max:g} (frames per second of the mp4, e.g. 24)"))
     flow_shift: float = _rule(Rule(
         "how far the schedule leans to the noisy end", pixels=True, in_first_ids=True, scope=Scope.PRESET,
         kind=Kind.FLOAT, min=0, min_open=True, to_sampler=True,
@@ -196,7 +197,8 @@ class JobSpec:
         kind=Kind.CHOICE, choices=ALLOWED_GPUS), 1)
     crf: int = _rule(Rule(
         "libx264 quality of the mp4", pixels=True, in_first_ids=True, scope=Scope.PRESET, kind=Kind.INT,
-        min=0, max=51, allowed="an integer in {min}..{max} (libx264 quality, lower is better; 18 is near lossless)"))
+        min=0, max=51, to_encoder="crf",
+        allowed="an integer in {min}..{max} (libx264 quality, lower is better; 18 is near lossless)"))
     # None: the checkpoint's own (dmd) or not applicable (unipc, euler).
     timesteps: tuple[int, ...] | None = _rule(Rule(
         "sampler dmd: the timesteps to run, noisiest first", pixels=True, scope=Scope.PRESET,
@@ -205,7 +207,8 @@ class JobSpec:
                 "e.g. [1000, 757, 522]"), None)
     encode_preset: str = _rule(Rule(
         "libx264 speed/size trade-off (not the job preset): slower gives a smaller file at a given crf",
-        pixels=True, scope=Scope.PRESET, kind=Kind.CHOICE, choices=X264_PRESETS), DEFAULT_X264_PRESET)
+        pixels=True, scope=Scope.PRESET, kind=Kind.CHOICE, choices=X264_PRESETS, to_encoder="preset"),
+        DEFAULT_X264_PRESET)
 
     # Resolved by the batch, not set in it.
     model: str = _rule(Rule("\"tiny\" or an absolute checkpoint folder", pixels=True, in_first_ids=True))
@@ -245,6 +248,10 @@ class JobSpec:
             args["steps"] = None
         return args
 
+    def encode_args(self) -> dict[str, Any]:
+        """The keyword arguments ``encode_mp4`` takes from this job: its encoder fields."""
+        return {_rule_of(f).to_encoder: getattr(self, f.name) for f in ENCODER_FIELDS}
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["source"] = None if self.source is None else {"file": self.source.file, "line": self.source.line}
@@ -269,6 +276,7 @@ RULES: dict[str, Rule] = {f.name: _rule_of(f) for f in FIELDS}
 PIXEL_FIELDS = tuple(f for f in FIELDS if _rule_of(f).pixels)
 RENDER_FIELDS = tuple(f.name for f in PIXEL_FIELDS)
 SAMPLER_FIELDS = tuple(f for f in FIELDS if _rule_of(f).to_sampler)
+ENCODER_FIELDS = tuple(f for f in FIELDS if _rule_of(f).to_encoder)
 
 # What a batch's job may set; `defaults` (and sweeps, --set) anything but what identifies one job;
 # a preset holds render settings only (no paths, no seeds).
@@ -289,8 +297,8 @@ def _check_schema() -> None:
                             "(it counts in the hash only when set away from it, so old ids stay)")
         if (rule.scope is Scope.NOWHERE) != (rule.kind is None):
             raise TypeError(f"JobSpec.{f.name}: a field a batch may set needs a kind, and only such a field")
-        if rule.to_sampler and not rule.pixels:
-            raise TypeError(f"JobSpec.{f.name}: what the sampler reads changes the video: pixels=True")
+        if (rule.to_sampler or rule.to_encoder) and not rule.pixels:
+            raise TypeError(f"JobSpec.{f.name}: what the sampler or the encoder reads changes the video: pixels=True")
 
 
 _check_schema()

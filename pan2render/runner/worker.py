@@ -337,7 +337,7 @@ class RenderWorker:
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="pan2-encode-") as tmp:
             path = Path(tmp) / stages.VIDEO_NAME
-            encode_s = encode_mp4(Yuv420Video(planes), path, fps=js.fps, crf=js.crf, preset=js.encode_preset,
+            encode_s = encode_mp4(Yuv420Video(planes), path, **js.encode_args(),
                                   metadata=outputs.video_tags(js, model_id=self._pipeline(js.model).model_id))
             mp4 = path.read_bytes()
         return CollectReply(mp4=mp4, encode_s=encode_s, check_s=time.perf_counter() - t0 - encode_s)

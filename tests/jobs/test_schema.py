@@ -16,6 +16,7 @@ from pan2render.jobs.spec import (
     FIELDS,
     PIXEL_FIELDS,
     RULES,
+    ENCODER_FIELDS,
     SAMPLER_FIELDS,
     JobSpec,
     Kind,
@@ -94,6 +95,17 @@ def test_the_sampler_gets_exactly_the_fields_its_request_has() -> None:
     assert job.sample_args() == {k: getattr(job, k) for k in names}
     dmd = dataclasses.replace(job, sampler="dmd", guidance=1.0, steps=3)
     assert dmd.sample_args()["steps"] is None  # the number of timesteps, the job's or the checkpoint's
+
+
+def test_the_encoder_gets_every_encoder_field_under_a_keyword_it_takes() -> None:
+    from pan2render.media.video import encode_mp4
+
+    keywords = {RULES[f.name].to_encoder for f in ENCODER_FIELDS}
+    taken = set(inspect.signature(encode_mp4).parameters) - {"frames", "path", "metadata"}
+    assert keywords == taken, "encode_mp4's settings and JobSpec's encoder fields differ"
+    job = JobSpec(**BASE)
+    assert job.encode_args() == {RULES[f.name].to_encoder: getattr(job, f.name) for f in ENCODER_FIELDS}
+    assert job.encode_args()["preset"] == job.encode_preset and job.encode_args()["fps"] == job.fps
 
 
 def test_size_rules_come_from_the_model_configs() -> None:
