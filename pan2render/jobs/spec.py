@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pan2render.jobs.inputs import LIMITS
-from pan2render.media.x264 import DEFAULT_X264_PRESET, X264_PRESETS
+from pan2render.media.x264 import DEFAULT_X264_PRESET, DEFAULT_X264_TUNE, X264_PRESETS, X264_TUNES
 from pan2render.sampling import DEFAULT_NUM_TRAIN_TIMESTEPS, DMD, SAMPLERS, WAN22
 
 ALLOWED_GPUS = (1, 2, 4, 8)
@@ -209,6 +209,9 @@ class JobSpec:
         "libx264 speed/size trade-off (not the job preset): slower gives a smaller file at a given crf",
         pixels=True, scope=Scope.PRESET, kind=Kind.CHOICE, choices=X264_PRESETS, to_encoder="preset"),
         DEFAULT_X264_PRESET)
+    encode_tune: str = _rule(Rule(
+        "libx264 tuning for the content, e.g. animation for flat colours and sharp edges", pixels=True,
+        scope=Scope.PRESET, kind=Kind.CHOICE, choices=X264_TUNES, to_encoder="tune"), DEFAULT_X264_TUNE)
 
     # Resolved by the batch, not set in it.
     model: str = _rule(Rule("\"tiny\" or an absolute checkpoint folder", pixels=True, in_first_ids=True))

@@ -23,7 +23,7 @@ from typing import Any
 import av
 import numpy as np
 
-from pan2render.media.x264 import DEFAULT_X264_PRESET, X264_PRESETS
+from pan2render.media.x264 import DEFAULT_X264_PRESET, DEFAULT_X264_TUNE, X264_PRESETS, X264_TUNES
 
 # Frame rates are stored as exact rationals in the container; 1001 keeps NTSC-style rates
 # (24000/1001, 30000/1001) exact and maps 24.0 to 24/1.
@@ -77,13 +77,15 @@ def check_x264_preset(preset: str) -> str:
 
 
 def encode_mp4(frames: Any, path: str | os.PathLike[str], *, fps: float, crf: int,
-               preset: str = DEFAULT_X264_PRESET, metadata: Mapping[str, str] | None = None) -> float:
+               preset: str = DEFAULT_X264_PRESET, tune: str = DEFAULT_X264_TUNE,
+               metadata: Mapping[str, str] | None = None) -> float:
     """Write ``frames`` to ``path`` as H.264 mp4 (yuv420p, tagged BT.709 limited range); returns
     the seconds spent encoding (without the check that decodes the file back).
 
     ``frames``: uint8 RGB ``[F, H, W, 3]`` (numpy or torch; converted with media/yuv.py) or a
     :class:`Yuv420Video` converted already (on the GPU by the worker). ``preset``: one of
-    :data:`X264_PRESETS`. The encoder uses every core (frame threads).
+    :data:`X264_PRESETS`; ``tune``: one of :data:`X264_TUNES` ("none": libx264's defaults). The
+    encoder uses every core (frame threads).
 
     ``metadata``: container tags (e.g. ``title``, ``comment``, or any key of ours), read back by
     :func:`read_metadata`, PyAV's ``container.metadata`` or ``ffprobe -show_format``.
@@ -97,6 +99,8 @@ def encode_mp4(frames: Any, path: str | os.PathLike[str], *, fps: float, crf: in
     if isinstance(crf, bool) or not isinstance(crf, int) or not 0 <= crf <= 51:
         raise MediaError(f"crf={crf!r} is not an integer in 0..51 (libx264's range; 18 is near lossless)")
     check_x264_preset(preset)
+    if tune not in X264_TUNES:
+        raise MediaError(f"encode tune {tune!r} is not one of: {', '.join(X264_TUNES)}")
     dest = Path(path)
     if not dest.parent.is_dir():
         raise MediaError(f"cannot write {dest}: folder {dest.parent} does not exist")
@@ -111,7 +115,7 @@ def encode_mp4(frames: Any, path: str | os.PathLike[str], *, fps: float, crf: in
     tmp = Path(tmp_name)
     try:
         t0 = time.perf_counter()
-        _write_h264(video, tmp, rate=rate, crf=crf, preset=preset, metadata=metadata or {})
+        _write_h264(video, tmp, rate=rate, crf=crf, preset=preset, tune=tune, metadata=metadata or {})
         encode_s = time.perf_counter() - t0
         _fsync_file(tmp)
         info = probe_mp4(tmp)
@@ -249,7 +253,7 @@ def _fps_fraction(fps: float) -> Fraction:
     return rate
 
 
-def _write_h264(video: Yuv420Video, path: Path, *, rate: Fraction, crf: int, preset: str,
+def _write_h264(video: Yuv420Video, path: Path, *, rate: Fraction, crf: int, preset: str, tune: str,
                 metadata: Mapping[str, str]) -> None:
     num_frames, height, width = video.shape
     try:
@@ -262,7 +266,7 @@ def _write_h264(video: Yuv420Video, path: Path, *, rate: Fraction, crf: int, pre
                 container.metadata[key] = value
             stream = container.add_stream("libx264", rate=rate)
             stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-            stream.options = {"crf": str(crf), "preset": preset}
+            stream.options = {"crf": str(crf), "preset": preset, **({} if tune == "none" else {"tune": tune})}
             ctx = stream.codec_context
             # Frame threads on every core (thread_count 0 = libx264's auto). PyAV's default is
             # slice threads, which split each frame and parallelise far less.

@@ -156,3 +156,20 @@ def test_readme_field_table_is_the_schemas() -> None:
     for name in RULES:
         if RULES[name].kind is not None:
             assert f"| `{name}` |" in field_table()
+
+
+def test_encode_tune_is_checked_hashed_and_handed_to_the_encoder(tmp_path: Path) -> None:
+    from pan2render.jobs import BatchValidationError
+
+    (tmp_path / "b.yaml").write_text(
+        "model: tiny\npreset: tiny-preview\njobs:\n  - prompt: a kite\n  - prompt: a cel-shaded kite\n"
+        "    encode_tune: animation\n")
+    plain, anim = load_batch(tmp_path / "b.yaml").jobs
+    assert (plain.encode_tune, anim.encode_tune) == ("none", "animation")
+    assert anim.encode_args()["tune"] == "animation"
+    assert dataclasses.replace(anim, encode_tune="none").spec_hash != anim.spec_hash
+    (tmp_path / "bad.yaml").write_text("model: tiny\npreset: tiny-preview\njobs:\n  - prompt: a kite\n"
+                                       "    encode_tune: cartoon\n")
+    with pytest.raises(BatchValidationError) as err:
+        load_batch(tmp_path / "bad.yaml")
+    assert "bad.yaml:5: jobs[0].encode_tune: " in str(err.value) and "animation" in str(err.value)

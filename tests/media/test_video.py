@@ -262,3 +262,21 @@ def test_yuv420_on_the_gpu_matches_the_cpu() -> None:
     diff = (cpu.int() - gpu.int()).abs()
     print(f"GPU vs CPU planes: max |diff| {int(diff.max())}, {int((diff > 0).sum())} of {diff.numel()} differ")
     assert int(diff.max()) <= 1  # float rounding at .5 may go either way; nothing else may differ
+
+
+def test_an_encode_tune_reaches_libx264_and_a_bad_one_is_named(tmp_path: Path) -> None:
+    # x264 writes its settings into the stream (an SEI message): the tune shows up there.
+    def settings(path: Path) -> bytes:
+        data = path.read_bytes()
+        start = data.index(b"x264 - core")
+        return data[start:data.index(b"\x00", start)]
+
+    encode_mp4(_smooth_video(frames=5), tmp_path / "plain.mp4", fps=8, crf=18)
+    encode_mp4(_smooth_video(frames=5), tmp_path / "anim.mp4", fps=8, crf=18, tune="animation")
+    assert probe_mp4(tmp_path / "anim.mp4").frames == 5
+    # animation: more reference frames and deblocking +1:+1 (libx264's tune table)
+    assert b"deblock=1:0:0" in settings(tmp_path / "plain.mp4")
+    assert b"deblock=1:1:1" in settings(tmp_path / "anim.mp4")
+    with pytest.raises(MediaError, match="'cartoon' is not one of: none, film, animation"):
+        encode_mp4(_smooth_video(frames=5), tmp_path / "w.mp4", fps=8, crf=18, tune="cartoon")
+    assert not (tmp_path / "w.mp4").exists()
