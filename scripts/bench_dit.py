@@ -323,6 +323,15 @@ def main() -> int:
         return run(p, args, stack)
 
 
+def sample_only_vae(config: Any) -> Any:
+    """What ``PAN2Pipeline.sample`` reads of a VAE (its latent channels and the size rules of its
+    compression) without building one: decoding is not part of these figures."""
+    from pan2render.sampling import WAN22
+
+    return types.SimpleNamespace(config=types.SimpleNamespace(
+        z_dim=config.in_channels, scale_factor_spatial=WAN22.vae_spatial, scale_factor_temporal=WAN22.vae_temporal))
+
+
 def run(p: argparse.ArgumentParser, args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -520,8 +529,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace, stack: contextlib.
         from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
         from pan2render.models.scheduler import SchedulerConfig
 
-        # sample() reads only vae.config.z_dim; decoding is not part of this figure.
-        vae_stub = types.SimpleNamespace(config=types.SimpleNamespace(z_dim=config.in_channels))
+        vae_stub = sample_only_vae(config)
         pipe = PAN2Pipeline(dit=ours, vae=vae_stub, text_encoder=None, scheduler_config=SchedulerConfig(),
                             config=PAN2PipelineConfig(device=str(device), dtype=dtype), model_id="bench-random")
         sync(device)
@@ -542,7 +550,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace, stack: contextlib.
         from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
         from pan2render.models.scheduler import SchedulerConfig
 
-        vae_stub = types.SimpleNamespace(config=types.SimpleNamespace(z_dim=config.in_channels))
+        vae_stub = sample_only_vae(config)
         pipe = PAN2Pipeline(dit=ours, vae=vae_stub, text_encoder=None, scheduler_config=SchedulerConfig(),
                             config=PAN2PipelineConfig(device=str(device), dtype=dtype), model_id="bench-random")
         latents: dict[str, torch.Tensor] = {}
