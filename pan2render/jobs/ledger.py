@@ -39,7 +39,7 @@ import os
 import socket
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -250,19 +250,15 @@ class Ledger:
         snapshot even mid-transaction elsewhere), via a temp name and a rename: the previous copy
         stays whole until the new one is."""
         dest = self.path.with_name(BACKUP_NAME)
-        tmp = self.path.with_name(f".{BACKUP_NAME}.tmp-{os.getpid()}")
-        try:
+
+        def fill(tmp: Path) -> None:
             target = sqlite3.connect(tmp)
             try:
                 self._conn.backup(target)
             finally:
                 target.close()
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, dest)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+
+        _write_whole(dest, fill, tmp=self.path.with_name(f".{BACKUP_NAME}.tmp-{os.getpid()}"))
         return dest
 
     def backup_quietly(self) -> None:
@@ -528,8 +524,8 @@ def _create_whole(path: Path) -> None:
     ``run`` starts) sees no ledger or one with its whole schema, never a file without tables, which
     would read as a damaged or empty ledger. Writers hold the folder lock, so nothing races the
     rename."""
-    tmp = path.with_name(f".{path.name}.new-{os.getpid()}")
-    try:
+
+    def fill(tmp: Path) -> None:
         with _opening(tmp) as conn:
             try:
                 conn.execute("PRAGMA journal_mode=DELETE")
@@ -537,9 +533,18 @@ def _create_whole(path: Path) -> None:
                 conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
             finally:
                 conn.close()
+
+    _write_whole(path, fill, tmp=path.with_name(f".{path.name}.new-{os.getpid()}"))
+
+
+def _write_whole(dest: Path, fill: Callable[[Path], None], *, tmp: Path) -> None:
+    """``fill(tmp)`` writes a database file; it is made durable and renamed to ``dest``, so
+    ``dest`` is always either what it was or the whole new file. A failure leaves no temp file."""
+    try:
+        fill(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, dest)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
