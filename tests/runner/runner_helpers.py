@@ -77,6 +77,15 @@ def render(out: Path, jobs: list[JobSpec], *, gpus: int = 1, retries: int = 2,
     return driver.run([j.job_id for j in jobs]), ex, ledger
 
 
+def jobs_by_name(out: Path) -> dict[str, Any]:
+    """The ledger's jobs in ``out``, by name (read-only: a run may still hold the ledger)."""
+    led = Ledger.open_readonly(out)
+    try:
+        return {j.name: j for j in led.jobs()}
+    finally:
+        led.close()
+
+
 def one_done_and_one_sampling(out: Path) -> bool:
     """One job done and another sampling: a fault injected now hits a running job, with a finished
     one beside it that must not be redone. False while the ledger is not readable yet."""

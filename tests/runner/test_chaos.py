@@ -136,7 +136,7 @@ def test_disk_full_while_recording_the_batch_records_nothing(
     added = {"n": 0}
 
     def add_jobs(self: Ledger, c: sqlite3.Connection, specs: Any, *, retries: int) -> Any:
-        result = real(self, c, list(specs)[:1], retries=retries)  # one job in, then the disk fills
+        real(self, c, list(specs)[:1], retries=retries)  # one job in, then the disk fills
         added["n"] += 1
         raise sqlite3.OperationalError("database or disk is full")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from runner_helpers import write_batch
+from runner_helpers import jobs_by_name, write_batch
 
 from pan2render.jobs.ledger import JobState, Ledger
 from pan2render.runner import cli
@@ -34,14 +34,6 @@ EXIT_ENVIRONMENT = 3
 def _batch(tmp_path: Path) -> Path:
     return write_batch(tmp_path / "b.yaml", [{"name": f"j{i}", "prompt": f"clip {i}"} for i in range(3)],
                        defaults={"steps": 2, "frames": 5, "width": 32, "height": 32})
-
-
-def _jobs(out: Path) -> dict[str, Any]:
-    led = Ledger.open_readonly(out)
-    try:
-        return {j.name: j for j in led.jobs()}
-    finally:
-        led.close()
 
 
 def _requeues(out: Path) -> list[str]:
@@ -106,7 +98,7 @@ def test_a_node_lost_while_other_gpus_remain_is_not_charged_to_its_job(
     out = tmp_path / "out"
     code, _ = _main(capsys, "run", str(_batch(tmp_path)), "--out", str(out))
     assert code == 0
-    jobs = _jobs(out)
+    jobs = jobs_by_name(out)
     assert all(j.state is JobState.DONE for j in jobs.values())
     assert jobs["j1"].retries_left == 2 and jobs["j1"].attempts == 2  # started twice, charged nothing
     assert any("cluster lost" in d for d in _requeues(out))
@@ -119,7 +111,7 @@ def test_a_lost_gcs_ends_the_run_with_its_jobs_pending_then_resume_finishes(
     code, err = _main(capsys, "run", str(_batch(tmp_path)), "--out", str(out))
     assert code == EXIT_ENVIRONMENT
     assert "the in-process cluster is gone" in err and f"pan2-render resume {out}" in err
-    jobs = _jobs(out)
+    jobs = jobs_by_name(out)
     # j2 was sampling (and an earlier job may still have been encoding): back to pending with its
     # budget; nothing is left "running", nothing charged.
     assert jobs["j2"].state is JobState.PENDING
@@ -129,7 +121,7 @@ def test_a_lost_gcs_ends_the_run_with_its_jobs_pending_then_resume_finishes(
 
     code, _ = _main(capsys, "resume", str(out))
     assert code == 0
-    after = _jobs(out)
+    after = jobs_by_name(out)
     assert all(j.state is JobState.DONE for j in after.values())
     assert all(after[n].attempts == attempts for n, attempts in done.items())  # none redone
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from runner_helpers import one_done_and_one_sampling, write_batch
+from runner_helpers import jobs_by_name, one_done_and_one_sampling, write_batch
 
 from pan2render.jobs.ledger import JobState, Ledger
 
@@ -82,14 +82,6 @@ def _finish(proc: subprocess.Popen, timeout: float = 150) -> str:
     return err
 
 
-def _jobs(out: Path) -> dict[str, Any]:
-    led = Ledger.open_readonly(out)
-    try:
-        return {j.name: j for j in led.jobs()}
-    finally:
-        led.close()
-
-
 def _kill_node_mid_job(cluster: Any, node: Any, proc: subprocess.Popen, out: Path) -> None:
     deadline = time.monotonic() + 90
     while not one_done_and_one_sampling(out):
@@ -136,7 +128,7 @@ def test_node_lost_then_back_within_the_wait_finishes(cluster: Any, tmp_path: Pa
         err = _finish(run)
     assert run.returncode == 0, err
     assert "Traceback" not in err and "again; continuing" in err
-    assert all(j.state is JobState.DONE for j in _jobs(out).values())
+    assert all(j.state is JobState.DONE for j in jobs_by_name(out).values())
     _assert_lost_jobs_uncharged(out)
     cluster.remove_node(node)
 
@@ -155,7 +147,7 @@ def test_node_lost_for_good_stops_then_resume_finishes(cluster: Any, tmp_path: P
     assert f"the Ray cluster at {cluster.address} lost its GPUs" in err
     assert "did not come back within 5 s" in err and f"pan2-render resume {out}" in err
     _assert_lost_jobs_uncharged(out)
-    after = _jobs(out)
+    after = jobs_by_name(out)
     assert not any(j.state is JobState.RUNNING for j in after.values())
     done = {n: (j.attempts, _fingerprint(out / j.id / "video.mp4"))
             for n, j in after.items() if j.state is JobState.DONE}
@@ -165,7 +157,7 @@ def test_node_lost_for_good_stops_then_resume_finishes(cluster: Any, tmp_path: P
     resume = _cli("resume", str(out), "--address", cluster.address)
     err = _finish(resume)
     assert resume.returncode == 0, err
-    final = _jobs(out)
+    final = jobs_by_name(out)
     assert all(j.state is JobState.DONE for j in final.values())
     for name, (attempts, fp) in done.items():
         assert final[name].attempts == attempts and _fingerprint(out / final[name].id / "video.mp4") == fp
