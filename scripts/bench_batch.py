@@ -327,8 +327,6 @@ def diffusers_main(args: argparse.Namespace) -> int:
     """The diffusers loop, run as a subprocess of this script; writes OUT/diffusers.json."""
     import numpy as np
     import torch
-    from diffusers import AutoencoderKLWan, WanPipeline
-
     from pan2render.media.video import encode_mp4
 
     out = Path(args.out)
@@ -337,11 +335,7 @@ def diffusers_main(args: argparse.Namespace) -> int:
     start = time.monotonic()
     ckpt = Path(args.checkpoint)
     dtype = torch.bfloat16 if not args.tiny else torch.float32
-    vae = AutoencoderKLWan.from_pretrained(str(ckpt), subfolder="vae", torch_dtype=torch.float32)
-    transformer = load_diffusers_transformer(ckpt, dtype=dtype, device=device)
-    pipe = WanPipeline.from_pretrained(str(ckpt), vae=vae, transformer=transformer, torch_dtype=dtype)
-    pipe.to(device)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = load_diffusers_pipeline(ckpt, dtype=dtype, device=device)
     res["load_s"] = time.monotonic() - start
     log(f"(b) diffusers: pipeline loaded on {device} in {res['load_s']:.1f} s")
     videos = out / "diffusers_videos"
@@ -367,6 +361,19 @@ def diffusers_main(args: argparse.Namespace) -> int:
         res["torch_peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / GIB
     (out / "diffusers.json").write_text(json.dumps(res, indent=1))
     return 0
+
+
+def load_diffusers_pipeline(ckpt: Path, *, dtype: Any, device: Any) -> Any:
+    """WanPipeline as diffusers' example runs it: the transformer in ``dtype``, the VAE in fp32."""
+    import torch
+    from diffusers import AutoencoderKLWan, WanPipeline
+
+    vae = AutoencoderKLWan.from_pretrained(str(ckpt), subfolder="vae", torch_dtype=torch.float32)
+    transformer = load_diffusers_transformer(ckpt, dtype=dtype, device=device)
+    pipe = WanPipeline.from_pretrained(str(ckpt), vae=vae, transformer=transformer, torch_dtype=dtype)
+    pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 def load_diffusers_transformer(ckpt: Path, *, dtype: Any, device: Any) -> Any:

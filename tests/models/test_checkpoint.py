@@ -157,3 +157,16 @@ def test_truncated_safetensors(tmp_path: Path, dit_state) -> None:
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(CheckpointError, match="cannot read safetensors file"):
         load_dit(tmp_path)
+
+
+def test_a_key_in_two_shards_names_both_files(tmp_path: Path, dit_state) -> None:
+    folder = tmp_path / "transformer"
+    _write(folder, TINY_DIT_CONFIG, dit_state, shards=2)
+    index = json.loads((folder / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    second = folder / "diffusion_pytorch_model-00002-of-00002.safetensors"
+    key = next(k for k, f in index["weight_map"].items() if f.endswith("00001-of-00002.safetensors"))
+    from safetensors.torch import load_file
+
+    save_file({**load_file(second), key: dit_state[key]}, second)
+    with pytest.raises(CheckpointError, match=rf"00002-of-00002.safetensors: key '{key}' also appears in .*00001-of-00002"):
+        load_dit(tmp_path)
