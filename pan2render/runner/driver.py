@@ -405,14 +405,18 @@ class Driver:
                                               prompt_embeds=embeds[0], negative_embeds=embeds[1], image=image))
 
     def _upcoming_texts(self, model: str, ids: dict[str, str]) -> list[str]:
-        """Prompts of pending jobs of ``model`` not in the embedding cache, in queue order."""
+        """Prompts of pending jobs of ``model`` with no file in the embedding cache, in queue order.
+
+        Only whether the file exists: reading and checking every cached embedding of a long queue
+        on each look-ahead would cost more than it saves. A damaged one is found, and encoded
+        again, when its own job reaches conditioning."""
         texts: list[str] = []
         for job in self.ledger.jobs(list(self._pending)):
             if job.spec.model != model:
                 continue
             for text in (job.spec.prompt, job.spec.negative_prompt):
                 key = stages.embedding_key(prompt=text, text_encoder_id=ids["text_encoder_id"])
-                if text not in texts and stages.check_embedding(self.out_dir, stages.embedding_relpath(key), key=key):
+                if text not in texts and not (self.out_dir / stages.embedding_relpath(key)).is_file():
                     texts.append(text)
             if len(texts) >= CONDITIONING_AHEAD_TEXTS:
                 break

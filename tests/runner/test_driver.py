@@ -63,6 +63,23 @@ def test_batch_renders_valid_videos_and_rerun_skips_done(tmp_path: Path) -> None
     assert before == {j.job_id: file_id(tmp_path / j.job_id / "video.mp4") for j in jobs}
 
 
+def test_look_ahead_skips_cached_embeddings_and_a_damaged_one_is_encoded_again(tmp_path: Path) -> None:
+    from pan2render.runner import stages
+
+    render(tmp_path, [spec("a"), spec("b")])
+    key = stages.embedding_key(prompt="a clip of b", text_encoder_id="fake-text-v1")
+    damaged = tmp_path / stages.embedding_relpath(key)
+    damaged.write_bytes(damaged.read_bytes()[:100])  # present, but cut short
+    # d needs its prompt encoded; e reuses b's prompt, whose cached file is damaged. The look-ahead
+    # goes by the files present, so e's prompt is encoded when e reaches conditioning, not before.
+    jobs = [spec("d"), spec("e", prompt="a clip of b", seed=5)]
+    summary, ex, led = render(tmp_path, jobs)
+    print("encode calls:", ex.encoded_texts)
+    assert summary.exit_code == 0 and len(summary.done) == 2
+    assert ex.encoded_texts == [["a clip of d"], ["a clip of b"]]
+    assert stages.check_embedding(tmp_path, stages.embedding_relpath(key), key=key) is None
+
+
 @pytest.mark.parametrize("stage", [Stage.DECODE, Stage.ENCODE])
 def test_always_failing_job_fails_with_stage_and_error_after_budget(tmp_path: Path, stage: Stage) -> None:
     jobs = [spec("good"), spec("bad"), spec("good2")]
