@@ -76,6 +76,12 @@ def check_x264_preset(preset: str) -> str:
     return preset
 
 
+def check_x264_tune(tune: str) -> str:
+    if tune not in X264_TUNES:
+        raise MediaError(f"encode tune {tune!r} is not one of: {', '.join(X264_TUNES)}")
+    return tune
+
+
 def encode_mp4(frames: Any, path: str | os.PathLike[str], *, fps: float, crf: int,
                preset: str = DEFAULT_X264_PRESET, tune: str = DEFAULT_X264_TUNE,
                metadata: Mapping[str, str] | None = None) -> float:
@@ -99,8 +105,7 @@ def encode_mp4(frames: Any, path: str | os.PathLike[str], *, fps: float, crf: in
     if isinstance(crf, bool) or not isinstance(crf, int) or not 0 <= crf <= 51:
         raise MediaError(f"crf={crf!r} is not an integer in 0..51 (libx264's range; 18 is near lossless)")
     check_x264_preset(preset)
-    if tune not in X264_TUNES:
-        raise MediaError(f"encode tune {tune!r} is not one of: {', '.join(X264_TUNES)}")
+    check_x264_tune(tune)
     dest = Path(path)
     if not dest.parent.is_dir():
         raise MediaError(f"cannot write {dest}: folder {dest.parent} does not exist")

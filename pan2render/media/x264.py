@@ -1,5 +1,5 @@
-"""libx264's encoder presets and tunings: the names a job's ``encode_preset`` and ``encode_tune`` may take (no heavy imports, so
-batch validation can use them without loading PyAV)."""
+"""libx264's encoder presets and tunings: the names a job's ``encode_preset`` and ``encode_tune``
+may take (no heavy imports, so batch validation can use them without loading PyAV)."""
 
 from __future__ import annotations
 
