@@ -236,12 +236,12 @@ def timestep_sinusoid(timesteps: Tensor, *, dim: int) -> Tensor:
 
 @dataclass(frozen=True)
 class TimestepConditioning:
-    """Time embedding per DISTINCT timestep value, and the map from tokens to those rows.
+    """Time embedding per timestep row, and the map from tokens to those rows.
 
     ``temb`` ``[U, dim]`` and ``projection`` ``[U, 6, dim]`` (compute dtype) hold one row per
-    distinct value; ``index`` (int64) is ``[B]`` (per-sample timestep) or ``[B, L]`` (per-token)
-    into them. U is 1-3 in practice (0 for the image tokens, t per sample), so per-block
-    modulation is ``[U, 6, dim]`` instead of diffusers' ``[B, L, 6, dim]``.
+    sample (per-sample timesteps, ``index`` ``[B]``) or per distinct value (per-token timesteps,
+    ``index`` ``[B, L]``); ``index`` is int64. U is 1-3 in practice (0 for the image tokens, t per
+    sample), so per-block modulation is ``[U, 6, dim]`` instead of diffusers' ``[B, L, 6, dim]``.
     """
 
     temb: Tensor
@@ -253,6 +253,18 @@ class TimestepConditioning:
         if self.index.ndim == 1:
             return self
         return dataclasses.replace(self, index=self.index[:, start : start + length])
+
+
+@dataclass(frozen=True)
+class PendingResidual:
+    """A gated residual add not yet done: ``x + update * gate`` (gate ``[U, dim]`` fp32, per token
+    through the conditioning's index), left for the next step to fuse with its norm."""
+
+    update: Tensor
+    gate: Tensor
+
+    def apply(self, x: Tensor, *, index: Tensor, ops: DiTOps) -> Tensor:
+        return ops.gated_residual(x, self.update, gate=self.gate, index=index)
 
 
 @dataclass(frozen=True)
@@ -516,6 +528,23 @@ class PAN2DiTBlock(nn.Module):
         ops: DiTOps = TORCH_OPS,
     ) -> Tensor:
         """x ``[B, L, dim]`` -> ``[B, L, dim]``; L may be a sequence shard (time, rope sliced to it)."""
+        x, last = self.run(x, time=time, kv=kv, rope=rope, ops=ops)
+        return last.apply(x, index=time.index, ops=ops)
+
+    def run(
+        self,
+        x: Tensor,
+        *,
+        time: TimestepConditioning,
+        kv: tuple[Tensor, Tensor],
+        rope: tuple[Tensor, Tensor],
+        ops: DiTOps = TORCH_OPS,
+        pending: PendingResidual | None = None,
+    ) -> tuple[Tensor, PendingResidual]:
+        """The block with its last residual add left to the caller: returns (x, the feed-forward's
+        gated residual not yet added). ``pending``: the previous block's, added here in the same pass
+        as this block's first norm, so the stream is read and written once less per block (the same
+        values as adding it first: `residual_modulated_norm` is that add followed by the norm)."""
         index = time.index
         modulation = self.scale_shift_table.float() + time.projection.float()  # [U, 6, dim] fp32
         shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = modulation.unbind(1)  # [U, dim] each
@@ -523,7 +552,11 @@ class PAN2DiTBlock(nn.Module):
         norm2_bias = None if self.norm2 is None else self.norm2.bias
         compute = self.attn1.to_q.weight.dtype  # every linear of the block (to_*, ffn) has it
 
-        h = ops.modulated_norm(x, shift=shift_sa, scale=scale_sa, index=index, eps=self.eps, out_dtype=compute)
+        if pending is None:
+            h = ops.modulated_norm(x, shift=shift_sa, scale=scale_sa, index=index, eps=self.eps, out_dtype=compute)
+        else:
+            x, h = ops.residual_modulated_norm(x, pending.update, gate=pending.gate, index=index, shift=shift_sa,
+                                               scale=scale_sa, eps=self.eps, out_dtype=compute)
         y = self.attn1(h, rope=rope, ops=ops)
         x, h = ops.residual_layer_norm(
             x, y, gate=gate_sa, index=index, weight=norm2_weight, bias=norm2_bias, eps=self.eps, out_dtype=compute
@@ -532,8 +565,7 @@ class PAN2DiTBlock(nn.Module):
         x, h = ops.residual_modulated_norm(
             x, y, gate=None, index=index, shift=shift_ff, scale=scale_ff, eps=self.eps, out_dtype=compute
         )
-        y = self.ffn(h)
-        return ops.gated_residual(x, y, gate=gate_ff, index=index)
+        return x, PendingResidual(update=self.ffn(h), gate=gate_ff)
 
 
 class PAN2DiT(nn.Module):
@@ -610,16 +642,23 @@ class PAN2DiT(nn.Module):
     def embed_timesteps(
         self, timestep: Tensor, *, batch_size: int, num_tokens: int, dtype: torch.dtype
     ) -> TimestepConditioning:
-        """timestep ``[B]`` or ``[B, L]`` -> conditioning computed once per distinct value."""
+        """timestep ``[B]`` or ``[B, L]`` -> conditioning computed once per row (see TimestepConditioning)."""
         if tuple(timestep.shape) not in ((batch_size,), (batch_size, num_tokens)):
             raise ValueError(
                 f"timestep shape {tuple(timestep.shape)}: expected [{batch_size}] (one per sample) "
                 f"or [{batch_size}, {num_tokens}] (one per token)"
             )
-        # torch.unique syncs with the device once per forward; U is tiny (see TimestepConditioning).
-        values, inverse = torch.unique(timestep.flatten(), return_inverse=True)
+        if timestep.ndim == 1:
+            # One value per sample: each sample its own row, with no device sync (a CUDA graph can
+            # capture this path). A batch repeating a value computes its row twice: U is <= B.
+            values, index = timestep, torch.arange(batch_size, device=timestep.device)
+        else:
+            # Per token: torch.unique syncs with the device once per forward; U is tiny (see
+            # TimestepConditioning).
+            values, inverse = torch.unique(timestep.flatten(), return_inverse=True)
+            index = inverse.reshape(timestep.shape)
         temb, projection = self.condition_embedder.embed_time(values, dtype=dtype)
-        return TimestepConditioning(temb=temb, projection=projection, index=inverse.reshape(timestep.shape))
+        return TimestepConditioning(temb=temb, projection=projection, index=index)
 
     def prepare_context(self, context: Tensor) -> ContextCache:
         """Text embeddings ``[B, S, text_dim]`` -> every block's cross-attention K/V.
@@ -649,9 +688,10 @@ class PAN2DiT(nn.Module):
         """
         if self.residual_dtype is not None:
             tokens = tokens.to(self.residual_dtype)  # once; the blocks keep it
+        pending = None  # each block's last residual add is done by the next block's first norm
         for block, kv in zip(self.blocks, context.keys_values, strict=True):
-            tokens = block(tokens, time=time, kv=kv, rope=rope, ops=self.ops)
-        return tokens
+            tokens, pending = block.run(tokens, time=time, kv=kv, rope=rope, ops=self.ops, pending=pending)
+        return tokens if pending is None else pending.apply(tokens, index=time.index, ops=self.ops)
 
     def head(self, tokens: Tensor, *, time: TimestepConditioning) -> Tensor:
         """Final AdaLN + proj_out: ``[B, L, dim]`` (any residual dtype) -> ``[B, L, C * pt * ph * pw]``

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pan2render.models.dit import ContextCache, PAN2DiT, PAN2DiTConfig
-from pan2render.models.dit_ops import TORCH_OPS, DiTOps, attention, modulated_norm
+from pan2render.models.dit_ops import TORCH_OPS, DiTOps, attention, modulated_norm, residual_modulated_norm
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import WanTransformer3DModel  # noqa: E402
@@ -330,20 +330,25 @@ def test_self_attention_and_ops_are_swappable(models) -> None:
     with torch.no_grad():
         expected = ours(x, timestep, context)
     seen: list[tuple[int, ...]] = []
-    norms = []
+    norms: list[str] = []
 
     def recording_attention(q, k, v):
         seen.append(tuple(q.shape))
         return attention(q, k, v)
 
     def recording_norm(x, **kwargs):
-        norms.append(1)
+        norms.append("norm")
         return modulated_norm(x, **kwargs)
+
+    def recording_residual_norm(x, y, **kwargs):
+        norms.append("residual+norm" if kwargs["gate"] is not None else "ungated residual+norm")
+        return residual_modulated_norm(x, y, **kwargs)
 
     try:
         for block in ours.blocks:
             block.attn1.attention_fn = recording_attention
-        ours.set_ops(dataclasses.replace(TORCH_OPS, modulated_norm=recording_norm))
+        ours.set_ops(dataclasses.replace(TORCH_OPS, modulated_norm=recording_norm,
+                                         residual_modulated_norm=recording_residual_norm))
         with torch.no_grad():
             got = ours(x, timestep, context)
     finally:
@@ -351,7 +356,12 @@ def test_self_attention_and_ops_are_swappable(models) -> None:
             block.attn1.attention_fn = attention
         ours.set_ops(TORCH_OPS)
     assert seen == [(2, TINY.num_attention_heads, 2 * 2 * 2, TINY.attention_head_dim)] * TINY.num_layers
-    assert len(norms) == TINY.num_layers + 1  # one per block + the output norm
+    # Block 0 starts with a plain norm; every later block adds the previous block's gated
+    # feed-forward residual in its first norm; each block's cross-attention residual feeds the
+    # feed-forward norm; the last block's residual is added alone, then the output norm.
+    layers = TINY.num_layers
+    assert norms == (["norm", "ungated residual+norm"] + ["residual+norm", "ungated residual+norm"] * (layers - 1)
+                     + ["norm"])
     assert isinstance(ours.ops, DiTOps) and torch.equal(got, expected)
 
 
