@@ -14,11 +14,8 @@ default), at 704x1248x121 (latent 48x31x44x78 -> 26,598 tokens, 512 text tokens)
    attention backend chosen by pan2render.kernels.attention, residual stream as
    PAN2PipelineConfig.dit_fp32_residual says: fp32) at batch 1 per --variants layout; the fastest
    layout again with the other residual dtype (the fp32 stream's cost in ms), then at batch 2;
-   the ratio to diffusers; on CUDA the fused forward replayed from CUDA graphs (the pipeline's
-   default) and its largest difference to the eager output; with --profile the top GPU kernels
-   of one forward;
-4. a guided step (cond + uncond + combine) as two batch-1 forwards (eager, and on CUDA from
-   graphs) and as one batch-2 forward;
+   the ratio to diffusers; with --profile the top GPU kernels of one forward;
+4. a guided step (cond + uncond + combine) as two batch-1 forwards and as one batch-2 forward;
 4b. per attention backend of --backends (default fa4,cudnn; one the GPU cannot run is skipped and
    said so), the chosen layout forced to it: the attention's TFLOP/s inside the model (CUDA events
    around every self- and cross-attention call of one forward, FLOPs 4*B*H*Lq*Lk*D over their
@@ -60,7 +57,6 @@ from pan2render.kernels.attention import describe_attention, fa4_unusable_reason
 from pan2render.kernels import dit_fused  # noqa: E402
 from pan2render.models.dit import ContextCache, PAN2DiT, PAN2DiTConfig  # noqa: E402
 from pan2render.models.dit_ops import ROUTED_OPS, TORCH_OPS  # noqa: E402
-from pan2render.models.graphs import CUDAGraphDiT  # noqa: E402
 from pan2render.models.pipeline import PAN2PipelineConfig  # noqa: E402
 
 # diffusers keeps these in fp32 when loading the transformer in bf16 (_keep_in_fp32_modules).
@@ -279,14 +275,9 @@ def summary_table(results: dict[str, Any], backends: list[str]) -> str:
     for label, key, ref_key in rows:
         lines.append(f"{label:<36}" + "".join(cell(results.get(key.format(c))) for c in cols)
                      + cell(results.get(ref_key) if ref_key else None))
-    if "ours_graph_b1_s" in results:
-        lines.append(f"forward b1 replayed from CUDA graphs ('auto' attention): {results['ours_graph_b1_s']} s "
-                     f"(eager {results['ours_fused_b1_s']} s); guided step {results.get('guided_step_two_b1_graph_s')} s "
-                     f"(eager {results.get('guided_step_two_b1_s')} s); max |graph - eager| "
-                     f"{results['graph_vs_eager_max_abs']}")
     if "sample_s" in results:
-        lines.append(f"{results['sample_steps']}-step guided sample ({results['sample_attention']}, "
-                     f"CUDA graphs {results.get('sample_cuda_graphs')}): {results['sample_s']} s")
+        lines.append(f"{results['sample_steps']}-step guided sample ({results['sample_attention']}): "
+                     f"{results['sample_s']} s")
     for key, value in results.items():
         if key.startswith("latents_rel_l2_"):
             lines.append(f"final latents rel L2 {key.removeprefix('latents_rel_l2_').replace('_', ' ')}, "
@@ -469,21 +460,6 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace, stack: contextlib.
             torch.empty(1, config.num_attention_heads, tokens, config.attention_head_dim, device=device, dtype=dtype))]
         log(f"chosen layout {best}: {results['ours_fused_b1_s']} s, x{results['ratio_b1']} vs diffusers; "
             f"attention order {results['attention_order']}")
-        # 3b. The same forward replayed from CUDA graphs (the pipeline's default on CUDA): its time,
-        #     and that it gives the eager forward's output bit for bit.
-        if device.type == "cuda":
-            graphed = CUDAGraphDiT(ours)
-            graphed(x1, t1, cache1)  # the first call at a shape runs eagerly; the next ones replay
-            s, peak, out = timed(lambda: graphed(x1, t1, cache1), device=device, reps=reps, warmup=warmup)
-            results["ours_graph_b1_s"], results["ours_graph_b1_peak_gib"] = round(s, 4), round(peak, 2)
-            results["graph_captures"] = graphed.captures
-            results["graph_disabled_because"] = graphed.disabled_because
-            results["graph_vs_eager_max_abs"] = float((out.float() - outs[f"ours_fused_{best}"].float()).abs().max())
-            results["ratio_graph_b1"] = round(results["diffusers_b1_s"] / s, 3)
-            log(f"ours fused [{best}] from CUDA graphs b1: {s:.4f} s (eager {results['ours_fused_b1_s']:.4f} s), "
-                f"x{results['ratio_graph_b1']} vs diffusers; max |graph - eager| "
-                f"{results['graph_vs_eager_max_abs']}; captures {graphed.captures}")
-            del out
         if args.profile:
             profile_forward(lambda: ours(x1, t1, cache1), device=device)
         if not args.no_b2:
@@ -505,13 +481,6 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace, stack: contextlib.
             return u + w * (c - u)
 
         steps = [("two_b1", step_two)]
-        if device.type == "cuda":
-            def step_two_graphed() -> torch.Tensor:
-                c = graphed(x1, t1, cache1)
-                u = graphed(x1, t1, cache_u)
-                return u + w * (c - u)
-
-            steps.append(("two_b1_graph", step_two_graphed))
         if not args.no_batched_guidance:
             cache_cu = cat_cache(cache1, cache_u)
 
@@ -571,8 +540,6 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace, stack: contextlib.
         results["sample_s"] = round(time.perf_counter() - t0, 2)
         results["sample_steps"] = args.steps
         results["sample_attention"] = pipe.attention_backend
-        results["sample_cuda_graphs"] = isinstance(pipe.denoiser.dit, CUDAGraphDiT) and \
-            pipe.denoiser.dit.disabled_because is None
         log(f"guided sample, {args.steps} steps, guidance {args.guidance}, layout {best}, fp32 residual "
             f"{pipe.config.dit_fp32_residual}, attention {pipe.attention_backend}: {results['sample_s']} s")
         save()

@@ -29,7 +29,6 @@ from ..kernels.vae_decode import to_uint8_frames
 from .dit_ops import ROUTED_OPS, TORCH_OPS
 from ..sampling import DMD, SAMPLERS, WAN22, Geometry, combination_problems, is_int, timesteps_problem
 from .scheduler import FlowDMDScheduler, SchedulerConfig, make_scheduler
-from .graphs import local_dit
 from .strategies import (BatchedGuidance, Denoiser, FastDecoder, FrameDecoder, ReferenceDecoder, SeparateGuidance,
                          apply_guidance, make_denoiser)
 from .text import TextEncoder
@@ -70,9 +69,6 @@ class PAN2PipelineConfig:
     # 1.46e-2 that way (over the 1e-2 we hold the bf16 DiT to) and 3.35e-3 with the fp32 stream, for +7.5-9 ms per
     # forward. False: diffusers' numerics bit for bit. A no-op when the DiT runs in fp32.
     dit_fp32_residual: bool = True
-    # Replay the DiT forward from CUDA graphs on CUDA (models/graphs.py): the same kernels without
-    # the host's launch gaps; bit-identical outputs. Off: every forward launched eagerly.
-    dit_cuda_graphs: bool = True
     # Classifier-free guidance as one batch-2 forward (True) or two batch-1 forwards (False). On one
     # H200 at 704x1248x121 a guided step took 1.720 s batched vs 1.724 s as two passes (fused
     # kernels, cuDNN attention; docs/performance.md): equal within noise, while batching doubles the
@@ -98,7 +94,7 @@ class PAN2PipelineConfig:
         if self.text_encoder_device is None:
             self.text_encoder_device = self.device
         for name in ("vae_decode_kernel", "vae_decode_kernel_parallel", "dit_fused_kernels", "dit_fp32_residual",
-                     "dit_cuda_graphs", "guidance_batch", "guidance_parallel"):
+                     "guidance_batch", "guidance_parallel"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r}: expected True or False")
@@ -158,9 +154,8 @@ class SampleRequest:
 
 
 def default_denoiser(dit: PAN2DiT, config: PAN2PipelineConfig) -> Denoiser:
-    """The single-process denoiser ``config`` asks for (``guidance_batch``, ``dit_cuda_graphs``)."""
-    local = local_dit(dit, graphs=config.dit_cuda_graphs)
-    return BatchedGuidance(local) if config.guidance_batch else SeparateGuidance(local)
+    """The single-process denoiser ``config`` asks for (``guidance_batch``)."""
+    return BatchedGuidance(dit) if config.guidance_batch else SeparateGuidance(dit)
 
 
 def default_frame_decoder(vae: WanVAE, config: PAN2PipelineConfig) -> FrameDecoder:

@@ -28,7 +28,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from pan2render.models.dit import PAN2DiT
-from pan2render.models.graphs import local_dit
 from pan2render.models.strategies import Denoiser, VelocityFn, apply_guidance
 
 from .group import SequenceGroup
@@ -47,8 +46,7 @@ class GuidanceSplit:
     on every rank with identical arguments.
     """
 
-    def __init__(self, model: PAN2DiT, group: SequenceGroup, *, chunks: int | None = None,
-                 graphs: bool = False) -> None:
+    def __init__(self, model: PAN2DiT, group: SequenceGroup, *, chunks: int | None = None) -> None:
         n = group.world_size
         if n < 2 or n % 2:
             raise ValueError(f"guidance parallelism needs an even group of at least 2 ranks, got {n}")
@@ -56,10 +54,7 @@ class GuidanceSplit:
         self.half_size = n // 2
         self.branch = group.rank // self.half_size  # 0: conditional, 1: unconditional
         self.half = _half_group(group, self.branch, self.half_size)
-        # A half of one rank runs the plain model, replayed from CUDA graphs when ``graphs``
-        # (a Ulysses half's collectives are not captured).
-        self.dit = parallelize_dit(model, self.half, chunks=chunks) if self.half_size > 1 \
-            else local_dit(model, graphs=graphs)
+        self.dit = parallelize_dit(model, self.half, chunks=chunks)  # the plain model for halves of 1
 
     @property
     def branch_name(self) -> str:
@@ -102,14 +97,12 @@ def _half_group(group: SequenceGroup, branch: int, size: int) -> SequenceGroup:
     return SequenceGroup(group=handle, rank=rank, world_size=size)
 
 
-def guidance_split_for(model: PAN2DiT, group: SequenceGroup, *, enabled: bool,
-                       graphs: bool = False) -> GuidanceSplit | None:
+def guidance_split_for(model: PAN2DiT, group: SequenceGroup, *, enabled: bool) -> GuidanceSplit | None:
     """The split for ``group`` when it applies (``enabled`` and an even group), else None: the guided
-    steps then run both branches Ulysses-parallel over the whole group. ``graphs``: halves of one
-    rank replay the DiT from CUDA graphs (`PAN2PipelineConfig.dit_cuda_graphs`)."""
+    steps then run both branches Ulysses-parallel over the whole group."""
     if not enabled or group.world_size < 2 or group.world_size % 2:
         return None
-    return GuidanceSplit(model, group, graphs=graphs)
+    return GuidanceSplit(model, group)
 
 
 class GuidanceSplitDenoiser:
