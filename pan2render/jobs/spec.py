@@ -53,6 +53,9 @@ class Kind(enum.Enum):
     TIMESTEPS = "timesteps"  # a DMD timestep list (pan2render.sampling.timesteps_problem)
 
 
+FIELD_DEFAULT: Any = type("FieldDefault", (), {"__repr__": lambda self: "FIELD_DEFAULT"})()
+
+
 @dataclass(frozen=True)
 class Rule:
     """What the schema says about one ``JobSpec`` field (its ``dataclasses.field`` metadata).
@@ -78,8 +81,13 @@ class Rule:
     to_sampler: bool = False  # handed to PAN2Pipeline.sample under its own name
     to_encoder: str | None = None  # handed to media.video.encode_mp4 as this keyword
     # Hashed in every job id since ids were first handed out. A pixel field added since (this is
-    # False) counts in the hash only when set away from its default, so existing jobs keep their ids.
+    # False) counts in the hash only when set away from ``before_field``, so existing jobs keep
+    # their ids.
     in_first_ids: bool = False
+    # The value every job had before the field existed (FIELD_DEFAULT: the field's default). It
+    # differs from the default once the default changes: jobs left at the new default then render
+    # another bitstream than before, so they get new ids, and jobs set to the old value keep theirs.
+    before_field: Any = FIELD_DEFAULT
 
     def allowed_text(self) -> str:
         return self.allowed.format(min=self.min, max=self.max, step=self.step,
@@ -100,6 +108,12 @@ def _rule(rule: Rule, default: Any = dataclasses.MISSING, *, factory: Any = data
 
 def _rule_of(f: dataclasses.Field[Any]) -> Rule:
     return f.metadata["rule"]
+
+
+def _before_field(f: dataclasses.Field[Any]) -> Any:
+    """The value a pixel field added after the first ids leaves out of the job id."""
+    before = _rule_of(f).before_field
+    return f.default if before is FIELD_DEFAULT else before
 
 
 @dataclass(frozen=True)
@@ -207,8 +221,8 @@ class JobSpec:
                 "e.g. [1000, 757, 522]"), None)
     encode_preset: str = _rule(Rule(
         "libx264 speed/size trade-off (not the job preset): slower gives a smaller file at a given crf",
-        pixels=True, scope=Scope.PRESET, kind=Kind.CHOICE, choices=X264_PRESETS, to_encoder="preset"),
-        DEFAULT_X264_PRESET)
+        pixels=True, scope=Scope.PRESET, kind=Kind.CHOICE, choices=X264_PRESETS, to_encoder="preset",
+        before_field="medium"), DEFAULT_X264_PRESET)
     encode_tune: str = _rule(Rule(
         "libx264 tuning for the content, e.g. animation for flat colours and sharp edges", pixels=True,
         scope=Scope.PRESET, kind=Kind.CHOICE, choices=X264_TUNES, to_encoder="tune"), DEFAULT_X264_TUNE)
@@ -229,7 +243,7 @@ class JobSpec:
     def spec_hash(self) -> str:
         """sha256 over the render-affecting fields, as canonical JSON."""
         payload = {f.name: getattr(self, f.name) for f in PIXEL_FIELDS
-                   if _rule_of(f).in_first_ids or getattr(self, f.name) != f.default}
+                   if _rule_of(f).in_first_ids or getattr(self, f.name) != _before_field(f)}
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -318,7 +332,9 @@ def field_table() -> str:
             default = "none" if f.default is None else f"`{json.dumps(f.default)}`"
         else:
             default = "from the preset" if rule.scope is Scope.PRESET else "required" if name == "prompt" else "-"
-        in_id = "no" if not rule.pixels else "yes" if rule.in_first_ids else "yes, when not the default"
+        in_id = ("no" if not rule.pixels else "yes" if rule.in_first_ids
+                 else "yes, when not the default" if _before_field(f) == f.default
+                 else f"yes, when not `{_before_field(f)}`")
         rows.append(f"| `{name}` | {rule.help} | {rule.allowed_text()} | {default} | {rule.scope.value} | {in_id} |")
     return "\n".join(rows) + "\n"
 

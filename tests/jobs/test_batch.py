@@ -502,10 +502,12 @@ def test_encode_preset_reaches_the_job_and_counts_in_its_id_only_when_set(tmp_pa
     medium = load_batch(_write(tmp_path, HEADER + "defaults:\n  encode_preset: medium\n" + jobs, "m.yaml")).jobs[0]
     fast = load_batch(_write(tmp_path, HEADER + "defaults:\n  encode_preset: veryfast\n" + jobs, "f.yaml")).jobs[0]
     print(plain.job_id, medium.job_id, fast.job_id)
-    assert (plain.encode_preset, fast.encode_preset) == ("medium", "veryfast")
-    # The default leaves the id of a job as it was before the field existed; another value is
-    # another video (another bitstream), so another id.
-    assert plain.job_id == medium.job_id != fast.job_id
+    assert (plain.encode_preset, medium.encode_preset, fast.encode_preset) == ("veryfast", "medium", "veryfast")
+    # Every job was encoded with medium before the field existed: a medium job keeps the id it had
+    # then (this one's, from before the default became veryfast), and any other value is another
+    # bitstream, so another id, the default included.
+    assert medium.job_id == "a-5c1a2fce"
+    assert plain.job_id == fast.job_id != medium.job_id
     assert JobSpec.from_dict({k: v for k, v in plain.to_dict().items() if k != "encode_preset"}) == plain
 
 
@@ -584,7 +586,9 @@ def test_ids_of_jobs_without_timesteps_are_unchanged(tmp_path: Path) -> None:
     before keep their ids (the payload below is the hash as it was before the field existed)."""
     import hashlib
 
-    job = load_batch(_write(tmp_path, HEADER + "jobs:\n  - {name: a, prompt: x}\n")).jobs[0]
+    # encode_preset: medium, what every job was encoded with then (the default is veryfast now).
+    job = load_batch(_write(tmp_path, HEADER + "defaults:\n  encode_preset: medium\n"
+                                               "jobs:\n  - {name: a, prompt: x}\n")).jobs[0]
     before = ("model", "prompt", "negative_prompt", "image_sha256", "seed", "steps", "guidance", "height",
               "width", "frames", "fps", "flow_shift", "sampler", "crf")
     blob = json.dumps({k: getattr(job, k) for k in before}, sort_keys=True, separators=(",", ":"), default=str)

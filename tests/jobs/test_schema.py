@@ -75,13 +75,18 @@ def test_fields_that_do_not_change_the_video_keep_the_job_id() -> None:
 
 def test_job_ids_handed_out_before_the_schema_stay_the_same() -> None:
     # Computed by the code before the schema existed: existing output folders must keep matching.
-    plain = JobSpec(**BASE)
+    # Their ledgers hold each job's spec as written then, encode_preset "medium" included (the
+    # default then; a job left at today's default, veryfast, is another bitstream, so another id).
+    plain = JobSpec(**{**BASE, "encode_preset": "medium"})
     assert plain.spec_hash == "c9478e33d4de42e3ee2487377fc843afe1b18a65b7cbede545c7e30f91467f84"
     assert plain.job_id == "fox-seed3-c9478e33"
     every = JobSpec(**{**BASE, "sampler": "dmd", "guidance": 1.0, "timesteps": (1000, 757, 522), "steps": 3,
                        "weights": "w" * 16, "encode_preset": "fast", "image": "/x/a.png", "image_sha256": "ab" * 32,
                        "gpus": 2, "sweep": {}})
     assert every.spec_hash == "9b9cc2e6ba1ceae8b0b52e5eb34ce746842b88931b18de26b797e643713cd71c"
+    # A spec read back from an old ledger: same hash, so its recorded latents still match it.
+    assert JobSpec.from_dict(plain.to_dict()).spec_hash == plain.spec_hash
+    assert JobSpec(**BASE).spec_hash != plain.spec_hash  # the default, veryfast
 
 
 def test_the_sampler_gets_exactly_the_fields_its_request_has() -> None:
@@ -145,7 +150,7 @@ def test_batch_keys_and_defaults_come_from_the_schema(tmp_path: Path) -> None:
                                           "sampler", "crf"}
     (tmp_path / "b.yaml").write_text("model: tiny\npreset: tiny-preview\njobs:\n  - prompt: a kite\n")
     job = load_batch(tmp_path / "b.yaml").jobs[0]
-    assert (job.seed, job.gpus, job.negative_prompt, job.encode_preset) == (0, 1, "", "medium")
+    assert (job.seed, job.gpus, job.negative_prompt, job.encode_preset) == (0, 1, "", "veryfast")
 
 
 def test_readme_field_table_is_the_schemas() -> None:
