@@ -233,14 +233,16 @@ def read_safetensors_header(file: str | Path) -> SafetensorsHeader:
     data_bytes = size - data_start
     tensors = sorted((_tensor_info(key, entry, data_bytes, bad) for key, entry in header.items()
                       if key != "__metadata__"), key=lambda t: (t.start, t.end))
-    end, previous = 0, "the start of the data"
+    end, previous = 0, None
     for t in tensors:
         if t.start != end:
-            raise bad(f"tensor '{t.key}' starts at data byte {t.start}, not at byte {end} where {previous} ends "
-                      f"(overlapping or gapped offsets)")
-        end, previous = t.end, f"tensor '{t.key}'"
+            where = f"the end of tensor '{previous}'" if previous else "the start of the data"
+            raise bad(f"tensor '{t.key}' starts at data byte {t.start}, not at {where} (byte {end}): "
+                      f"overlapping or gapped offsets")
+        end, previous = t.end, t.key
     if end != data_bytes:
-        raise bad(f"{data_bytes - end} bytes of data after {previous}, which the header does not list")
+        where = f"tensor '{previous}'" if previous else "the header"
+        raise bad(f"{data_bytes - end} bytes of data after {where}, which the header does not list")
     return SafetensorsHeader(file, data_start, data_bytes, tuple(tensors))
 
 
