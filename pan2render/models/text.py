@@ -51,6 +51,9 @@ class TextEncoder:
     @classmethod
     def from_pretrained(cls, root: str | Path, *, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32) -> "TextEncoder":
+        """The encoder and tokenizer of a checkpoint root (``text_encoder/``, ``tokenizer/``). On a
+        CUDA device the encoder is read by `load_umt5_encoder` (streamed onto the GPU), elsewhere by
+        transformers' from_pretrained."""
         from transformers import AutoTokenizer, UMT5EncoderModel
         from transformers.utils import logging as hf_logging
 
