@@ -163,7 +163,8 @@ def load_umt5_encoder(folder: str | Path, *, device: str | torch.device, dtype: 
             setattr(model.get_submodule(owner), attr, shared)
     stale = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if stale:
-        raise CheckpointError(f"{folder}: the UMT5 encoder has tensors its checkpoint does not fill: {', '.join(stale)}")
+        raise CheckpointError(f"{folder}: the UMT5 encoder has tensors its checkpoint does not fill: "
+                              f"{', '.join(stale)}")
     return model.eval().requires_grad_(False)
 
 

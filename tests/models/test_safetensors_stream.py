@@ -162,13 +162,18 @@ def test_header_pointing_past_the_end(tmp_path: Path) -> None:
     assert str(path) in str(err.value) and "'block.0.half'" in str(err.value) and "run past the end" in str(err.value)
 
 
+W = "'block.0.weight'"
+
+
 @pytest.mark.parametrize("edit, message", [
-    (lambda h: h["block.0.weight"].update(dtype="F7"), r"'block.0.weight': dtype 'F7' is not one of"),
-    (lambda h: h["block.0.weight"].update(shape=[8]), r"'block.0.weight': data_offsets \[10, 38\] hold 28 bytes, its shape \[8\] of F32 takes 32"),
-    (lambda h: h["block.0.weight"].update(shape=[7, -1]), r"'block.0.weight': shape \[7, -1\] is not a list of sizes"),
-    (lambda h: h["block.0.weight"].update(data_offsets=[38, 10]), r"'block.0.weight': data_offsets \[38, 10\] are not"),
-    (lambda h: h["block.0.index"].update(data_offsets=[36, 60]), r"'block.0.index' starts at data byte 36, not at the end of tensor 'block.0.weight' \(byte 38\)"),
-    (lambda h: h.pop("embed.bf16"), r"'block.0.weight' starts at data byte 10, not at the start of the data \(byte 0\)"),
+    (lambda h: h["block.0.weight"].update(dtype="F7"), rf"{W}: dtype 'F7' is not one of"),
+    (lambda h: h["block.0.weight"].update(shape=[8]),
+     rf"{W}: data_offsets \[10, 38\] hold 28 bytes, its shape \[8\] of F32 takes 32"),
+    (lambda h: h["block.0.weight"].update(shape=[7, -1]), rf"{W}: shape \[7, -1\] is not a list of sizes"),
+    (lambda h: h["block.0.weight"].update(data_offsets=[38, 10]), rf"{W}: data_offsets \[38, 10\] are not"),
+    (lambda h: h["block.0.index"].update(data_offsets=[36, 60]),
+     rf"'block.0.index' starts at data byte 36, not at the end of tensor {W} \(byte 38\)"),
+    (lambda h: h.pop("embed.bf16"), rf"{W} starts at data byte 10, not at the start of the data \(byte 0\)"),
     (lambda h: h.pop("block.0.half"), r"18 bytes of data after tensor 'block.0.index'"),
 ])
 def test_header_problems_name_file_and_tensor(tmp_path: Path, edit, message: str) -> None:

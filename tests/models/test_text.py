@@ -88,7 +88,8 @@ def test_two_different_embeddings_are_kept_apart_as_transformers_does(tmp_path: 
 
 @pytest.mark.parametrize("change, message", [
     (lambda sd: sd.pop("encoder.final_layer_norm.weight"), r"1 missing key\(s\): encoder.final_layer_norm.weight"),
-    (lambda sd: sd.pop("encoder.embed_tokens.weight"), r"2 missing key\(s\): encoder.embed_tokens.weight, shared.weight"),
+    (lambda sd: sd.pop("encoder.embed_tokens.weight"),
+     r"2 missing key\(s\): encoder.embed_tokens.weight, shared.weight"),
     (lambda sd: sd.update({"decoder.extra.weight": torch.zeros(2)}), r"1 unexpected key\(s\): decoder.extra.weight"),
     (lambda sd: sd.update({"encoder.final_layer_norm.weight": torch.zeros(5)}),
      r"shape mismatch for 'encoder.final_layer_norm.weight' in .*model.safetensors: expected \[32\], found \[5\]"),
