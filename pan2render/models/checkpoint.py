@@ -50,6 +50,11 @@ STREAM_CHUNK_BYTES = 64 << 20
 # Host buffers in rotation: one being read into, one being copied from, one spare, so the reader
 # does not wait for a copy it has just handed over.
 STREAM_BUFFERS = 3
+# A tensor is left as a view of the file's device buffer only where its address is a multiple of
+# this, as a fresh allocation's is: vectorised loads, TMA and cuBLAS's fastest kernels want 16-byte
+# aligned operands. Anywhere else it is copied out (a view at an offset that is no multiple of the
+# element size cannot be made at all). The released checkpoints' tensors all start at multiples.
+VIEW_ALIGN_BYTES = 16
 # safetensors itself refuses larger headers; a length beyond this is a damaged file, not metadata.
 MAX_HEADER_BYTES = 100_000_000
 
@@ -313,7 +318,8 @@ def stream_file_bytes(file: str | Path, start: int, nbytes: int, device: str | t
             if on_cuda:
                 torch.cuda.set_device(device)  # the events belong to this device
             with open(file, "rb", buffering=0) as f:
-                if hasattr(os, "posix_fadvise"):  # a file not yet in the page cache is read ahead further
+                with contextlib.suppress(AttributeError, OSError):  # a hint only: not every OS or filesystem takes it
+                    # A file not yet in the page cache is then read ahead further.
                     os.posix_fadvise(f.fileno(), start, nbytes, os.POSIX_FADV_SEQUENTIAL)
                 f.seek(start)
                 done = 0
@@ -369,11 +375,12 @@ def stream_safetensors(file: str | Path, device: str | torch.device, *, cast: Ca
     """Every tensor of one safetensors file on ``device``, each passed through ``cast(key, t)``.
 
     The file's data section is read into one byte buffer on ``device`` (`stream_file_bytes`) and
-    each tensor starts as a view of its byte range, or as a copy where its offset is not a multiple
-    of its element size (a view cannot start there). Memory: when every tensor keeps its dtype the
-    results stay views of the buffer, which then holds nothing unused; when ``cast`` made new
-    tensors of some, the ones still viewing the buffer are cloned, so the buffer (the whole file,
-    most of it no longer needed) is freed once the caller drops it rather than kept alive by them."""
+    each tensor starts as a view of its byte range, or as a copy where that range does not start at
+    a multiple of ``VIEW_ALIGN_BYTES``. Memory: when every tensor keeps its dtype the results stay
+    views of the buffer, which then holds nothing unused (but the bytes of copied ones); when
+    ``cast`` made new tensors of some, the ones still viewing the buffer are cloned, so the buffer
+    (the whole file, most of it no longer needed) is freed once the caller drops it rather than kept
+    alive by them."""
     file = Path(file)
     header = header or read_safetensors_header(file)
     data = stream_file_bytes(file, header.data_start, header.data_bytes, device,
@@ -381,17 +388,17 @@ def stream_safetensors(file: str | Path, device: str | torch.device, *, cast: Ca
     base = data.untyped_storage().data_ptr()
     out: dict[str, torch.Tensor] = {}
     views: list[str] = []  # keys whose tensor still views `data`
-    cast_away = False  # `cast` replaced a view by a new tensor: `data` holds bytes no one needs
+    cast_away = False  # `cast` made a new tensor of some: the file's bytes are not all needed
     for info in header.tensors:
         raw = data[info.start:info.end]
-        aligned = info.start % info.dtype.itemsize == 0
+        aligned = info.start % VIEW_ALIGN_BYTES == 0  # the buffer itself starts at an allocation's alignment
         t = (raw if aligned else raw.clone()).view(info.dtype).view(info.shape)
         if cast is not None:
-            t = cast(info.key, t)
+            read, t = t, cast(info.key, t)
+            if info.end > info.start and t.untyped_storage().data_ptr() != read.untyped_storage().data_ptr():
+                cast_away = True
         if t.untyped_storage().data_ptr() == base:
             views.append(info.key)
-        elif aligned and info.end > info.start:
-            cast_away = True
         out[info.key] = t
     if cast_away:
         for key in views:
