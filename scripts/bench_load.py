@@ -21,7 +21,9 @@ Each variant loads in a fresh subprocess (its imports and CUDA start not counted
   bench_batch.py's loop loads it.
 
 Prints seconds and GB/s (the weight files' bytes on disk over the seconds) per variant and round,
-and writes DIR/bench_load.json. Results of record: docs/performance.md.
+and writes DIR/bench_load.json. On a fresh machine the first pipeline load may also compile
+FlashAttention-4's kernels (then kept on disk), so compare the best of rounds. Results of record:
+docs/performance.md.
 """
 
 from __future__ import annotations
