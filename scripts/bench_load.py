@@ -1,6 +1,6 @@
 """Cold-start load: a full-size checkpoint folder onto one GPU, ours against diffusers', one run.
 
-    python scripts/bench_load.py --out DIR [--checkpoint FOLDER] [--rounds 2]
+    python scripts/bench_load.py --out DIR [--checkpoint FOLDER] [--rounds 2] [--variants ours,previous]
     python scripts/bench_load.py --out /tmp/bl --tiny        # CPU smoke at toy size
 
 The checkpoint is bench_batch.py's random-weight Wan2.2-TI2V-5B in the diffusers layout (DiT and
@@ -9,13 +9,20 @@ files, from the page cache (the machine has run a batch; a first read from disk 
 Each variant loads in a fresh subprocess (its imports and CUDA start not counted), in turn, for
 --rounds rounds:
 
+- ``ours``: ``PAN2Pipeline.from_pretrained`` itself (on CUDA every safetensors file streamed
+  through pinned buffers into one device buffer, the text encoder built on the meta device);
+- ``previous``: the same call with the readers it had before: per-tensor
+  ``safe_open(device="cuda").get_tensor`` for the DiT and the VAE, transformers' from_pretrained on
+  the CPU then ``.to(device)`` for the text encoder (a copy of that reader is kept here, not in the
+  library);
 - ``components``: the DiT, the VAE and the text encoder one after the other, each timed (what
-  ``PAN2Pipeline.from_pretrained`` does, with the seconds split);
-- ``ours``: ``PAN2Pipeline.from_pretrained`` itself;
+  ``ours`` does, with the seconds split);
 - ``diffusers``: ``WanPipeline`` with a bf16 transformer and an fp32 VAE, moved to the GPU, as
   bench_batch.py's loop loads it.
 
-Prints seconds per variant and round and writes DIR/bench_load.json. Results of record:
+Prints seconds and GB/s (the weight files' bytes on disk over the seconds) per variant and round,
+and writes DIR/bench_load.json. On a fresh machine the first pipeline load may also compile
+FlashAttention-4's kernels (then kept on disk), so compare the best of rounds. Results of record:
 docs/performance.md.
 """
 
@@ -31,7 +38,57 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-VARIANTS = ("components", "ours", "diffusers")
+sys.path.insert(0, str(REPO))  # bench this checkout's pan2render, whichever one is installed
+VARIANTS = ("ours", "previous", "components", "diffusers")
+COMPONENTS = ("transformer", "vae", "text_encoder")
+
+
+def weight_bytes(ckpt: Path, component: str | None = None) -> int:
+    """Bytes of the safetensors files a load reads: one component's, or all three's."""
+    return sum(f.stat().st_size for c in ([component] if component else COMPONENTS)
+               for f in (ckpt / c).glob("*.safetensors"))
+
+
+def previous_read_state_dict(folder: Path, *, prefix: str = "diffusion_pytorch_model", device: Any = "cpu",
+                             cast: Any = None) -> tuple[dict[str, Any], dict[str, Path]]:
+    """The reader the library had before streaming (the baseline): one ``get_tensor`` per tensor,
+    straight onto ``device`` from the memory-mapped file, cast at once."""
+    from safetensors import safe_open
+
+    from pan2render.models.checkpoint import CheckpointError, safetensors_files
+
+    tensors: dict[str, Any] = {}
+    origin: dict[str, Path] = {}
+    for file in safetensors_files(folder, prefix):
+        try:
+            with safe_open(str(file), framework="pt", device=str(device)) as f:
+                for key in f.keys():
+                    if key in tensors:
+                        raise CheckpointError(f"{file}: key '{key}' also appears in {origin[key]}")
+                    t = f.get_tensor(key)
+                    tensors[key] = t if cast is None else cast(key, t)
+                    origin[key] = file
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{file}: cannot read safetensors file ({e})") from e
+    return tensors, origin
+
+
+def previous_umt5_encoder(folder: Path, *, device: Any, dtype: Any) -> Any:
+    """The text encoder as the library read it before: transformers' from_pretrained onto the CPU
+    (from_pretrained then moves it with ``.to(device)``)."""
+    from transformers import UMT5EncoderModel
+
+    return UMT5EncoderModel.from_pretrained(str(folder), dtype=dtype, use_safetensors=True)
+
+
+def use_previous_readers() -> None:
+    """Swap the baseline readers in where the library looks them up."""
+    from pan2render.models import checkpoint, text
+
+    checkpoint.read_state_dict = previous_read_state_dict
+    text.load_umt5_encoder = previous_umt5_encoder
 
 
 def load_once(variant: str, ckpt: Path, device_name: str) -> dict[str, Any]:
@@ -40,6 +97,11 @@ def load_once(variant: str, ckpt: Path, device_name: str) -> dict[str, Any]:
 
     from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig, load_dit, load_vae
     from pan2render.models.text import TextEncoder
+
+    if variant in ("previous", "diffusers"):
+        # diffusers: bench_batch's hand-made transformer load (where diffusers refuses a bf16 model
+        # with fp32 modules) reads through read_state_dict; the baseline reader keeps it diffusers'.
+        use_previous_readers()
 
     device = torch.device(device_name)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -56,21 +118,29 @@ def load_once(variant: str, ckpt: Path, device_name: str) -> dict[str, Any]:
     if variant == "components":
         loaded = []  # kept, so each component loads beside the ones before it, as in the pipeline
         last = t0
-        for name, load in (("dit", lambda: load_dit(ckpt, device=device, dtype=dtype)),
-                           ("vae", lambda: load_vae(ckpt, device=device, dtype=torch.float32)),
-                           ("text_encoder", lambda: TextEncoder.from_pretrained(ckpt, device=device, dtype=dtype))):
+        for name, folder, load in (
+            ("dit", "transformer", lambda: load_dit(ckpt, device=device, dtype=dtype)),
+            ("vae", "vae", lambda: load_vae(ckpt, device=device, dtype=torch.float32)),
+            ("text_encoder", "text_encoder", lambda: TextEncoder.from_pretrained(ckpt, device=device, dtype=dtype)),
+        ):
             loaded.append(load())
             sync()
-            res[f"{name}_s"] = round(time.perf_counter() - last, 2)
+            seconds = time.perf_counter() - last
+            res[f"{name}_s"] = round(seconds, 2)
+            res[f"{name}_gb_s"] = round(weight_bytes(ckpt, folder) / 1e9 / seconds, 2)
             last = time.perf_counter()
-    elif variant == "ours":
+    elif variant in ("ours", "previous"):
         PAN2Pipeline.from_pretrained(ckpt, PAN2PipelineConfig(device=str(device), dtype=dtype))
-    else:
+    elif variant == "diffusers":
         from bench_batch import load_diffusers_pipeline
 
         load_diffusers_pipeline(ckpt, dtype=dtype, device=device)
+    else:
+        raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
     sync()
-    res["seconds"] = round(time.perf_counter() - t0, 2)
+    seconds = time.perf_counter() - t0
+    res["seconds"] = round(seconds, 2)
+    res["gb_s"] = round(weight_bytes(ckpt) / 1e9 / seconds, 2)
     if device.type == "cuda":
         res["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     return res
@@ -95,7 +165,9 @@ def main() -> int:
     device = "cpu" if args.tiny else "cuda:0"
     args.out.mkdir(parents=True, exist_ok=True)
     env = {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "checkpoint": str(ckpt),
-           "checkpoint_gib": round(sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) / 2**30, 1)}
+           "checkpoint_gib": round(sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) / 2**30, 1),
+           "weights_gb": round(weight_bytes(ckpt) / 1e9, 3)}
+    print(json.dumps(env), flush=True)
     runs: list[dict[str, Any]] = []
     for rnd in range(args.rounds):
         for variant in args.variants.split(","):
@@ -111,8 +183,11 @@ def main() -> int:
     best = {v: min((r["seconds"] for r in runs if r["variant"] == v and "seconds" in r), default=None)
             for v in args.variants.split(",")}
     print("best of rounds, s:", json.dumps(best))
-    if best.get("ours") and best.get("diffusers"):
-        print(f"diffusers / ours: x{best['diffusers'] / best['ours']:.2f}")
+    print("best of rounds, GB/s:", json.dumps({v: sec and round(weight_bytes(ckpt) / 1e9 / sec, 2)
+                                               for v, sec in best.items()}))
+    for other in ("previous", "diffusers"):
+        if best.get("ours") and best.get(other):
+            print(f"{other} / ours: x{best[other] / best['ours']:.2f}")
     return 0
 
 

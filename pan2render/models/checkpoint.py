@@ -9,13 +9,27 @@ A checkpoint folder (e.g. any Wan2.2-TI2V-5B-Diffusers download) looks like::
 
 Only safetensors are read: loading never unpickles anything. Every error names the file and the
 problem (missing folder or file, missing/unexpected keys listed, key shape mismatch with expected
-and found shapes, unsupported config values).
+and found shapes, unsupported config values, a safetensors header that does not fit its file).
+
+Onto a CUDA device each safetensors file is streamed whole (`stream_safetensors`): its header is
+parsed and checked here, its data section is read in large chunks through a few pinned host buffers
+into one device byte buffer, and every tensor is a view of (or a cast from) that buffer. A per-tensor
+read (``safe_open(device="cuda")``) does one small pageable copy per tensor, and pageable copies
+serialise in the driver however many threads issue them. Onto the CPU, safetensors' own memory-mapped
+reader is used.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
+import os
+import queue
+import struct
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -28,7 +42,38 @@ log = logging.getLogger(__name__)
 WEIGHTS_NAME = "diffusion_pytorch_model"
 MAX_KEYS_LISTED = 12
 
+# Bytes per read and per host->device copy when streaming a file. At 64 MiB a chunk's read takes
+# ~10 ms from the page cache and its pinned copy a few ms, so the per-call costs (a syscall, a copy
+# launch, an event) are well under 1%; and the pinned buffers (STREAM_BUFFERS of them, kept by
+# PyTorch's pinned-memory cache from one file to the next) stay a few hundred MiB.
+STREAM_CHUNK_BYTES = 64 << 20
+# Host buffers in rotation: one being read into, one being copied from, one spare, so the reader
+# does not wait for a copy it has just handed over.
+STREAM_BUFFERS = 3
+# A tensor is left as a view of the file's device buffer only where its address is a multiple of
+# this, as a fresh allocation's is: vectorised loads, TMA and cuBLAS's fastest kernels want 16-byte
+# aligned operands. Anywhere else it is copied out (a view at an offset that is no multiple of the
+# element size cannot be made at all). The released checkpoints' tensors all start at multiples.
+VIEW_ALIGN_BYTES = 16
+# safetensors itself refuses larger headers; a length beyond this is a damaged file, not metadata.
+MAX_HEADER_BYTES = 100_000_000
+
+# The safetensors dtype names torch can hold (those of safetensors.torch; the float8 ones where this
+# torch has them).
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    name: dtype for name, dtype in {
+        "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+        "BOOL": torch.bool, "C64": torch.complex64,
+        "U64": getattr(torch, "uint64", None), "U32": getattr(torch, "uint32", None),
+        "U16": getattr(torch, "uint16", None),
+        "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E4M3FNUZ": getattr(torch, "float8_e4m3fnuz", None),
+        "F8_E5M2": getattr(torch, "float8_e5m2", None), "F8_E5M2FNUZ": getattr(torch, "float8_e5m2fnuz", None),
+    }.items() if dtype is not None
+}
+
 M = TypeVar("M", bound=nn.Module)
+Cast = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 class CheckpointError(ValueError):
@@ -90,30 +135,275 @@ def safetensors_files(folder: Path, prefix: str = WEIGHTS_NAME) -> list[Path]:
 
 
 def read_state_dict(
-    folder: Path, *, prefix: str = WEIGHTS_NAME, device: str | torch.device = "cpu",
-    cast: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    folder: Path, *, prefix: str = WEIGHTS_NAME, device: str | torch.device = "cpu", cast: Cast | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
     """All tensors of a component and the file each key came from (for error messages).
 
-    Each tensor is read straight onto ``device`` and passed through ``cast(key, tensor)`` at once,
-    so at most one tensor is ever held in the file's dtype (an fp32 release read for a bf16 model
-    on the GPU never needs the whole fp32 copy, in host or device memory)."""
+    Each tensor is read onto ``device`` and passed through ``cast(key, tensor)`` there (an fp32
+    release read for a bf16 model on the GPU is never copied to the host in fp32 and cast there).
+    Onto a CUDA device a file is streamed whole (`stream_safetensors`): the device then holds one
+    file's bytes beside the tensors cast from them, until the next file; onto the CPU tensors are
+    read one at a time from the memory-mapped file. A key found in two files is an error."""
+    device = torch.device(device)
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
     for file in safetensors_files(folder, prefix):
         try:
-            with safe_open(str(file), framework="pt", device=str(device)) as f:
-                for key in f.keys():
-                    if key in tensors:
-                        raise CheckpointError(f"{file}: key '{key}' also appears in {origin[key]}")
-                    t = f.get_tensor(key)
-                    tensors[key] = t if cast is None else cast(key, t)
-                    origin[key] = file
+            if device.type == "cuda":
+                header = read_safetensors_header(file)
+                _check_new_keys(file, header.keys(), origin)
+                new = stream_safetensors(file, device, cast=cast, header=header)
+            else:
+                new = {}
+                with safe_open(str(file), framework="pt", device=str(device)) as f:
+                    keys = list(f.keys())
+                    _check_new_keys(file, keys, origin)
+                    for key in keys:
+                        t = f.get_tensor(key)
+                        new[key] = t if cast is None else cast(key, t)
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error types for truncated headers etc.
             raise CheckpointError(f"{file}: cannot read safetensors file ({e})") from e
+        tensors.update(new)
+        origin.update(dict.fromkeys(new, file))
     return tensors, origin
+
+
+def _check_new_keys(file: Path, keys: list[str], origin: dict[str, Path]) -> None:
+    for key in keys:
+        if key in origin:
+            raise CheckpointError(f"{file}: key '{key}' also appears in {origin[key]}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Streaming a safetensors file: header, bytes, tensors
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a safetensors header; ``start``/``end``: byte offsets in the data section."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A checked safetensors header: ``tensors`` in the order of their data, which fills the data
+    section (``data_bytes`` bytes from byte ``data_start`` of the file) without gaps or overlaps."""
+
+    file: Path
+    data_start: int
+    data_bytes: int
+    tensors: tuple[TensorInfo, ...]
+
+    def keys(self) -> list[str]:
+        return [t.key for t in self.tensors]
+
+
+def read_safetensors_header(file: str | Path) -> SafetensorsHeader:
+    """Parse and check a safetensors file's header (8-byte little-endian length, then JSON).
+
+    Checked, as safetensors checks them: every dtype is known, each tensor's byte length is its
+    element count times its element size, and the tensors' byte ranges tile the data section from
+    its first byte to the file's last. Any problem raises CheckpointError naming the file (and the
+    tensor's key where one is at fault)."""
+    file = Path(file)
+
+    def bad(problem: str) -> CheckpointError:
+        return CheckpointError(f"{file}: cannot read safetensors file: {problem}")
+
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise bad(f"{size} bytes, too short for the 8-byte header length")
+            (header_bytes,) = struct.unpack("<Q", head)
+            if header_bytes > MAX_HEADER_BYTES or 8 + header_bytes > size:
+                raise bad(f"a header length of {header_bytes} bytes does not fit in the file ({size} bytes)")
+            raw = f.read(header_bytes)
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot read safetensors file ({e})") from e
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_pairs)
+    except ValueError as e:  # bad UTF-8, bad JSON, a key listed twice
+        raise bad(f"the header is not valid JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise bad(f"the header is a JSON {type(header).__name__}, not an object")
+    data_start = 8 + header_bytes
+    data_bytes = size - data_start
+    tensors = sorted((_tensor_info(key, entry, data_bytes, bad) for key, entry in header.items()
+                      if key != "__metadata__"), key=lambda t: (t.start, t.end))
+    end, previous = 0, None
+    for t in tensors:
+        if t.start != end:
+            where = f"the end of tensor '{previous}'" if previous else "the start of the data"
+            raise bad(f"tensor '{t.key}' starts at data byte {t.start}, not at {where} (byte {end}): "
+                      f"overlapping or gapped offsets")
+        end, previous = t.end, t.key
+    if end != data_bytes:
+        where = f"tensor '{previous}'" if previous else "the header"
+        raise bad(f"{data_bytes - end} bytes of data after {where}, which the header does not list")
+    return SafetensorsHeader(file, data_start, data_bytes, tuple(tensors))
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key '{key}' is listed twice")
+        out[key] = value
+    return out
+
+
+def _tensor_info(key: str, entry: Any, data_bytes: int, bad: Callable[[str], CheckpointError]) -> TensorInfo:
+    if not isinstance(entry, dict):
+        raise bad(f"tensor '{key}': expected an object with dtype, shape and data_offsets, found {entry!r}")
+    name = entry.get("dtype")
+    dtype = SAFETENSORS_DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise bad(f"tensor '{key}': dtype {name!r} is not one of {', '.join(SAFETENSORS_DTYPES)}")
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise bad(f"tensor '{key}': shape {shape!r} is not a list of sizes")
+    offsets = entry.get("data_offsets")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise bad(f"tensor '{key}': data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end")
+    start, end = offsets
+    need = math.prod(shape) * dtype.itemsize
+    if end - start != need:
+        raise bad(f"tensor '{key}': data_offsets [{start}, {end}] hold {end - start} bytes, its shape {shape} "
+                  f"of {name} takes {need}")
+    if end > data_bytes:
+        raise bad(f"tensor '{key}': data_offsets [{start}, {end}] run past the end of the file's data "
+                  f"({data_bytes} bytes): the file is truncated or its header is wrong")
+    return TensorInfo(key, dtype, tuple(shape), start, end)
+
+
+def stream_file_bytes(file: str | Path, start: int, nbytes: int, device: str | torch.device, *,
+                      chunk_bytes: int = STREAM_CHUNK_BYTES, buffers: int = STREAM_BUFFERS) -> torch.Tensor:
+    """Bytes ``[start, start + nbytes)`` of ``file`` as one ``torch.uint8`` tensor on ``device``.
+
+    A reader thread reads the range in chunks of ``chunk_bytes`` (``readinto``, no intermediate
+    copy) into ``buffers`` host buffers in rotation; this thread copies each filled buffer into its
+    slice of the result and hands it back. On CUDA the host buffers are pinned, the copies are
+    asynchronous on the current stream, and each copy records an event that the reader waits on
+    before it reads into that buffer again: the read of one chunk overlaps the copy of the last.
+    On the CPU (tests) the same loop runs with plain buffers and synchronous copies."""
+    device = torch.device(device)
+    on_cuda = device.type == "cuda"
+    if on_cuda and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    out = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if nbytes == 0:
+        return out
+    chunk = max(1, min(chunk_bytes, nbytes))
+    hosts = [torch.empty(chunk, dtype=torch.uint8, pin_memory=on_cuda)
+             for _ in range(max(1, min(buffers, math.ceil(nbytes / chunk))))]
+    views = [memoryview(h.numpy()) for h in hosts]
+    events = [torch.cuda.Event() if on_cuda else None for _ in hosts]
+    free: queue.SimpleQueue[int | None] = queue.SimpleQueue()  # buffers the reader may fill
+    filled: queue.SimpleQueue[tuple[int, int] | BaseException] = queue.SimpleQueue()  # (buffer, bytes)
+    stop = threading.Event()
+    for i in range(len(hosts)):
+        free.put(i)
+
+    def read() -> None:
+        try:
+            if on_cuda:
+                torch.cuda.set_device(device)  # the events belong to this device
+            with open(file, "rb", buffering=0) as f:
+                with contextlib.suppress(AttributeError, OSError):  # a hint only: not every OS or filesystem takes it
+                    # A file not yet in the page cache is then read ahead further.
+                    os.posix_fadvise(f.fileno(), start, nbytes, os.POSIX_FADV_SEQUENTIAL)
+                f.seek(start)
+                done = 0
+                while done < nbytes:
+                    i = free.get()
+                    if i is None or stop.is_set():
+                        return
+                    if events[i] is not None:
+                        events[i].synchronize()  # its last copy has left the buffer
+                    n = min(chunk, nbytes - done)
+                    _read_exactly(f, views[i][:n], file, start + done)
+                    filled.put((i, n))
+                    done += n
+        except BaseException as e:  # handed to the copying thread, which raises it
+            filled.put(e)
+
+    reader = threading.Thread(target=read, name=f"read {Path(file).name}", daemon=True)
+    reader.start()
+    try:
+        with torch.cuda.device(device) if on_cuda else contextlib.nullcontext():
+            stream = torch.cuda.current_stream(device) if on_cuda else None
+            done = 0
+            while done < nbytes:
+                item = filled.get()
+                if isinstance(item, BaseException):
+                    raise item
+                i, n = item
+                out[done:done + n].copy_(hosts[i][:n], non_blocking=on_cuda)
+                if events[i] is not None:
+                    events[i].record(stream)
+                free.put(i)
+                done += n
+    finally:
+        stop.set()
+        free.put(None)  # wakes a reader still waiting for a buffer after an error here
+        reader.join()
+    return out
+
+
+def _read_exactly(f: Any, view: memoryview, file: str | Path, at: int) -> None:
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise CheckpointError(f"{file}: cannot read safetensors file: it ends at byte {at + got}, before the "
+                                  f"data its header lists (was it cut short while being read?)")
+        got += n
+
+
+def stream_safetensors(file: str | Path, device: str | torch.device, *, cast: Cast | None = None,
+                       header: SafetensorsHeader | None = None, chunk_bytes: int = STREAM_CHUNK_BYTES,
+                       buffers: int = STREAM_BUFFERS) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file on ``device``, each passed through ``cast(key, t)``.
+
+    The file's data section is read into one byte buffer on ``device`` (`stream_file_bytes`) and
+    each tensor starts as a view of its byte range, or as a copy where that range does not start at
+    a multiple of ``VIEW_ALIGN_BYTES``. Memory: when every tensor keeps its dtype the results stay
+    views of the buffer, which then holds nothing unused (but the bytes of copied ones); when
+    ``cast`` made new tensors of some, the ones still viewing the buffer are cloned, so the buffer
+    (the whole file, most of it no longer needed) is freed once the caller drops it rather than kept
+    alive by them."""
+    file = Path(file)
+    header = header or read_safetensors_header(file)
+    data = stream_file_bytes(file, header.data_start, header.data_bytes, device,
+                             chunk_bytes=chunk_bytes, buffers=buffers)
+    base = data.untyped_storage().data_ptr()
+    out: dict[str, torch.Tensor] = {}
+    views: list[str] = []  # keys whose tensor still views `data`
+    cast_away = False  # `cast` made a new tensor of some: the file's bytes are not all needed
+    for info in header.tensors:
+        raw = data[info.start:info.end]
+        aligned = info.start % VIEW_ALIGN_BYTES == 0  # the buffer itself starts at an allocation's alignment
+        t = (raw if aligned else raw.clone()).view(info.dtype).view(info.shape)
+        if cast is not None:
+            read, t = t, cast(info.key, t)
+            if info.end > info.start and t.untyped_storage().data_ptr() != read.untyped_storage().data_ptr():
+                cast_away = True
+        if t.untyped_storage().data_ptr() == base:
+            views.append(info.key)
+        out[info.key] = t
+    if cast_away:
+        for key in views:
+            out[key] = out[key].clone()
+    return out
 
 
 def _listed(keys: list[str]) -> str:
@@ -168,7 +458,7 @@ def instantiate(
             return t
         return t.to(torch.float32 if any(part in key for part in keep_in_fp32) else dtype)
 
-    # Read onto the target device and cast there, tensor by tensor: no fp32 detour through the host.
+    # Read onto the target device and cast there: no fp32 copy of the weights on the host.
     state_dict, origin = read_state_dict(folder, device=device, cast=cast)
     check_state_dict(model, state_dict, where=folder, origin=origin)
     model.load_state_dict(state_dict, strict=True, assign=True)

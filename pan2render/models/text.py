@@ -10,12 +10,16 @@ from __future__ import annotations
 import hashlib
 import html
 import json
+import logging
 import re
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from .checkpoint import CheckpointError, read_json, safetensors_files
+from .checkpoint import CheckpointError, check_state_dict, read_json, read_state_dict, safetensors_files
+
+log = logging.getLogger(__name__)
 
 MAX_TEXT_TOKENS = 512
 
@@ -47,6 +51,9 @@ class TextEncoder:
     @classmethod
     def from_pretrained(cls, root: str | Path, *, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32) -> "TextEncoder":
+        """The encoder and tokenizer of a checkpoint root (``text_encoder/``, ``tokenizer/``). On a
+        CUDA device the encoder is read by `load_umt5_encoder` (streamed onto the GPU), elsewhere by
+        transformers' from_pretrained."""
         from transformers import AutoTokenizer, UMT5EncoderModel
         from transformers.utils import logging as hf_logging
 
@@ -62,10 +69,13 @@ class TextEncoder:
             tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
         except Exception as e:
             raise CheckpointError(f"{tok_dir}: cannot load the tokenizer ({e})") from e
-        try:
-            encoder = UMT5EncoderModel.from_pretrained(str(enc_dir), dtype=dtype, use_safetensors=True)
-        except Exception as e:
-            raise CheckpointError(f"{enc_dir}: cannot load the UMT5 encoder ({e})") from e
+        if torch.device(device).type == "cuda":
+            encoder = load_umt5_encoder(enc_dir, device=device, dtype=dtype)
+        else:
+            try:
+                encoder = UMT5EncoderModel.from_pretrained(str(enc_dir), dtype=dtype, use_safetensors=True)
+            except Exception as e:
+                raise CheckpointError(f"{enc_dir}: cannot load the UMT5 encoder ({e})") from e
         encoder = encoder.to(device).eval().requires_grad_(False)
         digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
         for f in sorted(enc_dir.glob("*.safetensors")):
@@ -90,3 +100,77 @@ class TextEncoder:
         keep = torch.arange(self.max_tokens, device=hidden.device)[None, :] < lengths[:, None]
         out = (hidden * keep[..., None]).cpu()
         return out[0] if single else out
+
+
+def load_umt5_encoder(folder: str | Path, *, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
+    """transformers' ``UMT5EncoderModel`` from a ``text_encoder/`` folder, read by our own reader.
+
+    The model is built from its config on the meta device (no memory, no random init) and its
+    tensors are assigned from `read_state_dict` on ``device`` (streamed onto a GPU), floating ones
+    cast to ``dtype`` there: no CPU copy of the 11 GB encoder. The result matches
+    ``UMT5EncoderModel.from_pretrained(folder, dtype=dtype).to(device)``:
+
+    - the modules transformers keeps in fp32 stay fp32 (``_keep_in_fp32_modules`` when ``dtype`` is
+      fp16, ``_keep_in_fp32_modules_strict`` under fp16 and bf16);
+    - tied weights: umT5's ``encoder.embed_tokens`` is its ``shared`` embedding (one tensor under two
+      names), and a checkpoint holds it under either name or both. One name fills both; both with
+      equal values are tied as one; both with different values are kept apart, as transformers does.
+
+    Unlike from_pretrained, a key the model lacks or a missing key (which from_pretrained would
+    initialise at random) is an error: CheckpointError naming the folder, as for our other models.
+    """
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    folder = Path(folder)
+    device = torch.device(device)
+    try:
+        config = UMT5Config.from_pretrained(str(folder))
+        with torch.device("meta"):
+            model = UMT5EncoderModel(config)
+    except Exception as e:
+        raise CheckpointError(f"{folder}: cannot build the UMT5 encoder from its config.json ({e})") from e
+
+    keep_fp32 = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) \
+        if dtype in (torch.float16, torch.bfloat16) else set()
+    if dtype == torch.float16:
+        keep_fp32 |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+
+    def cast(key: str, t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point():
+            return t
+        return t.to(torch.float32 if keep_fp32.intersection(key.split(".")) else dtype)
+
+    state_dict, origin = read_state_dict(folder, prefix="model", device=device, cast=cast)
+    tied = []
+    for names in _tied_names(model):
+        present = [n for n in names if n in state_dict]
+        if not present:
+            continue  # reported missing below
+        first = state_dict[present[0]]
+        if all(torch.equal(state_dict[n], first) for n in present[1:]):
+            state_dict.update(dict.fromkeys(names, first))
+            tied.append(names)
+        else:
+            log.warning("%s: tied weights %s hold different values in the checkpoint; kept apart",
+                        folder, ", ".join(present))
+    check_state_dict(model, state_dict, where=folder, origin=origin)
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    for names in tied:  # assign=True gave each name its own Parameter: one again, as built
+        owner, _, attr = names[0].rpartition(".")
+        shared = getattr(model.get_submodule(owner), attr)
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, shared)
+    stale = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if stale:
+        raise CheckpointError(f"{folder}: the UMT5 encoder has tensors its checkpoint does not fill: "
+                              f"{', '.join(stale)}")
+    return model.eval().requires_grad_(False)
+
+
+def _tied_names(model: nn.Module) -> list[list[str]]:
+    """The state-dict names that share one tensor in ``model`` as built (tied weights)."""
+    by_tensor: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        by_tensor.setdefault(id(t), []).append(name)
+    return [names for names in by_tensor.values() if len(names) > 1]
