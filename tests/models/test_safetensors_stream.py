@@ -80,9 +80,9 @@ def test_the_mixed_file_has_misaligned_tensors(mixed_file: Path) -> None:
     assert [t.end - t.start for t in infos] == [10, 28, 24, 18, 0, 4, 12]
 
 
-@pytest.mark.parametrize("chunk_bytes, buffers", [(11, 1), (11, 2), (11, 3), (1, 3), (64, 2), (1 << 20, 3)])
-def test_streamed_file_equals_safetensors(mixed_file: Path, chunk_bytes: int, buffers: int) -> None:
-    got = stream_safetensors(mixed_file, "cpu", chunk_bytes=chunk_bytes, buffers=buffers)
+@pytest.mark.parametrize("chunk_bytes, readers", [(11, 1), (11, 2), (11, 4), (1, 3), (64, 2), (1 << 20, 4)])
+def test_streamed_file_equals_safetensors(mixed_file: Path, chunk_bytes: int, readers: int) -> None:
+    got = stream_safetensors(mixed_file, "cpu", chunk_bytes=chunk_bytes, readers=readers)
     assert_same(got, load_file(str(mixed_file)))
 
 
@@ -204,7 +204,7 @@ def test_a_read_error_on_the_reader_thread_reaches_the_caller(mixed_file: Path) 
     mixed_file.write_bytes(mixed_file.read_bytes()[:-30])  # shrinks after its header was read
     threads = threading.active_count()
     with pytest.raises(CheckpointError, match=r"mixed\.safetensors: .*it ends at byte \d+, before the data"):
-        stream_safetensors(mixed_file, "cpu", header=header, chunk_bytes=11, buffers=2)
+        stream_safetensors(mixed_file, "cpu", header=header, chunk_bytes=11, readers=2)
     assert threading.active_count() == threads  # the reader thread has ended
 
 
