@@ -41,6 +41,7 @@ import functools
 import importlib.metadata
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,7 +119,8 @@ def _use_persistent_compile_cache(folder: Path) -> None:
 
 @functools.cache
 def _fa4_function() -> tuple[Callable[..., object] | None, str]:
-    """(flash_attn_func or None, what was found), imported once per process."""
+    """(flash_attn_func or None, what was found), imported once per process (a second thread
+    calling it while the first imports waits on Python's import lock and finds the same)."""
     try:
         from flash_attn.cute import flash_attn_func
     except Exception as err:  # noqa: BLE001 - a missing package or a broken CuTe DSL install alike
@@ -178,6 +180,24 @@ def _use_fa4(q: torch.Tensor, k: torch.Tensor) -> bool:
         _warn_once(FA4, q, f"attention backend 'fa4' cannot run here ({reason}); falling back to "
                            f"{[b.name for b in _device_order(q.device)]}")
     return reason is None
+
+
+def start_attention_import(device: torch.device | str, dtype: torch.dtype, *, head_dim: int,
+                           compile_cache: Path | None = None) -> threading.Thread | None:
+    """Start importing FlashAttention-4 on a thread, where it will run here (the same cheap checks
+    as `fa4_unusable_reason`, before any import), and return the thread (None where it will not
+    run). Its CuTe DSL took ~7 s to import on an H200 host; a model load calls this first so the
+    import overlaps reading the weights, whose reads release the GIL. `warm_up_attention` later
+    gets the imported module (or waits for the import to end)."""
+    device = torch.device(device)
+    if (device.type != "cuda" or not _fa4_allowed() or _fa4_broken is not None or dtype not in FA4_DTYPES
+            or head_dim != FA4_HEAD_DIM or _capability(device)[0] not in FA4_ARCH_MAJORS):
+        return None
+    if compile_cache is not None:
+        _use_persistent_compile_cache(compile_cache)  # before the first import of the library
+    thread = threading.Thread(target=_fa4_function, name="import flash-attn-4", daemon=True)
+    thread.start()
+    return thread
 
 
 def warm_up_attention(device: torch.device | str, dtype: torch.dtype, *, heads: int, head_dim: int,

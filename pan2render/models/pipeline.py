@@ -10,10 +10,12 @@ Ray or process groups: the pipeline is built from a denoiser and a frame decoder
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import math
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..kernels.attention import describe_attention, warm_up_attention
+from ..kernels.attention import describe_attention, start_attention_import, warm_up_attention
 from .checkpoint import CheckpointError, instantiate, read_json, resolve_component
 from .dit import PAN2DiT, PAN2DiTConfig
 from ..kernels.vae_decode import to_uint8_frames
@@ -216,11 +218,16 @@ class PAN2Pipeline:
         if not root.is_dir():
             raise CheckpointError(f"{root}: checkpoint folder does not exist")
         index = read_json(root / "model_index.json")
-        dit = load_dit(root, device=config.device, dtype=config.dtype)
-        vae = load_vae(root, device=config.device, dtype=config.vae_dtype)
-        # umT5-XXL has ~5.7B parameters: bf16 on a GPU as Wan runs it, fp32 on the CPU.
-        text_dtype = config.dtype if torch.device(config.text_encoder_device).type == "cuda" else torch.float32
-        text = TextEncoder.from_pretrained(root, device=config.text_encoder_device, dtype=text_dtype)
+        dit_config = _config_of(resolve_component(root, "transformer"), PAN2DiTConfig)
+        # FlashAttention-4's import (seconds) runs on a thread while the weights are read below.
+        start_attention_import(config.device, config.dtype, head_dim=dit_config.attention_head_dim,
+                               compile_cache=cache_root() / "flash-attn-4")
+        with _quick_thread_switches():
+            dit = load_dit(root, device=config.device, dtype=config.dtype)
+            vae = load_vae(root, device=config.device, dtype=config.vae_dtype)
+            # umT5-XXL has ~5.7B parameters: bf16 on a GPU as Wan runs it, fp32 on the CPU.
+            text_dtype = config.dtype if torch.device(config.text_encoder_device).type == "cuda" else torch.float32
+            text = TextEncoder.from_pretrained(root, device=config.text_encoder_device, dtype=text_dtype)
         sched_file = root / "scheduler" / "scheduler_config.json"
         try:
             scheduler_config = SchedulerConfig.from_dict(read_json(sched_file), source=str(sched_file)) \
@@ -447,6 +454,19 @@ class PAN2Pipeline:
         if frames is None or on_device:
             return frames
         return frames.cpu()  # the one device -> host copy
+
+
+@contextlib.contextmanager
+def _quick_thread_switches(seconds: float = 0.0005) -> Iterator[None]:
+    """Python's thread switch interval lowered (default 5 ms) while a load runs: the weight
+    readers take the GIL only between reads, and with an import running on another thread each of
+    those takes would otherwise wait up to a whole interval."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, seconds))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 def load_vae(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> WanVAE:

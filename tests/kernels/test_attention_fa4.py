@@ -265,3 +265,31 @@ def test_gpu_fa4_matches_cudnn_sdpa(dtype: torch.dtype, layout: str, batch: int,
     print(f"{dtype} {layout} b{batch} {lq}x{lk}: rel L2 vs fp64 FA4 {err_fa4:.3e}, cuDNN {err_sdpa:.3e}")
     assert got.shape == q.shape and got.dtype == dtype
     assert err_fa4 <= 1.5 * err_sdpa + 1e-4, "FA4 within bf16/fp16 noise of cuDNN"
+
+
+# ------------------------------------------------------------------------------ background import
+
+
+def test_the_library_is_imported_on_a_thread_only_where_it_will_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    imported: list[str] = []
+
+    def fake_import():
+        imported.append("flash_attn.cute")
+        return None, "flash-attn-4 fake"
+
+    monkeypatch.setattr(attn_mod, "_fa4_function", fake_import)
+    monkeypatch.setattr(attn_mod, "_capability", lambda device: (9, 0))
+    for device, dtype, head_dim in [("cpu", torch.bfloat16, 128), ("cuda", torch.float32, 128),
+                                    ("cuda", torch.bfloat16, 64)]:
+        assert attn_mod.start_attention_import(device, dtype, head_dim=head_dim) is None, (device, dtype, head_dim)
+    set_attention_backend("cudnn")  # FA4 not allowed
+    assert attn_mod.start_attention_import("cuda", torch.bfloat16, head_dim=128) is None
+    assert imported == []
+    set_attention_backend("auto")
+    monkeypatch.setattr(attn_mod, "_capability", lambda device: (8, 0))
+    assert attn_mod.start_attention_import("cuda", torch.bfloat16, head_dim=128) is None
+    monkeypatch.setattr(attn_mod, "_capability", lambda device: (9, 0))
+    thread = attn_mod.start_attention_import("cuda", torch.bfloat16, head_dim=128)
+    assert thread is not None
+    thread.join(timeout=10)
+    assert imported == ["flash_attn.cute"] and not thread.is_alive()
