@@ -31,7 +31,11 @@ Variants:
   their own threads, then their packets copied into one mp4 with the timestamps shifted by the
   run's start. With ``--threads 0`` each of the K encoders gets 1.5 x cores / K frame threads
   (libx264's own rule, shared out). The row checks that the muxed file decodes to every frame at
-  ``i / fps``.
+  ``i / fps``. Why it might pay on many cores: a libx264 frame thread encodes one whole frame, and
+  a P frame's row r waits until its reference has finished row r + ~4 (the motion vector range
+  kept between threads plus the deblocking margin), so a chain of P frames (all of the noise
+  video) advances ~4 of 704/16 = 44 macroblock rows per frame time however many cores there are:
+  ~11 frames in flight at most. K runs are K chains, and K lookaheads.
 - ``--concurrency C``: C encodes of the same video started together on C threads (the worker runs
   up to two); ``wall_s`` is from their start to the last one's end.
 
