@@ -76,7 +76,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from pan2render.media.video import COLOUR_TAGS, Yuv420Video, encode_mp4, probe_mp4  # noqa: E402
-from pan2render.media.x264 import X264_TUNES  # noqa: E402
+from pan2render.media.x264 import DEFAULT_X264_PRESET, X264_TUNES  # noqa: E402
 from pan2render.media.yuv import rgb_to_yuv420  # noqa: E402
 from pan2render.runner.outputs import MP4_PARAMS_KEY  # noqa: E402
 
@@ -562,7 +562,8 @@ def main() -> int:
             planes = make_planes(content, args.frames, args.height, args.width)
             print(f"{content}: made in {time.perf_counter() - t0:.1f} s", flush=True)
             if args.check_writer and content == args.contents[0]:
-                doc["check_writer"] = check_writer(planes, args.presets[0], enc, tmp)
+                preset = DEFAULT_X264_PRESET if DEFAULT_X264_PRESET in args.presets else args.presets[0]
+                doc["check_writer"] = check_writer(planes, preset, enc, tmp)
                 print("check-writer:", json.dumps(doc["check_writer"]), flush=True)
             for preset in args.presets:
                 for threads in args.threads:
