@@ -74,12 +74,14 @@ def charsmap(mapping: dict[str, str]) -> bytes:
 
 
 def t5_like(folder: Path, *, tokenizer_class: str = "T5Tokenizer", config_style: str = "decoder",
-            byte_fallback: bool = True, extra_ids: int = 3) -> Path:
+            byte_fallback: bool = True, extra_ids: int = 3, json_added: bool = True) -> Path:
     """A umT5-shaped tokenizer folder: Unigram over pieces, byte pieces and sentinel ids (in the
     vocabulary, last, as transformers' converter writes them), a normalizer of a precompiled map
     (A -> a) and a Replace, Metaspace, ``$A </s>``, <pad>/</s>/<unk> = 0/1/2. ``config_style``:
     the tokens listed in tokenizer_config.json's added_tokens_decoder (as transformers >= 4.34
-    saves it, and Wan's folders hold), or in special_tokens_map.json (older saves)."""
+    saves it, and Wan's folders hold), or in special_tokens_map.json (older saves).
+    ``json_added=False``: tokenizer.json lists no added tokens (the special ones are only in the
+    vocabulary), so only the config makes "</s>" in a prompt the special token."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     specials = ["<pad>", "</s>", "<unk>"]
@@ -96,7 +98,8 @@ def t5_like(folder: Path, *, tokenizer_class: str = "T5Tokenizer", config_style:
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
     tok.post_processor = processors.TemplateProcessing(single=["$A", "</s>"], pair=["$A", "</s>", "$B", "</s>"],
                                                        special_tokens=[("</s>", 1)])
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials + sentinels])
+    if json_added:
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials + sentinels])
     folder.mkdir(parents=True)
     tok.save(str(folder / "tokenizer.json"))
     names = {"eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
@@ -129,6 +132,17 @@ def test_a_t5_like_tokenizer_is_transformers(tmp_path: Path, tokenizer_class: st
         assert mask[i].all() and ids[i, -1].item() == 1
     # A short prompt: its tokens, </s>, then <pad> with mask 0.
     assert ids[0, :6].tolist() == [3, 4, 5, 6, 7, 1] and mask[0].sum().item() == 6 and not ids[0, 6:].any()
+
+
+@pytest.mark.parametrize("tokenizer_class", ["T5Tokenizer", "PreTrainedTokenizerFast"])
+def test_special_tokens_only_the_config_names_are_registered(tmp_path: Path, tokenizer_class: str) -> None:
+    folder = t5_like(tmp_path / "tokenizer", tokenizer_class=tokenizer_class, config_style="special_tokens_map",
+                     json_added=False)
+    ids, mask = assert_as_transformers(folder)
+    i = PROMPTS.index("x </s> y <extra_id_1> <pad>z")
+    row = ids[i, : mask[i].sum()].tolist()
+    # </s> from the prompt and the template's; <extra_id_1> (vocabulary id 304) and <pad> as themselves.
+    assert row.count(1) == 2 and 304 in row and 0 in row
 
 
 def test_t5tokenizer_reads_the_file_as_transformers_5_does(tmp_path: Path) -> None:
