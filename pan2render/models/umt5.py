@@ -39,8 +39,9 @@ from .checkpoint import CheckpointError, check_state_dict, read_json, read_state
 
 log = logging.getLogger(__name__)
 
-# transformers keeps these in fp32 when a umT5 is loaded in fp16 (its ``_keep_in_fp32_modules``):
-# the FFN output projection overflows fp16. Under bf16 everything is bf16, as transformers loads it.
+# transformers keeps these in fp32 when a umT5 is loaded in fp16 (its ``_keep_in_fp32_modules``; T5
+# models' FFN outputs are known to overflow fp16). Under bf16 everything is bf16, as transformers
+# loads it.
 KEEP_FP32_UNDER_FP16 = ("wo",)
 
 # The feed-forward kind our module implements (transformers' name for it in config.json).
@@ -91,8 +92,9 @@ class UMT5Config:
         config = cls(**values)
         if config.feed_forward_proj != GATED_GELU:
             raise bad("feed_forward_proj", f"must be '{GATED_GELU}' (the only FFN this encoder implements)")
-        # transformers derives these from feed_forward_proj, but a value written in config.json
-        # overrides the derived one: any other value would change the forward we compute.
+        # transformers derives dense_act_fn and is_gated_act from feed_forward_proj, but a value
+        # written in config.json overrides the derived one; is_decoder true makes its encoder stack
+        # causal with one-directional buckets. Any of these would change the forward we compute.
         for name, want in (("dense_act_fn", "gelu_new"), ("is_gated_act", True), ("is_decoder", False)):
             if name in data and data[name] != want:
                 raise bad(name, f"must be {want!r} for a umT5 encoder (or left out)")

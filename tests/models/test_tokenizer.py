@@ -30,8 +30,8 @@ PROMPTS = [
     "the fox " * 300 + "at dawn",
 ]
 
-WORDS = ["▁a", "▁fox", "▁in", "▁the", "▁snow", "▁at", "▁dawn", "▁and", "▁x", "▁y", "▁spaced", "▁out", "▁words",
-         "▁sno", "w", "▁", ",", "é"]
+WORDS = ["▁a", "▁fox", "▁in", "▁the", "▁snow", "▁at", "▁dawn", "▁and", "▁x", "▁y", "▁spaced", "▁out",
+         "▁words", "▁sno", "w", "▁", ",", "é"]
 
 
 def reference(folder: Path, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
