@@ -13,8 +13,8 @@ Each variant loads in a fresh subprocess (its imports and CUDA start not counted
   through pinned buffers into one device buffer, the text encoder built on the meta device);
 - ``previous``: the same call with the readers it had before: per-tensor
   ``safe_open(device="cuda").get_tensor`` for the DiT and the VAE, transformers' from_pretrained on
-  the CPU then ``.to(device)`` for the text encoder (a copy of that reader is kept here, not in the
-  library);
+  the CPU then ``.to(device)`` for the text encoder, its import of transformers included (a copy of
+  that reader is kept here, not in the library);
 - ``components``: the DiT, the VAE and the text encoder one after the other, each timed (what
   ``ours`` does, with the seconds split);
 - ``diffusers``: ``WanPipeline`` with a bf16 transformer and an fp32 VAE, moved to the GPU, as
