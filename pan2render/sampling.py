@@ -97,3 +97,26 @@ def combination_problems(*, sampler: str, timesteps: Sequence[int] | None, guida
         problems.append(("timesteps", f"set with sampler {sampler!r}; timesteps are for sampler dmd only "
                                       "(use steps with unipc or euler)"))
     return problems
+
+
+# sigma_0 is nudged below 1 by this much so that log(1 - sigma_0) is finite (diffusers does the same,
+# scheduling_unipc_multistep.py set_timesteps, "to avoid inf torch.log(alpha_si)").
+SIGMA_MAX_NUDGE = 1e-6
+
+
+def flow_sigma_values(*, num_steps: int, flow_shift: float, num_train_timesteps: int) -> list[float]:
+    """The N shifted noise levels sigma_0 > ... > sigma_{N-1} of the flow-matching samplers (the
+    final 0 not included), in float64: what ``models.scheduler.flow_sigmas`` returns as a tensor.
+
+    Mirrors numpy's linspace arithmetic (``i * step + start``, last point excluded) so that the
+    int64 truncation of ``sigma * T`` gives diffusers' timesteps exactly.
+    """
+    start, stop = 1.0, 1.0 / num_train_timesteps
+    step = (stop - start) / num_steps  # linspace(start, stop, N + 1): N intervals
+    sigmas = []
+    for i in range(num_steps):
+        u = float(i) * step + start
+        sigmas.append(flow_shift * u / (1 + (flow_shift - 1) * u))
+    if sigmas and abs(sigmas[0] - 1.0) < SIGMA_MAX_NUDGE:
+        sigmas[0] -= SIGMA_MAX_NUDGE
+    return sigmas

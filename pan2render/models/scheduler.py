@@ -73,13 +73,10 @@ from typing import Any
 
 import torch
 
-from ..sampling import DEFAULT_NUM_TRAIN_TIMESTEPS, DMD, SAMPLERS, is_int, timesteps_problem
+from ..sampling import DEFAULT_NUM_TRAIN_TIMESTEPS, DMD, SAMPLERS, flow_sigma_values, is_int, timesteps_problem
 
 log = logging.getLogger(__name__)
 
-# sigma_0 is nudged below 1 by this much so that log(1 - sigma_0) is finite (diffusers does the same,
-# scheduling_unipc_multistep.py set_timesteps, "to avoid inf torch.log(alpha_si)").
-_SIGMA_MAX_NUDGE = 1e-6
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,13 +251,10 @@ def flow_sigmas(*, num_steps: int, flow_shift: float, num_train_timesteps: int) 
     Mirrors numpy's linspace arithmetic (``i * step + start``, last point excluded) so that the
     int64 truncation of ``sigma * T`` gives diffusers' timesteps exactly.
     """
-    start, stop = 1.0, 1.0 / num_train_timesteps
-    step = (stop - start) / num_steps  # linspace(start, stop, N + 1): N intervals
-    u = torch.arange(num_steps, dtype=torch.float64) * step + start  # [N]
-    sigmas = flow_shift * u / (1 + (flow_shift - 1) * u)  # [N]
-    if abs(sigmas[0].item() - 1.0) < _SIGMA_MAX_NUDGE:
-        sigmas[0] -= _SIGMA_MAX_NUDGE
-    return sigmas
+    # The arithmetic is torch-free (the runner's driver records these in params.json without
+    # importing torch); float64 either way, the same operations in the same order.
+    return torch.tensor(flow_sigma_values(num_steps=num_steps, flow_shift=flow_shift,
+                                          num_train_timesteps=num_train_timesteps), dtype=torch.float64)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -376,7 +376,7 @@ def _note_superseded(ledger: Ledger, batch: Batch, added: set[str], old_files: d
 def _warn_if_short_of_space(out: Path, jobs: list[JobRecord], log: RunLog) -> None:
     """Before starting: warn (only) when the unfinished jobs' artifacts may not fit. An estimate:
     each write is checked against its real size, and a full disk stops the batch cleanly."""
-    from pan2render.runner.stages import estimated_bytes  # noqa: PLC0415 - imports torch
+    from pan2render.runner.stages import estimated_bytes  # noqa: PLC0415
 
     need = sum(estimated_bytes(j.spec) for j in jobs)
     free = disk.free_bytes(out)

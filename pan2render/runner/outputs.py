@@ -22,6 +22,7 @@ from pan2render import __version__
 from pan2render.jobs.ledger import STAGES, JobRecord, Ledger
 from pan2render.jobs.spec import JobSpec
 from pan2render.runner import stages
+from pan2render.sampling import flow_sigma_values
 
 PARAMS_NAME = "params.json"
 # The mp4 tag holding the compact spec JSON (beside the standard ``title`` and ``comment``).
@@ -38,7 +39,9 @@ def runtime_versions() -> dict[str, str]:
     import av  # noqa: PLC0415 - heavy; workers have it loaded already
     import torch  # noqa: PLC0415
 
-    versions = {"pan2-render": __version__, "torch": torch.__version__, "av": av.__version__,
+    # Plain strings: torch.__version__ is a TorchVersion, whose unpickling imports torch in the
+    # driver (which never needs torch otherwise).
+    versions = {"pan2-render": __version__, "torch": str(torch.__version__), "av": str(av.__version__),
                 "python": platform.python_version()}
     if torch.cuda.is_available():
         versions["cuda"] = str(torch.version.cuda)
@@ -58,11 +61,9 @@ def _schedule(spec: JobSpec, scheduler: dict[str, Any] | None) -> list[float] | 
     """The sampler's noise levels for this job (the flow-matching sigmas, last 0 excluded)."""
     if spec.timesteps is not None or not scheduler or "num_train_timesteps" not in scheduler:
         return None  # a few-step sampler runs its listed timesteps (recorded beside), not these
-    from pan2render.models.scheduler import flow_sigmas  # noqa: PLC0415 - torch
-
-    sigmas = flow_sigmas(num_steps=spec.steps, flow_shift=spec.flow_shift,
-                         num_train_timesteps=int(scheduler["num_train_timesteps"]))
-    return [round(float(s), 6) for s in sigmas]
+    sigmas = flow_sigma_values(num_steps=spec.steps, flow_shift=spec.flow_shift,
+                               num_train_timesteps=int(scheduler["num_train_timesteps"]))
+    return [round(s, 6) for s in sigmas]
 
 
 def params_document(*, job: JobRecord, seconds: dict[str, float | None], load: dict[str, Any] | None,

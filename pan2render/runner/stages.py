@@ -17,12 +17,10 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from pan2render.jobs.batch import sha256_file
 from pan2render.jobs.disk import ensure_free
@@ -33,6 +31,11 @@ from pan2render.runner.retry import JobInputError
 EMBED_CACHE = Path("_cache") / "embeddings"
 LATENTS_NAME = "latents.safetensors"
 VIDEO_NAME = "video.mp4"
+
+# Torch is imported where tensors are packed and unpacked, on the workers: the driver writes and
+# checks artifacts with numpy alone, so it never imports torch (seconds before a run can start).
+if TYPE_CHECKING:
+    import torch
 
 
 class NonFiniteError(JobInputError, FloatingPointError):
@@ -66,23 +69,32 @@ def pack_embedding(emb: torch.Tensor, *, key: str, text_encoder_id: str) -> byte
     """emb: float32 [512, text_dim] -> safetensors bytes carrying its cache key and the sha256 of
     the tensor's bytes (the cache is keyed by prompt, not content: the digest is what proves a
     cached file holds what the encoder wrote)."""
+    import torch  # noqa: PLC0415 - see above
+    from safetensors.torch import save  # noqa: PLC0415
+
     emb = emb.detach().to("cpu", torch.float32).contiguous()
-    return st_save({"prompt_embeds": emb}, metadata={"key": key, "text_encoder_id": text_encoder_id,
-                                                     "sha256": _tensor_digest(emb)})
+    return save({"prompt_embeds": emb}, metadata={"key": key, "text_encoder_id": text_encoder_id,
+                                                  "sha256": _array_digest(emb.numpy())})
 
 
-def _tensor_digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+def _array_digest(a: np.ndarray) -> str:
+    """sha256 of an array's bytes in C order (a float32 tensor's bytes, as torch lays them out)."""
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
 def unpack_embedding(data: bytes) -> torch.Tensor:
-    return st_load(data)["prompt_embeds"]
+    from safetensors.torch import load  # noqa: PLC0415 - torch
+
+    return load(data)["prompt_embeds"]
 
 
 def pack_latents(lat: torch.Tensor, *, spec_hash: str, seed: int, steps: int, model_id: str,
                  spec: dict[str, Any] | None = None) -> bytes:
     """lat: float32 [48, T, h, w]. Raises NonFiniteError before anything is written. ``spec`` (the
     job's resolved spec) travels in the metadata so ``repair`` can rebuild the job from the file."""
+    import torch  # noqa: PLC0415 - see above
+    from safetensors.torch import save  # noqa: PLC0415
+
     lat = lat.detach().to("cpu", torch.float32).contiguous()
     if not torch.isfinite(lat).all():
         bad = int((~torch.isfinite(lat)).sum())
@@ -93,11 +105,13 @@ def pack_latents(lat: torch.Tensor, *, spec_hash: str, seed: int, steps: int, mo
     meta = {"spec_hash": spec_hash, "seed": str(seed), "steps": str(steps), "model_id": model_id}
     if spec is not None:
         meta["spec"] = json.dumps(spec, sort_keys=True)
-    return st_save({"latents": lat}, metadata=meta)
+    return save({"latents": lat}, metadata=meta)
 
 
 def unpack_latents(data: bytes) -> torch.Tensor:
-    return st_load(data)["latents"]
+    from safetensors.torch import load  # noqa: PLC0415 - torch
+
+    return load(data)["latents"]
 
 
 def estimated_bytes(spec: JobSpec) -> int:
@@ -196,18 +210,16 @@ def check_embedding(out_dir: Path, relpath: str, *, key: str) -> str | None:
     if not path.is_file():
         return f"{relpath} is missing"
     try:
-        data = path.read_bytes()
-        from safetensors import safe_open  # noqa: PLC0415 - metadata needs a file handle
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(path), framework="numpy") as f:
             meta = f.metadata() or {}
-        emb = unpack_embedding(data)
+            emb = f.get_tensor("prompt_embeds")
     except (SafetensorError, OSError, KeyError, ValueError) as e:
         return f"{relpath} is unreadable ({e})"
     if meta.get("key") != key:
         return f"{relpath} belongs to another prompt/encoder (key {meta.get('key')!r})"
-    if meta.get("sha256") != _tensor_digest(emb):
+    if meta.get("sha256") != _array_digest(emb):
         return f"{relpath} does not match its recorded sha256 (corrupt, or written without one)"
-    if not torch.isfinite(emb).all():
+    if not np.isfinite(emb).all():
         return f"{relpath} holds non-finite embeddings"
     return None
 
@@ -218,15 +230,14 @@ def check_latents(out_dir: Path, rec: Recorded, *, spec_hash: str) -> str | None
         return problem
     path = out_dir / str(rec.relpath)
     try:
-        from safetensors import safe_open  # noqa: PLC0415
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(path), framework="numpy") as f:
             meta = f.metadata() or {}
             lat = f.get_tensor("latents")
     except (SafetensorError, OSError, KeyError, ValueError, RuntimeError) as e:
         return f"{rec.relpath} is unreadable ({e})"
     if meta.get("spec_hash") != spec_hash:
         return f"{rec.relpath} was rendered for spec {meta.get('spec_hash', '?')[:12]}, not {spec_hash[:12]}"
-    if not torch.isfinite(lat).all():
+    if not np.isfinite(lat).all():
         return f"{rec.relpath} holds non-finite latents"
     return None
 

@@ -452,3 +452,20 @@ def test_cuda_matches_cpu(name: str) -> None:
     err = _rel_err(x_gpu.cpu(), x_cpu)
     print(f"{name}: cuda vs cpu, N=10, max rel err {err:.2e}")
     assert x_gpu.is_cuda and err <= TOL
+
+
+def test_flow_sigmas_equal_the_torch_arithmetic_bit_for_bit() -> None:
+    """The schedule is computed without torch (``sampling.flow_sigma_values``: the driver records it
+    in params.json without importing torch); it must be the very float64 values torch's arithmetic
+    gave, so the timesteps truncated from it stay diffusers' exactly."""
+    for steps in (1, 2, 3, 8, 20, 50, 1000):
+        for shift in (1.0, 3.0, 5, 5.0, 7.3):
+            for train in (1000, 999):
+                start, stop = 1.0, 1.0 / train
+                step = (stop - start) / steps
+                u = torch.arange(steps, dtype=torch.float64) * step + start
+                want = shift * u / (1 + (shift - 1) * u)
+                if abs(want[0].item() - 1.0) < 1e-6:
+                    want[0] -= 1e-6
+                got = flow_sigmas(num_steps=steps, flow_shift=shift, num_train_timesteps=train)
+                assert got.dtype == torch.float64 and torch.equal(got, want), (steps, shift, train)
