@@ -335,10 +335,11 @@ def _make_executor(args: argparse.Namespace, *, max_gpus: int, log: RunLog) -> E
 
 
 def _local_gpus(cpu_gpus: int | None, *, max_gpus: int) -> tuple[int, int, str | None]:
-    """(GPUs a local cluster gets, CUDA devices found, a note for the user when they are logical)."""
-    import torch  # noqa: PLC0415
+    """(GPUs a local cluster gets, CUDA devices found, a note for the user when they are logical).
+    The devices are counted through NVML, without importing torch (`runner/devices.py`)."""
+    from pan2render.runner.devices import cuda_gpu_count  # noqa: PLC0415
 
-    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cuda = cuda_gpu_count()
     if cpu_gpus is not None:
         return cpu_gpus, cuda, None
     if cuda:
