@@ -309,7 +309,7 @@ def _run_with_report(out: Path, log: RunLog, run: Callable[[Callable[[], None]],
 
 def _make_executor(args: argparse.Namespace, *, max_gpus: int, log: RunLog) -> Executor:
     from pan2render.runner.groups import LocalExecutor, RayExecutor  # noqa: PLC0415 - ray only here
-    from pan2render.runner.worker import DEFAULT_PIPELINE_FACTORY, WorkerConfig  # noqa: PLC0415
+    from pan2render.runner.messages import DEFAULT_PIPELINE_FACTORY, WorkerConfig  # noqa: PLC0415
 
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # no uv-run runtime env probing
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -45,6 +45,7 @@ from pan2render.runner import outputs, stages
 from pan2render.runner.groups import Call, Executor, GcsLost, Group, GroupDied, GroupPool, GroupStartError
 from pan2render.runner.messages import (
     JOB_CALLS,
+    MAX_ENCODES_IN_FLIGHT,
     CollectCall,
     CollectReply,
     DecodeCall,
@@ -74,7 +75,6 @@ from pan2render.runner.retry import (
     RetryPolicy,
     classify_exception,
 )
-from pan2render.runner.worker import MAX_ENCODES_IN_FLIGHT
 
 # Prompts encoded in one encode_prompts call (the current job's and upcoming jobs'); each
 # embedding is 512 x 4096 float32 = 8 MB of reply.

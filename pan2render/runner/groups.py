@@ -41,16 +41,22 @@ from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pan2render.runner.messages import InitGroupCall, Lane, RendezvousCall, Reply, WorkerCall
-from pan2render.runner.progress import StepClock, StepReport
-from pan2render.runner.retry import ClusterLostError, FailureKind, classify_group_death
-from pan2render.runner.worker import (
+from pan2render.runner.messages import (
     GPU_QUEUE_DEPTH,
     IO_CONCURRENCY,
-    RenderWorker,
+    InitGroupCall,
+    Lane,
+    RendezvousCall,
+    Reply,
+    WorkerCall,
     WorkerConfig,
-    _WorkerDeath,
 )
+from pan2render.runner.progress import StepClock, StepReport
+from pan2render.runner.retry import ClusterLostError, FailureKind, classify_group_death
+
+# The worker (``worker.py``) imports torch and, on its first load, the model code: seconds that the
+# driver never needs. Only the processes that run workers import it: Ray's actors through
+# `RayWorkerProcess`, the in-process executor when it makes its first group.
 
 
 class GroupDied(RuntimeError):
@@ -170,6 +176,8 @@ class LocalExecutor:
         return self._gpus
 
     def create_group(self, size: int, *, timeout_s: float) -> Group:
+        from pan2render.runner.worker import RenderWorker, _WorkerDeath  # noqa: PLC0415 - torch
+
         def die() -> None:
             raise _WorkerDeath()
 
@@ -191,6 +199,8 @@ class LocalExecutor:
 
     @staticmethod
     def _execute(group: Group, message: WorkerCall, seq: int | None) -> Reply[Any] | GroupDied:
+        from pan2render.runner.worker import _WorkerDeath  # noqa: PLC0415 - imported by create_group
+
         if group.handle["dead"]:
             return GroupDied(f"group {group.id} was torn down")
         try:
@@ -281,7 +291,7 @@ class RayExecutor:
         # Two lanes per actor (worker.py): the default group runs the GPU lane with one thread per
         # call the driver may queue (the worker orders them by seq), "io" runs the I/O lane.
         self._actor_cls = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=GPU_QUEUE_DEPTH,
-                                     concurrency_groups={"io": IO_CONCURRENCY})(RenderWorker)
+                                     concurrency_groups={"io": IO_CONCURRENCY})(RayWorkerProcess)
         self._progress_actor = ray.remote(StepClock).options(num_cpus=0).remote()
         self._groups: dict[str, Group] = {}
         self._lock = threading.Lock()
@@ -578,6 +588,20 @@ class GcsWatch:
     def _run(self) -> None:
         while not self._stopped.wait(self._period_s):
             self.probe()
+
+
+class RayWorkerProcess:
+    """The Ray actor: a `RenderWorker` built in the actor's own process, so that the driver creates
+    actors of this class without importing the worker (torch)."""
+
+    def __init__(self, **kwargs: Any):
+        from pan2render.runner.worker import RenderWorker  # noqa: PLC0415 - torch, in the actor's process
+
+        self._worker = RenderWorker(**kwargs)
+
+    def execute(self, call: WorkerCall, seq: int | None = None) -> Reply[Any]:
+        """`RenderWorker.execute` (the one entry point)."""
+        return self._worker.execute(call, seq)
 
 
 class _RayProgress:

@@ -28,6 +28,35 @@ from typing import Any, ClassVar, Generic, TypeVar
 from pan2render.jobs.ledger import Stage
 from pan2render.runner.retry import FailureKind
 
+DEFAULT_PIPELINE_FACTORY = "pan2render.runner.worker:load_pan2_pipeline"
+
+# Jobs of one group whose encode is not collected yet (the driver keeps to it). Each holds its
+# video's yuv420p planes in this worker's host memory until encoded (121 frames of 704x1248:
+# 160 MB), so a group whose encodes fall behind stops taking jobs instead of piling frames up.
+MAX_ENCODES_IN_FLIGHT = 2
+IO_CONCURRENCY = MAX_ENCODES_IN_FLIGHT  # collects that may wait at once on one actor
+# GPU-lane calls the driver may have issued to one group at once: the one running and the next
+# job's first call queued behind it. The actor's GPU lane gets this many threads, so the call whose
+# turn it is always has one while the other waits for its turn.
+GPU_QUEUE_DEPTH = 2
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What every worker of a run shares; built by the driver, sent to each actor. (Here, not in
+    worker.py, so that the driver builds it without importing the worker's torch.)"""
+
+    pipeline_factory: str = DEFAULT_PIPELINE_FACTORY  # "module:callable(model, device) -> pipeline"
+    threads: int | None = None  # torch intra-op threads on CPU (None: leave torch's default)
+    faults: dict[str, Any] = field(default_factory=dict)  # test hooks, see RenderWorker._maybe_fault
+    dist_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if ":" not in self.pipeline_factory:
+            raise ValueError(f"pipeline_factory {self.pipeline_factory!r} must look like 'module:callable'")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads={self.threads} must be >= 1 (or None for torch's default)")
+
 
 class Lane(enum.Enum):
     """Where a call runs on a worker (see worker.py)."""

@@ -32,7 +32,6 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -42,7 +41,11 @@ import torch
 from pan2render.jobs.spec import JobSpec
 from pan2render.models.tiny import cache_root
 from pan2render.runner import outputs, stages
-from pan2render.runner.messages import (
+from pan2render.runner.messages import (  # the config and the lane sizes are importable from here too
+    DEFAULT_PIPELINE_FACTORY,
+    GPU_QUEUE_DEPTH,
+    IO_CONCURRENCY,
+    MAX_ENCODES_IN_FLIGHT,
     CollectCall,
     CollectReply,
     DecodeCall,
@@ -60,41 +63,17 @@ from pan2render.runner.messages import (
     SampleCall,
     SampleReply,
     WorkerCall,
+    WorkerConfig,
     WorkerFailure,
 )
 from pan2render.runner.retry import DeviceError, FailureKind, JobInputError, classify_exception
 
-DEFAULT_PIPELINE_FACTORY = "pan2render.runner.worker:load_pan2_pipeline"
-
-# Jobs of one group whose encode is not collected yet (the driver keeps to it). Each holds its
-# video's yuv420p planes in this worker's host memory until encoded (121 frames of 704x1248:
-# 160 MB), so a group whose encodes fall behind stops taking jobs instead of piling frames up.
-MAX_ENCODES_IN_FLIGHT = 2
-IO_CONCURRENCY = MAX_ENCODES_IN_FLIGHT  # collects that may wait at once on one actor
-# GPU-lane calls the driver may have issued to one group at once: the one running and the next
-# job's first call queued behind it. The actor's GPU lane gets this many threads, so the call whose
-# turn it is always has one while the other waits for its turn.
-GPU_QUEUE_DEPTH = 2
+__all__ = ["DEFAULT_PIPELINE_FACTORY", "GPU_QUEUE_DEPTH", "IO_CONCURRENCY", "MAX_ENCODES_IN_FLIGHT", "RenderWorker",
+           "WorkerConfig", "load_pan2_pipeline"]
 
 
 class ProgressSink(Protocol):
     def report(self, job_id: str, done: int, total: int) -> None: ...
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """What every worker of a run shares; built by the driver, sent to each actor."""
-
-    pipeline_factory: str = DEFAULT_PIPELINE_FACTORY  # "module:callable(model, device) -> pipeline"
-    threads: int | None = None  # torch intra-op threads on CPU (None: leave torch's default)
-    faults: dict[str, Any] = field(default_factory=dict)  # test hooks, see _maybe_fault
-    dist_timeout_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        if ":" not in self.pipeline_factory:
-            raise ValueError(f"pipeline_factory {self.pipeline_factory!r} must look like 'module:callable'")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads={self.threads} must be >= 1 (or None for torch's default)")
 
 
 def load_pan2_pipeline(model: str, device: str) -> Any:

@@ -1,8 +1,11 @@
-"""The driver's side of a run without torch: it counts GPUs through NVML, checks artifacts with
-numpy and computes params.json's noise levels without it."""
+"""The driver never imports torch (seconds before a run can start Ray): it counts GPUs through NVML,
+checks artifacts with numpy, computes params.json's noise levels without it, and unpickles the
+workers' replies without it; only the workers' processes import it."""
 
 from __future__ import annotations
 
+import pickle
+import subprocess
 import sys
 from pathlib import Path
 
@@ -76,3 +79,44 @@ def test_the_installed_torch_build_is_read() -> None:
     from pan2render.runner import devices
 
     assert devices.torch_build() == ("cuda" if torch.version.cuda else "rocm" if torch.version.hip else "cpu")
+
+
+_DRIVER_SIDE = r"""
+import pickle, sys
+from pathlib import Path
+from pan2render.runner import cli, driver, groups, outputs, report, stages, views
+from pan2render.runner.messages import LoadReply
+out = Path(sys.argv[1])
+cli._local_gpus(None, max_gpus=1)
+assert stages.check_embedding(out, "emb.safetensors", key="k") is None
+assert stages.check_latents(out, stages.Recorded("lat.safetensors", None, None), spec_hash="h") is None
+assert len(outputs._schedule(pickle.loads(Path(sys.argv[2]).read_bytes()), {"num_train_timesteps": 1000})) == 4
+reply = pickle.loads(Path(sys.argv[3]).read_bytes())
+assert isinstance(reply, LoadReply) and reply.versions["torch"]
+print("torch imported:", "torch" in sys.modules)
+assert "torch" not in sys.modules, "the driver imported torch"
+"""
+
+
+def test_the_driver_side_never_imports_torch(tmp_path: Path) -> None:
+    from runner_helpers import spec
+
+    from pan2render.runner import outputs, stages
+    from pan2render.runner.messages import LoadCall, WorkerConfig
+    from pan2render.runner.testing import FakePipeline
+    from pan2render.runner.worker import RenderWorker
+
+    emb = FakePipeline("m").encode_prompt("x")
+    (tmp_path / "emb.safetensors").write_bytes(stages.pack_embedding(emb, key="k", text_encoder_id="t"))
+    (tmp_path / "lat.safetensors").write_bytes(stages.pack_latents(
+        FakePipeline("m").sample(prompt_embeds=emb, height=32, width=32, frames=5, steps=1, guidance=1.0, seed=0),
+        spec_hash="h", seed=0, steps=1, model_id="m"))
+    (tmp_path / "spec.pickle").write_bytes(pickle.dumps(spec("s", steps=4)))
+    reply = RenderWorker(rank=0, world_size=1, config=WorkerConfig(
+        pipeline_factory="pan2render.runner.testing:load_fake_pipeline")).execute(LoadCall(model="m"), 0).value
+    assert reply.versions["torch"] == outputs.runtime_versions()["torch"]
+    (tmp_path / "reply.pickle").write_bytes(pickle.dumps(reply))
+    done = subprocess.run([sys.executable, "-c", _DRIVER_SIDE, str(tmp_path), str(tmp_path / "spec.pickle"),
+                           str(tmp_path / "reply.pickle")], capture_output=True, text=True, timeout=120)
+    print(done.stdout, done.stderr)
+    assert done.returncode == 0
