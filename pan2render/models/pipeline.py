@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.attention import describe_attention, start_attention_import, warm_up_attention
+from ..phases import phase
 from .checkpoint import CheckpointError, instantiate, read_json, resolve_component
 from .dit import PAN2DiT, PAN2DiTConfig
 from ..kernels.vae_decode import to_uint8_frames
@@ -222,12 +223,20 @@ class PAN2Pipeline:
         # FlashAttention-4's import (seconds) runs on a thread while the weights are read below.
         start_attention_import(config.device, config.dtype, head_dim=dit_config.attention_head_dim,
                                compile_cache=cache_root() / "flash-attn-4")
+        # Each component's load is a phase of its own (pan2render.phases; timed only when the
+        # caller records, e.g. the runner's load), the device synchronized at its end: the casts
+        # and copies it queued belong to it.
+        on_cuda = "cuda" in (torch.device(config.device).type, torch.device(config.text_encoder_device).type)
+        sync = torch.cuda.synchronize if on_cuda else None
         with _quick_thread_switches():
-            dit = load_dit(root, device=config.device, dtype=config.dtype)
-            vae = load_vae(root, device=config.device, dtype=config.vae_dtype)
+            with phase("DiT", sync=sync):
+                dit = load_dit(root, device=config.device, dtype=config.dtype)
+            with phase("VAE", sync=sync):
+                vae = load_vae(root, device=config.device, dtype=config.vae_dtype)
             # umT5-XXL has ~5.7B parameters: bf16 on a GPU as Wan runs it, fp32 on the CPU.
             text_dtype = config.dtype if torch.device(config.text_encoder_device).type == "cuda" else torch.float32
-            text = TextEncoder.from_pretrained(root, device=config.text_encoder_device, dtype=text_dtype)
+            with phase("text encoder", sync=sync):
+                text = TextEncoder.from_pretrained(root, device=config.text_encoder_device, dtype=text_dtype)
         sched_file = root / "scheduler" / "scheduler_config.json"
         try:
             scheduler_config = SchedulerConfig.from_dict(read_json(sched_file), source=str(sched_file)) \
@@ -236,10 +245,13 @@ class PAN2Pipeline:
             raise CheckpointError(str(e)) from e
         default_timesteps = checkpoint_dmd_timesteps(root, scheduler_config.num_train_timesteps)
         model_id = f"{name}-{_checkpoint_digest(root, default_timesteps)}"
-        pipe = cls(dit=dit, vae=vae, text_encoder=text, scheduler_config=scheduler_config,
-                   config=config, model_id=model_id,
-                   expand_timesteps=bool(index.get("expand_timesteps", True)),
-                   default_timesteps=default_timesteps)
+        # Building the pipeline compiles (or loads from disk) FlashAttention-4's kernels where it
+        # runs, after waiting for the import started above if it has not ended.
+        with phase("attention warm-up", sync=sync):
+            pipe = cls(dit=dit, vae=vae, text_encoder=text, scheduler_config=scheduler_config,
+                       config=config, model_id=model_id,
+                       expand_timesteps=bool(index.get("expand_timesteps", True)),
+                       default_timesteps=default_timesteps)
         return pipe
 
     def with_strategies(self, *, denoiser: Denoiser | None = None,
@@ -426,13 +438,18 @@ class PAN2Pipeline:
         guidance split and Ulysses in a group): the first-call costs (Triton compiles, cuDNN
         autotuning per shape, the fast decoder's plans) are paid here, at load, not inside the
         first job's stages. CUDA only (nothing is compiled or tuned on the CPU). In a group every
-        rank calls it, as every rank runs a job's calls."""
+        rank calls it, as every rank runs a job's calls.
+
+        Timed as the phases "warm-up sampling" and "warm-up decode" (``pan2render.phases``)."""
         if self.device.type != "cuda":
             return
+        sync = torch.cuda.synchronize
         ctx = torch.zeros(512, self.dit.config.text_dim)  # [512, text_dim]: no prompt needed
-        lat = self.sample(prompt_embeds=ctx, negative_prompt_embeds=ctx, height=height, width=width,
-                          frames=frames, steps=1, guidance=guidance, seed=0)
-        self.decode(lat, on_device=True)
+        with phase("warm-up sampling", sync=sync):
+            lat = self.sample(prompt_embeds=ctx, negative_prompt_embeds=ctx, height=height, width=width,
+                              frames=frames, steps=1, guidance=guidance, seed=0)
+        with phase("warm-up decode", sync=sync):
+            self.decode(lat, on_device=True)
         torch.cuda.synchronize()
 
     # ----------------------------------------------------------------------------------------

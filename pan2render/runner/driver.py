@@ -41,6 +41,7 @@ from pan2render.jobs.ledger import (
     StageState,
 )
 from pan2render.jobs.weights import folder_fingerprint
+from pan2render.phases import describe as describe_phases
 from pan2render.runner import outputs, stages
 from pan2render.runner.groups import Call, Executor, GcsLost, Group, GroupDied, GroupPool, GroupStartError
 from pan2render.runner.messages import (
@@ -298,6 +299,12 @@ class Driver:
             self._active[job_id] = active
             self._advance_or_fail(active)
 
+    def _say_loaded(self, group: Group, model: str, load: LoadReply, seconds: float) -> None:
+        """The run log's line of a group's load: its phases in order."""
+        self._say(f"start-up: group {group.id} loaded {model} in {seconds:.1f} s "
+                  f"(pipeline {load.load_s:.1f} s, warm-up {load.warmup_s:.1f} s): "
+                  f"{describe_phases(load.phases, total=seconds) or 'no phases reported'}")
+
     def _jobs_on(self, group: Group) -> list[_Active]:
         return [a for a in self._active.values() if a.group is group]
 
@@ -461,7 +468,9 @@ class Driver:
                                 f"group {a.group.id}: {spec.model} ({load.model_id}) loaded on "
                                 f"{load.world_size} rank(s), device {load.device}, process group backend "
                                 f"{load.backend}, attention {load.attention}, {reply.seconds:.1f} s "
-                                f"(weights {load.load_s:.1f} s, warm-up {load.warmup_s:.1f} s)")
+                                f"(weights {load.load_s:.1f} s, warm-up {load.warmup_s:.1f} s)"
+                                + (f": {describe_phases(load.phases, total=reply.seconds)}" if load.phases else ""))
+                self._say_loaded(a.group, spec.model, load, reply.seconds)
             case EncodePromptsReply(embeddings=embeddings):
                 ids = self._model_ids[spec.model]
                 for text, data in zip(a.encode_texts, embeddings, strict=True):

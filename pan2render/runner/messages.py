@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
 from pan2render.jobs.ledger import Stage
+from pan2render.phases import Phase
 from pan2render.runner.retry import FailureKind
 
 DEFAULT_PIPELINE_FACTORY = "pan2render.runner.worker:load_pan2_pipeline"
@@ -143,10 +144,14 @@ class LoadReply:
     world_size: int
     device: str
     attention: str  # the DiT's attention backend, "n/a" for a pipeline without one
-    load_s: float
-    warmup_s: float
+    load_s: float  # building the pipeline: imports, CUDA, the weights, the attention warm-up
+    warmup_s: float  # the warm-up at the first job's size, after load_s
     describe: dict[str, Any] = field(default_factory=dict)  # the pipeline's own account of its set-up
     versions: dict[str, Any] = field(default_factory=dict)  # of what renders (outputs.runtime_versions)
+    # The steps of load_s and warmup_s in the order they ran (pan2render.phases: "imports", "CUDA",
+    # "DiT", "VAE", "text encoder", "attention warm-up", "warm-up sampling", "warm-up decode"; a
+    # pipeline names its own); they do not overlap and sum to at most load_s + warmup_s.
+    phases: tuple[Phase, ...] = ()
 
 
 @dataclass(frozen=True)

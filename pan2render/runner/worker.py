@@ -40,6 +40,7 @@ import torch
 
 from pan2render.jobs.spec import JobSpec
 from pan2render.models.tiny import cache_root
+from pan2render.phases import phase, recording
 from pan2render.runner import outputs, stages
 from pan2render.runner.messages import (  # the config and the lane sizes are importable from here too
     DEFAULT_PIPELINE_FACTORY,
@@ -77,7 +78,13 @@ class ProgressSink(Protocol):
 
 
 def load_pan2_pipeline(model: str, device: str) -> Any:
-    from pan2render.models import PAN2Pipeline, PAN2PipelineConfig  # noqa: PLC0415 - heavy import
+    with phase("imports"):
+        from pan2render.models import PAN2Pipeline, PAN2PipelineConfig  # noqa: PLC0415 - heavy import
+
+        # What the load would import on first use, imported here so that the DiT's phase times its
+        # weights: torch._dynamo, which torch imports the first time a module is built on the meta
+        # device (the DiT is).
+        importlib.import_module("torch._dynamo")
 
     return PAN2Pipeline.from_pretrained(model, config=PAN2PipelineConfig(device=device))
 
@@ -208,7 +215,9 @@ class RenderWorker:
         pipe = self._pipes.get(model)
         if pipe is None:
             module, attr = self.config.pipeline_factory.split(":", 1)
-            pipe = getattr(importlib.import_module(module), attr)(model, self.device)
+            with phase("imports"):  # the factory's module (the default one, this, imports its own)
+                factory = getattr(importlib.import_module(module), attr)
+            pipe = factory(model, self.device)
             if self._group is not None:
                 from pan2render.parallel import parallelize_pipeline  # noqa: PLC0415 - groups only
 
@@ -220,14 +229,19 @@ class RenderWorker:
     def _load(self, call: LoadCall) -> LoadReply:
         """Load the model (once per group) and, where the pipeline has ``warm_up``, run its
         compiles and autotuning at the call's warm-up size, so they count as load time rather than
-        inside the first job's stages."""
+        inside the first job's stages. Each step is timed (``pan2render.phases``) and sent back in order."""
         t0 = time.perf_counter()
-        pipe = self._pipeline(call.model)
-        load_s = time.perf_counter() - t0
-        warm = getattr(pipe, "warm_up", None)
-        if call.warmup is not None and warm is not None:
-            warm(height=call.warmup.height, width=call.warmup.width, frames=call.warmup.frames,
-                 guidance=call.warmup.guidance)
+        with recording() as record:
+            if self.device == "cuda" and call.model not in self._pipes:
+                with phase("CUDA", sync=torch.cuda.synchronize):
+                    torch.cuda.init()
+                    torch.empty(1, device=self.device)  # the context, before any weights move
+            pipe = self._pipeline(call.model)
+            load_s = time.perf_counter() - t0
+            warm = getattr(pipe, "warm_up", None)
+            if call.warmup is not None and warm is not None:
+                warm(height=call.warmup.height, width=call.warmup.width, frames=call.warmup.frames,
+                     guidance=call.warmup.guidance)
         backend, world = "none", 1
         if self._group is not None:
             import torch.distributed as dist  # noqa: PLC0415
@@ -237,7 +251,8 @@ class RenderWorker:
                          backend=backend, world_size=world, device=self.device,
                          attention=getattr(pipe, "attention_backend", "n/a"),  # n/a: a pipeline without a DiT
                          load_s=load_s, warmup_s=time.perf_counter() - t0 - load_s,
-                         describe=pipe.describe(), versions=outputs.runtime_versions())
+                         describe=pipe.describe(), versions=outputs.runtime_versions(),
+                         phases=tuple(record.phases))
 
     def _encode_prompts(self, call: EncodePromptsCall) -> EncodePromptsReply:
         pipe = self._pipeline(call.model)

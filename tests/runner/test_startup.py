@@ -1,0 +1,52 @@
+"""What a run says about its start-up: the load's phases (``LoadReply.phases``), in order, and the
+run log's line with them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from runner_helpers import write_batch
+
+from pan2render.phases import Phase
+from pan2render.runner import cli
+from pan2render.runner.messages import LoadReply
+
+PHASES_OF_A_LOAD = ["imports", "DiT", "VAE", "text encoder", "attention warm-up"]
+
+
+def test_the_tiny_models_load_reports_its_phases_and_the_log_writes_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pan2render.runner.driver import Driver
+
+    loads: list[tuple[LoadReply, float]] = []
+    real = Driver._say_loaded
+
+    def keep(self: Driver, group: Any, model: str, load: LoadReply, seconds: float) -> None:
+        loads.append((load, seconds))
+        real(self, group, model, load, seconds)
+
+    monkeypatch.setattr(Driver, "_say_loaded", keep)
+    monkeypatch.setenv("PAN2_RENDER_EXECUTOR", "local")  # `pan2-render run` in this process
+    monkeypatch.delenv("PAN2_RENDER_PIPELINE", raising=False)  # the embedded tiny model
+    batch = write_batch(tmp_path / "b.yaml", [{"name": "fox", "prompt": "a red fox"}],
+                        defaults={"steps": 2, "frames": 5, "width": 32, "height": 32})
+    out = tmp_path / "out"
+    assert cli.main(["run", str(batch), "--out", str(out), "--no-progress"]) == 0
+
+    ((load, seconds),) = loads
+    print("phases:", load.phases, "load_s", load.load_s, "warmup_s", load.warmup_s, "call", seconds)
+    assert all(isinstance(p, Phase) for p in load.phases)
+    assert [p.name for p in load.phases] == PHASES_OF_A_LOAD  # in the order they ran; no warm-up on the CPU
+    assert all(p.seconds >= 0 for p in load.phases)
+    assert sum(p.seconds for p in load.phases) <= load.load_s + load.warmup_s <= seconds
+
+    log = (out / "run.log").read_text()
+    print(log)
+    line = re.search(r"start-up: group local-\d+ loaded tiny in \d+\.\d s "
+                     r"\(pipeline \d+\.\d s, warm-up \d+\.\d s\): (.*)", log)
+    assert line, log
+    assert [part.rsplit(" ", 2)[0] for part in line.group(1).split(", ")][:5] == PHASES_OF_A_LOAD
+    assert len(re.findall(r"start-up: group .* loaded", log)) == 1  # one group, one load
