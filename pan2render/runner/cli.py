@@ -13,6 +13,9 @@ Environment (for tests and debugging, not user settings):
 
 from __future__ import annotations
 
+# First: its import is the fallback start of the run log's start-up stamps where /proc is missing.
+from pan2render.runner import timeline  # isort: skip
+
 import argparse
 import contextlib
 import json
@@ -271,11 +274,14 @@ def _drive(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str], 
         # Every job done and its video intact: no workers needed, so Ray never starts.
         log.line(f"all {len(ids)} job(s) already done in {out}")
         return EXIT_OK
+    asked = time.time()
     try:
         executor = _make_executor(args, max_gpus=max(j.spec.gpus for j in jobs), log=log)
     except ClusterConnectError as e:
         log.line(f"error: {e}")
         return EXIT_USAGE
+    log.line(f"start-up: {executor.cluster} ready at {timeline.stamp()}, {time.time() - asked:.2f} s after "
+             f"it was asked for (start-up stamps are seconds since the command started)")
     # ray.init installs its own SIGTERM handler, which aborts the process: ours again.
     _install_stop_handlers()
     try:

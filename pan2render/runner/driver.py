@@ -76,6 +76,7 @@ from pan2render.runner.retry import (
     RetryPolicy,
     classify_exception,
 )
+from pan2render.runner.timeline import stamp
 
 # Prompts encoded in one encode_prompts call (the current job's and upcoming jobs'); each
 # embedding is 512 x 4096 float32 = 8 MB of reply.
@@ -200,6 +201,8 @@ class Driver:
         self._redos: dict[str, int] = {}  # job id -> artifacts redone after failing their check
         self._stop: BaseException | None = None  # set on a full disk: start nothing more, then raise
         self._lost_since: float | None = None  # monotonic time the cluster lost a job's GPUs
+        self._groups_seen: set[str] = set()  # groups whose placement the run log has told
+        self._workers_seen: set[str] = set()  # groups whose worker start the run log has told
 
     # ================================================================== the loop
     def run(self, job_ids: list[str], *, prepared: bool = False) -> RunSummary:
@@ -291,6 +294,7 @@ class Driver:
             group = group or self._held_group(size, behind_decode=True)
             if group is None:
                 break
+            self._say_placed(group)
             self._pending.remove(job_id)
             self.ledger.transition(job_id, JobEvent.START,
                                    reason=f"on group {group.id} ({group.size} GPU(s))")
@@ -299,9 +303,27 @@ class Driver:
             self._active[job_id] = active
             self._advance_or_fail(active)
 
+    def _say_placed(self, group: Group) -> None:
+        """The run log's start-up line of a group the first time it takes a job (stamps: seconds
+        since the command started)."""
+        if group.id in self._groups_seen:
+            return
+        self._groups_seen.add(group.id)
+        if group.placed_at:
+            joined = ", its processes joined" if group.size > 1 else ""
+            self._say(f"start-up: group {group.id} ({group.size} GPU{'s' if group.size > 1 else ''}) placed at "
+                      f"{stamp(group.placed_at)}{joined} (asked for at {stamp(group.asked_at)})")
+
     def _say_loaded(self, group: Group, model: str, load: LoadReply, seconds: float) -> None:
-        """The run log's line of a group's load: its phases in order."""
-        self._say(f"start-up: group {group.id} loaded {model} in {seconds:.1f} s "
+        """The run log's lines of a group's load: its worker's start (the first load only) and the
+        load's phases in order (stamps: seconds since the command started)."""
+        if load.worker is not None and group.id not in self._workers_seen:
+            self._workers_seen.add(group.id)
+            w = load.worker
+            self._say(f"start-up: group {group.id} worker process (rank 0) started at "
+                      f"{stamp(w.process_started_at)}, up at {stamp(w.ready_at)} "
+                      f"(importing the worker {w.imports_s:.2f} s)")
+        self._say(f"start-up: group {group.id} loaded {model} at {stamp()} in {seconds:.1f} s "
                   f"(pipeline {load.load_s:.1f} s, warm-up {load.warmup_s:.1f} s): "
                   f"{describe_phases(load.phases, total=seconds) or 'no phases reported'}")
 

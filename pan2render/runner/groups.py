@@ -106,6 +106,11 @@ class Group:
     handle: Any  # executor-specific: actors + placement group, or local workers
     models: set[str] = field(default_factory=set)  # models loaded on every rank
     next_seq: int = 0  # number of the next GPU-lane call (the workers run them in this order)
+    # When the executor was asked for it and when it was placed (its GPUs granted, its actors
+    # created, a group of several joined into its process group), as time.time(): the run log's
+    # start-up lines. 0.0: not known.
+    asked_at: float = 0.0
+    placed_at: float = 0.0
 
     def take_seq(self, message: WorkerCall) -> int | None:
         """The GPU-lane number for ``message`` (None off the GPU lane)."""
@@ -181,9 +186,11 @@ class LocalExecutor:
         def die() -> None:
             raise _WorkerDeath()
 
+        asked = time.time()
         worker = RenderWorker(rank=0, world_size=1, config=self._config, progress=self._progress, die=die)
         self.groups_created += 1
-        return Group(id=f"local-{next(_ids)}", size=size, handle={"worker": worker, "dead": False})
+        return Group(id=f"local-{next(_ids)}", size=size, handle={"worker": worker, "dead": False},
+                     asked_at=asked, placed_at=time.time())
 
     def destroy_group(self, group: Group) -> None:
         group.handle["dead"] = True
@@ -343,6 +350,7 @@ class RayExecutor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
 
         gid = f"g{next(_ids)}x{size}"
+        asked = time.time()
         pg = placement_group([{"GPU": 1}] * size, strategy="STRICT_PACK")
         try:
             ray.get(pg.ready(), timeout=timeout_s)
@@ -365,7 +373,7 @@ class RayExecutor:
             ).remote(rank=rank, world_size=size, config=self._config, progress=progress)
             for rank in range(size)
         ]
-        group = Group(id=gid, size=size, handle={"pg": pg, "actors": actors, "nodes": nodes})
+        group = Group(id=gid, size=size, handle={"pg": pg, "actors": actors, "nodes": nodes}, asked_at=asked)
         with self._lock:
             self._groups[gid] = group
         if size > 1:
@@ -374,6 +382,9 @@ class RayExecutor:
             except Exception as e:
                 self.destroy_group(group)
                 raise GroupStartError(f"group {gid} of {size} could not form its process group: {e}") from e
+        # One GPU: the actor's process is still starting (its first call waits for it); several:
+        # every process is up and joined.
+        group.placed_at = time.time()
         return group
 
     def _form_process_group(self, group: Group, *, timeout_s: float) -> None:
@@ -591,13 +602,15 @@ class GcsWatch:
 
 
 class RayWorkerProcess:
-    """The Ray actor: a `RenderWorker` built in the actor's own process, so that the driver creates
-    actors of this class without importing the worker (torch)."""
+    """The Ray actor: a `RenderWorker` built in the actor's own process. The driver creates actors
+    of this class without importing the worker (torch), and the actor times that import, which the
+    first load reports (``LoadReply.worker``)."""
 
     def __init__(self, **kwargs: Any):
+        t0 = time.perf_counter()
         from pan2render.runner.worker import RenderWorker  # noqa: PLC0415 - torch, in the actor's process
 
-        self._worker = RenderWorker(**kwargs)
+        self._worker = RenderWorker(**kwargs, imports_s=time.perf_counter() - t0)
 
     def execute(self, call: WorkerCall, seq: int | None = None) -> Reply[Any]:
         """`RenderWorker.execute` (the one entry point)."""

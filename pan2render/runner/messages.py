@@ -137,6 +137,15 @@ class LoadCall(WorkerCall):
 
 
 @dataclass(frozen=True)
+class WorkerStart:
+    """How a worker process came up (rank 0's), in wall-clock times of its node (``time.time()``)."""
+
+    process_started_at: float  # the process's start (a Ray worker process; the driver's, in-process)
+    ready_at: float  # the worker object built: torch and the worker's code imported
+    imports_s: float  # of that, importing the worker's code (torch and what it pulls in)
+
+
+@dataclass(frozen=True)
 class LoadReply:
     model_id: str
     text_encoder_id: str
@@ -152,6 +161,7 @@ class LoadReply:
     # "DiT", "VAE", "text encoder", "attention warm-up", "warm-up sampling", "warm-up decode"; a
     # pipeline names its own); they do not overlap and sum to at most load_s + warmup_s.
     phases: tuple[Phase, ...] = ()
+    worker: WorkerStart | None = None  # rank 0's process start, for the run log's start-up lines
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ import torch
 from pan2render.jobs.spec import JobSpec
 from pan2render.models.tiny import cache_root
 from pan2render.phases import phase, recording
-from pan2render.runner import outputs, stages
+from pan2render.runner import outputs, stages, timeline
 from pan2render.runner.messages import (  # the config and the lane sizes are importable from here too
     DEFAULT_PIPELINE_FACTORY,
     GPU_QUEUE_DEPTH,
@@ -66,6 +66,7 @@ from pan2render.runner.messages import (  # the config and the lane sizes are im
     WorkerCall,
     WorkerConfig,
     WorkerFailure,
+    WorkerStart,
 )
 from pan2render.runner.retry import DeviceError, FailureKind, JobInputError, classify_exception
 
@@ -110,7 +111,10 @@ class _WorkerDeath(BaseException):
 
 class RenderWorker:
     def __init__(self, *, rank: int, world_size: int, config: WorkerConfig,
-                 progress: ProgressSink | None = None, die: Callable[[], None] | None = None):
+                 progress: ProgressSink | None = None, die: Callable[[], None] | None = None,
+                 imports_s: float = 0.0):
+        """``imports_s``: how long the process took to import this module (`groups.RayWorkerProcess`
+        measures it), reported with the first load."""
         self.rank = rank
         self.world_size = world_size
         self.config = config
@@ -132,6 +136,8 @@ class RenderWorker:
         # Compiled Triton kernels persist in the pan2-render cache folder, so the second batch on
         # a machine loads them instead of compiling (read by Triton at its first compile).
         os.environ.setdefault("TRITON_CACHE_DIR", str(cache_root() / "triton"))
+        self.started = WorkerStart(process_started_at=timeline.process_started_at(), ready_at=time.time(),
+                                   imports_s=imports_s)
 
     # ------------------------------------------------------------------ the one entry point
     # The handler of each call type (filled in below the class; a subclass extends a copy).
@@ -252,7 +258,7 @@ class RenderWorker:
                          attention=getattr(pipe, "attention_backend", "n/a"),  # n/a: a pipeline without a DiT
                          load_s=load_s, warmup_s=time.perf_counter() - t0 - load_s,
                          describe=pipe.describe(), versions=outputs.runtime_versions(),
-                         phases=tuple(record.phases))
+                         phases=tuple(record.phases), worker=self.started)
 
     def _encode_prompts(self, call: EncodePromptsCall) -> EncodePromptsReply:
         pipe = self._pipeline(call.model)

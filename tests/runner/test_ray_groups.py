@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,15 @@ def test_group_of_two_renders_on_cpu_with_gloo(tmp_path: Path, capsys: pytest.Ca
     print("load:", loads, "| video:", info)
     assert job.state is JobState.DONE and (info.frames, info.width, info.height) == (9, 64, 64)
     assert "loaded on 2 rank(s)" in loads[0] and "backend gloo" in loads[0]
+    # The start-up lines of the run log: the group placed once its 2 processes joined, rank 0's
+    # process (the actor imported the worker itself), the load's steps.
+    log = (out / "run.log").read_text()
+    stamp = r"[+-]\d+\.\d\d s"
+    assert re.search(rf"start-up: group g\d+x2 \(2 GPUs\) placed at {stamp}, its processes joined", log), log
+    up = re.search(rf"worker process \(rank 0\) started at {stamp}, up at {stamp} \(importing the worker "
+                   r"(\d+\.\d\d) s\)", log)
+    assert up and float(up.group(1)) > 0, log
+    assert re.search(r"loaded tiny at .*: imports \d+\.\d s, DiT \d+\.\d s, VAE", log), log
 
 
 def test_worker_killed_mid_sampling_is_retried_on_a_new_group(

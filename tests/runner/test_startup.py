@@ -1,5 +1,8 @@
-"""What a run says about its start-up: the load's phases (``LoadReply.phases``), in order, and the
-run log's line with them."""
+"""What a run says about its start-up, and what its worker does at a model's load.
+
+- The load's phases (``LoadReply.phases``) and the run log's start-up lines: Ray ready, a group
+  placed, its worker up, its model loaded with each phase, in seconds since the command started.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +18,10 @@ from pan2render.runner import cli
 from pan2render.runner.messages import LoadReply
 
 PHASES_OF_A_LOAD = ["imports", "DiT", "VAE", "text encoder", "attention warm-up"]
+STAMP = r"[+-]\d+\.\d\d s"  # seconds since the command started
 
 
-def test_the_tiny_models_load_reports_its_phases_and_the_log_writes_them(
+def test_the_tiny_models_load_reports_its_phases_and_the_log_its_start_up(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from pan2render.runner.driver import Driver
 
@@ -42,10 +46,14 @@ def test_the_tiny_models_load_reports_its_phases_and_the_log_writes_them(
     assert [p.name for p in load.phases] == PHASES_OF_A_LOAD  # in the order they ran; no warm-up on the CPU
     assert all(p.seconds >= 0 for p in load.phases)
     assert sum(p.seconds for p in load.phases) <= load.load_s + load.warmup_s <= seconds
+    assert load.worker is not None and load.worker.ready_at >= load.worker.process_started_at
 
     log = (out / "run.log").read_text()
     print(log)
-    line = re.search(r"start-up: group local-\d+ loaded tiny in \d+\.\d s "
+    assert re.search(rf"start-up: the in-process cluster ready at {STAMP}, \d+\.\d\d s after it was asked for", log)
+    assert re.search(rf"start-up: group local-\d+ \(1 GPU\) placed at {STAMP} \(asked for at {STAMP}\)", log)
+    assert re.search(rf"start-up: group local-\d+ worker process \(rank 0\) started at {STAMP}, up at {STAMP}", log)
+    line = re.search(rf"start-up: group local-\d+ loaded tiny at {STAMP} in \d+\.\d s "
                      r"\(pipeline \d+\.\d s, warm-up \d+\.\d s\): (.*)", log)
     assert line, log
     assert [part.rsplit(" ", 2)[0] for part in line.group(1).split(", ")][:5] == PHASES_OF_A_LOAD
