@@ -30,6 +30,16 @@ STATE_KEYS: tuple[str, ...] = ("x", "res", "x_in")
 State = dict[str, Any]
 RGB_CHANNELS = 3
 
+# A decode runs one latent frame per chunk (`decode_frames`). Chunk 0 takes the first frame's path
+# through the units (the temporal upsamplers pass it alone); every later chunk runs the units on
+# the same shapes as chunk 1 (one latent frame in, causal histories of a fixed size). So a decode of
+# this many latent frames runs every conv, GEMM and kernel shape that a decode of any length at the
+# same height and width runs (tests/kernels/test_vae_decode.py holds the decoders to it): a warm-up
+# decode of it pays the per-shape first-call costs (cuDNN autotuning, Triton specialisations) of a
+# whole video's. Only what spans all frames at once grows with the length: the post-quant 1x1
+# (one GEMM over every frame) and the output buffers.
+SHAPE_COVERING_LATENT_FRAMES = 2
+
 # Bytes moved by the elementwise work around the convs (norms, SiLU, residuals, copies) cost time
 # too, and matter more in the high-resolution, narrow layers: one byte counts as this many MACs,
 # the H200's bf16 matmul rate over its copy bandwidth (docs/performance.md, split decode).

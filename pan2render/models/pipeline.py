@@ -31,6 +31,7 @@ from .dit import PAN2DiT, PAN2DiTConfig
 from ..kernels.vae_decode import to_uint8_frames
 from .dit_ops import ROUTED_OPS, TORCH_OPS
 from ..sampling import DMD, SAMPLERS, WAN22, Geometry, combination_problems, is_int, timesteps_problem
+from ..vae_plan import SHAPE_COVERING_LATENT_FRAMES
 from .scheduler import FlowDMDScheduler, SchedulerConfig, make_scheduler
 from .strategies import (BatchedGuidance, Denoiser, FastDecoder, FrameDecoder, ReferenceDecoder, SeparateGuidance,
                          apply_guidance, make_denoiser)
@@ -433,12 +434,20 @@ class PAN2Pipeline:
     # ----------------------------------------------------------------------------------------
     # Warm-up
     @torch.no_grad()
-    def warm_up(self, *, height: int, width: int, frames: int, guidance: float) -> None:
-        """One sampling step and one decode at this size, through the same paths a job takes (the
+    def warm_up(self, *, height: int, width: int, frames: int, guidance: float,
+                decode: Callable[[torch.Tensor], object] | None = None) -> None:
+        """One sampling step at this size and one decode, through the same paths a job takes (the
         guidance split and Ulysses in a group): the first-call costs (Triton compiles, cuDNN
         autotuning per shape, the fast decoder's plans) are paid here, at load, not inside the
         first job's stages. CUDA only (nothing is compiled or tuned on the CPU). In a group every
         rank calls it, as every rank runs a job's calls.
+
+        The decode runs on the first ``SHAPE_COVERING_LATENT_FRAMES`` latent frames of the sampled
+        ones: a decode of those runs every shape a decode of the whole video does (``vae_plan``),
+        in a fraction of its time. ``decode``: what a job's decode runs on its latents, from the
+        normalised latents ``[48, T, h, w]`` on (default ``self.decode(latents, on_device=True)``);
+        the runner passes its own, which also converts the frames to yuv420p and copies them to
+        the host, so that no first call of those is left to the first job either.
 
         Timed as the phases "warm-up sampling" and "warm-up decode" (``pan2render.phases``)."""
         if self.device.type != "cuda":
@@ -448,8 +457,12 @@ class PAN2Pipeline:
         with phase("warm-up sampling", sync=sync):
             lat = self.sample(prompt_embeds=ctx, negative_prompt_embeds=ctx, height=height, width=width,
                               frames=frames, steps=1, guidance=guidance, seed=0)
+        lat = lat[:, :SHAPE_COVERING_LATENT_FRAMES]  # [48, T', h, w]
         with phase("warm-up decode", sync=sync):
-            self.decode(lat, on_device=True)
+            if decode is None:
+                self.decode(lat, on_device=True)
+            else:
+                decode(lat)
         torch.cuda.synchronize()
 
     # ----------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from pan2render.parallel import parallelize_pipeline
+from pan2render.phases import phase
+from pan2render.vae_plan import SHAPE_COVERING_LATENT_FRAMES
 
 FAKE_FACTORY = "pan2render.runner.testing:load_fake_pipeline"
 TEXT_DIM = 16
@@ -90,6 +92,38 @@ def load_fake_pipeline(model: str, device: str) -> FakePipeline:
 def load_nan_pipeline(model: str, device: str) -> FakePipeline:
     """Always produces a NaN in its latents (the non-finite failure path)."""
     return FakePipeline(model, nan=True)
+
+
+class WarmingPipeline(FakePipeline):
+    """With ``PAN2Pipeline.warm_up``'s contract (which on the CPU does nothing): one sampling step at
+    the warm-up size, then the decode it is given on the first ``SHAPE_COVERING_LATENT_FRAMES``
+    latent frames, each a phase. Keeps the latents it handed to ``decode``."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(model)
+        self.warm_decoded: list[torch.Tensor] = []
+
+    def warm_up(self, *, height: int, width: int, frames: int, guidance: float,
+                decode: Callable[[torch.Tensor], object] | None = None) -> None:
+        with phase("warm-up sampling"):
+            lat = self.sample(prompt_embeds=torch.zeros(512, TEXT_DIM), height=height, width=width, frames=frames,
+                              steps=1, guidance=guidance, seed=0)
+        lat = lat[:, :SHAPE_COVERING_LATENT_FRAMES]
+        with phase("warm-up decode"):
+            self.warm_decoded.append(lat)
+            if decode is None:
+                self.decode(lat, on_device=True)
+            else:
+                decode(lat)
+
+
+_WARMING: dict[str, WarmingPipeline] = {}
+
+
+def load_warming_pipeline(model: str, device: str) -> WarmingPipeline:
+    """A `WarmingPipeline`, the same object for a model for the life of the process (a test reads
+    what its warm-up decoded)."""
+    return _WARMING.setdefault(model, WarmingPipeline(model))
 
 
 class _OutOfMemoryPipeline(FakePipeline):

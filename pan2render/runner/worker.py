@@ -235,7 +235,8 @@ class RenderWorker:
     def _load(self, call: LoadCall) -> LoadReply:
         """Load the model (once per group) and, where the pipeline has ``warm_up``, run its
         compiles and autotuning at the call's warm-up size, so they count as load time rather than
-        inside the first job's stages. Each step is timed (``pan2render.phases``) and sent back in order."""
+        inside the first job's stages. Its decode goes through what a job's decode runs
+        (`_frames_on_host`). Each step is timed (``pan2render.phases``) and sent back in order."""
         t0 = time.perf_counter()
         with recording() as record:
             if self.device == "cuda" and call.model not in self._pipes:
@@ -247,7 +248,7 @@ class RenderWorker:
             warm = getattr(pipe, "warm_up", None)
             if call.warmup is not None and warm is not None:
                 warm(height=call.warmup.height, width=call.warmup.width, frames=call.warmup.frames,
-                     guidance=call.warmup.guidance)
+                     guidance=call.warmup.guidance, decode=lambda latents: self._frames_on_host(pipe, latents))
         backend, world = "none", 1
         if self._group is not None:
             import torch.distributed as dist  # noqa: PLC0415
@@ -292,21 +293,15 @@ class RenderWorker:
     def _decode(self, call: DecodeCall) -> DecodeReply | None:
         """Decode on the device, convert to yuv420p there, copy to the host once and hand the planes
         to the encode thread; frames (hundreds of MB) never enter the object store."""
-        from pan2render.media.yuv import rgb_to_yuv420  # noqa: PLC0415
-
         pipe = self._pipeline(call.model)
         job_id = call.job_id
         js = JobSpec.from_dict(call.spec)
         self._maybe_fault(js, "decode")
         t0 = time.perf_counter()
-        frames = pipe.decode(stages.unpack_latents(call.latents), on_device=True)  # uint8 [F, H, W, 3]
-        if self.rank != 0:
+        planes = self._frames_on_host(pipe, stages.unpack_latents(call.latents),
+                                      want=(js.frames, js.height, js.width, 3))
+        if planes is None:  # not rank 0
             return None
-        want = (js.frames, js.height, js.width, 3)
-        if tuple(frames.shape) != want:
-            raise ValueError(f"decode returned frames of shape {tuple(frames.shape)}, expected {want}")
-        planes = rgb_to_yuv420(frames).cpu().numpy()  # uint8 [F, H*3/2, W]: the one host copy
-        del frames
         decode_s = time.perf_counter() - t0
         with self._turn:  # (the lock also guards the table against a collect on the I/O lane)
             stale = self._encodes.pop(job_id, None)
@@ -314,6 +309,23 @@ class RenderWorker:
         if stale is not None:
             stale.cancel()  # a retry's decode replaces an encode nobody collected
         return DecodeReply(decode_s=decode_s)
+
+    def _frames_on_host(self, pipe: Any, latents: torch.Tensor,
+                        want: tuple[int, int, int, int] | None = None) -> Any:
+        """Normalised latents ``[48, T, h, w]`` -> uint8 yuv420p planes ``[F, H*3/2, W]`` (numpy) on
+        this host: decoded on the device, converted there, copied once. Every rank decodes (a
+        group's decode is split over them); rank 0 alone gets planes, the others None. What a job's
+        decode runs, and what the load's warm-up runs, so that none of it runs first in a job."""
+        from pan2render.media.yuv import rgb_to_yuv420  # noqa: PLC0415
+
+        frames = pipe.decode(latents, on_device=True)  # uint8 [F, H, W, 3]
+        if self.rank != 0:
+            return None
+        if want is not None and tuple(frames.shape) != want:
+            raise ValueError(f"decode returned frames of shape {tuple(frames.shape)}, expected {want}")
+        planes = rgb_to_yuv420(frames).cpu().numpy()  # uint8 [F, H*3/2, W]: the one host copy
+        del frames
+        return planes
 
     def _collect(self, call: CollectCall) -> CollectReply:
         """Wait for the job's encode (handed over by the decode) and return the checked mp4."""

@@ -184,3 +184,108 @@ def test_failed_kernel_build_is_a_fallback_not_an_error(monkeypatch) -> None:
     ok, reason = vae_decode.fast_decode_available("cuda:0")
     print("reason:", reason)
     assert not ok and "failed to build or run" in reason and "ptxas failed" in reason
+
+
+# ---- the warm-up's decode covers a whole video's shapes ------------------------------------------
+
+
+def _signature(value: object) -> object:
+    """What a call's argument means to a per-shape cache: a tensor's shape, strides (those of
+    size-1 dimensions left out, as cuDNN's descriptors leave them) and dtype; scalars as they are."""
+    if isinstance(value, torch.Tensor):
+        strides = tuple(s if n > 1 else None for n, s in zip(value.shape, value.stride()))
+        return ("tensor", tuple(value.shape), strides, value.dtype)
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _signature(v)) for k, v in value.items()))
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+# The ops whose kernel is chosen per shape and cached: convolutions (cuDNN, autotuned in the fast
+# decoder), matrix products (cuBLAS) and attention. Elementwise ops and copies pick no algorithm.
+_PER_SHAPE = ("conv", "linear", "matmul", "bmm", "mm", "scaled_dot_product")
+
+
+class _UnitCalls(torch.overrides.TorchFunctionMode):
+    """The per-shape ops called while a unit runs, by signature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[object] = set()
+        self.in_unit = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", repr(func))
+        if self.in_unit and any(op in name for op in _PER_SHAPE):
+            self.seen.add((name, _signature(args), _signature(kwargs)))
+        return func(*args, **kwargs)
+
+
+def _decode_calls(decoder: object, z: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> set[object]:
+    """The calls the units make decoding ``z`` (what cuDNN autotunes and Triton specialises per
+    shape: the fast decoder's Triton kernels are recorded with their scalar arguments too)."""
+    from pan2render.vae_plan import decode_frames
+
+    calls = _UnitCalls()
+    ops = vae_decode.vae_ops
+
+    class _Ops:  # the fast decoder's Triton kernels, recorded with every argument
+        def __getattr__(self, name: str) -> object:
+            fn = getattr(ops, name)
+
+            def recorded(*args: object, **kwargs: object) -> object:
+                if calls.in_unit:
+                    calls.seen.add((f"vae_ops.{name}", _signature(args), _signature(kwargs)))
+                return fn(*args, **kwargs)
+
+            return recorded
+
+    monkeypatch.setattr(vae_decode, "vae_ops", _Ops())
+    run = decoder.start_decode(z)
+    real_run_unit = run.run_unit
+
+    def run_unit(unit, state, *, first):  # noqa: ANN001, ANN202
+        calls.in_unit = True
+        try:
+            return real_run_unit(unit, state, first=first)
+        finally:
+            calls.in_unit = False
+
+    run.run_unit = run_unit
+    out = run.new_output(torch.float32)
+    with run, calls, torch.no_grad():
+        decode_frames(run, out)
+    monkeypatch.setattr(vae_decode, "vae_ops", ops)
+    return calls.seen
+
+
+@pytest.mark.parametrize("which", ["fast", "reference"])
+def test_a_decode_of_the_shape_covering_frames_runs_every_shape_of_a_longer_one(
+        tiny_vae, which: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load's warm-up decodes ``SHAPE_COVERING_LATENT_FRAMES`` latent frames, trusting that
+    this runs every conv, matrix product and attention on every shape (and the fast decoder's
+    Triton kernels with every scalar argument) that a decode of a whole video at that size runs:
+    cuDNN's autotuning and Triton's specialisations are per shape, so then the first job's decode
+    finds them all done. A change to the plan or the decoders that breaks this fails here."""
+    from pan2render.vae_plan import SHAPE_COVERING_LATENT_FRAMES
+
+    vae_mod = pytest.importorskip("pan2render.models.vae")
+    if which == "fast":
+        decoder = FastWanDecoder.from_vae(tiny_vae, device="cpu", dtype=torch.float32)
+    else:
+        decoder = vae_mod.WanVAE(vae_mod.WanVAEConfig(**TINY))
+        decoder.load_state_dict(tiny_vae.state_dict())
+    g = torch.Generator().manual_seed(4)
+
+    def calls(latent_frames: int) -> set[object]:
+        return _decode_calls(decoder, torch.randn(1, 4, latent_frames, 3, 5, generator=g), monkeypatch)
+
+    covering, longer = calls(SHAPE_COVERING_LATENT_FRAMES), calls(5)
+    print(f"{which}: {len(covering)} distinct calls in a {SHAPE_COVERING_LATENT_FRAMES}-frame decode, "
+          f"{len(longer)} in a 5-frame one")
+    assert covering == longer, sorted(map(str, covering ^ longer))[:5]
+    assert calls(1) < covering  # the frames after the first run shapes of their own: not vacuous

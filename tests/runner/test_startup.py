@@ -2,6 +2,8 @@
 
 - The load's phases (``LoadReply.phases``) and the run log's start-up lines: Ray ready, a group
   placed, its worker up, its model loaded with each phase, in seconds since the command started.
+- The worker's warm-up runs what a job's decode runs (decode, yuv420p, the host copy), on the
+  shortest latent whose decode covers every shape.
 """
 
 from __future__ import annotations
@@ -58,3 +60,31 @@ def test_the_tiny_models_load_reports_its_phases_and_the_log_its_start_up(
     assert line, log
     assert [part.rsplit(" ", 2)[0] for part in line.group(1).split(", ")][:5] == PHASES_OF_A_LOAD
     assert len(re.findall(r"start-up: group .* loaded", log)) == 1  # one group, one load
+
+
+def test_the_warm_up_decodes_through_what_a_jobs_decode_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pan2render.media import yuv
+    from pan2render.runner.messages import LoadCall, Warmup, WorkerConfig
+    from pan2render.runner.testing import load_warming_pipeline
+    from pan2render.runner.worker import RenderWorker
+
+    converted: list[tuple[int, ...]] = []
+    real = yuv.rgb_to_yuv420
+
+    def counting(frames: Any) -> Any:
+        converted.append(tuple(frames.shape))
+        return real(frames)
+
+    monkeypatch.setattr(yuv, "rgb_to_yuv420", counting)
+    worker = RenderWorker(rank=0, world_size=1,
+                          config=WorkerConfig(pipeline_factory="pan2render.runner.testing:load_warming_pipeline"))
+    reply = worker.execute(LoadCall(model="warm", warmup=Warmup(height=32, width=48, frames=17, guidance=2.5)), 0)
+    assert reply.ok, reply.failure
+    load = reply.value
+    print("phases:", load.phases)
+    assert [p.name for p in load.phases] == ["imports", "warm-up sampling", "warm-up decode"]
+    assert load.warmup_s >= load.phases[-1].seconds + load.phases[-2].seconds
+    # The decode ran on the first 2 of the 5 latent frames (17 frames) and through the yuv420p
+    # conversion a job's decode runs: 5 frames of 32x48.
+    assert [tuple(x.shape) for x in load_warming_pipeline("warm", "cpu").warm_decoded] == [(48, 2, 2, 3)]
+    assert converted == [(5, 32, 48, 3)]
