@@ -13,7 +13,8 @@ Two lanes. The GPU lane (every job call but ``CollectCall``) runs one call at a 
 driver issued them: the driver numbers them (``seq``) and may queue a job's first call behind the
 previous job's ``decode``, so the GPU starts it the moment the decode ends; the worker holds a
 call until its turn, because Ray runs the calls of a threaded actor in arrival order, not
-submission order, and every rank of a group must meet its collectives in the same order. ``decode``
+submission order, and every rank of a group must meet its collectives in the same order. Whichever
+of Ray's threads a call arrives on, it runs on the worker's one GPU-lane thread (see __init__). ``decode``
 ends once the frames are converted to yuv420p on the device and copied to the host; the libx264
 encode then runs on the worker's encode thread while the GPU lane takes the next call. The
 I/O lane (``CollectCall``, rank 0 only, Ray concurrency group ``io``) waits for one job's encode
@@ -130,6 +131,12 @@ class RenderWorker:
         # libx264 does, so two videos overlap well.
         self._encoder = ThreadPoolExecutor(max_workers=MAX_ENCODES_IN_FLIGHT, thread_name_prefix="encode")
         self._encodes: dict[str, Future[CollectReply]] = {}  # job id -> its encode
+        # Every call but the I/O lane's runs on this one thread, whichever thread of the actor it
+        # arrived on. cuDNN's autotuning results are kept per thread (PyTorch's cuDNN plan cache
+        # is thread-local), and Ray runs a threaded actor's calls on a pool of threads: on one
+        # thread, what the load's warm-up tuned is what the jobs' calls find, instead of being
+        # tuned again by the first decode that lands on the pool's other thread.
+        self._gpu_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-lane")
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cpu" and config.threads:
             torch.set_num_threads(config.threads)
@@ -146,16 +153,21 @@ class RenderWorker:
     def execute(self, call: WorkerCall, seq: int | None = None) -> Reply[Any]:
         """Run one call. ``seq``: the GPU-lane call's number (0, 1, 2, ... per group), or None
         for calls that need no ordering (group set-up, the I/O lane)."""
+        if call.lane is Lane.IO:
+            return self._run(call)  # waits for an encode thread, beside the GPU lane
         if seq is None:
-            return self._run(call)
+            return self._on_gpu_thread(call)
         with self._turn:
             self._turn.wait_for(lambda: self._next_seq == seq)
         try:
-            return self._run(call)
+            return self._on_gpu_thread(call)
         finally:
             with self._turn:
                 self._next_seq = seq + 1
                 self._turn.notify_all()
+
+    def _on_gpu_thread(self, call: WorkerCall) -> Reply[Any]:
+        return self._gpu_thread.submit(self._run, call).result()
 
     def _run(self, call: WorkerCall) -> Reply[Any]:
         t0 = time.perf_counter()

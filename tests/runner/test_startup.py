@@ -4,6 +4,7 @@
   placed, its worker up, its model loaded with each phase, in seconds since the command started.
 - The worker's warm-up runs what a job's decode runs (decode, yuv420p, the host copy), on the
   shortest latent whose decode covers every shape.
+- Every GPU-lane call runs on one thread of the worker, whichever thread it arrives on.
 """
 
 from __future__ import annotations
@@ -88,3 +89,35 @@ def test_the_warm_up_decodes_through_what_a_jobs_decode_runs(monkeypatch: pytest
     # conversion a job's decode runs: 5 frames of 32x48.
     assert [tuple(x.shape) for x in load_warming_pipeline("warm", "cpu").warm_decoded] == [(48, 2, 2, 3)]
     assert converted == [(5, 32, 48, 3)]
+
+
+def test_every_gpu_lane_call_runs_on_the_workers_one_thread() -> None:
+    """Ray hands a threaded actor's calls to a pool of threads; PyTorch keeps cuDNN's autotuning
+    per thread: the worker runs them all on one thread, so the jobs find what the load tuned."""
+    import threading
+
+    from pan2render.runner.messages import CollectCall, LoadCall, WorkerCall, WorkerConfig
+    from pan2render.runner.testing import FAKE_FACTORY
+    from pan2render.runner.worker import RenderWorker
+
+    ran: list[tuple[str, int]] = []
+
+    class Noting(RenderWorker):
+        def _run(self, call: WorkerCall) -> Any:
+            ran.append((type(call).__name__, threading.get_ident()))
+            return super()._run(call)
+
+    worker = Noting(rank=0, world_size=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
+    callers = []
+    for seq, model in enumerate(["a", "b", "c"]):  # each call from a thread of its own
+        t = threading.Thread(target=worker.execute, args=(LoadCall(model=model), seq))
+        t.start()
+        t.join()
+        callers.append(t.ident)
+    collect = threading.Thread(target=worker.execute, args=(CollectCall(job_id="none"),))
+    collect.start()
+    collect.join()
+    lane = {ident for name, ident in ran if name == "LoadCall"}
+    print("ran:", ran, "callers:", callers)
+    assert len(lane) == 1 and not lane & {threading.get_ident(), *callers}
+    assert [ident for name, ident in ran if name == "CollectCall"] == [collect.ident]  # the I/O lane: its own
