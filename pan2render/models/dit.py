@@ -289,6 +289,15 @@ class ContextCache:
 # ---------------------------------------------------------------------------------------------
 
 
+def _random_table(*shape: int) -> Tensor:
+    """A modulation table as diffusers initialises it (``randn / sqrt(dim)``), or left empty when
+    built on the meta device for a checkpoint to fill: random ops there import torch._dynamo, ~2 s
+    of every model load."""
+    if torch.get_default_device().type == "meta":
+        return torch.empty(*shape)
+    return torch.randn(*shape) / shape[-1] ** 0.5
+
+
 class _TwoLayerMLP(nn.Module):
     """linear_1 -> activation -> linear_2 (diffusers TimestepEmbedding / PixArtAlphaTextProjection)."""
 
@@ -516,7 +525,7 @@ class PAN2DiTBlock(nn.Module):
         # diffusers: FP32LayerNorm(affine) if cross_attn_norm else Identity (no keys).
         self.norm2 = nn.LayerNorm(dim, eps=config.eps) if config.cross_attn_norm else None
         self.ffn = FeedForward(dim, config.ffn_dim)
-        self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
+        self.scale_shift_table = nn.Parameter(_random_table(1, 6, dim))
 
     def forward(
         self,
@@ -588,7 +597,7 @@ class PAN2DiT(nn.Module):
         self.condition_embedder = ConditionEmbedder(config)
         self.blocks = nn.ModuleList([PAN2DiTBlock(config) for _ in range(config.num_layers)])
         self.proj_out = nn.Linear(dim, config.num_out_channels * math.prod(config.patch_size))
-        self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)  # norm_out (shift, scale)
+        self.scale_shift_table = nn.Parameter(_random_table(1, 2, dim))  # norm_out (shift, scale)
         self.ops = ROUTED_OPS  # fused kernels where the switch allows, references otherwise
         # None: the residual stream in the compute dtype (diffusers' numerics); see set_residual_dtype.
         self.residual_dtype: torch.dtype | None = None

@@ -83,11 +83,6 @@ def load_pan2_pipeline(model: str, device: str) -> Any:
     with phase("imports"):
         from pan2render.models import PAN2Pipeline, PAN2PipelineConfig  # noqa: PLC0415 - heavy import
 
-        # What the load would import on first use, imported here so that the DiT's phase times its
-        # weights: torch._dynamo, which torch imports the first time a module is built on the meta
-        # device (the DiT is).
-        importlib.import_module("torch._dynamo")
-
     return PAN2Pipeline.from_pretrained(model, config=PAN2PipelineConfig(device=device))
 
 

@@ -447,3 +447,26 @@ def test_attention_ops_declare_their_layout_requests() -> None:
     torch.testing.assert_close(got, plain, rtol=0, atol=0)
     with pytest.raises(TypeError, match="attention_fn must be an AttentionOp or a function"):
         layer.attention_fn = "sdpa"
+
+
+def test_building_on_the_meta_device_does_not_import_dynamo() -> None:
+    """A load builds the DiT on the meta device; random ops there import torch._dynamo (~2 s of
+    every load on a GPU host), so the modulation tables are left empty there."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from pan2render.models.dit import PAN2DiT, PAN2DiTConfig\n"
+            "from pan2render.models.vae import WanVAE, WanVAEConfig\n"
+            "with torch.device('meta'):\n"
+            "    PAN2DiT(PAN2DiTConfig(num_layers=2)); WanVAE(WanVAEConfig())\n"
+            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    # Off the meta device the tables are still drawn as diffusers draws them.
+    from pan2render.models.dit import _random_table
+
+    torch.manual_seed(0)
+    table = _random_table(1, 6, TINY.inner_dim)
+    torch.manual_seed(0)
+    assert torch.equal(table, torch.randn(1, 6, TINY.inner_dim) / TINY.inner_dim**0.5)
