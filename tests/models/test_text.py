@@ -196,13 +196,29 @@ def test_cuda_text_encoder_encodes_as_the_cpu_one() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_text_encoder_encodes_as_the_transformers_path(dtype: torch.dtype) -> None:
+def test_cuda_text_encoder_encodes_as_the_transformers_path() -> None:
     root = tiny_checkpoint_path()
-    ours = TextEncoder.from_pretrained(root, device="cuda", dtype=dtype)
-    theirs = transformers_text_encoder(root, ours, device="cuda", dtype=dtype)
-    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2 ** -7, "atol": 2 ** -7}
-    torch.testing.assert_close(ours.encode(ENCODE_PROMPTS), theirs.encode(ENCODE_PROMPTS), **tol)
+    ours = TextEncoder.from_pretrained(root, device="cuda", dtype=torch.float32)
+    theirs = transformers_text_encoder(root, ours, device="cuda", dtype=torch.float32)
+    torch.testing.assert_close(ours.encode(ENCODE_PROMPTS), theirs.encode(ENCODE_PROMPTS), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_text_encoder_is_as_accurate_as_the_transformers_path() -> None:
+    """In bf16 the two paths may run different attention kernels on CUDA (ours: SDPA with the
+    position bias as a float mask; transformers: its own matmuls), so they differ by rounding; what
+    must hold is that ours is no further from the fp32 result than transformers' bf16 is."""
+    root = tiny_checkpoint_path()
+    ref = TextEncoder.from_pretrained(root, device="cuda", dtype=torch.float32).encode(ENCODE_PROMPTS)
+    ours = TextEncoder.from_pretrained(root, device="cuda", dtype=torch.bfloat16)
+    theirs = transformers_text_encoder(root, ours, device="cuda", dtype=torch.bfloat16)
+
+    def rel(x: torch.Tensor) -> float:
+        return float((x.float() - ref).norm() / ref.norm())
+
+    ours_err, theirs_err = rel(ours.encode(ENCODE_PROMPTS)), rel(theirs.encode(ENCODE_PROMPTS))
+    print(f"rel L2 vs fp32: ours bf16 {ours_err:.3e}, transformers bf16 {theirs_err:.3e}")
+    assert ours_err <= 1.25 * theirs_err + 1e-3 and ours_err < 2e-2
 
 
 def test_encoder_id_is_computed_as_before(tmp_path: Path) -> None:
