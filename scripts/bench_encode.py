@@ -75,7 +75,7 @@ import av  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from pan2render.media.video import COLOUR_TAGS, Yuv420Video, encode_mp4, probe_mp4  # noqa: E402
+from pan2render.media.video import COLOUR_TAGS, Yuv420Video, encode_mp4, fsync_file, probe_mp4  # noqa: E402
 from pan2render.media.x264 import DEFAULT_X264_PRESET, X264_TUNES  # noqa: E402
 from pan2render.media.yuv import rgb_to_yuv420  # noqa: E402
 from pan2render.runner.outputs import MP4_PARAMS_KEY  # noqa: E402
@@ -272,14 +272,6 @@ def write_segmented(planes: np.ndarray, path: Path, enc: Encoding, *, preset: st
     return {"segment_frames": [b - a for a, b in bounds], "segment_threads": per_encoder,
             "segment_encode_s": [round(s, 3) for s in run_s], "segments_all_done_s": round(t_runs, 3),
             "join_s": round(time.perf_counter() - t0 - t_runs, 3)}
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def encode_once(planes: np.ndarray, path: Path, s: Setting, enc: Encoding) -> dict[str, Any]:

@@ -122,7 +122,7 @@ def encode_mp4(frames: Any, path: str | os.PathLike[str], *, fps: float, crf: in
         t0 = time.perf_counter()
         _write_h264(video, tmp, rate=rate, crf=crf, preset=preset, tune=tune, metadata=metadata or {})
         encode_s = time.perf_counter() - t0
-        _fsync_file(tmp)
+        fsync_file(tmp)
         info = probe_mp4(tmp)
         if (info.frames, info.width, info.height) != (num_frames, width, height):
             raise MediaError(
@@ -291,7 +291,7 @@ def _write_h264(video: Yuv420Video, path: Path, *, rate: Fraction, crf: int, pre
         raise MediaError(f"libx264 encode to {path} failed: {type(exc).__name__}: {exc}") from exc
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
