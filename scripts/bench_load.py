@@ -76,11 +76,12 @@ def previous_read_state_dict(folder: Path, *, prefix: str = "diffusion_pytorch_m
 
 
 def previous_umt5_encoder(folder: Path, *, device: Any, dtype: Any) -> Any:
-    """The text encoder as the library read it before: transformers' from_pretrained onto the CPU
-    (from_pretrained then moves it with ``.to(device)``)."""
+    """The text encoder as the library read it before: transformers' from_pretrained onto the CPU,
+    then moved to ``device``."""
     from transformers import UMT5EncoderModel
 
-    return UMT5EncoderModel.from_pretrained(str(folder), dtype=dtype, use_safetensors=True)
+    model = UMT5EncoderModel.from_pretrained(str(folder), dtype=dtype, use_safetensors=True)
+    return model.to(device).eval().requires_grad_(False)
 
 
 def use_previous_readers() -> None:

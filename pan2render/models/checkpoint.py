@@ -12,8 +12,8 @@ problem (missing folder or file, missing/unexpected keys listed, key shape misma
 and found shapes, unsupported config values, a safetensors header that does not fit its file).
 
 Onto a CUDA device each safetensors file is streamed whole (`stream_safetensors`): its header is
-parsed and checked here, its data section is read in large chunks by a few threads into pinned host buffers
-into one device byte buffer, and every tensor is a view of (or a cast from) that buffer. A per-tensor
+parsed and checked here, its data section is read in large chunks by a few threads through pinned
+host buffers into one device byte buffer, and every tensor is a view of (or a cast from) that buffer. A per-tensor
 read (``safe_open(device="cuda")``) does one small pageable copy per tensor, and pageable copies
 serialise in the driver however many threads issue them. Onto the CPU, safetensors' own memory-mapped
 reader is used.

@@ -70,9 +70,7 @@ class TextEncoder:
         config = read_json(enc_dir / "config.json")
         safetensors_files(enc_dir, prefix="model")  # raises a clear error when weights are missing
         tokenizer = load_tokenizer(tok_dir)
-        encoder = load_umt5_encoder(enc_dir, device=device, dtype=dtype)
-        # Already there for ours; scripts/bench_load.py swaps in a baseline loader that reads onto the CPU.
-        encoder = encoder.to(device).eval().requires_grad_(False)
+        encoder = load_umt5_encoder(enc_dir, device=device, dtype=dtype)  # on device, eval, no grad
         # The id keys embeddings cached on disk: config.json's content and the weight files' names
         # and sizes, and the dtype (not which code computes the forward, which does not change it).
         digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
