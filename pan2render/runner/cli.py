@@ -88,7 +88,9 @@ def _parser() -> argparse.ArgumentParser:
 
     def cluster_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--address", help="join this Ray cluster (auto, HOST:6379, or ray://HOST:10001 with "
-                                          "the client extra); default: start a local one")
+                                          "the client extra); default: the node kept up on this machine "
+                                          "(`pan2-render node start`) if one runs, else a local cluster of the "
+                                          "run's own (`local`: always that)")
         sp.add_argument("--cpu-gpus", type=int, metavar="N",
                         help="declare N logical GPUs on a CPU-only machine (groups of N run on CPU, gloo)")
         sp.add_argument("--retries", type=int, default=2, metavar="N", help="retries per job (default 2)")
@@ -154,7 +156,59 @@ def _parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("presets", help="list the presets and their fields, or print one")
     pr.add_argument("name", nargs="?", help="print this preset's file, comments included")
     pr.set_defaults(func=cmd_presets)
+
+    nd = sub.add_parser("node", help="keep a Ray node up on this machine between batches (start / stop): "
+                                     "runs then skip Ray's start and the worker's imports")
+    nd.add_argument("action", choices=("start", "stop"))
+    nd.add_argument("--cpu-gpus", type=int, metavar="N",
+                    help="declare N logical GPUs on a CPU-only machine (default: the CUDA GPUs found, else 1)")
+    nd.add_argument("--port", type=int, default=NODE_PORT, help=f"the node's GCS port (default {NODE_PORT})")
+    nd.set_defaults(func=cmd_node)
     return p
+
+
+# ====================================================================== node
+NODE_PORT = 6379  # Ray's default head port: `--address auto` and `ray status` find it as usual
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    """``ray start --head`` / ``ray stop`` for a node that batches on this machine join by default.
+    Its worker processes are started ahead with torch and the worker imported, and it stays up, so
+    a run skips both Ray's start and those imports (seconds each, before the first video)."""
+    import subprocess  # noqa: PLC0415
+
+    from pan2render.runner.groups import node_start_command  # noqa: PLC0415
+
+    env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    if args.action == "stop":
+        done = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop"], env=env,
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            _err(f"error: `ray stop` failed (exit {done.returncode}):\n{(done.stdout + done.stderr).strip()}")
+            return EXIT_FAILED
+        print("Ray node stopped (with every Ray process of this user on this machine, as `ray stop` does)")
+        return EXIT_OK
+    if args.cpu_gpus is not None and args.cpu_gpus < 1:
+        _err(f"error: --cpu-gpus {args.cpu_gpus}: must be >= 1")
+        return EXIT_USAGE
+    if not 1 <= args.port <= 65535:
+        _err(f"error: --port {args.port}: must be a TCP port, 1-65535")
+        return EXIT_USAGE
+    gpus, cuda, why = _local_gpus(args.cpu_gpus, max_gpus=1)
+    if why:
+        print(why.replace("running on CPU", "the node runs on CPU"))
+    done = subprocess.run(node_start_command(gpus=gpus, port=args.port), env=env, capture_output=True,
+                          text=True, check=False)
+    if done.returncode != 0:
+        lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
+        _err(f"error: `ray start` failed (exit {done.returncode}); its last lines:\n  " + "\n  ".join(lines[-8:])
+             + f"\n(a node already running here: `{_me()} node stop` first; a port in use: --port)")
+        return EXIT_FAILED
+    kind = "GPU(s)" if cuda and args.cpu_gpus is None else "logical GPU(s) on CPU"
+    print(f"Ray node up on this machine: {gpus} {kind}, GCS port {args.port}, worker processes started ahead "
+          f"with torch imported.\nBatches run here join it (`{_me()} run FILE --out DIR`; `--address local` "
+          f"runs without it). `{_me()} node stop` ends it.")
+    return EXIT_OK
 
 
 # ====================================================================== run
@@ -314,7 +368,7 @@ def _run_with_report(out: Path, log: RunLog, run: Callable[[Callable[[], None]],
 
 
 def _make_executor(args: argparse.Namespace, *, max_gpus: int, log: RunLog) -> Executor:
-    from pan2render.runner.groups import LocalExecutor, RayExecutor  # noqa: PLC0415 - ray only here
+    from pan2render.runner.groups import LocalExecutor, RayExecutor, running_local_node  # noqa: PLC0415 - ray only here
     from pan2render.runner.messages import DEFAULT_PIPELINE_FACTORY, WorkerConfig  # noqa: PLC0415
 
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # no uv-run runtime env probing
@@ -325,11 +379,22 @@ def _make_executor(args: argparse.Namespace, *, max_gpus: int, log: RunLog) -> E
         return LocalExecutor(gpus=args.cpu_gpus or max_gpus,
                              config=WorkerConfig(pipeline_factory=factory, faults=faults))
     cpus = os.cpu_count() or 1
-    if _address(args):
-        return RayExecutor(address=_address(args), gpus=None, cpus=None,
+    address = _address(args)
+    if address not in (None, LOCAL_ADDRESS):
+        return RayExecutor(address=address, gpus=None, cpus=None,
                            config=WorkerConfig(pipeline_factory=factory, faults=faults))
     import ray  # noqa: PLC0415
 
+    if address is None and not ray.is_initialized():
+        node, note = running_local_node()
+        if note:
+            log.line(note)
+        if node is not None:
+            if args.cpu_gpus is not None:
+                log.line(f"--cpu-gpus {args.cpu_gpus} is not used: the Ray node kept up on this machine has its own "
+                         f"GPUs (`--address local` runs on a cluster of this run's own)")
+            return RayExecutor(address=node, gpus=None, cpus=None, local_node=True,
+                               config=WorkerConfig(pipeline_factory=factory, faults=faults))
     gpus, cuda, why = _local_gpus(args.cpu_gpus, max_gpus=max_gpus)
     if ray.is_initialized():  # embedded in a process already connected to a cluster (tests)
         gpus = int(ray.cluster_resources().get("GPU", 0)) or 1
@@ -353,6 +418,9 @@ def _local_gpus(cpu_gpus: int | None, *, max_gpus: int) -> tuple[int, int, str |
     # A CPU-only machine: logical GPUs, enough for the largest group.
     return max_gpus, 0, (f"no CUDA GPU found: running on CPU with {max_gpus} logical GPU(s) "
                          f"(set --cpu-gpus N to change)")
+
+
+LOCAL_ADDRESS = "local"  # --address local: a cluster of this run's own, even with a node kept up here
 
 
 def _address(args: argparse.Namespace) -> str | None:
@@ -421,7 +489,7 @@ def _print_plan(batch: Batch, out: Path | None, args: argparse.Namespace) -> Non
         ledger.close()
     todo = [j for j in batch.jobs if j.job_id not in done]
     max_gpus = max((j.gpus for j in batch.jobs), default=1)
-    if getattr(args, "address", None):
+    if getattr(args, "address", None) not in (None, LOCAL_ADDRESS):
         gpus, note = max_gpus, "the cluster's GPU count is known only once joined: assumed"
     else:
         gpus, cuda, _why = _local_gpus(getattr(args, "cpu_gpus", None), max_gpus=max_gpus)
@@ -556,7 +624,7 @@ def _check_cluster_args(args: argparse.Namespace) -> int | None:
         problem = f"--cluster-wait {args.cluster_wait}: must be >= 0 seconds"
     elif args.cpu_gpus is not None and args.cpu_gpus < 1:
         problem = f"--cpu-gpus {args.cpu_gpus}: must be >= 1"
-    elif args.cpu_gpus is not None and _address(args):
+    elif args.cpu_gpus is not None and _address(args) not in (None, LOCAL_ADDRESS):
         given = "--address" if args.address else f"RAY_ADDRESS={os.environ['RAY_ADDRESS']} (set in the environment)"
         problem = f"--cpu-gpus declares GPUs of a LOCAL cluster; it cannot be used with {given}"
     else:

@@ -95,6 +95,55 @@ def ray_client_missing(address: str | None) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------------- a render node kept up
+# What `pan2-render node start` gives Ray's idle worker processes to import before they take an
+# actor (Ray's `preload_python_modules`): a group's worker then starts with torch and the worker
+# imported (~4 s on an H200 host) instead of importing them once its group is placed. Neither
+# touches CUDA at import, which matters: Ray sets the actor's CUDA_VISIBLE_DEVICES only later.
+WORKER_PRELOAD_MODULES = ("torch", "pan2render.runner.worker")
+# The node's CPUs as Ray counts them, beyond one per GPU. Actors take no CPU (they need none to be
+# placed), so the count only sets how many worker processes Ray starts ahead (one per CPU): one
+# per GPU actor and one for the run's progress actor.
+NODE_SPARE_CPUS = 1
+
+
+def node_start_command(*, gpus: int, port: int) -> list[str]:
+    """``ray start`` for a head node on this machine that batches join (`running_local_node`):
+    ``gpus`` GPUs (logical on a CPU-only machine), worker processes started ahead with
+    `WORKER_PRELOAD_MODULES` imported, no dashboard (slow to start, not needed)."""
+    import json  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    config = json.dumps({"preload_python_modules": list(WORKER_PRELOAD_MODULES)})
+    return [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
+            f"--num-gpus={gpus}", f"--num-cpus={gpus + NODE_SPARE_CPUS}", "--include-dashboard=false",
+            "--disable-usage-stats", f"--system-config={config}"]
+
+
+def running_local_node() -> tuple[str | None, str | None]:
+    """(GCS address of the Ray node that `ray start` left running on this machine, or None; a note
+    when one is recorded but does not answer). ``ray.init()`` without an address joins that node
+    itself, and then refuses the resources a new local cluster is started with: so a run looks
+    first. Ray records the node for that purpose (`ray start` writes it, `ray stop` removes it) but
+    offers no public call that reads it, hence the one private import, guarded."""
+    try:
+        from ray._private.services import find_bootstrap_address  # noqa: PLC0415
+    except ImportError:
+        return None, None
+    address = find_bootstrap_address(None)
+    if not address:
+        return None, None
+    target = GcsWatch.parse(address)
+    if target is None:
+        return None, None
+    try:
+        socket.create_connection(target, timeout=2).close()
+    except OSError as e:
+        return None, (f"the Ray node recorded on this machine ({address}) does not answer ({e}): it was "
+                      f"stopped without `ray stop`; starting a local cluster instead")
+    return address, None
+
+
 class GroupStartError(RuntimeError):
     """A group could not be formed (placement group not ready, rendezvous failed)."""
 
@@ -252,7 +301,8 @@ class RayExecutor:
     starts_in_background = True
 
     def __init__(self, *, address: str | None, gpus: int | None, cpus: int | None,
-                 config: WorkerConfig, object_store_bytes: int = 1 << 30):
+                 config: WorkerConfig, object_store_bytes: int = 1 << 30, local_node: bool = False):
+        """``local_node``: ``address`` is the node kept up on this machine (`running_local_node`)."""
         import ray  # noqa: PLC0415 - importing ray costs ~1 s; unit tests with LocalExecutor skip it
 
         self._ray = ray
@@ -267,12 +317,17 @@ class RayExecutor:
         if self._owns_ray and address is None:
             # A local cluster: no dashboard (slow to start, not needed), a modest object store
             # (artifacts are MBs: latents ~10 MB, an mp4 a few MB), worker logs shown here.
-            context = ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, log_to_driver=True,
-                               object_store_memory=object_store_bytes, logging_level="WARNING")
+            # "local": a new cluster even where a node recorded on this machine is gone.
+            context = ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False,
+                               log_to_driver=True, object_store_memory=object_store_bytes,
+                               logging_level="WARNING")
         elif self._owns_ray:
             probe_address(address)
             try:
-                context = ray.init(address=address, log_to_driver=True, logging_level="WARNING")
+                # The node kept up here is joined as Ray's "auto" finds it, the one way Ray takes its
+                # token (token authentication, on by default) from ~/.ray without being told to.
+                context = ray.init(address="auto" if local_node else address, log_to_driver=True,
+                                   logging_level="WARNING")
             except (ConnectionError, RuntimeError) as e:
                 raise ClusterConnectError(
                     f"could not join the Ray cluster at {address!r}: {str(e).splitlines()[0]}; check "
@@ -289,7 +344,8 @@ class RayExecutor:
             ray.get_runtime_context().gcs_address
         if gcs_address and GcsWatch.parse(gcs_address) is not None:
             self._gcs = GcsWatch(gcs_address)
-            self.cluster = (f"the Ray cluster at {gcs_address}" if address is not None or not self._owns_ray
+            self.cluster = (f"the Ray node kept up on this machine (GCS at {gcs_address})" if local_node
+                            else f"the Ray cluster at {gcs_address}" if address is not None or not self._owns_ray
                             else f"the local Ray cluster this run started (GCS at {gcs_address})")
         self._gcs_lost_after_s = gcs_lost_after_s()
         # GCS queries run here, each with a deadline: one that would block (the GCS died after the

@@ -1,0 +1,122 @@
+"""``pan2-render node start|stop``: a Ray node kept up on this machine, which runs join by default.
+
+The node lives in a Ray temp folder of the test's own (RAY_TMPDIR: where Ray records the node for
+``ray.init()`` to find) with a HOME of its own (Ray's token authentication, on by default, keeps its
+token there), on a free port: nothing else on the machine sees it, and it sees nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from runner_helpers import write_batch
+
+pytestmark = pytest.mark.slow
+CLI = [sys.executable, "-m", "pan2render.runner.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def node_env(tmp_path: Path):
+    # A short folder: Ray's unix sockets live under it and their paths are limited to ~107 bytes.
+    ray_tmp = tempfile.mkdtemp(prefix="p2n", dir="/tmp")
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+           "PAN2_RENDER_PIPELINE": "pan2render.runner.testing:load_fake_pipeline"}
+    env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_AUTH_MODE", None)
+    try:
+        yield env
+    finally:
+        subprocess.run([*CLI, "node", "stop"], env=env, capture_output=True, timeout=120, check=False)
+        _kill_leftovers(ray_tmp)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _kill_leftovers(ray_tmp: str) -> None:
+    """Every process whose command line names this test's Ray folder (a failed stop leaves none
+    running past the test; other Ray processes on the machine are not touched)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if ray_tmp.encode() in cmd:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _startup_lines(out: Path) -> list[str]:
+    return [ln for ln in (out / "run.log").read_text().splitlines() if "start-up:" in ln]
+
+
+def test_runs_join_the_node_kept_up_here_with_the_worker_imported_ahead(tmp_path: Path, node_env: dict) -> None:
+    port = _free_port()
+    start = subprocess.run([*CLI, "node", "start", "--cpu-gpus", "1", "--port", str(port)], env=node_env,
+                           capture_output=True, text=True, timeout=180)
+    print(start.stdout, start.stderr[-2000:])
+    assert start.returncode == 0 and "Ray node up on this machine: 1 logical GPU(s) on CPU" in start.stdout
+
+    again = subprocess.run([*CLI, "node", "start", "--cpu-gpus", "1", "--port", str(port)], env=node_env,
+                           capture_output=True, text=True, timeout=180)
+    assert again.returncode == 1 and "node stop` first" in again.stderr
+
+    batch = write_batch(tmp_path / "b.yaml", [{"name": f"j{i}", "prompt": f"clip {i}"} for i in range(2)],
+                        defaults={"steps": 2})
+    run = subprocess.run([*CLI, "run", str(batch), "--out", str(tmp_path / "out"), "--no-progress"],
+                         env=node_env, capture_output=True, text=True, timeout=180)
+    print(run.stderr[-3000:])
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = _startup_lines(tmp_path / "out")
+    assert any(f"the Ray node kept up on this machine (GCS at " in ln and f":{port})" in ln for ln in lines), lines
+    # The worker process took its actor with torch and the worker already imported: Ray's idle
+    # workers of this node preload them (a process started on demand preloads them too).
+    imported = [float(m.group(1)) for ln in lines if (m := re.search(r"importing the worker ([\d.]+) s", ln))]
+    assert imported and max(imported) < 0.5, lines
+
+    # --address local: a cluster of the run's own, beside the node.
+    own = subprocess.run([*CLI, "run", str(batch), "--out", str(tmp_path / "own"), "--no-progress",
+                          "--address", "local", "--cpu-gpus", "1"], env=node_env, capture_output=True,
+                         text=True, timeout=180)
+    assert own.returncode == 0, own.stderr[-2000:]
+    assert any("the local Ray cluster this run started" in ln for ln in _startup_lines(tmp_path / "own"))
+
+    stop = subprocess.run([*CLI, "node", "stop"], env=node_env, capture_output=True, text=True, timeout=120)
+    assert stop.returncode == 0 and "Ray node stopped" in stop.stdout
+
+
+def test_a_node_recorded_but_gone_is_not_joined(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ray start` records its node for ray.init to join; a node killed without `ray stop` leaves
+    the record behind. A run then starts a cluster of its own and says why."""
+    from pan2render.runner.groups import running_local_node
+
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    (tmp_path / "ray").mkdir()
+    assert running_local_node() == (None, None)
+    (tmp_path / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{_free_port()}")
+    node, note = running_local_node()
+    assert node is None and note is not None and "does not answer" in note and "starting a local cluster" in note
+    with socket.socket() as listening:  # something answers there now: that is the node to join
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        address = f"127.0.0.1:{listening.getsockname()[1]}"
+        (tmp_path / "ray" / "ray_current_cluster").write_text(address)
+        assert running_local_node() == (address, None)
