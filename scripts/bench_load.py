@@ -131,7 +131,10 @@ def load_once(variant: str, ckpt: Path, device_name: str) -> dict[str, Any]:
             res[f"{name}_gb_s"] = round(weight_bytes(ckpt, folder) / 1e9 / seconds, 2)
             last = time.perf_counter()
     elif variant in ("ours", "previous"):
-        PAN2Pipeline.from_pretrained(ckpt, PAN2PipelineConfig(device=str(device), dtype=dtype))
+        pipe = PAN2Pipeline.from_pretrained(ckpt, PAN2PipelineConfig(device=str(device), dtype=dtype))
+        # FlashAttention-4 imported and its kernel compiled (or loaded from disk), as the load of
+        # a batch's group does before its first job (and diffusers' first forward, not timed here).
+        pipe.warm_up_attention()
     elif variant == "diffusers":
         from bench_batch import load_diffusers_pipeline
 

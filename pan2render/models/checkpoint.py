@@ -49,8 +49,9 @@ MAX_KEYS_LISTED = 12
 STREAM_CHUNK_BYTES = 64 << 20
 # Threads reading one file's chunks at once (each with two host buffers: one being read into while
 # the other's copy runs). One reader was bound by copying out of the page cache (~5 GB/s measured
-# on the GPU host; pinned host->device copies ran at ~50 GB/s there).
-STREAM_READERS = 4
+# on the GPU host; pinned host->device copies ran at ~50 GB/s there); on that 16-core host 20 GB of
+# page-cached shards streamed at 9-15 GB/s with 4 readers and 17-22 GB/s with 8.
+STREAM_READERS = 8
 # A tensor is left as a view of the file's device buffer only where its address is a multiple of
 # this, as a fresh allocation's is: vectorised loads, TMA and cuBLAS's fastest kernels want 16-byte
 # aligned operands. Anywhere else it is copied out (a view at an offset that is no multiple of the

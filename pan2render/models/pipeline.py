@@ -198,10 +198,6 @@ class PAN2Pipeline:
             # table is the fused-where-possible one or the plain-torch one.
             dit.set_ops(ROUTED_OPS if config.dit_fused_kernels else TORCH_OPS)
             dit.set_residual_dtype(torch.float32 if config.dit_fp32_residual else None)
-            # FlashAttention-4 (where it runs) compiles on its first call: do it here, at load,
-            # keeping the kernels on disk for the next process (a no-op on the CPU).
-            warm_up_attention(self.device, config.dtype, heads=dit.config.num_attention_heads,
-                              head_dim=dit.config.attention_head_dim, compile_cache=cache_root() / "flash-attn-4")
 
     # ----------------------------------------------------------------------------------------
     # Loading
@@ -246,14 +242,10 @@ class PAN2Pipeline:
             raise CheckpointError(str(e)) from e
         default_timesteps = checkpoint_dmd_timesteps(root, scheduler_config.num_train_timesteps)
         model_id = f"{name}-{_checkpoint_digest(root, default_timesteps)}"
-        # Building the pipeline compiles (or loads from disk) FlashAttention-4's kernels where it
-        # runs, after waiting for the import started above if it has not ended.
-        with phase("attention warm-up", sync=sync):
-            pipe = cls(dit=dit, vae=vae, text_encoder=text, scheduler_config=scheduler_config,
-                       config=config, model_id=model_id,
-                       expand_timesteps=bool(index.get("expand_timesteps", True)),
-                       default_timesteps=default_timesteps)
-        return pipe
+        # FlashAttention-4's import may still be running: `warm_up` (or the first forward) waits.
+        return cls(dit=dit, vae=vae, text_encoder=text, scheduler_config=scheduler_config, config=config,
+                   model_id=model_id, expand_timesteps=bool(index.get("expand_timesteps", True)),
+                   default_timesteps=default_timesteps)
 
     def with_strategies(self, *, denoiser: Denoiser | None = None,
                         frame_decoder: FrameDecoder | None = None) -> "PAN2Pipeline":
@@ -436,34 +428,58 @@ class PAN2Pipeline:
     @torch.no_grad()
     def warm_up(self, *, height: int, width: int, frames: int, guidance: float,
                 decode: Callable[[torch.Tensor], object] | None = None) -> None:
-        """One sampling step at this size and one decode, through the same paths a job takes (the
-        guidance split and Ulysses in a group): the first-call costs (Triton compiles, cuDNN
-        autotuning per shape, the fast decoder's plans) are paid here, at load, not inside the
-        first job's stages. CUDA only (nothing is compiled or tuned on the CPU). In a group every
-        rank calls it, as every rank runs a job's calls.
+        """A decode and one sampling step at this size, through the same paths a job takes (the
+        guidance split and Ulysses in a group): the first-call costs (FlashAttention-4's compile,
+        Triton compiles, cuDNN autotuning per shape, the fast decoder's plans) are paid here, at
+        load, not inside the first job's stages. CUDA only (nothing is compiled or tuned on the
+        CPU). In a group every rank calls it, as every rank runs a job's calls.
 
-        The decode runs on the first ``SHAPE_COVERING_LATENT_FRAMES`` latent frames of the sampled
-        ones: a decode of those runs every shape a decode of the whole video does (``vae_plan``),
-        in a fraction of its time. ``decode``: what a job's decode runs on its latents, from the
-        normalised latents ``[48, T, h, w]`` on (default ``self.decode(latents, on_device=True)``);
-        the runner passes its own, which also converts the frames to yuv420p and copies them to
-        the host, so that no first call of those is left to the first job either.
+        The decode comes first: it needs only the VAE, so it runs while FlashAttention-4's import
+        (started by `from_pretrained` on a thread, and longer than reading every weight) ends. It
+        decodes ``SHAPE_COVERING_LATENT_FRAMES`` latent frames: a decode of those runs every shape a
+        decode of the whole video does (``vae_plan``), in a fraction of its time. ``decode``: what a
+        job's decode runs on its normalised latents ``[48, T, h, w]`` (default
+        ``self.decode(latents, on_device=True)``); the runner passes its own, which also converts
+        the frames to yuv420p and copies them to the host, so that no first call of those is left
+        to the first job either. The step's guidance is the denoiser's `warm_up_guidance` (one
+        forward where a guided step is two of the same shapes), its sampler euler (any sampler's
+        step runs the same forward, and euler needs no timestep list).
 
-        Timed as the phases "warm-up sampling" and "warm-up decode" (``pan2render.phases``)."""
-        if self.device.type != "cuda":
-            return
-        sync = torch.cuda.synchronize
-        ctx = torch.zeros(512, self.dit.config.text_dim)  # [512, text_dim]: no prompt needed
-        with phase("warm-up sampling", sync=sync):
-            lat = self.sample(prompt_embeds=ctx, negative_prompt_embeds=ctx, height=height, width=width,
-                              frames=frames, steps=1, guidance=guidance, seed=0)
-        lat = lat[:, :SHAPE_COVERING_LATENT_FRAMES]  # [48, T', h, w]
+        Timed as the phases "warm-up decode", "attention warm-up" and "warm-up sampling"
+        (``pan2render.phases``)."""
+        if self.device.type == "cuda":
+            self._warm_up(height=height, width=width, frames=frames, guidance=guidance, decode=decode)
+
+    def _warm_up(self, *, height: int, width: int, frames: int, guidance: float,
+                 decode: Callable[[torch.Tensor], object] | None) -> None:
+        """`warm_up`'s steps, on any device (the tests run them on the CPU)."""
+        on_cuda = self.device.type == "cuda"
+        sync = torch.cuda.synchronize if on_cuda else None
+        req = SampleRequest(height=height, width=width, frames=frames, steps=1, guidance=guidance, seed=0,
+                            sampler="euler", geometry=Geometry.of(self.vae.config, self.dit.config))
+        lat = torch.zeros(self.vae.config.z_dim, min(SHAPE_COVERING_LATENT_FRAMES, req.latent_frames),
+                          req.height // 16, req.width // 16)  # [48, T', h, w]
         with phase("warm-up decode", sync=sync):
             if decode is None:
                 self.decode(lat, on_device=True)
             else:
                 decode(lat)
-        torch.cuda.synchronize()
+        with phase("attention warm-up", sync=sync):
+            self.warm_up_attention()
+        ctx = torch.zeros(512, self.dit.config.text_dim)  # [512, text_dim]: no prompt needed
+        with phase("warm-up sampling", sync=sync):
+            self.sample(prompt_embeds=ctx, negative_prompt_embeds=ctx, height=height, width=width,
+                        frames=frames, steps=1, guidance=self.denoiser.warm_up_guidance(guidance), seed=0,
+                        sampler="euler")
+        if on_cuda:
+            torch.cuda.synchronize()
+
+    def warm_up_attention(self) -> None:
+        """Compile (or load from disk) FlashAttention-4's kernel where it runs, after its import
+        ends; a no-op elsewhere. `warm_up` calls it; without it the first forward does."""
+        warm_up_attention(self.device, self.config.dtype, heads=self.dit.config.num_attention_heads,
+                          head_dim=self.dit.config.attention_head_dim,
+                          compile_cache=cache_root() / "flash-attn-4")
 
     # ----------------------------------------------------------------------------------------
     # Decoding

@@ -76,6 +76,10 @@ class Denoiser(Protocol):
     def describe(self) -> dict[str, object]:
         """How steps use the ranks, as plain JSON values: ``ranks``, ``guided_steps``, ``unguided_steps``."""
 
+    def warm_up_guidance(self, guidance: float) -> float:
+        """The guidance of the one step a load's warm-up samples for jobs at ``guidance``: the
+        cheapest that runs every kernel shape the steps of such a job run."""
+
 
 class FrameDecoder(Protocol):
     """How a pipeline turns raw latents into frames."""
@@ -112,6 +116,9 @@ class SeparateGuidance:
     def describe(self) -> dict[str, object]:
         return {"ranks": 1, "guided_steps": "one rank", "unguided_steps": "one rank"}
 
+    def warm_up_guidance(self, guidance: float) -> float:
+        return 1.0  # a guided step is two forwards of an unguided step's shapes
+
 
 class BatchedGuidance(SeparateGuidance):
     """A guided step's two branches as one batch-2 forward (`PAN2PipelineConfig.guidance_batch`);
@@ -128,6 +135,9 @@ class BatchedGuidance(SeparateGuidance):
             return apply_guidance(pred, pred_uncond, guidance)
 
         return guided_batched
+
+    def warm_up_guidance(self, guidance: float) -> float:
+        return guidance  # a guided step is one batch-2 forward: shapes of its own
 
 
 def make_denoiser(dit: DiTModule, cond: Tensor, uncond: Tensor | None, guidance: float, *,

@@ -126,6 +126,9 @@ class GuidanceSplitDenoiser:
             return self.unguided.prepare(cond, None, guidance)
         return self.split.denoiser(cond, uncond, guidance)
 
+    def warm_up_guidance(self, guidance: float) -> float:
+        return guidance  # guided and unguided steps run different paths
+
     def describe(self) -> dict[str, object]:
         half = self.split.half_size
         return {**self.unguided.describe(),

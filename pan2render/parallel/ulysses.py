@@ -341,6 +341,9 @@ class UlyssesDenoiser:
     def prepare(self, cond: Tensor, uncond: Tensor | None, guidance: float) -> VelocityFn:
         return self.local.prepare(cond, uncond, guidance)
 
+    def warm_up_guidance(self, guidance: float) -> float:
+        return self.local.warm_up_guidance(guidance)
+
     def describe(self) -> dict[str, object]:
         where = f"Ulysses over {self.ranks} ranks"
         return {"ranks": self.ranks, "guided_steps": f"both branches {where}", "unguided_steps": where}

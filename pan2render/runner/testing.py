@@ -95,9 +95,9 @@ def load_nan_pipeline(model: str, device: str) -> FakePipeline:
 
 
 class WarmingPipeline(FakePipeline):
-    """With ``PAN2Pipeline.warm_up``'s contract (which on the CPU does nothing): one sampling step at
-    the warm-up size, then the decode it is given on the first ``SHAPE_COVERING_LATENT_FRAMES``
-    latent frames, each a phase. Keeps the latents it handed to ``decode``."""
+    """With ``PAN2Pipeline.warm_up``'s contract (which on the CPU does nothing): the decode it is
+    given on ``SHAPE_COVERING_LATENT_FRAMES`` latent frames of zeros at the warm-up size, then one
+    sampling step, each a phase. Keeps the latents it handed to ``decode``."""
 
     def __init__(self, model: str) -> None:
         super().__init__(model)
@@ -105,16 +105,16 @@ class WarmingPipeline(FakePipeline):
 
     def warm_up(self, *, height: int, width: int, frames: int, guidance: float,
                 decode: Callable[[torch.Tensor], object] | None = None) -> None:
-        with phase("warm-up sampling"):
-            lat = self.sample(prompt_embeds=torch.zeros(512, TEXT_DIM), height=height, width=width, frames=frames,
-                              steps=1, guidance=guidance, seed=0)
-        lat = lat[:, :SHAPE_COVERING_LATENT_FRAMES]
+        lat = torch.zeros(48, min(SHAPE_COVERING_LATENT_FRAMES, (frames - 1) // 4 + 1), height // 16, width // 16)
         with phase("warm-up decode"):
             self.warm_decoded.append(lat)
             if decode is None:
                 self.decode(lat, on_device=True)
             else:
                 decode(lat)
+        with phase("warm-up sampling"):
+            self.sample(prompt_embeds=torch.zeros(512, TEXT_DIM), height=height, width=width, frames=frames,
+                        steps=1, guidance=guidance, seed=0)
 
 
 _WARMING: dict[str, WarmingPipeline] = {}

@@ -330,3 +330,36 @@ def test_strategies_come_from_the_config_or_the_caller(tiny: PAN2Pipeline) -> No
     assert custom.describe()["decode"] == "elsewhere"
     assert {k: tiny.describe()[k] for k in ("ranks", "guided_steps", "unguided_steps")} == \
         {"ranks": 1, "guided_steps": "one rank", "unguided_steps": "one rank"}
+
+
+@pytest.mark.parametrize("batched, forwards", [(False, [1]), (True, [2])])
+def test_the_warm_up_decodes_first_then_steps_once_with_the_cheapest_covering_guidance(
+        tiny: PAN2Pipeline, monkeypatch, batched: bool, forwards: list[int]) -> None:
+    """`warm_up`'s steps (run on the CPU here; `warm_up` itself skips them there): the decode of
+    zero latents first (it needs only the VAE, so it overlaps FlashAttention-4's import on a GPU),
+    then the attention's compile, then one euler step at the job's size. A guided job's step on
+    one process is two batch-1 forwards, so one unguided forward covers its shapes; with batched
+    guidance it is one batch-2 forward, which only a guided step runs."""
+    from pan2render.models.strategies import BatchedGuidance, SeparateGuidance
+    from pan2render.phases import recording
+
+    pipe = tiny.with_strategies(denoiser=(BatchedGuidance if batched else SeparateGuidance)(tiny.dit))
+    batches: list[int] = []
+    real_forward = type(tiny.dit).forward
+
+    def counting(self, x, *args, **kwargs):
+        batches.append(x.shape[0])
+        return real_forward(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(type(tiny.dit), "forward", counting)
+    attention: list[bool] = []
+    monkeypatch.setattr(PAN2Pipeline, "warm_up_attention", lambda self: attention.append(True))
+    decoded: list[torch.Tensor] = []
+    with recording() as record:
+        pipe._warm_up(height=32, width=64, frames=17, guidance=2.5, decode=decoded.append)
+    assert [p.name for p in record.phases] == ["warm-up decode", "attention warm-up", "warm-up sampling"]
+    assert [tuple(x.shape) for x in decoded] == [(48, 2, 2, 4)] and not decoded[0].any()
+    assert attention == [True]
+    assert batches == forwards  # one step: one forward, of batch 1 unguided or 2 batched-guided
+    pipe.warm_up(height=32, width=64, frames=17, guidance=2.5, decode=decoded.append)  # the CPU: nothing
+    assert len(decoded) == 1 and batches == forwards
