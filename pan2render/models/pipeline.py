@@ -434,8 +434,8 @@ class PAN2Pipeline:
         load, not inside the first job's stages. CUDA only (nothing is compiled or tuned on the
         CPU). In a group every rank calls it, as every rank runs a job's calls.
 
-        The decode comes first: it needs only the VAE, so it runs while FlashAttention-4's import
-        (started by `from_pretrained` on a thread, and longer than reading every weight) ends. It
+        The decode comes first: it needs only the VAE, so where FlashAttention-4's import (started
+        by `from_pretrained` on a thread) is still running, it runs meanwhile. It
         decodes ``SHAPE_COVERING_LATENT_FRAMES`` latent frames: a decode of those runs every shape a
         decode of the whole video does (``vae_plan``), in a fraction of its time. ``decode``: what a
         job's decode runs on its normalised latents ``[48, T, h, w]`` (default
