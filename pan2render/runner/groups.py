@@ -96,28 +96,15 @@ def ray_client_missing(address: str | None) -> str | None:
 
 
 # ---------------------------------------------------------------------- a render node kept up
-# What `pan2-render node start` gives Ray's idle worker processes to import before they take an
-# actor (Ray's `preload_python_modules`): a group's worker then starts with torch and the worker
-# imported (~4 s on an H200 host) instead of importing them once its group is placed. Neither
-# touches CUDA at import, which matters: Ray sets the actor's CUDA_VISIBLE_DEVICES only later.
-WORKER_PRELOAD_MODULES = ("torch", "pan2render.runner.worker")
-# The node's CPUs as Ray counts them, beyond one per GPU. Actors take no CPU (they need none to be
-# placed), so the count only sets how many worker processes Ray starts ahead (one per CPU): one
-# per GPU actor and one for the run's progress actor.
-NODE_SPARE_CPUS = 1
-
-
 def node_start_command(*, gpus: int, port: int) -> list[str]:
-    """``ray start`` for a head node on this machine that batches join (`running_local_node`):
-    ``gpus`` GPUs (logical on a CPU-only machine), worker processes started ahead with
-    `WORKER_PRELOAD_MODULES` imported, no dashboard (slow to start, not needed)."""
-    import json  # noqa: PLC0415
+    """``ray start`` for a head node on this machine that runs join (`running_local_node`): ``gpus``
+    GPUs (logical on a CPU-only machine), no dashboard (slow to start, not needed). Its CPU count is
+    its GPU count: the runner's actors take no CPU, and Ray keeps one idle worker process per CPU
+    it counts."""
     import sys  # noqa: PLC0415
 
-    config = json.dumps({"preload_python_modules": list(WORKER_PRELOAD_MODULES)})
     return [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
-            f"--num-gpus={gpus}", f"--num-cpus={gpus + NODE_SPARE_CPUS}", "--include-dashboard=false",
-            "--disable-usage-stats", f"--system-config={config}"]
+            f"--num-gpus={gpus}", f"--num-cpus={gpus}", "--include-dashboard=false", "--disable-usage-stats"]
 
 
 def running_local_node() -> tuple[str | None, str | None]:
