@@ -449,29 +449,68 @@ def instantiate(
     device: str | torch.device,
     dtype: torch.dtype,
     keep_in_fp32: tuple[str, ...] = (),
+    prefix: str = WEIGHTS_NAME,
 ) -> M:
-    """Build a model without random init and load a component's safetensors into it.
+    """Build a model without random init and load a component's safetensors (``prefix.safetensors``
+    or its shards) into it.
 
     The module is constructed on the meta device (no memory, no random init: a 5B model builds in
-    milliseconds) and the checkpoint tensors are assigned in place of its parameters. Our models
-    keep no buffers outside the checkpoint (RoPE tables are computed per call), which is checked
-    here: a module that grew one would be left on the meta device. Parameters whose
-    name contains one of ``keep_in_fp32`` stay fp32 (the modulation tables and norms, as diffusers
-    keeps them), everything else floating point is cast to ``dtype``.
+    milliseconds) and the checkpoint tensors are assigned in place of its parameters, read onto
+    ``device`` and cast there (no host copy of the weights in another dtype). Floating-point
+    tensors whose name has one of ``keep_in_fp32`` as a component stay fp32 (as diffusers' and
+    transformers' ``_keep_in_fp32_modules``); the others are cast to ``dtype``.
+
+    Weights the model ties (one tensor under several names, as built) may be held under any of
+    their names: one name fills them all; several with equal values are tied as one; several with
+    different values are kept apart, with a warning (as transformers does).
+
+    Our models keep no buffers outside the checkpoint (RoPE tables are computed per call), which is
+    checked here: a module that grew one would be left on the meta device. A missing or unexpected
+    key, or a shape that does not fit, is a CheckpointError naming the folder.
     """
     device = torch.device(device)
     with torch.device("meta"):
         model = build()
+    keep = set(keep_in_fp32)
 
     def cast(key: str, t: torch.Tensor) -> torch.Tensor:
         if not t.is_floating_point():
             return t
-        return t.to(torch.float32 if any(part in key for part in keep_in_fp32) else dtype)
+        return t.to(torch.float32 if keep.intersection(key.split(".")) else dtype)
 
-    # Read onto the target device and cast there: no fp32 copy of the weights on the host.
-    state_dict, origin = read_state_dict(folder, device=device, cast=cast)
+    state_dict, origin = read_state_dict(folder, prefix=prefix, device=device, cast=cast)
+    tied = _tie(model, state_dict, folder)
     check_state_dict(model, state_dict, where=folder, origin=origin)
     model.load_state_dict(state_dict, strict=True, assign=True)
+    for names in tied:  # assign=True gave each name its own Parameter: one again, as built
+        owner, _, attr = names[0].rpartition(".")
+        shared = getattr(model.get_submodule(owner), attr)
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, shared)
     stale = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    assert not stale, f"tensors not filled from the checkpoint (non-persistent buffers?): {stale}"
+    if stale:
+        raise CheckpointError(f"{folder}: the model has tensors its checkpoint does not fill "
+                              f"(non-persistent buffers?): {', '.join(stale)}")
     return model.eval().requires_grad_(False)
+
+
+def _tie(model: nn.Module, state_dict: dict[str, torch.Tensor], folder: Path) -> list[list[str]]:
+    """Fill every name of a tied weight from the ones ``state_dict`` holds, where they agree;
+    return the name groups filled so (missing ones are left for `check_state_dict` to report)."""
+    by_tensor: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        by_tensor.setdefault(id(t), []).append(name)
+    tied = []
+    for names in (n for n in by_tensor.values() if len(n) > 1):
+        present = [n for n in names if n in state_dict]
+        if not present:
+            continue
+        first = state_dict[present[0]]
+        if all(torch.equal(state_dict[n], first) for n in present[1:]):
+            state_dict.update(dict.fromkeys(names, first))
+            tied.append(names)
+        else:
+            log.warning("%s: tied weights %s hold different values in the checkpoint; kept apart",
+                        folder, ", ".join(present))
+    return tied

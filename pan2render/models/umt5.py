@@ -25,7 +25,6 @@ only: no dropout.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -35,9 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import CheckpointError, check_state_dict, read_json, read_state_dict
+from .checkpoint import CheckpointError, instantiate, read_json
 
-log = logging.getLogger(__name__)
 
 # transformers keeps these in fp32 when a umT5 is loaded in fp16 (its ``_keep_in_fp32_modules``; T5
 # models' FFN outputs are known to overflow fp16). Under bf16 everything is bf16, as transformers
@@ -277,12 +275,9 @@ class UMT5Encoder(nn.Module):
 
 def load_umt5_encoder(folder: str | Path, *, device: str | torch.device, dtype: torch.dtype) -> UMT5Encoder:
     """`UMT5Encoder` from a ``text_encoder/`` folder (``config.json`` + ``model.safetensors`` or
-    its shards), read by our reader.
-
-    The module is built from its config on the meta device (no memory, no random init) and its
-    tensors are assigned from `read_state_dict` on ``device`` (streamed onto a GPU), floating ones
-    cast to ``dtype`` there: no CPU copy of the 11 GB encoder. Dtypes and ties are what
-    ``UMT5EncoderModel.from_pretrained(folder, dtype=dtype)`` gives:
+    its shards), read by our reader (`checkpoint.instantiate`: built on the meta device, tensors
+    streamed onto ``device`` and cast there, no CPU copy of the 11 GB encoder). Dtypes and ties are
+    what ``UMT5EncoderModel.from_pretrained(folder, dtype=dtype)`` gives:
 
     - under fp16 the FFN output projections stay fp32 (KEEP_FP32_UNDER_FP16);
     - ``encoder.embed_tokens`` is the ``shared`` embedding (one tensor under two names), and a
@@ -295,52 +290,9 @@ def load_umt5_encoder(folder: str | Path, *, device: str | torch.device, dtype: 
     shape that does not fit is a CheckpointError naming the folder, as for our other models.
     """
     folder = Path(folder)
-    device = torch.device(device)
     try:
         config = UMT5Config.from_file(folder / "config.json")
     except CheckpointError as e:
         raise CheckpointError(f"{folder}: cannot build the UMT5 encoder from its config.json ({e})") from e
-    with torch.device("meta"):
-        model = UMT5Encoder(config)
-
-    keep_fp32 = set(KEEP_FP32_UNDER_FP16) if dtype == torch.float16 else set()
-
-    def cast(key: str, t: torch.Tensor) -> torch.Tensor:
-        if not t.is_floating_point():
-            return t
-        return t.to(torch.float32 if keep_fp32.intersection(key.split(".")) else dtype)
-
-    state_dict, origin = read_state_dict(folder, prefix="model", device=device, cast=cast)
-    tied = []
-    for names in _tied_names(model):
-        present = [n for n in names if n in state_dict]
-        if not present:
-            continue  # reported missing below
-        first = state_dict[present[0]]
-        if all(torch.equal(state_dict[n], first) for n in present[1:]):
-            state_dict.update(dict.fromkeys(names, first))
-            tied.append(names)
-        else:
-            log.warning("%s: tied weights %s hold different values in the checkpoint; kept apart",
-                        folder, ", ".join(present))
-    check_state_dict(model, state_dict, where=folder, origin=origin)
-    model.load_state_dict(state_dict, strict=True, assign=True)
-    for names in tied:  # assign=True gave each name its own Parameter: one again, as built
-        owner, _, attr = names[0].rpartition(".")
-        shared = getattr(model.get_submodule(owner), attr)
-        for name in names[1:]:
-            owner, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(owner), attr, shared)
-    stale = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if stale:
-        raise CheckpointError(f"{folder}: the UMT5 encoder has tensors its checkpoint does not fill: "
-                              f"{', '.join(stale)}")
-    return model.eval().requires_grad_(False)
-
-
-def _tied_names(model: nn.Module) -> list[list[str]]:
-    """The state-dict names that share one tensor in ``model`` as built (tied weights)."""
-    by_tensor: dict[int, list[str]] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        by_tensor.setdefault(id(t), []).append(name)
-    return [names for names in by_tensor.values() if len(names) > 1]
+    return instantiate(lambda: UMT5Encoder(config), folder, device=device, dtype=dtype, prefix="model",
+                       keep_in_fp32=KEEP_FP32_UNDER_FP16 if dtype == torch.float16 else ())

@@ -82,13 +82,16 @@ def test_the_embedding_under_either_name_or_both(tmp_path: Path, tiny_text_encod
     assert_same_model(ours, reference(tiny_text_encoder, torch.float32))
 
 
-def test_two_different_embeddings_are_kept_apart_as_transformers_does(tmp_path: Path, tiny_text_encoder: Path) -> None:
+def test_two_different_embeddings_are_kept_apart_as_transformers_does(tmp_path: Path, tiny_text_encoder: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
     folder = tmp_path / "text_encoder"
     shutil.copytree(tiny_text_encoder, folder)
     sd = load_file(str(folder / "model.safetensors"))
     sd["shared.weight"] = torch.randn_like(sd["encoder.embed_tokens.weight"])
     save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    ours = load_umt5_encoder(folder, device="cpu", dtype=torch.float32)
+    with caplog.at_level("WARNING"):
+        ours = load_umt5_encoder(folder, device="cpu", dtype=torch.float32)
+    assert any("tied weights" in r.getMessage() and "kept apart" in r.getMessage() for r in caplog.records)
     assert torch.equal(ours.shared.weight, sd["shared.weight"])
     assert torch.equal(ours.encoder.embed_tokens.weight, sd["encoder.embed_tokens.weight"])
     torch.testing.assert_close(outputs(ours), outputs(reference(folder, torch.float32)))
