@@ -151,14 +151,21 @@ def test_group_latents_match_one_process(world: int, tmp_path: Path, reference) 
         assert max(errs) < 1e-5
         for r in results[1:]:  # the gathered velocity is the same bits everywhere -> same latents
             assert torch.equal(r[key], results[0][key])
-    # DMD: the same bits as one process on every rank, one forward per step over this rank's shard
-    # of the whole group's tokens.
+    # DMD: one forward per step over this rank's shard of the whole group's tokens; text-to-video
+    # gives the same bits as one process on every rank. With a first frame the per-token
+    # modulation runs elementwise kernels over shard-sized tensors, whose vectorised bodies and
+    # scalar tails round differently by where a shard ends on some CPUs (AVX-512 here, as the
+    # guided i2v case above shows): held to the same bound as that case, and equal across ranks.
     shard = ShardLayout(num_tokens=TOKENS, world_size=world, rank=0).shard
     for rank, r in enumerate(results):
         for key in ("dmd_t2v", "dmd_i2v"):
             diff = float((r[key] - reference[key]).abs().max())
             print(f"group of {world}, {key}, rank {rank}: max abs diff vs one process {diff:.3e}")
-            assert torch.equal(r[key], reference[key]), f"{key} rank {rank}"
+            if key == "dmd_t2v":
+                assert torch.equal(r[key], reference[key]), f"{key} rank {rank}"
+            else:
+                assert max_rel(r[key], reference[key]) < 1e-5, f"{key} rank {rank}"
+                assert torch.equal(r[key], results[0][key]), f"{key} rank {rank}"
         steps = len(DMD_T2V["timesteps"]) + len(DMD_I2V["timesteps"])
         assert r["dmd_tokens_per_forward"] == [shard] * steps, f"rank {rank}"
     # The guidance split ran one forward per guided step (4) on every rank, each with its own half's
