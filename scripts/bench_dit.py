@@ -27,9 +27,6 @@ default), at 704x1248x121 (latent 48x31x44x78 -> 26,598 tokens, 512 text tokens)
    above (batch 1), and the fused default's error over the unfused one's.
 7. a compact table of the headline figures per backend and diffusers'.
 
-On CUDA every forward of ours (fused or not) runs the FFN's first linear with the cuBLASLt GELU
-epilogue (pan2render.models.dit._GELUProj): that is model code, not a bench option.
-
 Results of record: docs/performance.md.
 Usage (GPU host): python scripts/bench_dit.py --out DIR [--sample]   (DIR/bench_dit.json; or --json FILE)
 CPU smoke test of the script itself: python scripts/bench_dit.py --tiny

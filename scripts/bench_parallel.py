@@ -263,22 +263,6 @@ def bench_dit(rank: int, world: int, device: torch.device, args: argparse.Namesp
     with torch.inference_mode():
         whole = make_denoiser(sp, cond, uncond, args.guidance)
     group_step("ulysses", "Ulysses over the whole group", whole)
-    # Other head-group counts for the attention/all-to-all overlap (UlyssesAttention.chunks).
-    chunks = getattr(sp, "chunks", 1)
-    res["step_ulysses_chunks"] = chunks
-    per_rank = config.num_attention_heads // world
-    for other in args.chunks:
-        if other == chunks or per_rank % other:
-            continue
-        sp.chunks = other
-        step(whole)()
-        secs, _ = timed(step(whole), device=device, reps=args.reps, group=True)
-        res[f"step_ulysses_chunks{other}_s"] = round(secs, 3)
-        if rank == 0:
-            log(rank, f"guided step, group of {world}, Ulysses, chunks {other} (default {chunks}): "
-                      f"{secs:.3f} s -> {res['step_1gpu_s'] / secs:.3f}x")
-    if hasattr(sp, "chunks"):
-        sp.chunks = chunks
     del whole, sp
     # The pipeline's default in an even group (guidance_parallel=True): one branch per half.
     if world % 2 == 0:
@@ -558,8 +542,6 @@ def main() -> int:
     p.add_argument("--also-reference-decode", action="store_true",
                    help="when the fast decoder runs, also time the reference bf16 decode (1 GPU vs group)")
     p.add_argument("--profile", action="store_true", help="profile one 1-GPU and one group guided step")
-    p.add_argument("--chunks", type=int, nargs="*", default=[],
-                   help="also time the group step with these head-group counts (overlap of the all-to-alls)")
     p.add_argument("--sample-steps", type=int, default=0,
                    help="also time a whole PAN2Pipeline.sample of this many guided steps, 1 GPU vs the group")
     p.add_argument("--attention", default="auto",

@@ -11,8 +11,6 @@ at 704x1248x121 (docs/performance.md, "DiT fused kernels"):
   the stream to bf16 after each of the 4 residual adds per block: rel. L2 vs a strict fp32
   forward 1.46e-2, over the 1e-2 we hold the bf16 DiT to; the fp32 stream gives 3.35e-3 for +7.5-9 ms per
   forward. The default (None) is diffusers' rounding, bit for bit.
-- On CUDA without autograd the FFN's first linear runs with cuBLASLt's tanh-GELU epilogue
-  (``_GELUProj``): same error; -10 ms per forward in one measurement, within the spread in another.
 
 What differs otherwise is the structure around the math, for the follow-up work:
 
@@ -473,21 +471,9 @@ class _GELUProj(nn.Module):
         self.proj = nn.Linear(dim, inner_dim)
 
     def forward(self, x: Tensor) -> Tensor:
-        weight, bias = self.proj.weight, self.proj.bias
-        # Inference on CUDA: one cuBLASLt GEMM with a tanh-GELU epilogue instead of a GEMM and a
-        # separate elementwise pass over the [B, L, ffn_dim] activations (0.8 GB at 26,598 tokens):
-        # -10 ms per forward on an H200 once (within the run-to-run spread in a second run), same
-        # rel. L2 error (docs/performance.md, "DiT fused kernels"). CUDA only: on the CPU this op
-        # computes the exact (erf) GELU, not Wan's tanh one;
-        # no autograd: keep the plain ops' backward.
-        if (
-            x.is_cuda
-            and bias is not None
-            and x.dtype == weight.dtype == bias.dtype
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad))
-        ):
-            out = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight.t(), use_gelu=True)
-            return out.view(*x.shape[:-1], -1)  # [B * L, inner] -> [B, L, inner]
+        # (cuBLASLt's GELU epilogue, through torch's private _addmm_activation, measured -10 ms per
+        # forward once and within the run-to-run spread in a second run: not worth a private op;
+        # docs/performance.md, DiT fused kernels.)
         return F.gelu(self.proj(x), approximate="tanh")
 
 

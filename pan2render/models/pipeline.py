@@ -33,7 +33,7 @@ from .dit_ops import ROUTED_OPS, TORCH_OPS
 from ..sampling import DMD, SAMPLERS, WAN22, Geometry, combination_problems, is_int, timesteps_problem
 from ..vae_plan import SHAPE_COVERING_LATENT_FRAMES
 from .scheduler import FlowDMDScheduler, SchedulerConfig, make_scheduler
-from .strategies import (BatchedGuidance, Denoiser, FastDecoder, FrameDecoder, ReferenceDecoder, SeparateGuidance,
+from .strategies import (Denoiser, FastDecoder, FrameDecoder, ReferenceDecoder, SeparateGuidance,
                          apply_guidance, make_denoiser)
 from .text import TextEncoder
 from .tiny import cache_root
@@ -73,13 +73,6 @@ class PAN2PipelineConfig:
     # 1.46e-2 that way (over the 1e-2 we hold the bf16 DiT to) and 3.35e-3 with the fp32 stream, for +7.5-9 ms per
     # forward. False: diffusers' numerics bit for bit. A no-op when the DiT runs in fp32.
     dit_fp32_residual: bool = True
-    # Classifier-free guidance as one batch-2 forward (True) or two batch-1 forwards (False). On one
-    # H200 at 704x1248x121 a guided step took 1.720 s batched vs 1.724 s as two passes (fused
-    # kernels, cuDNN attention; docs/performance.md): equal within noise, while batching doubles the
-    # activation peak (4.1 vs 2.0 GiB). Hence two passes by default; re-measure on other GPUs.
-    # (A group running the guidance split below runs one branch per rank and ignores this.)
-    # Read when the pipeline is built (it picks the denoiser), not per job.
-    guidance_batch: bool = False
     # In a parallelized pipeline whose group size is even: run a guided step's two branches on the
     # two halves of the group (each half sequence-parallel over its own ranks when it has more than
     # one) instead of both branches Ulysses-parallel over the whole group; one exchange of the two
@@ -98,7 +91,7 @@ class PAN2PipelineConfig:
         if self.text_encoder_device is None:
             self.text_encoder_device = self.device
         for name in ("vae_decode_kernel", "vae_decode_kernel_parallel", "dit_fused_kernels", "dit_fp32_residual",
-                     "guidance_batch", "guidance_parallel"):
+                     "guidance_parallel"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r}: expected True or False")
@@ -158,8 +151,10 @@ class SampleRequest:
 
 
 def default_denoiser(dit: PAN2DiT, config: PAN2PipelineConfig) -> Denoiser:
-    """The single-process denoiser ``config`` asks for (``guidance_batch``)."""
-    return BatchedGuidance(dit) if config.guidance_batch else SeparateGuidance(dit)
+    """The single-process denoiser: each guidance branch its own batch-1 forward (one batch-2
+    forward measured equal within noise on an H200 at twice the activation peak: 1.720 s vs
+    1.724 s a guided step, 4.1 vs 2.0 GiB; docs/performance.md, DiT)."""
+    return SeparateGuidance(dit)
 
 
 def default_frame_decoder(vae: WanVAE, config: PAN2PipelineConfig) -> FrameDecoder:

@@ -8,9 +8,9 @@ about process groups.
 
 - `Denoiser`: per job, ``prepare(cond, uncond, guidance)`` computes what depends only on the text
   (the cross-attention K/V) and returns a `VelocityFn`, ``(latents, timestep) -> velocity`` with
-  classifier-free guidance applied, called once per sampling step. Implementations here:
-  `SeparateGuidance` (each guidance branch its own batch-1 forward) and `BatchedGuidance` (both as
-  one batch-2 forward).
+  classifier-free guidance applied, called once per sampling step. Implementation here:
+  `SeparateGuidance` (each guidance branch its own batch-1 forward; one batch-2 forward measured
+  equal within noise on an H200 at twice the activation peak: docs/performance.md, DiT).
 - `FrameDecoder`: raw latents -> uint8 frames ``[F, H, W, 3]`` on the pipeline's device, or None on a
   process that does not hold the frames (ranks other than 0 of a group). Implementations here:
   `ReferenceDecoder` (`WanVAE.decode`) and `FastDecoder` (the fast decoder, with the reference as its
@@ -31,7 +31,6 @@ from .vae import WanVAE
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "BatchedGuidance",
     "DiTModule",
     "Denoiser",
     "FastDecoder",
@@ -120,31 +119,10 @@ class SeparateGuidance:
         return 1.0  # a guided step is two forwards of an unguided step's shapes
 
 
-class BatchedGuidance(SeparateGuidance):
-    """A guided step's two branches as one batch-2 forward (`PAN2PipelineConfig.guidance_batch`);
-    an unguided step is one batch-1 forward, as in `SeparateGuidance`."""
-
-    def prepare(self, cond: Tensor, uncond: Tensor | None, guidance: float) -> VelocityFn:
-        if uncond is None:
-            return super().prepare(cond, None, guidance)
-        dit = self.dit
-        both_ctx = dit.prepare_context(torch.cat([cond, uncond]))  # [2, S, text_dim]
-
-        def guided_batched(x: Tensor, t: Tensor) -> Tensor:
-            pred, pred_uncond = dit(torch.cat([x, x]), t.expand(2, *t.shape[1:]), both_ctx).chunk(2)
-            return apply_guidance(pred, pred_uncond, guidance)
-
-        return guided_batched
-
-    def warm_up_guidance(self, guidance: float) -> float:
-        return guidance  # a guided step is one batch-2 forward: shapes of its own
-
-
-def make_denoiser(dit: DiTModule, cond: Tensor, uncond: Tensor | None, guidance: float, *,
-                  batch: bool = False) -> VelocityFn:
-    """One job's ``(latents, timestep) -> velocity`` for ``dit`` on this process: `BatchedGuidance`
-    when ``batch``, else `SeparateGuidance` (for benchmarks that time the bare denoiser)."""
-    return (BatchedGuidance if batch else SeparateGuidance)(dit).prepare(cond, uncond, guidance)
+def make_denoiser(dit: DiTModule, cond: Tensor, uncond: Tensor | None, guidance: float) -> VelocityFn:
+    """One job's ``(latents, timestep) -> velocity`` for ``dit`` on this process, as a pipeline's
+    `SeparateGuidance` runs it (for benchmarks that time the bare denoiser)."""
+    return SeparateGuidance(dit).prepare(cond, uncond, guidance)
 
 
 class ReferenceDecoder:

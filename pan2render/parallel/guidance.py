@@ -46,7 +46,7 @@ class GuidanceSplit:
     on every rank with identical arguments.
     """
 
-    def __init__(self, model: PAN2DiT, group: SequenceGroup, *, chunks: int | None = None) -> None:
+    def __init__(self, model: PAN2DiT, group: SequenceGroup) -> None:
         n = group.world_size
         if n < 2 or n % 2:
             raise ValueError(f"guidance parallelism needs an even group of at least 2 ranks, got {n}")
@@ -54,7 +54,7 @@ class GuidanceSplit:
         self.half_size = n // 2
         self.branch = group.rank // self.half_size  # 0: conditional, 1: unconditional
         self.half = _half_group(group, self.branch, self.half_size)
-        self.dit = parallelize_dit(model, self.half, chunks=chunks)  # the plain model for halves of 1
+        self.dit = parallelize_dit(model, self.half)  # the plain model for halves of 1
 
     @property
     def branch_name(self) -> str:

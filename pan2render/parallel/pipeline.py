@@ -54,7 +54,7 @@ class SplitDecoder:
 
 def parallel_denoiser(pipe: PAN2Pipeline, group: SequenceGroup) -> Denoiser:
     """The group's denoiser for ``pipe``'s DiT and config (collective on an even group with the split)."""
-    whole = UlyssesDenoiser(pipe.dit, group, batch_guidance=pipe.config.guidance_batch)
+    whole = UlyssesDenoiser(pipe.dit, group)
     split = guidance_split_for(pipe.dit, group, enabled=pipe.config.guidance_parallel)
     return whole if split is None else GuidanceSplitDenoiser(split, unguided=whole)
 

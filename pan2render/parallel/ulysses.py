@@ -15,11 +15,11 @@ every rank. Inside, in this order (DeepSpeed-Ulysses, arXiv:2309.14509):
    all-to-all turns (all heads, my tokens) into (my heads, all tokens) for q, k and v together;
    the padding tokens, which sit at the end of the padded global sequence, are sliced off before
    the attention call, so they are never attended to and never attend; the output is padded back
-   and a second all-to-all returns (all heads, my tokens). Everything stays token-major. With one
-   head chunk (the default) q, k, v arrive already in the send layout (``head_groups``: the Q/K
-   kernel and the v projection write it), and q's and k's exchanges overlap the v projection;
-   one unpacking copy remains on the way out. Optionally (``chunks``) the rank's heads go in
-   groups whose exchanges overlap the other groups' attention, packed here per chunk;
+   and a second all-to-all returns (all heads, my tokens). Everything stays token-major. q, k, v
+   arrive already in the send layout (``head_groups``: the Q/K kernel and the v projection write
+   it), and q's and k's exchanges overlap the v projection; one unpacking copy remains on the way
+   out. (Splitting a rank's heads into groups whose exchanges overlap the other groups' attention
+   measured no gain on NVLink: docs/performance.md, sequence-parallel groups);
 4. the head (final AdaLN + proj_out) runs on the shard; an all-gather concatenates the shards and
    drops the padding; every rank unpatchifies the same full velocity, so the sampler steps
    identically everywhere and every rank ends with the same latents.
@@ -46,12 +46,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pan2render.models.dit import AttentionOp, ContextCache, PAN2DiT, TimestepConditioning
-from pan2render.models.strategies import BatchedGuidance, SeparateGuidance, VelocityFn
+from pan2render.models.strategies import SeparateGuidance, VelocityFn
 
 from .group import SequenceGroup, all_gather_seq
 
-__all__ = ["SequenceParallelDiT", "ShardLayout", "UlyssesAttention", "UlyssesDenoiser", "default_chunks",
-           "parallelize_dit"]
+__all__ = ["SequenceParallelDiT", "ShardLayout", "UlyssesAttention", "UlyssesDenoiser", "parallelize_dit"]
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
@@ -97,36 +96,27 @@ class UlyssesAttention(AttentionOp):
     returning it (``accepts_lazy_v``): `SelfAttention` then passes its v projection unevaluated,
     and q's and k's exchanges run on the communication stream while the v GEMM computes (two
     thirds of the inbound all-to-all hidden behind it).
-
-    With ``chunks`` > 1 the heads a rank attends are processed in groups so the all-to-alls
-    overlap the attention: every group's input exchange is posted at once (they run on the communication
-    stream while the compute stream attends the groups already received), and each group's output
-    exchange starts as soon as its attention is done. Only the first input and the last output
-    exchange stay exposed.
     """
 
     accepts_lazy_v = True  # see the class doc
 
-    def __init__(self, inner: AttentionFn, *, group: SequenceGroup, layout: ShardLayout, chunks: int = 1) -> None:
+    def __init__(self, inner: AttentionFn, *, group: SequenceGroup, layout: ShardLayout) -> None:
         self.inner = inner
         self.group = group
         self.layout = layout  # of the forward in progress (the wrapper installs one per forward)
-        self.chunks = chunks
 
     @property
     def head_groups(self) -> int:
-        """With one chunk, q, k, v come as ``[N, B, s, H/N, D]``
-        contiguous, the send buffer itself (measured on 2 H200s: the packing copies of q, k, v were
-        ~30 ms of a 0.91 s guided step). With head chunks they come ``[B, H, s, D]`` and are
-        packed per chunk here."""
-        return self.group.world_size if self.chunks == 1 else 1
+        """q, k, v come as ``[N, B, s, H/N, D]`` contiguous, the send buffer itself (measured on 2
+        H200s: the packing copies of q, k, v were ~30 ms of a 0.91 s guided step)."""
+        return self.group.world_size
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor | Callable[[], Tensor]) -> Tensor:
         layout = self.layout
-        n, c = self.group.world_size, self.chunks
+        n = self.group.world_size
         if q.dim() == 5:  # [N, B, s, H/N, D]: already the send layout (head_groups)
-            if c != 1 or q.shape[0] != n:
-                raise RuntimeError(f"head-grouped q {tuple(q.shape)} needs chunks=1 and {n} groups")
+            if q.shape[0] != n:
+                raise RuntimeError(f"head-grouped q {tuple(q.shape)} needs {n} groups")
             batch, shard, head_dim = q.shape[1], q.shape[2], q.shape[4]
             heads = n * q.shape[3]
         else:
@@ -134,42 +124,33 @@ class UlyssesAttention(AttentionOp):
         if shard != layout.shard:
             raise RuntimeError(f"attention got a shard of {shard} tokens, expected {layout.shard}")
         hn = heads // n  # heads per rank
-        hc = hn // c  # heads per chunk
+
         # Everything stays token-major ([.., tokens, heads, D] in memory), the layout cuDNN reads as
         # strided views (bench: head-major repacking cost ~9% of a group step). (all heads, my
-        # tokens) -> (my heads, all tokens), per chunk and per q/k/v: send [N, B, s, H/(NC), D],
-        # as it lies when it came head-grouped, else packed from the token-major view
-        # [B, s, N, C, H/(NC), D] (one copy per tensor and chunk).
-        def post(t: Tensor) -> list[_Pending]:
+        # tokens) -> (my heads, all tokens): send [N, B, s, H/N, D], as it lies when it came
+        # head-grouped, else packed from the token-major view [B, s, N, H/N, D] (one copy).
+        def post(t: Tensor) -> _Pending:
             if t.dim() == 5:  # the send buffer as it lies: no packing copy
-                return [_all_to_all(t, self.group)]
-            blocks = _token_major(t).unflatten(2, (n, c, hc))
-            return [_all_to_all(blocks[:, :, :, i].permute(2, 0, 1, 3, 4), self.group) for i in range(c)]
+                return _all_to_all(t, self.group)
+            return _all_to_all(_token_major(t).unflatten(2, (n, hn)).permute(2, 0, 1, 3, 4), self.group)
 
         sent_q, sent_k = post(q), post(k)  # in flight while v is computed (when it comes lazily)
         sent_v = post(v() if callable(v) else v)
-        received = list(zip(sent_q, sent_k, sent_v))  # per chunk: (q, k, v), all posted now
+        # [N (source rank = token block), B, s, H/N, D] -> [B, H/N, L, D] token-major views; the
+        # padding is the tail of the padded sequence: sliced off, never attended.
+        q_all, k_all, v_all = (_all_tokens(p.wait(), layout.num_tokens) for p in (sent_q, sent_k, sent_v))
         del sent_q, sent_k, sent_v
-        outputs = []
-        for i in range(c):
-            # [N (source rank = token block), B, s, H/(NC), D] -> [B, H/(NC), L, D] token-major views;
-            # the padding is the tail of the padded sequence: sliced off, never attended.
-            q_all, k_all, v_all = (
-                _all_tokens(pending.wait(), layout.num_tokens) for pending in received[i]
-            )
-            out = self.inner(q_all, k_all, v_all)  # [B, H/(NC), L, D]
-            del q_all, k_all, v_all
-            back = out.transpose(1, 2)  # [B, L, H/(NC), D]
-            if layout.padded > layout.num_tokens:
-                back = F.pad(back, (0, 0, 0, 0, 0, layout.padded - layout.num_tokens))
-            # (my heads, all tokens) -> (all heads, my tokens): chunk j = token block j.
-            back = back.unflatten(1, (n, shard)).transpose(0, 1)  # [N, B, s, H/(NC), D]
-            outputs.append(_all_to_all(back, self.group))
-            del out, back
-        del received
-        # outputs[i]: [N (source rank = head group), B, s, H/(NC), D]; head = (rank, chunk, h).
+        out = self.inner(q_all, k_all, v_all)  # [B, H/N, L, D]
+        del q_all, k_all, v_all
+        back = out.transpose(1, 2)  # [B, L, H/N, D]
+        if layout.padded > layout.num_tokens:
+            back = F.pad(back, (0, 0, 0, 0, 0, layout.padded - layout.num_tokens))
+        # (my heads, all tokens) -> (all heads, my tokens): chunk j = token block j.
+        back = back.unflatten(1, (n, shard)).transpose(0, 1)  # [N, B, s, H/N, D]
+        received = _all_to_all(back, self.group).wait()  # [N (source rank = head group), B, s, H/N, D]
+        del out, back
         # Built as [B, s, H, D] so the caller's transpose(1, 2).flatten(2) is a view, not a copy.
-        rows = torch.stack([o.wait().permute(1, 2, 0, 3, 4) for o in outputs], dim=3)  # [B, s, N, C, H/(NC), D]
+        rows = received.permute(1, 2, 0, 3, 4)  # [B, s, N, H/N, D]
         return rows.reshape(batch, shard, heads, head_dim).transpose(1, 2)  # [B, H, s, D]
 
 
@@ -206,17 +187,10 @@ def _all_to_all(x: Tensor, group: SequenceGroup) -> _Pending:
     return _Pending(out, dist.all_to_all_single(out, x, group=group.group, async_op=True))
 
 
-def default_chunks(heads_per_rank: int) -> int:
-    """Head groups per rank for the overlap. 1: on 2 H200s the overlap measured no gain (0.938 s
-    with 4 groups vs 0.932 s with 1 per guided step; docs/performance.md), the exchanges being
-    ~2% of the step; kept as an option for slower links."""
-    return 1
-
-
 class SequenceParallelDiT(nn.Module):
     """A `PAN2DiT` run sequence-parallel over a process group; made by `parallelize_dit`."""
 
-    def __init__(self, model: PAN2DiT, group: SequenceGroup, *, chunks: int | None = None) -> None:
+    def __init__(self, model: PAN2DiT, group: SequenceGroup) -> None:
         super().__init__()
         heads = model.config.num_attention_heads
         if heads % group.world_size:
@@ -227,19 +201,6 @@ class SequenceParallelDiT(nn.Module):
         self.model = model
         self.group = group
         self.config = model.config
-        self.chunks = default_chunks(heads // group.world_size) if chunks is None else chunks
-
-    @property
-    def chunks(self) -> int:
-        """Head groups per rank whose all-to-alls overlap the other groups' attention (1: none)."""
-        return self._chunks
-
-    @chunks.setter
-    def chunks(self, value: int) -> None:
-        per_rank = self.config.num_attention_heads // self.group.world_size
-        if not isinstance(value, int) or value < 1 or per_rank % value:
-            raise ValueError(f"chunks={value!r}: must be an integer >= 1 that divides the {per_rank} heads per rank")
-        self._chunks = value
 
     def prepare_context(self, context: Tensor) -> ContextCache:
         """The text K/V of every block; the same on every rank (cross-attention stays local)."""
@@ -276,7 +237,7 @@ class SequenceParallelDiT(nn.Module):
                                "another wrapper's forward in progress")
         try:
             for layer, fn in zip(layers, plain):
-                layer.attention_fn = UlyssesAttention(fn, group=self.group, layout=layout, chunks=self.chunks)
+                layer.attention_fn = UlyssesAttention(fn, group=self.group, layout=layout)
             yield
         finally:
             for layer, fn in zip(layers, plain):
@@ -305,34 +266,29 @@ def _shard_rope(rope: tuple[Tensor, Tensor], layout: ShardLayout) -> tuple[Tenso
     return _pad_rows(cos, layout.shard, dim=0, value=1.0), _pad_rows(sin, layout.shard, dim=0)
 
 
-def parallelize_dit(
-    model: PAN2DiT, group: dist.ProcessGroup | SequenceGroup | None, *, chunks: int | None = None
-) -> PAN2DiT | SequenceParallelDiT:
+def parallelize_dit(model: PAN2DiT, group: dist.ProcessGroup | SequenceGroup | None) -> PAN2DiT | SequenceParallelDiT:
     """Apply Ulysses sequence parallelism to a plain `PAN2DiT` and return the wrapper to call (the
     model itself is left plain: the wrapper shards its self-attention during its own forward only).
     A group of one returns the model itself.
 
     ``group``: an initialised torch.distributed group (None: WORLD). Every rank must call the
-    returned module with identical arguments; every rank gets the full output. ``chunks``: head
-    groups per rank for overlapping the all-to-alls with attention (default `default_chunks`).
+    returned module with identical arguments; every rank gets the full output.
     """
     seq = group if isinstance(group, SequenceGroup) else SequenceGroup.of(group)
     if seq.world_size == 1:
         return model
-    return SequenceParallelDiT(model, seq, chunks=chunks)
+    return SequenceParallelDiT(model, seq)
 
 
 class UlyssesDenoiser:
     """The `Denoiser` of a group running every forward Ulysses-parallel over the whole group: a
-    guided step's two branches one after the other (or as one batch-2 forward with
-    ``batch_guidance``, `PAN2PipelineConfig.guidance_batch`), each over all ranks."""
+    guided step's two branches one after the other, each over all ranks."""
 
-    def __init__(self, model: PAN2DiT, group: SequenceGroup, *, batch_guidance: bool = False,
-                 chunks: int | None = None) -> None:
+    def __init__(self, model: PAN2DiT, group: SequenceGroup) -> None:
         self.group = group
-        self.dit = parallelize_dit(model, group, chunks=chunks)
+        self.dit = parallelize_dit(model, group)
         # The single-process strategy, run over the Ulysses wrapper instead of the plain model.
-        self.local = (BatchedGuidance if batch_guidance else SeparateGuidance)(self.dit)
+        self.local = SeparateGuidance(self.dit)
 
     @property
     def ranks(self) -> int:

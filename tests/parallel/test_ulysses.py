@@ -119,12 +119,10 @@ def _worker(rank: int, world: int, out: Path) -> None:
     before = len(calls.tokens)
     result.update(render_dmd(pipe))
     result["dmd_tokens_per_forward"] = calls.tokens[before:]
-    # Both branches Ulysses-parallel over the whole group (guidance_parallel off). Groups of 2 take the
-    # overlap path (one head chunk per head of the rank, q/k/v packed per chunk); 4 and 8 the default
-    # one chunk, where q, k, v arrive in the send layout itself.
+    # Both branches Ulysses-parallel over the whole group (guidance_parallel off): q, k, v arrive
+    # in the send layout itself.
     whole = parallelize_pipeline(tiny_pipeline(guidance_parallel=False), dist.group.WORLD)
     assert isinstance(whole.denoiser, UlyssesDenoiser)
-    whole.denoiser.dit.chunks = HEADS // world if world == 2 else 1
     embeds = {k: v for k, v in inputs().items() if k != "image"}
     result["t2v_whole_group"] = whole.sample(**embeds, **T2V)
     torch.save(result, out / f"rank{rank}.pt")
@@ -205,11 +203,6 @@ def test_heads_must_divide_by_group() -> None:
     with pytest.raises(ValueError, match="num_attention_heads=8 does not divide by the group size 3"):
         parallelize_dit(model, SequenceGroup(group=None, rank=0, world_size=3))
     assert parallelize_dit(model, SequenceGroup(group=None, rank=0, world_size=1)) is model
-    sp = parallelize_dit(model, SequenceGroup(group=None, rank=0, world_size=2))  # 4 heads per rank
-    sp.chunks = 2
-    with pytest.raises(ValueError, match="chunks=3: must be an integer >= 1 that divides the 4 heads per rank"):
-        sp.chunks = 3
-    assert sp.chunks == 2
 
 
 def _tiny_checkpoint_worker(rank: int, world: int, out: Path) -> None:
@@ -246,21 +239,18 @@ def test_guidance_split_only_for_even_groups() -> None:
     assert split.branch_name == "unconditional" and split.dit is model  # halves of one rank: the plain model
 
 
-@pytest.mark.parametrize("switches, guided, denoiser_type, batched, split_decode", [
-    ({}, "one branch per half of the group (1 rank(s) each, Ulysses within a half)", GuidanceSplitDenoiser,
-     False, True),
-    ({"guidance_parallel": False}, "both branches Ulysses over 2 ranks", UlyssesDenoiser, False, True),
-    ({"guidance_parallel": False, "guidance_batch": True}, "both branches Ulysses over 2 ranks", UlyssesDenoiser,
-     True, True),
+@pytest.mark.parametrize("switches, guided, denoiser_type, split_decode", [
+    ({}, "one branch per half of the group (1 rank(s) each, Ulysses within a half)", GuidanceSplitDenoiser, True),
+    ({"guidance_parallel": False}, "both branches Ulysses over 2 ranks", UlyssesDenoiser, True),
     ({"vae_decode_kernel_parallel": False}, "one branch per half of the group (1 rank(s) each, Ulysses within a "
-     "half)", GuidanceSplitDenoiser, False, False),
+     "half)", GuidanceSplitDenoiser, False),
 ])
 def test_parallelize_pipeline_picks_strategies_from_the_config(switches: dict, guided: str, denoiser_type: type,
-                                                               batched: bool, split_decode: bool) -> None:
+                                                               split_decode: bool) -> None:
     """Rank 1 of a group of 2, built without a process group (nothing collective runs while building
     halves of one rank): the config switches pick the parallel strategies, the plain pipeline is
     left as it was, and a parallel pipeline is not parallelized twice."""
-    from pan2render.models.strategies import BatchedGuidance, FastDecoder
+    from pan2render.models.strategies import FastDecoder, SeparateGuidance
     from pan2render.parallel import SplitDecoder
     from pan2render.parallel.group import SequenceGroup
 
@@ -271,7 +261,7 @@ def test_parallelize_pipeline_picks_strategies_from_the_config(switches: dict, g
     assert pipe is not plain and pipe.dit is plain.dit and plain.describe() == alone
     assert type(pipe.denoiser) is denoiser_type and pipe.denoiser.ranks == 2
     whole = pipe.denoiser if denoiser_type is UlyssesDenoiser else pipe.denoiser.unguided
-    assert isinstance(whole.local, BatchedGuidance) is batched
+    assert type(whole.local) is SeparateGuidance
     assert isinstance(pipe.frame_decoder, SplitDecoder if split_decode else FastDecoder)
     assert pipe.describe() == {**alone, "ranks": 2, "guided_steps": guided, "unguided_steps": "Ulysses over 2 ranks",
                                "decode": "split by layers over 2 ranks" if split_decode else alone["decode"]}
