@@ -52,7 +52,17 @@ def is_disk_full(exc: BaseException) -> bool:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if isinstance(e, sqlite3.OperationalError) and "disk is full" in str(e):
+        if isinstance(e, sqlite3.Error) and sqlite_error_name(e) == "SQLITE_FULL":
             return True
         e = e.__cause__ or e.__context__
     return False
+
+
+def sqlite_error_name(e: sqlite3.Error) -> str | None:
+    """The primary SQLite result code's name of ``e`` (``SQLITE_FULL``, ``SQLITE_BUSY``, ...), from
+    the extended one SQLite reported (``SQLITE_IOERR_SHORT_READ`` -> ``SQLITE_IOERR``); None for an
+    error the sqlite3 module raised itself (a misuse, not SQLite)."""
+    name = getattr(e, "sqlite_errorname", None)
+    if not name:
+        return None
+    return "_".join(name.split("_")[:2])

@@ -39,12 +39,13 @@ import os
 import socket
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from pan2render.jobs.disk import sqlite_error_name
 from pan2render.jobs.spec import JobSpec
 
 LEDGER_NAME = "ledger.sqlite"
@@ -102,6 +103,77 @@ class Stage(str, enum.Enum):
 STAGES: tuple[Stage, ...] = tuple(Stage)
 
 
+def stage_name(stage: Stage | str) -> str:
+    """A stage's name in the ledger: a :class:`Stage`'s value, or the name a flow declared."""
+    return stage.value if isinstance(stage, Stage) else str(stage)
+
+
+def _stage_key(name: str) -> Stage | str:
+    """A stage row's key: the :class:`Stage` of that name, else the name itself (a stage only a
+    flow declares). ``Stage`` is a str enum, so either looks up the same dict entry."""
+    try:
+        return Stage(name)
+    except ValueError:
+        return name
+
+
+class EventKind(str, enum.Enum):
+    """What an event of the ledger records (the ``events.kind`` column). A job's state change is
+    stored as ``"<from>-><to>"`` and a stage reset as ``"reset:<stage>"``; :class:`Event` reads
+    them back typed."""
+
+    ADDED = "added"
+    SPEC_UPDATED = "spec-updated"
+    TRANSITION = "transition"  # stored as "<from>-><to>"
+    TRACEBACK = "traceback"
+    RESTORED = "restored"
+    RESET = "reset"  # stored as "reset:<stage>"
+    SUPERSEDED = "superseded"
+    PARAMS_REWRITTEN = "params-rewritten"
+    GROUP_LOAD = "group-load"
+    CONDITIONING = "conditioning"
+    ENCODE = "encode"
+    GROUP_DISCARDED = "group-discarded"
+    GROUP_DIED = "group-died"
+    OTHER = "other"  # a kind this version does not know (a newer version wrote it)
+
+
+@dataclass(frozen=True)
+class Event:
+    at: float
+    job_id: str | None
+    kind: EventKind
+    detail: str
+    label: str  # the kind as stored, what `show` prints ("pending->running", "reset:sampling", ...)
+    transition: tuple[JobState, JobState] | None = None  # kind TRANSITION: (from, to)
+    stage: str | None = None  # kind RESET: the stage reset (with every later one)
+
+    @classmethod
+    def from_row(cls, at: float, job_id: str | None, kind: str, detail: str) -> Event:
+        if "->" in kind:
+            old, _, new = kind.partition("->")
+            try:
+                return cls(at, job_id, EventKind.TRANSITION, detail, kind, transition=(JobState(old), JobState(new)))
+            except ValueError:
+                return cls(at, job_id, EventKind.OTHER, detail, kind)
+        if kind.startswith("reset:"):
+            return cls(at, job_id, EventKind.RESET, detail, kind, stage=kind.removeprefix("reset:"))
+        try:
+            return cls(at, job_id, EventKind(kind), detail, kind)
+        except ValueError:
+            return cls(at, job_id, EventKind.OTHER, detail, kind)
+
+    def ended(self) -> JobState | None:
+        """The state a running job ended in, for a transition out of running."""
+        if self.transition is not None and self.transition[0] is JobState.RUNNING:
+            return self.transition[1]
+        return None
+
+    @property
+    def started(self) -> bool:
+        return self.transition == (JobState.PENDING, JobState.RUNNING)
+
+
 class JobEvent(str, enum.Enum):
     START = "start"
     FINISH = "finish"
@@ -143,7 +215,7 @@ def next_job_state(state: JobState, event: JobEvent) -> JobState:
 @dataclass(frozen=True)
 class StageRecord:
     job_id: str
-    stage: Stage
+    stage: Stage | str  # a Stage, or the name of a stage only a flow declares
     state: StageState
     artifact: str | None  # path relative to DIR
     sha256: str | None
@@ -200,6 +272,20 @@ class Ledger:
         self._conn = conn
         self.path = path
         self.backup_error: str | None = None
+        self._stage_names: tuple[str, ...] | None = None
+
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        """The stages each job has a row for, in order: the flow's the batch was recorded with
+        (meta ``stages``), else the standard :data:`STAGES`."""
+        if self._stage_names is None:
+            recorded = self.get_meta("stages") if self._has_meta() else None
+            self._stage_names = tuple(recorded) if recorded else tuple(s.value for s in STAGES)
+        return self._stage_names
+
+    def _has_meta(self) -> bool:
+        return self._conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone() \
+            is not None
 
     # ---------------------------------------------------------------- opening
     @classmethod
@@ -296,12 +382,17 @@ class Ledger:
         return default if row is None else json.loads(row[0])
 
     # ---------------------------------------------------------------- jobs
-    def record_batch(self, batch: dict[str, Any], specs: Iterable[JobSpec], *,
-                     retries: int) -> tuple[list[str], list[str]]:
+    def record_batch(self, batch: dict[str, Any], specs: Iterable[JobSpec], *, retries: int,
+                     stages: Sequence[str] | None = None) -> tuple[list[str], list[str]]:
         """The batch's description and every job in ONE transaction (then a backup): after a crash
-        or a full disk the ledger holds the whole batch or nothing of it. Returns what add_jobs does."""
+        or a full disk the ledger holds the whole batch or nothing of it. ``stages``: the stage
+        names of the flow that runs it, when not the standard ones (a ledger keeps the stages it
+        was first recorded with). Returns what add_jobs does."""
         with self._tx() as c:
             c.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", ("batch", json.dumps(batch)))
+            if stages is not None and self.get_meta("stages") is None:
+                c.execute("INSERT INTO meta VALUES (?, ?)", ("stages", json.dumps(list(stages))))
+                self._stage_names = tuple(stages)
             result = self._add_jobs(c, specs, retries=retries)
         self.backup_quietly()
         return result
@@ -331,7 +422,7 @@ class Ledger:
                 if row[0] != JobState.DONE.value and row[1] != spec_json:
                     c.execute("UPDATE jobs SET spec_json = ?, updated_at = ? WHERE id = ?",
                               (spec_json, now, jid))
-                    self._event(c, jid, "spec-updated", "fields outside the spec hash changed "
+                    self._event(c, jid, EventKind.SPEC_UPDATED, "fields outside the spec hash changed "
                                 "(gpus, image path); the batch's values apply")
                 continue
             c.execute(
@@ -340,12 +431,12 @@ class Ledger:
                 (jid, spec.name, json.dumps(spec.to_dict(), sort_keys=True), spec.spec_hash,
                  JobState.PENDING.value, retries, pos, now, now),
             )
-            for stage in STAGES:
+            for stage in self.stage_names:
                 c.execute(
                     "INSERT INTO stages (job_id, stage, state, updated_at) VALUES (?, ?, ?, ?)",
-                    (jid, stage.value, StageState.PENDING.value, now),
+                    (jid, stage, StageState.PENDING.value, now),
                 )
-            self._event(c, jid, "added", f"spec_hash {spec.spec_hash[:12]}")
+            self._event(c, jid, EventKind.ADDED, f"spec_hash {spec.spec_hash[:12]}")
             pos += 1
             added.append(jid)
         return added, present
@@ -362,7 +453,7 @@ class Ledger:
         return _job_record(row)
 
     def transition(self, job_id: str, event: JobEvent, *, reason: str, error: str | None = None,
-                   error_stage: Stage | None = None, retries: int | None = None) -> JobState:
+                   error_stage: Stage | str | None = None, retries: int | None = None) -> JobState:
         """Apply one lifecycle event (see :data:`JOB_TRANSITIONS`) and log it with its reason."""
         with self._tx() as c:
             job = _job_record(c.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone())
@@ -380,27 +471,27 @@ class Ledger:
                 "UPDATE jobs SET state = ?, attempts = ?, retries_left = ?, error = ?, error_stage = ?,"
                 " updated_at = ? WHERE id = ?",
                 (new.value, attempts, retries_left, error if keep_error else None,
-                 error_stage.value if (keep_error and error_stage) else None, time.time(), job_id),
+                 stage_name(error_stage) if (keep_error and error_stage) else None, time.time(), job_id),
             )
             if event is not JobEvent.START and event is not JobEvent.FINISH:
                 # A stage left "running" (by a dead driver or worker, or decode when encode failed)
                 # did not finish: back to pending. The stage that failed is already "failed".
                 c.execute("UPDATE stages SET state = ? WHERE job_id = ? AND state = ?",
                           (StageState.PENDING.value, job_id, StageState.RUNNING.value))
-            self._event(c, job_id, f"{job.state.value}->{new.value}", reason)
+            self._event(c, job_id, f"{job.state.value}->{new.value}", reason)  # EventKind.TRANSITION
             if keep_error and error_stage is not None:
                 # The failed stage's row keeps only its latest traceback; this attempt's is kept
                 # with its events so `show` can list every attempt's.
                 row = c.execute("SELECT traceback FROM stages WHERE job_id = ? AND stage = ?",
-                                (job_id, error_stage.value)).fetchone()
+                                (job_id, stage_name(error_stage))).fetchone()
                 if row and row[0]:
-                    self._event(c, job_id, "traceback", row[0])
+                    self._event(c, job_id, EventKind.TRACEBACK, row[0])
         if event is JobEvent.FINISH:
             self.backup_quietly()  # a safe point: a damaged ledger then loses at most this job
         return new
 
     def restore_job(self, spec: JobSpec, *, state: JobState, attempts: int, retries: int,
-                    stages: dict[Stage, dict[str, Any]], reason: str) -> None:
+                    stages: dict[str, dict[str, Any]], reason: str) -> None:
         """Insert a job rebuilt by ``repair`` with the state and stage records its artifacts prove
         (``stages``: stage -> StageRecord fields for the stages found done; the rest are pending)."""
         now = time.time()
@@ -411,29 +502,31 @@ class Ledger:
                 " position, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (spec.job_id, spec.name, json.dumps(spec.to_dict(), sort_keys=True), spec.spec_hash,
                  state.value, attempts, retries, pos, now, now))
-            for stage in STAGES:
+            for stage in self.stage_names:
                 c.execute("INSERT INTO stages (job_id, stage, state, updated_at) VALUES (?, ?, ?, ?)",
-                          (spec.job_id, stage.value, StageState.PENDING.value, now))
+                          (spec.job_id, stage, StageState.PENDING.value, now))
                 if stage in stages:
                     self._set_stage(c, spec.job_id, stage, StageState.DONE, **stages[stage])
-            self._event(c, spec.job_id, "restored", reason)
+            self._event(c, spec.job_id, EventKind.RESTORED, reason)
 
     # ---------------------------------------------------------------- stages
-    def stages(self, job_id: str) -> dict[Stage, StageRecord]:
+    def stages(self, job_id: str) -> dict[Stage | str, StageRecord]:
+        """The job's stage rows in the ledger's order, keyed by :class:`Stage` (or a flow's own name)."""
         rows = self._conn.execute(
             "SELECT job_id, stage, state, artifact, sha256, size, seconds, error, traceback"
             " FROM stages WHERE job_id = ?", (job_id,)).fetchall()
-        recs = [StageRecord(r[0], Stage(r[1]), StageState(r[2]), *r[3:]) for r in rows]
-        return {r.stage: r for r in sorted(recs, key=lambda r: STAGES.index(r.stage))}
+        order = {name: i for i, name in enumerate(self.stage_names)}
+        recs = [StageRecord(r[0], _stage_key(r[1]), StageState(r[2]), *r[3:]) for r in rows]
+        return {r.stage: r for r in sorted(recs, key=lambda r: order.get(stage_name(r.stage), len(order)))}
 
-    def set_stage(self, job_id: str, stage: Stage, state: StageState, *, artifact: str | None = None,
+    def set_stage(self, job_id: str, stage: Stage | str, state: StageState, *, artifact: str | None = None,
                   sha256: str | None = None, size: int | None = None, seconds: float | None = None,
                   error: str | None = None, traceback: str | None = None) -> None:
         with self._tx() as c:
             self._set_stage(c, job_id, stage, state, artifact=artifact, sha256=sha256, size=size,
                             seconds=seconds, error=error, traceback=traceback)
 
-    def set_stages(self, job_id: str, updates: list[tuple[Stage, StageState, dict[str, Any]]], *,
+    def set_stages(self, job_id: str, updates: list[tuple[Stage | str, StageState, dict[str, Any]]], *,
                    documents: dict[str, str] | None = None) -> None:
         """Several stage rows in one transaction (decode + encode finish together), with the text of
         the small files written beside the artifact (``documents``: name -> text)."""
@@ -460,9 +553,10 @@ class Ledger:
         c.execute("INSERT OR REPLACE INTO documents (job_id, name, body, updated_at) VALUES (?, ?, ?, ?)",
                   (job_id, name, body, time.time()))
 
-    def reset_stages(self, job_id: str, from_stage: Stage, *, reason: str) -> None:
+    def reset_stages(self, job_id: str, from_stage: Stage | str, *, reason: str) -> None:
         """Mark ``from_stage`` and every later stage pending (their inputs are being redone)."""
-        later = [s.value for s in STAGES[STAGES.index(from_stage):]]
+        names = self.stage_names
+        later = list(names[names.index(stage_name(from_stage)):])
         with self._tx() as c:
             c.execute(
                 f"UPDATE stages SET state = ?, artifact = NULL, sha256 = NULL, size = NULL,"
@@ -470,9 +564,9 @@ class Ledger:
                 f" WHERE job_id = ? AND stage IN ({','.join('?' * len(later))})",
                 (StageState.PENDING.value, time.time(), job_id, *later),
             )
-            self._event(c, job_id, f"reset:{from_stage.value}", reason)
+            self._event(c, job_id, f"reset:{stage_name(from_stage)}", reason)  # EventKind.RESET
 
-    def _set_stage(self, c: sqlite3.Connection, job_id: str, stage: Stage, state: StageState, *,
+    def _set_stage(self, c: sqlite3.Connection, job_id: str, stage: Stage | str, state: StageState, *,
                    artifact: str | None = None, sha256: str | None = None, size: int | None = None,
                    seconds: float | None = None, error: str | None = None,
                    traceback: str | None = None) -> None:
@@ -480,25 +574,28 @@ class Ledger:
             "UPDATE stages SET state = ?, artifact = ?, sha256 = ?, size = ?, seconds = ?, error = ?,"
             " traceback = ?, updated_at = ? WHERE job_id = ? AND stage = ?",
             (state.value, artifact, sha256, size, seconds, error, traceback, time.time(), job_id,
-             stage.value),
+             stage_name(stage)),
         )
-        assert cur.rowcount == 1, f"no stage row {job_id}/{stage.value}"
+        assert cur.rowcount == 1, f"no stage row {job_id}/{stage_name(stage)}"
 
     # ---------------------------------------------------------------- events
-    def log(self, job_id: str | None, kind: str, detail: str) -> None:
+    def log(self, job_id: str | None, kind: EventKind, detail: str) -> None:
         with self._tx() as c:
             self._event(c, job_id, kind, detail)
 
-    def events(self, job_id: str | None = None) -> list[tuple[float, str | None, str, str]]:
+    def events(self, job_id: str | None = None) -> list[Event]:
         if job_id is None:
-            return self._conn.execute("SELECT at, job_id, kind, detail FROM events ORDER BY seq").fetchall()
-        return self._conn.execute("SELECT at, job_id, kind, detail FROM events WHERE job_id = ?"
-                                  " ORDER BY seq", (job_id,)).fetchall()
+            rows = self._conn.execute("SELECT at, job_id, kind, detail FROM events ORDER BY seq").fetchall()
+        else:
+            rows = self._conn.execute("SELECT at, job_id, kind, detail FROM events WHERE job_id = ?"
+                                      " ORDER BY seq", (job_id,)).fetchall()
+        return [Event.from_row(*r) for r in rows]
 
     @staticmethod
-    def _event(c: sqlite3.Connection, job_id: str | None, kind: str, detail: str) -> None:
+    def _event(c: sqlite3.Connection, job_id: str | None, kind: EventKind | str, detail: str) -> None:
+        """``kind``: an EventKind, or the stored forms of a transition and a reset (see EventKind)."""
         c.execute("INSERT INTO events (at, job_id, kind, detail) VALUES (?, ?, ?, ?)",
-                  (time.time(), job_id, kind, detail))
+                  (time.time(), job_id, kind.value if isinstance(kind, EventKind) else kind, detail))
 
 
 @contextmanager
@@ -573,9 +670,10 @@ def _raise_as_ledger_error(path: Path, e: sqlite3.Error) -> NoReturn:
     """Raise a sqlite3 error met on opening as the LedgerError it means (a full disk stays itself:
     the CLI's disk-full handling names the folder and what to free)."""
     text = str(e)
-    if "disk is full" in text or "locked" in text:  # not damage: a full disk, or a writer mid-change
+    code = sqlite_error_name(e)
+    if code in ("SQLITE_FULL", "SQLITE_BUSY", "SQLITE_LOCKED"):  # not damage: a full disk, or a writer mid-change
         raise e
-    if "readonly" in text or "unable to open" in text:
+    if code in ("SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM"):
         raise LedgerError(path, f"cannot be written ({text}): the file or its folder is read-only, or "
                                  "belongs to another user",
                            f"give this user write access to {path} and to {path.parent} (SQLite writes a "

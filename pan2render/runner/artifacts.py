@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 
 from pan2render.jobs.batch import sha256_file
 from pan2render.jobs.disk import ensure_free
+from pan2render.jobs.ledger import StageRecord
 from pan2render.jobs.spec import JobSpec
 from pan2render.media.video import fsync_dir
 from pan2render.runner.retry import JobInputError
@@ -180,6 +181,11 @@ class Recorded:
     relpath: str | None
     sha256: str | None
     size: int | None
+
+
+def recorded(rec: StageRecord) -> Recorded:
+    """The artifact a stage row records."""
+    return Recorded(rec.artifact, rec.sha256, rec.size)
 
 
 def check_present(out_dir: Path, rec: Recorded) -> str | None:

@@ -37,13 +37,13 @@ from pan2render.jobs.batch import Overrides, list_presets, preset_text
 from pan2render.jobs.ledger import LEDGER_NAME, FolderLock, FolderLockedError, JobRecord, JobState, Ledger
 from pan2render.jobs.spec import Batch, BatchValidationError, JobSpec
 from pan2render.runner import errors
+from pan2render.runner.executor import LOCAL_ADDRESS
 from pan2render.runner.progress import RUN_LOG_NAME, RunLog, RunProgress
 
 # The driver, the groups and the workers import torch (seconds); commands that read a batch or a
 # ledger (--version, presets, validate, show) do without them, so they are imported on use.
 if TYPE_CHECKING:
     from pan2render.runner.driver import RunSummary
-    from pan2render.runner.groups import Executor
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENVIRONMENT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -177,7 +177,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     H200 host, before the first video). A run's GPU workers are still its own."""
     import subprocess  # noqa: PLC0415
 
-    from pan2render.runner.groups import node_start_command  # noqa: PLC0415
+    from pan2render.runner.cluster import node_start_command  # noqa: PLC0415
+    from pan2render.runner.executor import local_gpus  # noqa: PLC0415
 
     env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     if args.action == "stop":
@@ -194,7 +195,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     if not 1 <= args.port <= 65535:
         _err(f"error: --port {args.port}: must be a TCP port, 1-65535")
         return EXIT_USAGE
-    gpus, cuda, why = _local_gpus(args.cpu_gpus, max_gpus=1)
+    gpus, cuda, why = local_gpus(args.cpu_gpus, max_gpus=1)
     if why:
         print(why.replace("running on CPU", "the node runs on CPU"))
     done = subprocess.run(node_start_command(gpus=gpus, port=args.port), env=env, capture_output=True,
@@ -314,7 +315,8 @@ def cmd_repair(args: argparse.Namespace) -> int:
 def _drive(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str], log: RunLog, *,
            flags: list[str]) -> int:
     from pan2render.runner.driver import Driver, DriverConfig, prepare_jobs  # noqa: PLC0415
-    from pan2render.runner.groups import ClusterConnectError  # noqa: PLC0415
+    from pan2render.runner.cluster import ClusterConnectError  # noqa: PLC0415
+    from pan2render.runner.executor import make_executor  # noqa: PLC0415
 
     config = DriverConfig(retries=args.retries, progress=not args.no_progress,
                           group_start_timeout_s=args.group_start_timeout, cluster_wait_s=args.cluster_wait)
@@ -329,7 +331,8 @@ def _drive(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str], 
         return EXIT_OK
     asked = time.time()
     try:
-        executor = _make_executor(args, max_gpus=max(j.spec.gpus for j in jobs), log=log)
+        executor = make_executor(address=_address(args), cpu_gpus=args.cpu_gpus,
+                                 max_gpus=max(j.spec.gpus for j in jobs), say=log.line)
     except ClusterConnectError as e:
         log.line(f"error: {e}")
         return EXIT_USAGE
@@ -366,62 +369,6 @@ def _run_with_report(out: Path, log: RunLog, run: Callable[[Callable[[], None]],
             log.line(f"report: {path}")
 
 
-def _make_executor(args: argparse.Namespace, *, max_gpus: int, log: RunLog) -> Executor:
-    from pan2render.runner.groups import LocalExecutor, RayExecutor, running_local_node  # noqa: PLC0415 - ray only here
-    from pan2render.runner.messages import DEFAULT_PIPELINE_FACTORY, WorkerConfig  # noqa: PLC0415
-
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # no uv-run runtime env probing
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    faults = json.loads(os.environ.get("PAN2_RENDER_FAULTS", "{}"))
-    factory = os.environ.get("PAN2_RENDER_PIPELINE", DEFAULT_PIPELINE_FACTORY)
-    if os.environ.get("PAN2_RENDER_EXECUTOR") == "local":
-        return LocalExecutor(gpus=args.cpu_gpus or max_gpus,
-                             config=WorkerConfig(pipeline_factory=factory, faults=faults))
-    cpus = os.cpu_count() or 1
-    address = _address(args)
-    if address not in (None, LOCAL_ADDRESS):
-        return RayExecutor(address=address, gpus=None, cpus=None,
-                           config=WorkerConfig(pipeline_factory=factory, faults=faults))
-    import ray  # noqa: PLC0415
-
-    if address is None and not ray.is_initialized():
-        node, note = running_local_node()
-        if note:
-            log.line(note)
-        if node is not None:
-            if args.cpu_gpus is not None:
-                log.line(f"--cpu-gpus {args.cpu_gpus} is not used: the Ray node kept up on this machine has its own "
-                         f"GPUs (`--address local` runs on a cluster of this run's own)")
-            return RayExecutor(address=node, gpus=None, cpus=None, local_node=True,
-                               config=WorkerConfig(pipeline_factory=factory, faults=faults))
-    gpus, cuda, why = _local_gpus(args.cpu_gpus, max_gpus=max_gpus)
-    if ray.is_initialized():  # embedded in a process already connected to a cluster (tests)
-        gpus = int(ray.cluster_resources().get("GPU", 0)) or 1
-    elif why:
-        log.line(why)
-    threads = None if cuda and args.cpu_gpus is None else max(1, cpus // gpus)
-    return RayExecutor(address=None, gpus=gpus, cpus=cpus,
-                       config=WorkerConfig(pipeline_factory=factory, faults=faults, threads=threads))
-
-
-def _local_gpus(cpu_gpus: int | None, *, max_gpus: int) -> tuple[int, int, str | None]:
-    """(GPUs a local cluster gets, CUDA devices found, a note for the user when they are logical).
-    The devices are counted through NVML, without importing torch (`runner/devices.py`)."""
-    from pan2render.runner.devices import cuda_gpu_count  # noqa: PLC0415
-
-    cuda = cuda_gpu_count()
-    if cpu_gpus is not None:
-        return cpu_gpus, cuda, None
-    if cuda:
-        return cuda, cuda, None
-    # A CPU-only machine: logical GPUs, enough for the largest group.
-    return max_gpus, 0, (f"no CUDA GPU found: running on CPU with {max_gpus} logical GPU(s) "
-                         f"(set --cpu-gpus N to change)")
-
-
-LOCAL_ADDRESS = "local"  # --address local: a cluster of this run's own, even with a node kept up here
-
-
 def _address(args: argparse.Namespace) -> str | None:
     """The cluster to join: --address, else RAY_ADDRESS as Ray documents it (set on a cluster's
     nodes, it means "join this cluster", never "start one"), else None (start a local one)."""
@@ -450,7 +397,7 @@ def _note_superseded(ledger: Ledger, batch: Batch, added: set[str], old_files: d
 def _warn_if_short_of_space(out: Path, jobs: list[JobRecord], log: RunLog) -> None:
     """Before starting: warn (only) when the unfinished jobs' artifacts may not fit. An estimate:
     each write is checked against its real size, and a full disk stops the batch cleanly."""
-    from pan2render.runner.stages import estimated_bytes  # noqa: PLC0415
+    from pan2render.runner.artifacts import estimated_bytes  # noqa: PLC0415
 
     need = sum(estimated_bytes(j.spec) for j in jobs)
     free = disk.free_bytes(out)
@@ -478,7 +425,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _print_plan(batch: Batch, out: Path | None, args: argparse.Namespace) -> None:
-    from pan2render.runner.plan import History, history_folders, plan  # noqa: PLC0415
+    from pan2render.runner.estimates import History, history_folders, plan  # noqa: PLC0415
     from pan2render.runner.views import format_estimate, format_plan  # noqa: PLC0415
 
     done: set[str] = set()
@@ -488,10 +435,12 @@ def _print_plan(batch: Batch, out: Path | None, args: argparse.Namespace) -> Non
         ledger.close()
     todo = [j for j in batch.jobs if j.job_id not in done]
     max_gpus = max((j.gpus for j in batch.jobs), default=1)
+    from pan2render.runner.executor import local_gpus  # noqa: PLC0415
+
     if getattr(args, "address", None) not in (None, LOCAL_ADDRESS):
         gpus, note = max_gpus, "the cluster's GPU count is known only once joined: assumed"
     else:
-        gpus, cuda, _why = _local_gpus(getattr(args, "cpu_gpus", None), max_gpus=max_gpus)
+        gpus, cuda, _why = local_gpus(getattr(args, "cpu_gpus", None), max_gpus=max_gpus)
         note = "GPUs found on this machine" if cuda and gpus == cuda else "logical GPUs on this CPU"
     the_plan = plan(todo, gpus=gpus, history=History.from_folders(history_folders(out)))
     print(format_plan(batch.jobs, done=done, the_plan=the_plan))
@@ -627,11 +576,11 @@ def _check_cluster_args(args: argparse.Namespace) -> int | None:
         given = "--address" if args.address else f"RAY_ADDRESS={os.environ['RAY_ADDRESS']} (set in the environment)"
         problem = f"--cpu-gpus declares GPUs of a LOCAL cluster; it cannot be used with {given}"
     else:
-        from pan2render.runner.groups import ray_client_missing  # noqa: PLC0415
+        from pan2render.runner.cluster import ray_client_missing  # noqa: PLC0415
 
         problem = ray_client_missing(_address(args))
     if problem is None and _address(args) and not getattr(args, "dry_run", False):
-        from pan2render.runner.groups import ClusterConnectError, probe_address  # noqa: PLC0415
+        from pan2render.runner.cluster import ClusterConnectError, probe_address  # noqa: PLC0415
 
         try:
             probe_address(_address(args))

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pan2render.jobs.disk import is_disk_full
+from pan2render.jobs.disk import is_disk_full, sqlite_error_name
 from pan2render.jobs.ledger import LedgerError
 from pan2render.runner.retry import BatchStopped, ClusterLostError
 
@@ -48,7 +48,7 @@ def explain(e: BaseException, *, folder: Path | None) -> str:
         path = e.filename or where
         return (f"{path} cannot be written ({e.strerror}): the filesystem is read-only or this user lacks "
                 f"permission. Give this user write access to {where}, then {resume}.")
-    if isinstance(e, sqlite3.OperationalError) and "locked" in str(e):
+    if isinstance(e, sqlite3.Error) and sqlite_error_name(e) in ("SQLITE_BUSY", "SQLITE_LOCKED"):
         return (f"the ledger in {where} stayed locked by another process for longer than its 10 s "
                 f"wait ({e}); run the command again in a moment.")
     if isinstance(e, sqlite3.Error):

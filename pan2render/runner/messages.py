@@ -7,8 +7,9 @@ Each call type says, once, everything the driver and the executor need to know a
 ledger stage it belongs to, what progress shows while it runs, its lane on the worker, and its
 deadline (key and default of ``DriverConfig.call_timeouts_s``).
 
-Messages stay small: artifacts (embeddings, latents, mp4s) travel as ``bytes``, specs as the
-job's plain dict (what the ledger stores), so Ray pickles plain data only.
+Messages stay small: artifacts (embeddings, latents, mp4s) travel as ``bytes``. A job's
+``JobSpec`` travels once per attempt on a group, with the attempt's first call that needs it
+(``spec``; None on later calls): the workers keep it for the job's later calls.
 
     RendezvousCall                              -> RendezvousReply     rank 0 only, group set-up
     InitGroupCall                               -> InitGroupReply      every rank, group set-up
@@ -17,6 +18,8 @@ job's plain dict (what the ledger stores), so Ray pickles plain data only.
     SampleCall(model, job_id, spec, embeds...)  -> SampleReply         latents safetensors bytes
     DecodeCall(model, job_id, spec, latents)    -> DecodeReply         hands the encode to a thread
     CollectCall(job_id)                         -> CollectReply        the checked mp4 (I/O lane)
+
+Which stage makes which call, and how its reply is recorded, is declared in ``jobflow.py``.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
 from pan2render.jobs.ledger import Stage
+from pan2render.jobs.spec import JobSpec
 from pan2render.phases import Phase
-from pan2render.runner.retry import FailureKind
+from pan2render.runner.retry import Failure
 
 DEFAULT_PIPELINE_FACTORY = "pan2render.runner.worker:load_pan2_pipeline"
 
@@ -188,7 +192,7 @@ class SampleCall(WorkerCall):
     default_timeout_s: ClassVar[float] = 7200.0
     model: str
     job_id: str
-    spec: dict[str, Any]  # JobSpec.to_dict()
+    spec: JobSpec | None  # None: sent with an earlier call of this attempt
     prompt_embeds: bytes  # safetensors, as cached
     negative_embeds: bytes
     image: bytes | None = None  # the first-frame image file's bytes: workers need no shared disk
@@ -207,7 +211,7 @@ class DecodeCall(WorkerCall):
     default_timeout_s: ClassVar[float] = 1800.0
     model: str
     job_id: str
-    spec: dict[str, Any]
+    spec: JobSpec | None  # None: sent with an earlier call of this attempt
     latents: bytes
 
 
@@ -247,22 +251,13 @@ R = TypeVar("R")
 
 
 @dataclass(frozen=True)
-class WorkerFailure:
-    """A call that raised on a worker, classified there by the exception's type (retry.py)."""
-
-    kind: FailureKind
-    error: str  # "ExcType: message"
-    traceback: str
-
-
-@dataclass(frozen=True)
 class Reply(Generic[R]):
     """One rank's answer to a call. ``execute`` never raises, so a failure comes back here, with
     its rank; an exception from Ray instead means the worker process itself is gone."""
 
     rank: int
     value: R | None = None  # the call's typed reply on rank 0; None on other ranks and on failure
-    failure: WorkerFailure | None = None
+    failure: Failure | None = None  # built on the worker, classified there by the exception's type
     seconds: float = 0.0  # how long the call ran on this rank
 
     @property

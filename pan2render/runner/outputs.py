@@ -21,7 +21,7 @@ from typing import Any
 from pan2render import __version__
 from pan2render.jobs.ledger import STAGES, JobRecord, Ledger
 from pan2render.jobs.spec import JobSpec
-from pan2render.runner import stages
+from pan2render.runner import artifacts
 from pan2render.sampling import flow_sigma_values
 
 PARAMS_NAME = "params.json"
@@ -107,7 +107,7 @@ def write_params(out_dir: Path, *, job: JobRecord, seconds: dict[str, float | No
     """Write ``DIR/<job>/params.json`` atomically; returns its text for the ledger to record in the
     same transaction as the video it describes."""
     text = params_text(params_document(job=job, seconds=seconds, load=load, created_at=time.time()))
-    stages.write_artifact(out_dir, params_relpath(job.id), text.encode())
+    artifacts.write_artifact(out_dir, params_relpath(job.id), text.encode())
     return text
 
 
@@ -129,6 +129,6 @@ def restore_params(out_dir: Path, ledger: Ledger, job: JobRecord) -> str | None:
             problem = f"{params_relpath(job.id)} differs from the ledger's copy (truncated or edited)"
         except FileNotFoundError:
             problem = f"{params_relpath(job.id)} is missing"
-    stages.write_artifact(out_dir, params_relpath(job.id), recorded.encode())
+    artifacts.write_artifact(out_dir, params_relpath(job.id), recorded.encode())
     ledger.set_document(job.id, PARAMS_NAME, recorded)
     return problem

@@ -26,7 +26,9 @@ from safetensors import SafetensorError, safe_open
 from pan2render.jobs.ledger import BACKUP_NAME, LEDGER_NAME, JobState, Ledger, LedgerError, Stage
 from pan2render.jobs.spec import Batch, JobSpec
 from pan2render.media.video import fsync_dir
-from pan2render.runner import stages
+from pan2render.runner import artifacts
+from pan2render.runner.jobflow import JobFlow
+from pan2render.runner.stages import PAN2_FLOW
 from pan2render.runner.outputs import PARAMS_NAME
 
 
@@ -58,8 +60,10 @@ class _Found:
     attempts: int = 0
 
 
-def repair(out_dir: Path, *, batch: Batch | None, retries: int, say: Callable[[str], None]) -> RepairSummary:
-    """Rebuild ``out_dir``'s ledger (the caller holds the folder lock)."""
+def repair(out_dir: Path, *, batch: Batch | None, retries: int, say: Callable[[str], None],
+           flow: JobFlow = PAN2_FLOW) -> RepairSummary:
+    """Rebuild ``out_dir``'s ledger (the caller holds the folder lock). Each job's stages are
+    re-checked by ``flow``'s declaration (``JobFlow.proven``), as ``resume`` checks them."""
     path = out_dir / LEDGER_NAME
     if path.is_file():
         problem = _ledger_problem(path)
@@ -84,10 +88,13 @@ def repair(out_dir: Path, *, batch: Batch | None, retries: int, say: Callable[[s
     fresh = Ledger.open_file(tmp)
     try:
         fresh.set_meta("batch", meta or {"path": None, "model": None, "preset": None})
+        if flow.stages != PAN2_FLOW.stages:
+            fresh.set_meta("stages", list(flow.stages))
         for item in found.values():
-            state, done_stages = _check_artifacts(out_dir, item.spec)
-            summary.done += state is JobState.DONE
-            summary.sampled += state is not JobState.DONE and Stage.SAMPLING in done_stages
+            done, done_stages = flow.proven(out_dir, item.spec)
+            state = JobState.DONE if done else JobState.PENDING
+            summary.done += done
+            summary.sampled += not done and Stage.SAMPLING.value in done_stages
             fresh.restore_job(item.spec, state=state, attempts=item.attempts, retries=retries,
                               stages=done_stages, reason="rebuilt by `pan2-render repair` from the artifacts")
     finally:
@@ -154,7 +161,7 @@ def _from_job_folders(out_dir: Path, say: Callable[[str], None]) -> list[JobSpec
     for folder in sorted(out_dir.iterdir()):
         if folder.name.startswith((".", "_")) or folder.is_symlink() or not folder.is_dir():
             continue
-        spec = _spec_from_params(folder / PARAMS_NAME) or _spec_from_latents(folder / stages.LATENTS_NAME)
+        spec = _spec_from_params(folder / PARAMS_NAME) or _spec_from_latents(folder / artifacts.LATENTS_NAME)
         if spec is None:
             continue
         if spec.job_id != folder.name:
@@ -197,33 +204,6 @@ def _spec_from_latents(path: Path) -> JobSpec | None:
         return None if text is None else _spec_from_dict(json.loads(text))
     except (SafetensorError, OSError, ValueError):
         return None
-
-
-def _check_artifacts(out_dir: Path, spec: JobSpec) -> tuple[JobState, dict[Stage, dict[str, Any]]]:
-    """What the artifacts on disk prove about one job, re-checked as ``resume`` checks them."""
-    done: dict[Stage, dict[str, Any]] = {}
-    rel = stages.latents_relpath(spec.job_id)
-    rec = _recorded(out_dir, rel)
-    if rec is not None and stages.check_latents(out_dir, rec, spec_hash=spec.spec_hash) is None:
-        done[Stage.CONDITIONING] = {}  # consumed by the latents; its cache file is checked when needed
-        done[Stage.SAMPLING] = {"artifact": rel, "sha256": rec.sha256, "size": rec.size}
-    rel = stages.video_relpath(spec.job_id)
-    rec = _recorded(out_dir, rel)
-    if rec is not None and stages.check_video(out_dir, rec, frames=spec.frames, width=spec.width,
-                                              height=spec.height) is None:
-        done[Stage.DECODE] = {}
-        done[Stage.ENCODE] = {"artifact": rel, "sha256": rec.sha256, "size": rec.size}
-        return JobState.DONE, done
-    done.pop(Stage.DECODE, None)
-    return JobState.PENDING, done
-
-
-def _recorded(out_dir: Path, rel: str) -> stages.Recorded | None:
-    path = out_dir / rel
-    if not path.is_file() or path.is_symlink():
-        return None
-    data = path.read_bytes()
-    return stages.Recorded(rel, stages.sha256_bytes(data), len(data))
 
 
 def _move_aside(path: Path, summary: RepairSummary) -> None:

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pan2render.jobs.ledger import STAGES, JobRecord, JobState, Ledger, Stage, StageRecord, StageState
+from pan2render.jobs.ledger import Event, JobRecord, JobState, Ledger, Stage, StageRecord, StageState, stage_name
 from pan2render.runner import outputs
-from pan2render.runner import stages as st
+from pan2render.runner import artifacts as st
 
 REPORT_NAME = "index.html"
 POSTER_DIR = "_report"
@@ -82,17 +82,18 @@ def _status(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], new
         video = str((out_dir / enc.artifact).absolute())
     return JobStatus(id=job.id, name=job.name, state=job.state.value, stage=_stage_of(job, stages),
                      attempts=job.attempts, error=job.error, video=video,
-                     seconds={s.value: stages[s].seconds for s in STAGES}, superseded_by=newer,
+                     seconds={stage_name(s): r.seconds for s, r in stages.items()}, superseded_by=newer,
                      problem=problem)
 
 
-def _stage_of(job: JobRecord, stages: dict[Stage, Any]) -> str | None:
+def _stage_of(job: JobRecord, stages: dict[Stage | str, StageRecord]) -> str | None:
+    """The stage a job stands at: the failed one, else its first stage not done, else its last."""
     if job.state is JobState.FAILED and job.error_stage:
         return job.error_stage
-    for s in STAGES:
-        if stages[s].state is not StageState.DONE:
-            return s.value
-    return STAGES[-1].value
+    for s, r in stages.items():
+        if r.state is not StageState.DONE:
+            return stage_name(s)
+    return stage_name(list(stages)[-1])
 
 
 def shown_state(r: JobStatus) -> str:
@@ -238,7 +239,7 @@ def _tile(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], *, la
     params = outputs.params_relpath(job.id)
     tb = None
     if job.error_stage:
-        tb = stages[Stage(job.error_stage)].traceback
+        tb = stages[job.error_stage].traceback
     width, height = _display_size(job.spec.width, job.spec.height)
     return Tile(id=job.id, name=job.name, state=job.state.value, stage=status.stage, attempts=job.attempts,
                 label=label, video=video, poster=poster,
@@ -277,20 +278,20 @@ def _grid(name: str, jobs: list[JobRecord], tiles: dict[str, Tile], batch_varyin
     return grid
 
 
-def _wall_seconds(events: list[tuple[float, str | None, str, str]]) -> float:
+def _wall_seconds(events: list[Event]) -> float:
     """Time during which at least one job was running (the union of every attempt's interval), so
     the idle time between a run and a later resume does not count."""
     started: dict[str, float] = {}
     intervals: list[tuple[float, float]] = []
     last = 0.0
-    for at, job_id, kind, _ in events:
-        last = max(last, at)
-        if job_id is None:
+    for e in events:
+        last = max(last, e.at)
+        if e.job_id is None:
             continue
-        if kind == f"{JobState.PENDING.value}->{JobState.RUNNING.value}":
-            started[job_id] = at
-        elif kind.startswith(f"{JobState.RUNNING.value}->") and job_id in started:
-            intervals.append((started.pop(job_id), at))
+        if e.started:
+            started[e.job_id] = e.at
+        elif e.ended() is not None and e.job_id in started:
+            intervals.append((started.pop(e.job_id), e.at))
     intervals += [(t, last) for t in started.values()]  # still running (or its driver died)
     total, end = 0.0, float("-inf")
     for a, b in sorted(intervals):

@@ -33,7 +33,7 @@ import enum
 import errno
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from pan2render.jobs.disk import is_disk_full
 from pan2render.jobs.ledger import JobRecord, Stage
@@ -127,6 +127,32 @@ def classify_group_death(cause: BaseException | None) -> FailureKind:
     return FailureKind.OUT_OF_MEMORY if cause is not None and _out_of_memory(cause) else FailureKind.WORKER_DEATH
 
 
+# ---------------------------------------------------------------------- a failure
+@dataclass(frozen=True)
+class Failure:
+    """One failure of a job, built once where it happened (a worker's call, a group that died, the
+    driver's own check or write) and passed whole to the policy and the ledger.
+
+    ``kind`` is decided there and never rewritten: a worker classifies what it raised, the
+    executor what became of a group (cluster-lost when its node or its GPUs are gone)."""
+
+    stage: Stage | str  # the stage it is charged to
+    kind: FailureKind
+    error: str  # "ExcType: message", or what happened to the group
+    traceback: str | None = None
+    rank: int | None = None  # the worker's rank, for a failure inside a call
+    # What the driver caught (not sent between processes; a stopped batch re-raises it).
+    cause: BaseException | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def message(self) -> str:
+        """The error as the ledger and the terminal show it."""
+        return self.error if self.rank is None else f"rank {self.rank}: {self.error}"
+
+    def without_cause(self) -> Failure:
+        return self if self.cause is None else replace(self, cause=None)
+
+
 # ---------------------------------------------------------------------- the policy
 @dataclass(frozen=True)
 class Decision:
@@ -158,11 +184,15 @@ def keeps_group(kind: FailureKind, where: OnGroup | None) -> bool:
     return where.size == 1
 
 
-def _signature(stage: Stage, error: str) -> str:
+def _signature(stage: Stage | str, error: str) -> str:
     """An error with its varying parts (group ids, pids, addresses, counts) blanked, so that the
     same failure twice compares equal."""
     first = error.strip().splitlines()[0] if error.strip() else ""
-    return f"{stage.value}:{re.sub(r'0x[0-9a-f]+|[0-9]+', '#', first)}"
+    return f"{stage}:{re.sub(r'0x[0-9a-f]+|[0-9]+', '#', first)}"
+
+
+def _name(stage: Stage | str) -> str:
+    return stage.value if isinstance(stage, Stage) else stage
 
 
 class RetryPolicy:
@@ -171,8 +201,10 @@ class RetryPolicy:
     def __init__(self) -> None:
         self._last: dict[str, str] = {}  # job id -> signature of its last failure in this run
 
-    def decide(self, job: JobRecord, kind: FailureKind, stage: Stage, error: str, *,
-               on_group: OnGroup | None = None) -> Decision:
+    def decide(self, job: JobRecord, failure: Failure, *, on_group: OnGroup | None = None) -> Decision:
+        """What becomes of ``job`` after ``failure`` (``on_group``: where on a group it happened;
+        None when it was not the group's)."""
+        kind, stage, error = failure.kind, failure.stage, failure.message
         keep = keeps_group(kind, on_group)
         if kind is FailureKind.STORAGE:
             return Decision(Action.REQUEUE, "the output folder refused a write (not charged to the job); "
@@ -186,7 +218,7 @@ class RetryPolicy:
         repeated = self._last.get(job.id) == signature
         self._last[job.id] = signature
         if repeated:
-            return Decision(Action.FAIL, f"the same {kind.value} error twice in a row in {stage.value}: "
+            return Decision(Action.FAIL, f"the same {kind.value} error twice in a row in {_name(stage)}: "
                                          "retrying again would repeat it", keep_group=keep)
         if job.retries_left <= 0:
             return Decision(Action.FAIL, "retry budget spent", keep_group=keep)

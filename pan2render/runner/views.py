@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pan2render.jobs.ledger import LOCK_NAME, STAGES, JobRecord, JobState, Ledger
+from pan2render.jobs.ledger import LOCK_NAME, Event, EventKind, JobRecord, JobState, Ledger, stage_name
 from pan2render.jobs.spec import JobSpec
-from pan2render.runner.plan import History, Plan, plan
+from pan2render.runner.estimates import History, Plan, plan
 from pan2render.runner.progress import duration
 
 
@@ -87,17 +87,17 @@ class _Attempt:
     traceback: str | None = None
 
 
-def _attempts(events: list[tuple[float, str | None, str, str]]) -> list[_Attempt]:
+def _attempts(events: list[Event]) -> list[_Attempt]:
     """Attempts from the job's events: each ``pending->running`` opens one, the next transition out
     of ``running`` closes it; the traceback event that follows a failure belongs to it."""
     out: list[_Attempt] = []
-    for at, _job, kind, detail in events:
-        if kind == "pending->running":
-            out.append(_Attempt(started=at, on=detail))
-        elif kind.startswith("running->") and out:
-            out[-1].ended = f"{kind.split('->')[1]} at {_when(at)}: {detail}"
-        elif kind == "traceback" and out:
-            out[-1].traceback = detail
+    for e in events:
+        if e.started:
+            out.append(_Attempt(started=e.at, on=e.detail))
+        elif (ended := e.ended()) is not None and out:
+            out[-1].ended = f"{ended.value} at {_when(e.at)}: {e.detail}"
+        elif e.kind is EventKind.TRACEBACK and out:
+            out[-1].traceback = e.detail
     return out
 
 
@@ -115,10 +115,9 @@ def format_show(out_dir: Path, ledger: Ledger, job: JobRecord) -> str:
     lines.append("stages:")
     st = ledger.stages(job.id)
     rows = []
-    for s in STAGES:
-        r = st[s]
+    for s, r in st.items():
         art = "" if not r.artifact else f"{r.artifact} ({r.size} bytes)"
-        rows.append([f"  {s.value}", r.state.value, "-" if r.seconds is None else f"{r.seconds:.2f} s", art,
+        rows.append([f"  {stage_name(s)}", r.state.value, "-" if r.seconds is None else f"{r.seconds:.2f} s", art,
                      (r.error or "").splitlines()[0][:120] if r.error else ""])
     lines.append(table(["  stage", "state", "seconds", "artifact", "error"], rows))
     events = ledger.events(job.id)
@@ -130,14 +129,14 @@ def format_show(out_dir: Path, ledger: Ledger, job: JobRecord) -> str:
             lines += [f"     | {t}" for t in a.traceback.rstrip().splitlines()]
     # The last failure's traceback also sits on its stage row (e.g. one from before this history).
     shown = {a.traceback for a in attempts}
-    for s in STAGES:
-        tb = st[s].traceback
+    for s, r in st.items():
+        tb = r.traceback
         if tb and tb not in shown:
-            lines.append(f"  traceback of the failed {s.value} stage:")
+            lines.append(f"  traceback of the failed {stage_name(s)} stage:")
             lines += [f"     | {t}" for t in tb.rstrip().splitlines()]
     lines.append(f"events ({len(events)}):")
-    lines += [f"  {_when(at)}  {kind:18} {detail.splitlines()[0] if detail else ''}"
-              for at, _j, kind, detail in events if kind != "traceback"]
+    lines += [f"  {_when(e.at)}  {e.label:18} {e.detail.splitlines()[0] if e.detail else ''}"
+              for e in events if e.kind is not EventKind.TRACEBACK]
     return "\n".join(lines)
 
 
@@ -190,7 +189,7 @@ def _run_line(out_dir: Path, ledger: Ledger, jobs: dict[str, JobRecord]) -> str:
         return head
     started = float(last["started"])
     events = ledger.events()
-    end = time.time() if live else (events[-1][0] if events else started)
+    end = time.time() if live else (events[-1].at if events else started)
     state = f"running (pid {live['pid']} on {live['host']})" if live else "not running"
     line = f"{head}\n{state}; last run started {_when(started)}, elapsed {duration(end - started)}"
     if live:

@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -39,10 +40,11 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from pan2render.jobs.ledger import Stage
 from pan2render.jobs.spec import JobSpec
 from pan2render.models.tiny import cache_root
 from pan2render.phases import phase, recording
-from pan2render.runner import outputs, stages, timeline
+from pan2render.runner import outputs, artifacts, timeline
 from pan2render.runner.messages import (  # the config and the lane sizes are importable from here too
     DEFAULT_PIPELINE_FACTORY,
     GPU_QUEUE_DEPTH,
@@ -66,10 +68,9 @@ from pan2render.runner.messages import (  # the config and the lane sizes are im
     SampleReply,
     WorkerCall,
     WorkerConfig,
-    WorkerFailure,
     WorkerStart,
 )
-from pan2render.runner.retry import DeviceError, FailureKind, JobInputError, classify_exception
+from pan2render.runner.retry import DeviceError, Failure, FailureKind, JobInputError, classify_exception
 
 __all__ = ["DEFAULT_PIPELINE_FACTORY", "GPU_QUEUE_DEPTH", "IO_CONCURRENCY", "MAX_ENCODES_IN_FLIGHT", "RenderWorker",
            "WorkerConfig", "load_pan2_pipeline"]
@@ -101,7 +102,11 @@ def _decode_image(data: bytes) -> Any:
         raise JobInputError(f"the first-frame image ({len(data)} bytes) does not decode: {e}") from e
 
 
-class _WorkerDeath(BaseException):
+# Specs a worker keeps (see RenderWorker._specs): far more than the jobs a group holds at once.
+_SPECS_KEPT = 16
+
+
+class SimulatedWorkerDeath(BaseException):
     """Raised instead of os._exit by the in-process executor's simulated crash."""
 
 
@@ -126,6 +131,10 @@ class RenderWorker:
         # libx264 does, so two videos overlap well.
         self._encoder = ThreadPoolExecutor(max_workers=MAX_ENCODES_IN_FLIGHT, thread_name_prefix="encode")
         self._encodes: dict[str, Future[CollectReply]] = {}  # job id -> its encode
+        # The specs of the jobs this worker runs: a call carries its job's spec only when it is
+        # the attempt's first that needs it. Bounded: a job whose attempt failed never says
+        # goodbye, and a group holds at most a few jobs at once (GPU lane, encodes).
+        self._specs: OrderedDict[str, JobSpec] = OrderedDict()
         # Every call but the I/O lane's runs on this one thread, whichever thread of the actor it
         # arrived on. cuDNN's autotuning results are kept per thread (PyTorch's cuDNN plan cache
         # is thread-local), and Ray runs a threaded actor's calls on a pool of threads: on one
@@ -171,14 +180,14 @@ class RenderWorker:
             if handler is None:
                 raise TypeError(f"no handler for {type(call).__name__} on {type(self).__name__}")
             value = handler(self, call)
-        except _WorkerDeath:
+        except SimulatedWorkerDeath:
             raise
         except Exception as e:  # noqa: BLE001 - every failure goes back to the driver, with rank
             tb = traceback.format_exc()
             if call.lane is Lane.GPU:
                 e = self._device_fault(e)
-            failure = WorkerFailure(kind=classify_exception(e, on_worker=True), error=f"{type(e).__name__}: {e}",
-                                    traceback=tb)
+            failure = Failure(stage=call.stage or Stage.CONDITIONING, kind=classify_exception(e, on_worker=True),
+                              error=f"{type(e).__name__}: {e}", traceback=tb, rank=self.rank)
             return Reply(rank=self.rank, failure=failure, seconds=time.perf_counter() - t0)
         return Reply(rank=self.rank, value=value if self.rank == 0 else None, seconds=time.perf_counter() - t0)
 
@@ -273,14 +282,29 @@ class RenderWorker:
         out = []
         for text in call.texts:
             emb = pipe.encode_prompt(text)  # float32 [512, text_dim]
-            key = stages.embedding_key(prompt=text, text_encoder_id=pipe.text_encoder_id)
-            out.append(stages.pack_embedding(emb, key=key, text_encoder_id=pipe.text_encoder_id))
+            key = artifacts.embedding_key(prompt=text, text_encoder_id=pipe.text_encoder_id)
+            out.append(artifacts.pack_embedding(emb, key=key, text_encoder_id=pipe.text_encoder_id))
         return EncodePromptsReply(embeddings=tuple(out))
+
+    def _spec(self, job_id: str, spec: JobSpec | None) -> JobSpec:
+        """The job's spec: the one ``spec`` carries (kept for the job's later calls), or the one an
+        earlier call of its attempt carried."""
+        if spec is not None:
+            self._specs[job_id] = spec
+            self._specs.move_to_end(job_id)
+            while len(self._specs) > _SPECS_KEPT:
+                self._specs.popitem(last=False)
+            return spec
+        try:
+            return self._specs[job_id]
+        except KeyError:
+            raise RuntimeError(f"job {job_id}: the call carries no spec and no earlier call of its attempt "
+                               f"did (the driver sends it with the attempt's first call that needs it)") from None
 
     def _sample(self, call: SampleCall) -> SampleReply:
         pipe = self._pipeline(call.model)
-        spec, job_id = call.spec, call.job_id
-        js = JobSpec.from_dict(spec)
+        job_id = call.job_id
+        js = self._spec(job_id, call.spec)
         first_frame = None if call.image is None else _decode_image(call.image)  # uint8 [H, W, 3]
         self._maybe_fault(js, "sampling")
 
@@ -290,22 +314,22 @@ class RenderWorker:
             self._maybe_crash(js, done)
 
         lat = pipe.sample(
-            prompt_embeds=stages.unpack_embedding(call.prompt_embeds),
-            negative_prompt_embeds=stages.unpack_embedding(call.negative_embeds),
+            prompt_embeds=artifacts.unpack_embedding(call.prompt_embeds),
+            negative_prompt_embeds=artifacts.unpack_embedding(call.negative_embeds),
             image=first_frame, progress=progress, **js.sample_args(),
         )  # float32 [48, T, h, w]
-        return SampleReply(latents=stages.pack_latents(lat, spec_hash=js.spec_hash, seed=js.seed, steps=js.steps,
-                                                       model_id=pipe.model_id, spec=spec))
+        return SampleReply(latents=artifacts.pack_latents(lat, spec_hash=js.spec_hash, seed=js.seed, steps=js.steps,
+                                                          model_id=pipe.model_id, spec=js.to_dict()))
 
     def _decode(self, call: DecodeCall) -> DecodeReply | None:
         """Decode on the device, convert to yuv420p there, copy to the host once and hand the planes
         to the encode thread; frames (hundreds of MB) never enter the object store."""
         pipe = self._pipeline(call.model)
         job_id = call.job_id
-        js = JobSpec.from_dict(call.spec)
+        js = self._spec(job_id, call.spec)
         self._maybe_fault(js, "decode")
         t0 = time.perf_counter()
-        planes = self._frames_on_host(pipe, stages.unpack_latents(call.latents),
+        planes = self._frames_on_host(pipe, artifacts.unpack_latents(call.latents),
                                       want=(js.frames, js.height, js.width, 3))
         if planes is None:  # not rank 0
             return None
@@ -355,7 +379,7 @@ class RenderWorker:
         self._maybe_fault(js, "encode")
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="pan2-encode-") as tmp:
-            path = Path(tmp) / stages.VIDEO_NAME
+            path = Path(tmp) / artifacts.VIDEO_NAME
             encode_s = encode_mp4(Yuv420Video(planes), path, **js.encode_args(),
                                   metadata=outputs.video_tags(js, model_id=self._pipeline(js.model).model_id))
             mp4 = path.read_bytes()

@@ -65,8 +65,8 @@ def test_jobs_stages_and_events_persist(tmp_path: Path) -> None:
     assert job.spec == _spec("a")  # the spec round-trips through the ledger (resume needs no YAML)
     assert ro.stages(jid)[Stage.SAMPLING].traceback == "tb"
     # The retry keeps the failed stage's traceback with the attempt (`show` lists every attempt's).
-    assert [e[2] for e in ro.events(jid)] == ["added", "pending->running", "running->pending", "traceback"]
-    assert ro.events(jid)[-1][3] == "tb"
+    assert [e.label for e in ro.events(jid)] == ["added", "pending->running", "running->pending", "traceback"]
+    assert ro.events(jid)[-1].detail == "tb"
     assert [j.name for j in ro.jobs()] == ["a", "b", "c"]  # batch order kept
     with pytest.raises(sqlite_readonly_error()):
         ro.set_meta("x", 1)
@@ -135,7 +135,7 @@ def test_present_job_takes_fields_outside_the_hash_unless_done(tmp_path: Path) -
     assert sorted(present) == sorted([wide.job_id, other.job_id])
     assert led.job(wide.job_id).spec.gpus == 2  # the failed job takes the batch's new value
     assert led.job(other.job_id).spec.gpus == 1  # a done job's record is history: unchanged
-    assert any(k == "spec-updated" for _, _, k, _ in led.events(wide.job_id))
+    assert any(e.label == "spec-updated" for e in led.events(wide.job_id))
     led.close()
 
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from pan2render.models.scheduler import (
-    FlowEulerScheduler,
     FlowUniPCScheduler,
     SchedulerConfig,
     flow_sigmas,

@@ -12,10 +12,26 @@ import yaml
 from pan2render.jobs.ledger import JobState, Ledger, Stage, StageState
 from pan2render.jobs.spec import JobSpec
 from pan2render.runner.driver import Driver, DriverConfig, RunSummary
-from pan2render.runner.groups import Call, Group, LocalExecutor
+from pan2render.runner.executor import Call, Group
+from pan2render.runner.local_executor import LocalExecutor
 from pan2render.runner.messages import CollectCall, DecodeCall, EncodePromptsCall, SampleCall, WorkerCall
 from pan2render.runner.testing import FAKE_FACTORY
 from pan2render.runner.worker import WorkerConfig
+
+
+def sqlite_disk_full() -> sqlite3.OperationalError:
+    """A real SQLITE_FULL error, as SQLite raises it on a full disk (code and message): a
+    database capped at two pages refuses a larger row."""
+    conn = sqlite3.connect(":memory:")
+    try:
+        conn.execute("CREATE TABLE t (x)")
+        conn.execute("PRAGMA max_page_count = 2")
+        conn.execute("INSERT INTO t VALUES (zeroblob(100000))")
+    except sqlite3.OperationalError as e:
+        return e
+    finally:
+        conn.close()
+    raise AssertionError("SQLite accepted a row larger than its page cap")
 
 
 def write_batch(path: Path, jobs: list[dict], *, defaults: dict | None = None,
@@ -58,9 +74,7 @@ class RecordingExecutor(LocalExecutor):
 
 def job_name(message: WorkerCall) -> str | None:
     """The name of the job a call is for (None for one that serves several: load, encode)."""
-    if isinstance(message, (SampleCall, DecodeCall)):
-        return message.spec["name"]
-    if isinstance(message, CollectCall):
+    if isinstance(message, (SampleCall, DecodeCall, CollectCall)):
         return message.job_id.rsplit("-", 1)[0]  # a job id is "<name>-<hash8>"
     return None
 

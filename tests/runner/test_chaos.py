@@ -17,14 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from runner_helpers import write_batch
+from runner_helpers import sqlite_disk_full, write_batch
 
 from pan2render.jobs import disk
 from pan2render.jobs.ledger import BACKUP_NAME, LEDGER_NAME, JobState, Ledger, Stage, StageState
 from pan2render.media.video import encode_mp4, probe_mp4
-from pan2render.runner import cli, stages
+from pan2render.runner import cli, artifacts
 from pan2render.runner.driver import Driver, DriverConfig
-from pan2render.runner.groups import Call, Group, GroupDied, LocalExecutor
+from pan2render.runner.executor import Call, Group, GroupDied
+from pan2render.runner.local_executor import LocalExecutor
 from pan2render.runner.messages import EncodePromptsCall, SampleCall, WorkerCall
 from pan2render.runner.retry import ClusterLostError
 from pan2render.runner.testing import FAKE_FACTORY
@@ -72,7 +73,7 @@ def _assert_consistent(out: Path) -> None:
         for job in led.jobs():
             if job.state is JobState.DONE:
                 rec = led.stages(job.id)[Stage.ENCODE]
-                assert stages.check_video(out, stages.Recorded(rec.artifact, rec.sha256, rec.size),
+                assert artifacts.check_video(out, artifacts.Recorded(rec.artifact, rec.sha256, rec.size),
                                           frames=job.spec.frames, width=job.spec.width,
                                           height=job.spec.height) is None, job.id
     finally:
@@ -89,7 +90,7 @@ def test_disk_full_at_an_artifact_write_stops_cleanly_and_resume_finishes(
         tmp_path: Path, moment: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """ENOSPC from the kernel at the `moment`-th artifact write (embeddings, latents, videos)."""
     writes = {"n": 0}
-    real = stages.write_atomic
+    real = artifacts.write_atomic
 
     def write_atomic(path: Path, data: bytes) -> None:
         writes["n"] += 1
@@ -97,7 +98,7 @@ def test_disk_full_at_an_artifact_write_stops_cleanly_and_resume_finishes(
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(path, data)
 
-    monkeypatch.setattr(stages, "write_atomic", write_atomic)
+    monkeypatch.setattr(artifacts, "write_atomic", write_atomic)
     out = tmp_path / "out"
     code, err = _cli(capsys, "run", str(_batch(tmp_path)), "--out", str(out))
     assert code == 3 and f"the disk holding {out} is full" in err and "resume" in err
@@ -107,7 +108,7 @@ def test_disk_full_at_an_artifact_write_stops_cleanly_and_resume_finishes(
     _assert_consistent(out)
     done_before = _video_ids(out)
 
-    monkeypatch.setattr(stages, "write_atomic", real)  # space freed
+    monkeypatch.setattr(artifacts, "write_atomic", real)  # space freed
     code, err = _cli(capsys, "resume", str(out))
     assert code == 0 and all(s == "done" for s, _, _ in _states(out).values())
     _assert_consistent(out)
@@ -138,7 +139,7 @@ def test_disk_full_while_recording_the_batch_records_nothing(
     def add_jobs(self: Ledger, c: sqlite3.Connection, specs: Any, *, retries: int) -> Any:
         real(self, c, list(specs)[:1], retries=retries)  # one job in, then the disk fills
         added["n"] += 1
-        raise sqlite3.OperationalError("database or disk is full")
+        raise sqlite_disk_full()
 
     monkeypatch.setattr(Ledger, "_add_jobs", add_jobs)
     out, batch = tmp_path / "out", _batch(tmp_path)
@@ -251,7 +252,7 @@ class LosesItsGpus(LocalExecutor):
         return 0 if self.lost else super().total_gpus()
 
     def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
-        if isinstance(message, SampleCall) and message.spec["name"] == self.victim and not self.asked:
+        if isinstance(message, SampleCall) and message.spec.name == self.victim and not self.asked:
             self.lost = True
             return Call(group=group, message=message, started=0.0, timeout_s=timeout_s,
                         handle=GroupDied("ActorDiedError: the node running this actor died"))
@@ -325,8 +326,8 @@ def test_corrupt_cached_embedding_is_not_used(tmp_path: Path, capsys: pytest.Cap
     out = tmp_path / "out"
     assert _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))[0] == 0
     (emb,) = [p for p in (out / "_cache" / "embeddings").iterdir()
-              if stages.check_embedding(out, str(p.relative_to(out)), key=p.stem) is None
-              and len(p.read_bytes()) > 1000 and p.stem == stages.embedding_key(
+              if artifacts.check_embedding(out, str(p.relative_to(out)), key=p.stem) is None
+              and len(p.read_bytes()) > 1000 and p.stem == artifacts.embedding_key(
                   prompt="clip 0", text_encoder_id="fake-text-v1")]
     data = bytearray(emb.read_bytes())
     data[-3] ^= 0x01  # one mantissa bit of the last float: finite, plausible, wrong
@@ -343,7 +344,7 @@ def test_corrupt_cached_embedding_is_not_used(tmp_path: Path, capsys: pytest.Cap
                          defaults={"steps": 2, "frames": 5, "width": 32, "height": 32})
     assert _cli(capsys, "run", str(batch2), "--out", str(out))[0] == 0
     assert EncodePromptsCall in calls  # re-encoded, not rendered from the corrupt cache
-    assert stages.check_embedding(out, str(emb.relative_to(out)), key=emb.stem) is None
+    assert artifacts.check_embedding(out, str(emb.relative_to(out)), key=emb.stem) is None
 
 
 @pytest.mark.parametrize("damage", ["delete", "truncate"])
@@ -401,7 +402,7 @@ def test_a_valid_mp4_with_too_few_frames_never_counts_as_done(tmp_path: Path,
     (job,) = led.jobs()
     data = video.read_bytes()
     led.set_stage(job.id, Stage.ENCODE, StageState.DONE, artifact=str(video.relative_to(out)),
-                  sha256=stages.sha256_bytes(data), size=len(data))
+                  sha256=artifacts.sha256_bytes(data), size=len(data))
     led.close()
     assert _cli(capsys, "resume", str(out))[0] == 0
     assert probe_mp4(video).frames == 5
@@ -441,7 +442,7 @@ def test_a_crash_inside_invalidation_leaves_a_state_that_resume_fixes(
 @pytest.mark.parametrize("check", ["check_latents", "check_embedding"])
 def test_an_artifact_that_always_fails_its_check_fails_the_job(
         tmp_path: Path, check: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(stages, check, lambda *a, **kw: "rejected by the test's check")
+    monkeypatch.setattr(artifacts, check, lambda *a, **kw: "rejected by the test's check")
     out = tmp_path / "out"
     code, err = _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))
     led = Ledger.open_readonly(out)
@@ -476,7 +477,7 @@ def test_weights_replaced_in_place_make_new_jobs(tmp_path: Path, capsys: pytest.
     assert f"{old} is superseded by {new}: the weights in {ckpt} changed " \
            f"(transformer/diffusion_pytorch_model.safetensors)" in err
     led = Ledger.open_readonly(out)
-    assert any(k == "superseded" for _, _, k, _ in led.events(old))
+    assert any(e.label == "superseded" for e in led.events(old))
     led.close()
 
 

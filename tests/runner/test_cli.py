@@ -12,7 +12,7 @@ from pan2render.jobs.batch import load_batch
 from pan2render.jobs.ledger import FolderLock, Ledger
 from pan2render.runner import cli
 from pan2render.runner.driver import Driver, DriverConfig
-from pan2render.runner.groups import LocalExecutor
+from pan2render.runner.local_executor import LocalExecutor
 from pan2render.runner.testing import FAKE_FACTORY
 from pan2render.runner.worker import WorkerConfig
 

@@ -19,8 +19,8 @@ from runner_helpers import write_batch
 
 from pan2render.jobs.batch import load_batch
 from pan2render.jobs.ledger import JobEvent, JobState, Ledger, Stage, StageState
-from pan2render.runner import cli
-from pan2render.runner.groups import LocalExecutor
+from pan2render.runner import cli, executor
+from pan2render.runner.local_executor import LocalExecutor
 from pan2render.runner.progress import RUN_LOG_NAME
 from pan2render.runner.testing import FAKE_FACTORY
 from pan2render.runner.worker import WorkerConfig
@@ -32,11 +32,11 @@ def local_executor(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     each executor's creation, so a test can change it between commands."""
     settings: dict[str, Any] = {"faults": {}}
 
-    def make(args: Any, *, max_gpus: int, log: Any) -> LocalExecutor:
+    def make(*, address: str | None, cpu_gpus: int | None, max_gpus: int, say: Any) -> LocalExecutor:
         return LocalExecutor(gpus=max(max_gpus, 1),
                              config=WorkerConfig(pipeline_factory=FAKE_FACTORY, faults=dict(settings["faults"])))
 
-    monkeypatch.setattr(cli, "_make_executor", make)
+    monkeypatch.setattr(executor, "make_executor", make)
     return settings
 
 
@@ -202,7 +202,7 @@ def test_plain_output_has_one_line_per_event_and_run_log_repeats_it(
     kinds = {"pending->running": "start", "running->done": "done", "running->pending": "retry",
              "running->failed": "FAILED"}
     for kind, word in kinds.items():
-        ledger_ids = sorted(j for _, j, k, _ in events if k == kind)
+        ledger_ids = sorted(e.job_id for e in events if e.label == kind)
         printed_ids = sorted(line.split()[1] for line in printed if line.split()[0] == word)
         assert printed_ids == ledger_ids, (word, printed_ids, ledger_ids)
     assert sum(line.startswith("stage ") for line in printed) >= 4 * 2  # sampling + decode+encode at least

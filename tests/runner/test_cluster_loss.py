@@ -20,8 +20,11 @@ import pytest
 from runner_helpers import jobs_by_name, write_batch
 
 from pan2render.jobs.ledger import JobState, Ledger
-from pan2render.runner import cli
-from pan2render.runner.groups import Call, GcsLost, GcsWatch, Group, GroupDied, LocalExecutor, RayExecutor
+from pan2render.runner import cli, executor
+from pan2render.runner.cluster import GcsLost, GcsWatch
+from pan2render.runner.executor import Call, Group, GroupDied
+from pan2render.runner.local_executor import LocalExecutor
+from pan2render.runner.ray_executor import RayExecutor
 from pan2render.runner.messages import SampleCall, WorkerCall
 from pan2render.runner.retry import FailureKind
 from pan2render.runner.testing import FAKE_FACTORY
@@ -39,7 +42,7 @@ def _batch(tmp_path: Path) -> Path:
 def _requeues(out: Path) -> list[str]:
     led = Ledger.open_readonly(out)
     try:
-        return [d for _, _, k, d in led.events() if k == "running->pending"]
+        return [e.detail for e in led.events() if e.label == "running->pending"]
     finally:
         led.close()
 
@@ -53,7 +56,7 @@ class _Cluster(LocalExecutor):
         self.victim, self.lose, self.gcs_lost = victim, lose, False
 
     def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
-        if isinstance(message, SampleCall) and message.spec["name"] == self.victim:
+        if isinstance(message, SampleCall) and message.spec.name == self.victim:
             self.victim = None
             if self.lose == "node":
                 return Call(group=group, message=message, started=0.0, timeout_s=timeout_s,
@@ -76,7 +79,7 @@ def executors(monkeypatch: pytest.MonkeyPatch) -> list[_Cluster | LocalExecutor]
     """`run`/`resume` take the next executor from this list (one per command)."""
     queue: list[_Cluster | LocalExecutor] = []
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr(cli, "_make_executor", lambda args, *, max_gpus, log: queue.pop(0))
+    monkeypatch.setattr(executor, "make_executor", lambda **_: queue.pop(0))
     return queue
 
 

@@ -20,7 +20,8 @@ from runner_helpers import RecordingExecutor, render, spec
 from pan2render.jobs.ledger import JobState, Ledger, Stage, StageState
 from pan2render.jobs.spec import JobSpec
 from pan2render.media.video import probe_mp4
-from pan2render.runner.groups import Call, Group, GroupPool, GroupStartError
+from pan2render.runner.executor import Call, Group, GroupStartError
+from pan2render.runner.pool import GroupPool
 from pan2render.runner.messages import (
     CollectCall,
     DecodeCall,
@@ -64,11 +65,11 @@ def test_batch_renders_valid_videos_and_rerun_skips_done(tmp_path: Path) -> None
 
 
 def test_look_ahead_skips_cached_embeddings_and_a_damaged_one_is_encoded_again(tmp_path: Path) -> None:
-    from pan2render.runner import stages
+    from pan2render.runner import artifacts
 
     render(tmp_path, [spec("a"), spec("b")])
-    key = stages.embedding_key(prompt="a clip of b", text_encoder_id="fake-text-v1")
-    damaged = tmp_path / stages.embedding_relpath(key)
+    key = artifacts.embedding_key(prompt="a clip of b", text_encoder_id="fake-text-v1")
+    damaged = tmp_path / artifacts.embedding_relpath(key)
     damaged.write_bytes(damaged.read_bytes()[:100])  # present, but cut short
     # d needs its prompt encoded; e reuses b's prompt, whose cached file is damaged. The look-ahead
     # goes by the files present, so e's prompt is encoded when e reaches conditioning, not before.
@@ -77,7 +78,7 @@ def test_look_ahead_skips_cached_embeddings_and_a_damaged_one_is_encoded_again(t
     print("encode calls:", ex.encoded_texts)
     assert summary.exit_code == 0 and len(summary.done) == 2
     assert ex.encoded_texts == [["a clip of d"], ["a clip of b"]]
-    assert stages.check_embedding(tmp_path, stages.embedding_relpath(key), key=key) is None
+    assert artifacts.check_embedding(tmp_path, artifacts.embedding_relpath(key), key=key) is None
 
 
 @pytest.mark.parametrize("stage", [Stage.DECODE, Stage.ENCODE])
@@ -108,7 +109,7 @@ def test_worker_death_requeues_job_on_a_new_group(tmp_path: Path) -> None:
     print("b attempts:", b.attempts, "groups created:", ex.groups_created, "marker:", marker.read_text())
     assert summary.exit_code == 0 and marker.exists()
     assert b.attempts == 2 and ex.groups_created == 2
-    assert any(kind == "group-died" for _, _, kind, _ in led.events(b.id))
+    assert any(e.label == "group-died" for e in led.events(b.id))
 
 
 def test_nonfinite_latents_fail_at_once_with_reason(tmp_path: Path) -> None:
@@ -142,7 +143,7 @@ def test_corrupt_latents_are_detected_and_resampled(tmp_path: Path, damage: str)
     lat = tmp_path / j.job_id / "latents.safetensors"
     _damage(lat, damage)
     summary, ex, led = render(tmp_path, [j])
-    events = [d for _, _, k, d in led.events(j.job_id) if k == "reset:sampling"]
+    events = [e.detail for e in led.events(j.job_id) if e.label == "reset:sampling"]
     print(damage, "->", events)
     assert summary.done == [j.job_id] and (SampleCall, "x") in ex.calls and events
 
@@ -155,7 +156,7 @@ def test_corrupt_video_is_reencoded_from_latents(tmp_path: Path, damage: str) ->
     video = tmp_path / j.job_id / "video.mp4"
     _damage(video, damage)
     summary, ex, led = render(tmp_path, [j])
-    print(damage, "calls:", ex.calls, "events:", [d for _, _, k, d in led.events(j.job_id) if "->" in k][-3:])
+    print(damage, "calls:", ex.calls, "events:", [e.detail for e in led.events(j.job_id) if "->" in e.label][-3:])
     assert summary.done == [j.job_id] and [m for m, _ in ex.calls] == [LoadCall, DecodeCall, CollectCall]
     assert probe_mp4(video).frames == 9 and led.job(j.job_id).attempts == 2
 
@@ -339,7 +340,7 @@ from pathlib import Path
 from pan2render.jobs.ledger import Ledger
 from pan2render.jobs.spec import JobSpec
 from pan2render.runner.driver import Driver, DriverConfig
-from pan2render.runner.groups import LocalExecutor
+from pan2render.runner.local_executor import LocalExecutor
 from pan2render.runner.worker import WorkerConfig
 out, specs, faults = Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 jobs = [JobSpec.from_dict(d) for d in specs]
@@ -430,7 +431,7 @@ def test_a_dmd_job_reaches_the_real_pipeline_with_its_timesteps(tmp_path: Path) 
     what the tiny pipeline samples for them (and differ from another timesteps list)."""
     import dataclasses
 
-    from pan2render.runner.stages import unpack_latents
+    from pan2render.runner.artifacts import unpack_latents
 
     # The embedded tiny model from the default cache, as the Ray runner tests use it (built once).
     base = dataclasses.replace(spec("dmd"), sampler="dmd", guidance=1.0, height=32, width=32, frames=5)

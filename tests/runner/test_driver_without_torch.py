@@ -17,27 +17,27 @@ def test_the_drivers_checks_read_what_the_workers_wrote(tmp_path: Path) -> None:
     """The numpy checks against the torch-packed files: the digest, the key, non-finite values."""
     import torch
 
-    from pan2render.runner import stages
+    from pan2render.runner import artifacts
 
     emb = torch.randn(512, 16)
     path = tmp_path / "e.safetensors"
-    path.write_bytes(stages.pack_embedding(emb, key="k", text_encoder_id="t"))
-    assert stages.check_embedding(tmp_path, "e.safetensors", key="k") is None
-    assert "another prompt" in (stages.check_embedding(tmp_path, "e.safetensors", key="other") or "")
+    path.write_bytes(artifacts.pack_embedding(emb, key="k", text_encoder_id="t"))
+    assert artifacts.check_embedding(tmp_path, "e.safetensors", key="k") is None
+    assert "another prompt" in (artifacts.check_embedding(tmp_path, "e.safetensors", key="other") or "")
     data = bytearray(path.read_bytes())
     data[-4:] = np.float32(1.5).tobytes()  # one value changed: its recorded digest no longer matches
     path.write_bytes(bytes(data))
-    assert "sha256" in (stages.check_embedding(tmp_path, "e.safetensors", key="k") or "")
+    assert "sha256" in (artifacts.check_embedding(tmp_path, "e.safetensors", key="k") or "")
     path.write_bytes(bytes(data[:100]))
-    assert "unreadable" in (stages.check_embedding(tmp_path, "e.safetensors", key="k") or "")
+    assert "unreadable" in (artifacts.check_embedding(tmp_path, "e.safetensors", key="k") or "")
     bad = emb.clone()
     bad[3, 3] = float("inf")
-    path.write_bytes(stages.pack_embedding(bad, key="k", text_encoder_id="t"))
-    assert "non-finite" in (stages.check_embedding(tmp_path, "e.safetensors", key="k") or "")
+    path.write_bytes(artifacts.pack_embedding(bad, key="k", text_encoder_id="t"))
+    assert "non-finite" in (artifacts.check_embedding(tmp_path, "e.safetensors", key="k") or "")
 
 
 def test_gpus_are_counted_as_ray_counts_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pan2render.runner import cli, devices
+    from pan2render.runner import devices, executor
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert devices.visible(4) == 4
@@ -48,11 +48,11 @@ def test_gpus_are_counted_as_ray_counts_them(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(devices, "torch_build", lambda: "cuda")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     assert devices.cuda_gpu_count() == 2
-    assert cli._local_gpus(None, max_gpus=1) == (2, 2, None)
+    assert executor.local_gpus(None, max_gpus=1) == (2, 2, None)
     monkeypatch.setattr(devices, "nvml_device_count", lambda: 0)
-    gpus, cuda, why = cli._local_gpus(None, max_gpus=2)
+    gpus, cuda, why = executor.local_gpus(None, max_gpus=2)
     assert (gpus, cuda) == (2, 0) and why is not None and why.startswith("no CUDA GPU found")
-    assert cli._local_gpus(3, max_gpus=2) == (3, 0, None)
+    assert executor.local_gpus(3, max_gpus=2) == (3, 0, None)
 
 
 @pytest.mark.parametrize(("text", "build"), [
@@ -84,12 +84,13 @@ def test_the_installed_torch_build_is_read() -> None:
 _DRIVER_SIDE = r"""
 import pickle, sys
 from pathlib import Path
-from pan2render.runner import cli, driver, groups, outputs, report, stages, views
+from pan2render.runner import (artifacts, cli, cluster, driver, executor, jobflow, local_executor, outputs, pool,
+                               ray_executor, repair, report, scheduler, stages, views)
 from pan2render.runner.messages import LoadReply
 out = Path(sys.argv[1])
-cli._local_gpus(None, max_gpus=1)
-assert stages.check_embedding(out, "emb.safetensors", key="k") is None
-assert stages.check_latents(out, stages.Recorded("lat.safetensors", None, None), spec_hash="h") is None
+executor.local_gpus(None, max_gpus=1)
+assert artifacts.check_embedding(out, "emb.safetensors", key="k") is None
+assert artifacts.check_latents(out, artifacts.Recorded("lat.safetensors", None, None), spec_hash="h") is None
 assert len(outputs._schedule(pickle.loads(Path(sys.argv[2]).read_bytes()), {"num_train_timesteps": 1000})) == 4
 reply = pickle.loads(Path(sys.argv[3]).read_bytes())
 assert isinstance(reply, LoadReply) and reply.versions["torch"]
@@ -101,14 +102,14 @@ assert "torch" not in sys.modules, "the driver imported torch"
 def test_the_driver_side_never_imports_torch(tmp_path: Path) -> None:
     from runner_helpers import spec
 
-    from pan2render.runner import outputs, stages
+    from pan2render.runner import outputs, artifacts
     from pan2render.runner.messages import LoadCall, WorkerConfig
     from pan2render.runner.testing import FakePipeline
     from pan2render.runner.worker import RenderWorker
 
     emb = FakePipeline("m").encode_prompt("x")
-    (tmp_path / "emb.safetensors").write_bytes(stages.pack_embedding(emb, key="k", text_encoder_id="t"))
-    (tmp_path / "lat.safetensors").write_bytes(stages.pack_latents(
+    (tmp_path / "emb.safetensors").write_bytes(artifacts.pack_embedding(emb, key="k", text_encoder_id="t"))
+    (tmp_path / "lat.safetensors").write_bytes(artifacts.pack_latents(
         FakePipeline("m").sample(prompt_embeds=emb, height=32, width=32, frames=5, steps=1, guidance=1.0, seed=0),
         spec_hash="h", seed=0, steps=1, model_id="m"))
     (tmp_path / "spec.pickle").write_bytes(pickle.dumps(spec("s", steps=4)))

@@ -3,9 +3,11 @@ whether its actor died or its call came back with an error, so the other ranks a
 
 from __future__ import annotations
 
-from pan2render.runner.groups import Call, RayExecutor
-from pan2render.runner.messages import Reply, SampleCall, WorkerFailure
-from pan2render.runner.retry import FailureKind
+from pan2render.runner.executor import Call
+from pan2render.runner.ray_executor import RayExecutor
+from pan2render.jobs.ledger import Stage
+from pan2render.runner.messages import Reply, SampleCall
+from pan2render.runner.retry import Failure, FailureKind
 
 
 class _FakeRay:
@@ -32,13 +34,14 @@ def _executor(finished: dict[str, object]) -> RayExecutor:
 
 
 def _call(*refs: str) -> Call:
-    message = SampleCall(model="tiny", job_id="j", spec={}, prompt_embeds=b"", negative_embeds=b"")
+    message = SampleCall(model="tiny", job_id="j", spec=None, prompt_embeds=b"", negative_embeds=b"")
     return Call(group=None, message=message, started=0.0, timeout_s=60.0, handle=list(refs))
 
 
 def test_a_rank_that_replied_with_an_error_ends_the_wait() -> None:
     call = _call("rank0", "rank1")  # rank 0 still waits in a collective; rank 1 failed
-    oom = WorkerFailure(kind=FailureKind.OUT_OF_MEMORY, error="OutOfMemoryError: CUDA out of memory", traceback="")
+    oom = Failure(stage=Stage.SAMPLING, kind=FailureKind.OUT_OF_MEMORY, error="OutOfMemoryError: CUDA out of memory",
+                  rank=1)
     ex = _executor({"rank1": Reply(rank=1, failure=oom)})
     assert ex.wait([call], timeout_s=0.0) == [call]
 

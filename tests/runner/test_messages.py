@@ -21,10 +21,9 @@ from pan2render.runner.messages import (
     Reply,
     SampleCall,
     Warmup,
-    WorkerFailure,
     default_call_timeouts,
 )
-from pan2render.runner.retry import FailureKind
+from pan2render.runner.retry import Failure, FailureKind
 from pan2render.runner.testing import FAKE_FACTORY
 from pan2render.runner.worker import RenderWorker, WorkerConfig
 
@@ -62,11 +61,12 @@ def test_an_unknown_call_comes_back_as_a_failure_not_an_exception() -> None:
 
 @pytest.mark.parametrize("message", [
     LoadCall(model="tiny", warmup=Warmup(height=32, width=48, frames=9, guidance=2.5)),
-    SampleCall(model="tiny", job_id="a-12345678", spec={"name": "a", "seed": 1}, prompt_embeds=b"\x00" * 64,
+    SampleCall(model="tiny", job_id="a-12345678", spec=None, prompt_embeds=b"\x00" * 64,
                negative_embeds=b"\x01" * 64, image=None),
     InitGroupCall(master_addr="10.0.0.1", master_port=29500, backend="gloo"),
     Reply(rank=0, value=CollectReply(mp4=b"mp4", encode_s=1.0, check_s=0.5), seconds=1.5),
-    Reply(rank=1, failure=WorkerFailure(kind=FailureKind.INPUT, error="JobInputError: x", traceback="tb")),
+    Reply(rank=1, failure=Failure(stage=Stage.SAMPLING, kind=FailureKind.INPUT, error="JobInputError: x",
+                                  traceback="tb", rank=1)),
     LoadReply(model_id="m", text_encoder_id="t", backend="none", world_size=1, device="cpu", attention="sdpa",
               load_s=1.0, warmup_s=0.0),
 ])

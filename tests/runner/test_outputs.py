@@ -11,7 +11,7 @@ from pan2render.jobs.ledger import Ledger, Stage
 from pan2render.jobs.spec import JobSpec
 from pan2render.runner import outputs
 from pan2render.runner.driver import Driver, DriverConfig
-from pan2render.runner.groups import LocalExecutor
+from pan2render.runner.local_executor import LocalExecutor
 from pan2render.runner.testing import FAKE_FACTORY
 from pan2render.runner.worker import WorkerConfig
 
@@ -87,7 +87,7 @@ def test_truncated_params_json_is_detected_and_rewritten_on_resume(tmp_path: Pat
     ledger = render(tmp_path, jobs)  # a re-run: both jobs done, only their params.json damaged
     assert cut.read_bytes() == good and json.loads(gone.read_text())["job_id"] == jobs[1].job_id
     assert video.stat().st_mtime_ns == mtime  # the video was not rendered again
-    reasons = [d for _, _, kind, d in ledger.events(jobs[0].job_id) if kind == "params-rewritten"]
-    print(reasons, [d for _, _, kind, d in ledger.events(jobs[1].job_id) if kind == "params-rewritten"])
+    reasons = [e.detail for e in ledger.events(jobs[0].job_id) if e.label == "params-rewritten"]
+    print(reasons, [e.detail for e in ledger.events(jobs[1].job_id) if e.label == "params-rewritten"])
     assert reasons and "differs from the ledger's copy" in reasons[0]
     assert all(ledger.job(j.job_id).attempts == 1 for j in jobs)

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from pan2render.jobs.batch import load_batch
-from pan2render.runner import stages
+from pan2render.runner import artifacts
 from pan2render.runner.messages import LoadCall, SampleCall
 from pan2render.runner.progress import RunLog, RunProgress, StepClock
 from pan2render.runner.testing import FAKE_FACTORY, FakePipeline
@@ -36,13 +36,13 @@ def test_step_rate_equals_steps_over_seconds_on_a_slow_fake_model(tmp_path: Path
     batch.write_text("model: tiny\npreset: tiny-preview\ndefaults: {steps: 12, height: 32, width: 32, frames: 5}\n"
                      "jobs: [{name: slow, prompt: x}]\n")
     spec = load_batch(batch).jobs[0]
-    emb = stages.pack_embedding(FakePipeline("tiny").encode_prompt("x"), key="k", text_encoder_id="fake-text-v1")
+    emb = artifacts.pack_embedding(FakePipeline("tiny").encode_prompt("x"), key="k", text_encoder_id="fake-text-v1")
     worker.execute(LoadCall(model="tiny"))
     reply: dict = {}
 
     def sample() -> None:
         t0 = time.perf_counter()
-        reply["r"] = worker.execute(SampleCall(model="tiny", job_id=spec.job_id, spec=spec.to_dict(),
+        reply["r"] = worker.execute(SampleCall(model="tiny", job_id=spec.job_id, spec=spec,
                                                prompt_embeds=emb, negative_embeds=emb))
         reply["seconds"] = time.perf_counter() - t0
 

@@ -108,7 +108,7 @@ def test_sigkill_driver_then_resume_finishes_without_rerendering(tmp_path: Path)
     assert all(j.state is JobState.DONE for j in jobs) and len(jobs) == 8
     for jid, (attempts, fp) in before.items():
         assert led.job(jid).attempts == attempts and _fingerprint(out / jid / "video.mp4") == fp
-    interrupted = [d for _, _, k, d in led.events() if k == "running->pending"]
+    interrupted = [e.detail for e in led.events() if e.label == "running->pending"]
     print("interrupted:", interrupted)
     assert interrupted and "previous driver stopped" in interrupted[0]
 

@@ -44,7 +44,7 @@ def test_group_of_two_renders_on_cpu_with_gloo(tmp_path: Path, capsys: pytest.Ca
     assert cli.main(["run", str(batch), "--out", str(out), "--no-progress"]) == 0
     led = Ledger.open_readonly(out)
     (job,) = led.jobs()
-    loads = [d for _, _, kind, d in led.events(job.id) if kind == "group-load"]
+    loads = [e.detail for e in led.events(job.id) if e.label == "group-load"]
     info = probe_mp4(out / job.id / "video.mp4")
     print("load:", loads, "| video:", info)
     assert job.state is JobState.DONE and (info.frames, info.width, info.height) == (9, 64, 64)
@@ -72,8 +72,8 @@ def test_worker_killed_mid_sampling_is_retried_on_a_new_group(
     led = Ledger.open_readonly(out)
     jobs = {j.name: j for j in led.jobs()}
     victim = jobs["victim"]
-    died = [d for _, _, kind, d in led.events(victim.id) if kind == "group-died"]
-    groups = [d.split()[2] for _, _, kind, d in led.events(victim.id) if kind == "pending->running"]
+    died = [e.detail for e in led.events(victim.id) if e.label == "group-died"]
+    groups = [e.detail.split()[2] for e in led.events(victim.id) if e.label == "pending->running"]
     print("marker:", marker.read_text().strip(), "| died:", died, "| victim ran on groups:", groups)
     assert marker.exists() and all(j.state is JobState.DONE for j in jobs.values())
     assert victim.attempts == 2 and len(died) == 1 and groups[0] != groups[1]

@@ -121,7 +121,7 @@ def test_gcs_killed_mid_run_ends_cleanly_and_resume_finishes(tmp_path: Path) -> 
 
     led = Ledger.open_readonly(out)
     jobs = led.jobs()
-    requeued = [d for _, _, k, d in led.events() if k == "running->pending"]
+    requeued = [e.detail for e in led.events() if e.label == "running->pending"]
     # Nothing claims more than was done: every done job's video is the one the ledger recorded.
     done = {}
     for j in jobs:

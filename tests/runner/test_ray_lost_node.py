@@ -105,7 +105,7 @@ def _assert_lost_jobs_uncharged(out: Path) -> None:
     job was charged an attempt (each keeps the whole budget of --retries 2) or failed."""
     led = Ledger.open_readonly(out)
     try:
-        requeued = [d for _, _, k, d in led.events() if k == "running->pending"]
+        requeued = [e.detail for e in led.events() if e.label == "running->pending"]
         jobs = led.jobs()
     finally:
         led.close()

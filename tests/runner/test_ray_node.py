@@ -108,7 +108,7 @@ def test_runs_join_the_node_kept_up_here(tmp_path: Path, node_env: dict) -> None
 def test_a_node_recorded_but_gone_is_not_joined(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`ray start` records its node for ray.init to join; a node killed without `ray stop` leaves
     the record behind. A run then starts a cluster of its own and says why."""
-    from pan2render.runner.groups import running_local_node
+    from pan2render.runner.cluster import running_local_node
 
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     (tmp_path / "ray").mkdir()

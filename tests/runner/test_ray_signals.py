@@ -83,7 +83,7 @@ def test_sigterm_mid_run_leaves_a_consistent_ledger_and_resume_finishes(tmp_path
     led = Ledger.open_readonly(out)
     jobs = led.jobs()
     stage_states = {s.state for j in jobs for s in led.stages(j.id).values()}
-    interrupted = [d for _, _, k, d in led.events() if k == "running->pending"]
+    interrupted = [e.detail for e in led.events() if e.label == "running->pending"]
     led.close()
     print({j.name: j.state.value for j in jobs}, interrupted)
     assert JobState.RUNNING not in {j.state for j in jobs} and StageState.RUNNING not in stage_states

@@ -18,7 +18,7 @@ import pytest
 from pan2render.jobs.batch import load_batch
 from pan2render.jobs.ledger import Ledger
 from pan2render.runner.driver import Driver, DriverConfig
-from pan2render.runner.groups import LocalExecutor
+from pan2render.runner.local_executor import LocalExecutor
 from pan2render.runner.report import write_report
 from pan2render.runner.testing import FAKE_FACTORY
 from pan2render.runner.worker import WorkerConfig

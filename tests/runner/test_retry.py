@@ -5,7 +5,6 @@ first one decision at a time, then through the driver with the fault raised on t
 from __future__ import annotations
 
 import errno
-import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,20 +14,21 @@ import pytest
 import ray.exceptions
 import torch
 import torch.distributed
-from runner_helpers import RecordingExecutor, render, spec
+from runner_helpers import RecordingExecutor, render, spec, sqlite_disk_full
 
 from pan2render.jobs.disk import DiskFullError
 from pan2render.jobs.ledger import JobRecord, JobState, Stage
 from pan2render.jobs.spec import JobSpec
-from pan2render.runner import stages
+from pan2render.runner import artifacts
 from pan2render.runner.driver import Driver, DriverConfig
-from pan2render.runner.groups import Call, Group, GroupDied
+from pan2render.runner.executor import Call, Group, GroupDied
 from pan2render.runner.messages import SampleCall, WorkerCall
 from pan2render.runner.retry import (
     Action,
     ArtifactCheckError,
     BatchStopped,
     DeviceError,
+    Failure,
     FailureKind,
     JobInputError,
     OnGroup,
@@ -54,12 +54,12 @@ def _job(retries_left: int = 2) -> JobRecord:
 @pytest.mark.parametrize("raised, kind", [
     (OSError(errno.ENOSPC, "No space left on device"), FailureKind.STORAGE),
     (DiskFullError(Path("/x"), needed=2, free=1, what="a"), FailureKind.STORAGE),
-    (sqlite3.OperationalError("database or disk is full"), FailureKind.STORAGE),
+    (sqlite_disk_full(), FailureKind.STORAGE),
     (PermissionError(errno.EACCES, "Permission denied"), FailureKind.STORAGE),
     (JobInputError("image gone"), FailureKind.INPUT),
     (ArtifactCheckError("failed its check 3 times"), FailureKind.INPUT),
-    (stages.NonFiniteError("NaN"), FailureKind.INPUT),
-    (stages.UnsafePathError("DIR/job is a symlink"), FailureKind.INPUT),
+    (artifacts.NonFiniteError("NaN"), FailureKind.INPUT),
+    (artifacts.UnsafePathError("DIR/job is a symlink"), FailureKind.INPUT),
     (MemoryError(), FailureKind.OUT_OF_MEMORY),
     (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.60 GiB"), FailureKind.OUT_OF_MEMORY),
     (DeviceError("the device fails after RuntimeError"), FailureKind.WORKER_DEATH),
@@ -132,7 +132,7 @@ def test_the_worker_tells_a_poisoned_device_by_probing_it_not_by_the_text(
 # ------------------------------------------------------------------------------ one decision at a time
 def test_each_class_has_its_rule() -> None:
     policy = RetryPolicy()
-    decide = lambda kind, job=None: policy.decide(job or _job(), kind, Stage.SAMPLING, f"{kind.value} #1")  # noqa: E731
+    decide = lambda kind, job=None: policy.decide(job or _job(), Failure(Stage.SAMPLING, kind, f"{kind.value} #1"))  # noqa: E731
     assert decide(FailureKind.INPUT).action is Action.FAIL
     storage = decide(FailureKind.STORAGE)
     assert storage.action is Action.REQUEUE and storage.stop_batch
@@ -140,14 +140,14 @@ def test_each_class_has_its_rule() -> None:
     assert lost.action is Action.REQUEUE and not lost.stop_batch
     assert decide(FailureKind.UNKNOWN).action is Action.RETRY
     assert decide(FailureKind.WORKER_DEATH, _job(retries_left=0)).action is Action.FAIL  # budget spent
-    assert RetryPolicy().decide(_job(), FailureKind.OUT_OF_MEMORY, Stage.SAMPLING, "x").action is Action.RETRY
+    assert RetryPolicy().decide(_job(), Failure(Stage.SAMPLING, FailureKind.OUT_OF_MEMORY, "x")).action is Action.RETRY
 
 
 def test_the_same_error_twice_in_a_row_stops_retrying() -> None:
     policy, job = RetryPolicy(), _job(retries_left=5)
-    first = policy.decide(job, FailureKind.UNKNOWN, Stage.DECODE, "rank 0: RuntimeError: bad thing in group g3x1")
-    other = policy.decide(job, FailureKind.UNKNOWN, Stage.ENCODE, "rank 0: RuntimeError: bad thing in group g4x1")
-    again = policy.decide(job, FailureKind.UNKNOWN, Stage.ENCODE, "rank 0: RuntimeError: bad thing in group g5x1")
+    first = policy.decide(job, Failure(Stage.DECODE, FailureKind.UNKNOWN, "rank 0: RuntimeError: bad thing in group g3x1"))
+    other = policy.decide(job, Failure(Stage.ENCODE, FailureKind.UNKNOWN, "rank 0: RuntimeError: bad thing in group g4x1"))
+    again = policy.decide(job, Failure(Stage.ENCODE, FailureKind.UNKNOWN, "rank 0: RuntimeError: bad thing in group g5x1"))
     assert (first.action, other.action) == (Action.RETRY, Action.RETRY)  # another stage: not "the same"
     assert again.action is Action.FAIL and "twice in a row in encode" in again.reason  # group ids differ only
 
@@ -166,7 +166,7 @@ def test_the_same_error_twice_in_a_row_stops_retrying() -> None:
 ])
 def test_whether_the_group_takes_the_next_job(kind: FailureKind, where: OnGroup | None, keep: bool) -> None:
     assert keeps_group(kind, where) is keep
-    assert RetryPolicy().decide(_job(), kind, Stage.SAMPLING, "x", on_group=where).keep_group is keep
+    assert RetryPolicy().decide(_job(), Failure(Stage.SAMPLING, kind, "x"), on_group=where).keep_group is keep
 
 
 # ------------------------------------------------------------------------------ through the driver
@@ -201,7 +201,7 @@ def test_each_failure_class_through_the_driver(tmp_path: Path, raised: str, kind
     else:
         # (and a third when "after" was still encoding on the second one as it was torn down)
         assert len(set(victim_groups)) == 2 and after_group != victim_groups[0] and ex.groups_created >= 2
-        assert any(k == "group-discarded" for _, _, k, _ in led.events(victim.id))
+        assert any(e.label == "group-discarded" for e in led.events(victim.id))
 
 
 def test_a_worker_death_is_retried_on_a_new_group_and_charged(tmp_path: Path) -> None:
@@ -243,7 +243,7 @@ class _LosesItsGpus(RecordingExecutor):
         return super().total_gpus()
 
     def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
-        if isinstance(message, SampleCall) and message.spec["name"] == "victim" and not self.struck:
+        if isinstance(message, SampleCall) and message.spec.name == "victim" and not self.struck:
             self.gone, self.struck = 2, True
             self.calls.append((SampleCall, "victim"))
             self.on_group.append((SampleCall, "victim", group.id))
@@ -266,21 +266,21 @@ def test_a_lost_cluster_requeues_uncharged_on_a_new_group(tmp_path: Path) -> Non
     groups = [gid for t, name, gid in ex.on_group if t is SampleCall]
     print(victim.attempts, victim.retries_left, groups)
     assert summary.done == [victim.id] and victim.retries_left == 2 and len(set(groups)) == 2
-    assert any("the cluster lost the GPUs" in d for _, _, _, d in led.events(victim.id))
+    assert any("the cluster lost the GPUs" in e.detail for e in led.events(victim.id))
 
 
 def test_a_full_output_disk_requeues_uncharged_and_stops_the_batch(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from pan2render.jobs.ledger import Ledger
 
-    real_write = stages.write_artifact
+    real_write = artifacts.write_artifact
 
     def write(out_dir: Path, relpath: str, data: bytes) -> None:
-        if relpath.endswith(stages.LATENTS_NAME):
+        if relpath.endswith(artifacts.LATENTS_NAME):
             raise DiskFullError(Path(out_dir), needed=len(data), free=0, what=relpath)
         real_write(out_dir, relpath, data)
 
-    monkeypatch.setattr(stages, "write_artifact", write)
+    monkeypatch.setattr(artifacts, "write_artifact", write)
     jobs = [spec("victim"), spec("after")]
     led = Ledger.open(tmp_path)
     led.add_jobs(jobs, retries=2)
@@ -289,7 +289,7 @@ def test_a_full_output_disk_requeues_uncharged_and_stops_the_batch(tmp_path: Pat
         Driver(out_dir=tmp_path, ledger=led, executor=ex,
                config=DriverConfig(retries=2, progress=False, poll_s=0.01)).run([j.job_id for j in jobs])
     victim = led.job(jobs[0].job_id)
-    print(victim.state, victim.retries_left, [k for _, _, k, _ in led.events(victim.id)])
+    print(victim.state, victim.retries_left, [e.label for e in led.events(victim.id)])
     assert victim.state is JobState.PENDING and victim.retries_left == 2
-    assert not any(k in ("group-discarded", "group-died") for _, _, k, _ in led.events(victim.id))
+    assert not any(e.label in ("group-discarded", "group-died") for e in led.events(victim.id))
     assert (SampleCall, "after") not in ex.calls  # nothing more was started

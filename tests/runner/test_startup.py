@@ -26,16 +26,16 @@ STAMP = r"[+-]\d+\.\d\d s"  # seconds since the command started
 
 def test_the_tiny_models_load_reports_its_phases_and_the_log_its_start_up(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pan2render.runner.driver import Driver
+    from pan2render.runner.jobflow import BatchFlow
 
     loads: list[tuple[LoadReply, float]] = []
-    real = Driver._say_loaded
+    real = BatchFlow.record_load
 
-    def keep(self: Driver, group: Any, model: str, load: LoadReply, seconds: float) -> None:
+    def keep(self: BatchFlow, run: Any, load: LoadReply, seconds: float) -> None:
         loads.append((load, seconds))
-        real(self, group, model, load, seconds)
+        real(self, run, load, seconds)
 
-    monkeypatch.setattr(Driver, "_say_loaded", keep)
+    monkeypatch.setattr(BatchFlow, "record_load", keep)
     monkeypatch.setenv("PAN2_RENDER_EXECUTOR", "local")  # `pan2-render run` in this process
     monkeypatch.delenv("PAN2_RENDER_PIPELINE", raising=False)  # the embedded tiny model
     batch = write_batch(tmp_path / "b.yaml", [{"name": "fox", "prompt": "a red fox"}],

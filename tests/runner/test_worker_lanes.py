@@ -11,7 +11,7 @@ from typing import Any
 from pan2render.jobs.spec import JobSpec
 from pan2render.media.video import probe_mp4
 from pan2render.jobs.ledger import Stage
-from pan2render.runner import stages
+from pan2render.runner import artifacts
 from pan2render.runner.messages import CollectCall, DecodeCall, WorkerCall
 from pan2render.runner.retry import FailureKind
 from pan2render.runner.testing import FAKE_FACTORY, FakePipeline
@@ -70,10 +70,10 @@ def test_gpu_lane_calls_run_in_seq_order_whatever_the_arrival_order() -> None:
 def test_collect_returns_while_the_gpu_lane_is_held(tmp_path: Any) -> None:
     w = _Worker()
     js = _spec()
-    latents = stages.pack_latents(FakePipeline("tiny").sample(
+    latents = artifacts.pack_latents(FakePipeline("tiny").sample(
         prompt_embeds=FakePipeline("tiny").encode_prompt("p"), height=32, width=48, frames=9, steps=2,
         guidance=1.0, seed=0), spec_hash=js.spec_hash, seed=0, steps=2, model_id="fake")
-    decoded = w.execute(DecodeCall(model="tiny", job_id=js.job_id, spec=js.to_dict(), latents=latents), 0)
+    decoded = w.execute(DecodeCall(model="tiny", job_id=js.job_id, spec=js, latents=latents), 0)
     assert decoded.ok, decoded.failure
     holder = threading.Thread(target=w.execute, args=(_Hold(), 1))
     holder.start()  # the GPU lane is busy with the next call now

@@ -1,0 +1,165 @@
+"""Ray clusters from the outside: which address a run may join, the node kept up on this
+machine, and a watch on a cluster's GCS. Used by the CLI before any executor exists, and by the Ray
+executor."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+from pan2render.runner.retry import ClusterLostError
+
+
+class GcsLost(ClusterLostError):
+    """The cluster's GCS (on its head node) stopped accepting connections for longer than
+    :func:`gcs_lost_after_s`: the head node or its GCS process died."""
+
+
+class ClusterConnectError(RuntimeError):
+    """``--address`` names no reachable Ray cluster (or one we may not join)."""
+
+
+RAY_CLIENT_SCHEME = "ray://"  # a Ray client connection: needs the `ray[client]` extra (grpcio)
+
+
+def ray_client_missing(address: str | None) -> str | None:
+    """Why ``address`` cannot be joined from this install, checked before anything is written:
+    a ``ray://`` address needs Ray's client extra. None when nothing is missing."""
+    if address is None or not address.startswith(RAY_CLIENT_SCHEME):
+        return None
+    try:
+        import grpc  # noqa: F401, PLC0415 - what ray[client] adds
+    except ImportError:
+        return (f"--address {address}: a ray:// address needs Ray's client extra, which is not installed; "
+                f"install it with `pip install 'pan2-render[client]'` (or `pip install 'ray[client]'`), or "
+                f"run on a node of the cluster with --address auto")
+    return None
+
+
+# ---------------------------------------------------------------------- a render node kept up
+def node_start_command(*, gpus: int, port: int) -> list[str]:
+    """``ray start`` for a head node on this machine that runs join (`running_local_node`): ``gpus``
+    GPUs (logical on a CPU-only machine), no dashboard (slow to start, not needed). Its CPU count is
+    its GPU count: the runner's actors take no CPU, and Ray keeps one idle worker process per CPU
+    it counts."""
+    import sys  # noqa: PLC0415
+
+    return [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
+            f"--num-gpus={gpus}", f"--num-cpus={gpus}", "--include-dashboard=false", "--disable-usage-stats"]
+
+
+def running_local_node() -> tuple[str | None, str | None]:
+    """(GCS address of the Ray node that `ray start` left running on this machine, or None; a note
+    when one is recorded but does not answer). ``ray.init()`` without an address joins that node
+    itself, and then refuses the resources a new local cluster is started with: so a run looks
+    first. Ray records the node for that purpose (`ray start` writes it, `ray stop` removes it) but
+    offers no public call that reads it, hence the one private import, guarded."""
+    try:
+        from ray._private.services import find_bootstrap_address  # noqa: PLC0415
+    except ImportError:
+        return None, None
+    address = find_bootstrap_address(None)
+    if not address:
+        return None, None
+    target = parse_gcs_address(address)
+    if target is None:
+        return None, None
+    try:
+        socket.create_connection(target, timeout=2).close()
+    except OSError as e:
+        return None, (f"the Ray node recorded on this machine ({address}) does not answer ({e}): it was "
+                      f"stopped without `ray stop`; starting a local cluster instead")
+    return address, None
+
+
+
+def probe_address(address: str) -> None:
+    """Fail in seconds, not minutes (ray.init retries a dead GCS address for a long time), when a
+    ``host:port`` or ``ray://host:port`` does not accept connections. ``auto`` is left to Ray."""
+    import socket  # noqa: PLC0415
+
+    host, sep, port = address.removeprefix(RAY_CLIENT_SCHEME).rpartition(":")
+    if not sep or "://" in host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise ClusterConnectError(
+            f"could not join the Ray cluster at {address!r}: nothing answers there ({e}); give the "
+            f"head's GCS address (`ray status` on the head node prints it), or omit --address to "
+            f"start a local cluster"
+        ) from None
+
+
+# Ray's default for RAY_gcs_rpc_server_reconnect_timeout_s: how long a driver keeps trying to
+# reach a GCS that stopped answering before Ray ends the process.
+RAY_GCS_RECONNECT_DEFAULT_S = 60.0
+# Longest a GCS query (cluster resources, the node table) may take before the GCS counts as
+# unreachable; a live GCS answers them in well under a second.
+GCS_QUERY_TIMEOUT_S = 10.0
+
+
+def gcs_lost_after_s() -> float:
+    """How long the GCS may refuse connections before the run ends, cluster lost: half of Ray's
+    own reconnect timeout, which leaves the other half to put the running jobs back to pending and
+    say so. (A GCS with fault tolerance restarts within seconds, and is waited for.)"""
+    try:
+        ray_s = float(os.environ.get("RAY_gcs_rpc_server_reconnect_timeout_s", RAY_GCS_RECONNECT_DEFAULT_S))
+    except ValueError:
+        ray_s = RAY_GCS_RECONNECT_DEFAULT_S
+    return ray_s / 2
+
+
+def parse_gcs_address(address: str) -> tuple[str, int] | None:
+    """(host, port) of ``HOST:PORT`` or ``[IPv6]:PORT``; None when it is neither."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+class GcsWatch:
+    """Probes, once a second on a daemon thread, that the GCS at ``address`` (host:port) accepts
+    a TCP connection. A probe needs nothing from Ray, so it works when every Ray call that needs
+    the GCS would block."""
+
+    def __init__(self, address: str, *, period_s: float = 1.0):
+        target = parse_gcs_address(address)
+        if target is None:
+            raise ValueError(f"GCS address {address!r} is not HOST:PORT")
+        self.address = address
+        self._target = target
+        self._period_s = period_s
+        self._down_since: float | None = None
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        threading.Thread(target=self._run, name="gcs-watch", daemon=True).start()
+
+    def probe(self) -> bool:
+        """Probe now; True when the GCS accepted the connection."""
+        try:
+            socket.create_connection(self._target, timeout=self._period_s).close()
+            up = True
+        except OSError:
+            up = False
+        with self._lock:
+            if up:
+                self._down_since = None
+            elif self._down_since is None:
+                self._down_since = time.monotonic()
+        return up
+
+    def down_for(self) -> float:
+        """Seconds since the GCS first refused a connection in the current outage (0: it is up)."""
+        with self._lock:
+            return 0.0 if self._down_since is None else time.monotonic() - self._down_since
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._period_s):
+            self.probe()
+

@@ -1,0 +1,359 @@
+"""Groups of Ray actors: the executor interface on a Ray cluster.
+
+One actor per GPU, the group's actors in one STRICT_PACK placement group, joined into a
+torch.distributed group (NCCL on GPUs, gloo on CPU) with the rendezvous on rank 0's node.
+
+The executor also watches its cluster. A call that fails because its group's node left the
+cluster says so (its GroupDied's kind is cluster-lost): the failure is the cluster's, not the
+job's. And a GCS that stops accepting connections is noticed by probing its port
+(``cluster.GcsWatch``), since Ray's own calls that need the GCS then block until Ray ends the
+driver: ``check_cluster`` raises ``GcsLost`` before that, while the driver can still put its jobs
+back and say so.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from concurrent import futures
+from typing import Any
+
+from pan2render.runner.cluster import (
+    GCS_QUERY_TIMEOUT_S,
+    RAY_CLIENT_SCHEME,
+    ClusterConnectError,
+    GcsLost,
+    GcsWatch,
+    gcs_lost_after_s,
+    parse_gcs_address,
+    probe_address,
+)
+from pan2render.runner.executor import Call, Group, GroupDied, GroupStartError, first_failure, next_group_number
+from pan2render.runner.messages import (
+    GPU_QUEUE_DEPTH,
+    IO_CONCURRENCY,
+    InitGroupCall,
+    Lane,
+    RendezvousCall,
+    Reply,
+    WorkerCall,
+    WorkerConfig,
+)
+from pan2render.runner.progress import StepClock, StepReport
+from pan2render.runner.retry import FailureKind, classify_group_death
+
+
+class RayExecutor:
+    """Groups of Ray actors. ``address=None`` starts a local cluster with ``gpus`` logical GPUs.
+
+    ``create_group`` may run on the pool's start thread while the driver thread calls the rest
+    (Ray's API is thread-safe); ``_groups`` is shared between them under ``_lock``.
+    """
+
+    starts_in_background = True
+
+    def __init__(self, *, address: str | None, gpus: int | None, cpus: int | None,
+                 config: WorkerConfig, object_store_bytes: int = 1 << 30, local_node: bool = False):
+        """``local_node``: ``address`` is the node kept up on this machine (`running_local_node`)."""
+        import ray  # noqa: PLC0415 - importing ray costs ~1 s; unit tests with LocalExecutor skip it
+
+        self._ray = ray
+        self._config = config
+        # Already connected (a test's module-wide cluster, or an embedding application): use that
+        # cluster as it is and leave it running at shutdown.
+        self._owns_ray = not ray.is_initialized()
+        # Where Ray keeps the workers' own logs (this node's session folder), when we started or
+        # joined Ray here; a Ray client (ray://) keeps them on the cluster's nodes.
+        self.worker_logs: str | None = None
+        context: Any = None
+        if self._owns_ray and address is None:
+            # A local cluster: no dashboard (slow to start, not needed), a modest object store
+            # (artifacts are MBs: latents ~10 MB, an mp4 a few MB), worker logs shown here.
+            # "local": a new cluster even where a node recorded on this machine is gone.
+            context = ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False,
+                               log_to_driver=True, object_store_memory=object_store_bytes,
+                               logging_level="WARNING")
+        elif self._owns_ray:
+            probe_address(address)
+            try:
+                # The node kept up here is joined as Ray's "auto" finds it, the one way Ray takes its
+                # token (token authentication, on by default) from ~/.ray without being told to.
+                context = ray.init(address="auto" if local_node else address, log_to_driver=True,
+                                   logging_level="WARNING")
+            except (ConnectionError, RuntimeError) as e:
+                raise ClusterConnectError(
+                    f"could not join the Ray cluster at {address!r}: {str(e).splitlines()[0]}; check "
+                    f"the address (`ray status` on the head node) and, where the cluster uses token "
+                    f"authentication, that its token is in ~/.ray/auth_token or RAY_AUTH_TOKEN"
+                ) from e
+        session = (getattr(context, "address_info", None) or {}).get("session_dir")
+        if session:
+            self.worker_logs = f"{session}/logs"
+        # A Ray client (ray://) reaches the cluster through its client server, not the GCS.
+        self._gcs: GcsWatch | None = None
+        self.cluster = f"the Ray cluster at {address}"
+        gcs_address = None if (address or "").startswith(RAY_CLIENT_SCHEME) else \
+            ray.get_runtime_context().gcs_address
+        if gcs_address and parse_gcs_address(gcs_address) is not None:
+            self._gcs = GcsWatch(gcs_address)
+            self.cluster = (f"the Ray node kept up on this machine (GCS at {gcs_address})" if local_node
+                            else f"the Ray cluster at {gcs_address}" if address is not None or not self._owns_ray
+                            else f"the local Ray cluster this run started (GCS at {gcs_address})")
+        self._gcs_lost_after_s = gcs_lost_after_s()
+        # GCS queries run here, each with a deadline: one that would block (the GCS died after the
+        # last probe) leaves its thread stuck instead of the driver's loop.
+        self._gcs_queries = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="gcs-query")
+        # Two lanes per actor (worker.py): the default group runs the GPU lane with one thread per
+        # call the driver may queue (the worker orders them by seq), "io" runs the I/O lane.
+        self._actor_cls = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=GPU_QUEUE_DEPTH,
+                                     concurrency_groups={"io": IO_CONCURRENCY})(RayWorkerProcess)
+        self._progress_actor = ray.remote(StepClock).options(num_cpus=0).remote()
+        self._groups: dict[str, Group] = {}
+        self._lock = threading.Lock()
+
+    def total_gpus(self) -> int:
+        return int(self._ask_gcs(self._ray.cluster_resources).get("GPU", 0))
+
+    def max_group_size(self) -> int:
+        per_node = [n.get("Resources", {}).get("GPU", 0) for n in self._ask_gcs(self._ray.nodes) if n.get("Alive")]
+        return int(max(per_node, default=0))
+
+    def _ask_gcs(self, query: Any) -> Any:
+        """``query()``, a Ray call that the GCS answers. With the GCS gone such a call blocks,
+        deaf to signals, until Ray ends the process: so it is not made while the GCS refuses
+        connections, and is given up (GcsLost) after a deadline."""
+        if self._gcs is None:
+            return query()
+        if not self._gcs.probe():
+            raise GcsLost(f"{self.cluster}: its GCS refuses connections")
+        deadline = min(GCS_QUERY_TIMEOUT_S, self._gcs_lost_after_s / 2)
+        try:
+            return self._gcs_queries.submit(query).result(timeout=deadline)
+        except futures.TimeoutError:
+            raise GcsLost(f"{self.cluster}: its GCS did not answer within {deadline:.0f} s") from None
+
+    def _gcs_down(self) -> bool:
+        return self._gcs is not None and not self._gcs.probe()
+
+    def check_cluster(self) -> None:
+        """Raise GcsLost once the GCS has refused connections for ``gcs_lost_after_s``: the run
+        must end while it still can (Ray ends a driver that cannot reach its GCS for
+        RAY_gcs_rpc_server_reconnect_timeout_s, without running any of its clean-up)."""
+        if self._gcs is None:
+            return
+        down = self._gcs.down_for()
+        if down >= self._gcs_lost_after_s:
+            raise GcsLost(
+                f"{self.cluster} is gone: its GCS (on the head node) has refused "
+                f"connections for {down:.0f} s, so the head node or its GCS process died, and with it "
+                f"this run's workers")
+
+    def create_group(self, size: int, *, timeout_s: float) -> Group:
+        ray = self._ray
+        from ray.util.placement_group import (  # noqa: PLC0415
+            placement_group,
+            placement_group_table,
+            remove_placement_group,
+        )
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
+
+        gid = f"g{next_group_number()}x{size}"
+        asked = time.time()
+        pg = placement_group([{"GPU": 1}] * size, strategy="STRICT_PACK")
+        try:
+            ray.get(pg.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(pg)
+            free = int(ray.available_resources().get("GPU", 0))
+            raise GroupStartError(
+                f"placement group of {size} GPUs on one node was not ready after {timeout_s:.0f} s; "
+                f"the cluster has {self.total_gpus()} GPUs, {free} free now (a group needs {size} on ONE "
+                f"node; on a shared cluster others may hold them: see --group-start-timeout)"
+            ) from None
+        # The nodes holding the group, to tell a lost node from a dead worker when a call fails.
+        nodes = set(placement_group_table(pg).get("bundles_to_node_id", {}).values())
+        progress = _RayProgress(self._progress_actor)
+        actors = [
+            self._actor_cls.options(
+                num_cpus=0, num_gpus=1, name=None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=rank),
+            ).remote(rank=rank, world_size=size, config=self._config, progress=progress)
+            for rank in range(size)
+        ]
+        group = Group(id=gid, size=size, handle={"pg": pg, "actors": actors, "nodes": nodes}, asked_at=asked)
+        with self._lock:
+            self._groups[gid] = group
+        if size > 1:
+            try:
+                self._form_process_group(group, timeout_s=timeout_s)
+            except Exception as e:
+                self.destroy_group(group)
+                raise GroupStartError(f"group {gid} of {size} could not form its process group: {e}") from e
+        # One GPU: the actor's process is still starting (its first call waits for it); several:
+        # every process is up and joined.
+        group.placed_at = time.time()
+        return group
+
+    def _form_process_group(self, group: Group, *, timeout_s: float) -> None:
+        actors = group.handle["actors"]
+        r0 = self._ray.get(actors[0].execute.remote(RendezvousCall()), timeout=timeout_s)
+        if r0.failure is not None:
+            raise RuntimeError(f"rank 0 rendezvous failed: {r0.failure.error}\n{r0.failure.traceback}")
+        where = r0.value
+        join = InitGroupCall(master_addr=where.addr, master_port=where.port, backend=where.backend)
+        replies = self._ray.get([a.execute.remote(join) for a in actors], timeout=timeout_s)
+        bad = first_failure(replies)
+        if bad.failure is not None:
+            raise RuntimeError(f"rank {bad.rank}: {bad.failure.error}\n{bad.failure.traceback}")
+
+    def destroy_group(self, group: Group) -> None:
+        from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
+
+        if self._gcs_down():  # both calls below need the GCS; the cluster's end took the group
+            with self._lock:
+                self._groups.pop(group.id, None)
+            return
+        for actor in group.handle["actors"]:
+            try:
+                self._ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead is fine
+                pass
+        try:
+            remove_placement_group(group.handle["pg"])
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+        with self._lock:
+            self._groups.pop(group.id, None)
+
+    def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
+        # In a group the message (latents, embeddings: MBs) is put in the object store once and
+        # every rank reads the same object (a top-level ref argument, so Ray resolves it).
+        seq = group.take_seq(message)
+        if message.lane is Lane.IO:  # rank 0 alone holds the encode
+            refs = [group.handle["actors"][0].execute.options(concurrency_group="io").remote(message)]
+        else:
+            arg: Any = self._ray.put(message) if group.size > 1 else message
+            refs = [a.execute.remote(arg, seq) for a in group.handle["actors"]]
+        return Call(group=group, message=message, started=time.monotonic(), timeout_s=timeout_s, handle=refs)
+
+    def wait(self, calls: Sequence[Call], *, timeout_s: float) -> list[Call]:
+        ray = self._ray
+        refs = [r for c in calls for r in c.handle]
+        if not refs:
+            return []
+        # Return as soon as ANY ref is ready (then sweep up all ready ones), so a finished stage
+        # does not wait out the poll interval.
+        first, _ = ray.wait(refs, num_returns=1, timeout=timeout_s)
+        if not first:
+            return []
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        ready_set = set(ready)
+        out = []
+        for c in calls:
+            done = [r in ready_set for r in c.handle]
+            if all(done):
+                out.append(c)
+            elif any(done) and self._any_error(r for r, d in zip(c.handle, done) if d):
+                out.append(c)  # one rank died: the others may hang in a collective forever
+        return out
+
+    def _any_error(self, refs: Any) -> bool:
+        """Did a finished rank fail? Its actor died (get raises) or its call failed: ``execute``
+        never raises, so a failed call is a Reply with a failure."""
+        for r in refs:
+            try:
+                if not self._ray.get(r, timeout=0).ok:
+                    return True
+            except Exception:  # noqa: BLE001
+                return True
+        return False
+
+    def result(self, call: Call) -> Reply[Any]:
+        ray = self._ray
+        try:
+            replies = ray.get(call.handle, timeout=60)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+            # RayError covers the actor dying (ActorDiedError), being OOM-killed by Ray's memory
+            # monitor, lost objects; `execute` itself never raises, so any of them means the group.
+            # Keep the whole message (capped): for an actor that failed to start, the cause (e.g.
+            # an ImportError on that node) is on the lines after the first.
+            node_lost = self._node_lost(call.group)
+            lost = node_lost or self.lacks_gpus_for(call.group.size)
+            where = (" (its node left the cluster)" if node_lost
+                     else " (the cluster lost the GPUs it needs)" if lost else "")
+            raise GroupDied(f"group {call.group.id} failed in {type(call.message).__name__}{where}: "
+                            f"{type(e).__name__}: {str(e)[:2000]}",
+                            kind=FailureKind.CLUSTER_LOST if lost else classify_group_death(e)) from e
+        return first_failure(replies)
+
+    def _node_lost(self, group: Group) -> bool:
+        """Is a node of ``group`` gone from the cluster (or the cluster past asking)? Ray reports
+        the actors of a dead node dead only once the GCS has marked the node dead, so by the
+        time a call fails for it the node table says so."""
+        try:
+            alive = {n["NodeID"] for n in self._ask_gcs(self._ray.nodes) if n.get("Alive")}
+        except Exception:  # noqa: BLE001 - the GCS cannot be asked: the cluster itself is failing
+            return True
+        return not group.handle.get("nodes", set()) <= alive
+
+    def lacks_gpus_for(self, size: int) -> bool:
+        try:
+            return self.total_gpus() < size
+        except Exception:  # noqa: BLE001 - the cluster cannot even be asked: it is gone
+            return True
+
+    def progress(self) -> dict[str, StepReport]:
+        if self._gcs is not None and self._gcs.down_for() > 0:
+            return {}  # its actor may have died with the cluster: Ray would ask the GCS, and block
+        try:
+            return self._ray.get(self._progress_actor.snapshot.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - progress is cosmetic; never let it stop the batch
+            return {}
+
+    def shutdown(self) -> None:
+        with self._lock:
+            groups = list(self._groups.values())
+        for group in groups:
+            self.destroy_group(group)
+        if not self._gcs_down():
+            try:
+                self._ray.kill(self._progress_actor, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        if self._gcs is not None:
+            self._gcs.stop()
+        self._gcs_queries.shutdown(wait=False, cancel_futures=True)
+        if self._owns_ray:
+            self._ray.shutdown()
+
+
+
+class RayWorkerProcess:
+    """The Ray actor: a `RenderWorker` built in the actor's own process. The driver creates actors
+    of this class without importing the worker (torch), and the actor times that import, which the
+    first load reports (``LoadReply.worker``)."""
+
+    def __init__(self, **kwargs: Any):
+        t0 = time.perf_counter()
+        from pan2render.runner.worker import RenderWorker  # noqa: PLC0415 - torch, in the actor's process
+
+        self._worker = RenderWorker(**kwargs, imports_s=time.perf_counter() - t0)
+
+    def execute(self, call: WorkerCall, seq: int | None = None) -> Reply[Any]:
+        """`RenderWorker.execute` (the one entry point)."""
+        return self._worker.execute(call, seq)
+
+
+class _RayProgress:
+    """The workers' progress sink: step reports pushed fire-and-forget to the run's StepClock
+    actor, which stamps them as they arrive."""
+
+    def __init__(self, actor: Any):
+        self._actor = actor
+
+    def report(self, job_id: str, done: int, total: int) -> None:
+        self._actor.report.remote(job_id, done, total)
+

@@ -1,0 +1,435 @@
+"""The scheduler: feeds the jobs of one or more batches to worker groups and keeps every group's GPU
+busy. What a job does next, and how a reply or a failure is recorded, is the stage flow's
+(``jobflow.py``); the scheduler decides only which job runs on which group, and when.
+
+A group owns up to two kinds of jobs at once: one on its GPU lane (plus the next one queued behind
+a decode, so the GPU starts it the moment the decode ends) and up to ``MAX_ENCODES_IN_FLIGHT``
+encoding in the background. The loop never blocks on one call: it waits on all in-flight calls
+with a short timeout, and every call has its own deadline; a call past it counts as a dead group.
+What a failure costs the job and whether its group takes the next job is decided in ``retry.py``.
+
+:class:`Scheduler` serves any number of batches (each a :class:`ServedBatch`: its flow, its
+progress, its priority); ``driver.Driver`` is the scheduler serving one batch until it is done, as
+``pan2-render run`` does, and the farm (``farm.py``) is the scheduler kept up. Pending jobs start strictly in queue order (priority, then when their
+batch was served, then their order in it): when the head job's group size is not free, later jobs
+wait too, so a 4-GPU job is never starved by a stream of 1-GPU jobs taking every GPU that frees
+up (the pool tears idle groups down for it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pan2render.jobs.ledger import EventKind, JobEvent, JobRecord, JobState, Ledger, Stage, StageState, stage_name
+from pan2render.runner.executor import Call, Executor, Group, GroupDied, GroupStartError
+from pan2render.runner.jobflow import BatchFlow, JobRun
+from pan2render.runner.messages import JOB_CALLS, MAX_ENCODES_IN_FLIGHT, Lane, SampleCall, default_call_timeouts
+from pan2render.runner.pool import GroupPool
+from pan2render.runner.progress import RunProgress
+from pan2render.runner.retry import (
+    Action,
+    BatchStopped,
+    ClusterLostError,
+    Decision,
+    Failure,
+    FailureKind,
+    OnGroup,
+    RetryPolicy,
+    classify_exception,
+)
+from pan2render.runner.timeline import stamp
+
+
+@dataclass(frozen=True)
+class DriverConfig:
+    retries: int = 2  # retries per job after its first attempt (resume grants a fresh budget)
+    poll_s: float = 0.5  # longest the loop sleeps in ray.wait before checking deadlines/progress
+    group_start_timeout_s: float = 300.0
+    # Per-call deadlines, by each call type's timeout_key (defaults: messages.py); a call past its
+    # deadline is treated as a dead group.
+    call_timeouts_s: dict[str, float] = field(default_factory=default_call_timeouts)
+    progress: bool = True  # a live block on stderr when it is a terminal (else plain lines)
+    # How long the batch waits for GPUs to come back after the cluster lost the ones a job needs
+    # (a node died, its raylet or the GCS restarted) before it stops with a message.
+    cluster_wait_s: float = 300.0
+    # Times a job's artifact may be redone in one run because it failed its check (corrupt on
+    # disk, or freshly written and rejected) before the job fails with the check's reason.
+    max_redos: int = 2
+
+    def __post_init__(self) -> None:
+        if self.retries < 0:
+            raise ValueError(f"retries={self.retries} must be >= 0 (0 = no retries)")
+        if self.cluster_wait_s < 0 or self.max_redos < 0:
+            raise ValueError(f"cluster_wait_s={self.cluster_wait_s} and max_redos={self.max_redos} must be >= 0")
+        if self.poll_s <= 0:
+            raise ValueError(f"poll_s={self.poll_s} must be > 0")
+        missing = {c.timeout_key for c in JOB_CALLS} - set(self.call_timeouts_s)
+        if missing:
+            raise ValueError(f"call_timeouts_s lacks {sorted(missing)}")
+
+
+_served = itertools.count()
+
+
+@dataclass(eq=False)
+class ServedBatch:
+    """One batch the scheduler serves: its flow (folder + ledger), its progress, its place in the
+    queue. ``on_job_end``: called from the loop after any of its jobs finished or failed (e.g. to
+    refresh the report); it must return quickly."""
+
+    flow: BatchFlow
+    progress: RunProgress
+    priority: int = 0  # higher first
+    on_job_end: Callable[[], None] | None = None
+    paused: bool = False  # no new job of it starts
+    seq: int = field(default_factory=lambda: next(_served))  # served earlier, first among equals
+    stop: BaseException | None = None  # set on a full disk: start nothing more of it
+    ended: int = 0  # jobs ended (done or failed) while served
+    _ended_seen: int = 0
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.flow.ledger
+
+    def notify_job_end(self) -> None:
+        if self.on_job_end is not None and self.ended != self._ended_seen:
+            self._ended_seen = self.ended
+            self.on_job_end()
+
+
+@dataclass(eq=False)
+class _Queued:
+    batch: ServedBatch
+    job_id: str
+    gpus: int
+    order: int  # first queued first, among jobs of one priority and batch
+
+
+class Scheduler:
+    """Runs the pending jobs of every served batch on groups from one pool."""
+
+    def __init__(self, *, executor: Executor, config: DriverConfig, pool: GroupPool | None = None):
+        self.ex = executor
+        self.config = config
+        self.pool = pool or GroupPool(executor, total_gpus=executor.total_gpus(),
+                                      start_timeout_s=config.group_start_timeout_s)
+        self._max_group = executor.max_group_size()  # a group's GPUs must all be on one node
+        self._queue: list[_Queued] = []
+        self._active: dict[tuple[int, str], JobRun] = {}  # (batch seq, job id) -> its attempt
+        self._batch_of: dict[int, ServedBatch] = {}
+        self._order = itertools.count()
+        self._policy = RetryPolicy()
+        self._lost_since: float | None = None  # monotonic time the cluster lost a job's GPUs
+        self._groups_seen: set[str] = set()  # groups whose placement the run log has told
+
+    # ================================================================== what it serves
+    def serve(self, batch: ServedBatch, job_ids: list[str]) -> None:
+        """Queue the named jobs of ``batch`` that are pending (prepared: see prepare_jobs)."""
+        self._batch_of[batch.seq] = batch
+        for job in batch.ledger.jobs(job_ids):
+            if job.state is not JobState.PENDING:
+                continue
+            if job.spec.gpus > self._max_group:
+                self._fail_unrunnable(batch, job)
+            else:
+                self._enqueue(batch, job.id, job.spec.gpus)
+
+    def pending(self, batch: ServedBatch) -> list[str]:
+        return [q.job_id for q in self._queue if q.batch is batch]
+
+    def running(self, batch: ServedBatch) -> list[JobRun]:
+        return [r for (seq, _), r in self._active.items() if seq == batch.seq]
+
+    @property
+    def busy(self) -> bool:
+        """Anything left to do: a job running, or one that may start."""
+        return bool(self._active) or any(q.batch.stop is None and not q.batch.paused for q in self._queue)
+
+    def _enqueue(self, batch: ServedBatch, job_id: str, gpus: int) -> None:
+        self._queue.append(_Queued(batch, job_id, gpus, next(self._order)))
+        self._queue.sort(key=lambda q: (-q.batch.priority, q.batch.seq, q.order))
+
+    def upcoming(self, batch: ServedBatch) -> list[JobRecord]:
+        """The batch's queued jobs, in the order they will start."""
+        return batch.ledger.jobs(self.pending(batch))
+
+    # ================================================================== the loop
+    def tick(self) -> None:
+        """One pass: start what can start, handle every reply that is ready, check deadlines."""
+        self.ex.check_cluster()
+        self._dispatch()
+        if not self._active:  # nothing running: a group is starting (or failed to)
+            self.pool.wait_for_start(self.config.poll_s)
+            return
+        calls = [r.call for r in self._active.values() if r.call is not None]
+        for call in self.ex.wait(calls, timeout_s=self.config.poll_s):
+            self._on_ready(call)
+        self._check_deadlines()
+        if any(r.call is not None and isinstance(r.call.message, SampleCall) for r in self._active.values()):
+            reports = self.ex.progress()  # a Ray call: only while a job samples
+            for batch in self._batch_of.values():
+                batch.progress.steps(reports)
+        for batch in self._batch_of.values():
+            batch.progress.tick()
+            batch.notify_job_end()
+
+    def interrupt_all(self, reason: str, *, outcome: str = "interrupted", detail: str = "") -> None:
+        """Every running job back to pending, uncharged (the run stops, or the cluster went)."""
+        for (seq, job_id), run in list(self._active.items()):
+            batch = self._batch_of[seq]
+            batch.ledger.transition(job_id, JobEvent.INTERRUPT, reason=reason)
+            batch.progress.job_ended(job_id, outcome, detail)
+        self._active.clear()
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def _dispatch(self) -> None:
+        """Start queued jobs, in order, on groups. Where a job goes, best first: a group that
+        holds a job already and whose GPU lane is free (its jobs only encode); an idle or new group
+        from the pool; a held group whose GPU lane runs only a decode, the job's first call queued
+        behind it."""
+        if not self._cluster_ready():
+            return
+        for q in list(self._queue):
+            if q.batch.stop is not None or q.batch.paused:
+                continue
+            group = self._held_group(q.gpus, behind_decode=False)
+            try:
+                group = group or self.pool.try_acquire(q.gpus)
+            except GroupStartError as e:
+                self._queue.remove(q)
+                q.batch.ledger.transition(q.job_id, JobEvent.START, reason="starting a group")
+                # Charged to the stage the job would have run next; its finished stages (and their
+                # artifacts) stay done.
+                kind = FailureKind.CLUSTER_LOST if self.ex.lacks_gpus_for(q.gpus) else FailureKind.UNKNOWN
+                self._failed(q.batch, q.job_id, Failure(stage=q.batch.flow.next_stage(q.job_id), kind=kind,
+                                                        error=str(e), cause=e))
+                continue
+            group = group or self._held_group(q.gpus, behind_decode=True)
+            if group is None:
+                break
+            self._say_placed(q.batch, group)
+            self._queue.remove(q)
+            q.batch.ledger.transition(q.job_id, JobEvent.START, reason=f"on group {group.id} ({group.size} GPU(s))")
+            run = JobRun(job=q.batch.ledger.job(q.job_id), group=group)
+            q.batch.progress.job_started(q.job_id, group=group.id, attempt=run.job.attempts)
+            self._active[(q.batch.seq, q.job_id)] = run
+            self._advance(q.batch, run)
+
+    def _held_group(self, size: int, *, behind_decode: bool) -> Group | None:
+        """A group of ``size`` with active jobs that can take one more: its GPU lane is free (or,
+        with ``behind_decode``, runs only a decode) and its encodes, counting that decode's, stay
+        within MAX_ENCODES_IN_FLIGHT."""
+        held = {id(r.group): r.group for r in self._active.values() if r.group.size == size}
+        for group in held.values():
+            jobs = self._jobs_on(group)
+            on_gpu = [r for r in jobs if not r.encoding]
+            free = not on_gpu or (behind_decode and len(on_gpu) == 1 and on_gpu[0].decoding)
+            if free and len(jobs) < MAX_ENCODES_IN_FLIGHT:
+                return group
+        return None
+
+    def _jobs_on(self, group: Group) -> list[JobRun]:
+        return [r for r in self._active.values() if r.group is group]
+
+    def _say_placed(self, batch: ServedBatch, group: Group) -> None:
+        """The run log's start-up line of a group the first time it takes a job (stamps: seconds
+        since the command started)."""
+        if group.id in self._groups_seen:
+            return
+        self._groups_seen.add(group.id)
+        if group.placed_at:
+            joined = ", its processes joined" if group.size > 1 else ""
+            batch.progress.say(f"start-up: group {group.id} ({group.size} GPU{'s' if group.size > 1 else ''}) "
+                               f"placed at {stamp(group.placed_at)}{joined} (asked for at {stamp(group.asked_at)})")
+
+    def _leave(self, batch: ServedBatch, run: JobRun) -> None:
+        """The job no longer runs on its group; the group goes back to the pool once it holds no job."""
+        del self._active[(batch.seq, run.job.id)]
+        if not self._jobs_on(run.group):
+            self.pool.release(run.group)
+
+    def _advance(self, batch: ServedBatch, run: JobRun) -> None:
+        """Issue the job's next call, or finish it. A driver-side problem (input image gone or
+        changed, unreadable cache file) fails the stage the job was about to run."""
+        if batch.stop is not None:  # e.g. the disk is full: this job goes back to pending, uncharged
+            self._leave(batch, run)
+            return self._requeue(batch, run.job.id, "the output folder refused a write: the batch stops; "
+                                                    "`resume` continues")
+        try:
+            message = batch.flow.next_call(run)
+        except Exception as e:  # noqa: BLE001 - any driver-side failure is the job's, with its class
+            self._leave(batch, run)
+            return self._failed(batch, run.job.id, self._driver_failure(batch, run.job.id, e))
+        if message is None:
+            self._leave(batch, run)
+            batch.flow.finish(run)
+            batch.progress.job_ended(run.job.id, "done")
+            batch.ended += 1
+            return None
+        if message.marks_stage and message.stage is not None:
+            batch.ledger.set_stage(run.job.id, message.stage, StageState.RUNNING)
+        batch.progress.stage(run.job.id, message.shown)
+        timeout_s = self.config.call_timeouts_s.get(message.timeout_key, message.default_timeout_s)
+        run.call = self.ex.call(run.group, message, timeout_s=timeout_s)
+        return None
+
+    @staticmethod
+    def _driver_failure(batch: ServedBatch, job_id: str, e: Exception) -> Failure:
+        return Failure(stage=batch.flow.next_stage(job_id), kind=classify_exception(e),
+                       error=f"driver: {type(e).__name__}: {e}", traceback=traceback.format_exc(), cause=e)
+
+    # ================================================================== results
+    def _find(self, call: Call) -> tuple[ServedBatch, JobRun] | None:
+        for (seq, _), run in self._active.items():
+            if run.call is call:
+                return self._batch_of[seq], run
+        return None
+
+    def _on_ready(self, call: Call) -> None:
+        found = self._find(call)
+        if found is None:
+            return  # its job left when its group was torn down: the reply is void
+        batch, run = found
+        run.call = None
+        stage = call.message.stage
+        assert stage is not None, f"{type(call.message).__name__} is not a job's call"
+        try:
+            reply = self.ex.result(call)
+        except GroupDied as e:
+            return self._group_died(batch, run, Failure(
+                stage=stage, kind=e.kind, error=f"worker group {run.group.id} died or stopped answering: {e}"))
+        if reply.failure is not None:
+            on_group = OnGroup(size=run.group.size, io_lane=call.message.lane is Lane.IO)
+            return self._call_failed(batch, run, reply.failure, on_group)
+        try:
+            batch.flow.record(run, call.message, reply.value, reply.seconds)
+        except Exception as e:  # noqa: BLE001 - e.g. disk full, or the written video fails its check
+            self._leave(batch, run)
+            return self._failed(batch, run.job.id, self._driver_failure(batch, run.job.id, e))
+        self._advance(batch, run)
+
+    # ================================================================== failures
+    def _group_died(self, batch: ServedBatch, run: JobRun, failure: Failure) -> None:
+        self._call_failed(batch, run, failure, OnGroup(size=run.group.size), died=True)
+
+    def _call_failed(self, batch: ServedBatch, run: JobRun, failure: Failure, on_group: OnGroup, *,
+                     died: bool = False) -> None:
+        """A call of ``run`` failed on its group: one decision (retry.py) says what becomes of the
+        job and whether the group takes the next job or is torn down."""
+        job = batch.ledger.job(run.job.id)
+        decision = self._policy.decide(job, failure, on_group=on_group)
+        if decision.keep_group:
+            self._leave(batch, run)  # only this job's call failed; the group goes on
+            return self._carry_out(batch, job.id, failure, decision)
+        if not died:
+            batch.ledger.log(job.id, EventKind.GROUP_DISCARDED,
+                             f"group {run.group.id} after [{failure.kind.value}]: {failure.message}")
+        others = [(self._batch_of[seq], r) for (seq, _), r in self._active.items()
+                  if r.group is run.group and r is not run]
+        self.pool.discard(run.group)
+        for b, r in [(batch, run), *others]:
+            del self._active[(b.seq, r.job.id)]
+        batch.ledger.log(job.id, EventKind.GROUP_DIED, failure.message)
+        self._carry_out(batch, job.id, failure, decision)
+        # Every other job the torn-down group owned (one queued on its GPU lane, ones encoding)
+        # fails where it stood, as a worker death (as cluster-lost when this failure was: they
+        # were on the same lost node); each goes back from its last durable stage.
+        lost = failure.kind is FailureKind.CLUSTER_LOST or self.ex.lacks_gpus_for(run.group.size)
+        for b, r in others:
+            msg = (f"group {run.group.id} was torn down (after job {run.job.name}: "
+                   f"{failure.message.splitlines()[0][:300]})")
+            b.ledger.log(r.job.id, EventKind.GROUP_DIED, msg)
+            stage = r.call.message.stage if r.call is not None else b.flow.next_stage(r.job.id)
+            self._failed(b, r.job.id, Failure(stage=stage or Stage.CONDITIONING, error=msg,
+                                              kind=FailureKind.CLUSTER_LOST if lost else FailureKind.WORKER_DEATH))
+
+    def _failed(self, batch: ServedBatch, job_id: str, failure: Failure) -> None:
+        """A failure of a job off any group (a driver write, a group that never formed, a job of a
+        group torn down for another): decided by retry.py, then carried out."""
+        self._carry_out(batch, job_id, failure, self._policy.decide(batch.ledger.job(job_id), failure))
+
+    def _carry_out(self, batch: ServedBatch, job_id: str, failure: Failure, decision: Decision) -> None:
+        """The flow records the decision in the ledger; here the job is queued again or ends."""
+        first = failure.message.splitlines()[0][:200] if failure.message else ""
+        line = f"{stage_name(failure.stage)}: [{failure.kind.value}] {first}"
+        if decision.action is Action.REQUEUE:
+            if decision.stop_batch and batch.stop is None:
+                batch.stop = BatchStopped(failure.cause or RuntimeError(failure.message))
+            if failure.kind is FailureKind.CLUSTER_LOST and self._lost_since is None:
+                self._lost_since = time.monotonic()
+            self._requeue(batch, job_id, f"{decision.reason}: {failure.message}")
+            batch.progress.job_ended(job_id, "requeued", f"{line}; {decision.reason}")
+            return
+        batch.flow.record_failure(job_id, failure.without_cause(), decision)
+        if decision.action is Action.RETRY:
+            self._enqueue(batch, job_id, batch.ledger.job(job_id).spec.gpus)
+            batch.progress.job_ended(job_id, "retry", line)
+        else:
+            batch.progress.job_ended(job_id, "FAILED", f"{line}; {decision.reason}")
+            batch.ended += 1
+
+    def _requeue(self, batch: ServedBatch, job_id: str, reason: str) -> None:
+        """Back to pending without charging the job (the environment failed, not the job). If the
+        ledger cannot record it (the disk that filled holds it too), the job stays "running" there,
+        which the next run or resume treats as interrupted: the same outcome."""
+        try:
+            batch.ledger.transition(job_id, JobEvent.INTERRUPT, reason=reason)
+        except Exception as e:  # noqa: BLE001 - only a full disk is expected here
+            if classify_exception(e) is not FailureKind.STORAGE:
+                raise
+        if batch.stop is None:
+            self._enqueue(batch, job_id, batch.ledger.job(job_id).spec.gpus)
+
+    def _cluster_ready(self) -> bool:
+        """After the cluster lost GPUs: have enough come back for every queued job? Raises
+        ClusterLostError once they have been gone for ``cluster_wait_s``."""
+        if self._lost_since is None:
+            return True
+        need = max((q.gpus for q in self._queue), default=0)
+        try:
+            available = self.ex.total_gpus()
+        except Exception:  # noqa: BLE001 - the cluster cannot even be asked
+            available = 0
+        if available >= need:
+            self.pool.total_gpus = available
+            self._lost_since = None
+            for batch in self._batch_of.values():
+                batch.progress.say(f"the cluster has {available} GPU(s) again; continuing")
+            return True
+        waited = time.monotonic() - self._lost_since
+        if waited > self.config.cluster_wait_s and not self._active:  # running jobs finish first
+            folders = " ".join(str(b.flow.out_dir) for b in self._batch_of.values())
+            raise ClusterLostError(
+                f"{self.ex.cluster} lost its GPUs ({available} left, {need} needed) and they did not come back "
+                f"within {self.config.cluster_wait_s:.0f} s; the {len(self._queue)} unfinished job(s) are "
+                f"pending, none was charged an attempt. Bring the node(s) back (`ray status` on the head "
+                f"shows them), then `pan2-render resume {folders}`")
+        return False
+
+    def _fail_unrunnable(self, batch: ServedBatch, job: JobRecord) -> None:
+        msg = (f"needs a group of {job.spec.gpus} GPUs but the cluster has {self.pool.total_gpus} "
+               f"(at most {self._max_group} on one node, and a group must sit on one node); lower "
+               f"`gpus` or add GPUs (--cpu-gpus N on a CPU-only machine)")
+        batch.flow.fail_unrunnable(job.id, msg)
+        batch.progress.job_ended(job.id, "FAILED", msg)
+        batch.ended += 1
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        for key, run in list(self._active.items()):
+            if key not in self._active:
+                continue  # failed with a group torn down for an earlier job of this loop
+            if run.call is not None and now - run.call.started > run.call.timeout_s:
+                message, limit = run.call.message, run.call.timeout_s
+                run.call = None
+                kind = FailureKind.CLUSTER_LOST if self.ex.lacks_gpus_for(run.group.size) else FailureKind.WORKER_DEATH
+                self._group_died(self._batch_of[key[0]], run, Failure(
+                    stage=message.stage or Stage.CONDITIONING, kind=kind,
+                    error=f"worker group {run.group.id} died or stopped answering: no reply to "
+                          f"{type(message).__name__} within its {limit:.0f} s deadline"))
