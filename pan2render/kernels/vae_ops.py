@@ -35,7 +35,7 @@ NORM_EPS = 1e-12  # F.normalize's default, used by diffusers' WanRMS_norm
 MAX_CHANNELS = 4096  # one row must fit one program's registers; the Wan2.2 decoder needs <= 1024
 # (elements per program, warps) of each row kernel: rows per program = elements / padded C.
 # Chosen with the tile sweep of scripts/bench_vae_decode.py (--tile-sweep); the figures are in
-# docs/performance.md ("What changed since the first session": row-kernel tiles).
+# docs/performance.md ("VAE decode kernel", "What was tried": row-kernel tiles).
 ROW_TILES: dict[str, tuple[int, int]] = {"norm": (2048, 4), "add": (2048, 4), "combine": (2048, 4)}
 
 
