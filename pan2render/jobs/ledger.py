@@ -401,8 +401,9 @@ class Ledger:
         """Insert jobs not yet in the ledger. Returns (added ids, ids already present).
 
         The id ends in the spec hash, so an id already present renders the same pixels. Fields the
-        hash leaves out (``gpus``, the image's path) may still have changed: a present job that is
-        not done takes the batch's spec, so lowering ``gpus`` or moving an image fixes a failed job.
+        hash leaves out (``gpus``, ``checkpoint_every``, the image's path) may still have changed: a
+        present job that is not done takes the batch's spec, so lowering ``gpus`` or moving an image
+        fixes a failed job.
         (The caller holds the folder lock, so no job is really running.)"""
         with self._tx() as c:
             return self._add_jobs(c, specs, retries=retries)
@@ -422,8 +423,10 @@ class Ledger:
                 if row[0] != JobState.DONE.value and row[1] != spec_json:
                     c.execute("UPDATE jobs SET spec_json = ?, updated_at = ? WHERE id = ?",
                               (spec_json, now, jid))
-                    self._event(c, jid, EventKind.SPEC_UPDATED, "fields outside the spec hash changed "
-                                "(gpus, image path); the batch's values apply")
+                    before, after = json.loads(row[1]), spec.to_dict()
+                    changed = sorted(k for k in after if before.get(k) != after[k])
+                    self._event(c, jid, EventKind.SPEC_UPDATED, f"fields outside the spec hash changed "
+                                f"({', '.join(changed)}); the batch's values apply")
                 continue
             c.execute(
                 "INSERT INTO jobs (id, name, spec_json, spec_hash, state, attempts, retries_left,"

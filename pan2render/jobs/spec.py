@@ -209,6 +209,11 @@ class JobSpec:
     gpus: int = _rule(Rule(
         "GPUs of the group that renders the job (sequence-parallel)", pixels=False, scope=Scope.PRESET,
         kind=Kind.CHOICE, choices=ALLOWED_GPUS), 1)
+    # Not in the job id: a stopped sampling resumed from a step checkpoint gives the same latents.
+    checkpoint_every: float = _rule(Rule(
+        "seconds of sampling between step checkpoints, which a stopped or preempted sampling resumes from",
+        pixels=False, scope=Scope.PRESET, kind=Kind.FLOAT, min=0,
+        allowed="a number of seconds >= {min:g} ({min:g} turns step checkpoints off)"), 60.0)
     crf: int = _rule(Rule(
         "libx264 quality of the mp4", pixels=True, in_first_ids=True, scope=Scope.PRESET, kind=Kind.INT,
         min=0, max=51, to_encoder="crf",

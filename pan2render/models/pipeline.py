@@ -32,6 +32,7 @@ from ..kernels.vae_decode import to_uint8_frames
 from .dit_ops import ROUTED_OPS, TORCH_OPS
 from ..sampling import DMD, SAMPLERS, WAN22, Geometry, combination_problems, is_int, timesteps_problem
 from ..vae_plan import SHAPE_COVERING_LATENT_FRAMES
+from .sampler_state import CheckpointKey, SamplerState, StepHooks, capture_state, resume_state
 from .scheduler import FlowDMDScheduler, SchedulerConfig, make_scheduler
 from .strategies import (Denoiser, FastDecoder, FrameDecoder, ReferenceDecoder, SeparateGuidance,
                          apply_guidance, make_denoiser)
@@ -343,12 +344,27 @@ class PAN2Pipeline:
         sampler: str | None = None,
         timesteps: Sequence[int] | None = None,
         progress: ProgressFn | None = None,
+        resume_from: SamplerState | None = None,
+        checkpoint_every_s: float = 0.0,
+        on_checkpoint: Callable[[SamplerState], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
         """Sample latents: float32 CPU ``[48, T, h, w]`` in the normalised latent space.
 
         ``sampler`` None: the checkpoint's default (dmd when it lists DMD timesteps, else what
         its scheduler class stands for). ``timesteps`` (dmd only) default to the checkpoint's;
         with dmd, ``steps`` may be left out (it is the number of timesteps).
+
+        Step checkpoints (`pan2render.models.sampler_state`), all off by default and free when off:
+        ``on_checkpoint(state)`` is called between two steps once ``checkpoint_every_s`` seconds
+        of sampling have passed since the last call (0: never); ``should_stop()`` is polled
+        between every two steps, and when it returns True on any rank of the group every rank
+        stops at that boundary, calls ``on_checkpoint`` (where given) and raises
+        `SamplingPreempted` with the state. In a group give ``should_stop`` on every rank or on
+        none (agreeing is collective); every rank holds the same state, so ``on_checkpoint`` is
+        needed on one only. ``resume_from``: a state of this same request (checked: model,
+        sampler, steps, shape, seed, guidance, schedule; `StepCheckpointError` otherwise); the
+        sampling continues after its step and returns what the uninterrupted one would have.
         """
         sampler = self.default_sampler if sampler is None else sampler
         if sampler == DMD:
@@ -364,11 +380,13 @@ class PAN2Pipeline:
         guided = req.guidance > 1.0
         uncond = self._context(negative_prompt_embeds, negative_prompt) if guided else None
 
+        hooks = StepHooks(checkpoint_every_s=checkpoint_every_s, on_checkpoint=on_checkpoint,
+                          should_stop=should_stop)
+
         z_dim = self.vae.config.z_dim
         shape = (1, z_dim, req.latent_frames, req.height // 16, req.width // 16)
         # The noise comes from a CPU generator so it is identical on every device and every rank.
         gen = torch.Generator(device="cpu").manual_seed(req.seed)
-        latents = torch.randn(shape, generator=gen, dtype=torch.float32).to(self.device)
 
         first_frame = None
         if image is not None and not self.expand_timesteps:
@@ -376,7 +394,6 @@ class PAN2Pipeline:
                              f"false, so it was not trained for first-frame conditioning; drop the image")
         if image is not None:
             first_frame = self.encode_image(image, height=req.height, width=req.width)
-            latents[:, :, :1] = first_frame
 
         scheduler = make_scheduler(req.sampler, self.scheduler_config)
         if isinstance(scheduler, FlowDMDScheduler):
@@ -385,8 +402,20 @@ class PAN2Pipeline:
         else:
             scheduler.set_timesteps(req.steps, flow_shift=req.flow_shift)
         timesteps = scheduler.timesteps
+        key = CheckpointKey(model_id=self.model_id, sampler=req.sampler, total_steps=len(timesteps),
+                            latent_shape=shape, seed=req.seed, guidance=float(req.guidance))
+        if resume_from is None:
+            latents = torch.randn(shape, generator=gen, dtype=torch.float32).to(self.device)
+            if first_frame is not None:
+                latents[:, :, :1] = first_frame
+            start = 0
+        else:
+            latents = resume_state(resume_from, key=key, scheduler=scheduler, generator=gen, device=self.device)
+            start = resume_from.step
         velocity = self.denoiser.prepare(cond, uncond, req.guidance)
-        for i, t in enumerate(timesteps):
+        hooks.start()
+        for i in range(start, len(timesteps)):
+            t = timesteps[i]
             timestep = self._timestep_for(t, shape, conditioned=first_frame is not None)
             noise_pred = velocity(latents.to(self.config.dtype), timestep)
             latents = scheduler.step(noise_pred.float(), t, latents)
@@ -399,6 +428,8 @@ class PAN2Pipeline:
                     f"try a lower guidance or another seed")
             if progress is not None:
                 progress(i + 1, len(timesteps))
+            if hooks.active and i + 1 < len(timesteps):
+                hooks.at_boundary(lambda: capture_state(key, latents, scheduler, gen), self.denoiser.any_rank)
         return latents[0].float().cpu()
 
     @property

@@ -262,11 +262,23 @@ def flow_sigmas(*, num_steps: int, flow_shift: float, num_train_timesteps: int) 
 # ----------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class StepState:
+    """A sampler's own state at a step boundary: what ``step`` reads besides the sample. A sampler
+    set up for the same schedule and given it (``load_state``) continues exactly where this one
+    stood, bit for bit."""
+
+    step: int  # steps done: the next ``step`` call is for ``timesteps[step]``
+    tensors: dict[str, torch.Tensor]  # float32, the sample's shape (UniPC: its history); none for the others
+    counters: dict[str, int]  # small ints (UniPC: the order of its last predictor)
+
+
 class FlowScheduler:
     """Shared schedule and step bookkeeping; subclasses implement ``_update``.
 
     Use per job: ``set_timesteps(n)``, then for each ``t`` in ``.timesteps`` in order:
-    ``sample = step(model(sample, t), t, sample)``.
+    ``sample = step(model(sample, t), t, sample)``. Between two steps ``state()`` captures what the
+    next step needs; ``load_state`` on a sampler just set up for the same schedule continues from it.
     """
 
     def __init__(self, config: SchedulerConfig) -> None:
@@ -321,7 +333,35 @@ class FlowScheduler:
         self._step_index = i + 1
         return prev.to(sample.dtype)
 
+    def state(self) -> StepState:
+        """The sampler's state at this step boundary (its tensors are its own, not copies: the
+        caller copies them before the next step if it keeps them)."""
+        if self._step_index is None:
+            raise RuntimeError(f"{type(self).__name__}.state() called before set_timesteps(num_steps)")
+        tensors, counters = self._own_state()
+        return StepState(step=self._step_index, tensors=tensors, counters=counters)
+
+    def load_state(self, state: StepState, *, device: torch.device | str) -> None:
+        """Continue the job just set up (``set_timesteps`` for the schedule ``state`` was taken
+        from) at step ``state.step``; the tensors are copied to ``device``. Raises ValueError naming
+        what does not fit this sampler."""
+        if self._step_index != 0:
+            raise RuntimeError(f"{type(self).__name__}.load_state() continues a job just set up: call "
+                               "set_timesteps() first, and no step() before it")
+        if not 0 <= state.step < self.num_steps:
+            raise ValueError(f"step {state.step} is not a boundary of this {self.num_steps}-step schedule")
+        self._load_own_state(state, torch.device(device))
+        self._step_index = state.step
+
     # -- subclass hooks -------------------------------------------------------------------------
+
+    def _own_state(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        return {}, {}
+
+    def _load_own_state(self, state: StepState, device: torch.device) -> None:
+        if state.tensors or state.counters:
+            raise ValueError(f"the {type(self).__name__} keeps no state between steps, got tensors "
+                             f"{sorted(state.tensors)} and counters {sorted(state.counters)}")
 
     def _timesteps_from(self, sigmas64: torch.Tensor, num_train_timesteps: int) -> torch.Tensor:
         raise NotImplementedError
@@ -404,6 +444,30 @@ class FlowUniPCScheduler(FlowScheduler):
         self._last_sample: torch.Tensor | None = None  # x_{i-1} the last predictor started from
         self._last_order = 0  # order of the last predictor step
 
+    def _own_state(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        # x0.0 is the oldest of the history; last_sample exists once a step ran.
+        tensors = {f"x0.{k}": x0 for k, x0 in enumerate(self._x0_history)}
+        if self._last_sample is not None:
+            tensors["last_sample"] = self._last_sample
+        return tensors, {"last_order": self._last_order}
+
+    def _load_own_state(self, state: StepState, device: torch.device) -> None:
+        step, order = state.step, self.config.solver_order
+        kept = min(step, order)  # the history grows by one x0 per step, up to the solver order
+        names = {f"x0.{k}" for k in range(kept)} | ({"last_sample"} if step > 0 else set())
+        if set(state.tensors) != names:
+            raise ValueError(f"UniPC (order {order}) after {step} step(s) keeps {sorted(names)}, got "
+                             f"{sorted(state.tensors)}")
+        last_order = state.counters.get("last_order")
+        allowed = range(1, order + 1) if step > 0 else range(0, 1)
+        if set(state.counters) != {"last_order"} or last_order not in allowed:
+            raise ValueError(f"UniPC after {step} step(s) needs counters {{'last_order': {list(allowed)}}}, got "
+                             f"{state.counters}")
+        own = {k: t.to(device, torch.float32, copy=True) for k, t in state.tensors.items()}
+        self._x0_history = [own[f"x0.{k}"] for k in range(kept)]
+        self._last_sample = own.get("last_sample")
+        self._last_order = last_order
+
     def _update(self, v: torch.Tensor, x: torch.Tensor, i: int) -> torch.Tensor:
         cfg = self.config
         x0 = x - self.sigmas[i].item() * v  # flow_prediction -> x0 (predict_x0)
@@ -473,7 +537,9 @@ class FlowDMDScheduler(FlowScheduler):
     Per job: ``set_dmd_timesteps(timesteps, generator=...)``, then ``step`` as for the others.
     Every step but the last draws fresh float32 noise of the sample's shape from ``generator``
     on the CPU (the job's seeded generator, so every device and every rank of a group draws the
-    same numbers) and moves it to the sample's device.
+    same numbers) and moves it to the sample's device. That generator is its only state between
+    steps, and it is the caller's: a caller that stops between steps keeps ``get_state()`` and
+    restores it with ``set_state`` before ``load_state``.
     """
 
     def __init__(self, config: SchedulerConfig) -> None:

@@ -79,6 +79,10 @@ class Denoiser(Protocol):
         """The guidance of the one step a load's warm-up samples for jobs at ``guidance``: the
         cheapest that runs every kernel shape the steps of such a job run."""
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is True on any of the ranks that run the steps: how they agree to stop
+        at the same step boundary. Collective in a group (every rank calls it at the same boundary)."""
+
 
 class FrameDecoder(Protocol):
     """How a pipeline turns raw latents into frames."""
@@ -117,6 +121,9 @@ class SeparateGuidance:
 
     def warm_up_guidance(self, guidance: float) -> float:
         return 1.0  # a guided step is two forwards of an unguided step's shapes
+
+    def any_rank(self, flag: bool) -> bool:
+        return flag  # this process alone
 
 
 def make_denoiser(dit: DiTModule, cond: Tensor, uncond: Tensor | None, guidance: float) -> VelocityFn:

@@ -48,7 +48,7 @@ from pan2render.kernels.vae_decode import fast_decode_available, fast_decoder_fo
 from pan2render.models.vae import WanVAE
 from pan2render.vae_plan import STATE_KEYS, DecodeUnit, State, UnitDecoder
 
-from .group import SequenceGroup, all_reduce_and
+from .group import SequenceGroup, all_reduce_and, comm_device
 
 log = logging.getLogger(__name__)
 
@@ -222,12 +222,6 @@ def split_decode(
     return out
 
 
-def _comm_device(group: SequenceGroup, device: torch.device) -> torch.device:
-    if group.backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device()) if device.type != "cuda" else device
-    return torch.device("cpu")
-
-
 def _can_run_fast(vae: WanVAE, device: torch.device, *, enabled: bool) -> tuple[bool, str]:
     """This rank's own answer: can it run the fast decoder here?"""
     if not enabled:
@@ -256,7 +250,7 @@ def agree_fast_decode(
     on those ranks, their own reason. ``can_run`` replaces the local check (tests).
     """
     ok, why = (can_run or _can_run_fast)(vae, device, enabled=enabled)
-    all_ok, flags = all_reduce_and(ok, group, device=_comm_device(group, device))
+    all_ok, flags = all_reduce_and(ok, group, device=comm_device(group, device))
     if all_ok:
         return True, ""
     bad = [rank for rank, flag in enumerate(flags) if not flag]

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["SequenceGroup", "all_gather_seq", "all_reduce_and", "all_to_all_dim0"]
+__all__ = ["SequenceGroup", "all_gather_seq", "all_reduce_and", "all_to_all_dim0", "any_rank", "comm_device"]
 
 
 @dataclass(frozen=True)
@@ -78,3 +78,18 @@ def all_reduce_and(flag: bool, group: SequenceGroup, *, device: torch.device) ->
     dist.all_gather(parts, mine, group=group.group)
     flags = [bool(p.item()) for p in parts]
     return all(flags), flags
+
+
+def comm_device(group: SequenceGroup, device: torch.device) -> torch.device:
+    """Where the small tensors of a collective over ``group`` live for work on ``device``: the CUDA
+    device on NCCL (which takes CUDA tensors only), the CPU on gloo."""
+    if group.backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device()) if device.type != "cuda" else device
+    return torch.device("cpu")
+
+
+def any_rank(flag: bool, group: SequenceGroup, *, device: torch.device) -> bool:
+    """Whether ``flag`` holds on any rank: one all-reduce (max) of a 1-element tensor on ``device``."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.group)
+    return bool(t.item())

@@ -129,6 +129,9 @@ class GuidanceSplitDenoiser:
     def warm_up_guidance(self, guidance: float) -> float:
         return guidance  # guided and unguided steps run different paths
 
+    def any_rank(self, flag: bool) -> bool:
+        return self.unguided.any_rank(flag)  # the whole group, as every step is
+
     def describe(self) -> dict[str, object]:
         half = self.split.half_size
         return {**self.unguided.describe(),

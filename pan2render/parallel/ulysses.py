@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from pan2render.models.dit import AttentionOp, ContextCache, PAN2DiT, TimestepConditioning
 from pan2render.models.strategies import SeparateGuidance, VelocityFn
 
-from .group import SequenceGroup, all_gather_seq
+from .group import SequenceGroup, all_gather_seq, any_rank, comm_device
 
 __all__ = ["SequenceParallelDiT", "ShardLayout", "UlyssesAttention", "UlyssesDenoiser", "parallelize_dit"]
 
@@ -286,6 +286,7 @@ class UlyssesDenoiser:
 
     def __init__(self, model: PAN2DiT, group: SequenceGroup) -> None:
         self.group = group
+        self.model = model
         self.dit = parallelize_dit(model, group)
         # The single-process strategy, run over the Ulysses wrapper instead of the plain model.
         self.local = SeparateGuidance(self.dit)
@@ -299,6 +300,10 @@ class UlyssesDenoiser:
 
     def warm_up_guidance(self, guidance: float) -> float:
         return self.local.warm_up_guidance(guidance)
+
+    def any_rank(self, flag: bool) -> bool:
+        device = next(self.model.parameters()).device
+        return any_rank(flag, self.group, device=comm_device(self.group, device))
 
     def describe(self) -> dict[str, object]:
         where = f"Ulysses over {self.ranks} ranks"

@@ -135,7 +135,8 @@ def test_present_job_takes_fields_outside_the_hash_unless_done(tmp_path: Path) -
     assert sorted(present) == sorted([wide.job_id, other.job_id])
     assert led.job(wide.job_id).spec.gpus == 2  # the failed job takes the batch's new value
     assert led.job(other.job_id).spec.gpus == 1  # a done job's record is history: unchanged
-    assert any(e.label == "spec-updated" for e in led.events(wide.job_id))
+    updates = [e.detail for e in led.events(wide.job_id) if e.label == "spec-updated"]
+    assert len(updates) == 1 and "(gpus)" in updates[0]  # the event names what changed
     led.close()
 
 

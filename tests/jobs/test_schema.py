@@ -178,3 +178,25 @@ def test_encode_tune_is_checked_hashed_and_handed_to_the_encoder(tmp_path: Path)
     with pytest.raises(BatchValidationError) as err:
         load_batch(tmp_path / "bad.yaml")
     assert "bad.yaml:5: jobs[0].encode_tune: " in str(err.value) and "animation" in str(err.value)
+
+
+def test_checkpoint_every_is_settable_anywhere_checked_and_not_hashed(tmp_path: Path) -> None:
+    """Seconds of sampling between step checkpoints: the built-in default, a job's own value and
+    --set's (which wins) apply; a negative value names the field and what is allowed; the job id
+    does not follow it (a resumed sampling gives the same latents)."""
+    from pan2render.jobs import BatchValidationError
+    from pan2render.jobs.batch import Overrides
+
+    (tmp_path / "b.yaml").write_text(
+        "model: tiny\npreset: tiny-preview\njobs:\n  - prompt: a kite\n  - prompt: a slow kite\n"
+        "    checkpoint_every: 0\n")
+    plain, off = load_batch(tmp_path / "b.yaml").jobs
+    assert (plain.checkpoint_every, off.checkpoint_every) == (60.0, 0.0)
+    assert dataclasses.replace(off, checkpoint_every=60.0).job_id == off.job_id
+    by_flag = load_batch(tmp_path / "b.yaml", overrides=Overrides(sets=("checkpoint_every=12.5",))).jobs
+    assert [j.checkpoint_every for j in by_flag] == [12.5, 12.5]
+    (tmp_path / "bad.yaml").write_text("model: tiny\npreset: tiny-preview\njobs:\n  - prompt: a kite\n"
+                                       "    checkpoint_every: -5\n")
+    with pytest.raises(BatchValidationError) as err:
+        load_batch(tmp_path / "bad.yaml")
+    assert "bad.yaml:5: jobs[0].checkpoint_every: " in str(err.value) and ">= 0" in str(err.value)

@@ -1,4 +1,5 @@
-"""Run a function on a gloo group of N local processes (torch.multiprocessing, spawn).
+"""Run a function on a gloo group of N local processes (torch.multiprocessing, spawn), and the tiny
+PAN2 pipeline the group tests run.
 
 Workers are module-level functions ``fn(rank, world, out_dir, *args)``; each writes what the test
 checks to ``out_dir`` (torch.save), and the parent compares it with a single-process run.
@@ -16,6 +17,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from pan2render.models import PAN2Pipeline, PAN2PipelineConfig
+from pan2render.models.dit import PAN2DiT, PAN2DiTConfig
+from pan2render.models.scheduler import SchedulerConfig
+from pan2render.models.tiny import SCHEDULER_CONFIG, TINY_VAE_CONFIG
+from pan2render.models.vae import WanVAE, WanVAEConfig
+
+HEADS = 8  # 4 heads per rank at N=2, 2 at N=4 (the worker attends them in 4 / 2 overlap groups)
+
+
+def tiny_pipeline(**config: object) -> PAN2Pipeline:
+    """A tiny PAN2 with 8 heads, so groups of 2, 4 and 8 split them evenly."""
+    torch.manual_seed(0)  # the same weights in every process
+    dit = PAN2DiT(PAN2DiTConfig(num_attention_heads=HEADS, attention_head_dim=12, text_dim=32, freq_dim=32,
+                                ffn_dim=64, num_layers=2)).eval()
+    vae = WanVAE(WanVAEConfig.from_dict(TINY_VAE_CONFIG)).eval()
+    return PAN2Pipeline(dit=dit, vae=vae, text_encoder=None,
+                        scheduler_config=SchedulerConfig.from_dict(SCHEDULER_CONFIG),
+                        config=PAN2PipelineConfig(device="cpu", dtype=torch.float32, **config), model_id="sp-test")
 
 
 def _free_port() -> int:

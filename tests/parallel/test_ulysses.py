@@ -11,37 +11,22 @@ import torch.distributed as dist
 
 from pan2render.models import PAN2Pipeline, PAN2PipelineConfig
 from pan2render.models import dit_ops
-from pan2render.models.dit import LocalAttention, PAN2DiT, PAN2DiTConfig
-from pan2render.models.scheduler import SchedulerConfig
-from pan2render.models.tiny import SCHEDULER_CONFIG, TINY_VAE_CONFIG
-from pan2render.models.vae import WanVAE, WanVAEConfig
+from pan2render.models.dit import LocalAttention, PAN2DiT
 from pan2render.parallel import (GuidanceSplit, GuidanceSplitDenoiser, SequenceParallelDiT, UlyssesDenoiser,
                                   parallelize_dit, parallelize_pipeline)
 from pan2render.parallel.ulysses import ShardLayout
 
-from dist_helpers import max_rel, run_group
+from dist_helpers import HEADS, max_rel, run_group, tiny_pipeline
 
 # 96x160 px, 9 frames -> latent 3x6x10 -> token grid 3x3x5 = 45 tokens: 45 = 2*23 - 1 = 4*12 - 3,
 # so groups of 2 and 4 both pad their last shard (the padding must not change the result).
 T2V = dict(height=96, width=160, frames=9, steps=2, guidance=3.0, seed=7, sampler="unipc")
 I2V = dict(height=96, width=160, frames=9, steps=2, guidance=2.0, seed=11, sampler="euler")
-HEADS = 8  # 4 heads per rank at N=2, 2 at N=4 (the worker attends them in 4 / 2 overlap groups)
 # The few-step sampler: unguided, so every step is one forward over the whole group, and its fresh
 # noise comes from the job's CPU generator. The i2v case keeps the first frame's tokens at t=0.
 DMD_T2V = dict(height=96, width=160, frames=9, guidance=1.0, seed=7, sampler="dmd", timesteps=[1000, 757, 522])
 DMD_I2V = dict(height=96, width=160, frames=9, guidance=1.0, seed=11, sampler="dmd", timesteps=[1000, 500])
 TOKENS = 45
-
-
-def tiny_pipeline(**config: object) -> PAN2Pipeline:
-    """A tiny PAN2 with 8 heads, so groups of 2, 4 and 8 split them evenly."""
-    torch.manual_seed(0)  # the same weights in every process
-    dit = PAN2DiT(PAN2DiTConfig(num_attention_heads=HEADS, attention_head_dim=12, text_dim=32, freq_dim=32,
-                                ffn_dim=64, num_layers=2)).eval()
-    vae = WanVAE(WanVAEConfig.from_dict(TINY_VAE_CONFIG)).eval()
-    return PAN2Pipeline(dit=dit, vae=vae, text_encoder=None,
-                        scheduler_config=SchedulerConfig.from_dict(SCHEDULER_CONFIG),
-                        config=PAN2PipelineConfig(device="cpu", dtype=torch.float32, **config), model_id="sp-test")
 
 
 def inputs() -> dict[str, object]:
