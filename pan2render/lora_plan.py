@@ -276,6 +276,8 @@ def _kohya_names(num_layers: int) -> dict[str, str]:
 
 def _other_model_hint(modules: list[str]) -> str:
     text = " ".join(modules)
+    if any(m.startswith(("text_encoder", "te_", "lora_te")) for m in modules):
+        return " (text encoder modules: pan2-render adapts the transformer only)"
     if any(s in text for s in ("k_img", "v_img", "img_emb")):
         return (" (image keys k_img / v_img / img_emb: a Wan2.1 image-to-video LoRA; this DiT is Wan2.2-TI2V-5B "
                 "and has no image branch)")
