@@ -31,7 +31,9 @@ from __future__ import annotations
 import enum
 import json
 import math
+import os
 import re
+import stat
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -170,8 +172,9 @@ def wan_module_names(num_layers: int) -> dict[str, str]:
 # Reading a header
 
 
-def read_header(path: str | Path, *, display: str | None = None) -> Header:
-    """The safetensors header of ``path``; LoraFileError for a pickle or anything not safetensors."""
+def read_header(path: str | Path, *, display: str | None = None, limit: int | None = None) -> Header:
+    """The safetensors header of ``path``: LoraFileError for a pickle, anything not safetensors, a
+    file that is no regular file (a FIFO would block) or is over ``limit`` bytes."""
     path = Path(path)
     name = display or str(path)
     if path.suffix.lower() in PICKLE_SUFFIXES:
@@ -179,10 +182,19 @@ def read_header(path: str | Path, *, display: str | None = None) -> Header:
                             f"are never read; allowed: a .safetensors file (convert it with safetensors' "
                             f"save_file)")
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            size = _header_size(head, name, file_bytes=path.stat().st_size)
-            raw = f.read(size)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise LoraFileError(f"LoRA {name!r} is not a regular file; allowed: a .safetensors file")
+            if limit is not None and st.st_size > limit:
+                raise LoraFileError(f"LoRA {name!r} is {st.st_size:,} bytes; allowed: at most {limit:,} bytes")
+            size = _header_size(os.pread(fd, 8, 0), name, file_bytes=st.st_size)
+            raw = os.pread(fd, size, 8)
+        finally:
+            os.close(fd)
+    except FileNotFoundError as e:
+        raise LoraFileError(f"LoRA {name!r} does not exist") from e
     except OSError as e:
         raise LoraFileError(f"LoRA {name!r} cannot be read: {e.strerror or e}") from e
     return _parse_header(raw, name)
@@ -453,7 +465,8 @@ def _peft_config(metadata: dict[str, str], name: str) -> _PeftConfig | None:
         raise LoraFileError(f"LoRA {name!r}: its {PEFT_METADATA_KEY} metadata has no usable r / lora_alpha ({e})") from e
 
 
-def plan_lora_file(path: str | Path, linears: Mapping[str, tuple[int, int]], *, display: str | None = None) -> LoraPlan:
+def plan_lora_file(path: str | Path, linears: Mapping[str, tuple[int, int]], *, display: str | None = None,
+                   limit: int | None = None) -> LoraPlan:
     """`read_header` then `plan_lora`."""
     name = display or str(path)
-    return plan_lora(read_header(path, display=name), linears, name=name)
+    return plan_lora(read_header(path, display=name, limit=limit), linears, name=name)
