@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -71,6 +71,16 @@ class LoraWeights:
     sha256: str
     plan: LoraPlan
     deltas: tuple[LoraDelta, ...]
+
+    def to(self, device: str | torch.device) -> "LoraWeights":
+        """The same adapter with its factors on ``device`` (a merge then copies nothing to it)."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return replace(self, deltas=tuple(replace(d, down=move(d.down), up=move(d.up), diff=move(d.diff),
+                                                  bias=move(d.bias)) for d in self.deltas))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for d in self.deltas for t in (d.down, d.up, d.diff, d.bias) if t is not None)
 
 
 def linear_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
@@ -137,6 +147,11 @@ class MergedLoras:
         self._originals: dict[str, Tensor] = {}  # parameter name -> its checkpoint values
         self.active: AdapterKey = ()
 
+    @property
+    def restore_bytes(self) -> int:
+        """Bytes the copies of the touched weights hold (on ``backup_device``)."""
+        return sum(t.nbytes for t in self._originals.values())
+
     @staticmethod
     def key_of(adapters: Sequence[tuple[LoraWeights, float]]) -> AdapterKey:
         """What identifies a merged set: each adapter's digest and scale (scale 0 adapters left out:
@@ -157,7 +172,7 @@ class MergedLoras:
         for pname, parts in touched.items():
             param = params[pname]
             if pname not in self._originals:
-                self._originals[pname] = param.detach().to(self.backup_device or param.device, copy=True)
+                self._originals[pname] = self._copy(param)
             # One fp32 delta per parameter at a time ([out, in]: 176 MB for a 5B FFN linear), so
             # the merge needs memory for one layer, not the model.
             total = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
@@ -166,6 +181,13 @@ class MergedLoras:
             param.copy_((param.float() + total).to(param.dtype))
         self.active = key
         return True
+
+    def _copy(self, param: Tensor) -> Tensor:
+        """A copy of ``param`` on the backup device; pinned on the host for a GPU weight, so the
+        restore's copy back runs at the link's speed rather than through a pageable bounce."""
+        device = self.backup_device or param.device
+        pin = device.type == "cpu" and param.is_cuda
+        return torch.empty(param.shape, dtype=param.dtype, device=device, pin_memory=pin).copy_(param.detach())
 
     @torch.no_grad()
     def clear(self) -> None:

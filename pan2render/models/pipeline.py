@@ -265,8 +265,9 @@ class PAN2Pipeline:
     # ----------------------------------------------------------------------------------------
     # Adapters
     def read_lora(self, source: str | Path | bytes, *, name: str | None = None) -> LoraWeights:
-        """A LoRA file (path or bytes) read and checked against this pipeline's DiT."""
-        return read_lora(source, linears=linear_shapes(self.dit), name=name)
+        """A LoRA file (path or bytes) read and checked against this pipeline's DiT, its factors on
+        the pipeline's device (so switching to it copies nothing from the host)."""
+        return read_lora(source, linears=linear_shapes(self.dit), name=name).to(self.device)
 
     def set_loras(self, adapters: Sequence[tuple[LoraWeights, float]]) -> bool:
         """Sample with these adapters (each with its scale) merged into the DiT from now on; ``[]``
