@@ -281,6 +281,9 @@ class RenderWorker:
         pipe = self._pipeline(call.model)
         spec, job_id = call.spec, call.job_id
         js = JobSpec.from_dict(spec)
+        if js.loras:  # the adapter files do not travel to workers yet: never render a job without them
+            raise JobInputError(f"the job asks for {len(js.loras)} LoRA adapter(s), which `run` does not send to its "
+                                f"GPU workers yet; render it through PAN2Pipeline.set_loras (README, \"LoRA\")")
         first_frame = None if call.image is None else _decode_image(call.image)  # uint8 [H, W, 3]
         self._maybe_fault(js, "sampling")
 
