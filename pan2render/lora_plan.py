@@ -18,9 +18,10 @@ Layouts accepted, as diffusers' ``WanLoraLoaderMixin.lora_state_dict`` tells the
 - kohya / musubi-tuner: any key starting ``lora_unet_``: ``lora_unet_blocks_0_self_attn_q.lora_down.weight``
   + ``.alpha``: the original Wan names with dots flattened to underscores.
 
-An ``.alpha`` scales its module by alpha / rank (diffusers folds that into the factors). Norm
-``.diff`` / ``.diff_b`` keys are dropped, as diffusers drops them (in released files they are
-zeros). Everything else that does not fit the DiT is an error naming the file and the first
+An ``.alpha`` scales its module by alpha / rank (diffusers folds that into the factors). The
+``.diff`` / ``.diff_b`` keys diffusers leaves unread are dropped likewise (the norms', zeros in
+released files; a ``.diff`` of any layer but head.head; those of modules it has no name for), so a
+file renders as it does in diffusers. Everything else that does not fit the DiT is an error naming the file and the first
 offending keys: a key naming no module of the model (another model's LoRA, a Wan2.1 image-to-video
 one, a 40-block 14B one), a shape that does not fit (a 5120-wide 14B LoRA on the 3072-wide 5B),
 DoRA, a half of a factor pair, a tensor that is not a LoRA's.
@@ -301,6 +302,15 @@ def _other_model_hint(modules: list[str]) -> str:
     return " (a LoRA for another model?)"
 
 
+def _ignored_by_diffusers(part: str, module: str, ours: str | None) -> bool:
+    """Whole-weight and bias diffs diffusers' converter leaves unread: the norms' (zeros in released
+    files), a ``.diff`` of any layer but head.head, and any diff of a module it has no name for
+    (``modulation``, ``patch_embedding``). Applying them would render otherwise than diffusers."""
+    if part not in ("diff", "bias"):
+        return False
+    return "norm" in module or ours is None or (part == "diff" and ours != "proj_out")
+
+
 def plan_lora(header: Header, linears: Mapping[str, tuple[int, int]], *, name: str) -> LoraPlan:
     """Check a LoRA header against the DiT's linear layers (`dit_linears`) and say what it adapts.
 
@@ -325,10 +335,10 @@ def plan_lora(header: Header, linears: Mapping[str, tuple[int, int]], *, name: s
         if part is None:
             not_lora.append(key)
             continue
-        if part in ("diff", "bias") and "norm" in module and layout is not Layout.DIFFUSERS:
-            dropped.append(key)  # diffusers drops norm diffs too
-            continue
         ours = module if layout is Layout.DIFFUSERS else rename.get(module)
+        if layout is not Layout.DIFFUSERS and _ignored_by_diffusers(part, module, ours):
+            dropped.append(key)
+            continue
         if ours is None or ours not in linears:
             unmatched.setdefault(module, key)
             continue
@@ -380,11 +390,6 @@ def _target(module: str, parts: dict[str, str], header: Header, shape: tuple[int
     if "diff" in parts and down is not None:
         raise LoraFileError(f"LoRA {name!r}: {parts['diff']!r} and {down!r} both adapt {module!r}; allowed: factors "
                             f"or a whole-weight diff, not both")
-    if "diff" in parts and module != "proj_out":
-        # diffusers reads a whole-weight diff only for head.head and ignores the others: applying
-        # them would render differently from diffusers, ignoring them would render the LoRA in part.
-        raise LoraFileError(f"LoRA {name!r}: {parts['diff']!r} is a whole-weight diff, supported (as in diffusers) "
-                            f"for head.head only")
     rank = 0
     if down is not None and up is not None:
         rank = t[down].shape[0] if len(t[down].shape) == 2 else 0

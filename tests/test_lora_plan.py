@@ -35,7 +35,9 @@ def test_each_layout_is_recognised(tmp_path: Path) -> None:
         Layout.WAN: {"diffusion_model.blocks.0.self_attn.q.lora_down.weight": a,
                      "diffusion_model.blocks.0.self_attn.q.lora_up.weight": b,
                      "diffusion_model.blocks.0.self_attn.q.alpha": torch.tensor(2.0),
-                     "diffusion_model.blocks.0.norm3.diff": torch.zeros(24)},
+                     "diffusion_model.blocks.0.norm3.diff": torch.zeros(24),
+                     "diffusion_model.blocks.0.self_attn.q.diff": torch.zeros(24, 24),
+                     "diffusion_model.blocks.0.modulation.diff": torch.zeros(1, 6, 24)},
         Layout.KOHYA: {"lora_unet_blocks_0_self_attn_q.lora_down.weight": a,
                        "lora_unet_blocks_0_self_attn_q.lora_up.weight": b,
                        "lora_unet_blocks_0_self_attn_q.alpha": torch.tensor(2.0)},
@@ -44,7 +46,11 @@ def test_each_layout_is_recognised(tmp_path: Path) -> None:
         plan = plan_lora_file(_save(tmp_path / f"{layout.name}.safetensors", tensors), LINEARS)
         assert plan.layout is layout
         assert [(t.module, t.rank) for t in plan.targets] == [("blocks.0.attn1.to_q", 4)]
-    assert plan_lora_file(tmp_path / "WAN.safetensors", LINEARS).dropped == ("diffusion_model.blocks.0.norm3.diff",)
+    # The diffs diffusers leaves unread (a norm's, a .diff of another layer than head.head, the
+    # modulation's) are dropped as it drops them.
+    assert set(plan_lora_file(tmp_path / "WAN.safetensors", LINEARS).dropped) == {
+        "diffusion_model.blocks.0.norm3.diff", "diffusion_model.blocks.0.self_attn.q.diff",
+        "diffusion_model.blocks.0.modulation.diff"}
 
 
 def test_peft_metadata_sets_each_modules_scale(tmp_path: Path) -> None:
@@ -115,7 +121,6 @@ def test_shapes_that_do_not_fit_are_refused_naming_the_key(tmp_path: Path) -> No
     ({"blocks.0.attn1.to_q.lora_A.weight": torch.zeros(4, 24), "blocks.0.attn1.to_q.lora_B.weight": torch.zeros(24, 4),
       "blocks.0.attn1.to_q.lora_magnitude_vector": torch.zeros(24)}, "DoRA"),
     ({"blocks.0.attn1.to_q.weight": torch.zeros(24, 24)}, "not LoRA factors"),
-    ({"diffusion_model.blocks.0.self_attn.q.diff": torch.zeros(24, 24)}, "head.head only"),
     ({"blocks.0.attn1.to_q.lora_A.weight": torch.zeros(4, 24), "blocks.0.attn1.to_q.lora_B.weight": torch.zeros(24, 4),
       "text_encoder.encoder.block.0.layer.0.SelfAttention.q.lora_A.weight": torch.zeros(4, 8)}, "text encoder"),
     ({"blocks.0.attn1.to_q.lora_A.weight": torch.zeros(4, 24, dtype=torch.int8),

@@ -105,8 +105,8 @@ def read_lora(source: str | Path | bytes, *, linears: Mapping[str, tuple[int, in
         raise LoraFileError(f"LoRA {name!r} cannot be read as safetensors ({e})") from e
     deltas = tuple(_delta(t, tensors) for t in plan.targets)
     if plan.dropped:
-        log.info("LoRA %s: dropped %d norm diff key(s), as diffusers does (e.g. %s)", name, len(plan.dropped),
-                 plan.dropped[0])
+        log.warning("LoRA %s: %d diff key(s) left unread, as diffusers leaves them (e.g. %s)", name,
+                    len(plan.dropped), plan.dropped[0])
     return LoraWeights(name=name, sha256=hashlib.sha256(data).hexdigest(), plan=plan, deltas=deltas)
 
 

@@ -103,6 +103,10 @@ def _case_files(tmp: Path, case: str) -> list[tuple[Path, object, float]]:
     if case == "wan lora_A/lora_B, biases, top-level modules":
         f = random_factors(SHAPES, blocks[:7] + TOP_MODULES, rank=3, seed=3, bias=True)
         sd = wan_dict(f, names=("lora_A", "lora_B"))
+        # Diffs diffusers leaves unread (a norm's, a whole-weight one on another layer than the head):
+        dim = TINY.inner_dim
+        sd["diffusion_model.blocks.0.norm3.diff"] = torch.randn(dim)
+        sd["diffusion_model.blocks.1.self_attn.q.diff"] = torch.randn(dim, dim)
         return [(write(tmp / "a.safetensors", sd), sd, 0.5)]
     if case == "wan lora_down/lora_up, alpha 3 at rank 8":
         f = random_factors(SHAPES, blocks, rank=8, seed=4, alpha=3.0)
