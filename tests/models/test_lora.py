@@ -100,14 +100,23 @@ def _case_files(tmp: Path, case: str) -> list[tuple[Path, object, float]]:
                   "target_modules": sorted(f.down)}
         path = write(tmp / "a.safetensors", diffusers_dict(f), peft_config=config)
         return [(path, str(path), 1.0)]
-    if case == "wan lora_A/lora_B, biases, top-level modules":
-        f = random_factors(SHAPES, blocks[:7] + TOP_MODULES, rank=3, seed=3, bias=True)
-        sd = wan_dict(f, names=("lora_A", "lora_B"))
+    if case == "wan lora_A/lora_B, alpha, biases, top-level modules":
+        # diffusers reads an alpha on the blocks' layers only
+        f = random_factors(SHAPES, blocks[:7], rank=3, seed=3, bias=True, alpha=1.5)
+        top = random_factors(SHAPES, TOP_MODULES, rank=3, seed=13, bias=True)
+        sd = {**wan_dict(f, names=("lora_A", "lora_B")), **wan_dict(top, names=("lora_A", "lora_B"))}
         # Diffs diffusers leaves unread (a norm's, a whole-weight one on another layer than the head):
         dim = TINY.inner_dim
         sd["diffusion_model.blocks.0.norm3.diff"] = torch.randn(dim)
         sd["diffusion_model.blocks.1.self_attn.q.diff"] = torch.randn(dim, dim)
         return [(write(tmp / "a.safetensors", sd), sd, 0.5)]
+    if case == "wan head.head.diff (a whole proj_out delta) + diff_b":
+        f = random_factors(SHAPES, blocks[:4], rank=2, seed=8)
+        out, inp = SHAPES["proj_out"]
+        g = torch.Generator().manual_seed(8)
+        sd = {**wan_dict(f), "diffusion_model.head.head.diff": torch.randn(out, inp, generator=g) / inp ** 0.5,
+              "diffusion_model.head.head.diff_b": torch.randn(out, generator=g) * 0.1}
+        return [(write(tmp / "a.safetensors", sd), sd, 0.8)]
     if case == "wan lora_down/lora_up, alpha 3 at rank 8":
         f = random_factors(SHAPES, blocks, rank=8, seed=4, alpha=3.0)
         sd = wan_dict(f)
@@ -123,7 +132,8 @@ def _case_files(tmp: Path, case: str) -> list[tuple[Path, object, float]]:
             (write(tmp / "b.safetensors", diffusers_dict(f2)), diffusers_dict(f2), 1.4)]
 
 
-CASES = ["diffusers, no prefix", "diffusers, PEFT metadata", "wan lora_A/lora_B, biases, top-level modules",
+CASES = ["diffusers, no prefix", "diffusers, PEFT metadata", "wan lora_A/lora_B, alpha, biases, top-level modules",
+         "wan head.head.diff (a whole proj_out delta) + diff_b",
          "wan lora_down/lora_up, alpha 3 at rank 8", "kohya/musubi, alpha 16 at rank 4, negative scale",
          "two stacked: wan with alpha + diffusers"]
 
