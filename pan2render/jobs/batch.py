@@ -55,18 +55,23 @@ from pan2render.jobs.spec import (
     BatchValidationError,
     JobSpec,
     Kind,
+    LoraRef,
     Problem,
     Rule,
     Scope,
     SourceLocation,
 )
 from pan2render.jobs.weights import folder_fingerprint
+from pan2render.lora_plan import LoraFileError, detect_layout, dit_linears, plan_lora, read_header
 from pan2render.sampling import DEFAULT_NUM_TRAIN_TIMESTEPS, DMD, combination_problems, is_int, timesteps_problem
+from pan2render.tiny_dit import TINY_DIT_CONFIG
 
 TINY_MODEL = "tiny"
 
 TOP_LEVEL_KEYS = ("model", "preset", "defaults", "jobs", "prompts_file", "sweep")
 SWEEP_KEYS = DEFAULTS_KEYS
+# A sweep over one adapter's scale: `loras[0].scale: [0.25, 0.5, 1.0]` (the job's own first LoRA).
+LORA_SCALE_AXIS = re.compile(r"loras\[(\d+)\]\.scale")
 PRESET_KEYS = ("description",) + PRESET_FIELDS
 
 
@@ -298,6 +303,50 @@ def _check_timesteps(v: Any) -> tuple[int, ...]:
     return tuple(items)
 
 
+def _plain(v: Any) -> Any:
+    return v.value if isinstance(v, _Node) else v
+
+
+def _check_lora_scale(v: Any, allowed: str) -> float:
+    scale = _as_float(v, allowed)
+    if abs(scale) > LIMITS.lora_scale:
+        raise _Bad(f"scale {scale:g} is out of range; allowed: {allowed}")
+    return scale
+
+
+def _check_loras(v: Any) -> tuple[LoraRef, ...]:
+    """A list of adapters, each a path or ``{path, scale}``; a lone path is one adapter at scale 1
+    (what a flag gives: ``--set loras=style.safetensors``). Paths are resolved later, against the
+    file that names them."""
+    allowed = RULES["loras"].allowed_text()
+    v = _plain(v)
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list):
+        raise _Bad(f"got {v!r} ({_type_name(v)}); allowed: {allowed}")
+    if len(items) > LIMITS.loras:
+        raise _Bad(f"lists {len(items)} adapters; allowed: {allowed}")
+    refs: list[LoraRef] = []
+    for i, node in enumerate(items):
+        item = _plain(node)
+        fields = {str(k): _plain(n) for k, n in item.items()} if isinstance(item, dict) else {"path": item}
+        unknown = [k for k in fields if k not in ("path", "scale")]
+        if unknown:
+            raise _Bad(f"[{i}]: unknown key {unknown[0]!r}{_did_you_mean(unknown[0], ('path', 'scale'))}; allowed: "
+                       f"{allowed}")
+        if "path" not in fields:
+            raise _Bad(f"[{i}]: no path; allowed: {allowed}")
+        try:
+            refs.append(LoraRef(_as_str(fields["path"], allowed, non_empty=True),
+                                _check_lora_scale(fields.get("scale", 1.0), allowed)))
+        except _Bad as exc:
+            raise _Bad(f"[{i}]: {exc}") from None
+    paths = [r.path for r in refs]
+    repeated = sorted({p for p in paths if paths.count(p) > 1})
+    if repeated:
+        raise _Bad(f"lists {repeated[0]!r} more than once; give it once, with the scale you want")
+    return tuple(refs)
+
+
 def _checker(rule: Rule) -> Callable[[Any], Any]:
     """The check of one field's values, from its rule in the schema (``JobSpec``)."""
     kind = rule.kind
@@ -307,6 +356,8 @@ def _checker(rule: Rule) -> Callable[[Any], Any]:
         return functools.partial(_check_choice, rule)
     if kind is Kind.TIMESTEPS:
         return _check_timesteps
+    if kind is Kind.LORAS:
+        return _check_loras
     assert kind in (Kind.INT, Kind.FLOAT), kind
     return functools.partial(_check_number, rule)
 
@@ -327,6 +378,7 @@ ALIASES: dict[str, str] = {
     "sample_solver": "sampler", "scheduler": "sampler",
     "base_seed": "seed", "sample_fps": "fps", "frame_rate": "fps", "num_gpus": "gpus",
     "image_path": "image", "negative": "negative_prompt",
+    "lora": "loras", "adapters": "loras", "strength": "scale", "weight": "scale", "lora_scale": "scale",
     "model_path": "model", "pretrained_model_name_or_path": "model", "checkpoint": "model",
 }
 
@@ -453,12 +505,12 @@ class _FlagValues:
                 key = key.strip()
                 # Flags have no file: their problems are located by the flag as typed (line 0).
                 fctx = _Ctx(display=flag, base_dir=Path.cwd(), check_files=ctx.check_files,
-                            check_model=ctx.check_model, problems=ctx.problems)
+                            check_model=ctx.check_model, problems=ctx.problems, lora_sources=ctx.lora_sources)
                 if not sep or not key:
                     example = "steps=4" if kind == "--set" else "seed=0,1,2"
                     fctx.problem(0, "(flag)", f"must look like key=value, e.g. {kind} {example}")
                     continue
-                if key not in allowed:
+                if key not in allowed and not (kind == "--sweep" and LORA_SCALE_AXIS.fullmatch(key)):
                     fctx.problem(0, key, f"unknown key {key!r}{_did_you_mean(key, allowed)}; allowed: "
                                          f"{', '.join(allowed)}")
                     continue
@@ -497,7 +549,7 @@ class _FlagValues:
         values: list[Any] = []
         for i, part in enumerate(text.split(",")):
             try:
-                values.append(_flag_path(key, _CHECKS[key](_flag_scalar(part.strip())), fctx))
+                values.append(_flag_path(key, _sweep_check(key)(_flag_scalar(part.strip())), fctx))
             except _Bad as exc:
                 fctx.problem(0, f"{key}[{i}]", str(exc))
         repeated = sorted({repr(v) for v in values if values.count(v) > 1})
@@ -521,6 +573,8 @@ class _FlagValues:
 
 def _flag_path(key: str, value: Any, fctx: _Ctx) -> Any:
     """A path given on the command line is relative to the working folder, not the batch."""
+    if key == "loras":
+        return _resolve_loras(value, fctx.base_dir, fctx, SourceLocation(fctx.display, 0), key)
     if key != "image":
         return value
     path = (fctx.base_dir / Path(value).expanduser()).resolve()
@@ -571,6 +625,10 @@ class _Ctx:
     check_model: bool = True
     problems: list[Problem] = field(default_factory=list)
     image_hashes: dict[str, str] = field(default_factory=dict)  # per load: an edited image re-hashes
+    # Every LoRA file named, with where it was first named and by which field: checked once, after
+    # the model is known (`_check_lora_files`), and hashed once.
+    lora_sources: dict[str, tuple[SourceLocation, str]] = field(default_factory=dict)
+    lora_hashes: dict[str, str] = field(default_factory=dict)
 
     def problem(self, line: int, fld: str, message: str, display: str | None = None) -> None:
         self.problems.append(Problem(SourceLocation(display or self.display, line), fld, message))
@@ -610,6 +668,10 @@ def load_batch(path: str | Path, *, check_files: bool = True, check_model: bool 
     for raw in [*raw_jobs, _RawJob(defaults, SourceLocation(ctx.display, 1), "defaults", ctx.base_dir,
                                    defaults_lines)]:
         _resolve_image(raw, ctx)
+        if "loras" in raw.fields:
+            where = SourceLocation(raw.location.file, raw.lines.get("loras", raw.location.line))
+            raw.fields["loras"] = _resolve_loras(raw.fields["loras"], raw.base_dir, ctx, where, raw.label + ".loras")
+    _check_lora_files(model, ctx)
     if not raw_jobs and not any(p.field.startswith(("jobs", "prompts_file")) for p in ctx.problems):
         # (a `jobs:` that is not a list, or an unreadable prompts file, is reported already)
         line = (top.get("jobs") or top.get("prompts_file") or root).line
@@ -795,7 +857,7 @@ def _parse_sweep(node: _Node | None, ctx: _Ctx) -> dict[str, list[Any]]:
     sweep: dict[str, list[Any]] = {}
     for key, values in node.value.items():
         fld = f"sweep.{key}"
-        if key not in SWEEP_KEYS:
+        if key not in SWEEP_KEYS and not LORA_SCALE_AXIS.fullmatch(key):
             ctx.problem(values.line, fld, f"cannot sweep unknown field {key!r}{_did_you_mean(key, SWEEP_KEYS)}; "
                                           f"allowed: {', '.join(SWEEP_KEYS)}")
             continue
@@ -806,10 +868,13 @@ def _parse_sweep(node: _Node | None, ctx: _Ctx) -> dict[str, list[Any]]:
         good: list[Any] = []
         for i, item in enumerate(values.value):
             try:
-                good.append(_CHECKS[key](item.value))
+                good.append(_sweep_check(key)(item.value))
             except _Bad as exc:
                 ctx.problem(item.line, f"{fld}[{i}]", str(exc))
                 continue
+            if key == "loras":
+                good[-1] = _resolve_loras(good[-1], ctx.base_dir, ctx, SourceLocation(ctx.display, item.line),
+                                          f"{fld}[{i}]")
             image = (ctx.base_dir / Path(good[-1]).expanduser()).resolve() if key == "image" else None
             problem = _image_problem(image) if image is not None and ctx.check_files else None
             if problem:
@@ -829,6 +894,90 @@ def sha256_file(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _sweep_check(key: str) -> Callable[[Any], Any]:
+    """The check of one sweep value of ``key`` (a job field, or a `LORA_SCALE_AXIS`)."""
+    if LORA_SCALE_AXIS.fullmatch(key):
+        return lambda v: _check_lora_scale(v, "a number in -{0:g}..{0:g}".format(LIMITS.lora_scale))
+    return _CHECKS[key]
+
+
+def _sweep_label(key: str, value: Any) -> Any:
+    """What a job's id, status and report show for one sweep value: adapters by file stem and scale
+    (``style@0.5+detail@1``, ``none``), other values as they are."""
+    if key == "loras":
+        return "+".join(r.label for r in value) or "none"
+    return value
+
+
+def _resolve_loras(refs: tuple[LoraRef, ...], base_dir: Path, ctx: _Ctx, where: SourceLocation,
+                   fld: str) -> tuple[LoraRef, ...]:
+    """The adapters with absolute paths (against the file that named them), each noted for
+    `_check_lora_files` where it was first named."""
+    out = []
+    for ref in refs:
+        path = str((base_dir / Path(ref.path).expanduser()).resolve())
+        ctx.lora_sources.setdefault(path, (where, fld))
+        out.append(LoraRef(path, ref.scale))
+    return tuple(out)
+
+
+def _model_linears(model: str, ctx: _Ctx) -> dict[str, tuple[int, int]] | None:
+    """The DiT's linear layers (name -> (out, in)) from its config.json, to check LoRAs against;
+    None when the checkpoint is not to be read (a dry run) or has no readable config."""
+    if model == TINY_MODEL:
+        return dit_linears(TINY_DIT_CONFIG)
+    if not (ctx.check_files and ctx.check_model):
+        return None
+    folder = Path(model) / "transformer"
+    config = folder / "config.json" if folder.is_dir() else Path(model) / "config.json"
+    try:
+        return dit_linears(json.loads(config.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError):
+        return None  # the model's own load reports it, with the file
+
+
+def _check_lora_files(model: str, ctx: _Ctx) -> None:
+    """Every LoRA named anywhere: a safetensors file within the limits, in a layout we read, whose
+    keys and shapes fit the batch's DiT; each problem at the place that first named the file."""
+    if not ctx.check_files:
+        return
+    linears = _model_linears(model, ctx)
+    for path, (where, fld) in ctx.lora_sources.items():
+        try:
+            header = read_header(path, limit=LIMITS.lora_bytes)
+            if linears is None:
+                detect_layout(list(header.tensors), path)
+            else:
+                plan_lora(header, linears, name=path)
+        except LoraFileError as exc:
+            ctx.problems.append(Problem(where, fld, str(exc)))
+
+
+def _lora_hash(path: str, ctx: _Ctx) -> str | None:
+    if path not in ctx.lora_hashes and Path(path).is_file():
+        ctx.lora_hashes[path] = sha256_file(path)
+    return ctx.lora_hashes.get(path)
+
+
+def _apply_lora_scales(merged: dict[str, Any], combo: dict[str, Any], raw: _RawJob, ctx: _Ctx) -> bool:
+    """Put each swept adapter scale (``loras[i].scale``) into the job's adapters; False (a problem
+    noted once per job) when the job has no adapter ``i``."""
+    for key, scale in combo.items():
+        match = LORA_SCALE_AXIS.fullmatch(key)
+        if match is None:
+            continue
+        i, loras = int(match[1]), merged["loras"]
+        if i >= len(loras):
+            problem = Problem(SourceLocation(raw.location.file, raw.lines.get("loras", raw.location.line)),
+                              f"{raw.label}.loras", f"the sweep varies {key} but this job has {len(loras)} "
+                              f"adapter(s); give it loras[{i}] (in the job or the defaults) or drop the axis")
+            if problem not in ctx.problems:
+                ctx.problems.append(problem)
+            return False
+        merged["loras"] = (*loras[:i], LoraRef(loras[i].path, scale), *loras[i + 1:])
+    return True
 
 
 def _resolve_image(raw: _RawJob, ctx: _Ctx) -> None:
@@ -905,6 +1054,8 @@ def _expand(raw_jobs: list[_RawJob], *, model: str, weights: str | None, preset_
     for raw in raw_jobs:
         for combo in combos:  # [{}] when there is no sweep
             merged = {**BUILTIN_DEFAULTS, **preset, **defaults, **raw.fields, **sets, **combo}
+            if not _apply_lora_scales(merged, combo, raw, ctx):
+                continue
             if "image" in combo and combo["image"] is not None:
                 merged["image"] = str((ctx.base_dir / Path(combo["image"]).expanduser()).resolve())
             image = merged["image"]
@@ -915,7 +1066,9 @@ def _expand(raw_jobs: list[_RawJob], *, model: str, weights: str | None, preset_
                 continue
             jobs.append(JobSpec(
                 **{k: merged[k] for k in JOB_KEYS if k != "image"}, image=image, image_sha256=image_sha,
-                model=model, preset=preset_name, weights=weights, sweep=dict(combo), source=raw.location,
+                lora_digests=tuple((_lora_hash(r.path, ctx), r.scale) for r in merged["loras"]),
+                model=model, preset=preset_name, weights=weights,
+                sweep={k: _sweep_label(k, v) for k, v in combo.items()}, source=raw.location,
             ))
     return jobs
 

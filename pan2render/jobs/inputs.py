@@ -40,6 +40,11 @@ class InputLimits:
     image_pixels: int = 4096 * 4096
     image_bytes: int = 64 << 20
     batch_bytes: int = 4 << 20
+    # A LoRA travels to every worker that renders with it; a rank-128 adapter of every linear of the
+    # 5B DiT in fp32 is ~1.3 GB.
+    lora_bytes: int = 4 << 30
+    loras: int = 8  # adapters stacked on one job
+    lora_scale: float = 100.0  # |scale| of one adapter (ComfyUI's LoraLoader range)
     prompts_file_bytes: int = 16 << 20
     # YAML aliases share nodes; expanded, a few lines can stand for billions of values.
     yaml_aliases: int = 1000

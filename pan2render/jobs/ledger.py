@@ -423,7 +423,9 @@ class Ledger:
                 if row[0] != JobState.DONE.value and row[1] != spec_json:
                     c.execute("UPDATE jobs SET spec_json = ?, updated_at = ? WHERE id = ?",
                               (spec_json, now, jid))
-                    before, after = json.loads(row[1]), spec.to_dict()
+                    # Read back through the schema: fields added since the row was written take
+                    # their defaults instead of counting as changed.
+                    before, after = JobSpec.from_dict(json.loads(row[1])).to_dict(), spec.to_dict()
                     changed = sorted(k for k in after if before.get(k) != after[k])
                     self._event(c, jid, EventKind.SPEC_UPDATED, f"fields outside the spec hash changed "
                                 f"({', '.join(changed)}); the batch's values apply")

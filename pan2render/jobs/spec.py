@@ -18,6 +18,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pan2render.jobs.inputs import LIMITS
@@ -51,6 +52,20 @@ class Kind(enum.Enum):
     FLOAT = "float"  # ints are read as floats (5 and 5.0 hash alike)
     CHOICE = "choice"  # one of ``choices``
     TIMESTEPS = "timesteps"  # a DMD timestep list (pan2render.sampling.timesteps_problem)
+    LORAS = "loras"  # a list of LoRA adapters, each a path (relative to the file) and a scale
+
+
+@dataclass(frozen=True)
+class LoraRef:
+    """One adapter of a job: its file (absolute once resolved) and its scale (1.0: as trained)."""
+
+    path: str
+    scale: float = 1.0
+
+    @property
+    def label(self) -> str:
+        """How a sweep over adapters names it: ``style@0.5``."""
+        return f"{Path(self.path).stem}@{self.scale:g}"
 
 
 FIELD_DEFAULT: Any = type("FieldDefault", (), {"__repr__": lambda self: "FIELD_DEFAULT"})()
@@ -231,12 +246,22 @@ class JobSpec:
     encode_tune: str = _rule(Rule(
         "libx264 tuning for the content, e.g. animation for flat colours and sharp edges", pixels=True,
         scope=Scope.PRESET, kind=Kind.CHOICE, choices=X264_TUNES, to_encoder="tune"), DEFAULT_X264_TUNE)
+    # The paths are not hashed, the files' contents are (lora_digests): a moved file keeps its jobs.
+    loras: tuple[LoraRef, ...] = _rule(Rule(
+        "LoRA adapters merged into the DiT, in order; each file's content and scale are in the job id",
+        pixels=False, scope=Scope.DEFAULTS, kind=Kind.LORAS,
+        allowed=f"a list of at most {LIMITS.loras} .safetensors files (relative to this file), each a path or "
+                f"{{{{path, scale}}}} with a scale in -{LIMITS.lora_scale:g}..{LIMITS.lora_scale:g} (default 1.0)"), ())
 
     # Resolved by the batch, not set in it.
     model: str = _rule(Rule("\"tiny\" or an absolute checkpoint folder", pixels=True, in_first_ids=True))
     preset: str = _rule(Rule("the job preset's name", pixels=False))
     image_sha256: str | None = _rule(Rule(
         "content hash of the image, so the job id follows its pixels", pixels=True, in_first_ids=True), None)
+    # (sha256, scale) of each of `loras`, in order; hashed only when there are any, so jobs without
+    # adapters keep their ids.
+    lora_digests: tuple[tuple[str | None, float], ...] = _rule(Rule(
+        "content hash and scale of each LoRA, so the job id follows the adapters' weights", pixels=True), ())
     # A checkpoint replaced under the same path makes new jobs.
     weights: str | None = _rule(Rule(
         "fingerprint of the checkpoint folder's weights (jobs.weights); None for the tiny model",
@@ -285,6 +310,8 @@ class JobSpec:
         src = d.pop("source", None)
         if d.get("timesteps") is not None:  # JSON gives a list
             d["timesteps"] = tuple(d["timesteps"])
+        d["loras"] = tuple(LoraRef(**r) for r in d.get("loras", ()))
+        d["lora_digests"] = tuple((sha, float(scale)) for sha, scale in d.get("lora_digests", ()))
         return cls(**d, source=None if src is None else SourceLocation(src["file"], int(src["line"])))
 
 

@@ -30,6 +30,7 @@ from .checkpoint import CheckpointError, instantiate, read_json, resolve_compone
 from .dit import PAN2DiT, PAN2DiTConfig
 from ..kernels.vae_decode import to_uint8_frames
 from .dit_ops import ROUTED_OPS, TORCH_OPS
+from .lora import LoraWeights, MergedLoras, linear_shapes, read_lora
 from ..sampling import DMD, SAMPLERS, WAN22, Geometry, combination_problems, is_int, timesteps_problem
 from ..vae_plan import SHAPE_COVERING_LATENT_FRAMES
 from .sampler_state import CheckpointKey, SamplerState, StepHooks, capture_state, resume_state
@@ -189,6 +190,9 @@ class PAN2Pipeline:
         self.default_timesteps = default_timesteps
         self.denoiser = default_denoiser(dit, config) if denoiser is None else denoiser
         self.frame_decoder = default_frame_decoder(vae, config) if frame_decoder is None else frame_decoder
+        # The adapters merged into the DiT's weights. One object, shared by the twins
+        # `with_strategies` makes (a group's parallel pipeline), as they share the DiT.
+        self.loras = MergedLoras(dit) if dit is not None else None
         if dit is not None:
             # The fused-kernel switch, per pipeline (there is no process-wide one): this DiT's op
             # table is the fused-where-possible one or the plain-torch one.
@@ -253,6 +257,23 @@ class PAN2Pipeline:
         if frame_decoder is not None:
             twin.frame_decoder = frame_decoder
         return twin
+
+    # ----------------------------------------------------------------------------------------
+    # Adapters
+    def read_lora(self, source: str | Path | bytes, *, name: str | None = None) -> LoraWeights:
+        """A LoRA file (path or bytes) read and checked against this pipeline's DiT, its factors on
+        the pipeline's device (so switching to it copies nothing from the host)."""
+        return read_lora(source, linears=linear_shapes(self.dit), name=name).to(self.device)
+
+    def set_loras(self, adapters: Sequence[tuple[LoraWeights, float]]) -> bool:
+        """Sample with these adapters (each with its scale) merged into the DiT from now on; ``[]``
+        for none. The previous set is unmerged exactly first (the checkpoint's weights bit for bit),
+        and nothing happens when the set is the same, so a batch switches adapters between jobs
+        without reloading the checkpoint. Returns whether the weights changed. In a group every
+        rank calls it with the same list before the job's ``sample``."""
+        if self.loras is None:
+            raise RuntimeError("this pipeline was built without a DiT")
+        return self.loras.set(adapters)
 
     def describe(self) -> dict[str, object]:
         """How this pipeline runs a job, as plain JSON values (recorded beside every video): the

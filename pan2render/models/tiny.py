@@ -21,31 +21,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file, save_model
 
+# The DiT's config lives torch-free beside the packages (batch validation checks a job's LoRAs
+# against it before any model loads); a change there is a change of TINY_VERSION too.
+from ..tiny_dit import TINY_DIT_CONFIG
+
 TINY_VERSION = 2
 TINY_SEED = 20261130
-
-# Same architecture as Wan2.2-TI2V-5B (48 latent channels, 16x spatial / 4x temporal VAE, patch
-# (1,2,2), Q/K RMSNorm across heads, 3-D RoPE), at toy widths.
-TINY_DIT_CONFIG = {
-    "_class_name": "WanTransformer3DModel",
-    "patch_size": [1, 2, 2],
-    # 8 heads so sequence-parallel groups of 2, 4 and 8 can split them (Ulysses needs heads % N == 0).
-    "num_attention_heads": 8,
-    "attention_head_dim": 12,
-    "in_channels": 48,
-    "out_channels": 48,
-    "text_dim": 32,
-    "freq_dim": 32,
-    "ffn_dim": 192,
-    "num_layers": 2,
-    "cross_attn_norm": True,
-    "qk_norm": "rms_norm_across_heads",
-    "eps": 1e-6,
-    "image_dim": None,
-    "added_kv_proj_dim": None,
-    "rope_max_seq_len": 1024,
-    "pos_embed_seq_len": None,
-}
 
 TINY_VAE_CONFIG = {
     "_class_name": "AutoencoderKLWan",

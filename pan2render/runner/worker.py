@@ -305,6 +305,9 @@ class RenderWorker:
         pipe = self._pipeline(call.model)
         job_id = call.job_id
         js = self._spec(job_id, call.spec)
+        if js.loras:  # the adapter files do not travel to workers yet: never render a job without them
+            raise JobInputError(f"the job asks for {len(js.loras)} LoRA adapter(s), which `run` does not send to its "
+                                f"GPU workers yet; render it through PAN2Pipeline.set_loras (README, \"LoRA\")")
         first_frame = None if call.image is None else _decode_image(call.image)  # uint8 [H, W, 3]
         self._maybe_fault(js, "sampling")
 

@@ -299,7 +299,8 @@ def test_missing_batch_file(tmp_path: Path) -> None:
 def test_presets_have_the_documented_values() -> None:
     presets = list_presets()
     print({k: {f: v for f, v in p.items() if f != "negative_prompt"} for k, p in presets.items()})
-    assert set(presets) == {"pan2-720p", "pan2-480p", "wan22-ti2v-720p", "tiny-preview", "fastwan-720p"}
+    assert set(presets) == {"pan2-720p", "pan2-480p", "wan22-ti2v-720p", "tiny-preview", "fastwan-720p",
+                            "distill-lora-720p"}
     expect = {
         "pan2-720p": dict(height=704, width=1248, frames=121, fps=24.0, steps=50, guidance=2.5, flow_shift=5.0,
                           sampler="unipc"),
@@ -309,6 +310,8 @@ def test_presets_have_the_documented_values() -> None:
                                 flow_shift=5.0, sampler="unipc"),
         "tiny-preview": dict(height=64, width=64, frames=17, fps=8.0, steps=8, guidance=2.5, flow_shift=5.0,
                              sampler="unipc"),
+        "distill-lora-720p": dict(height=704, width=1248, frames=121, fps=24.0, steps=4, guidance=1.0,
+                                  flow_shift=5.0, sampler="dmd", timesteps=(1000, 750, 500, 250)),
     }
     for name, values in expect.items():
         assert {k: presets[name][k] for k in values} == values, name

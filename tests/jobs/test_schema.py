@@ -20,6 +20,7 @@ from pan2render.jobs.spec import (
     SAMPLER_FIELDS,
     JobSpec,
     Kind,
+    LoraRef,
     SourceLocation,
     field_table,
 )
@@ -41,6 +42,10 @@ def _another(f: dataclasses.Field[Any], value: Any) -> Any:
         return next(c for c in rule.choices if c != value)
     if rule.kind is Kind.TIMESTEPS:
         return (1000, 500) if value != (1000, 500) else (999,)
+    if rule.kind is Kind.LORAS:
+        return (*value, LoraRef("/loras/style.safetensors", 0.5))
+    if f.name == "lora_digests":
+        return (*value, ("0" * 64, 0.5))
     if rule.kind in (Kind.INT, Kind.FLOAT):
         step = rule.step or 1
         return value - step if rule.max is not None and value + step > rule.max else value + step

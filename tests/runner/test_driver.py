@@ -193,6 +193,21 @@ def test_first_frame_image_travels_as_bytes_and_a_changed_image_fails_clearly(tm
     assert "FileNotFoundError" in errors["gone"] and led.job(gone.job_id).attempts == 1
 
 
+def test_a_job_with_loras_fails_at_once_rather_than_render_without_them(tmp_path: Path) -> None:
+    import dataclasses
+
+    from pan2render.jobs.spec import LoraRef
+
+    plain = spec("plain")
+    adapted = dataclasses.replace(spec("adapted"), loras=(LoraRef(str(tmp_path / "style.safetensors"), 0.5),),
+                                  lora_digests=(("0" * 64, 0.5),))
+    summary, _, led = render(tmp_path / "out", [plain, adapted])
+    error = led.job(adapted.job_id).error
+    print("done:", summary.done, "| error:", error)
+    assert summary.done == [plain.job_id]
+    assert "LoRA adapter(s)" in error and led.job(adapted.job_id).attempts == 1
+
+
 def _damage(path: Path, how: str) -> None:
     data = path.read_bytes()
     if how == "truncate":
