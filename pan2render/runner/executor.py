@@ -54,6 +54,7 @@ class Group:
     handle: Any  # executor-specific: actors + placement group, or local workers
     loads: dict[str, LoadReply] = field(default_factory=dict)  # model -> its load's reply (loaded on every rank)
     worker_told: bool = False  # the run log has told how its worker process came up
+    adapters: frozenset[str] = frozenset()  # digests of the LoRA files its workers keep
     next_seq: int = 0  # number of the next GPU-lane call (the workers run them in this order)
     # When the executor was asked for it and when it was placed (its GPUs granted, its actors
     # created, a group of several joined into its process group), as time.time(): the run log's

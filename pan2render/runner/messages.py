@@ -196,11 +196,24 @@ class SampleCall(WorkerCall):
     prompt_embeds: bytes  # safetensors, as cached
     negative_embeds: bytes
     image: bytes | None = None  # the first-frame image file's bytes: workers need no shared disk
+    adapters: tuple[Adapter, ...] = ()  # the job's LoRAs, in order (none: the DiT as loaded)
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One LoRA of a job, for the workers: its content digest and scale, and the file's bytes
+    unless the group's workers hold that digest already (a sweep over scales sends a file once)."""
+
+    sha256: str
+    scale: float
+    name: str  # the file's name, for messages
+    data: bytes | None = None
 
 
 @dataclass(frozen=True)
 class SampleReply:
     latents: bytes  # safetensors, with the spec in its metadata
+    adapters_held: tuple[str, ...] = ()  # digests of the LoRAs the workers keep after this call
 
 
 @dataclass(frozen=True)

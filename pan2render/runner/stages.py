@@ -23,6 +23,7 @@ from pan2render.jobs.weights import folder_fingerprint
 from pan2render.runner import artifacts, outputs
 from pan2render.runner.jobflow import BatchFlow, Done, JobFlow, JobRun, Redo, Status, Step, file_proof
 from pan2render.runner.messages import (
+    Adapter,
     CollectCall,
     CollectReply,
     DecodeCall,
@@ -95,9 +96,11 @@ class SamplingStep(Step):
             raise JobInputError(f"the weights in {spec.model} changed since the batch was validated "
                                 f"(fingerprint differs); run the batch again: its jobs get new ids")
         return SampleCall(model=spec.model, job_id=run.job.id, spec=run.spec_once(), prompt_embeds=prompt,
-                          negative_embeds=negative, image=_image_bytes(spec))
+                          negative_embeds=negative, image=_image_bytes(spec),
+                          adapters=_adapters(spec, held=run.group.adapters))
 
     def record(self, flow: BatchFlow, run: JobRun, value: SampleReply, seconds: float) -> None:
+        run.group.adapters = frozenset(value.adapters_held)
         rel = artifacts.latents_relpath(run.job.id)
         artifacts.write_artifact(flow.out_dir, rel, value.latents)
         flow.ledger.set_stage(run.job.id, Stage.SAMPLING, StageState.DONE, artifact=rel,
@@ -128,6 +131,25 @@ def _image_bytes(spec: JobSpec) -> bytes | None:
         raise JobInputError(f"image {spec.image} changed since the batch was validated "
                             f"(sha256 differs); run the batch again to render the new image")
     return image
+
+
+def _adapters(spec: JobSpec, *, held: frozenset[str]) -> tuple[Adapter, ...]:
+    """The job's LoRAs for its workers: each file read (only where the group does not hold it) and
+    checked against the digest its job id was made with."""
+    out = []
+    for ref, (sha, scale) in zip(spec.loras, spec.lora_digests, strict=True):
+        data = None
+        if sha not in held:
+            try:
+                data = Path(ref.path).read_bytes()
+            except OSError as e:
+                raise JobInputError(f"LoRA {ref.path} cannot be read ({type(e).__name__}: {e.strerror or e}); "
+                                    f"restore it or run the batch again without it") from e
+            if artifacts.sha256_bytes(data) != sha:
+                raise JobInputError(f"LoRA {ref.path} changed since the batch was validated (sha256 differs); run "
+                                    f"the batch again: its jobs get new ids")
+        out.append(Adapter(sha256=str(sha), scale=scale, name=Path(ref.path).name, data=data))
+    return tuple(out)
 
 
 class DecodeStep(Step):

@@ -31,10 +31,20 @@ class FakePipeline:
         self.model_id = "fake-" + hashlib.sha256(model.encode()).hexdigest()[:8]
         self.text_encoder_id = "fake-text-v1"
         self.step_seconds = step_seconds
+        self.loras: list[tuple[float, float]] = []  # (adapter, scale) merged, as set_loras leaves them
 
     def describe(self) -> dict[str, object]:
         return {"ranks": 1, "guided_steps": "one rank", "unguided_steps": "one rank",
                 "decode": "fake", "scheduler": {"num_train_timesteps": 1000}}
+
+    def read_lora(self, source: bytes, *, name: str | None = None) -> float:
+        """A stand-in adapter: its effect on the latents (a number from its bytes)."""
+        return int.from_bytes(hashlib.sha256(source).digest()[:2], "little") / 65536.0
+
+    def set_loras(self, adapters: list[tuple[float, float]]) -> bool:
+        changed = adapters != self.loras
+        self.loras = list(adapters)
+        return changed
 
     def encode_prompt(self, prompt: str) -> torch.Tensor:
         seed = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "little")
@@ -54,7 +64,7 @@ class FakePipeline:
             raise ValueError(f"bad size {height}x{width}x{frames}")
         g = torch.Generator().manual_seed(seed)
         lat = torch.randn(LATENT_CHANNELS, (frames - 1) // 4 + 1, height // 16, width // 16, generator=g)
-        lat = lat + prompt_embeds.mean()
+        lat = lat + prompt_embeds.mean() + sum(a * scale for a, scale in self.loras)
         if image is not None:  # the contract: uint8 [H, W, 3] (an array, not a path)
             img = torch.as_tensor(image)
             if img.dtype != torch.uint8 or img.ndim != 3 or img.shape[2] != 3:

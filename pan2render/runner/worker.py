@@ -46,6 +46,7 @@ from pan2render.models.tiny import cache_root
 from pan2render.phases import phase, recording
 from pan2render.runner import outputs, artifacts, timeline
 from pan2render.runner.messages import (  # the config and the lane sizes are importable from here too
+    Adapter,
     DEFAULT_PIPELINE_FACTORY,
     GPU_QUEUE_DEPTH,
     IO_CONCURRENCY,
@@ -104,6 +105,9 @@ def _decode_image(data: bytes) -> Any:
 
 # Specs a worker keeps (see RenderWorker._specs): far more than the jobs a group holds at once.
 _SPECS_KEPT = 16
+# LoRA files a worker keeps read on its device, least recently used dropped first: enough for a
+# sweep over a few adapters; each is tens to hundreds of MB.
+_ADAPTERS_KEPT = 4
 
 
 class SimulatedWorkerDeath(BaseException):
@@ -135,6 +139,7 @@ class RenderWorker:
         # the attempt's first that needs it. Bounded: a job whose attempt failed never says
         # goodbye, and a group holds at most a few jobs at once (GPU lane, encodes).
         self._specs: OrderedDict[str, JobSpec] = OrderedDict()
+        self._adapters: OrderedDict[str, Any] = OrderedDict()  # LoRA digest -> its weights (pipeline.read_lora)
         # Every call but the I/O lane's runs on this one thread, whichever thread of the actor it
         # arrived on. cuDNN's autotuning results are kept per thread (PyTorch's cuDNN plan cache
         # is thread-local), and Ray runs a threaded actor's calls on a pool of threads: on one
@@ -305,9 +310,7 @@ class RenderWorker:
         pipe = self._pipeline(call.model)
         job_id = call.job_id
         js = self._spec(job_id, call.spec)
-        if js.loras:  # the adapter files do not travel to workers yet: never render a job without them
-            raise JobInputError(f"the job asks for {len(js.loras)} LoRA adapter(s), which `run` does not send to its "
-                                f"GPU workers yet; render it through PAN2Pipeline.set_loras (README, \"LoRA\")")
+        self._set_adapters(pipe, call.adapters)
         first_frame = None if call.image is None else _decode_image(call.image)  # uint8 [H, W, 3]
         self._maybe_fault(js, "sampling")
 
@@ -322,7 +325,29 @@ class RenderWorker:
             image=first_frame, progress=progress, **js.sample_args(),
         )  # float32 [48, T, h, w]
         return SampleReply(latents=artifacts.pack_latents(lat, spec_hash=js.spec_hash, seed=js.seed, steps=js.steps,
-                                                          model_id=pipe.model_id, spec=js.to_dict()))
+                                                          model_id=pipe.model_id, spec=js.to_dict()),
+                           adapters_held=tuple(self._adapters))
+
+    def _set_adapters(self, pipe: Any, adapters: tuple[Adapter, ...]) -> None:
+        """Merge the job's LoRAs into the DiT (none: unmerge the last job's). The files read are kept
+        by digest, on the device, for the jobs after (a bounded few: the reply tells the driver which,
+        so it sends again what was dropped)."""
+        weights = []
+        for a in adapters:
+            if a.data is not None and a.sha256 not in self._adapters:
+                if artifacts.sha256_bytes(a.data) != a.sha256:
+                    raise JobInputError(f"LoRA {a.name}: its bytes do not match the digest the job id was made with")
+                self._adapters[a.sha256] = pipe.read_lora(a.data, name=a.name)
+            held = self._adapters.get(a.sha256)
+            if held is None:
+                raise RuntimeError(f"LoRA {a.name} ({a.sha256[:12]}) was neither sent nor kept on this worker")
+            self._adapters.move_to_end(a.sha256)
+            weights.append((held, a.scale))
+        pipe.set_loras(weights)
+        keep = {a.sha256 for a in adapters}
+        while len(self._adapters) > max(_ADAPTERS_KEPT, len(keep)):
+            oldest = next(d for d in self._adapters if d not in keep)
+            del self._adapters[oldest]
 
     def _decode(self, call: DecodeCall) -> DecodeReply | None:
         """Decode on the device, convert to yuv420p there, copy to the host once and hand the planes

@@ -193,19 +193,25 @@ def test_first_frame_image_travels_as_bytes_and_a_changed_image_fails_clearly(tm
     assert "FileNotFoundError" in errors["gone"] and led.job(gone.job_id).attempts == 1
 
 
-def test_a_job_with_loras_fails_at_once_rather_than_render_without_them(tmp_path: Path) -> None:
+def test_a_job_whose_lora_is_gone_or_changed_fails_at_once_with_the_reason(tmp_path: Path) -> None:
+    """The adapter files are read where the job id was made; a file gone or changed since is the
+    job's input (deterministic: not retried), never a render without its adapters."""
     import dataclasses
 
     from pan2render.jobs.spec import LoraRef
 
+    style = tmp_path / "style.safetensors"
+    style.write_bytes(b"not these bytes")
     plain = spec("plain")
-    adapted = dataclasses.replace(spec("adapted"), loras=(LoraRef(str(tmp_path / "style.safetensors"), 0.5),),
-                                  lora_digests=(("0" * 64, 0.5),))
-    summary, _, led = render(tmp_path / "out", [plain, adapted])
-    error = led.job(adapted.job_id).error
-    print("done:", summary.done, "| error:", error)
+    gone = dataclasses.replace(spec("gone"), loras=(LoraRef(str(tmp_path / "nowhere.safetensors"), 0.5),),
+                               lora_digests=(("0" * 64, 0.5),))
+    changed = dataclasses.replace(spec("changed"), loras=(LoraRef(str(style), 0.5),), lora_digests=(("0" * 64, 0.5),))
+    summary, _, led = render(tmp_path / "out", [plain, gone, changed])
+    errors = {j.name: led.job(j.job_id).error or "" for j in (gone, changed)}
+    print("done:", summary.done, "| errors:", errors)
     assert summary.done == [plain.job_id]
-    assert "LoRA adapter(s)" in error and led.job(adapted.job_id).attempts == 1
+    assert "cannot be read" in errors["gone"] and "changed since the batch was validated" in errors["changed"]
+    assert all(led.job(j.job_id).attempts == 1 for j in (gone, changed))
 
 
 def _damage(path: Path, how: str) -> None:
