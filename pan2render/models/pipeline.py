@@ -32,7 +32,12 @@ from ..kernels.vae_decode import to_uint8_frames
 from .dit_ops import ROUTED_OPS, TORCH_OPS
 from ..sampling import DMD, SAMPLERS, WAN22, Geometry, combination_problems, is_int, timesteps_problem
 from ..vae_plan import SHAPE_COVERING_LATENT_FRAMES
+from ..lanes import (BF16, CACHE_NONE, DEFAULT_CACHE_MAX_SKIPS, DEFAULT_CACHE_RETENTION, DEFAULT_CACHE_THRESHOLD,
+                     DEFAULT_GUIDANCE_UNTIL, Branch, FastLanes, SamplingPlan, plan_sampling)
+from .calibration import calibration_for
+from .precision import DiTPrecision
 from .scheduler import FlowDMDScheduler, SchedulerConfig, make_scheduler
+from .step_cache import RatioRecorder, fast_lane_velocity
 from .strategies import (BatchedGuidance, Denoiser, FastDecoder, FrameDecoder, ReferenceDecoder, SeparateGuidance,
                          apply_guidance, make_denoiser)
 from .text import TextEncoder
@@ -193,6 +198,7 @@ class PAN2Pipeline:
         self.default_timesteps = default_timesteps
         self.denoiser = default_denoiser(dit, config) if denoiser is None else denoiser
         self.frame_decoder = default_frame_decoder(vae, config) if frame_decoder is None else frame_decoder
+        self.precision = DiTPrecision(dit, torch.device(config.device)) if dit is not None else None
         if dit is not None:
             # The fused-kernel switch, per pipeline (there is no process-wide one): this DiT's op
             # table is the fused-where-possible one or the plain-torch one.
@@ -347,14 +353,27 @@ class PAN2Pipeline:
         flow_shift: float | None = None,
         sampler: str | None = None,
         timesteps: Sequence[int] | None = None,
+        cache: str = CACHE_NONE,
+        cache_threshold: float = DEFAULT_CACHE_THRESHOLD,
+        cache_max_skips: int = DEFAULT_CACHE_MAX_SKIPS,
+        cache_retention: float = DEFAULT_CACHE_RETENTION,
+        guidance_until: float = DEFAULT_GUIDANCE_UNTIL,
+        precision: str = BF16,
         progress: ProgressFn | None = None,
+        record: RatioRecorder | None = None,
     ) -> torch.Tensor:
         """Sample latents: float32 CPU ``[48, T, h, w]`` in the normalised latent space.
 
         ``sampler`` None: the checkpoint's default (dmd when it lists DMD timesteps, else what
         its scheduler class stands for). ``timesteps`` (dmd only) default to the checkpoint's;
-        with dmd, ``steps`` may be left out (it is the number of timesteps).
+        with dmd, ``steps`` may be left out (it is the number of timesteps). ``cache`` ..
+        ``precision``: the fast lanes (`pan2render.lanes.FastLanes`; the defaults are the exact
+        path); `sampling_plan` says what they run. ``record``: an exact run whose block residuals
+        it measures (`pan2render.models.calibration.calibrate`).
         """
+        lanes = FastLanes(cache=cache, cache_threshold=cache_threshold, cache_max_skips=cache_max_skips,
+                          cache_retention=cache_retention, guidance_until=guidance_until, precision=precision)
+        self.precision.check(lanes.precision)  # before any work: never a silent bf16 render
         sampler = self.default_sampler if sampler is None else sampler
         if sampler == DMD:
             timesteps = self.default_timesteps if timesteps is None else tuple(timesteps)
@@ -390,7 +409,27 @@ class PAN2Pipeline:
         else:
             scheduler.set_timesteps(req.steps, flow_shift=req.flow_shift)
         timesteps = scheduler.timesteps
-        velocity = self.denoiser.prepare(cond, uncond, req.guidance)
+        with self.precision.applied(lanes.precision):
+            velocity = self._velocity(req, lanes, cond, uncond, conditioned=first_frame is not None, record=record)
+            return self._run_steps(scheduler, velocity, latents, first_frame, shape, progress)
+
+    def _velocity(self, req: SampleRequest, lanes: FastLanes, cond: torch.Tensor, uncond: torch.Tensor | None, *,
+                  conditioned: bool, record: RatioRecorder | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The exact path's velocity (today's denoiser) unless a fast lane changes which forwards run."""
+        if record is not None:
+            plan = plan_sampling(FastLanes(precision=lanes.precision), steps=req.steps, guided=uncond is not None)
+            return fast_lane_velocity(self.denoiser.branch_forwards(cond, uncond), plan, req.guidance,
+                                      compute={b: record.stack(b) for b in Branch})
+        if lanes.steps_exact:
+            return self.denoiser.prepare(cond, uncond, req.guidance)
+        plan = self._plan(lanes, steps=req.steps, guided=uncond is not None, conditioned=conditioned)
+        return fast_lane_velocity(self.denoiser.branch_forwards(cond, uncond), plan, req.guidance)
+
+    def _run_steps(self, scheduler: Any, velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   latents: torch.Tensor, first_frame: torch.Tensor | None, shape: tuple[int, ...],
+                   progress: ProgressFn | None) -> torch.Tensor:
+        """The sampling loop: one velocity per timestep, the sampler's step, the first frame kept."""
+        timesteps = scheduler.timesteps
         for i, t in enumerate(timesteps):
             timestep = self._timestep_for(t, shape, conditioned=first_frame is not None)
             noise_pred = velocity(latents.to(self.config.dtype), timestep)
@@ -405,6 +444,26 @@ class PAN2Pipeline:
             if progress is not None:
                 progress(i + 1, len(timesteps))
         return latents[0].float().cpu()
+
+    def sampling_plan(self, *, steps: int | None, guidance: float, sampler: str | None = None,
+                      timesteps: Sequence[int] | None = None, conditioned: bool = False,
+                      **lanes: Any) -> SamplingPlan:
+        """What `sample` runs for a job with these arguments (``lanes``: the fast-lane keywords):
+        per step, which guidance branch computes, reuses its cached residual or does not run.
+        Deterministic: the same on every rank and every call. ``conditioned``: a first frame given."""
+        sampler = self.default_sampler if sampler is None else sampler
+        if sampler == DMD:
+            timesteps = self.default_timesteps if timesteps is None else timesteps
+            steps = len(timesteps) if timesteps is not None else steps
+        if not is_int(steps):
+            raise ValueError(f"steps={steps!r}: expected an integer >= 1")
+        return self._plan(FastLanes.of(lanes), steps=steps, guided=guidance > 1.0, conditioned=conditioned)
+
+    def _plan(self, lanes: FastLanes, *, steps: int, guided: bool, conditioned: bool) -> SamplingPlan:
+        calibration = None
+        if lanes.cache != CACHE_NONE:
+            calibration = calibration_for(self.model_id, self.dit.config, conditioned=conditioned)
+        return plan_sampling(lanes, steps=steps, guided=guided, calibration=calibration)
 
     @property
     def default_sampler(self) -> str:
