@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pan2render.sampling import is_int
+from pan2render.sampling import DMD, is_int
 
 CACHE_NONE = "none"
 MAGCACHE = "magcache"
@@ -130,6 +130,14 @@ class FastLanes:
 def _number_in(value: object, lo: float, hi: float) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             and lo <= value <= hi)
+
+
+def lane_problems(*, sampler: str, cache: str) -> list[tuple[str, str]]:
+    """(field, message) for every rule a fast lane breaks with the rest of the job."""
+    if cache != CACHE_NONE and sampler == DMD:
+        return [("cache", f"got {cache} with sampler dmd; allowed: none (a step-distilled checkpoint's few "
+                          "steps each move far: MagCache's ratios are calibrated on many-step samplers)")]
+    return []
 
 
 def guided_steps(steps: int, guidance_until: float) -> int:

@@ -33,7 +33,7 @@ from .dit_ops import ROUTED_OPS, TORCH_OPS
 from ..sampling import DMD, SAMPLERS, WAN22, Geometry, combination_problems, is_int, timesteps_problem
 from ..vae_plan import SHAPE_COVERING_LATENT_FRAMES
 from ..lanes import (BF16, CACHE_NONE, DEFAULT_CACHE_MAX_SKIPS, DEFAULT_CACHE_RETENTION, DEFAULT_CACHE_THRESHOLD,
-                     DEFAULT_GUIDANCE_UNTIL, Branch, FastLanes, SamplingPlan, plan_sampling)
+                     DEFAULT_GUIDANCE_UNTIL, Branch, FastLanes, SamplingPlan, lane_problems, plan_sampling)
 from .calibration import calibration_for
 from .precision import DiTPrecision
 from .scheduler import FlowDMDScheduler, SchedulerConfig, make_scheduler
@@ -374,6 +374,9 @@ class PAN2Pipeline:
         lanes = FastLanes(cache=cache, cache_threshold=cache_threshold, cache_max_skips=cache_max_skips,
                           cache_retention=cache_retention, guidance_until=guidance_until, precision=precision)
         self.precision.check(lanes.precision)  # before any work: never a silent bf16 render
+        for fld, message in lane_problems(sampler=self.default_sampler if sampler is None else sampler,
+                                          cache=lanes.cache):
+            raise ValueError(f"invalid sampling request: {fld}: {message}")
         sampler = self.default_sampler if sampler is None else sampler
         if sampler == DMD:
             timesteps = self.default_timesteps if timesteps is None else tuple(timesteps)
