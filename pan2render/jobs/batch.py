@@ -62,6 +62,7 @@ from pan2render.jobs.spec import (
     SourceLocation,
 )
 from pan2render.jobs.weights import folder_fingerprint
+from pan2render.lanes import lane_problems
 from pan2render.lora_plan import LoraFileError, detect_layout, dit_linears, plan_lora, read_header
 from pan2render.sampling import DEFAULT_NUM_TRAIN_TIMESTEPS, DMD, combination_problems, is_int, timesteps_problem
 from pan2render.tiny_dit import TINY_DIT_CONFIG
@@ -1095,6 +1096,7 @@ def _check_sampling(merged: dict[str, Any], raw: _RawJob, explicit: dict[str, An
     their number (an explicit, different ``steps`` is a problem). False if the job is invalid."""
     problems = combination_problems(sampler=merged["sampler"], timesteps=merged["timesteps"],
                                     guidance=merged["guidance"])
+    problems += lane_problems(sampler=merged["sampler"], cache=merged["cache"])
     if merged["sampler"] == DMD and merged["timesteps"] is not None:
         count = len(merged["timesteps"])
         if "steps" in explicit and explicit["steps"] != count:

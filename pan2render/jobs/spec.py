@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pan2render import lanes
 from pan2render.jobs.inputs import LIMITS
 from pan2render.media.x264 import DEFAULT_X264_PRESET, DEFAULT_X264_TUNE, X264_PRESETS, X264_TUNES
 from pan2render.sampling import DEFAULT_NUM_TRAIN_TIMESTEPS, DMD, SAMPLERS, WAN22
@@ -103,6 +104,10 @@ class Rule:
     # differs from the default once the default changes: jobs left at the new default then render
     # another bitstream than before, so they get new ids, and jobs set to the old value keep theirs.
     before_field: Any = FIELD_DEFAULT
+    # (field, value): while that other field has that value this one changes nothing (a cache's
+    # threshold without a cache), so it is left out of the job id: jobs differing only in it are
+    # one render.
+    inert_when: tuple[str, Any] | None = None
 
     def allowed_text(self) -> str:
         return self.allowed.format(min=self.min, max=self.max, step=self.step,
@@ -239,6 +244,31 @@ class JobSpec:
         kind=Kind.TIMESTEPS, to_sampler=True,
         allowed=f"a non-empty list of integers in 1..{DEFAULT_NUM_TRAIN_TIMESTEPS}, strictly decreasing, "
                 "e.g. [1000, 757, 522]"), None)
+    # Fast lanes (pan2render.lanes; README "Fast lanes"): each trades a little quality for time,
+    # and `pan2-render compare` measures how much against the same job without it.
+    cache: str = _rule(Rule(
+        "step cache: magcache reuses the DiT's block residual on steps its calibration says change little",
+        pixels=True, scope=Scope.PRESET, kind=Kind.CHOICE, choices=lanes.CACHES, to_sampler=True), lanes.CACHE_NONE)
+    cache_threshold: float = _rule(Rule(
+        "magcache: accumulated magnitude error allowed before a step computes again (0 never reuses)",
+        pixels=True, scope=Scope.PRESET, kind=Kind.FLOAT, min=0, to_sampler=True, inert_when=("cache", lanes.CACHE_NONE),
+        allowed="a number >= {min:g} (MagCache's Wan2.2-TI2V-5B setting: 0.06)"), lanes.DEFAULT_CACHE_THRESHOLD)
+    cache_max_skips: int = _rule(Rule(
+        "magcache: consecutive steps that may reuse the residual (MagCache's K)", pixels=True, scope=Scope.PRESET,
+        kind=Kind.INT, min=0, max=LIMITS.steps, to_sampler=True, inert_when=("cache", lanes.CACHE_NONE),
+        allowed="an integer from {min:g} to {max:g} (0 never reuses)"), lanes.DEFAULT_CACHE_MAX_SKIPS)
+    cache_retention: float = _rule(Rule(
+        "magcache: first fraction of the model calls always computed", pixels=True, scope=Scope.PRESET,
+        kind=Kind.FLOAT, min=0, max=1, to_sampler=True, inert_when=("cache", lanes.CACHE_NONE),
+        allowed="a number from {min:g} to {max:g}"), lanes.DEFAULT_CACHE_RETENTION)
+    guidance_until: float = _rule(Rule(
+        "fraction of the steps run with both guidance branches; later steps reuse the last difference",
+        pixels=True, scope=Scope.PRESET, kind=Kind.FLOAT, min=0, min_open=True, max=1, to_sampler=True,
+        inert_when=("guidance", 1.0), allowed="a number > {min:g} and <= {max:g} (1: every step guided)"),
+        lanes.DEFAULT_GUIDANCE_UNTIL)
+    precision: str = _rule(Rule(
+        "the DiT's per-token linears: bf16, or fp8 e4m3 with per-row scales (CUDA compute capability 8.9+)",
+        pixels=True, scope=Scope.PRESET, kind=Kind.CHOICE, choices=lanes.PRECISIONS, to_sampler=True), lanes.BF16)
     encode_preset: str = _rule(Rule(
         "libx264 speed/size trade-off (not the job preset): slower gives a smaller file at a given crf",
         pixels=True, scope=Scope.PRESET, kind=Kind.CHOICE, choices=X264_PRESETS, to_encoder="preset",
@@ -273,9 +303,13 @@ class JobSpec:
     def spec_hash(self) -> str:
         """sha256 over the render-affecting fields, as canonical JSON."""
         payload = {f.name: getattr(self, f.name) for f in PIXEL_FIELDS
-                   if _rule_of(f).in_first_ids or getattr(self, f.name) != _before_field(f)}
+                   if (_rule_of(f).in_first_ids or getattr(self, f.name) != _before_field(f)) and not self._inert(f)}
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
+
+    def _inert(self, f: dataclasses.Field[Any]) -> bool:
+        when = _rule_of(f).inert_when
+        return when is not None and getattr(self, when[0]) == when[1]
 
     @property
     def job_id(self) -> str:
@@ -346,8 +380,15 @@ def _check_schema() -> None:
                             "(it counts in the hash only when set away from it, so old ids stay)")
         if (rule.scope is Scope.NOWHERE) != (rule.kind is None):
             raise TypeError(f"JobSpec.{f.name}: a field a batch may set needs a kind, and only such a field")
+        if rule.inert_when is not None and rule.inert_when[0] not in {g.name for g in FIELDS}:
+            raise TypeError(f"JobSpec.{f.name}: inert_when names {rule.inert_when[0]!r}, which is not a field")
         if (rule.to_sampler or rule.to_encoder) and not rule.pixels:
             raise TypeError(f"JobSpec.{f.name}: what the sampler or the encoder reads changes the video: pixels=True")
+
+    declared = {f.name: f.default for f in SAMPLER_FIELDS}
+    for name in lanes.FAST_LANE_FIELDS:
+        if declared.get(name, dataclasses.MISSING) != getattr(lanes.FastLanes(), name):
+            raise TypeError(f"JobSpec.{name}: a fast-lane field handed to the sampler, with FastLanes' default")
 
 
 _check_schema()

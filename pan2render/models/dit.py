@@ -26,6 +26,10 @@ What differs otherwise is the structure around the math, for the follow-up work:
   ``dit_ops.attention``) taking ``[B, heads, L, head_dim]``.
 - Guidance: the cross-attention K/V depend only on the text; ``prepare_context`` computes them
   once per job into a ``ContextCache`` that ``forward`` accepts in place of the context.
+- Fast lanes plug in through two declared seams, never by patching: ``forward(..., blocks=)``
+  hands the block stack of one forward to a `BlockStack` (a step cache runs it and keeps the
+  residual, or stands in for it with a kept one), and each per-token linear (`TokenLinear`) takes
+  a `LinearOp` in place of its own matmul while one is set (FP8, ``pan2render.models.precision``).
 
 Read bottom-up: config, RoPE, leaf modules, block, model.
 """
@@ -37,7 +41,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -48,13 +52,17 @@ from pan2render.sampling import is_int
 
 __all__ = [
     "AttentionOp",
+    "BlockStack",
     "ContextCache",
+    "LinearOp",
     "LocalAttention",
     "PAN2DiT",
     "PAN2DiTBlock",
     "PAN2DiTConfig",
     "RotaryPosEmbed",
     "TimestepConditioning",
+    "TokenLinear",
+    "TokenWindow",
 ]
 
 # diffusers' class name, written into config.json so diffusers can load what we save.
@@ -282,6 +290,58 @@ class ContextCache:
         return self.keys_values[0][0].shape[0]
 
 
+@dataclass(frozen=True)
+class TokenWindow:
+    """Which rows of the whole token sequence one forward's tokens hold: all of them, or a
+    sequence-parallel shard (``start``, ``length`` real rows, padded to ``rows``), with the
+    collective that assembles the whole sequence from every rank's shard. What a `BlockStack`
+    needs to keep a block residual any layout of the same sequence can use."""
+
+    num_tokens: int  # L, the whole sequence
+    start: int = 0
+    length: int | None = None  # real rows here (None: all L)
+    rows: int | None = None  # rows of the tensor, padding included (None: ``length``)
+    # Every rank's shard rows [B, rows, d] -> the whole [B, L, d] (collective); None: nothing to gather.
+    gather: Callable[[Tensor], Tensor] | None = None
+
+    def whole(self, part: Tensor) -> Tensor:
+        """This forward's rows ``[B, rows, d]`` -> the whole sequence ``[B, L, d]``."""
+        return part if self.gather is None else self.gather(part)
+
+    def part(self, whole: Tensor) -> Tensor:
+        """The whole sequence ``[B, L, d]`` -> this forward's rows ``[B, rows, d]`` (padding: zeros)."""
+        length = self.num_tokens - self.start if self.length is None else self.length
+        rows = length if self.rows is None else self.rows
+        mine = whole[:, self.start : self.start + length]
+        return mine if rows == length else F.pad(mine, (0, 0, 0, rows - length))
+
+
+class BlockStack(Protocol):
+    """Runs the DiT's blocks for one forward, or stands in for them (a step cache):
+    ``tokens`` ``[B, rows, dim]`` (residual dtype) -> ``[B, rows, dim]``; ``run(tokens)`` runs every
+    block; ``window`` says which rows of the whole sequence these are."""
+
+    def __call__(self, tokens: Tensor, run: Callable[[Tensor], Tensor], window: TokenWindow) -> Tensor: ...
+
+
+class LinearOp(Protocol):
+    """What a `TokenLinear` computes with while one is set (``pan2render.kernels.fp8.Fp8Linear``)."""
+
+    def __call__(self, x: Tensor, *, features: slice | None = None, gelu_input: bool = False) -> Tensor:
+        """``x`` ``[..., in]`` -> ``[..., out]`` in x's dtype; ``features``: those output features only;
+        ``gelu_input``: of tanh-GELU(x) (the feed-forward's activation, fused into the op's input)."""
+
+
+class TokenLinear(nn.Linear):
+    """An ``nn.Linear`` (same parameters and keys) that runs once per token per step: the ones a
+    precision switch replaces. While ``op`` is set it computes instead of the bf16 weight."""
+
+    op: LinearOp | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x) if self.op is None else self.op(x)
+
+
 # ---------------------------------------------------------------------------------------------
 # Leaf modules (submodule names are diffusers' so the state-dict keys match)
 # ---------------------------------------------------------------------------------------------
@@ -374,13 +434,16 @@ class _AttentionParams(nn.Module):
     """Parameters of one Wan attention layer: to_q/to_k/to_v/to_out.0 and the across-heads
     RMSNorms norm_q/norm_k (to_out.1 is diffusers' no-op Dropout; kept so indices match)."""
 
+    # to_k / to_v: per token in self-attention; over the text, once per job, in cross-attention.
+    kv_linear: ClassVar[type[nn.Linear]] = TokenLinear
+
     def __init__(self, *, dim: int, num_heads: int, eps: float) -> None:
         super().__init__()
         self.num_heads = num_heads
-        self.to_q = nn.Linear(dim, dim)
-        self.to_k = nn.Linear(dim, dim)
-        self.to_v = nn.Linear(dim, dim)
-        self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Identity()])
+        self.to_q = TokenLinear(dim, dim)
+        self.to_k = self.kv_linear(dim, dim)
+        self.to_v = self.kv_linear(dim, dim)
+        self.to_out = nn.ModuleList([TokenLinear(dim, dim), nn.Identity()])
         self.norm_q = nn.RMSNorm(dim, eps=eps)
         self.norm_k = nn.RMSNorm(dim, eps=eps)
         # The one attention call site; sequence parallelism wraps it (self-attention only).
@@ -441,7 +504,11 @@ class SelfAttention(_AttentionParams):
         part = linear.out_features // groups
         out = h.new_empty(groups, batch * seq, part)
         rows = h.reshape(batch * seq, dim)
+        op = linear.op if isinstance(linear, TokenLinear) else None
         for g in range(groups):
+            if op is not None:
+                out[g].copy_(op(rows, features=slice(g * part, (g + 1) * part)))
+                continue
             weight = linear.weight[g * part : (g + 1) * part]
             if linear.bias is None:
                 torch.mm(rows, weight.t(), out=out[g])
@@ -451,6 +518,8 @@ class SelfAttention(_AttentionParams):
 
 
 class CrossAttention(_AttentionParams):
+    kv_linear: ClassVar[type[nn.Linear]] = nn.Linear
+
     def project_context(self, context: Tensor) -> tuple[Tensor, Tensor]:
         """Embedded text ``[B, S, dim]`` -> (k, v) ``[B, heads, S, head_dim]`` (cacheable)."""
         k = rms_norm_heads(self.to_k(context), weight=self.norm_k.weight, num_heads=self.num_heads, eps=self.norm_k.eps)
@@ -468,7 +537,7 @@ class _GELUProj(nn.Module):
 
     def __init__(self, dim: int, inner_dim: int) -> None:
         super().__init__()
-        self.proj = nn.Linear(dim, inner_dim)
+        self.proj = TokenLinear(dim, inner_dim)
 
     def forward(self, x: Tensor) -> Tensor:
         # (cuBLASLt's GELU epilogue, through torch's private _addmm_activation, measured -10 ms per
@@ -482,10 +551,15 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, inner_dim: int) -> None:
         super().__init__()
-        self.net = nn.ModuleList([_GELUProj(dim, inner_dim), nn.Identity(), nn.Linear(inner_dim, dim)])
+        self.net = nn.ModuleList([_GELUProj(dim, inner_dim), nn.Identity(), TokenLinear(inner_dim, dim)])
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.net[2](self.net[0](x))
+        up, down = self.net[0].proj, self.net[2]
+        if up.op is not None and down.op is not None:
+            # The GELU runs inside the down projection's input quantisation (FP8): one pass less
+            # over the [B, L, ffn_dim] activations, the bf16 path's fused epilogue lost.
+            return down.op(up.op(x), gelu_input=True)
+        return down(self.net[0](x))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -676,17 +750,31 @@ class PAN2DiT(nn.Module):
         time: TimestepConditioning,
         context: ContextCache,
         rope: tuple[Tensor, Tensor],
+        blocks: BlockStack | None = None,
+        window: TokenWindow | None = None,
     ) -> Tensor:
-        """All transformer blocks on tokens ``[B, L, dim]`` (L: the whole sequence or a shard).
+        """All transformer blocks on tokens ``[B, L, dim]`` (L: the whole sequence or a shard), or
+        what ``blocks`` makes of them (``window``: which rows these are; default all of them).
 
         Returns the residual stream in ``residual_dtype`` (the tokens' dtype when None).
         """
         if self.residual_dtype is not None:
             tokens = tokens.to(self.residual_dtype)  # once; the blocks keep it
-        pending = None  # each block's last residual add is done by the next block's first norm
-        for block, kv in zip(self.blocks, context.keys_values, strict=True):
-            tokens, pending = block.run(tokens, time=time, kv=kv, rope=rope, ops=self.ops, pending=pending)
-        return tokens if pending is None else pending.apply(tokens, index=time.index, ops=self.ops)
+
+        def run(stream: Tensor) -> Tensor:
+            pending = None  # each block's last residual add is done by the next block's first norm
+            for block, kv in zip(self.blocks, context.keys_values, strict=True):
+                stream, pending = block.run(stream, time=time, kv=kv, rope=rope, ops=self.ops, pending=pending)
+            return stream if pending is None else pending.apply(stream, index=time.index, ops=self.ops)
+
+        if blocks is None:
+            return run(tokens)
+        return blocks(tokens, run, window or TokenWindow(num_tokens=tokens.shape[1]))
+
+    def token_linears(self) -> list[tuple[str, TokenLinear]]:
+        """The linears that run once per token per step, with their state-dict names (what a
+        precision switch replaces; the text's cross-attention K/V and the embedders are not)."""
+        return [(name, m) for name, m in self.named_modules() if isinstance(m, TokenLinear)]
 
     def head(self, tokens: Tensor, *, time: TimestepConditioning) -> Tensor:
         """Final AdaLN + proj_out: ``[B, L, dim]`` (any residual dtype) -> ``[B, L, C * pt * ph * pw]``
@@ -698,11 +786,13 @@ class PAN2DiT(nn.Module):
 
     # -- forward --------------------------------------------------------------------------------
 
-    def forward(self, x: Tensor, timestep: Tensor, context: Tensor | ContextCache) -> Tensor:
+    def forward(self, x: Tensor, timestep: Tensor, context: Tensor | ContextCache, *,
+                blocks: BlockStack | None = None) -> Tensor:
         """Predict the flow velocity.
 
         x ``[B, in_channels, T, h, w]`` latents; timestep ``[B]`` or ``[B, L]`` with
-        L = (T/pt)(h/ph)(w/pw) tokens; context ``[B, S, text_dim]`` or its `ContextCache`.
+        L = (T/pt)(h/ph)(w/pw) tokens; context ``[B, S, text_dim]`` or its `ContextCache`;
+        ``blocks``: what runs the block stack this once (a step cache; default the blocks).
         Returns ``[B, out_channels, T, h, w]``.
         """
         grid = self.token_grid(x.shape)
@@ -715,5 +805,5 @@ class PAN2DiT(nn.Module):
             )
         time = self.embed_timesteps(timestep, batch_size=batch, num_tokens=num_tokens, dtype=cache.dtype)
         rope = self.rope(grid, device=x.device)
-        tokens = self.run_blocks(self.patchify(x), time=time, context=cache, rope=rope)
+        tokens = self.run_blocks(self.patchify(x), time=time, context=cache, rope=rope, blocks=blocks)
         return self.unpatchify(self.head(tokens, time=time), grid)

@@ -33,8 +33,14 @@ from .dit_ops import ROUTED_OPS, TORCH_OPS
 from .lora import LoraWeights, MergedLoras, linear_shapes, read_lora
 from ..sampling import DMD, SAMPLERS, WAN22, Geometry, combination_problems, is_int, timesteps_problem
 from ..vae_plan import SHAPE_COVERING_LATENT_FRAMES
+from ..lanes import (BF16, CACHE_NONE, DEFAULT_CACHE_MAX_SKIPS, DEFAULT_CACHE_RETENTION, DEFAULT_CACHE_THRESHOLD,
+                     DEFAULT_GUIDANCE_UNTIL, Branch, FastLanes, SamplingPlan, lane_problems, plan_sampling)
+from .calibration import calibration_for
+from .precision import DiTPrecision
+from ..step_checkpoint import StepCheckpointError
 from .sampler_state import CheckpointKey, SamplerState, StepHooks, capture_state, resume_state
 from .scheduler import FlowDMDScheduler, SchedulerConfig, make_scheduler
+from .step_cache import RatioRecorder, fast_lane_velocity
 from .strategies import (Denoiser, FastDecoder, FrameDecoder, ReferenceDecoder, SeparateGuidance,
                          apply_guidance, make_denoiser)
 from .text import TextEncoder
@@ -193,6 +199,7 @@ class PAN2Pipeline:
         # The adapters merged into the DiT's weights. One object, shared by the twins
         # `with_strategies` makes (a group's parallel pipeline), as they share the DiT.
         self.loras = MergedLoras(dit) if dit is not None else None
+        self.precision = DiTPrecision(dit, torch.device(config.device)) if dit is not None else None
         if dit is not None:
             # The fused-kernel switch, per pipeline (there is no process-wide one): this DiT's op
             # table is the fused-where-possible one or the plain-torch one.
@@ -364,17 +371,27 @@ class PAN2Pipeline:
         flow_shift: float | None = None,
         sampler: str | None = None,
         timesteps: Sequence[int] | None = None,
+        cache: str = CACHE_NONE,
+        cache_threshold: float = DEFAULT_CACHE_THRESHOLD,
+        cache_max_skips: int = DEFAULT_CACHE_MAX_SKIPS,
+        cache_retention: float = DEFAULT_CACHE_RETENTION,
+        guidance_until: float = DEFAULT_GUIDANCE_UNTIL,
+        precision: str = BF16,
         progress: ProgressFn | None = None,
         resume_from: SamplerState | None = None,
         checkpoint_every_s: float = 0.0,
         on_checkpoint: Callable[[SamplerState], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        record: RatioRecorder | None = None,
     ) -> torch.Tensor:
         """Sample latents: float32 CPU ``[48, T, h, w]`` in the normalised latent space.
 
         ``sampler`` None: the checkpoint's default (dmd when it lists DMD timesteps, else what
         its scheduler class stands for). ``timesteps`` (dmd only) default to the checkpoint's;
-        with dmd, ``steps`` may be left out (it is the number of timesteps).
+        with dmd, ``steps`` may be left out (it is the number of timesteps). ``cache`` ..
+        ``precision``: the fast lanes (`pan2render.lanes.FastLanes`; the defaults are the exact
+        path); `sampling_plan` says what they run. ``record``: an exact run whose block residuals
+        it measures (`pan2render.models.calibration.calibrate`).
 
         Step checkpoints (`pan2render.models.sampler_state`), all off by default and free when off:
         ``on_checkpoint(state)`` is called between two steps once ``checkpoint_every_s`` seconds
@@ -385,8 +402,16 @@ class PAN2Pipeline:
         none (agreeing is collective); every rank holds the same state, so ``on_checkpoint`` is
         needed on one only. ``resume_from``: a state of this same request (checked: model,
         sampler, steps, shape, seed, guidance, schedule; `StepCheckpointError` otherwise); the
-        sampling continues after its step and returns what the uninterrupted one would have.
+        sampling continues after its step and returns what the uninterrupted one would have. A
+        step cache keeps block residuals the state does not hold: with ``cache`` set, resuming is
+        refused (the caller samples from the start).
         """
+        lanes = FastLanes(cache=cache, cache_threshold=cache_threshold, cache_max_skips=cache_max_skips,
+                          cache_retention=cache_retention, guidance_until=guidance_until, precision=precision)
+        self.precision.check(lanes.precision)  # before any work: never a silent bf16 render
+        for fld, message in lane_problems(sampler=self.default_sampler if sampler is None else sampler,
+                                          cache=lanes.cache):
+            raise ValueError(f"invalid sampling request: {fld}: {message}")
         sampler = self.default_sampler if sampler is None else sampler
         if sampler == DMD:
             timesteps = self.default_timesteps if timesteps is None else tuple(timesteps)
@@ -431,9 +456,35 @@ class PAN2Pipeline:
                 latents[:, :, :1] = first_frame
             start = 0
         else:
+            if not lanes.steps_exact:
+                raise StepCheckpointError("a step cache's kept residuals are not in a step checkpoint: "
+                                          "a cached sampling starts from its first step")
             latents = resume_state(resume_from, key=key, scheduler=scheduler, generator=gen, device=self.device)
             start = resume_from.step
-        velocity = self.denoiser.prepare(cond, uncond, req.guidance)
+        with self.precision.applied(lanes.precision):
+            velocity = self._velocity(req, lanes, cond, uncond, conditioned=first_frame is not None, record=record)
+            return self._run_steps(scheduler, velocity, latents, first_frame, shape, progress, start=start,
+                                   hooks=hooks, capture=lambda lat: capture_state(key, lat, scheduler, gen))
+
+    def _velocity(self, req: SampleRequest, lanes: FastLanes, cond: torch.Tensor, uncond: torch.Tensor | None, *,
+                  conditioned: bool, record: RatioRecorder | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The exact path's velocity (today's denoiser) unless a fast lane changes which forwards run."""
+        if record is not None:
+            plan = plan_sampling(FastLanes(precision=lanes.precision), steps=req.steps, guided=uncond is not None)
+            return fast_lane_velocity(self.denoiser.branch_forwards(cond, uncond), plan, req.guidance,
+                                      compute={b: record.stack(b) for b in Branch})
+        if lanes.steps_exact:
+            return self.denoiser.prepare(cond, uncond, req.guidance)
+        plan = self._plan(lanes, steps=req.steps, guided=uncond is not None, conditioned=conditioned)
+        return fast_lane_velocity(self.denoiser.branch_forwards(cond, uncond), plan, req.guidance)
+
+    def _run_steps(self, scheduler: Any, velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   latents: torch.Tensor, first_frame: torch.Tensor | None, shape: tuple[int, ...],
+                   progress: ProgressFn | None, *, start: int, hooks: StepHooks,
+                   capture: Callable[[torch.Tensor], SamplerState]) -> torch.Tensor:
+        """The sampling loop from step ``start``: one velocity per timestep, the sampler's step, the
+        first frame kept, the step-checkpoint hooks between two steps."""
+        timesteps = scheduler.timesteps
         hooks.start()
         for i in range(start, len(timesteps)):
             t = timesteps[i]
@@ -450,8 +501,28 @@ class PAN2Pipeline:
             if progress is not None:
                 progress(i + 1, len(timesteps))
             if hooks.active and i + 1 < len(timesteps):
-                hooks.at_boundary(lambda: capture_state(key, latents, scheduler, gen), self.denoiser.any_rank)
+                hooks.at_boundary(lambda: capture(latents), self.denoiser.any_rank)
         return latents[0].float().cpu()
+
+    def sampling_plan(self, *, steps: int | None, guidance: float, sampler: str | None = None,
+                      timesteps: Sequence[int] | None = None, conditioned: bool = False,
+                      **lanes: Any) -> SamplingPlan:
+        """What `sample` runs for a job with these arguments (``lanes``: the fast-lane keywords):
+        per step, which guidance branch computes, reuses its cached residual or does not run.
+        Deterministic: the same on every rank and every call. ``conditioned``: a first frame given."""
+        sampler = self.default_sampler if sampler is None else sampler
+        if sampler == DMD:
+            timesteps = self.default_timesteps if timesteps is None else timesteps
+            steps = len(timesteps) if timesteps is not None else steps
+        if not is_int(steps):
+            raise ValueError(f"steps={steps!r}: expected an integer >= 1")
+        return self._plan(FastLanes.of(lanes), steps=steps, guided=guidance > 1.0, conditioned=conditioned)
+
+    def _plan(self, lanes: FastLanes, *, steps: int, guided: bool, conditioned: bool) -> SamplingPlan:
+        calibration = None
+        if lanes.cache != CACHE_NONE:
+            calibration = calibration_for(self.model_id, self.dit.config, conditioned=conditioned)
+        return plan_sampling(lanes, steps=steps, guided=guided, calibration=calibration)
 
     @property
     def default_sampler(self) -> str:

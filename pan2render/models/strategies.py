@@ -11,6 +11,9 @@ about process groups.
   classifier-free guidance applied, called once per sampling step. Implementation here:
   `SeparateGuidance` (each guidance branch its own batch-1 forward; one batch-2 forward measured
   equal within noise on an H200 at twice the activation peak: docs/performance.md, DiT).
+  ``branch_forwards(cond, uncond)`` exposes the same forwards one guidance branch at a time
+  (`BranchForwards`), each with the `BlockStack` a fast lane gives it: what
+  `pan2render.models.step_cache.fast_lane_velocity` runs a job's `SamplingPlan` over.
 - `FrameDecoder`: raw latents -> uint8 frames ``[F, H, W, 3]`` on the pipeline's device, or None on a
   process that does not hold the frames (ranks other than 0 of a group). Implementations here:
   `ReferenceDecoder` (`WanVAE.decode`) and `FastDecoder` (the fast decoder, with the reference as its
@@ -20,17 +23,21 @@ about process groups.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
 
 from ..kernels.vae_decode import fast_decode, fast_decode_available, to_uint8_frames
+from ..lanes import Branch
+from .dit import BlockStack
 from .vae import WanVAE
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "BranchForwards",
     "DiTModule",
     "Denoiser",
     "FastDecoder",
@@ -57,8 +64,18 @@ class DiTModule(Protocol):
     def prepare_context(self, context: Tensor) -> object:
         """Text embeddings ``[B, S, text_dim]`` -> what ``__call__`` accepts as its context."""
 
-    def __call__(self, x: Tensor, timestep: Tensor, context: object) -> Tensor:
-        """Latents ``[B, C, T, h, w]``, timesteps ``[B]`` or ``[B, L]`` -> velocity, same shape as x."""
+    def __call__(self, x: Tensor, timestep: Tensor, context: object, *, blocks: BlockStack | None = None) -> Tensor:
+        """Latents ``[B, C, T, h, w]``, timesteps ``[B]`` or ``[B, L]`` -> velocity, same shape as x;
+        ``blocks``: what runs the block stack this once (`PAN2DiT.forward`)."""
+
+
+class BranchForwards(Protocol):
+    """One job's forwards, one guidance branch at a time (a `Denoiser`'s ``branch_forwards``)."""
+
+    def __call__(self, x: Tensor, t: Tensor, *, needs: Mapping[Branch, BlockStack | None]) -> dict[Branch, Tensor]:
+        """The velocity of each branch in ``needs`` (its forward run with that block stack; None:
+        the plain blocks), the same on every rank. Collective in a group: every rank calls it with
+        the same branches."""
 
 
 class Denoiser(Protocol):
@@ -71,6 +88,9 @@ class Denoiser(Protocol):
     def prepare(self, cond: Tensor, uncond: Tensor | None, guidance: float) -> VelocityFn:
         """One job's velocity function. ``cond`` / ``uncond``: text embeddings ``[1, S, text_dim]``
         on the device; ``uncond`` None for an unguided job (``guidance`` is then unused)."""
+
+    def branch_forwards(self, cond: Tensor, uncond: Tensor | None) -> BranchForwards:
+        """One job's forwards branch by branch, for a fast lane's plan (``uncond`` None: unguided)."""
 
     def describe(self) -> dict[str, object]:
         """How steps use the ranks, as plain JSON values: ``ranks``, ``guided_steps``, ``unguided_steps``."""
@@ -115,6 +135,17 @@ class SeparateGuidance:
             return apply_guidance(dit(x, t, cond_ctx), dit(x, t, uncond_ctx), guidance)
 
         return guided
+
+    def branch_forwards(self, cond: Tensor, uncond: Tensor | None) -> BranchForwards:
+        dit = self.dit
+        contexts = {Branch.COND: dit.prepare_context(cond)}
+        if uncond is not None:
+            contexts[Branch.UNCOND] = dit.prepare_context(uncond)
+
+        def forwards(x: Tensor, t: Tensor, *, needs: Mapping[Branch, BlockStack | None]) -> dict[Branch, Tensor]:
+            return {b: dit(x, t, contexts[b], blocks=stack) for b, stack in needs.items()}
+
+        return forwards
 
     def describe(self) -> dict[str, object]:
         return {"ranks": 1, "guided_steps": "one rank", "unguided_steps": "one rank"}

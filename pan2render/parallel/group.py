@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["SequenceGroup", "all_gather_seq", "all_reduce_and", "all_to_all_dim0", "any_rank", "comm_device"]
+__all__ = ["SequenceGroup", "all_gather_seq", "all_reduce_and", "all_to_all_dim0", "any_rank", "broadcast_from_first",
+           "comm_device"]
 
 
 @dataclass(frozen=True)
@@ -93,3 +94,27 @@ def any_rank(flag: bool, group: SequenceGroup, *, device: torch.device) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.group)
     return bool(t.item())
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what broadcast_from_first moves
+_HEADER = 8  # int64 slots: [dtype index, ndim, *shape]
+
+
+def broadcast_from_first(x: Tensor | None, group: SequenceGroup, *, device: torch.device) -> Tensor:
+    """Rank 0's ``x`` on every rank (the others pass None: its dtype and shape travel first, in a
+    small header). Collective: every rank of the group calls it. ``device``: where the received
+    tensor lives (NCCL needs CUDA)."""
+    if group.rank == 0:
+        if x is None or x.dtype not in _DTYPES or x.dim() > _HEADER - 2:
+            raise ValueError(f"broadcast_from_first: rank 0 must give a tensor of <= {_HEADER - 2} dims "
+                             f"in one of {_DTYPES}")
+        values = [_DTYPES.index(x.dtype), x.dim(), *x.shape]
+        head = torch.tensor(values + [0] * (_HEADER - len(values)), dtype=torch.int64, device=device)
+    else:
+        head = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    src = group.global_rank(0)
+    dist.broadcast(head, src, group=group.group)
+    dtype_index, ndim, *rest = head.tolist()
+    out = x.contiguous() if group.rank == 0 else torch.empty(rest[:ndim], dtype=_DTYPES[dtype_index], device=device)
+    dist.broadcast(out, src, group=group.group)
+    return out

@@ -19,18 +19,29 @@ much as one GPU running that branch alone when M = 1 (11.37 GiB per rank there, 
 included, vs 10.81 with Ulysses and 11.54 on one GPU).
 
 Unguided steps (guidance 1) have one pass and keep Ulysses over the whole group.
+
+Fast lanes (`GuidanceSplitDenoiser.branch_forwards`): a step with both branches runs split as
+above, a gated step (the conditional branch alone) Ulysses over the whole group. A step cache keeps
+each branch's block residual for the whole sequence (`pan2render.models.step_cache`), so the
+whole group can reuse what half 0 computed; the ranks of half 1, which never ran the conditional
+branch, receive its residual from rank 0 the first time a gated step reuses it (one broadcast per
+job at most). Every rank follows the same plan, so every rank takes part in the same collectives.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pan2render.models.dit import PAN2DiT
-from pan2render.models.strategies import Denoiser, VelocityFn, apply_guidance
+from pan2render.lanes import Branch
+from pan2render.models.dit import BlockStack, PAN2DiT
+from pan2render.models.step_cache import KeepResidual, ResidualSlot, ReuseResidual
+from pan2render.models.strategies import BranchForwards, Denoiser, VelocityFn, apply_guidance
 
-from .group import SequenceGroup
+from .group import SequenceGroup, broadcast_from_first
 from .ulysses import parallelize_dit
 
 __all__ = ["GuidanceSplit", "GuidanceSplitDenoiser", "guidance_split_for"]
@@ -71,6 +82,38 @@ class GuidanceSplit:
             return apply_guidance(pred, pred_uncond, guidance)
 
         return guided
+
+    def branch_forwards(self, cond: Tensor, uncond: Tensor, *, whole: BranchForwards) -> BranchForwards:
+        """Both branches split over the halves; the conditional branch alone through ``whole``
+        (Ulysses over the group). See the module doc for the residual handed to half 1."""
+        context = self.dit.prepare_context(cond if self.branch == 0 else uncond)
+        mine = Branch(self.branch)
+        held_by_half: set[int] = set()  # ids of the slots whose residual only half 0 holds
+
+        def forwards(x: Tensor, t: Tensor, *, needs: Mapping[Branch, BlockStack | None]) -> dict[Branch, Tensor]:
+            if set(needs) == {Branch.COND, Branch.UNCOND}:
+                pred, pred_uncond = self._exchange(self.dit(x, t, context, blocks=needs[mine]))
+                kept = needs[Branch.COND]
+                if isinstance(kept, KeepResidual):
+                    held_by_half.add(id(kept.slot))
+                return {Branch.COND: pred, Branch.UNCOND: pred_uncond}
+            if set(needs) != {Branch.COND}:
+                raise ValueError(f"a step runs the conditional branch, alone or with the other; got {set(needs)}")
+            stack = needs[Branch.COND]
+            slot = stack.slot if isinstance(stack, (KeepResidual, ReuseResidual)) else None
+            if isinstance(stack, ReuseResidual) and id(stack.slot) in held_by_half:
+                self._share(stack.slot, device=x.device)
+            if slot is not None:
+                held_by_half.discard(id(slot))
+            return whole(x, t, needs=needs)
+
+        return forwards
+
+    def _share(self, slot: ResidualSlot, *, device: torch.device) -> None:
+        """Rank 0's kept residual on every rank of the group (half 1 never computed it)."""
+        comm = device if self.group.backend == "nccl" else torch.device("cpu")
+        shared = broadcast_from_first(slot.residual if self.group.rank == 0 else None, self.group, device=comm)
+        slot.residual = shared.to(device)
 
     def _exchange(self, mine: Tensor) -> tuple[Tensor, Tensor]:
         """(conditional, unconditional) velocities from this rank's: one all-gather over the group,
@@ -125,6 +168,12 @@ class GuidanceSplitDenoiser:
         if uncond is None:
             return self.unguided.prepare(cond, None, guidance)
         return self.split.denoiser(cond, uncond, guidance)
+
+    def branch_forwards(self, cond: Tensor, uncond: Tensor | None) -> BranchForwards:
+        whole = self.unguided.branch_forwards(cond, None)
+        if uncond is None:
+            return whole
+        return self.split.branch_forwards(cond, uncond, whole=whole)
 
     def warm_up_guidance(self, guidance: float) -> float:
         return guidance  # guided and unguided steps run different paths

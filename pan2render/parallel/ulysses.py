@@ -45,8 +45,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pan2render.models.dit import AttentionOp, ContextCache, PAN2DiT, TimestepConditioning
-from pan2render.models.strategies import SeparateGuidance, VelocityFn
+from pan2render.models.dit import AttentionOp, BlockStack, ContextCache, PAN2DiT, TimestepConditioning, TokenWindow
+from pan2render.models.strategies import BranchForwards, SeparateGuidance, VelocityFn
 
 from .group import SequenceGroup, all_gather_seq, any_rank, comm_device
 
@@ -206,8 +206,10 @@ class SequenceParallelDiT(nn.Module):
         """The text K/V of every block; the same on every rank (cross-attention stays local)."""
         return self.model.prepare_context(context)
 
-    def forward(self, x: Tensor, timestep: Tensor, context: Tensor | ContextCache) -> Tensor:
-        """Same contract as `PAN2DiT.forward`; the full ``[B, C, T, h, w]`` result on every rank."""
+    def forward(self, x: Tensor, timestep: Tensor, context: Tensor | ContextCache, *,
+                blocks: BlockStack | None = None) -> Tensor:
+        """Same contract as `PAN2DiT.forward`; the full ``[B, C, T, h, w]`` result on every rank.
+        ``blocks`` sees this rank's shard, with the window that assembles the whole sequence."""
         m = self.model
         grid = m.token_grid(x.shape)
         batch, num_tokens = x.shape[0], math.prod(grid)
@@ -220,8 +222,10 @@ class SequenceParallelDiT(nn.Module):
         rope = _shard_rope(m.rope(grid, start=layout.start, length=layout.length, device=x.device), layout)
         tokens = m.patchify(x)[:, layout.start : layout.start + layout.length]  # [B, <=s, dim]
         tokens = _pad_rows(tokens, layout.shard, dim=1)  # [B, s, dim]
+        window = TokenWindow(num_tokens=num_tokens, start=layout.start, length=layout.length, rows=layout.shard,
+                             gather=lambda part: all_gather_seq(part, self.group, dim=1)[:, :num_tokens])
         with self._sharded_attention(layout):
-            tokens = m.run_blocks(tokens, time=local_time, context=cache, rope=rope)
+            tokens = m.run_blocks(tokens, time=local_time, context=cache, rope=rope, blocks=blocks, window=window)
         out = m.head(tokens, time=local_time)  # [B, s, C * pt * ph * pw]
         full = all_gather_seq(out, self.group, dim=1)[:, :num_tokens]  # [B, L, C * pt * ph * pw]
         return m.unpatchify(full, grid)
@@ -297,6 +301,9 @@ class UlyssesDenoiser:
 
     def prepare(self, cond: Tensor, uncond: Tensor | None, guidance: float) -> VelocityFn:
         return self.local.prepare(cond, uncond, guidance)
+
+    def branch_forwards(self, cond: Tensor, uncond: Tensor | None) -> BranchForwards:
+        return self.local.branch_forwards(cond, uncond)
 
     def warm_up_guidance(self, guidance: float) -> float:
         return self.local.warm_up_guidance(guidance)

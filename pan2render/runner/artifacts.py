@@ -90,9 +90,10 @@ def unpack_embedding(data: bytes) -> torch.Tensor:
 
 
 def pack_latents(lat: torch.Tensor, *, spec_hash: str, seed: int, steps: int, model_id: str,
-                 spec: dict[str, Any] | None = None) -> bytes:
+                 spec: dict[str, Any] | None = None, fast_lanes: dict[str, Any] | None = None) -> bytes:
     """lat: float32 [48, T, h, w]. Raises NonFiniteError before anything is written. ``spec`` (the
-    job's resolved spec) travels in the metadata so ``repair`` can rebuild the job from the file."""
+    job's resolved spec) travels in the metadata so ``repair`` can rebuild the job from the file;
+    ``fast_lanes`` (the sampling plan's record: which steps computed) so params.json can show it."""
     import torch  # noqa: PLC0415 - see above
     from safetensors.torch import save  # noqa: PLC0415
 
@@ -106,7 +107,22 @@ def pack_latents(lat: torch.Tensor, *, spec_hash: str, seed: int, steps: int, mo
     meta = {"spec_hash": spec_hash, "seed": str(seed), "steps": str(steps), "model_id": model_id}
     if spec is not None:
         meta["spec"] = json.dumps(spec, sort_keys=True)
+    if fast_lanes is not None:
+        meta[FAST_LANES_KEY] = json.dumps(fast_lanes, sort_keys=True)
     return save({"latents": lat}, metadata=meta)
+
+
+FAST_LANES_KEY = "fast_lanes"
+
+
+def latents_fast_lanes(out_dir: Path, relpath: str) -> dict[str, Any] | None:
+    """The sampling plan a latents file records (`pack_latents`), None when it records none."""
+    try:
+        with safe_open(str(out_dir / relpath), framework="numpy") as f:
+            text = (f.metadata() or {}).get(FAST_LANES_KEY)
+    except (SafetensorError, OSError, ValueError, RuntimeError):
+        return None
+    return None if text is None else json.loads(text)
 
 
 def unpack_latents(data: bytes) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""``pan2-render``: run / resume / status / show / validate / report / repair / presets.
+"""``pan2-render``: run / resume / status / show / validate / report / compare / calibrate / repair / presets.
 
 Exit codes: 0 every job done, 1 some job failed, 2 invalid input or usage (nothing written),
 3 the environment failed (disk full, permission, damaged ledger, lost cluster: one paragraph on the
@@ -145,6 +145,22 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("dir", type=Path)
     rep.add_argument("--open", action="store_true", help="open it in the default web browser")
     rep.set_defaults(func=cmd_report)
+
+    cmp_ = sub.add_parser("compare", help="each fast-lane video's PSNR and SSIM against the exact video of the "
+                                          "same job, and both sampling times")
+    cmp_.add_argument("dir", type=Path)
+    cmp_.add_argument("--json", action="store_true")
+    cmp_.set_defaults(func=cmd_compare)
+
+    cal = sub.add_parser("calibrate", help="measure MagCache's magnitude ratios on MODEL with one exact job and "
+                                           "keep them beside its model id (cache magcache then uses them)")
+    cal.add_argument("model", help='"tiny" or a checkpoint folder')
+    cal.add_argument("--preset", default="pan2-720p", help="the job's size, steps, guidance (default pan2-720p)")
+    cal.add_argument("--prompt", default="A red fox trots through fresh snow at dawn, cinematic, detailed.")
+    cal.add_argument("--image", type=Path, help="calibrate image-conditioned jobs (a first frame) instead")
+    cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--device", default="auto")
+    cal.set_defaults(func=cmd_calibrate)
 
     fix = sub.add_parser("repair", help="rebuild a missing or damaged ledger from its backup and the artifacts")
     fix.add_argument("dir", type=Path)
@@ -521,6 +537,44 @@ def cmd_report(args: argparse.Namespace) -> int:
     print(path)
     if args.open and not open_in_browser(path):
         _err(f"no web browser found; open {path.resolve().as_uri()}")
+    return EXIT_OK
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from pan2render.runner.compare import comparisons, format_comparisons  # noqa: PLC0415
+
+    if not (args.dir / LEDGER_NAME).is_file():
+        _err(f"error: {args.dir} has no {LEDGER_NAME}; nothing to compare")
+        return EXIT_USAGE
+    ledger = Ledger.open_readonly(args.dir)
+    try:
+        rows = comparisons(args.dir, ledger, say=None if args.json else lambda line: _err(line))
+    finally:
+        ledger.close()
+    print(json.dumps([r.to_json() for r in rows], indent=2) if args.json else format_comparisons(rows))
+    return EXIT_OK
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import numpy as np  # noqa: PLC0415
+    from PIL import Image  # noqa: PLC0415
+
+    from pan2render.models.calibration import calibrate, store_calibration  # noqa: PLC0415
+    from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig  # noqa: PLC0415
+
+    try:
+        preset = list_presets()[args.preset]
+    except KeyError:
+        _err(f"pan2-render calibrate: no preset {args.preset!r}; `pan2-render presets` lists them")
+        return EXIT_USAGE
+    pipe = PAN2Pipeline.from_pretrained(args.model, PAN2PipelineConfig(device=args.device))
+    image = None if args.image is None else np.asarray(Image.open(args.image).convert("RGB"))
+    job = {k: preset[k] for k in ("height", "width", "frames", "steps", "guidance", "flow_shift", "sampler")}
+    cal = calibrate(pipe, prompt=args.prompt, negative_prompt=preset.get("negative_prompt", ""), image=image,
+                    seed=args.seed, **job)
+    path = store_calibration(pipe.model_id, cal, conditioned=image is not None)
+    print(f"{pipe.model_id}: {cal.steps} steps, cond ratios {min(cal.cond[1:]):.4f}..{max(cal.cond[1:]):.4f}"
+          + (f", uncond {min(cal.uncond[1:]):.4f}..{max(cal.uncond[1:]):.4f}" if cal.uncond else "") + f" -> {path}")
     return EXIT_OK
 
 

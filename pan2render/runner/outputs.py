@@ -67,10 +67,11 @@ def _schedule(spec: JobSpec, scheduler: dict[str, Any] | None) -> list[float] | 
 
 
 def params_document(*, job: JobRecord, seconds: dict[str, float | None], load: dict[str, Any] | None,
-                    created_at: float) -> dict[str, Any]:
+                    created_at: float, fast_lanes: dict[str, Any] | None = None) -> dict[str, Any]:
     """params.json for a finished job. ``load``: what the group's worker replied to ``load``
     (model ids, device, backend, the pipeline's ``describe()``, versions); None when unknown (a
-    folder rendered before params.json existed, whose params are rebuilt from the ledger alone)."""
+    folder rendered before params.json existed, whose params are rebuilt from the ledger alone).
+    ``fast_lanes``: what the latents record of the job's fast lanes (which steps computed, reused)."""
     spec = job.spec
     load = load or {}
     setup = load.get("describe") or {}
@@ -86,6 +87,7 @@ def params_document(*, job: JobRecord, seconds: dict[str, float | None], load: d
         "sampler": {"name": spec.sampler, "steps": spec.steps, "flow_shift": spec.flow_shift,
                     "guidance": spec.guidance, "sigmas": _schedule(spec, setup.get("scheduler")),
                     "timesteps": None if spec.timesteps is None else list(spec.timesteps)},
+        "fast_lanes": fast_lanes,
         "seed": spec.seed,
         "attempts": job.attempts,
         "seconds": {s.value: (None if seconds.get(s.value) is None else round(float(seconds[s.value]), 3))
@@ -106,7 +108,9 @@ def write_params(out_dir: Path, *, job: JobRecord, seconds: dict[str, float | No
                  load: dict[str, Any] | None) -> str:
     """Write ``DIR/<job>/params.json`` atomically; returns its text for the ledger to record in the
     same transaction as the video it describes."""
-    text = params_text(params_document(job=job, seconds=seconds, load=load, created_at=time.time()))
+    lanes = artifacts.latents_fast_lanes(out_dir, artifacts.latents_relpath(job.id))
+    text = params_text(params_document(job=job, seconds=seconds, load=load, created_at=time.time(),
+                                       fast_lanes=lanes))
     artifacts.write_artifact(out_dir, params_relpath(job.id), text.encode())
     return text
 

@@ -10,6 +10,7 @@ links to the job folders, so the folder can be copied and opened anywhere withou
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -24,6 +25,7 @@ from typing import Any
 from pan2render.jobs.ledger import Event, JobRecord, JobState, Ledger, Stage, StageRecord, StageState, stage_name
 from pan2render.runner import outputs
 from pan2render.runner import artifacts as st
+from pan2render.runner.compare import comparisons
 
 REPORT_NAME = "index.html"
 POSTER_DIR = "_report"
@@ -151,6 +153,8 @@ class Tile:
     error: str | None
     traceback: str | None
     superseded_by: str | None
+    lane: str | None = None  # a fast-lane job: its quality and speed against the exact job's
+
 
 
 @dataclass
@@ -333,6 +337,12 @@ def report_context(out_dir: Path, *, say: Callable[[str], None] = print) -> dict
             label = ", ".join(f"{k} {_compared(job)[k]}" for k in shown)
             tiles[job.id] = _tile(out_dir, job, stages[job.id], label=label, newer=newer.get(job.id), say=say)
 
+    ledger = Ledger.open_readonly(out_dir)
+    try:  # a fast video's PSNR / SSIM against the exact one (kept in its folder once measured)
+        for row in comparisons(out_dir, ledger):
+            tiles[row.job_id] = dataclasses.replace(tiles[row.job_id], lane=row.summary())
+    finally:
+        ledger.close()
     grids = [_grid(name, group, tiles, varying, newer) for name, group in by_name.items()] if swept else []
     gallery = [] if swept else [tiles[j.id] for j in sorted(jobs, key=lambda j: (j.id in newer, j.position))]
     counts = {s.value: sum(j.state is s for j in current) for s in JobState}

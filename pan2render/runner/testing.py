@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pan2render.lanes import CACHE_NONE, FastLanes, SamplingPlan, plan_sampling, published_calibration
 from pan2render.parallel import parallelize_pipeline
 from pan2render.phases import phase
 from pan2render.vae_plan import SHAPE_COVERING_LATENT_FRAMES
@@ -76,9 +77,19 @@ class FakePipeline:
             lat = lat * (1.0 - 0.5 / steps)
             if progress is not None:
                 progress(step, steps)
+        if not FastLanes.of(_).exact:  # a fast lane: a little off the exact latents, deterministically
+            lat = lat + 0.05 * torch.randn(lat.shape, generator=torch.Generator().manual_seed(seed + 1))
         if self.nan:
             lat[0, 0, 0, 0] = float("nan")
         return lat  # float32 [48, T, h, w]
+
+    def sampling_plan(self, *, steps: int | None, guidance: float, conditioned: bool = False,
+                      timesteps: tuple[int, ...] | None = None, **lanes: Any) -> SamplingPlan:
+        steps = len(timesteps) if steps is None and timesteps is not None else steps
+        assert steps is not None
+        fast = FastLanes.of(lanes)
+        calibration = None if fast.cache == CACHE_NONE else published_calibration(conditioned=conditioned)
+        return plan_sampling(fast, steps=steps, guided=guidance > 1.0, calibration=calibration)
 
     def decode(self, latents: torch.Tensor, *, on_device: bool = False) -> torch.Tensor:
         c, t, h, w = latents.shape

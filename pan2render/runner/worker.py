@@ -42,6 +42,8 @@ import torch
 
 from pan2render.jobs.ledger import Stage
 from pan2render.jobs.spec import JobSpec
+from pan2render.models.calibration import CalibrationMissing
+from pan2render.models.precision import PrecisionUnavailable
 from pan2render.models.tiny import cache_root
 from pan2render.phases import phase, recording
 from pan2render.runner import outputs, artifacts, timeline
@@ -319,13 +321,18 @@ class RenderWorker:
                 self._progress.report(job_id, done, total)
             self._maybe_crash(js, done)
 
-        lat = pipe.sample(
-            prompt_embeds=artifacts.unpack_embedding(call.prompt_embeds),
-            negative_prompt_embeds=artifacts.unpack_embedding(call.negative_embeds),
-            image=first_frame, progress=progress, **js.sample_args(),
-        )  # float32 [48, T, h, w]
+        try:
+            plan = pipe.sampling_plan(conditioned=first_frame is not None, **js.sample_args())
+            lat = pipe.sample(
+                prompt_embeds=artifacts.unpack_embedding(call.prompt_embeds),
+                negative_prompt_embeds=artifacts.unpack_embedding(call.negative_embeds),
+                image=first_frame, progress=progress, **js.sample_args(),
+            )  # float32 [48, T, h, w]
+        except (PrecisionUnavailable, CalibrationMissing) as e:  # the same on any worker of this kind
+            raise JobInputError(str(e)) from e
         return SampleReply(latents=artifacts.pack_latents(lat, spec_hash=js.spec_hash, seed=js.seed, steps=js.steps,
-                                                          model_id=pipe.model_id, spec=js.to_dict()),
+                                                          model_id=pipe.model_id, spec=js.to_dict(),
+                                                          fast_lanes=None if plan.lanes.exact else plan.describe()),
                            adapters_held=tuple(self._adapters))
 
     def _set_adapters(self, pipe: Any, adapters: tuple[Adapter, ...]) -> None:

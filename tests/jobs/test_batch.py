@@ -300,7 +300,7 @@ def test_presets_have_the_documented_values() -> None:
     presets = list_presets()
     print({k: {f: v for f, v in p.items() if f != "negative_prompt"} for k, p in presets.items()})
     assert set(presets) == {"pan2-720p", "pan2-480p", "wan22-ti2v-720p", "tiny-preview", "fastwan-720p",
-                            "distill-lora-720p"}
+                            "distill-lora-720p", "pan2-720p-fast"}
     expect = {
         "pan2-720p": dict(height=704, width=1248, frames=121, fps=24.0, steps=50, guidance=2.5, flow_shift=5.0,
                           sampler="unipc"),
@@ -313,9 +313,49 @@ def test_presets_have_the_documented_values() -> None:
         "distill-lora-720p": dict(height=704, width=1248, frames=121, fps=24.0, steps=4, guidance=1.0,
                                   flow_shift=5.0, sampler="dmd", timesteps=(1000, 750, 500, 250)),
     }
+    # pan2-720p's job with MagCache's published Wan2.2-TI2V-5B setting, gating and FP8 on top.
+    expect["pan2-720p-fast"] = dict(expect["pan2-720p"], cache="magcache", cache_threshold=0.06, cache_max_skips=2,
+                                    cache_retention=0.2, guidance_until=0.5, precision="fp8")
     for name, values in expect.items():
         assert {k: presets[name][k] for k in values} == values, name
         assert presets[name]["description"]
+
+
+def test_fast_lane_fields_are_checked_with_their_line(tmp_path: Path) -> None:
+    path = _write(tmp_path, """
+        model: tiny
+        preset: tiny-preview
+        jobs:
+          - prompt: a fox
+            cache: magcahe
+            cache_threshold: -1
+            guidance_until: 0
+        """)
+    with pytest.raises(BatchValidationError) as e:
+        load_batch(path)
+    text = str(e.value)
+    assert ":5: jobs[0].cache: got 'magcahe' (did you mean 'magcache'?)" in text, text
+    assert ":6: jobs[0].cache_threshold: got -1.0; allowed: a number >= 0" in text, text
+    assert ":7: jobs[0].guidance_until: got 0.0; allowed: a number > 0 and <= 1" in text, text
+    dmd = _write(tmp_path, """
+        model: tiny
+        preset: fastwan-720p
+        jobs:
+          - prompt: a dmd fox
+            cache: magcache
+        """, "dmd.yaml")
+    with pytest.raises(BatchValidationError) as e:
+        load_batch(dmd)
+    assert ":5: jobs[0].cache: got magcache with sampler dmd; allowed: none" in str(e.value), str(e.value)
+
+
+def test_a_sweep_over_the_cache_keeps_the_exact_job_id(tmp_path: Path) -> None:
+    """The exact job of a cache sweep is the job a batch without the sweep renders: same id."""
+    plain = load_batch(_write(tmp_path, "model: tiny\npreset: tiny-preview\njobs:\n  - prompt: a fox\n", "a.yaml"))
+    swept = load_batch(_write(tmp_path, "model: tiny\npreset: tiny-preview\njobs:\n  - prompt: a fox\n"
+                                        "sweep:\n  cache: [none, magcache]\n", "b.yaml"))
+    assert [j.spec_hash for j in swept.jobs][0] == plain.jobs[0].spec_hash
+    assert swept.jobs[1].spec_hash != plain.jobs[0].spec_hash and swept.jobs[1].cache == "magcache"
 
 
 # --------------------------------------------------------------------------------------------------

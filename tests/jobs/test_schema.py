@@ -57,10 +57,27 @@ def _another(f: dataclasses.Field[Any], value: Any) -> Any:
 def test_each_pixel_field_changes_the_job_id() -> None:
     base = JobSpec(**BASE)
     assert PIXEL_FIELDS, "the schema marks no field as changing the video"
+    by_name = {f.name: f for f in FIELDS}
     for f in PIXEL_FIELDS:
-        changed = dataclasses.replace(base, **{f.name: _another(f, getattr(base, f.name))})
-        assert changed.spec_hash != base.spec_hash, f"changing {f.name} left the job id as it was"
-        assert changed.job_id != base.job_id, f.name
+        start = base
+        when = RULES[f.name].inert_when
+        if when is not None and getattr(base, when[0]) == when[1]:  # make the field count first
+            start = dataclasses.replace(base, **{when[0]: _another(by_name[when[0]], when[1])})
+        changed = dataclasses.replace(start, **{f.name: _another(f, getattr(start, f.name))})
+        assert changed.spec_hash != start.spec_hash, f"changing {f.name} left the job id as it was"
+        assert changed.job_id != start.job_id, f.name
+
+
+def test_a_setting_of_a_lane_that_is_off_keeps_the_job_id() -> None:
+    """cache_threshold without a cache, guidance_until without guidance: the same render, so the
+    same id; with the lane on, the setting counts (negative control)."""
+    base = JobSpec(**BASE)
+    assert dataclasses.replace(base, cache_threshold=0.2).spec_hash == base.spec_hash
+    unguided = dataclasses.replace(base, guidance=1.0)
+    assert dataclasses.replace(unguided, guidance_until=0.5).spec_hash == unguided.spec_hash
+    cached = dataclasses.replace(base, cache="magcache")
+    assert dataclasses.replace(cached, cache_threshold=0.2).spec_hash != cached.spec_hash
+    assert dataclasses.replace(base, guidance_until=0.5).spec_hash != base.spec_hash
 
 
 def test_fields_that_do_not_change_the_video_keep_the_job_id() -> None:
@@ -97,9 +114,12 @@ def test_job_ids_handed_out_before_the_schema_stay_the_same() -> None:
 def test_the_sampler_gets_exactly_the_fields_its_request_has() -> None:
     from pan2render.models.pipeline import PAN2Pipeline, SampleRequest
 
+    from pan2render.lanes import FastLanes
+
     names = {f.name for f in SAMPLER_FIELDS}
     request = {f.name for f in dataclasses.fields(SampleRequest)} - {"geometry"}
-    assert names == request, "JobSpec's sampler fields and SampleRequest's fields differ"
+    lanes = {f.name for f in dataclasses.fields(FastLanes)}
+    assert names == request | lanes, "JobSpec's sampler fields and SampleRequest's + FastLanes' fields differ"
     assert names <= set(inspect.signature(PAN2Pipeline.sample).parameters)
     job = JobSpec(**BASE)
     assert job.sample_args() == {k: getattr(job, k) for k in names}

@@ -131,7 +131,7 @@ def test_shape_mismatch_names_key_expected_found(tmp_path: Path, dit_state) -> N
     with pytest.raises(CheckpointError) as err:
         load_dit(tmp_path)
     want = list(dit_state["proj_out.bias"].shape)
-    assert f"shape mismatch for 'proj_out.bias'" in str(err.value)
+    assert "shape mismatch for 'proj_out.bias'" in str(err.value)
     assert f"expected {want}, found [7]" in str(err.value)
 
 

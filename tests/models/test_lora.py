@@ -20,7 +20,7 @@ from pan2render.models.scheduler import SchedulerConfig
 from pan2render.models.tiny import SCHEDULER_CONFIG, TINY_VAE_CONFIG
 from pan2render.models.vae import WanVAE, WanVAEConfig
 
-from lora_files import (Factors, block_modules, diffusers_dict, kohya_dict, random_factors, wan_dict,
+from lora_files import (block_modules, diffusers_dict, kohya_dict, random_factors, wan_dict,
                         write)
 
 pytest.importorskip("peft")  # diffusers' LoRA loading runs on PEFT

@@ -16,7 +16,7 @@ from pan2render.parallel import (GuidanceSplit, GuidanceSplitDenoiser, SequenceP
                                   parallelize_dit, parallelize_pipeline)
 from pan2render.parallel.ulysses import ShardLayout
 
-from dist_helpers import HEADS, max_rel, run_group, tiny_pipeline
+from dist_helpers import max_rel, run_group, tiny_pipeline
 
 # 96x160 px, 9 frames -> latent 3x6x10 -> token grid 3x3x5 = 45 tokens: 45 = 2*23 - 1 = 4*12 - 3,
 # so groups of 2 and 4 both pad their last shard (the padding must not change the result).
