@@ -19,6 +19,8 @@ Job lifecycle (an explicit state machine, :data:`JOB_TRANSITIONS`)::
        |------revive---- failed                    (resume / re-run: a fresh retry budget)
        '------invalidate- done                     (resume found its video corrupt or missing)
     pending --fail--> failed                       (can never run: needs more GPUs than a node has)
+    pending/running --cancel--> cancelled --revive--> pending   (a farm's client; a running job's
+                                                    sampling stops at a step boundary)
 
 Stage rows (one per job and :class:`Stage`) go pending -> running -> done | failed; a stage left
 running when its job leaves ``running`` any other way than ``finish`` is put back to pending.
@@ -75,11 +77,12 @@ class JobState(str, enum.Enum):
     RUNNING = "running"
     DONE = "done"
     FAILED = "failed"
+    CANCELLED = "cancelled"  # by a farm's client; resume and a farm's retry run it again
 
 
 # Terminal for a run: the driver never leaves them on its own. Only the checks at the start of a
-# run/resume do (revive a failed job, invalidate a done job whose video is corrupt).
-TERMINAL_JOB_STATES = frozenset({JobState.DONE, JobState.FAILED})
+# run/resume do (revive a failed or cancelled job, invalidate a done job whose video is corrupt).
+TERMINAL_JOB_STATES = frozenset({JobState.DONE, JobState.FAILED, JobState.CANCELLED})
 
 
 class StageState(str, enum.Enum):
@@ -135,6 +138,7 @@ class EventKind(str, enum.Enum):
     ENCODE = "encode"
     GROUP_DISCARDED = "group-discarded"
     GROUP_DIED = "group-died"
+    CHECKPOINT_DROPPED = "checkpoint-dropped"
     OTHER = "other"  # a kind this version does not know (a newer version wrote it)
 
 
@@ -182,6 +186,7 @@ class JobEvent(str, enum.Enum):
     INTERRUPT = "interrupt"
     REVIVE = "revive"
     INVALIDATE = "invalidate"
+    CANCEL = "cancel"
 
 
 # (from, event) -> to. Anything not listed is an illegal transition and raises.
@@ -194,6 +199,9 @@ JOB_TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = {
     (JobState.RUNNING, JobEvent.INTERRUPT): JobState.PENDING,
     (JobState.FAILED, JobEvent.REVIVE): JobState.PENDING,
     (JobState.DONE, JobEvent.INVALIDATE): JobState.PENDING,  # its video is gone or corrupt
+    (JobState.PENDING, JobEvent.CANCEL): JobState.CANCELLED,
+    (JobState.RUNNING, JobEvent.CANCEL): JobState.CANCELLED,  # its sampling stopped at a step boundary
+    (JobState.CANCELLED, JobEvent.REVIVE): JobState.PENDING,
 }
 
 
@@ -552,6 +560,10 @@ class Ledger:
     def set_document(self, job_id: str, name: str, body: str) -> None:
         with self._tx() as c:
             self._set_document(c, job_id, name, body)
+
+    def delete_document(self, job_id: str, name: str) -> None:
+        with self._tx() as c:
+            c.execute("DELETE FROM documents WHERE job_id = ? AND name = ?", (job_id, name))
 
     @staticmethod
     def _set_document(c: sqlite3.Connection, job_id: str, name: str, body: str) -> None:

@@ -32,6 +32,7 @@ from pan2render.runner.retry import JobInputError
 EMBED_CACHE = Path("_cache") / "embeddings"
 LATENTS_NAME = "latents.safetensors"
 VIDEO_NAME = "video.mp4"
+STEP_CHECKPOINT_NAME = "sampling.ckpt.safetensors"  # a sampling's newest step checkpoint, until it ends
 
 # Torch is imported where tensors are packed and unpacked, on the workers: the driver writes and
 # checks artifacts with numpy alone, so it never imports torch (seconds before a run can start).
@@ -63,6 +64,10 @@ def latents_relpath(job_id: str) -> str:
 
 def video_relpath(job_id: str) -> str:
     return f"{job_id}/{VIDEO_NAME}"
+
+
+def step_checkpoint_relpath(job_id: str) -> str:
+    return f"{job_id}/{STEP_CHECKPOINT_NAME}"
 
 
 # ------------------------------------------------------------------ (de)serialisation

@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import threading
 import time
@@ -32,13 +31,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pan2render
-from pan2render.jobs import disk
 from pan2render.jobs.batch import Overrides, list_presets, preset_text
-from pan2render.jobs.ledger import LEDGER_NAME, FolderLock, FolderLockedError, JobRecord, JobState, Ledger
-from pan2render.jobs.spec import Batch, BatchValidationError, JobSpec
+from pan2render.jobs.ledger import LEDGER_NAME, FolderLock, FolderLockedError, JobState, Ledger
+from pan2render.jobs.spec import Batch, BatchValidationError
 from pan2render.runner import errors
 from pan2render.runner.executor import LOCAL_ADDRESS
-from pan2render.runner.progress import RUN_LOG_NAME, RunLog, RunProgress
+from pan2render.runner.progress import RunLog, RunProgress
 
 # The driver, the groups and the workers import torch (seconds); commands that read a batch or a
 # ledger (--version, presets, validate, show) do without them, so they are imported on use.
@@ -78,14 +76,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"pan2-render {pan2render.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def override_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
-                        help="override for every job, after the batch's defaults and the jobs' own values: "
-                             "a job field (steps=4), model=tiny or model=PATH, preset=NAME (repeatable)")
-        sp.add_argument("--sweep", action="append", default=[], metavar="KEY=A,B,C", dest="sweeps",
-                        help="sweep a job field over these values, adding or replacing the batch's axis "
-                             "(repeatable; axes multiply)")
-
     def cluster_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--address", help="join this Ray cluster (auto, HOST:6379, or ray://HOST:10001 with "
                                           "the client extra); default: the node kept up on this machine "
@@ -110,7 +100,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--dry-run", action="store_true",
                    help="plan only: the jobs, and an estimate of GPU and wall time; needs no checkpoint, "
                         "writes nothing")
-    override_args(r)
+    r.add_argument("--no-farm", action="store_true",
+                   help="render in this process even where a farm runs (default: a running farm takes the batch, "
+                        "and this command follows it)")
+    add_override_args(r)
     cluster_args(r)
     r.set_defaults(func=cmd_run)
 
@@ -137,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--out", type=Path, metavar="DIR",
                    help="the output folder it would render into: its jobs already done are skipped, and its "
                         "and its neighbours' ledgers give the estimate")
-    override_args(v)
+    add_override_args(v)
     v.set_defaults(func=cmd_validate)
 
     rep = sub.add_parser("report", help="write DIR/index.html (every video inline, sweep grids, errors); "
@@ -180,7 +173,20 @@ def _parser() -> argparse.ArgumentParser:
                     help="declare N logical GPUs on a CPU-only machine (default: the CUDA GPUs found, else 1)")
     nd.add_argument("--port", type=int, default=NODE_PORT, help=f"the node's GCS port (default {NODE_PORT})")
     nd.set_defaults(func=cmd_node)
+    from pan2render.runner.farm.commands import add_commands  # noqa: PLC0415 - it imports this module
+
+    add_commands(sub)
     return p
+
+
+def add_override_args(sp: argparse.ArgumentParser) -> None:
+    """``--set`` and ``--sweep``, as every command that reads a batch takes them."""
+    sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
+                    help="override for every job, after the batch's defaults and the jobs' own values: "
+                         "a job field (steps=4), model=tiny or model=PATH, preset=NAME (repeatable)")
+    sp.add_argument("--sweep", action="append", default=[], metavar="KEY=A,B,C", dest="sweeps",
+                    help="sweep a job field over these values, adding or replacing the batch's axis "
+                         "(repeatable; axes multiply)")
 
 
 # ====================================================================== node
@@ -232,7 +238,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if (err := _check_cluster_args(args)) is not None:
         return err
     overrides = Overrides(sets=tuple(args.sets), sweeps=tuple(args.sweeps))
-    batch = _load(args.batch, overrides, check_model=not args.dry_run)
+    batch = load_batch_or_report(args.batch, overrides, check_model=not args.dry_run)
     if batch is None:
         return EXIT_USAGE  # nothing written: the out folder is created only after validation
     out: Path = args.out
@@ -243,33 +249,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         _print_plan(batch, out, args)
         print(f"dry run: nothing written to {out}")
         return EXIT_OK
-    out.mkdir(parents=True, exist_ok=True)
-    with FolderLock(out):
-        try:
-            ledger = Ledger.open(out)
-        except Exception as e:  # noqa: BLE001 - told apart by errors.explain
-            raise errors.NothingRecorded(e) from e
-        log = RunLog(out / RUN_LOG_NAME)
-        try:
-            previous = ledger.get_meta("batch") or {}
-            try:
-                added, present = ledger.record_batch(
-                    {"path": batch.path, "model": batch.model, "preset": batch.preset,
-                     "weights_files": batch.weights_files, "overrides": overrides.to_json()},
-                    batch.jobs, retries=args.retries)
-            except Exception as e:  # noqa: BLE001
-                raise errors.NothingRecorded(e) from e
-            log.line(f"run {args.batch} {' '.join(overrides.flags())}".rstrip())
-            _note_superseded(ledger, batch, set(added), previous.get("weights_files") or {}, log)
-            ids = [j.job_id for j in batch.jobs]
-            _warn_if_short_of_space(out, [j for j in ledger.jobs(added)], log)
-            n_done = sum(j.state is JobState.DONE for j in ledger.jobs(present))
-            log.line(f"{out}: {len(added)} new job(s), {len(present)} already in the ledger "
-                     f"({n_done} done, skipped unless their video is corrupt); log: {out / RUN_LOG_NAME}")
-            return _drive(args, out, ledger, ids, log, flags=overrides.flags())
-        finally:
-            log.close()
-            ledger.close()
+    from pan2render.runner.farm.commands import hand_to_farm  # noqa: PLC0415
+
+    if (code := hand_to_farm(args, batch, overrides)) is not None:
+        return code
+    from pan2render.runner.session import BatchRequest, BatchSession  # noqa: PLC0415
+
+    request = BatchRequest(out_dir=out, batch=batch, overrides=overrides, retries=args.retries)
+    with BatchSession.record(request, stream=sys.stderr,
+                             title=f"run {args.batch} {' '.join(overrides.flags())}".rstrip()) as session:
+        return _drive(args, session)
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -279,21 +268,13 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if not (out / LEDGER_NAME).is_file():
         _err(f"error: {out} has no {LEDGER_NAME}: nothing to resume (start with `{_me()} run BATCH --out {out}`)")
         return EXIT_USAGE
+    from pan2render.runner.session import BatchSession  # noqa: PLC0415
+
     with FolderLock(out):
         if not _holds_a_batch(out, "nothing was resumed"):  # checked read-only: an empty file stays so
             return EXIT_USAGE
-        ledger = Ledger.open(out)
-        log = RunLog(out / RUN_LOG_NAME)
-        try:
-            batch = ledger.get_meta("batch", {})
-            # The recorded specs are the batch as run, --set/--sweep applied: resume repeats them.
-            flags = Overrides.from_json(batch.get("overrides")).flags()
-            log.line(f"resume {out}: batch {batch.get('path', '?')} {' '.join(flags)}".rstrip())
-            _warn_if_short_of_space(out, [j for j in ledger.jobs() if j.state is not JobState.DONE], log)
-            return _drive(args, out, ledger, [j.id for j in ledger.jobs()], log, flags=flags)
-        finally:
-            log.close()
-            ledger.close()
+    with BatchSession.reopen(out, stream=sys.stderr, title=f"resume {out}: batch {{batch}}") as session:
+        return _drive(args, session)
 
 
 def _holds_a_batch(out: Path, consequence: str) -> bool:
@@ -319,7 +300,7 @@ def cmd_repair(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     batch = None
     if args.batch is not None:
-        batch = _load(args.batch, Overrides(), check_model=True)
+        batch = load_batch_or_report(args.batch, Overrides(), check_model=True)
         if batch is None:
             return EXIT_USAGE
     with FolderLock(out):
@@ -328,20 +309,21 @@ def cmd_repair(args: argparse.Namespace) -> int:
     return EXIT_OK if summary.jobs else EXIT_FAILED
 
 
-def _drive(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str], log: RunLog, *,
-           flags: list[str]) -> int:
-    from pan2render.runner.driver import Driver, DriverConfig, prepare_jobs  # noqa: PLC0415
+def _drive(args: argparse.Namespace, session: Any) -> int:
+    """Serve the session's batch in this process (the scheduler serving one batch): its jobs
+    prepared, Ray started or joined only when one of them needs rendering."""
     from pan2render.runner.cluster import ClusterConnectError  # noqa: PLC0415
+    from pan2render.runner.driver import Driver, DriverConfig  # noqa: PLC0415
     from pan2render.runner.executor import make_executor  # noqa: PLC0415
 
+    out, ledger, log, ids = session.out_dir, session.ledger, session.log, session.job_ids
     config = DriverConfig(retries=args.retries, progress=not args.no_progress,
                           group_start_timeout_s=args.group_start_timeout, cluster_wait_s=args.cluster_wait)
     if not ids:
         log.line(f"error: the ledger {ledger.path} holds no jobs; nothing was run")
         return EXIT_USAGE
     jobs = ledger.jobs(ids)
-    prepare_jobs(out_dir=out, ledger=ledger, job_ids=ids, retries=args.retries, say=log.line)
-    if all(j.state is JobState.DONE for j in ledger.jobs(ids)):
+    if session.prepare(retries=args.retries):
         # Every job done and its video intact: no workers needed, so Ray never starts.
         log.line(f"all {len(ids)} job(s) already done in {out}")
         return EXIT_OK
@@ -359,9 +341,7 @@ def _drive(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str], 
     try:
         if executor.worker_logs:
             log.line(f"Ray's worker logs: {executor.worker_logs}")
-        ledger.set_meta("runs", [*ledger.get_meta("runs", []), {
-            "command": args.command, "started": time.time(), "pid": os.getpid(), "host": socket.gethostname(),
-            "flags": flags, "gpus": executor.total_gpus()}])
+        session.note_run(command=args.command, gpus=executor.total_gpus())
         progress = RunProgress(log=log, live=config.progress and log.is_terminal)
         summary = _run_with_report(out, log, lambda on_job_end: Driver(
             out_dir=out, ledger=ledger, executor=executor, config=config, progress=progress,
@@ -391,38 +371,6 @@ def _address(args: argparse.Namespace) -> str | None:
     return args.address or os.environ.get("RAY_ADDRESS") or None
 
 
-def _note_superseded(ledger: Ledger, batch: Batch, added: set[str], old_files: dict[str, Any],
-                     log: RunLog) -> None:
-    """A new job that is an old one with other weights (same name, sweep values and model path):
-    the checkpoint was replaced in place. Say so, in the ledger and here, naming the files."""
-    def key(spec: JobSpec) -> str:
-        return json.dumps([spec.name, spec.sweep, spec.model], sort_keys=True, default=str)
-
-    old = {key(j.spec): j for j in ledger.jobs() if j.id not in added}
-    changed = sorted(r for r in set(old_files) | set(batch.weights_files)
-                     if old_files.get(r) != batch.weights_files.get(r))
-    files = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
-    for spec in batch.jobs:
-        prev = old.get(key(spec))
-        if spec.job_id in added and prev is not None and prev.spec.weights != spec.weights:
-            why = f"the weights in {spec.model} changed" + (f" ({files})" if files else "")
-            ledger.log(prev.id, "superseded", f"by {spec.job_id}: {why}")
-            log.line(f"{prev.id} is superseded by {spec.job_id}: {why}")
-
-
-def _warn_if_short_of_space(out: Path, jobs: list[JobRecord], log: RunLog) -> None:
-    """Before starting: warn (only) when the unfinished jobs' artifacts may not fit. An estimate:
-    each write is checked against its real size, and a full disk stops the batch cleanly."""
-    from pan2render.runner.artifacts import estimated_bytes  # noqa: PLC0415
-
-    need = sum(estimated_bytes(j.spec) for j in jobs)
-    free = disk.free_bytes(out)
-    if need + disk.HEADROOM_BYTES > free:
-        log.line(f"warning: {len(jobs)} job(s) need about {need / 2**30:.2f} GiB in {out} but only "
-                 f"{free / 2**30:.2f} GiB is free; the batch will stop when the disk fills (`resume` "
-                 f"continues once space is freed)")
-
-
 def _print_summary(out: Path, s: RunSummary, log: RunLog) -> None:
     log.line(f"{len(s.done)} done, {len(s.failed)} failed in {s.seconds:.1f} s "
              f"({s.groups_created} worker group(s) started); see `{_me()} status {out}`")
@@ -432,7 +380,7 @@ def _print_summary(out: Path, s: RunSummary, log: RunLog) -> None:
 
 # ====================================================================== validate / dry run
 def cmd_validate(args: argparse.Namespace) -> int:
-    batch = _load(args.batch, Overrides(sets=tuple(args.sets), sweeps=tuple(args.sweeps)), check_model=False)
+    batch = load_batch_or_report(args.batch, Overrides(sets=tuple(args.sets), sweeps=tuple(args.sweeps)), check_model=False)
     if batch is None:
         return EXIT_USAGE
     _print_plan(batch, args.out, args)
@@ -464,7 +412,8 @@ def _print_plan(batch: Batch, out: Path | None, args: argparse.Namespace) -> Non
     print(format_estimate(the_plan, gpus_note=note))
 
 
-def _load(batch_path: Path, overrides: Overrides, *, check_model: bool) -> Batch | None:
+def load_batch_or_report(batch_path: Path, overrides: Overrides, *, check_model: bool) -> Batch | None:
+    """The batch validated, or None with every problem printed (file:line, field, what is allowed)."""
     from pan2render.jobs.batch import load_batch  # noqa: PLC0415
 
     try:

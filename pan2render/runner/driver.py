@@ -36,16 +36,18 @@ class RunSummary:
 
 
 def prepare_jobs(*, out_dir: Path, ledger: Ledger, job_ids: list[str], retries: int,
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None], revive_cancelled: bool = True) -> None:
     """Bring the named jobs to a runnable state (idempotent; needs no workers): interrupted ones
-    back to pending, failed ones revived with a fresh retry budget, done ones whose video no longer
-    checks out (missing, size/sha256 mismatch, does not decode) invalidated back to decode."""
+    back to pending, failed ones (and cancelled ones, unless ``revive_cancelled`` is False: a
+    farm continuing its batches after a restart keeps a cancel) revived with a fresh retry budget,
+    done ones whose video no longer checks out (missing, size/sha256 mismatch, does not decode)
+    invalidated back to decode."""
     for job in ledger.jobs(job_ids):
         if job.state is JobState.RUNNING:
             ledger.transition(job.id, JobEvent.INTERRUPT, reason="the previous driver stopped while this job ran")
-        elif job.state is JobState.FAILED:
+        elif job.state is JobState.FAILED or (job.state is JobState.CANCELLED and revive_cancelled):
             ledger.transition(job.id, JobEvent.REVIVE, retries=retries,
-                              reason="resumed: a failed job gets a fresh retry budget")
+                              reason=f"resumed: a {job.state.value} job gets a fresh retry budget")
         elif job.state is JobState.DONE:
             rec = ledger.stages(job.id)[Stage.ENCODE]
             problem = artifacts.check_video(out_dir, artifacts.recorded(rec), frames=job.spec.frames,

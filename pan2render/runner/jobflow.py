@@ -20,6 +20,7 @@ job does next lives here. A new stage is a new :class:`Step` in a flow (docs/arc
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,9 +31,13 @@ from pan2render.jobs.spec import JobSpec
 from pan2render.phases import describe as describe_phases
 from pan2render.runner import artifacts
 from pan2render.runner.executor import Call, Group
-from pan2render.runner.messages import DecodeCall, LoadCall, LoadReply, Warmup, WorkerCall
+from pan2render.runner.messages import CheckpointReply, DecodeCall, LoadCall, LoadReply, Warmup, WorkerCall
 from pan2render.runner.retry import Action, ArtifactCheckError, Decision, Failure
 from pan2render.runner.timeline import stamp
+from pan2render.step_checkpoint import checkpoint_problem
+
+# The ledger document recording a job's newest step checkpoint (its file, digest, size, step).
+STEP_CHECKPOINT_DOC = "step-checkpoint"
 
 
 # ---------------------------------------------------------------------- one attempt of a job
@@ -43,9 +48,15 @@ class JobRun:
     job: JobRecord
     group: Group
     call: Call | None = None  # the call in flight
+    side: Call | None = None  # an I/O-lane call beside it: the sampling's step checkpoint fetch
     spec_sent: bool = False  # the group's workers hold this attempt's spec (sent with its first job call)
     encode_texts: list[str] = field(default_factory=list)  # texts of the encode_prompts in flight
     decode_s: float | None = None  # set when its decode returned: the encode runs in the background
+    checkpoint_step: int = 0  # the step of its newest step checkpoint recorded (0: none)
+    stopped_at: int | None = None  # its sampling stopped after this step (a cancel, a preemption)
+    stop_asked: bool = False  # a StopSamplingCall went out for this attempt
+    cancel: str | None = None  # why it is being cancelled (the client's request)
+    preempted: bool = False  # its sampling is being stopped for a higher-priority job
 
     @property
     def encoding(self) -> bool:
@@ -177,7 +188,10 @@ class BatchFlow:
     ``say``: a line for the run log."""
 
     def __init__(self, *, out_dir: Path, ledger: Ledger, flow: JobFlow, max_redos: int = 2,
-                 upcoming: Callable[[], Iterable[JobRecord]] = lambda: (), say: Callable[[str], None] = print):
+                 upcoming: Callable[[], Iterable[JobRecord]] = lambda: (), say: Callable[[str], None] = print,
+                 models_per_group: int | None = None):
+        """``models_per_group``: most models a group keeps loaded (a load for one more drops the
+        others first; the farm keeps one); None: no limit, every model a batch names stays."""
         if ledger.stage_names != flow.stages:
             raise ValueError(f"the ledger {ledger.path} records the stages {list(ledger.stage_names)}, the flow "
                              f"declares {list(flow.stages)}: a batch runs with the flow it was recorded with")
@@ -187,6 +201,7 @@ class BatchFlow:
         self.max_redos = max_redos
         self._upcoming = upcoming
         self.say = say
+        self.models_per_group = models_per_group
         self._encoders: dict[str, str] = {}  # model -> its text encoder id, from a group's load
         self._redos: dict[str, int] = {}  # job id -> artifacts redone after failing their check
 
@@ -198,8 +213,12 @@ class BatchFlow:
         if spec.model not in run.group.loads:
             # Warm-up (compiles, autotuning) at this job's size, once per group: load time, not
             # the first job's stage times.
-            return LoadCall(model=spec.model, warmup=Warmup(height=spec.height, width=spec.width,
-                                                            frames=spec.frames, guidance=spec.guidance))
+            held = list(run.group.loads)
+            limit = self.models_per_group
+            unload = tuple(held[:len(held) - limit + 1]) if limit is not None and len(held) >= limit else ()
+            return LoadCall(model=spec.model, unload=unload,
+                            warmup=Warmup(height=spec.height, width=spec.width, frames=spec.frames,
+                                          guidance=spec.guidance))
         self._encoders.setdefault(spec.model, run.group.loads[spec.model].text_encoder_id)
         steps, names = self.flow.steps, self.flow.stages
         start = 0
@@ -276,6 +295,51 @@ class BatchFlow:
     def text_encoder_id(self, model: str) -> str:
         return self._encoders[model]
 
+    # ------------------------------------------------------------------ step checkpoints
+    def step_checkpoint(self, run: JobRun) -> bytes | None:
+        """The job's recorded step checkpoint to continue its sampling from, if it still checks out
+        (its file as recorded, and for this job and model); one that does not is dropped, with why."""
+        doc = self.ledger.document(run.job.id, STEP_CHECKPOINT_DOC)
+        if doc is None:
+            return None
+        rec = json.loads(doc)
+        recorded = artifacts.Recorded(rec["artifact"], rec["sha256"], rec["size"])
+        problem = artifacts.check_recorded(self.out_dir, recorded)
+        data = None if problem else (self.out_dir / rec["artifact"]).read_bytes()
+        if data is not None:
+            model_id = run.group.loads[run.job.spec.model].model_id
+            problem = checkpoint_problem(data, spec_hash=run.job.spec.spec_hash, model_id=model_id)
+        if problem:
+            self.drop_step_checkpoint(run.job.id, f"its step checkpoint is refused ({problem}); sampling from step 0")
+            return None
+        run.checkpoint_step = int(rec["step"])
+        self.say(f"{run.job.name}: continuing its sampling from the step checkpoint at step {rec['step']}/{rec['total']}")
+        return data
+
+    def record_step_checkpoint(self, run: JobRun, reply: CheckpointReply) -> None:
+        if reply.step > run.checkpoint_step:
+            self.write_step_checkpoint(run, reply.data, step=reply.step)
+
+    def write_step_checkpoint(self, run: JobRun, data: bytes, *, step: int) -> None:
+        """``DIR/<job>/sampling.ckpt.safetensors`` written (temp name, rename), then recorded."""
+        rel = artifacts.step_checkpoint_relpath(run.job.id)
+        artifacts.write_artifact(self.out_dir, rel, data)
+        total = run.job.spec.steps
+        self.ledger.set_document(run.job.id, STEP_CHECKPOINT_DOC, json.dumps(
+            {"artifact": rel, "sha256": artifacts.sha256_bytes(data), "size": len(data), "step": step, "total": total}))
+        run.checkpoint_step = step
+
+    def drop_step_checkpoint(self, job_id: str, reason: str | None) -> None:
+        """Forget the job's step checkpoint (the record first, then the file): the sampling ended, or
+        the checkpoint was refused (``reason``, logged)."""
+        if self.ledger.document(job_id, STEP_CHECKPOINT_DOC) is None:
+            return
+        self.ledger.delete_document(job_id, STEP_CHECKPOINT_DOC)
+        (self.out_dir / artifacts.step_checkpoint_relpath(job_id)).unlink(missing_ok=True)
+        if reason:
+            self.ledger.log(job_id, EventKind.CHECKPOINT_DROPPED, reason)
+            self.say(f"{job_id}: {reason}")
+
     def upcoming(self) -> Iterable[JobRecord]:
         """The batch's pending jobs, in the order they will start."""
         return self._upcoming()
@@ -284,6 +348,10 @@ class BatchFlow:
         """A group loaded the job's model: the group holds it now, the ledger and the run log say how
         it went."""
         group, model = run.group, run.job.spec.model
+        for dropped in [m for m in group.loads if m != model and self.models_per_group is not None
+                        and len(group.loads) >= self.models_per_group]:
+            group.loads.pop(dropped)
+            group.adapters = frozenset()
         group.loads[model] = load
         self.ledger.log(run.job.id, EventKind.GROUP_LOAD,
                         f"group {group.id}: {model} ({load.model_id}) loaded on {load.world_size} rank(s), "

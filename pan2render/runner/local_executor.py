@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from concurrent import futures
 from typing import TYPE_CHECKING, Any
 
-from pan2render.runner.executor import Call, Group, GroupDied, next_group_number
+from pan2render.runner.executor import Call, Group, GroupDied, GroupStartError, next_group_number
 from pan2render.runner.messages import IO_CONCURRENCY, Lane, Reply, WorkerCall, WorkerConfig
 from pan2render.runner.progress import StepClock, StepReport
 from pan2render.runner.retry import FailureKind
@@ -33,6 +33,7 @@ class LocalExecutor:
         self._gpus = gpus
         self._config = config
         self._worker_class = worker_class
+        self._free = set(range(gpus))  # the GPU numbers no group holds (a fault hook names one)
         self._progress = StepClock()
         self._io = futures.ThreadPoolExecutor(max_workers=4 * IO_CONCURRENCY, thread_name_prefix="local-io")
         self.groups_created = 0
@@ -44,19 +45,40 @@ class LocalExecutor:
         return self._gpus
 
     def create_group(self, size: int, *, timeout_s: float) -> Group:
+        if len(self._free) < size:
+            raise GroupStartError(f"{size} GPU(s) asked of the in-process cluster, {len(self._free)} free")
+        gpus = sorted(self._free)[:size]
+        self._free -= set(gpus)
+        return self._group(f"local-{next_group_number()}", size, gpus)
+
+    def _group(self, gid: str, size: int, gpus: list[int]) -> Group:
         from pan2render.runner.worker import RenderWorker, SimulatedWorkerDeath  # noqa: PLC0415 - torch
 
         def die() -> None:
             raise SimulatedWorkerDeath()
 
         asked = time.time()
-        worker = (self._worker_class or RenderWorker)(rank=0, world_size=1, config=self._config, progress=self._progress, die=die)
+        worker = (self._worker_class or RenderWorker)(rank=0, world_size=1, config=self._config,
+                                                      progress=self._progress, die=die, gpu_ids=tuple(gpus))
         self.groups_created += 1
-        return Group(id=f"local-{next_group_number()}", size=size, handle={"worker": worker, "dead": False},
+        return Group(id=gid, size=size, handle={"worker": worker, "dead": False, "gpus": gpus},
                      asked_at=asked, placed_at=time.time())
 
     def destroy_group(self, group: Group) -> None:
         group.handle["dead"] = True
+        if not group.handle.get("gpus_freed"):  # (a worker that died is destroyed after)
+            group.handle["gpus_freed"] = True
+            self._free |= set(group.handle["gpus"])
+
+    def restart_group(self, group: Group, *, timeout_s: float) -> Group:
+        group.handle["dead"] = True
+        group.handle["gpus_freed"] = True  # they pass to the new workers
+        fresh = self._group(group.id, group.size, group.handle["gpus"])
+        fresh.faults = group.faults
+        return fresh
+
+    def hold_out(self, group: Group) -> None:
+        group.handle["dead"] = True  # its GPUs stay taken until the pool closes (destroy_group)
 
     def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
         seq = group.take_seq(message)

@@ -39,7 +39,9 @@ DEFAULT_PIPELINE_FACTORY = "pan2render.runner.worker:load_pan2_pipeline"
 # video's yuv420p planes in this worker's host memory until encoded (121 frames of 704x1248:
 # 160 MB), so a group whose encodes fall behind stops taking jobs instead of piling frames up.
 MAX_ENCODES_IN_FLIGHT = 2
-IO_CONCURRENCY = MAX_ENCODES_IN_FLIGHT  # collects that may wait at once on one actor
+# Calls that may wait at once on one actor's I/O lane: the collects, a step checkpoint's fetch and
+# a sampling's stop.
+IO_CONCURRENCY = MAX_ENCODES_IN_FLIGHT + 2
 # GPU-lane calls the driver may have issued to one group at once: the one running and the next
 # job's first call queued behind it. The actor's GPU lane gets this many threads, so the call whose
 # turn it is always has one while the other waits for its turn.
@@ -138,6 +140,7 @@ class LoadCall(WorkerCall):
     default_timeout_s: ClassVar[float] = 1800.0
     model: str
     warmup: Warmup | None = None
+    unload: tuple[str, ...] = ()  # models to drop first (a farm's group holds one model at a time)
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,7 @@ class SampleCall(WorkerCall):
     negative_embeds: bytes
     image: bytes | None = None  # the first-frame image file's bytes: workers need no shared disk
     adapters: tuple[Adapter, ...] = ()  # the job's LoRAs, in order (none: the DiT as loaded)
+    resume: bytes | None = None  # a step checkpoint of this job to continue from (step_checkpoint.py)
 
 
 @dataclass(frozen=True)
@@ -212,8 +216,52 @@ class Adapter:
 
 @dataclass(frozen=True)
 class SampleReply:
-    latents: bytes  # safetensors, with the spec in its metadata
+    latents: bytes | None  # safetensors, with the spec in its metadata; None: stopped (below)
     adapters_held: tuple[str, ...] = ()  # digests of the LoRAs the workers keep after this call
+    # A sampling stopped at a step boundary (StopSamplingCall): the step it stopped after and its
+    # step checkpoint, to continue from.
+    stopped_at: int | None = None
+    checkpoint: bytes | None = None
+    resume_refused: str | None = None  # why the call's step checkpoint was not used (it sampled from 0)
+
+
+@dataclass(frozen=True)
+class StopSamplingCall(WorkerCall):
+    """Stop the job's sampling at its next step boundary (a cancel, a preemption); rank 0 alone
+    is told, the ranks agree at the boundary. Its reply is None; the sampling's reply says where
+    it stopped."""
+
+    lane: ClassVar[Lane] = Lane.IO
+    stage: ClassVar[Stage | None] = Stage.SAMPLING
+    marks_stage: ClassVar[bool] = False
+    shown: ClassVar[str] = "sampling"
+    timeout_key: ClassVar[str] = "stop"
+    default_timeout_s: ClassVar[float] = 60.0
+    job_id: str
+
+
+@dataclass(frozen=True)
+class FetchCheckpointCall(WorkerCall):
+    """The job's newest step checkpoint after ``after_step`` (rank 0; waits up to ``wait_s`` for one
+    while the job samples). Its reply is a CheckpointReply, or None when the sampling ended or no
+    newer one came in time."""
+
+    lane: ClassVar[Lane] = Lane.IO
+    stage: ClassVar[Stage | None] = Stage.SAMPLING
+    marks_stage: ClassVar[bool] = False
+    shown: ClassVar[str] = "sampling"
+    timeout_key: ClassVar[str] = "fetch_checkpoint"
+    default_timeout_s: ClassVar[float] = 600.0
+    job_id: str
+    after_step: int
+    wait_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class CheckpointReply:
+    step: int
+    total_steps: int
+    data: bytes  # step-checkpoint bytes (step_checkpoint.py)
 
 
 @dataclass(frozen=True)
@@ -251,7 +299,8 @@ class CollectReply:
 
 
 # Every call the driver makes for a job (each with a deadline), in a job's order.
-JOB_CALLS: tuple[type[WorkerCall], ...] = (LoadCall, EncodePromptsCall, SampleCall, DecodeCall, CollectCall)
+JOB_CALLS: tuple[type[WorkerCall], ...] = (LoadCall, EncodePromptsCall, SampleCall, DecodeCall, CollectCall,
+                                           StopSamplingCall, FetchCheckpointCall)
 SETUP_CALLS: tuple[type[WorkerCall], ...] = (RendezvousCall, InitGroupCall)
 
 

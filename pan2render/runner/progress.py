@@ -68,13 +68,18 @@ class StepClock:
 
 
 # ---------------------------------------------------------------------------------------- log
+STDERR = object()  # RunLog's default stream: sys.stderr as it is when the log is opened
+
+
 class RunLog:
     """Lines for the person running the batch: written to ``stream`` and appended, timestamped, to
     ``path`` (``DIR/run.log``; None: no file). A stream that went away (the terminal of a dropped
     SSH session) is dropped quietly: the log file still gets every line."""
 
-    def __init__(self, path: Path | None, *, stream: TextIO | None = None):
-        self.stream: TextIO | None = stream if stream is not None else sys.stderr
+    def __init__(self, path: Path | None, *, stream: TextIO | None | object = STDERR):
+        """``stream``: a text stream, ``STDERR`` (the process's, as it is when the log is made) or
+        None (the file alone: a farm's batches)."""
+        self.stream: TextIO | None = sys.stderr if stream is STDERR else stream  # type: ignore[assignment]
         self._file = open(path, "a", encoding="utf-8") if path is not None else None  # noqa: SIM115
         self.path = path
 

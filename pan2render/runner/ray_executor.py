@@ -157,7 +157,6 @@ class RayExecutor:
             placement_group_table,
             remove_placement_group,
         )
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
 
         gid = f"g{next_group_number()}x{size}"
         asked = time.time()
@@ -174,28 +173,47 @@ class RayExecutor:
             ) from None
         # The nodes holding the group, to tell a lost node from a dead worker when a call fails.
         nodes = set(placement_group_table(pg).get("bundles_to_node_id", {}).values())
+        return self._start_workers(Group(id=gid, size=size, handle={"pg": pg, "nodes": nodes}, asked_at=asked),
+                                   timeout_s=timeout_s)
+
+    def _start_workers(self, group: Group, *, timeout_s: float) -> Group:
+        """One actor per bundle of the group's placement group, joined into a process group."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
+
         progress = _RayProgress(self._progress_actor)
-        actors = [
+        group.handle["actors"] = [
             self._actor_cls.options(
                 num_cpus=0, num_gpus=1, name=None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=rank),
-            ).remote(rank=rank, world_size=size, config=self._config, progress=progress)
-            for rank in range(size)
+                    placement_group=group.handle["pg"], placement_group_bundle_index=rank),
+            ).remote(rank=rank, world_size=group.size, config=self._config, progress=progress)
+            for rank in range(group.size)
         ]
-        group = Group(id=gid, size=size, handle={"pg": pg, "actors": actors, "nodes": nodes}, asked_at=asked)
         with self._lock:
-            self._groups[gid] = group
-        if size > 1:
+            self._groups[group.id] = group
+        if group.size > 1:
             try:
                 self._form_process_group(group, timeout_s=timeout_s)
             except Exception as e:
                 self.destroy_group(group)
-                raise GroupStartError(f"group {gid} of {size} could not form its process group: {e}") from e
+                raise GroupStartError(f"group {group.id} of {group.size} could not form its process group: "
+                                      f"{e}") from e
         # One GPU: the actor's process is still starting (its first call waits for it); several:
         # every process is up and joined.
         group.placed_at = time.time()
         return group
+
+    def restart_group(self, group: Group, *, timeout_s: float) -> Group:
+        """New actors in the group's placement group: the same GPUs, a fresh process (a sticky CUDA
+        error ends with the old one)."""
+        self._kill_actors(group)
+        fresh = Group(id=group.id, size=group.size, handle={"pg": group.handle["pg"], "nodes": group.handle["nodes"]},
+                      asked_at=time.time(), faults=group.faults)
+        return self._start_workers(fresh, timeout_s=timeout_s)
+
+    def hold_out(self, group: Group) -> None:
+        """The actors end; the placement group stays, so Ray places nothing else on its GPUs."""
+        self._kill_actors(group)
 
     def _form_process_group(self, group: Group, *, timeout_s: float) -> None:
         actors = group.handle["actors"]
@@ -216,17 +234,20 @@ class RayExecutor:
             with self._lock:
                 self._groups.pop(group.id, None)
             return
-        for actor in group.handle["actors"]:
-            try:
-                self._ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead is fine
-                pass
+        self._kill_actors(group)
         try:
             remove_placement_group(group.handle["pg"])
         except Exception:  # noqa: BLE001
             traceback.print_exc()
         with self._lock:
             self._groups.pop(group.id, None)
+
+    def _kill_actors(self, group: Group) -> None:
+        for actor in group.handle.get("actors", ()):
+            try:
+                self._ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead is fine
+                pass
 
     def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
         # In a group the message (latents, embeddings: MBs) is put in the object store once and
@@ -340,7 +361,10 @@ class RayWorkerProcess:
         t0 = time.perf_counter()
         from pan2render.runner.worker import RenderWorker  # noqa: PLC0415 - torch, in the actor's process
 
-        self._worker = RenderWorker(**kwargs, imports_s=time.perf_counter() - t0)
+        import ray  # noqa: PLC0415 - in the actor: the GPUs Ray gave it (a fault hook names one)
+
+        gpu_ids = tuple(int(g) for g in ray.get_gpu_ids())
+        self._worker = RenderWorker(**kwargs, imports_s=time.perf_counter() - t0, gpu_ids=gpu_ids)
 
     def execute(self, call: WorkerCall, seq: int | None = None) -> Reply[Any]:
         """`RenderWorker.execute` (the one entry point)."""

@@ -26,8 +26,18 @@ from dataclasses import dataclass, field
 
 from pan2render.jobs.ledger import EventKind, JobEvent, JobRecord, JobState, Ledger, Stage, StageState, stage_name
 from pan2render.runner.executor import Call, Executor, Group, GroupDied, GroupStartError
+from pan2render.runner.messages import WorkerCall
 from pan2render.runner.jobflow import BatchFlow, JobRun
-from pan2render.runner.messages import JOB_CALLS, MAX_ENCODES_IN_FLIGHT, Lane, SampleCall, default_call_timeouts
+from pan2render.runner.messages import (
+    JOB_CALLS,
+    MAX_ENCODES_IN_FLIGHT,
+    CheckpointReply,
+    FetchCheckpointCall,
+    Lane,
+    SampleCall,
+    StopSamplingCall,
+    default_call_timeouts,
+)
 from pan2render.runner.pool import GroupPool
 from pan2render.runner.progress import RunProgress
 from pan2render.runner.retry import (
@@ -86,6 +96,9 @@ class ServedBatch:
     priority: int = 0  # higher first
     on_job_end: Callable[[], None] | None = None
     paused: bool = False  # no new job of it starts
+    # Its queued jobs may stop a lower-priority batch's sampling at a step boundary to take its
+    # group (the stopped job continues from its step checkpoint later).
+    preempts: bool = False
     seq: int = field(default_factory=lambda: next(_served))  # served earlier, first among equals
     stop: BaseException | None = None  # set on a full disk: start nothing more of it
     ended: int = 0  # jobs ended (done or failed) while served
@@ -106,7 +119,10 @@ class _Queued:
     batch: ServedBatch
     job_id: str
     gpus: int
+    model: str
+    adapters: frozenset[str]  # its LoRA files' digests: a group holding them is preferred
     order: int  # first queued first, among jobs of one priority and batch
+    avoid: frozenset[str] = frozenset()  # groups it failed on in this run: others first
 
 
 class Scheduler:
@@ -125,6 +141,7 @@ class Scheduler:
         self._policy = RetryPolicy()
         self._lost_since: float | None = None  # monotonic time the cluster lost a job's GPUs
         self._groups_seen: set[str] = set()  # groups whose placement the run log has told
+        self._failed_on: dict[tuple[int, str], set[str]] = {}  # (batch seq, job id) -> groups it failed on
 
     # ================================================================== what it serves
     def serve(self, batch: ServedBatch, job_ids: list[str]) -> None:
@@ -136,7 +153,7 @@ class Scheduler:
             if job.spec.gpus > self._max_group:
                 self._fail_unrunnable(batch, job)
             else:
-                self._enqueue(batch, job.id, job.spec.gpus)
+                self._enqueue(batch, job)
 
     def pending(self, batch: ServedBatch) -> list[str]:
         return [q.job_id for q in self._queue if q.batch is batch]
@@ -149,9 +166,75 @@ class Scheduler:
         """Anything left to do: a job running, or one that may start."""
         return bool(self._active) or any(q.batch.stop is None and not q.batch.paused for q in self._queue)
 
-    def _enqueue(self, batch: ServedBatch, job_id: str, gpus: int) -> None:
-        self._queue.append(_Queued(batch, job_id, gpus, next(self._order)))
+    def _enqueue(self, batch: ServedBatch, job: JobRecord) -> None:
+        self._queue.append(_Queued(batch, job.id, job.spec.gpus, job.spec.model,
+                                   frozenset(sha for sha, _ in job.spec.lora_digests if sha), next(self._order),
+                                   frozenset(self._failed_on.get((batch.seq, job.id), ()))))
+        self.reorder()
+
+    def reorder(self) -> None:
+        """Queue order: priority (higher first), then when the batch was served, then the job's turn."""
         self._queue.sort(key=lambda q: (-q.batch.priority, q.batch.seq, q.order))
+
+    def running_on(self, group: Group) -> list[JobRun]:
+        return self._jobs_on(group)
+
+    # ================================================================== stops: cancel, preemption
+    def cancel(self, batch: ServedBatch, job_ids: list[str] | None, *, reason: str) -> list[JobRun]:
+        """Cancel the batch's jobs (``job_ids``; None: all): a queued one now, a sampling one at its
+        next step boundary (returned), one past its sampling once its video is made."""
+        wanted = None if job_ids is None else set(job_ids)
+        for q in [q for q in self._queue if q.batch is batch and (wanted is None or q.job_id in wanted)]:
+            self._queue.remove(q)
+            batch.ledger.transition(q.job_id, JobEvent.CANCEL, reason=reason)
+            batch.progress.job_ended(q.job_id, "cancelled", reason)
+            batch.ended += 1
+        stopped = []
+        for run in self.running(batch):
+            if wanted is None or run.job.id in wanted:
+                run.cancel = reason
+                if self._stop_sampling(run):
+                    stopped.append(run)
+        return stopped
+
+    def _stop_sampling(self, run: JobRun) -> bool:
+        """Ask ``run``'s sampling, if one is in flight, to stop at its next step boundary."""
+        if run.call is None or not isinstance(run.call.message, SampleCall) or run.stop_asked:
+            return False
+        run.stop_asked = True
+        self.ex.call(run.group, StopSamplingCall(job_id=run.job.id), timeout_s=StopSamplingCall.default_timeout_s)
+        return True
+
+    def _preempt_for(self, q: _Queued) -> None:
+        """``q`` waits for a group while a lower-priority batch's job samples on one of its size:
+        that sampling stops at its next step boundary, checkpointed, and its job goes back to the
+        queue (uncharged); ``q`` then takes the group."""
+        if not q.batch.preempts or any(r.preempted for r in self._active.values()):
+            return
+        victims = [r for (seq, _), r in self._active.items()
+                   if r.group.size == q.gpus and self._batch_of[seq].priority < q.batch.priority
+                   and r.cancel is None and r.call is not None and isinstance(r.call.message, SampleCall)]
+        if victims:
+            victim = min(victims, key=lambda r: self._batch_of[self._seq_of(r)].priority)
+            victim.preempted = True
+            self._stop_sampling(victim)
+
+    def _seq_of(self, run: JobRun) -> int:
+        return next(seq for (seq, _), r in self._active.items() if r is run)
+
+    def _stopped(self, batch: ServedBatch, run: JobRun) -> None:
+        """``run``'s sampling stopped at a step boundary (its checkpoint is recorded): cancelled, or
+        preempted and back in the queue, uncharged."""
+        self._leave(batch, run)
+        if run.cancel is not None:
+            batch.ledger.transition(run.job.id, JobEvent.CANCEL, reason=f"{run.cancel}: sampling stopped at step "
+                                                                        f"{run.stopped_at}")
+            batch.progress.job_ended(run.job.id, "cancelled", run.cancel)
+            batch.ended += 1
+            return
+        self._requeue(batch, run.job.id, f"preempted at step {run.stopped_at} by a higher-priority batch; it "
+                                         f"continues from its step checkpoint")
+        batch.progress.job_ended(run.job.id, "requeued", f"preempted at step {run.stopped_at}")
 
     def upcoming(self, batch: ServedBatch) -> list[JobRecord]:
         """The batch's queued jobs, in the order they will start."""
@@ -165,7 +248,7 @@ class Scheduler:
         if not self._active:  # nothing running: a group is starting (or failed to)
             self.pool.wait_for_start(self.config.poll_s)
             return
-        calls = [r.call for r in self._active.values() if r.call is not None]
+        calls = [c for r in self._active.values() for c in (r.call, r.side) if c is not None]
         for call in self.ex.wait(calls, timeout_s=self.config.poll_s):
             self._on_ready(call)
         self._check_deadlines()
@@ -198,9 +281,9 @@ class Scheduler:
         for q in list(self._queue):
             if q.batch.stop is not None or q.batch.paused:
                 continue
-            group = self._held_group(q.gpus, behind_decode=False)
+            group = self._held_group(q.gpus, behind_decode=False, avoid=q.avoid)
             try:
-                group = group or self.pool.try_acquire(q.gpus)
+                group = group or self.pool.try_acquire(q.gpus, model=q.model, adapters=q.adapters, avoid=q.avoid)
             except GroupStartError as e:
                 self._queue.remove(q)
                 q.batch.ledger.transition(q.job_id, JobEvent.START, reason="starting a group")
@@ -210,8 +293,9 @@ class Scheduler:
                 self._failed(q.batch, q.job_id, Failure(stage=q.batch.flow.next_stage(q.job_id), kind=kind,
                                                         error=str(e), cause=e))
                 continue
-            group = group or self._held_group(q.gpus, behind_decode=True)
+            group = group or self._held_group(q.gpus, behind_decode=True, avoid=q.avoid)
             if group is None:
+                self._preempt_for(q)
                 break
             self._say_placed(q.batch, group)
             self._queue.remove(q)
@@ -221,11 +305,11 @@ class Scheduler:
             self._active[(q.batch.seq, q.job_id)] = run
             self._advance(q.batch, run)
 
-    def _held_group(self, size: int, *, behind_decode: bool) -> Group | None:
+    def _held_group(self, size: int, *, behind_decode: bool, avoid: frozenset[str] = frozenset()) -> Group | None:
         """A group of ``size`` with active jobs that can take one more: its GPU lane is free (or,
         with ``behind_decode``, runs only a decode) and its encodes, counting that decode's, stay
         within MAX_ENCODES_IN_FLIGHT."""
-        held = {id(r.group): r.group for r in self._active.values() if r.group.size == size}
+        held = {id(r.group): r.group for r in self._active.values() if r.group.size == size and r.group.id not in avoid}
         for group in held.values():
             jobs = self._jobs_on(group)
             on_gpu = [r for r in jobs if not r.encoding]
@@ -268,6 +352,7 @@ class Scheduler:
             return self._failed(batch, run.job.id, self._driver_failure(batch, run.job.id, e))
         if message is None:
             self._leave(batch, run)
+            self.pool.succeeded(run.group)
             batch.flow.finish(run)
             batch.progress.job_ended(run.job.id, "done")
             batch.ended += 1
@@ -275,9 +360,16 @@ class Scheduler:
         if message.marks_stage and message.stage is not None:
             batch.ledger.set_stage(run.job.id, message.stage, StageState.RUNNING)
         batch.progress.stage(run.job.id, message.shown)
-        timeout_s = self.config.call_timeouts_s.get(message.timeout_key, message.default_timeout_s)
-        run.call = self.ex.call(run.group, message, timeout_s=timeout_s)
+        run.call = self._call(run, message)
+        if isinstance(message, SampleCall) and run.job.spec.checkpoint_every > 0:
+            run.side = self._call(run, FetchCheckpointCall(job_id=run.job.id, after_step=0))
+        if run.cancel is not None or run.preempted:  # asked before this call went out
+            self._stop_sampling(run)
         return None
+
+    def _call(self, run: JobRun, message: WorkerCall) -> Call:
+        timeout_s = self.config.call_timeouts_s.get(message.timeout_key, message.default_timeout_s)
+        return self.ex.call(run.group, message, timeout_s=timeout_s)
 
     @staticmethod
     def _driver_failure(batch: ServedBatch, job_id: str, e: Exception) -> Failure:
@@ -287,15 +379,35 @@ class Scheduler:
     # ================================================================== results
     def _find(self, call: Call) -> tuple[ServedBatch, JobRun] | None:
         for (seq, _), run in self._active.items():
-            if run.call is call:
+            if run.call is call or run.side is call:
                 return self._batch_of[seq], run
         return None
+
+    def _on_side_reply(self, batch: ServedBatch, run: JobRun, call: Call) -> None:
+        """A step checkpoint fetched beside the job's sampling: recorded, and the next one asked for
+        while the sampling goes on. A fetch that failed is dropped (the sampling's own reply says
+        what became of the group)."""
+        run.side = None
+        try:
+            reply = self.ex.result(call)
+        except GroupDied:
+            return
+        if reply.failure is None and isinstance(reply.value, CheckpointReply):
+            try:
+                batch.flow.record_step_checkpoint(run, reply.value)
+            except Exception as e:  # noqa: BLE001 - a checkpoint not written costs only its minutes
+                batch.progress.say(f"{run.job.name}: step checkpoint not written: {type(e).__name__}: {e}")
+        after = reply.value.step if isinstance(reply.value, CheckpointReply) else run.checkpoint_step
+        if run.call is not None and isinstance(run.call.message, SampleCall):
+            run.side = self._call(run, FetchCheckpointCall(job_id=run.job.id, after_step=after))
 
     def _on_ready(self, call: Call) -> None:
         found = self._find(call)
         if found is None:
             return  # its job left when its group was torn down: the reply is void
         batch, run = found
+        if call is run.side:
+            return self._on_side_reply(batch, run, call)
         run.call = None
         stage = call.message.stage
         assert stage is not None, f"{type(call.message).__name__} is not a job's call"
@@ -312,6 +424,14 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - e.g. disk full, or the written video fails its check
             self._leave(batch, run)
             return self._failed(batch, run.job.id, self._driver_failure(batch, run.job.id, e))
+        if run.stopped_at is not None:
+            return self._stopped(batch, run)
+        if run.cancel is not None and not run.encoding:  # its GPU work not done: go no further
+            self._leave(batch, run)
+            batch.ledger.transition(run.job.id, JobEvent.CANCEL, reason=run.cancel)
+            batch.progress.job_ended(run.job.id, "cancelled", run.cancel)
+            batch.ended += 1
+            return None
         self._advance(batch, run)
 
     # ================================================================== failures
@@ -323,6 +443,7 @@ class Scheduler:
         """A call of ``run`` failed on its group: one decision (retry.py) says what becomes of the
         job and whether the group takes the next job or is torn down."""
         job = batch.ledger.job(run.job.id)
+        self._failed_on.setdefault((batch.seq, job.id), set()).add(run.group.id)
         decision = self._policy.decide(job, failure, on_group=on_group)
         if decision.keep_group:
             self._leave(batch, run)  # only this job's call failed; the group goes on
@@ -332,7 +453,13 @@ class Scheduler:
                              f"group {run.group.id} after [{failure.kind.value}]: {failure.message}")
         others = [(self._batch_of[seq], r) for (seq, _), r in self._active.items()
                   if r.group is run.group and r is not run]
-        self.pool.discard(run.group)
+        if failure.kind is FailureKind.WORKER_DEATH:
+            fresh = self.pool.device_fault(run.group)
+            if fresh is None and run.group.faults >= (self.pool.fault_limit or 0) > 0:
+                batch.progress.say(f"group {run.group.id} is out of service after {run.group.faults} device "
+                                   f"faults in a row; its jobs run elsewhere")
+        else:
+            self.pool.discard(run.group)
         for b, r in [(batch, run), *others]:
             del self._active[(b.seq, r.job.id)]
         batch.ledger.log(job.id, EventKind.GROUP_DIED, failure.message)
@@ -368,7 +495,7 @@ class Scheduler:
             return
         batch.flow.record_failure(job_id, failure.without_cause(), decision)
         if decision.action is Action.RETRY:
-            self._enqueue(batch, job_id, batch.ledger.job(job_id).spec.gpus)
+            self._enqueue(batch, batch.ledger.job(job_id))
             batch.progress.job_ended(job_id, "retry", line)
         else:
             batch.progress.job_ended(job_id, "FAILED", f"{line}; {decision.reason}")
@@ -384,7 +511,7 @@ class Scheduler:
             if classify_exception(e) is not FailureKind.STORAGE:
                 raise
         if batch.stop is None:
-            self._enqueue(batch, job_id, batch.ledger.job(job_id).spec.gpus)
+            self._enqueue(batch, batch.ledger.job(job_id))
 
     def _cluster_ready(self) -> bool:
         """After the cluster lost GPUs: have enough come back for every queued job? Raises

@@ -97,15 +97,24 @@ class SamplingStep(Step):
                                 f"(fingerprint differs); run the batch again: its jobs get new ids")
         return SampleCall(model=spec.model, job_id=run.job.id, spec=run.spec_once(), prompt_embeds=prompt,
                           negative_embeds=negative, image=_image_bytes(spec),
-                          adapters=_adapters(spec, held=run.group.adapters))
+                          adapters=_adapters(spec, held=run.group.adapters), resume=flow.step_checkpoint(run))
 
     def record(self, flow: BatchFlow, run: JobRun, value: SampleReply, seconds: float) -> None:
         run.group.adapters = frozenset(value.adapters_held)
+        if value.resume_refused:
+            flow.drop_step_checkpoint(run.job.id, value.resume_refused)
+        if value.latents is None:  # stopped at a step boundary: its state is what goes on from there
+            assert value.stopped_at is not None and value.checkpoint is not None, "a stop brings its state"
+            flow.write_step_checkpoint(run, value.checkpoint, step=value.stopped_at)
+            run.stopped_at = value.stopped_at
+            flow.ledger.set_stage(run.job.id, Stage.SAMPLING, StageState.PENDING)
+            return
         rel = artifacts.latents_relpath(run.job.id)
         artifacts.write_artifact(flow.out_dir, rel, value.latents)
         flow.ledger.set_stage(run.job.id, Stage.SAMPLING, StageState.DONE, artifact=rel,
                               sha256=artifacts.sha256_bytes(value.latents), size=len(value.latents),
                               seconds=seconds)
+        flow.drop_step_checkpoint(run.job.id, None)  # done with: the latents are the sampling's result
 
     def proof(self, out_dir: Path, spec: JobSpec) -> dict[str, Any] | None:
         found = file_proof(out_dir, artifacts.latents_relpath(spec.job_id))

@@ -11,10 +11,14 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from dataclasses import replace
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from pan2render.models.sampler_state import CheckpointKey, SamplerState, SamplingPreempted, StepCheckpointError
+from pan2render.models.scheduler import StepState
 
 from pan2render.lanes import CACHE_NONE, FastLanes, SamplingPlan, plan_sampling, published_calibration
 from pan2render.parallel import parallelize_pipeline
@@ -56,7 +60,10 @@ class FakePipeline:
                image: Any = None, height: int, width: int, frames: int, steps: int | None, guidance: float,
                seed: int, flow_shift: float = 5.0, sampler: str = "unipc",
                timesteps: tuple[int, ...] | None = None,
-               progress: Callable[[int, int], None] | None = None, **_: Any) -> torch.Tensor:
+               progress: Callable[[int, int], None] | None = None, resume_from: SamplerState | None = None,
+               checkpoint_every_s: float = 0.0, on_checkpoint: Callable[[SamplerState], None] | None = None,
+               should_stop: Callable[[], bool] | None = None, **_: Any) -> torch.Tensor:
+        """As PAN2Pipeline.sample, step checkpoints included (a state is its latents and step)."""
         if steps is None:  # dmd: as many steps as timesteps
             if timesteps is None:
                 raise ValueError("sampler dmd needs timesteps")
@@ -71,12 +78,33 @@ class FakePipeline:
             if img.dtype != torch.uint8 or img.ndim != 3 or img.shape[2] != 3:
                 raise ValueError(f"image must be uint8 [H, W, 3], got {img.dtype} {list(img.shape)}")
             lat[:, 0] += img.float().mean() / 255.0
-        for step in range(1, steps + 1):
+        key = CheckpointKey(model_id=self.model_id, sampler=sampler, total_steps=steps,
+                            latent_shape=(1, *lat.shape), seed=seed, guidance=float(guidance))
+        start = 0
+        if resume_from is not None:
+            if resume_from.key != replace(key, spec_hash=resume_from.key.spec_hash):
+                raise StepCheckpointError("cannot resume from this step checkpoint: stale: another request")
+            lat, start = resume_from.latents[0].clone(), resume_from.step
+        last_checkpoint = time.monotonic()
+        for step in range(start + 1, steps + 1):
             if self.step_seconds:
                 time.sleep(self.step_seconds)
             lat = lat * (1.0 - 0.5 / steps)
             if progress is not None:
                 progress(step, steps)
+            if step == steps:
+                break
+            due = checkpoint_every_s > 0 and time.monotonic() - last_checkpoint >= checkpoint_every_s
+            stop = should_stop is not None and should_stop()
+            if due or stop:
+                state = SamplerState(key=key, latents=lat[None].clone(), schedule=torch.zeros(steps + 1),
+                                     generator=torch.Generator().get_state(),
+                                     scheduler=StepState(step=step, tensors={}, counters={}))
+                if on_checkpoint is not None:
+                    on_checkpoint(state)
+                last_checkpoint = time.monotonic()
+                if stop:
+                    raise SamplingPreempted(state)
         if not FastLanes.of(_).exact:  # a fast lane: a little off the exact latents, deterministically
             lat = lat + 0.05 * torch.randn(lat.shape, generator=torch.Generator().manual_seed(seed + 1))
         if self.nan:

@@ -44,11 +44,15 @@ from pan2render.jobs.ledger import Stage
 from pan2render.jobs.spec import JobSpec
 from pan2render.models.calibration import CalibrationMissing
 from pan2render.models.precision import PrecisionUnavailable
+from pan2render.models.sampler_state import SamplingPreempted, pack_sampler_state, unpack_sampler_state
 from pan2render.models.tiny import cache_root
 from pan2render.phases import phase, recording
 from pan2render.runner import outputs, artifacts, timeline
 from pan2render.runner.messages import (  # the config and the lane sizes are importable from here too
     Adapter,
+    CheckpointReply,
+    FetchCheckpointCall,
+    StopSamplingCall,
     DEFAULT_PIPELINE_FACTORY,
     GPU_QUEUE_DEPTH,
     IO_CONCURRENCY,
@@ -74,6 +78,7 @@ from pan2render.runner.messages import (  # the config and the lane sizes are im
     WorkerStart,
 )
 from pan2render.runner.retry import DeviceError, Failure, FailureKind, JobInputError, classify_exception
+from pan2render.step_checkpoint import StepCheckpointError
 
 __all__ = ["DEFAULT_PIPELINE_FACTORY", "GPU_QUEUE_DEPTH", "IO_CONCURRENCY", "MAX_ENCODES_IN_FLIGHT", "RenderWorker",
            "WorkerConfig", "load_pan2_pipeline"]
@@ -119,10 +124,12 @@ class SimulatedWorkerDeath(BaseException):
 class RenderWorker:
     def __init__(self, *, rank: int, world_size: int, config: WorkerConfig,
                  progress: ProgressSink | None = None, die: Callable[[], None] | None = None,
-                 imports_s: float = 0.0):
-        """``imports_s``: how long the process took to import this module (`groups.RayWorkerProcess`
-        measures it), reported with the first load."""
+                 imports_s: float = 0.0, gpu_ids: tuple[int, ...] = ()):
+        """``imports_s``: how long the process took to import this module (`ray_executor.RayWorkerProcess`
+        measures it), reported with the first load. ``gpu_ids``: the cluster's numbers of the GPUs
+        this worker was given (what the ``broken_gpu`` fault hook names)."""
         self.rank = rank
+        self.gpu_ids = gpu_ids
         self.world_size = world_size
         self.config = config
         self._progress = progress
@@ -142,6 +149,11 @@ class RenderWorker:
         # goodbye, and a group holds at most a few jobs at once (GPU lane, encodes).
         self._specs: OrderedDict[str, JobSpec] = OrderedDict()
         self._adapters: OrderedDict[str, Any] = OrderedDict()  # LoRA digest -> its weights (pipeline.read_lora)
+        # Step checkpoints (rank 0): a stop asked per job (StopSamplingCall, the I/O lane), the newest
+        # state handed over by a sampling in progress, and which jobs sample now. Under self._turn.
+        self._stops: dict[str, threading.Event] = {}
+        self._checkpoints: dict[str, Any] = {}  # job id -> its newest SamplerState
+        self._sampling: set[str] = set()
         # Every call but the I/O lane's runs on this one thread, whichever thread of the actor it
         # arrived on. cuDNN's autotuning results are kept per thread (PyTorch's cuDNN plan cache
         # is thread-local), and Ray runs a threaded actor's calls on a pool of threads: on one
@@ -255,11 +267,26 @@ class RenderWorker:
             self._pipes[model] = pipe
         return pipe
 
+    def _unload(self, models: tuple[str, ...]) -> None:
+        """Drop these models' pipelines and give their device memory back (a group holding one model
+        at a time is asked for another)."""
+        dropped = [self._pipes.pop(m) for m in models if m in self._pipes]
+        if not dropped:
+            return
+        del dropped
+        self._adapters.clear()  # read for the dropped DiT
+        import gc  # noqa: PLC0415
+
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
     def _load(self, call: LoadCall) -> LoadReply:
         """Load the model (once per group) and, where the pipeline has ``warm_up``, run its
         compiles and autotuning at the call's warm-up size, so they count as load time rather than
         inside the first job's stages. Its decode goes through what a job's decode runs
         (`_frames_on_host`). Each step is timed (``pan2render.phases``) and sent back in order."""
+        self._unload(call.unload)
         t0 = time.perf_counter()
         with recording() as record:
             if self.device == "cuda" and call.model not in self._pipes:
@@ -321,19 +348,77 @@ class RenderWorker:
                 self._progress.report(job_id, done, total)
             self._maybe_crash(js, done)
 
+        plan = pipe.sampling_plan(conditioned=first_frame is not None, **js.sample_args())
+        resume, refused = self._resume_state(js, pipe, call.resume, cached=not plan.lanes.steps_exact)
+        with self._turn:
+            stop = self._stops.setdefault(job_id, threading.Event())
+            self._sampling.add(job_id)
         try:
-            plan = pipe.sampling_plan(conditioned=first_frame is not None, **js.sample_args())
             lat = pipe.sample(
                 prompt_embeds=artifacts.unpack_embedding(call.prompt_embeds),
                 negative_prompt_embeds=artifacts.unpack_embedding(call.negative_embeds),
-                image=first_frame, progress=progress, **js.sample_args(),
+                image=first_frame, progress=progress, resume_from=resume,
+                # Periodic checkpoints need a state the cache does not fully hold (the residuals).
+                checkpoint_every_s=js.checkpoint_every if plan.lanes.steps_exact else 0.0,
+                on_checkpoint=(lambda state: self._keep_checkpoint(job_id, state)) if self.rank == 0 else None,
+                should_stop=stop.is_set, **js.sample_args(),
             )  # float32 [48, T, h, w]
+        except SamplingPreempted as e:  # a stop at a step boundary: where, and how to go on from there
+            data = pack_sampler_state(e.state, spec_hash=js.spec_hash) if self.rank == 0 else None
+            return SampleReply(latents=None, stopped_at=e.state.step, checkpoint=data,
+                               adapters_held=tuple(self._adapters), resume_refused=refused)
         except (PrecisionUnavailable, CalibrationMissing) as e:  # the same on any worker of this kind
             raise JobInputError(str(e)) from e
+        finally:
+            with self._turn:
+                self._stops.pop(job_id, None)
+                self._sampling.discard(job_id)
+                self._checkpoints.pop(job_id, None)
+                self._turn.notify_all()
         return SampleReply(latents=artifacts.pack_latents(lat, spec_hash=js.spec_hash, seed=js.seed, steps=js.steps,
                                                           model_id=pipe.model_id, spec=js.to_dict(),
                                                           fast_lanes=None if plan.lanes.exact else plan.describe()),
-                           adapters_held=tuple(self._adapters))
+                           adapters_held=tuple(self._adapters), resume_refused=refused)
+
+    def _resume_state(self, js: JobSpec, pipe: Any, data: bytes | None, *, cached: bool) -> tuple[Any, str | None]:
+        """The state a step checkpoint continues from, or (None, why it is not used): every rank
+        decides alike (the check reads the same bytes), so a group samples from 0 together."""
+        if data is None:
+            return None, None
+        if cached:
+            return None, "a step cache's kept residuals are not in a step checkpoint: sampled from step 0"
+        try:
+            return unpack_sampler_state(data, spec_hash=js.spec_hash, model_id=pipe.model_id), None
+        except StepCheckpointError as e:
+            return None, f"the step checkpoint was refused ({e}): sampled from step 0"
+
+    def _keep_checkpoint(self, job_id: str, state: Any) -> None:
+        """A sampling's newest state (already on the host), for the driver's fetch (I/O lane)."""
+        with self._turn:
+            self._checkpoints[job_id] = state
+            self._turn.notify_all()
+
+    def _stop_sampling(self, call: StopSamplingCall) -> None:
+        """Ask the job's sampling to stop at its next step boundary (set before it starts: at its first)."""
+        with self._turn:
+            self._stops.setdefault(call.job_id, threading.Event()).set()
+
+    def _fetch_checkpoint(self, call: FetchCheckpointCall) -> CheckpointReply | None:
+        """The job's newest step checkpoint after ``after_step``, packed here on the I/O lane (the GPU
+        lane only handed the state over); None once its sampling ended or when none came in time."""
+        deadline = time.monotonic() + call.wait_s
+        with self._turn:
+            while True:
+                state = self._checkpoints.get(call.job_id)
+                if state is not None and state.step > call.after_step:
+                    break
+                left = deadline - time.monotonic()
+                if call.job_id not in self._sampling or left <= 0:
+                    return None
+                self._turn.wait(left)
+        js = self._specs.get(call.job_id)
+        data = pack_sampler_state(state, spec_hash=js.spec_hash if js is not None else "")
+        return CheckpointReply(step=state.step, total_steps=state.key.total_steps, data=data)
 
     def _set_adapters(self, pipe: Any, adapters: tuple[Adapter, ...]) -> None:
         """Merge the job's LoRAs into the DiT (none: unmerge the last job's). The files read are kept
@@ -441,6 +526,9 @@ class RenderWorker:
         self._die()
 
     def _maybe_fault(self, js: JobSpec, stage: str) -> None:
+        broken = self.config.faults.get("broken_gpu")
+        if broken and stage == "sampling" and int(broken["gpu"]) in self.gpu_ids:
+            raise DeviceError(f"injected device fault on GPU {broken['gpu']} (test hook)")
         slow = self.config.faults.get("slow")
         if slow and slow["job"] == js.name and slow.get("stage", "sampling") == stage:
             time.sleep(float(slow["seconds"]))
@@ -469,4 +557,6 @@ RenderWorker.handlers = {
     SampleCall: RenderWorker._sample,
     DecodeCall: RenderWorker._decode,
     CollectCall: RenderWorker._collect,
+    StopSamplingCall: RenderWorker._stop_sampling,
+    FetchCheckpointCall: RenderWorker._fetch_checkpoint,
 }

@@ -14,7 +14,15 @@ from pan2render.jobs.spec import JobSpec
 from pan2render.runner.driver import Driver, DriverConfig, RunSummary
 from pan2render.runner.executor import Call, Group
 from pan2render.runner.local_executor import LocalExecutor
-from pan2render.runner.messages import CollectCall, DecodeCall, EncodePromptsCall, SampleCall, WorkerCall
+from pan2render.runner.messages import (
+    CollectCall,
+    DecodeCall,
+    EncodePromptsCall,
+    FetchCheckpointCall,
+    SampleCall,
+    StopSamplingCall,
+    WorkerCall,
+)
 from pan2render.runner.testing import FAKE_FACTORY
 from pan2render.runner.worker import WorkerConfig
 
@@ -63,8 +71,14 @@ class RecordingExecutor(LocalExecutor):
         self.calls: list[tuple[type[WorkerCall], str | None]] = []
         self.on_group: list[tuple[type[WorkerCall], str | None, str]] = []  # ... and the group's id
         self.encoded_texts: list[list[str]] = []  # the texts of each EncodePromptsCall
+        self.side_calls: list[tuple[type[WorkerCall], str | None]] = []  # step-checkpoint fetches, stops
+        self.messages: list[WorkerCall] = []  # every message, as sent
 
     def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
+        self.messages.append(message)
+        if isinstance(message, (FetchCheckpointCall, StopSamplingCall)):  # beside a sampling, not a stage's
+            self.side_calls.append((type(message), job_name(message)))
+            return super().call(group, message, timeout_s=timeout_s)
         self.calls.append((type(message), job_name(message)))
         self.on_group.append((type(message), job_name(message), group.id))
         if isinstance(message, EncodePromptsCall):
@@ -74,7 +88,7 @@ class RecordingExecutor(LocalExecutor):
 
 def job_name(message: WorkerCall) -> str | None:
     """The name of the job a call is for (None for one that serves several: load, encode)."""
-    if isinstance(message, (SampleCall, DecodeCall, CollectCall)):
+    if isinstance(message, (SampleCall, DecodeCall, CollectCall, FetchCheckpointCall, StopSamplingCall)):
         return message.job_id.rsplit("-", 1)[0]  # a job id is "<name>-<hash8>"
     return None
 

@@ -1,0 +1,202 @@
+"""The farm's durable queue: which batches it serves, in what order, and what was asked of them.
+
+``ROOT/farm.sqlite`` holds one row per submitted batch (its output folder, owner, priority, state,
+the jobs it asked for) and the farm's own events (submitted, paused, priority changed, ...). The
+batches' jobs are in their folders' ledgers, as for `run`; this table only says which folders the
+farm serves and how. The farm process is its only writer, in one transaction per change, so a farm
+killed at any moment restarts from it: every batch not ended is served again from its ledger.
+
+Batch lifecycle (:data:`BATCH_TRANSITIONS`)::
+
+    active --pause--> paused --unpause--> active
+    active/paused --cancel--> cancelled
+    active --end--> done | failed        (every job ended; failed: some job failed)
+    active --stop--> stopped             (its folder refused a write: disk full, permission)
+    failed/cancelled/stopped/done --retry--> active   (failed, cancelled and interrupted jobs again)
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+QUEUE_NAME = "farm.sqlite"
+
+
+class BatchState(str, enum.Enum):
+    ACTIVE = "active"  # its jobs are queued or running
+    PAUSED = "paused"  # no new job of it starts; running ones finish
+    DONE = "done"
+    FAILED = "failed"  # ended with failed jobs
+    CANCELLED = "cancelled"
+    STOPPED = "stopped"  # its output folder refused a write; retry once fixed
+
+    @property
+    def ended(self) -> bool:
+        return self not in (BatchState.ACTIVE, BatchState.PAUSED)
+
+
+class BatchEvent(str, enum.Enum):
+    PAUSE = "pause"
+    UNPAUSE = "unpause"
+    CANCEL = "cancel"
+    END_DONE = "done"
+    END_FAILED = "failed"
+    STOP = "stop"
+    RETRY = "retry"
+
+
+BATCH_TRANSITIONS: dict[tuple[BatchState, BatchEvent], BatchState] = {
+    (BatchState.ACTIVE, BatchEvent.PAUSE): BatchState.PAUSED,
+    (BatchState.PAUSED, BatchEvent.UNPAUSE): BatchState.ACTIVE,
+    (BatchState.ACTIVE, BatchEvent.CANCEL): BatchState.CANCELLED,
+    (BatchState.PAUSED, BatchEvent.CANCEL): BatchState.CANCELLED,
+    (BatchState.ACTIVE, BatchEvent.END_DONE): BatchState.DONE,
+    (BatchState.ACTIVE, BatchEvent.END_FAILED): BatchState.FAILED,
+    (BatchState.ACTIVE, BatchEvent.STOP): BatchState.STOPPED,
+    (BatchState.PAUSED, BatchEvent.STOP): BatchState.STOPPED,
+    **{(s, BatchEvent.RETRY): BatchState.ACTIVE
+       for s in (BatchState.FAILED, BatchState.CANCELLED, BatchState.STOPPED, BatchState.DONE)},
+}
+
+
+class QueueError(RuntimeError):
+    """A request the queue refuses (an unknown batch, a transition its state does not allow)."""
+
+
+@dataclass(frozen=True)
+class QueuedBatch:
+    id: str  # "b<seq>": short to type, stable across restarts
+    seq: int  # submission order
+    out_dir: str
+    batch_path: str | None
+    owner: str
+    priority: int
+    state: BatchState
+    job_ids: list[str]
+    submitted_at: float
+    updated_at: float
+    reason: str | None  # why it is in its state (the last transition's reason)
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS batches (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, out_dir TEXT NOT NULL, batch_path TEXT, owner TEXT NOT NULL,
+    priority INTEGER NOT NULL, state TEXT NOT NULL, job_ids TEXT NOT NULL, submitted_at REAL NOT NULL,
+    updated_at REAL NOT NULL, reason TEXT
+);
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, batch TEXT, kind TEXT NOT NULL, detail TEXT NOT NULL
+);
+"""
+
+
+class FarmQueue:
+    def __init__(self, root: Path):
+        self.path = Path(root) / QUEUE_NAME
+        self._conn = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=False)
+        self._conn.execute("PRAGMA journal_mode=DELETE")
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._conn
+            self._conn.execute("COMMIT")
+        except BaseException:
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+            raise
+
+    # ------------------------------------------------------------------ reading
+    def batches(self, *, include_ended: bool = True) -> list[QueuedBatch]:
+        rows = self._conn.execute("SELECT * FROM batches ORDER BY seq").fetchall()
+        out = [_row(r) for r in rows]
+        return out if include_ended else [b for b in out if not b.state.ended]
+
+    def get(self, batch_id: str) -> QueuedBatch:
+        seq = _seq(batch_id)
+        row = self._conn.execute("SELECT * FROM batches WHERE seq = ?", (seq,)).fetchone() if seq else None
+        if row is None:
+            raise QueueError(f"no batch {batch_id!r} on this farm (`pan2-render queue` lists them)")
+        return _row(row)
+
+    def active_for(self, out_dir: str) -> QueuedBatch | None:
+        """The batch not ended whose output folder is ``out_dir``, if any."""
+        return next((b for b in self.batches(include_ended=False) if b.out_dir == out_dir), None)
+
+    def events(self, batch_id: str | None = None, *, limit: int = 200) -> list[dict[str, Any]]:
+        q = "SELECT at, batch, kind, detail FROM events"
+        rows = (self._conn.execute(q + " WHERE batch = ? ORDER BY seq DESC LIMIT ?", (batch_id, limit))
+                if batch_id else self._conn.execute(q + " ORDER BY seq DESC LIMIT ?", (limit,))).fetchall()
+        return [{"at": at, "batch": b, "kind": k, "detail": d} for at, b, k, d in reversed(rows)]
+
+    # ------------------------------------------------------------------ writing
+    def add(self, *, out_dir: str, batch_path: str | None, owner: str, priority: int, job_ids: list[str]) -> QueuedBatch:
+        now = time.time()
+        with self._tx() as c:
+            cur = c.execute("INSERT INTO batches (out_dir, batch_path, owner, priority, state, job_ids, submitted_at,"
+                            " updated_at, reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            (out_dir, batch_path, owner, priority, BatchState.ACTIVE.value, json.dumps(job_ids),
+                             now, now, "submitted"))
+            seq = int(cur.lastrowid or 0)
+            self._event(c, f"b{seq}", "submitted", f"{len(job_ids)} job(s) into {out_dir} by {owner}, "
+                                                   f"priority {priority}")
+        return self.get(f"b{seq}")
+
+    def transition(self, batch_id: str, event: BatchEvent, *, reason: str) -> QueuedBatch:
+        b = self.get(batch_id)
+        new = BATCH_TRANSITIONS.get((b.state, event))
+        if new is None:
+            allowed = sorted(e.value for (s, e) in BATCH_TRANSITIONS if s is b.state)
+            raise QueueError(f"batch {b.id} is {b.state.value}: it cannot be {_past(event)} "
+                             f"(from {b.state.value}: {', '.join(allowed) or 'nothing'})")
+        with self._tx() as c:
+            c.execute("UPDATE batches SET state = ?, updated_at = ?, reason = ? WHERE seq = ?",
+                      (new.value, time.time(), reason, b.seq))
+            self._event(c, b.id, event.value, reason)
+        return self.get(b.id)
+
+    def set_priority(self, batch_id: str, priority: int) -> QueuedBatch:
+        b = self.get(batch_id)
+        with self._tx() as c:
+            c.execute("UPDATE batches SET priority = ?, updated_at = ? WHERE seq = ?", (priority, time.time(), b.seq))
+            self._event(c, b.id, "priority", f"{b.priority} -> {priority}")
+        return self.get(b.id)
+
+    def log(self, batch_id: str | None, kind: str, detail: str) -> None:
+        with self._tx() as c:
+            self._event(c, batch_id, kind, detail)
+
+    @staticmethod
+    def _event(c: sqlite3.Connection, batch_id: str | None, kind: str, detail: str) -> None:
+        c.execute("INSERT INTO events (at, batch, kind, detail) VALUES (?, ?, ?, ?)", (time.time(), batch_id, kind, detail))
+
+
+def _past(event: BatchEvent) -> str:
+    return {BatchEvent.PAUSE: "paused", BatchEvent.UNPAUSE: "unpaused", BatchEvent.CANCEL: "cancelled",
+            BatchEvent.RETRY: "retried", BatchEvent.STOP: "stopped"}.get(event, f"marked {event.value}")
+
+
+def _seq(batch_id: str) -> int | None:
+    text = batch_id.strip().lower().removeprefix("b")
+    return int(text) if text.isdigit() else None
+
+
+def _row(r: tuple[Any, ...]) -> QueuedBatch:
+    seq, out_dir, batch_path, owner, priority, state, job_ids, submitted_at, updated_at, reason = r
+    return QueuedBatch(id=f"b{seq}", seq=seq, out_dir=out_dir, batch_path=batch_path, owner=owner,
+                       priority=priority, state=BatchState(state), job_ids=json.loads(job_ids),
+                       submitted_at=submitted_at, updated_at=updated_at, reason=reason)

@@ -1,0 +1,236 @@
+"""The farm's scheduler, queue and API in this process (the in-process executor, the fake pipeline):
+order by priority then submission, pause, cancel, retry, idle release, eviction for another model,
+a group held out of service after its device faults, two clients at once, the token.
+tests/runner/test_farm_process.py runs the farm as `farm start` does, on Ray, and kills it."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from runner_helpers import RecordingExecutor, spec
+
+from pan2render.jobs.batch import Overrides
+from pan2render.jobs.ledger import JobState, Ledger
+from pan2render.jobs.spec import Batch, JobSpec
+from pan2render.runner.farm.api import start_api
+from pan2render.runner.farm.queue import BatchState, QueueError
+from pan2render.runner.farm.service import Farm, FarmConfig, FarmRequestError, ensure_token
+from pan2render.runner.messages import LoadCall, SampleCall
+from pan2render.runner.session import BatchRequest
+from pan2render.runner.testing import FAKE_FACTORY
+from pan2render.runner.worker import WorkerConfig
+
+
+def _farm(tmp_path: Path, *, gpus: int = 1, faults: dict[str, Any] | None = None, **config: Any) -> tuple[Farm, RecordingExecutor]:
+    root = tmp_path / "farm"
+    root.mkdir(exist_ok=True)
+    ex = RecordingExecutor(gpus=gpus, config=WorkerConfig(pipeline_factory=FAKE_FACTORY, faults=faults or {}))
+    return Farm(FarmConfig(root=root, poll_s=0.01, **config), ex, log=lambda text: None), ex
+
+
+def _request(out: Path, jobs: list[JobSpec]) -> BatchRequest:
+    return BatchRequest(out_dir=out, batch=Batch(path="b.yaml", model="tiny", preset="tiny-preview", jobs=jobs),
+                        overrides=Overrides())
+
+
+def _serve_until_idle(farm: Farm, *, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while farm.served or farm.scheduler.busy:
+        farm.step()
+        assert time.monotonic() < deadline, "the farm did not finish its batches"
+
+
+def _started(out: Path) -> list[tuple[float, str]]:
+    led = Ledger.open_readonly(out)
+    try:
+        return [(e.at, e.job_id) for e in led.events() if e.started]
+    finally:
+        led.close()
+
+
+def test_jobs_run_by_priority_then_submission(tmp_path: Path) -> None:
+    farm, ex = _farm(tmp_path)
+    low = farm.submit(_request(tmp_path / "low", [spec("l1"), spec("l2")]), owner="ann", priority=0)
+    first = farm.submit(_request(tmp_path / "first", [spec("f1")]), owner="bob", priority=5)
+    second = farm.submit(_request(tmp_path / "second", [spec("s1")]), owner="cy", priority=5)
+    _serve_until_idle(farm)
+    order = [name for _, name in ex.calls if name is not None and _ == SampleCall]
+    print("sampling order:", order)
+    assert order == ["f1", "s1", "l1", "l2"]  # priority 5 first, in submission order; then 0
+    states = {b["id"]: b["state"] for b in (farm.describe(x["id"]) for x in (low, first, second))}
+    assert set(states.values()) == {"done"}
+    farm.close()
+
+
+def test_pause_holds_a_batch_and_unpause_lets_it_finish(tmp_path: Path) -> None:
+    farm, _ = _farm(tmp_path)
+    b = farm.submit(_request(tmp_path / "out", [spec("a"), spec("b")]), owner="ann", priority=0)
+    farm.pause(b["id"], paused=True)
+    for _ in range(20):
+        farm.step()
+    assert farm.describe(b["id"])["counts"]["done"] == 0 and not _started(tmp_path / "out")
+    with pytest.raises(QueueError, match="paused: it cannot be paused"):
+        farm.pause(b["id"], paused=True)
+    farm.pause(b["id"], paused=False)
+    _serve_until_idle(farm)
+    d = farm.describe(b["id"])
+    assert d["state"] == "done" and d["counts"]["done"] == 2 and d["exit_code"] == 0
+    farm.close()
+
+
+def test_a_cancelled_batch_writes_nothing_more_and_retry_finishes_it(tmp_path: Path) -> None:
+    farm, _ = _farm(tmp_path)
+    out = tmp_path / "out"
+    b = farm.submit(_request(out, [spec("a"), spec("b")]), owner="ann", priority=0)
+    farm.cancel(b["id"])
+    _serve_until_idle(farm)
+    d = farm.describe(b["id"])
+    print(d)
+    assert d["state"] == "cancelled" and d["counts"]["cancelled"] == 2 and d["exit_code"] == 1
+    assert not list(out.glob("*/video.mp4")) and not _started(out)
+    with pytest.raises(FarmRequestError, match="none of its jobs runs or waits"):
+        farm.cancel(b["id"], job="a")
+    farm.retry(b["id"])
+    _serve_until_idle(farm)
+    assert farm.describe(b["id"])["counts"]["done"] == 2 and len(list(out.glob("*/video.mp4"))) == 2
+    farm.close()
+
+
+def test_one_job_is_cancelled_and_the_others_run(tmp_path: Path) -> None:
+    farm, _ = _farm(tmp_path)
+    b = farm.submit(_request(tmp_path / "out", [spec("a"), spec("b"), spec("c")]), owner="ann", priority=0)
+    farm.cancel(b["id"], job="b")
+    _serve_until_idle(farm)
+    d = farm.describe(b["id"])
+    assert (d["counts"]["done"], d["counts"]["cancelled"], d["state"], d["exit_code"]) == (2, 1, "failed", 1)
+    led = Ledger.open_readonly(tmp_path / "out")
+    assert {j.name: j.state for j in led.jobs()} == {"a": JobState.DONE, "b": JobState.CANCELLED, "c": JobState.DONE}
+    led.close()
+    farm.close()
+
+
+def test_a_folder_served_by_the_farm_is_not_taken_twice(tmp_path: Path) -> None:
+    farm, _ = _farm(tmp_path)
+    out = tmp_path / "out"
+    b = farm.submit(_request(out, [spec("a")]), owner="ann", priority=0)
+    farm.pause(b["id"], paused=True)
+    with pytest.raises(FarmRequestError, match=f"already served by batch {b['id']}"):
+        farm.submit(_request(out, [spec("z")]), owner="bob", priority=0)
+    farm.close()
+
+
+def test_an_idle_group_is_released_and_a_new_model_evicts_the_old(tmp_path: Path) -> None:
+    farm, ex = _farm(tmp_path, idle_release_s=0.3)
+    farm.submit(_request(tmp_path / "a", [spec("a")]), owner="ann", priority=0)
+    _serve_until_idle(farm)
+    other = JobSpec(**{**spec("b").to_dict(), "model": "other-model"})
+    farm.submit(_request(tmp_path / "b", [other]), owner="ann", priority=0)
+    _serve_until_idle(farm)
+    loads = [m for m in ex.messages if isinstance(m, LoadCall)]
+    print("loads:", loads)
+    # One GPU: the warm group unloads the first model for the second (no new group), then idles.
+    assert [(m.model, m.unload) for m in loads] == [("tiny", ()), ("other-model", ("tiny",))]
+    assert ex.groups_created == 1
+    groups = farm.scheduler.pool.describe()
+    assert [g.loads.keys() for g, _, _ in groups] == [{"other-model": None}.keys()]
+    time.sleep(0.4)
+    farm.step()
+    assert farm.scheduler.pool.describe() == []  # released after its idle time
+    farm.close()
+
+
+def test_a_broken_gpu_is_held_out_of_service_and_its_jobs_done_elsewhere(tmp_path: Path) -> None:
+    farm, ex = _farm(tmp_path, gpus=2, faults={"broken_gpu": {"gpu": 0}}, device_fault_limit=3)
+    jobs = [spec(f"j{i}", seed=i) for i in range(6)]
+    b = farm.submit(_request(tmp_path / "out", jobs), owner="ann", priority=0)
+    _serve_until_idle(farm)
+    d = farm.describe(b["id"])
+    held = [(g.id, state, g.faults) for g, state, _ in farm.scheduler.pool.describe() if state == "out of service"]
+    print(d["counts"], held, ex.groups_created)
+    assert d["counts"]["done"] == 6 and d["exit_code"] == 0  # one broken GPU does not fail the queue
+    assert len(held) == 1 and held[0][2] == 3
+    farm._publish()
+    assert [g["state"] for g in farm.snapshot()["groups"]].count("out of service") == 1
+    farm.close()
+
+
+def test_two_clients_submitting_at_once_are_both_queued(tmp_path: Path) -> None:
+    farm, _ = _farm(tmp_path)
+    loop = threading.Thread(target=farm.run, daemon=True)  # the farm's main thread, as in its process
+    results: dict[str, Any] = {}
+
+    def client(name: str) -> None:
+        results[name] = farm.ask(lambda: farm.submit(_request(tmp_path / name, [spec(name)]), owner=name,
+                                                     priority=0)).result(timeout=30)
+
+    clients = [threading.Thread(target=client, args=(n,)) for n in ("one", "two")]
+    loop.start()
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join(timeout=30)
+    queued = farm.ask(lambda: sorted(b.out_dir for b in farm.queue.batches())).result(timeout=30)
+    farm.stop()
+    loop.join(timeout=30)
+    print(results)
+    assert {r["id"] for r in results.values()} == {"b1", "b2"}
+    assert queued == [str(tmp_path / "one"), str(tmp_path / "two")]
+
+
+def test_a_request_without_the_token_is_refused(tmp_path: Path) -> None:
+    farm, _ = _farm(tmp_path)
+    token = ensure_token(farm.root)
+    assert oct((farm.root / "token").stat().st_mode & 0o777) == "0o600"
+    api = start_api(farm, token=token, host="127.0.0.1", port=0)
+    farm._publish()
+    try:
+        def get(path: str, headers: dict[str, str]) -> tuple[int, Any]:
+            req = urllib.request.Request(api.url + path, headers=headers)
+            try:
+                with urllib.request.urlopen(req, timeout=10) as resp:
+                    return resp.status, json.loads(resp.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+
+        assert get("/api/status", {})[0] == 401
+        code, body = get("/api/status", {"Authorization": "Bearer not-the-token"})
+        assert code == 401 and "token" in body["error"]
+        code, body = get("/api/status", {"Authorization": f"Bearer {token}"})
+        assert code == 200 and body["root"] == str(farm.root)
+        req = urllib.request.Request(api.url + "/api/batches/b1/pause", data=b"{}", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=10)
+        assert refused.value.code == 401
+    finally:
+        api.stop()
+        farm.close()
+
+
+def test_a_farm_started_again_continues_its_batches_from_their_ledgers(tmp_path: Path) -> None:
+    """The queue and the ledgers are the farm's whole state: a new Farm on the same folder serves
+    what the last one left, and redoes nothing done."""
+    farm, _ = _farm(tmp_path)
+    out = tmp_path / "out"
+    b = farm.submit(_request(out, [spec("a"), spec("b"), spec("c")]), owner="ann", priority=0)
+    while farm.describe(b["id"])["counts"]["done"] < 1:
+        farm.step()
+    farm.close()  # (a kill is the process-level test's: here, the state it leaves on disk)
+    done_before = {p: p.stat().st_mtime_ns for p in out.glob("*/video.mp4")}
+    sampled_before = {p: p.stat().st_mtime_ns for p in out.glob("*/latents.safetensors")}
+    assert done_before
+    again, ex = _farm(tmp_path)
+    again.resume_unfinished()
+    _serve_until_idle(again)
+    d = again.describe(b["id"])
+    assert d["state"] == "done" and d["counts"]["done"] == 3
+    assert all(p.stat().st_mtime_ns == t for p, t in {**done_before, **sampled_before}.items())  # nothing redone
+    assert len([m for m in ex.messages if isinstance(m, SampleCall)]) == 3 - len(sampled_before)
+    assert again.queue.get(b["id"]).state is BatchState.DONE
+    again.close()
