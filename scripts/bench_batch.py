@@ -298,14 +298,14 @@ def ledger_figures(render: Path, *, start_wall: float, n: int) -> dict[str, Any]
             st = led.stages(j.id)
             row = {"job": j.name, "state": j.state.value}
             row.update({s.value: st[s].seconds for s in Stage})
-            finish = [at for at, _, kind, _ in led.events(j.id) if kind == "running->done"]
-            encode = [d for _, _, kind, d in led.events(j.id) if kind == "encode"]
+            finish = [e.at for e in led.events(j.id) if e.label == "running->done"]
+            encode = [e.detail for e in led.events(j.id) if e.label == "encode"]
             row["done_after_s"] = (finish[-1] - start_wall) if finish else None
             row["encode_detail"] = encode[-1] if encode else None
             per_job.append(row)
             if j.state is JobState.DONE and finish:
                 done_at.append(finish[-1] - start_wall)
-        loads = [d for _, _, kind, d in led.events() if kind == "group-load"]
+        loads = [e.detail for e in led.events() if e.label == "group-load"]
     finally:
         led.close()
     done_at.sort()

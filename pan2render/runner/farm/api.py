@@ -91,8 +91,8 @@ def make_app(farm: Farm, *, token: str) -> web.Application:
     async def submit(request: web.Request) -> web.Response:
         data = await body(request)
         req = BatchRequest.from_json(data["request"])
-        owner, priority = str(data.get("owner") or "unknown"), int(data.get("priority", 0))
-        return await ask(lambda: farm.submit(req, owner=owner, priority=priority))
+        owner, priority, preempt = str(data.get("owner") or "unknown"), int(data.get("priority", 0)), bool(data.get("preempt"))
+        return await ask(lambda: farm.submit(req, owner=owner, priority=priority, preempt=preempt))
 
     async def one(request: web.Request) -> web.Response:
         batch_id = request.match_info["id"]

@@ -11,7 +11,6 @@ import argparse
 import getpass
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pan2render.runner.farm.client import INFO_NAME, FarmClient, FarmError, default_root, find_farm, read_token
+from pan2render.runner.farm.client import INFO_NAME, FarmClient, FarmError, default_root, find_farm
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENVIRONMENT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 START_TIMEOUT_S = 180.0  # Ray's start, the process's imports: seconds; a busy machine: more
@@ -57,6 +56,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     s.add_argument("batch", type=Path)
     s.add_argument("--out", type=Path, required=True, metavar="DIR")
     s.add_argument("--priority", type=int, default=0, help="higher runs first (default 0); then submission order")
+    s.add_argument("--preempt", action="store_true",
+                   help="its jobs may stop a lower-priority batch's sampling at a step boundary to take its GPUs "
+                        "(that job continues from its step checkpoint after)")
     s.add_argument("--wait", action="store_true", help="follow it as `run` would, with run's exit codes")
     s.add_argument("--retries", type=int, default=2, metavar="N", help="retries per job (default 2)")
     _root_arg(s)
@@ -224,11 +226,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if client is None:
         return EXIT_ENVIRONMENT
     return submit(client, batch, overrides, out=args.out, priority=args.priority, retries=args.retries,
-                  wait=args.wait)
+                  wait=args.wait, preempt=args.preempt)
 
 
 def submit(client: FarmClient, batch: Any, overrides: Any, *, out: Path, priority: int, retries: int,
-           wait: bool) -> int:
+           wait: bool, preempt: bool = False) -> int:
     from pan2render.runner.session import BatchRequest  # noqa: PLC0415
 
     if out.exists() and not out.is_dir():
@@ -237,7 +239,8 @@ def submit(client: FarmClient, batch: Any, overrides: Any, *, out: Path, priorit
     request = BatchRequest(out_dir=out.absolute(), batch=batch, overrides=overrides, retries=retries)
     log_start = _log_size(out)
     try:
-        b = client.post("/api/batches", {"request": request.to_json(), "owner": owner(), "priority": priority})
+        b = client.post("/api/batches", {"request": request.to_json(), "owner": owner(), "priority": priority,
+                                         "preempt": preempt})
     except FarmError as e:
         _err(f"error: the farm refused the batch: {e}")
         return EXIT_USAGE if e.status in (400, 409) else EXIT_ENVIRONMENT
@@ -341,4 +344,3 @@ def hand_to_farm(args: argparse.Namespace, batch: Any, overrides: Any) -> int | 
     return submit(client, batch, overrides, out=args.out, priority=0, retries=args.retries, wait=True)
 
 
-__all__ = ["add_commands", "format_status", "hand_to_farm", "read_token", "signal"]

@@ -84,13 +84,14 @@ class QueuedBatch:
     submitted_at: float
     updated_at: float
     reason: str | None  # why it is in its state (the last transition's reason)
+    preempt: bool  # its jobs may stop a lower-priority batch's sampling at a step boundary
 
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS batches (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, out_dir TEXT NOT NULL, batch_path TEXT, owner TEXT NOT NULL,
     priority INTEGER NOT NULL, state TEXT NOT NULL, job_ids TEXT NOT NULL, submitted_at REAL NOT NULL,
-    updated_at REAL NOT NULL, reason TEXT
+    updated_at REAL NOT NULL, reason TEXT, preempt INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS events (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, batch TEXT, kind TEXT NOT NULL, detail TEXT NOT NULL
@@ -144,16 +145,17 @@ class FarmQueue:
         return [{"at": at, "batch": b, "kind": k, "detail": d} for at, b, k, d in reversed(rows)]
 
     # ------------------------------------------------------------------ writing
-    def add(self, *, out_dir: str, batch_path: str | None, owner: str, priority: int, job_ids: list[str]) -> QueuedBatch:
+    def add(self, *, out_dir: str, batch_path: str | None, owner: str, priority: int, job_ids: list[str],
+            preempt: bool = False) -> QueuedBatch:
         now = time.time()
         with self._tx() as c:
             cur = c.execute("INSERT INTO batches (out_dir, batch_path, owner, priority, state, job_ids, submitted_at,"
-                            " updated_at, reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            " updated_at, reason, preempt) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                             (out_dir, batch_path, owner, priority, BatchState.ACTIVE.value, json.dumps(job_ids),
-                             now, now, "submitted"))
+                             now, now, "submitted", int(preempt)))
             seq = int(cur.lastrowid or 0)
             self._event(c, f"b{seq}", "submitted", f"{len(job_ids)} job(s) into {out_dir} by {owner}, "
-                                                   f"priority {priority}")
+                                                   f"priority {priority}" + (", preempting" if preempt else ""))
         return self.get(f"b{seq}")
 
     def transition(self, batch_id: str, event: BatchEvent, *, reason: str) -> QueuedBatch:
@@ -196,7 +198,7 @@ def _seq(batch_id: str) -> int | None:
 
 
 def _row(r: tuple[Any, ...]) -> QueuedBatch:
-    seq, out_dir, batch_path, owner, priority, state, job_ids, submitted_at, updated_at, reason = r
+    seq, out_dir, batch_path, owner, priority, state, job_ids, submitted_at, updated_at, reason, preempt = r
     return QueuedBatch(id=f"b{seq}", seq=seq, out_dir=out_dir, batch_path=batch_path, owner=owner,
                        priority=priority, state=BatchState(state), job_ids=json.loads(job_ids),
-                       submitted_at=submitted_at, updated_at=updated_at, reason=reason)
+                       submitted_at=submitted_at, updated_at=updated_at, reason=reason, preempt=bool(preempt))

@@ -140,7 +140,10 @@ class Farm:
                 fut.set_exception(e)
 
     # ================================================================== what a client can ask
-    def submit(self, request: BatchRequest, *, owner: str, priority: int) -> dict[str, Any]:
+    def submit(self, request: BatchRequest, *, owner: str, priority: int, preempt: bool = False) -> dict[str, Any]:
+        """Record the batch in its folder's ledger, queue it, serve it. ``preempt``: its jobs may stop
+        a lower-priority batch's sampling at a step boundary to take its group (that job continues
+        from its step checkpoint after)."""
         out = str(request.out_dir)
         if (other := self.queue.active_for(out)) is not None:
             raise FarmRequestError(f"{out} is already served by batch {other.id} on this farm; wait for it to end "
@@ -153,7 +156,7 @@ class Farm:
             raise FarmRequestError(str(e)) from e
         try:
             row = self.queue.add(out_dir=out, batch_path=request.batch.path, owner=owner, priority=priority,
-                                 job_ids=session.job_ids)
+                                 job_ids=session.job_ids, preempt=preempt)
         except BaseException:
             session.close()
             raise
@@ -220,7 +223,7 @@ class Farm:
         counts = s.session.counts() if s is not None else _ledger_counts(Path(row.out_dir), row.job_ids)
         running = [r.job.id for r in self.scheduler.running(s.batch)] if s is not None else []
         return {"id": row.id, "out_dir": row.out_dir, "batch": row.batch_path, "owner": row.owner,
-                "priority": row.priority, "state": row.state.value, "reason": row.reason,
+                "priority": row.priority, "preempt": row.preempt, "state": row.state.value, "reason": row.reason,
                 "submitted_at": row.submitted_at, "updated_at": row.updated_at, "counts": counts,
                 "running": running, "queued": len(self.scheduler.pending(s.batch)) if s is not None else 0,
                 "eta_s": s.batch.progress.eta_seconds() if s is not None else None,
@@ -254,7 +257,7 @@ class Farm:
         flow = BatchFlow(out_dir=session.out_dir, ledger=session.ledger, flow=PAN2_FLOW, say=session.log.line,
                          upcoming=lambda: self.scheduler.upcoming(holder["batch"]), models_per_group=1)
         batch = ServedBatch(flow=flow, progress=progress, priority=row.priority, on_job_end=report.request,
-                            paused=row.state is BatchState.PAUSED)
+                            paused=row.state is BatchState.PAUSED, preempts=row.preempt)
         holder["batch"] = batch
         jobs = session.ledger.jobs(session.job_ids)
         progress.begin(total=len(jobs), done=sum(j.state is JobState.DONE for j in jobs),
