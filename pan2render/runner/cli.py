@@ -599,6 +599,10 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 # ====================================================================== helpers
 def _err(text: str) -> None:
+    # Text the terminal's encoding cannot show (a path with bytes that are not UTF-8) is escaped,
+    # never lost with the rest of the message.
+    encoding = getattr(sys.stderr, "encoding", None) or "utf-8"
+    text = text.encode(encoding, "backslashreplace").decode(encoding, "replace")
     try:
         print(text, file=sys.stderr, flush=True)
     except (OSError, ValueError):  # the terminal went away (SIGHUP)
