@@ -715,11 +715,12 @@ class _Ctx:
 
 
 def load_batch(path: str | Path, *, check_files: bool = True, check_model: bool = True,
-               overrides: Overrides | None = None) -> Batch:
+               overrides: Overrides | None = None, say: Callable[[str], None] | None = None) -> Batch:
     """Parse, validate and resolve a batch file; raise BatchValidationError listing every problem.
 
     ``check_model=False`` plans without the checkpoint (dry runs); ``overrides`` are the
-    command line's ``--set``/``--sweep``, validated like the file and reported by flag."""
+    command line's ``--set``/``--sweep``, validated like the file and reported by flag. ``say``
+    is told when the checkpoint's weights have to be hashed (a line, before the wait)."""
     batch_path = Path(path)
     ctx = _Ctx(display=str(path), base_dir=batch_path.absolute().parent, check_files=check_files,
                check_model=check_model)
@@ -770,8 +771,8 @@ def load_batch(path: str | Path, *, check_files: bool = True, check_model: bool 
 
     weights, weights_files = None, {}
     if model != TINY_MODEL and Path(model).is_dir():
-        weights, files = folder_fingerprint(Path(model))
-        weights_files = {rel: {"size": fp.size, "sampled_sha256": fp.sampled_sha256} for rel, fp in files.items()}
+        weights, files = folder_fingerprint(Path(model), say=say)
+        weights_files = {rel: {"size": fp.size, "sha256": fp.sha256} for rel, fp in files.items()}
     jobs = _expand(raw_jobs, model=model, weights=weights, preset_name=preset_name, preset=preset,
                    defaults=defaults, sets=flags.fields, sweep=sweep, ctx=ctx)
     _check_cost(jobs, ctx)

@@ -427,7 +427,7 @@ class Batch:
     model: str
     preset: str
     jobs: list[JobSpec]
-    # The model folder's per-file fingerprints ({relpath: {"size", "sampled_sha256"}}), recorded in
+    # The model folder's per-file fingerprints ({relpath: {"size", "sha256"}}), recorded in
     # the ledger so a later change can be explained file by file; empty for the tiny model.
     weights_files: dict[str, Any] = field(default_factory=dict)
 

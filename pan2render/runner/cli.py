@@ -402,10 +402,14 @@ def _note_superseded(ledger: Ledger, batch: Batch, added: set[str], old_files: d
     changed = sorted(r for r in set(old_files) | set(batch.weights_files)
                      if old_files.get(r) != batch.weights_files.get(r))
     files = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+    # Folders recorded before the digest covered every byte hold sampled fingerprints: their
+    # jobs are superseded by the new digest alone, whether or not the weights changed.
+    sampled = any("sampled_sha256" in (fp or {}) for fp in old_files.values())
     for spec in batch.jobs:
         prev = old.get(key(spec))
         if spec.job_id in added and prev is not None and prev.spec.weights != spec.weights:
-            why = f"the weights in {spec.model} changed" + (f" ({files})" if files else "")
+            why = (f"the weights' digest of {spec.model} now covers every byte (it sampled each file before)"
+                   if sampled else f"the weights in {spec.model} changed" + (f" ({files})" if files else ""))
             ledger.log(prev.id, "superseded", f"by {spec.job_id}: {why}")
             log.line(f"{prev.id} is superseded by {spec.job_id}: {why}")
 
@@ -468,7 +472,7 @@ def _load(batch_path: Path, overrides: Overrides, *, check_model: bool) -> Batch
     from pan2render.jobs.batch import load_batch  # noqa: PLC0415
 
     try:
-        return load_batch(batch_path, overrides=overrides, check_model=check_model)
+        return load_batch(batch_path, overrides=overrides, check_model=check_model, say=_err)
     except BatchValidationError as e:
         _err(f"error: {batch_path}: {len(e.problems)} problem(s); nothing was run:")
         for problem in e.problems:

@@ -456,7 +456,7 @@ def test_an_artifact_that_always_fails_its_check_fails_the_job(
 def _checkpoint(folder: Path, fill: int) -> Path:
     (folder / "transformer").mkdir(parents=True, exist_ok=True)
     (folder / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
-    # 3 MiB: large enough that the fingerprint samples it rather than hashing all of it.
+    # 3 MiB of one byte value: a rewrite with another value keeps every size.
     (folder / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(
         bytes([fill]) * (3 << 20))
     return folder
@@ -501,3 +501,43 @@ def test_weights_changed_after_validation_fail_the_job_not_mislabel_it(
     assert summary.failed == [spec.job_id] and job.attempts == 1
     assert "weights in" in (job.error or "") and "changed since the batch was validated" in job.error
     assert not (out / spec.job_id / "latents.safetensors").exists()
+
+
+def test_run_says_when_it_hashes_weights_and_a_rerun_does_not_hash_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PAN2_RENDER_CACHE", str(tmp_path / "cache"))
+    ckpt = _checkpoint(tmp_path / "ckpt", 1)
+    for path in ckpt.rglob("*"):
+        os.utime(path, (1.7e9, 1.7e9))  # written a while ago, as a download is
+    batch = write_batch(tmp_path / "b.yaml", [{"name": "w", "prompt": "weights"}], model=str(ckpt),
+                        defaults={"steps": 2, "frames": 5, "width": 32, "height": 32})
+    out = tmp_path / "out"
+    code, err = _cli(capsys, "run", str(batch), "--out", str(out))
+    assert code == 0 and f"computing the weights digest of {ckpt}: 2 file(s), 3.0 MiB not hashed before" in err
+    code, err = _cli(capsys, "run", str(batch), "--out", str(out))
+    assert code == 0 and "computing the weights digest" not in err and "already done" in err
+
+
+def test_jobs_recorded_with_a_sampled_fingerprint_are_named_superseded_by_the_full_digest(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder rendered before the digest covered every byte: its jobs get new ids once, and `run`
+    says why (not that the weights changed)."""
+    import dataclasses
+
+    from pan2render.jobs.batch import load_batch
+
+    ckpt = _checkpoint(tmp_path / "ckpt", 1)
+    batch = write_batch(tmp_path / "b.yaml", [{"name": "w", "prompt": "weights"}], model=str(ckpt),
+                        defaults={"steps": 2, "frames": 5, "width": 32, "height": 32})
+    (spec,) = load_batch(batch).jobs
+    out = tmp_path / "out"
+    out.mkdir()
+    led = Ledger.open(out)  # what an earlier version recorded: another digest, sampled fingerprints
+    old = dataclasses.replace(spec, weights="0123456789abcdef")
+    led.record_batch({"path": str(batch), "model": str(ckpt), "preset": "tiny-preview", "weights_files": {
+        rel: {"size": fp["size"], "sampled_sha256": "0" * 64} for rel, fp in load_batch(batch).weights_files.items()}},
+        [old], retries=2)
+    led.close()
+    code, err = _cli(capsys, "run", str(batch), "--out", str(out))
+    assert code == 0 and f"{old.job_id} is superseded by {spec.job_id}: the weights' digest of {ckpt} now " \
+                         "covers every byte" in err and "changed" not in err
