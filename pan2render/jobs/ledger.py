@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from pan2render.jobs.disk import sqlite_error_name
+from pan2render.jobs.outdir import create_new, open_file, refuse_link
 from pan2render.jobs.spec import JobSpec
 
 LEDGER_NAME = "ledger.sqlite"
@@ -294,7 +295,9 @@ class Ledger:
 
     @classmethod
     def open_file(cls, path: Path) -> "Ledger":
-        """Open (creating if absent) a ledger file for writing; raises LedgerError if damaged."""
+        """Open (creating if absent) a ledger file for writing; raises LedgerError if damaged, and
+        UnsafePathError if it or its journal is a symlink (SQLite would write through it)."""
+        _refuse_links(path)
         if not path.exists():
             _create_whole(path)
         with _opening(path) as conn:
@@ -322,6 +325,8 @@ class Ledger:
         """Open an existing ledger file (the ledger or its backup) for reading only."""
         # Not `mode=ro`: a read-only connection cannot roll back the hot journal a killed driver
         # may leave, so `status` would fail until the next `resume`. query_only forbids writes.
+        # That roll-back writes, so links are refused here too.
+        _refuse_links(path)
         with _opening(path) as conn:
             conn.execute("PRAGMA query_only=ON")
             _check_integrity(conn, path, fresh_ok=False)
@@ -642,7 +647,9 @@ def _create_whole(path: Path) -> None:
 def _write_whole(dest: Path, fill: Callable[[Path], None], *, tmp: Path) -> None:
     """``fill(tmp)`` writes a database file; it is made durable and renamed to ``dest``, so
     ``dest`` is always either what it was or the whole new file. A failure leaves no temp file."""
+    refuse_link(dest)
     try:
+        os.close(create_new(tmp))  # the temp name is predictable: never a link planted there
         fill(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
@@ -669,6 +676,12 @@ def _check_integrity(conn: sqlite3.Connection, path: Path, *, fresh_ok: bool) ->
     if missing:
         raise LedgerError(path, f"lacks the table(s) {', '.join(missing)}: it is not a pan2-render ledger "
                                 "or it is damaged", _repair_hint(path))
+
+
+def _refuse_links(path: Path) -> None:
+    """The ledger and the journal SQLite writes beside it, both opened by SQLite by name."""
+    refuse_link(path)
+    refuse_link(path.with_name(path.name + "-journal"))
 
 
 def _raise_as_ledger_error(path: Path, e: sqlite3.Error) -> NoReturn:
@@ -713,7 +726,7 @@ class FolderLock:
         self.taken_over: str | None = None  # the stale holder line replaced by acquire(), if any
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_file(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

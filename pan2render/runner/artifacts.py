@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from pan2render.jobs import outdir
 from pan2render.jobs.batch import sha256_file
 from pan2render.jobs.disk import ensure_free
 from pan2render.jobs.ledger import StageRecord
@@ -43,9 +43,10 @@ class NonFiniteError(JobInputError, FloatingPointError):
     """Latents or frames contain NaN/Inf. Deterministic for a given spec, so never retried."""
 
 
-class UnsafePathError(JobInputError, OSError):
-    """A folder on an artifact's path inside DIR is a symlink or not a folder: writing through it
-    could put files outside DIR. Deterministic for the job's folder, so never retried."""
+class UnsafePathError(JobInputError):
+    """A folder on an artifact's path inside DIR is a symlink or not a folder (``outdir.real_dir``
+    refused it): writing through it could put files outside DIR. Deterministic for the job's
+    folder, so never retried."""
 
 
 # ------------------------------------------------------------------ paths
@@ -159,16 +160,10 @@ def safe_path(out_dir: Path, relpath: str) -> Path:
     parts = Path(relpath).parts
     assert parts and not Path(relpath).is_absolute() and ".." not in parts, relpath
     for name in parts[:-1]:
-        folder = folder / name
         try:
-            os.mkdir(folder)
-        except FileExistsError:
-            pass
-        mode = os.lstat(folder).st_mode
-        if not stat.S_ISDIR(mode):
-            what = "a symlink" if stat.S_ISLNK(mode) else "not a folder"
-            raise UnsafePathError(f"{folder} is {what}; pan2-render writes only into real folders inside "
-                                  f"{out_dir}: remove it (or move it away), then resume")
+            folder = outdir.real_dir(folder / name)
+        except outdir.UnsafePathError as e:  # the job's own folder: the job fails, the batch goes on
+            raise UnsafePathError(str(e)) from None
     return folder / parts[-1]
 
 
@@ -178,7 +173,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(outdir.create_new(tmp), "wb") as f:  # a predictable name: never through a link
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

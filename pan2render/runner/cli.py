@@ -260,6 +260,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             except Exception as e:  # noqa: BLE001
                 raise errors.NothingRecorded(e) from e
             log.line(f"run {args.batch} {' '.join(overrides.flags())}".rstrip())
+            _warn_if_no_backup(ledger, log)
             _note_superseded(ledger, batch, set(added), previous.get("weights_files") or {}, log)
             ids = [j.job_id for j in batch.jobs]
             _warn_if_short_of_space(out, [j for j in ledger.jobs(added)], log)
@@ -369,7 +370,15 @@ def _drive(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str], 
     finally:
         executor.shutdown()
     _print_summary(out, summary, log)
+    _warn_if_no_backup(ledger, log)
     return summary.exit_code
+
+
+def _warn_if_no_backup(ledger: Ledger, log: RunLog) -> None:
+    """The ledger's backup is taken quietly (its failure never fails a job); say when it failed."""
+    if ledger.backup_error:
+        log.line(f"warning: the ledger's backup could not be written ({ledger.backup_error}); `repair` would "
+                 f"have only the job folders to rebuild it from")
 
 
 def _run_with_report(out: Path, log: RunLog, run: Callable[[Callable[[], None]], RunSummary]) -> RunSummary:

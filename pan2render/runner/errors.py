@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pan2render.jobs.disk import is_disk_full, sqlite_error_name
 from pan2render.jobs.ledger import LedgerError
+from pan2render.jobs.outdir import UnsafePathError, create_new, real_dir
 from pan2render.runner.retry import BatchStopped, ClusterLostError
 
 LOG_DIR = "_logs"
@@ -39,7 +40,7 @@ def explain(e: BaseException, *, folder: Path | None) -> str:
     if isinstance(e, BatchStopped):
         return (f"{explain(e.cause, folder=folder)} The batch stopped: the jobs that were running went back "
                 f"to pending without being charged an attempt, finished jobs are intact.")
-    if isinstance(e, (LedgerError, ClusterLostError)):
+    if isinstance(e, (LedgerError, ClusterLostError, UnsafePathError)):
         return str(e)
     if is_disk_full(e):
         return (f"the disk holding {where} is full ({e}). Free space there (or move the folder to a larger "
@@ -69,10 +70,11 @@ def write_log(folder: Path | None, text: str) -> Path | None:
                  [Path(tempfile.gettempdir()) / "pan2-render"]
     for log_dir in candidates:
         try:
-            log_dir.mkdir(parents=True, exist_ok=True)
-            path = log_dir / name
-            path.write_text(text)
+            log_dir.parent.mkdir(parents=True, exist_ok=True)
+            path = real_dir(log_dir) / name
+            with os.fdopen(create_new(path), "w") as f:
+                f.write(text)
             return path
-        except OSError:
+        except OSError:  # a full disk, no permission, or a link at _logs: the next place
             continue
     return None

@@ -20,12 +20,15 @@ the rate is (k - 1) steps over the time between step 1 and step k, however seldo
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
+
+from pan2render.jobs.outdir import open_file
 
 RUN_LOG_NAME = "run.log"
 
@@ -75,7 +78,8 @@ class RunLog:
 
     def __init__(self, path: Path | None, *, stream: TextIO | None = None):
         self.stream: TextIO | None = stream if stream is not None else sys.stderr
-        self._file = open(path, "a", encoding="utf-8") if path is not None else None  # noqa: SIM115
+        self._file = None if path is None else os.fdopen(
+            open_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
         self.path = path
 
     @property

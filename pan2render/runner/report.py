@@ -22,12 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pan2render.jobs import outdir
 from pan2render.jobs.ledger import Event, JobRecord, JobState, Ledger, Stage, StageRecord, StageState, stage_name
 from pan2render.runner import outputs
 from pan2render.runner import artifacts as st
 from pan2render.runner.compare import comparisons
 
 REPORT_NAME = "index.html"
+# Where the report goes when DIR/index.html is a page of the user's own, which is never overwritten.
+REPORT_FALLBACK = "pan2-render-report.html"
+_OURS = (b'<meta name="generator" content="pan2-render">', b"<title>pan2-render: ")  # (the second: older pages)
 POSTER_DIR = "_report"
 POSTER_MAX_SIDE = 480  # px; a poster is shown at most ~320 px wide, and 500 of them stay small
 TILE_BOX = (320, 200)  # px: the largest a video is shown (width, height), aspect kept
@@ -226,9 +230,10 @@ def _poster(out_dir: Path, job_id: str, video: Path, sha256: str | None, say: Ca
         return None
     # A cache, remade from the video when lost: renamed into place (never half a PNG under its
     # name) but not fsynced, which would cost more than the decode for a page of small clips.
-    path.parent.mkdir(exist_ok=True)
+    outdir.real_dir(path.parent)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    tmp.write_bytes(data)
+    with os.fdopen(outdir.create_new(tmp), "wb") as f:
+        f.write(data)
     os.replace(tmp, path)
     return rel
 
@@ -373,10 +378,30 @@ def render_html(context: dict[str, Any]) -> str:
 
 
 def write_report(out_dir: Path, *, say: Callable[[str], None] = print) -> Path:
-    """Write ``DIR/index.html`` (atomically: a browser reloading it never sees half a page)."""
-    path = out_dir / REPORT_NAME
+    """Write ``DIR/index.html`` (atomically: a browser reloading it never sees half a page), or
+    ``DIR/pan2-render-report.html`` when index.html is a page of the user's own (said once, when
+    that file is first written). A symlink at either name is refused (UnsafePathError)."""
+    path = report_path(out_dir)
+    outdir.refuse_link(path)
+    if path.name == REPORT_FALLBACK and not path.exists():
+        say(f"report: {out_dir / REPORT_NAME} is not a pan2-render report: it is left as it is, and the report "
+            f"is written to {path}")
     st.write_atomic(path, render_html(report_context(out_dir, say=say)).encode())
     return path
+
+
+def report_path(out_dir: Path) -> Path:
+    """Where the report of ``out_dir`` is: index.html unless that is a page of the user's own."""
+    path = out_dir / REPORT_NAME
+    try:
+        fd = outdir.open_file(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return path
+    except outdir.UnsafePathError:
+        return path  # refused by the writer, naming it
+    with os.fdopen(fd, "rb") as f:
+        head = f.read(4096)
+    return path if any(mark in head for mark in _OURS) else out_dir / REPORT_FALLBACK
 
 
 def open_in_browser(path: Path) -> bool:

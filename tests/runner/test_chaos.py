@@ -384,7 +384,7 @@ def test_a_symlink_planted_at_a_job_folder_is_not_followed(tmp_path: Path,
     led = Ledger.open_readonly(out)
     job = led.job(victim)
     led.close()
-    assert job.state is JobState.FAILED and "is a symlink" in (job.error or "") and job.attempts == 1
+    assert job.state is JobState.FAILED and "is a symbolic link" in (job.error or "") and job.attempts == 1
 
 
 # ------------------------------------------------------------------------------ durability rules
@@ -541,3 +541,74 @@ def test_jobs_recorded_with_a_sampled_fingerprint_are_named_superseded_by_the_fu
     code, err = _cli(capsys, "run", str(batch), "--out", str(out))
     assert code == 0 and f"{old.job_id} is superseded by {spec.job_id}: the weights' digest of {ckpt} now " \
                          "covers every byte" in err and "changed" not in err
+
+
+# ------------------------------------------------------------------------- links at fixed names
+# name -> what the run does with a symlink there: refuse (exit 3, naming it) or go on without
+# writing through it (exit 0).
+FIXED_NAMES = {".lock": "refuse", "run.log": "refuse", LEDGER_NAME: "refuse", f"{LEDGER_NAME}-journal": "refuse",
+               BACKUP_NAME: "go on", "index.html": "go on", "_report": "go on", "_logs": "go on",
+               f".{BACKUP_NAME}.tmp-PID": "go on", ".index.html.tmp-PID": "go on"}
+
+
+@pytest.mark.parametrize("name", sorted(FIXED_NAMES))
+def test_a_symlink_at_a_fixed_name_is_never_written_through(tmp_path: Path, name: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    out, outside = tmp_path / "out", tmp_path / "outside"
+    out.mkdir()
+    outside.mkdir()
+    folder = name.startswith("_")
+    target = outside / "target"
+    if folder:
+        target.mkdir()
+    else:
+        target.write_text("precious\n")
+    (out / name.replace("PID", str(os.getpid()))).symlink_to(target)
+    if name == "_logs":  # something for the run to log: a ledger that is garbage
+        (out / LEDGER_NAME).write_bytes(os.urandom(8192))
+    code, err = _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))
+    assert (list(target.iterdir()) == []) if folder else (target.read_text() == "precious\n")
+    if FIXED_NAMES[name] == "refuse":
+        assert code == 3 and f"{out / name} is a symbolic link" in err and "remove it" in err
+        assert len(err.strip().splitlines()) <= 2
+    elif name == "_logs":
+        assert code == 3 and "details: " in err and str(outside) not in err
+    else:
+        assert code == 0 and _states(out)["j0"][0] == "done"
+        if name == BACKUP_NAME:
+            assert f"{out / BACKUP_NAME} is a symbolic link" in err  # the run says the copy is not kept
+        if name in ("index.html", "_report"):
+            assert "report: could not write" in err and "is a symbolic link" in err
+
+
+def test_a_users_own_index_html_is_left_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    mine = "<!doctype html><title>my notes on these renders</title>\n"
+    (out / "index.html").write_text(mine)
+    code, err = _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))
+    assert code == 0 and (out / "index.html").read_text() == mine
+    assert f"{out / 'index.html'} is not a pan2-render report: it is left as it is" in err
+    assert err.count("is not a pan2-render report") == 1  # said once, not at every rewrite
+    assert "j0" in (out / "pan2-render-report.html").read_text()
+    code, text = _cli(capsys, "report", str(out))
+    assert code == 0 and text.strip() == str(out / "pan2-render-report.html")
+    (out / "index.html").unlink()  # the user moved theirs away: the report takes its usual name
+    assert _cli(capsys, "report", str(out))[1].strip() == str(out / "index.html")
+
+
+def test_write_atomic_never_leaves_a_half_written_file_at_its_name(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The write fails before its rename (here the fsync: a full disk, an I/O error): the path
+    still holds the old file, whole, and no temp file is left."""
+    path = tmp_path / "video.mp4"
+    path.write_bytes(b"the old video, whole")
+
+    def fsync(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(OSError):
+        artifacts.write_atomic(path, b"the new video" * 1000)
+    assert path.read_bytes() == b"the old video, whole"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["video.mp4"]
