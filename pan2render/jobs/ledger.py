@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from pan2render.hints import command
 from pan2render.jobs.disk import sqlite_error_name
 from pan2render.jobs.outdir import create_new, open_file, refuse_link
 from pan2render.jobs.spec import JobSpec
@@ -67,7 +68,7 @@ class LedgerError(RuntimeError):
 
 
 def _repair_hint(path: Path) -> str:
-    return (f"`pan2-render repair {path.parent}` rebuilds it from its backup and the finished artifacts "
+    return (f"`{command('repair', path.parent)}` rebuilds it from its backup and the finished artifacts "
             f"(the damaged file is kept beside it)")
 
 
@@ -316,7 +317,7 @@ class Ledger:
         if not path.is_file():
             raise FileNotFoundError(
                 f"no ledger at {path}: {out_dir} is not a pan2-render output folder "
-                f"(create one with `pan2-render run BATCH --out {out_dir}`)"
+                f"(create one with `{command('run', 'BATCH', '--out', out_dir)}`)"
             )
         return cls.open_file_readonly(path)
 
@@ -669,9 +670,9 @@ def _check_integrity(conn: sqlite3.Connection, path: Path, *, fresh_ok: bool) ->
     if not tables and fresh_ok:
         return
     if not tables:
-        raise LedgerError(path, "is empty (no batch was ever recorded in it)",
-                          f"start the batch again with `pan2-render run BATCH --out {path.parent}`, or "
-                          + _repair_hint(path))
+        raise LedgerError(path, "is empty (no batch was ever recorded in it, or it was emptied)",
+                          _repair_hint(path) + "; if the batch never ran, start it with "
+                          f"`{command('run', 'BATCH', '--out', path.parent)}`")
     missing = [t for t in _TABLES if t not in tables]
     if missing:
         raise LedgerError(path, f"lacks the table(s) {', '.join(missing)}: it is not a pan2-render ledger "
@@ -728,7 +729,7 @@ class FolderLock:
     def acquire(self) -> None:
         fd = open_file(self.path, os.O_RDWR | os.O_CREAT)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock_soon(fd, fcntl.LOCK_EX)
         except BlockingIOError:
             holder = _describe_holder(os.read(fd, 4096).decode(errors="replace"))
             os.close(fd)
@@ -745,6 +746,31 @@ class FolderLock:
         self._fd = fd
         self.taken_over = previous or None  # the stale holder we replaced, if any
 
+    @staticmethod
+    def holder(out_dir: str | Path) -> dict[str, Any] | None:
+        """The live run holding ``out_dir`` (its holder line: pid, host, started; ``{}`` when it has
+        not written one yet), or None. Asked of the kernel, which drops the lock of a process that
+        died, by taking a shared lock for an instant: a pid in the holder line proves nothing (it
+        may be of another PID namespace, or reused)."""
+        path = Path(out_dir) / LOCK_NAME
+        try:
+            fd = open_file(path, os.O_RDONLY)
+        except OSError:  # no lock file (never run), or one that is not ours to read (a link)
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    h = json.loads(os.read(fd, 4096).decode(errors="replace") or "{}")
+                except ValueError:
+                    h = {}
+                return h if isinstance(h, dict) else {}
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        finally:
+            os.close(fd)
+
     def release(self) -> None:
         if self._fd is not None:
             os.ftruncate(self._fd, 0)
@@ -758,6 +784,21 @@ class FolderLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _flock_soon(fd: int, operation: int, *, patience_s: float = 1.0) -> None:
+    """``flock(fd, operation | LOCK_NB)``, tried again for up to ``patience_s``: ``status`` takes a
+    shared lock for an instant to see whether a run holds the folder. A run holding it answers
+    BlockingIOError after the wait."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def _describe_holder(text: str) -> str:

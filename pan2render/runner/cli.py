@@ -2,8 +2,8 @@
 
 Exit codes: 0 every job done, 1 some job failed, 2 invalid input or usage (nothing written),
 3 the environment failed (disk full, permission, damaged ledger, lost cluster: one paragraph on the
-terminal, the traceback in DIR/_logs/), 130 interrupted (Ctrl-C, SIGTERM or SIGHUP; finished
-stages kept, `resume` continues).
+terminal, the traceback in DIR/_logs/), 4 (status only, views.status_code) not finished,
+130 interrupted (Ctrl-C, SIGTERM or SIGHUP; finished stages kept, `resume` continues).
 Environment (for tests and debugging, not user settings):
     PAN2_RENDER_EXECUTOR  "local": run jobs in this process (LocalExecutor), no Ray; for tests of the
                           CLI's behaviour around the driver (ledger, disk, messages)
@@ -34,7 +34,16 @@ from typing import TYPE_CHECKING, Any
 import pan2render
 from pan2render.jobs import disk
 from pan2render.jobs.batch import Overrides, list_presets, preset_text
-from pan2render.jobs.ledger import LEDGER_NAME, FolderLock, FolderLockedError, JobRecord, JobState, Ledger
+from pan2render.hints import command
+from pan2render.jobs.ledger import (
+    BACKUP_NAME,
+    LEDGER_NAME,
+    FolderLock,
+    FolderLockedError,
+    JobRecord,
+    JobState,
+    Ledger,
+)
 from pan2render.jobs.spec import Batch, BatchValidationError, JobSpec
 from pan2render.runner import errors
 from pan2render.runner.executor import LOCAL_ADDRESS
@@ -64,12 +73,18 @@ def main(argv: list[str] | None = None) -> int:
         if renders:
             where = getattr(args, "out", None) or getattr(args, "dir", None)
             by = f" by {_stopped_by[-1]}" if _stopped_by else ""
-            _err(f"\ninterrupted{by}; finished stages are kept: `{_me()} resume {where}` continues")
+            if _recorded(where):
+                _err(f"\ninterrupted{by}; finished stages are kept: `{_cmd('resume', where)}` continues")
+            else:
+                _err(f"\ninterrupted{by}; nothing was recorded in {where}: run the same command again")
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - never a traceback on the terminal: one paragraph + a log
         folder = getattr(args, "out", None) or getattr(args, "dir", None)
         log = errors.write_log(folder, traceback.format_exc())
-        _err(f"error: {errors.explain(e, folder=folder)}" + (f"\n(details: {log})" if log is not None else ""))
+        # `resume` only where a batch is recorded to resume; else the command itself, once fixed.
+        again = _cmd("resume", folder) if renders and _recorded(folder) else None
+        _err(f"error: {errors.explain(e, folder=folder, resume=again)}"
+             + (f"\n(details: {log})" if log is not None else ""))
         return EXIT_ENVIRONMENT
 
 
@@ -245,6 +260,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_OK
     out.mkdir(parents=True, exist_ok=True)
     with FolderLock(out):
+        if (why := _unrecorded_work(out)) is not None:
+            _err(f"error: {why}")
+            return EXIT_ENVIRONMENT
         try:
             ledger = Ledger.open(out)
         except Exception as e:  # noqa: BLE001 - told apart by errors.explain
@@ -278,7 +296,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
         return err
     out: Path = args.dir
     if not (out / LEDGER_NAME).is_file():
-        _err(f"error: {out} has no {LEDGER_NAME}: nothing to resume (start with `{_me()} run BATCH --out {out}`)")
+        _err(f"error: {out} has no {LEDGER_NAME}: nothing to resume (if a batch ran there, `{_cmd('repair', out)}` "
+             f"rebuilds it from the job folders; else start with `{_cmd('run', 'BATCH', '--out', out)}`)")
         return EXIT_USAGE
     with FolderLock(out):
         if not _holds_a_batch(out, "nothing was resumed"):  # checked read-only: an empty file stays so
@@ -305,10 +324,47 @@ def _holds_a_batch(out: Path, consequence: str) -> bool:
             return True
     finally:
         ledger.close()
-    _err(f"error: the ledger {ledger.path} holds no batch (the batch was never recorded, or the file was "
-          f"emptied); {consequence}. Start the batch with `pan2-render run BATCH --out {out}`, or if it had "
-          f"run, `pan2-render repair {out}` rebuilds the ledger from its backup and the artifacts")
+    _err(f"error: the ledger {ledger.path} holds no batch (the file was emptied, or the batch was never "
+          f"recorded); {consequence}. If the batch had run, `{_cmd('repair', out)}` rebuilds the ledger from its "
+          f"backup and the artifacts; if it never ran, start it with `{_cmd('run', 'BATCH', '--out', out)}`")
     return False
+
+
+def _recorded(out: Path | None) -> bool:
+    """Does ``out`` hold a ledger with a recorded batch (so that `resume` has something to do)?"""
+    if out is None or not (out / LEDGER_NAME).is_file() or (out / LEDGER_NAME).stat().st_size == 0:
+        return False  # (an empty file is what SQLite calls an empty database)
+    try:
+        ledger = Ledger.open_readonly(out)
+    except Exception:  # noqa: BLE001 - damaged or unreadable: its own message says what to do
+        return True
+    try:
+        return ledger.has_batch()
+    finally:
+        ledger.close()
+
+
+def _unrecorded_work(out: Path) -> str | None:
+    """Why ``run`` must not start in ``out``: its ledger is gone or holds no batch, yet job folders
+    with artifacts are there (a ledger deleted or emptied). A run would record a new batch and
+    render those jobs again over their videos; `repair` rebuilds the ledger from them. None when
+    there is nothing of the kind."""
+    from pan2render.runner.repair import JOB_FILES  # noqa: PLC0415 - numpy, safetensors
+
+    if _recorded(out) or not out.is_dir():
+        return None
+    folders = sorted(f.name for f in out.iterdir()
+                     if not f.name.startswith((".", "_")) and not f.is_symlink() and f.is_dir()
+                     and any((f / name).is_file() for name in JOB_FILES))
+    backup = (out / BACKUP_NAME).is_file() and not (out / BACKUP_NAME).is_symlink()
+    if not folders and not backup:
+        return None
+    found = " and ".join(([f"{len(folders)} job folder(s) with rendered artifacts (e.g. {folders[0]})"] if folders
+                          else []) + ([f"the ledger's backup {BACKUP_NAME}"] if backup else []))
+    return (f"{out} holds {found}, but its ledger {LEDGER_NAME} is missing or holds no batch (deleted or emptied): "
+            f"a run now would render those jobs again over their videos. `{_cmd('repair', out)}` rebuilds the "
+            f"ledger from them (with `--batch BATCH` for jobs that left nothing on disk); then run again. "
+            f"Nothing was written.")
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
@@ -350,6 +406,11 @@ def _drive(args: argparse.Namespace, out: Path, ledger: Ledger, ids: list[str], 
     try:
         executor = make_executor(address=_address(args), cpu_gpus=args.cpu_gpus,
                                  max_gpus=max(j.spec.gpus for j in jobs), say=log.line)
+    except SystemExit as e:
+        # While ray.init starts or joins Ray, its own SIGTERM handler stands in for ours and ends
+        # the process with sys.exit: the same stop as any other, with its message.
+        _stopped_by.append(signal.Signals.SIGTERM.name)
+        raise KeyboardInterrupt(signal.Signals.SIGTERM.name) from e
     except ClusterConnectError as e:
         log.line(f"error: {e}")
         return EXIT_USAGE
@@ -392,6 +453,22 @@ def _run_with_report(out: Path, log: RunLog, run: Callable[[Callable[[], None]],
     finally:
         if (path := report.close()) is not None:
             log.line(f"report: {path}")
+
+
+def _address_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the cluster address (--address or RAY_ADDRESS) as written, before
+    anything is recorded; None if it has a form Ray takes."""
+    from pan2render.runner.cluster import RAY_CLIENT_SCHEME, parse_gcs_address  # noqa: PLC0415
+
+    address = _address(args)
+    if address is None or address in ("auto", LOCAL_ADDRESS):
+        return None
+    rest = address.removeprefix(RAY_CLIENT_SCHEME)
+    if "://" not in rest and parse_gcs_address(rest) is not None:
+        return None
+    given = f"--address {address}" if args.address else f"RAY_ADDRESS={address} (set in the environment)"
+    return (f"{given}: not a Ray cluster address; allowed: auto, local, HOST:PORT (the head's GCS, e.g. "
+            f"10.0.0.5:6379) or ray://HOST:PORT (a Ray client)")
 
 
 def _address(args: argparse.Namespace) -> str | None:
@@ -438,9 +515,9 @@ def _warn_if_short_of_space(out: Path, jobs: list[JobRecord], log: RunLog) -> No
 
 def _print_summary(out: Path, s: RunSummary, log: RunLog) -> None:
     log.line(f"{len(s.done)} done, {len(s.failed)} failed in {s.seconds:.1f} s "
-             f"({s.groups_created} worker group(s) started); see `{_me()} status {out}`")
+             f"({s.groups_created} worker group(s) started); see `{_cmd('status', out)}`")
     for jid in s.failed:
-        log.line(f"  failed: {jid}  (`{_me()} show {out} {jid}` has its traceback)")
+        log.line(f"  failed: {jid}  (`{_cmd('show', out, jid)}` has its traceback)")
 
 
 # ====================================================================== validate / dry run
@@ -492,7 +569,7 @@ def _load(batch_path: Path, overrides: Overrides, *, check_model: bool) -> Batch
 # ====================================================================== status / show
 def cmd_status(args: argparse.Namespace) -> int:
     from pan2render.runner.report import job_statuses  # noqa: PLC0415
-    from pan2render.runner.views import format_status, holder  # noqa: PLC0415
+    from pan2render.runner.views import format_status, holder, status_code  # noqa: PLC0415
 
     if not (args.dir / LEDGER_NAME).is_file():
         _err(f"error: no ledger at {args.dir / LEDGER_NAME}: {args.dir} is not a pan2-render output folder")
@@ -500,24 +577,24 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not _holds_a_batch(args.dir, "there is no status to show"):
         return EXIT_USAGE
     while True:
+        live = holder(args.dir) is not None  # before the ledger: a run that ends meanwhile reads as done
         ledger = Ledger.open_readonly(args.dir)
         try:
             if args.json:
                 rows = job_statuses(args.dir, ledger)
-                text = json.dumps([r.to_json() for r in rows], indent=1)
-                failed = any(r.state == "failed" or r.problem for r in rows)
+                text, code = json.dumps([r.to_json() for r in rows], indent=1), status_code(rows)
             else:
-                text, failed = format_status(args.dir, ledger)
+                text, code = format_status(args.dir, ledger)
         finally:
             ledger.close()
         if args.watch is None:
             print(text)
-            return EXIT_FAILED if failed else EXIT_OK
+            return code
         if sys.stdout.isatty():
             sys.stdout.write("\x1b[H\x1b[J")  # redraw from the top of the screen
         print(f"{text}\n(every {args.watch:g} s; Ctrl-C to stop watching, the run carries on)", flush=True)
-        if holder(args.dir) is None:
-            return EXIT_FAILED if failed else EXIT_OK
+        if not live:
+            return code
         time.sleep(args.watch)
 
 
@@ -545,6 +622,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     if not (args.dir / LEDGER_NAME).is_file():
         _err(f"error: {args.dir} has no {LEDGER_NAME}; nothing to report")
+        return EXIT_USAGE
+    if not _holds_a_batch(args.dir, "there is nothing to report"):
         return EXIT_USAGE
     path = write_report(args.dir)
     print(path)
@@ -622,6 +701,11 @@ def _err(text: str) -> None:
         pass
 
 
+def _cmd(*words: str | Path) -> str:
+    """A pan2-render command to paste, as this program can be called (see _me), shell-quoted."""
+    return command(*words, program=_me())
+
+
 def _me() -> str:
     """How to call this command again, as typed: ``pan2-render`` when that name on PATH is this
     program, else its full path (a venv that is not activated)."""
@@ -649,7 +733,7 @@ def _check_cluster_args(args: argparse.Namespace) -> int | None:
     else:
         from pan2render.runner.cluster import ray_client_missing  # noqa: PLC0415
 
-        problem = ray_client_missing(_address(args))
+        problem = _address_problem(args) or ray_client_missing(_address(args))
     if problem is None and _address(args) and not getattr(args, "dry_run", False):
         from pan2render.runner.cluster import ClusterConnectError, probe_address  # noqa: PLC0415
 

@@ -123,8 +123,9 @@ class _Running:
 
 
 def duration(seconds: float) -> str:
-    """Seconds as people read them: 42s, 3m05s, 2h10m."""
-    s = int(round(seconds))
+    """Seconds as people read them: 42s, 3m05s, 2h10m. Never negative: a span between stamps of
+    two clocks (a clock stepped back, another host's) shows as 0s."""
+    s = max(0, int(round(seconds)))
     if s < 60:
         return f"{s}s"
     if s < 3600:

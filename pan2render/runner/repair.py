@@ -32,6 +32,10 @@ from pan2render.runner.stages import PAN2_FLOW
 from pan2render.runner.outputs import PARAMS_NAME
 
 
+# What a job folder holds that repair reads (a spec) or re-checks (an artifact).
+JOB_FILES = (PARAMS_NAME, artifacts.LATENTS_NAME, artifacts.VIDEO_NAME)
+
+
 @dataclass
 class RepairSummary:
     jobs: int = 0

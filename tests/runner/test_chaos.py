@@ -612,3 +612,180 @@ def test_write_atomic_never_leaves_a_half_written_file_at_its_name(tmp_path: Pat
         artifacts.write_atomic(path, b"the new video" * 1000)
     assert path.read_bytes() == b"the old video, whole"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["video.mp4"]
+
+
+# ----------------------------------------------------------------------------- status and hints
+def _add_running_job(out: Path, tmp_path: Path, name: str = "late") -> str:
+    """A job the ledger says is running: recorded and started by a driver (that may since have died)."""
+    from pan2render.jobs.batch import load_batch
+    from pan2render.jobs.ledger import JobEvent
+
+    batch = write_batch(tmp_path / f"{name}.yaml", [{"name": name, "prompt": "later"}],
+                        defaults={"steps": 2, "frames": 5, "width": 32, "height": 32})
+    (spec,) = load_batch(batch).jobs
+    led = Ledger.open(out)
+    led.add_jobs([spec], retries=2)
+    led.transition(spec.job_id, JobEvent.START, reason="on group g0")
+    led.close()
+    return spec.job_id
+
+
+def test_status_exit_codes_are_the_readmes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """0 every job done, 1 some job failed (or a done job's video is missing), 4 not finished."""
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path, 2)), "--out", str(out))[0] == 0
+    assert _cli(capsys, "status", str(out))[0] == 0 and _cli(capsys, "status", str(out), "--json")[0] == 0
+    jid = _add_running_job(out, tmp_path)
+    for args in (("status", str(out)), ("status", str(out), "--json")):
+        code, text = _cli(capsys, *args)
+        assert code == 4, text
+    monkeypatch.setenv("PAN2_RENDER_FAULTS", '{"fail": {"job": "late", "stage": "sampling", "raise": "JobInputError"}}')
+    assert _cli(capsys, "resume", str(out))[0] == 1
+    assert _cli(capsys, "status", str(out))[0] == 1 and jid
+    # The failed job's batch is edited and run again: its new version is done, the old one is
+    # superseded and no longer counts.
+    monkeypatch.delenv("PAN2_RENDER_FAULTS")
+    batch = write_batch(tmp_path / "late2.yaml", [{"name": "late", "prompt": "later, fixed"}],
+                        defaults={"steps": 2, "frames": 5, "width": 32, "height": 32})
+    assert _cli(capsys, "run", str(batch), "--out", str(out))[0] == 0
+    code, text = _cli(capsys, "status", str(out))
+    assert code == 0 and "superseded by" in text
+
+
+def test_status_of_a_held_folder_says_running_whatever_its_holder_line_says(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The kernel's lock is the truth: a holder line with a pid from another PID namespace (a run in
+    a container), or none yet (the instant between truncate and write), still means running."""
+    import json
+    import socket
+
+    from pan2render.jobs.ledger import FolderLock
+
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))[0] == 0
+    _add_running_job(out, tmp_path)
+    with FolderLock(out):
+        for line in (json.dumps({"pid": 2**22 + 12345, "host": socket.gethostname(), "started": "x"}), ""):
+            (out / ".lock").write_text(line)
+            code, text = _cli(capsys, "status", str(out))
+            assert code == 4 and "\nrunning" in text and "not running" not in text
+            assert "interrupted" not in text
+
+
+def test_status_shows_the_running_jobs_of_a_dead_run_as_interrupted(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))[0] == 0
+    jid = _add_running_job(out, tmp_path)
+    code, text = _cli(capsys, "status", str(out))
+    row = next(line for line in text.splitlines() if jid in line)
+    assert code == 4 and "not running" in text and row.startswith("interrupted")
+    assert f"`pan2-render resume {out}` continues" in text
+    code, text = _cli(capsys, "status", str(out), "--json")
+    assert '"state": "interrupted"' in text
+
+
+@pytest.mark.parametrize("how", ["delete", "zero"])
+def test_run_into_a_folder_whose_ledger_is_gone_refuses_before_overwriting(
+        tmp_path: Path, how: str, capsys: pytest.CaptureFixture[str]) -> None:
+    out, batch = tmp_path / "out", _batch(tmp_path)
+    assert _cli(capsys, "run", str(batch), "--out", str(out))[0] == 0
+    videos = _video_ids(out)
+    _damage(out / LEDGER_NAME, how)
+    before = sorted(p.name for p in out.iterdir())
+    code, err = _cli(capsys, "run", str(batch), "--out", str(out))
+    assert code == 3 and f"pan2-render repair {out}" in err and "nothing was written" in err.lower()
+    assert f"{N_JOBS} job folder(s)" in err
+    assert _video_ids(out) == videos and sorted(p.name for p in out.iterdir()) == before
+    assert _cli(capsys, "repair", str(out))[0] == 0
+    code, err = _cli(capsys, "run", str(batch), "--out", str(out))
+    assert code == 0 and f"all {N_JOBS} job(s) already done" in err and _video_ids(out) == videos
+
+
+def test_an_emptied_ledger_is_explained_with_repair_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))[0] == 0
+    led = Ledger.open(out)
+    led._conn.execute("DELETE FROM stages")
+    led._conn.execute("DELETE FROM jobs")  # a ledger with its tables and no batch
+    led.close()
+    for command in ("resume", "status", "report"):
+        code, err = _cli(capsys, command, str(out))
+        assert code == 2 and "holds no batch" in err, command
+        assert err.index(f"pan2-render repair {out}") < err.index("pan2-render run BATCH"), err
+
+
+def test_hints_are_commands_that_can_be_pasted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+    import shlex
+
+    out = tmp_path / "Dan's renders" / "sweep 1"
+    monkeypatch.setenv("PAN2_RENDER_FAULTS", '{"fail": {"job": "j0", "stage": "sampling", "raise": "JobInputError"}}')
+    code, err = _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))
+    _damage(out / LEDGER_NAME, "garbage")
+    err += _cli(capsys, "status", str(out))[1]
+    hints = re.findall(r"`(pan2-render [^`]*)`", err)
+    print(hints)
+    assert {"status", "show", "repair"} <= {h.split()[1] for h in hints}
+    for hint in hints:
+        assert str(out) in shlex.split(hint), hint
+
+
+def test_a_bad_ray_address_is_refused_before_anything_is_recorded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("PAN2_RENDER_EXECUTOR")
+    out = tmp_path / "out"
+    for address in ("garbage", "http://head:8265", "head:port"):
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        code, err = _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))
+        assert code == 2 and f"RAY_ADDRESS={address}" in err and "allowed: auto, local, HOST:PORT" in err
+        assert "likely a bug" not in err and not out.exists()
+
+
+def test_sigterm_while_ray_starts_is_an_interruption(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """ray.init installs a SIGTERM handler of its own that calls sys.exit(15) while it starts."""
+    def init(self: LocalExecutor, **kw: Any) -> None:
+        sys.exit(15)
+
+    monkeypatch.setattr(LocalExecutor, "__init__", init)
+    out = tmp_path / "out"
+    code, err = _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))
+    assert code == 130 and "interrupted by SIGTERM" in err and f"pan2-render resume {out}` continues" in err
+    assert _states(out)["j0"][0] == "pending"
+
+
+def test_no_resume_hint_where_nothing_was_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from pan2render.jobs import ledger
+
+    def interrupted(*a: Any, **kw: Any) -> None:
+        raise KeyboardInterrupt
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(ledger.Ledger, "record_batch", interrupted)
+    code, err = _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))
+    assert code == 130 and "pan2-render resume" not in err and "run the same command again" in err
+
+    def broken(*a: Any, **kw: Any) -> None:
+        raise ValueError("something unexpected")
+
+    monkeypatch.setattr(ledger.Ledger, "record_batch", broken)
+    code, err = _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))
+    assert code == 3 and "pan2-render resume" not in err and "run the same command again" in err
+
+
+def test_a_clock_stepped_back_never_shows_a_negative_elapsed(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    import time
+
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))[0] == 0
+    led = Ledger.open(out)
+    runs = led.get_meta("runs")
+    led.set_meta("runs", [{**runs[-1], "started": time.time() + 3600}])  # recorded by a clock an hour ahead
+    led.close()
+    code, text = _cli(capsys, "status", str(out))
+    assert "elapsed 0s" in text and "elapsed -" not in text
