@@ -24,10 +24,11 @@ Stage rows (one per job and :class:`Stage`) go pending -> running -> done | fail
 running when its job leaves ``running`` any other way than ``finish`` is put back to pending.
 
 Damage: opening checks the file (``PRAGMA quick_check``, the schema) and raises :class:`LedgerError`
-naming the path and what to do, never a raw ``sqlite3`` error. A copy is kept at safe points (once
-the batch is recorded, after each job done) with SQLite's online backup API in
-``ledger.sqlite.bak``, so a damaged ledger loses at most the last job's record; ``pan2-render
-repair`` rebuilds from that copy and from the artifacts on disk.
+naming the path and what to do, never a raw ``sqlite3`` error. A copy is kept in
+``ledger.sqlite.bak``: whole (SQLite's online backup API) once a batch is recorded, then brought up
+to date with each job's rows as it is done, so a damaged ledger loses at most the last job's record
+and a batch's backups cost in proportion to it; ``pan2-render repair`` rebuilds from that copy and
+from the artifacts on disk.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from pan2render.hints import command
-from pan2render.jobs.disk import sqlite_error_name
+from pan2render.jobs.disk import is_disk_full, sqlite_error_name
 from pan2render.jobs.outdir import create_new, open_file, refuse_link
 from pan2render.jobs.spec import JobSpec
 
@@ -55,6 +56,8 @@ BACKUP_NAME = "ledger.sqlite.bak"
 LOCK_NAME = ".lock"
 SCHEMA_VERSION = 1
 _TABLES = ("meta", "jobs", "stages", "events")
+# A job's rows, by table and the column naming the job: what a backup after the job copies.
+_JOB_ROWS = (("jobs", "id"), ("stages", "job_id"), ("documents", "job_id"))
 
 
 class LedgerError(RuntimeError):
@@ -353,11 +356,47 @@ class Ledger:
         _write_whole(dest, fill, tmp=self.path.with_name(f".{BACKUP_NAME}.tmp-{os.getpid()}"))
         return dest
 
-    def backup_quietly(self) -> None:
-        """A backup at a safe point. Its failure (e.g. the disk just filled) never fails the change
-        it follows; the next safe point tries again, and ``backup_error`` says why it failed."""
-        try:
+    def backup_job(self, job_id: str) -> None:
+        """Bring the backup up to date with one job's rows (the job, its stages, its documents) in
+        one transaction on the backup file: a write the size of the job, where a whole copy after
+        every job made a batch's backups quadratic in its length. A backup that is absent or not a
+        ledger is made whole instead."""
+        dest = self.path.with_name(BACKUP_NAME)
+        _refuse_links(dest)
+        if not dest.is_file() or dest.stat().st_size == 0:
             self.backup()
+            return
+        rows = {table: self._conn.execute(f"SELECT * FROM {table} WHERE {key} = ?", (job_id,)).fetchall()
+                for table, key in _JOB_ROWS}
+        try:
+            target = sqlite3.connect(dest, timeout=10.0, isolation_level=None)
+        except sqlite3.Error:
+            self.backup()
+            return
+        try:
+            target.execute("PRAGMA synchronous=FULL")
+            target.execute("BEGIN IMMEDIATE")
+            for table, found in rows.items():
+                for row in found:
+                    target.execute(f"INSERT OR REPLACE INTO {table} VALUES ({', '.join('?' * len(row))})", row)
+            target.execute("COMMIT")
+            return
+        except sqlite3.DatabaseError as e:
+            if is_disk_full(e):
+                raise
+        finally:
+            target.close()  # (an unfinished transaction is rolled back)
+        self.backup()  # not a ledger's copy (damaged, or of another schema): a whole one
+
+    def backup_quietly(self, job_id: str | None = None) -> None:
+        """A backup at a safe point: the whole ledger, or only ``job_id``'s rows. Its failure (e.g.
+        the disk just filled) never fails the change it follows; the next safe point tries again,
+        and ``backup_error`` says why it failed."""
+        try:
+            if job_id is None:
+                self.backup()
+            else:
+                self.backup_job(job_id)
             self.backup_error = None
         except (OSError, sqlite3.Error) as e:
             self.backup_error = f"{type(e).__name__}: {e}"
@@ -498,7 +537,7 @@ class Ledger:
                 if row and row[0]:
                     self._event(c, job_id, EventKind.TRACEBACK, row[0])
         if event is JobEvent.FINISH:
-            self.backup_quietly()  # a safe point: a damaged ledger then loses at most this job
+            self.backup_quietly(job_id)  # a safe point: a damaged ledger then loses at most this job
         return new
 
     def restore_job(self, spec: JobSpec, *, state: JobState, attempts: int, retries: int,
@@ -554,6 +593,10 @@ class Ledger:
         row = self._conn.execute("SELECT body FROM documents WHERE job_id = ? AND name = ?",
                                  (job_id, name)).fetchone()
         return None if row is None else row[0]
+
+    def documents(self, job_id: str) -> dict[str, str]:
+        """Every document recorded for the job: name -> text."""
+        return dict(self._conn.execute("SELECT name, body FROM documents WHERE job_id = ?", (job_id,)).fetchall())
 
     def set_document(self, job_id: str, name: str, body: str) -> None:
         with self._tx() as c:

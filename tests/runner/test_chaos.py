@@ -789,3 +789,42 @@ def test_a_clock_stepped_back_never_shows_a_negative_elapsed(tmp_path: Path,
     led.close()
     code, text = _cli(capsys, "status", str(out))
     assert "elapsed 0s" in text and "elapsed -" not in text
+
+
+# ------------------------------------------------------------------------------- the ledger's copy
+def test_repair_keeps_what_the_backup_recorded_of_each_finished_job(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The backup is brought up to date after every job done: a ledger lost afterwards is rebuilt
+    with each job's attempts and its params.json as recorded (not rewritten from less)."""
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path)), "--out", str(out))[0] == 0
+    params = {p.parent.name: p.read_bytes() for p in out.glob("*/params.json")}
+    before = _states(out)
+    (out / LEDGER_NAME).unlink()
+    assert _cli(capsys, "repair", str(out))[0] == 0
+    code, err = _cli(capsys, "resume", str(out))
+    assert code == 0 and "params.json" not in err  # nothing rewritten
+    assert _states(out) == before and len(params) == N_JOBS
+    assert {p.parent.name: p.read_bytes() for p in out.glob("*/params.json")} == params
+
+
+def test_the_backup_is_not_copied_whole_after_every_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A whole copy after each job made a batch's backups quadratic in its length: one copy per run
+    (once the batch is recorded), then each job's own rows."""
+    whole = {"n": 0}
+    real = Ledger.backup
+
+    def backup(self: Ledger) -> Path:
+        whole["n"] += 1
+        return real(self)
+
+    monkeypatch.setattr(Ledger, "backup", backup)
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path, 4)), "--out", str(out))[0] == 0
+    assert whole["n"] == 1
+    copy = Ledger.open_file_readonly(out / BACKUP_NAME)
+    try:
+        assert [j.state for j in copy.jobs()] == [JobState.DONE] * 4
+    finally:
+        copy.close()
