@@ -828,3 +828,91 @@ def test_the_backup_is_not_copied_whole_after_every_job(tmp_path: Path, monkeypa
         assert [j.state for j in copy.jobs()] == [JobState.DONE] * 4
     finally:
         copy.close()
+
+
+# ---------------------------------------------------------------------------- latents on disk
+def _run_with_j1_failing_at_decode(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                   monkeypatch: pytest.MonkeyPatch) -> Path:
+    """j0, j2 done; j1 failed at decode, its latents valid on disk (no retries)."""
+    out = tmp_path / "out"
+    monkeypatch.setenv("PAN2_RENDER_FAULTS", '{"fail": {"job": "j1", "stage": "decode", "raise": "JobInputError"}}')
+    _cli(capsys, "run", str(_batch(tmp_path)), "--out", str(out), "--retries", "0")
+    monkeypatch.delenv("PAN2_RENDER_FAULTS")
+    return out
+
+
+def _latents_of(out: Path, name: str) -> Path:
+    return next(out.glob(f"{name}-*/latents.safetensors"))
+
+
+def _latents_spec_hash(path: Path) -> str:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        return (f.metadata() or {})["spec_hash"]
+
+
+def test_repair_does_not_take_latents_recorded_for_another_job(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    out = _run_with_j1_failing_at_decode(tmp_path, capsys, monkeypatch)
+    j1 = _latents_of(out, "j1")
+    own = _latents_spec_hash(j1)
+    j1.write_bytes(_latents_of(out, "j0").read_bytes())  # whole and finite, but j0's
+    (out / LEDGER_NAME).unlink()
+    code, err = _cli(capsys, "repair", str(out))
+    assert code == 0 and "0 with valid latents" in err
+    assert _cli(capsys, "resume", str(out))[0] == 0
+    assert _latents_spec_hash(j1) == own  # sampled again for j1, not decoded from j0's
+    _assert_consistent(out)
+
+
+def test_repair_decodes_a_video_before_counting_it_done(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A valid mp4 of the wrong length: its size and sha256 are its own (repair has no ledger record
+    to compare them with), only decoding it shows that it is not the job's video."""
+    import numpy as np
+
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))[0] == 0
+    video = next(out.glob("*/video.mp4"))
+    encode_mp4(np.zeros((1, 32, 32, 3), np.uint8), video, fps=8.0, crf=18)
+    (out / LEDGER_NAME).unlink()
+    code, err = _cli(capsys, "repair", str(out))
+    assert code == 0 and "0 done" in err and "1 with valid latents" in err
+    assert _cli(capsys, "resume", str(out))[0] == 0 and probe_mp4(video).frames == 5
+
+
+def test_repair_checks_the_latents_data_digest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A flipped byte in the latents (a finite, plausible value) decoded into a wrong video marked done."""
+    out = _run_with_j1_failing_at_decode(tmp_path, capsys, monkeypatch)
+    j1 = _latents_of(out, "j1")
+    data = bytearray(j1.read_bytes())
+    data[-3] ^= 0x01  # one mantissa bit of the last float
+    j1.write_bytes(bytes(data))
+    (out / LEDGER_NAME).unlink()
+    code, err = _cli(capsys, "repair", str(out))
+    assert code == 0 and "0 with valid latents" in err
+    assert _cli(capsys, "resume", str(out))[0] == 0
+    assert j1.read_bytes() != bytes(data)  # sampled again
+    _assert_consistent(out)
+
+
+def test_latents_of_the_wrong_shape_are_sampled_again_not_failed_at_decode(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    import torch
+
+    out = _run_with_j1_failing_at_decode(tmp_path, capsys, monkeypatch)
+    j1 = _latents_of(out, "j1")
+    led = Ledger.open(out)
+    job = next(j for j in led.jobs() if j.name == "j1")
+    data = artifacts.pack_latents(torch.zeros(48, 1, 1, 1), spec_hash=job.spec_hash, seed=job.spec.seed,
+                               steps=job.spec.steps, model_id="fake", spec=json.loads(json.dumps(job.spec.to_dict())))
+    j1.write_bytes(data)  # this job's hash, whole, finite: only its shape is wrong
+    led.set_stage(job.id, Stage.SAMPLING, StageState.DONE, artifact=str(j1.relative_to(out)),
+                  sha256=artifacts.sha256_bytes(data), size=len(data))
+    led.close()
+    assert _cli(capsys, "resume", str(out))[0] == 0
+    assert _states(out)["j1"][0] == "done" and j1.read_bytes() != data
+    _assert_consistent(out)
