@@ -203,22 +203,27 @@ NODE_PORT = 6379  # Ray's default head port: `--address auto` and `ray status` f
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    """``ray start --head`` / ``ray stop`` for a node that runs on this machine join by default: it
-    stays up between batches, so a run joins it instead of starting Ray (~2 s against ~7 s on an
-    H200 host, before the first video). A run's GPU workers are still its own."""
-    import subprocess  # noqa: PLC0415
-
-    from pan2render.runner.cluster import node_start_command  # noqa: PLC0415
+    """A Ray node on this machine that runs join by default: it stays up between batches, so a run
+    joins it instead of starting Ray (~2 s against ~7 s on an H200 host, before the first video).
+    A run's GPU workers are still its own. `node stop` ends that node alone (runner/node.py)."""
+    from pan2render.runner import node  # noqa: PLC0415 - imports ray's scripts only when it starts one
     from pan2render.runner.executor import local_gpus  # noqa: PLC0415
 
     env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     if args.action == "stop":
-        done = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop"], env=env,
-                              capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            _err(f"error: `ray stop` failed (exit {done.returncode}):\n{(done.stdout + done.stderr).strip()}")
+        try:
+            stopped = node.stop()
+        except node.NodeError as e:
+            _err(f"error: {e}")
             return EXIT_FAILED
-        print("Ray node stopped (with every Ray process of this user on this machine, as `ray stop` does)")
+        if stopped is None:
+            print("no Ray node started by `pan2-render node start` is recorded on this machine; nothing was stopped "
+                  "(a node started with plain `ray start` is stopped with `ray stop`, which ends every Ray process "
+                  "of this user here)")
+            return EXIT_OK
+        record, n = stopped
+        print(f"Ray node stopped (GCS at {record.gcs_address}, {n} process(es)); other Ray clusters on this "
+              f"machine were not touched")
         return EXIT_OK
     if args.cpu_gpus is not None and args.cpu_gpus < 1:
         _err(f"error: --cpu-gpus {args.cpu_gpus}: must be >= 1")
@@ -226,19 +231,21 @@ def cmd_node(args: argparse.Namespace) -> int:
     if not 1 <= args.port <= 65535:
         _err(f"error: --port {args.port}: must be a TCP port, 1-65535")
         return EXIT_USAGE
-    gpus, cuda, why = local_gpus(args.cpu_gpus, max_gpus=1)
-    if why:
-        print(why.replace("running on CPU", "the node runs on CPU"))
-    done = subprocess.run(node_start_command(gpus=gpus, port=args.port), env=env, capture_output=True,
-                          text=True, check=False)
-    if done.returncode != 0:
-        lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
-        _err(f"error: `ray start` failed (exit {done.returncode}); its last lines:\n  " + "\n  ".join(lines[-8:])
-             + f"\n(a node already running here: `{_me()} node stop` first; a port in use: --port)")
+    try:
+        if (up := node.running()) is not None:  # before anything else is said: one line
+            print(node.NodeAlreadyUp(up))
+            return EXIT_OK
+        gpus, cuda, why = local_gpus(args.cpu_gpus, max_gpus=1)
+        if why:
+            print(why.replace("running on CPU", "the node runs on CPU"))
+        record = node.start(gpus=gpus, port=args.port, env=env)
+    except node.NodeError as e:
+        _err(f"error: {e}")
         return EXIT_FAILED
     kind = "GPU(s)" if cuda and args.cpu_gpus is None else "logical GPU(s) on CPU"
-    print(f"Ray node up on this machine: {gpus} {kind}, GCS port {args.port}.\nBatches run here join it "
-          f"(`{_me()} run FILE --out DIR`; `--address local` runs without it). `{_me()} node stop` ends it.")
+    print(f"Ray node up on this machine: {gpus} {kind}, GCS at {record.gcs_address}.\nBatches run here join it "
+          f"(`{_cmd('run', 'FILE', '--out', 'DIR')}`; `--address local` runs without it). `{_cmd('node', 'stop')}` "
+          f"ends it, and only it.")
     return EXIT_OK
 
 
