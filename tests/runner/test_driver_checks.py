@@ -17,9 +17,9 @@ from runner_helpers import RecordingExecutor, render, spec
 
 from pan2render.jobs.ledger import JobState, Ledger, Stage
 from pan2render.media.video import probe_mp4
-from pan2render.runner import stages
+from pan2render.runner import artifacts
 from pan2render.runner.driver import Driver, DriverConfig
-from pan2render.runner.groups import Call, Group, GroupDied
+from pan2render.runner.executor import Call, Group, GroupDied
 from pan2render.runner.messages import EncodePromptsCall, SampleCall, WorkerCall
 from pan2render.runner.worker import WorkerConfig
 
@@ -30,7 +30,7 @@ def _done_videos_check_out(out: Path, led: Ledger) -> None:
     for job in led.jobs():
         if job.state is JobState.DONE:
             rec = led.stages(job.id)[Stage.ENCODE]
-            problem = stages.check_video(out, stages.Recorded(rec.artifact, rec.sha256, rec.size),
+            problem = artifacts.check_video(out, artifacts.Recorded(rec.artifact, rec.sha256, rec.size),
                                          frames=job.spec.frames, width=job.spec.width, height=job.spec.height)
             assert problem is None, (job.id, problem)
 
@@ -79,9 +79,9 @@ def test_an_embedding_cached_by_another_text_encoder_is_not_used(tmp_path: Path)
     assert len(summary.done) == 2
     assert sum(kind is EncodePromptsCall for kind, _ in ex.calls) == 2
     alone, _, _ = render(tmp_path / "alone", [b], factory=factory)
-    latents = stages.latents_relpath(b.job_id)
-    both = stages.unpack_latents((tmp_path / "both" / latents).read_bytes())
-    assert torch.equal(both, stages.unpack_latents((tmp_path / "alone" / latents).read_bytes()))
+    latents = artifacts.latents_relpath(b.job_id)
+    both = artifacts.unpack_latents((tmp_path / "both" / latents).read_bytes())
+    assert torch.equal(both, artifacts.unpack_latents((tmp_path / "alone" / latents).read_bytes()))
 
 
 class LosesOneNode(RecordingExecutor):
@@ -118,24 +118,24 @@ def test_a_node_lost_under_a_group_is_not_charged_when_other_gpus_remain(tmp_pat
     summary = Driver(out_dir=tmp_path, ledger=led, executor=ex,
                      config=DriverConfig(retries=2, progress=False, poll_s=0.01, cluster_wait_s=30)).run([job.job_id])
     record = led.job(job.job_id)
-    print(record.state, record.attempts, record.retries_left, [e[2:] for e in led.events(job.job_id)])
+    print(record.state, record.attempts, record.retries_left, [(e.label, e.detail) for e in led.events(job.job_id)])
     assert summary.done == [job.job_id] and record.retries_left == 2  # the lost node was not the job's fault
-    assert any("lost the GPUs" in detail for _, _, _, detail in led.events(job.job_id))
+    assert any("lost the GPUs" in e.detail for e in led.events(job.job_id))
 
 
 def test_a_video_written_wrong_is_never_recorded_done(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The driver checks the file it wrote against the bytes it was sent before recording it: a
     write that lands short (a filesystem that lost the end of it) is redone, not recorded."""
-    real = stages.write_atomic
+    real = artifacts.write_atomic
     short = {"n": 0}
 
     def write_atomic(path: Path, data: bytes) -> None:
-        if path.name == stages.VIDEO_NAME and not short["n"]:
+        if path.name == artifacts.VIDEO_NAME and not short["n"]:
             short["n"] += 1
             data = data[: len(data) // 2]
         real(path, data)
 
-    monkeypatch.setattr(stages, "write_atomic", write_atomic)
+    monkeypatch.setattr(artifacts, "write_atomic", write_atomic)
     summary, _, led = render(tmp_path, [spec("a")])
     assert short["n"] == 1 and len(summary.done) == 1
     _done_videos_check_out(tmp_path, led)
