@@ -145,38 +145,6 @@ def tiny(tiny_root: Path) -> PAN2Pipeline:
     return PAN2Pipeline.from_pretrained(tiny_root, PAN2PipelineConfig(device="cpu"))
 
 
-def test_pipeline_dmd_is_the_formulas_with_the_jobs_generator(tiny: PAN2Pipeline) -> None:
-    """The pipeline's dmd loop equals the formulas applied to its own DiT, with the noise continuing the
-    job's seeded CPU generator (the initial latents first, then one draw per step but the last)."""
-    embeds = torch.randn(512, tiny.dit.config.text_dim, generator=torch.Generator().manual_seed(0))
-    timesteps = [1000, 757, 522]
-    got = tiny.sample(prompt_embeds=embeds, sampler="dmd", timesteps=timesteps, guidance=1.0, **SIZE)
-    gen = torch.Generator().manual_seed(SIZE["seed"])
-    shape = (1, 48, 2, 4, 4)
-    x = torch.randn(shape, generator=gen)
-    ctx = tiny.dit.prepare_context(embeds[None])
-    shift = tiny.scheduler_config.flow_shift
-    for i, t in enumerate(timesteps):
-        sigma = torch.tensor(_sigma(t, shift), dtype=torch.float64).float().item()
-        with torch.no_grad():
-            v = tiny.dit(x, torch.tensor([sigma * T], dtype=torch.float32), ctx).float()
-        x0 = x - sigma * v
-        if i + 1 < len(timesteps):
-            nxt = torch.tensor(_sigma(timesteps[i + 1], shift), dtype=torch.float64).float().item()
-            x = (1 - nxt) * x0 + nxt * torch.randn(shape, generator=gen)
-        else:
-            x = x0
-    err = float((got - x[0]).abs().max() / x.abs().max())
-    print(f"pipeline dmd vs the formulas on the tiny DiT: max rel err {err:.2e}")
-    assert err <= 1e-5
-    with pytest.raises(ValueError, match="guidance"):
-        tiny.sample(prompt_embeds=embeds, sampler="dmd", timesteps=timesteps, guidance=2.0, **SIZE)
-    with pytest.raises(ValueError, match="timesteps"):
-        tiny.sample(prompt_embeds=embeds, sampler="euler", steps=3, timesteps=timesteps, guidance=1.0, **SIZE)
-    with pytest.raises(ValueError, match="needs timesteps"):  # the tiny checkpoint lists none of its own
-        tiny.sample(prompt_embeds=embeds, sampler="dmd", guidance=1.0, **SIZE)
-
-
 def _formulas(tiny: PAN2Pipeline, embeds: torch.Tensor, timesteps: list[int], shift: float) -> torch.Tensor:
     """The dmd loop written out on the tiny DiT, warping each timestep with ``shift``."""
     gen = torch.Generator().manual_seed(SIZE["seed"])
@@ -194,6 +162,24 @@ def _formulas(tiny: PAN2Pipeline, embeds: torch.Tensor, timesteps: list[int], sh
         else:
             x = x0
     return x[0]
+
+
+def test_pipeline_dmd_is_the_formulas_with_the_jobs_generator(tiny: PAN2Pipeline) -> None:
+    """The pipeline's dmd loop equals the formulas applied to its own DiT, with the noise continuing the
+    job's seeded CPU generator (the initial latents first, then one draw per step but the last)."""
+    embeds = torch.randn(512, tiny.dit.config.text_dim, generator=torch.Generator().manual_seed(0))
+    timesteps = [1000, 757, 522]
+    got = tiny.sample(prompt_embeds=embeds, sampler="dmd", timesteps=timesteps, guidance=1.0, **SIZE)
+    want = _formulas(tiny, embeds, timesteps, tiny.scheduler_config.flow_shift)
+    err = float((got - want).abs().max() / want.abs().max())
+    print(f"pipeline dmd vs the formulas on the tiny DiT: max rel err {err:.2e}")
+    assert err <= 1e-5
+    with pytest.raises(ValueError, match="guidance"):
+        tiny.sample(prompt_embeds=embeds, sampler="dmd", timesteps=timesteps, guidance=2.0, **SIZE)
+    with pytest.raises(ValueError, match="timesteps"):
+        tiny.sample(prompt_embeds=embeds, sampler="euler", steps=3, timesteps=timesteps, guidance=1.0, **SIZE)
+    with pytest.raises(ValueError, match="needs timesteps"):  # the tiny checkpoint lists none of its own
+        tiny.sample(prompt_embeds=embeds, sampler="dmd", guidance=1.0, **SIZE)
 
 
 def test_pipeline_dmd_warps_with_the_jobs_flow_shift(tiny: PAN2Pipeline) -> None:
