@@ -400,7 +400,7 @@ def _check_loras(v: Any) -> tuple[LoraRef, ...]:
         if "path" not in fields:
             raise _Bad(f"[{i}]: no path; allowed: {allowed}")
         try:
-            refs.append(LoraRef(_as_str(fields["path"], allowed, non_empty=True),
+            refs.append(LoraRef(_as_path(fields["path"], allowed),
                                 _check_lora_scale(fields.get("scale", 1.0), allowed)))
         except _Bad as exc:
             raise _Bad(f"[{i}]: {exc}") from None

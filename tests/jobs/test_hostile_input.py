@@ -314,3 +314,9 @@ def test_a_number_too_long_to_read_is_a_problem_not_a_crash(tmp_path: Path, wher
         err = _flag_run(tmp_path, ["--set", f"seed={digits}"], capsys)
         assert "seed: this value cannot be read as a number" in err
     assert "likely a bug" not in err
+
+
+def test_a_lora_path_is_bounded_like_every_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    long = "l" * (LIMITS.path_chars + 1)
+    err = _run(tmp_path, HEADER + f"jobs:\n  - prompt: a fox\n    loras: [{long}]\n", capsys)
+    assert f"jobs[0].loras: [0]: is {len(long):,} characters long" in err and long not in err
