@@ -29,12 +29,15 @@ class Geometry:
     vae_spatial: int = 16  # pixels per latent cell, each side (WanVAEConfig.scale_factor_spatial)
     vae_temporal: int = 4  # frames per latent frame after the first (WanVAEConfig.scale_factor_temporal)
     patch: tuple[int, int, int] = (1, 2, 2)  # (t, h, w) latent cells per token (PAN2DiTConfig.patch_size)
+    # Largest token-grid extent per axis that the DiT's RoPE table holds (PAN2DiTConfig.rope_max_seq_len):
+    # a longer video has positions the table has no angles for.
+    rope_extent: int = 1024
 
     @classmethod
     def of(cls, vae_config: Any, dit_config: Any) -> "Geometry":
         """From a ``WanVAEConfig`` and a ``PAN2DiTConfig`` (read by attribute: no torch here)."""
         return cls(vae_spatial=vae_config.scale_factor_spatial, vae_temporal=vae_config.scale_factor_temporal,
-                   patch=tuple(dit_config.patch_size))
+                   patch=tuple(dit_config.patch_size), rope_extent=dit_config.rope_max_seq_len)
 
     @property
     def spatial_multiple(self) -> int:
@@ -47,6 +50,11 @@ class Geometry:
 
     def latent_frames(self, frames: int) -> int:
         return (frames - 1) // self.vae_temporal + 1
+
+    @property
+    def max_frames(self) -> int:
+        """The most frames whose token grid fits the RoPE table along time (4093 for Wan2.2)."""
+        return (self.rope_extent * self.patch[0] - 1) * self.vae_temporal + 1
 
     def tokens(self, *, frames: int, height: int, width: int) -> int:
         """The DiT's sequence length for a video of this size."""

@@ -42,6 +42,9 @@ from pan2render.jobs.inputs import (
     describe_char,
     dit_tokens,
     image_size,
+    join_surrogate_pairs,
+    lone_surrogate,
+    nesting_depth,
     read_regular_file,
 )
 from pan2render.jobs.spec import (
@@ -99,6 +102,43 @@ class _Node:
 _COLLECTION_TAGS = ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq")
 
 
+class _TooDeep(yaml.MarkedYAMLError):
+    """Lists and mappings nested past LIMITS.nesting (the composer recurses once per level)."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """The safe loader with a bound on nesting: thousands of ``[`` would otherwise end in a
+    RecursionError, with no line to show."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        self._depth += 1
+        try:
+            if self._depth > LIMITS.nesting:
+                raise _TooDeep(problem=_too_deep(), problem_mark=self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _scalar(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
+    """A node's value; one Python cannot hold (an integer of more digits than it converts) is a
+    problem at its line, not a crash."""
+    try:
+        return loader.construct_object(node, deep=True)
+    except ValueError as exc:
+        if isinstance(exc, yaml.YAMLError):
+            raise
+        raise yaml.constructor.ConstructorError(None, None, _unreadable_number(exc), node.start_mark) from None
+
+
+def _unreadable_number(exc: ValueError) -> str:
+    return f"this value cannot be read as a number ({str(exc).split(';')[0]})"
+
+
 class _YamlReader:
     """Composes one YAML document with SafeLoader and converts it to ``_Node``s, noting problems."""
 
@@ -109,7 +149,7 @@ class _YamlReader:
     def read(self, text: str) -> _Node | None:
         if self._control_chars(text):
             return None
-        loader = yaml.SafeLoader(text)
+        loader = _BoundedLoader(text)
         try:
             root = loader.get_single_node()
             if root is None:
@@ -117,6 +157,10 @@ class _YamlReader:
             if not self._expansion_ok(root):
                 return None
             return self._convert(loader, root, root.start_mark.line + 1, {}, set())
+        except _TooDeep as exc:
+            line = exc.problem_mark.line + 1 if exc.problem_mark is not None else 1
+            self._problem(line, "(yaml)", str(exc.problem))
+            return None
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             line = mark.line + 1 if mark is not None else 1
@@ -203,7 +247,7 @@ class _YamlReader:
                                   for item in node.value]
                 active.discard(id(node))
             return _Node(memo[id(node)], line)
-        return _Node(loader.construct_object(node, deep=True), line)
+        return _Node(_scalar(loader, node), line)
 
     def _mapping(self, loader: yaml.SafeLoader, node: yaml.MappingNode, memo: dict[int, Any],
                  active: set[int]) -> dict[str, _Node]:
@@ -211,7 +255,7 @@ class _YamlReader:
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
-            key = loader.construct_object(key_node, deep=True)
+            key = _scalar(loader, key_node)
             line = key_node.start_mark.line + 1
             if isinstance(key, str) and key in own:
                 self._problem(line, key, f"key {key!r} appears twice (first on line {own[key]}); keep one")
@@ -219,7 +263,7 @@ class _YamlReader:
         loader.flatten_mapping(node)  # resolves `<<: *anchor` merges; own keys come last and win
         out: dict[str, _Node] = {}
         for key_node, value_node in node.value:
-            key = loader.construct_object(key_node, deep=True)
+            key = _scalar(loader, key_node)
             line = key_node.start_mark.line + 1
             if not isinstance(key, str):
                 self._problem(line, str(key), f"keys must be strings, got {key!r} ({type(key).__name__}); quote it")
@@ -249,14 +293,28 @@ def _as_int(value: Any, allowed: str) -> int:
 
 
 def _as_float(value: Any, allowed: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _Bad(f"got {value!r} ({_type_name(value)}); allowed: {allowed}")
-    return float(value)  # 5 and 5.0 must hash alike
+    try:
+        number = float(value)  # 5 and 5.0 must hash alike
+    except OverflowError:  # an integer past float's range
+        raise _Bad(f"got an integer of {len(str(abs(value)))} digits; allowed: {allowed}") from None
+    if not math.isfinite(number):
+        raise _Bad(f"got {value!r} ({_type_name(value)}); allowed: {allowed}")
+    return number
 
 
-def _as_str(value: Any, allowed: str, *, non_empty: bool, newlines: bool = False) -> str:
+def _as_str(value: Any, allowed: str, *, non_empty: bool, newlines: bool = False,
+            max_chars: int | None = None) -> str:
     if not isinstance(value, str):
         raise _Bad(f"got {value!r} ({_type_name(value)}); allowed: {allowed}")
+    value = join_surrogate_pairs(value)
+    lone = lone_surrogate(value)
+    if lone is not None:
+        raise _Bad(f"holds a lone surrogate {describe_char(value[lone])} at position {lone} (half of a UTF-16 "
+                   f"pair, e.g. an unpaired \\u escape); allowed: {allowed}, in valid Unicode")
+    if max_chars is not None and len(value) > max_chars:
+        raise _Bad(f"is {len(value):,} characters long; allowed: {allowed}")
     if non_empty and not value.strip():
         raise _Bad(f"is empty; allowed: {allowed}")
     bad = control_chars(value, newlines=newlines)
@@ -265,6 +323,11 @@ def _as_str(value: Any, allowed: str, *, non_empty: bool, newlines: bool = False
         raise _Bad(f"holds the control character {describe_char(char)} at position {where}; allowed: {allowed} "
                    f"without control characters{' (tabs and line breaks are fine)' if newlines else ''}")
     return value
+
+
+def _as_path(value: Any, allowed: str) -> str:
+    """A path as the batch or a flag names it (model folder, prompts file): one line, bounded."""
+    return _as_str(value, allowed, non_empty=True, max_chars=LIMITS.path_chars)
 
 
 def _nearest(n: float, rule: Rule) -> str:
@@ -337,7 +400,7 @@ def _check_loras(v: Any) -> tuple[LoraRef, ...]:
         if "path" not in fields:
             raise _Bad(f"[{i}]: no path; allowed: {allowed}")
         try:
-            refs.append(LoraRef(_as_str(fields["path"], allowed, non_empty=True),
+            refs.append(LoraRef(_as_path(fields["path"], allowed),
                                 _check_lora_scale(fields.get("scale", 1.0), allowed)))
         except _Bad as exc:
             raise _Bad(f"[{i}]: {exc}") from None
@@ -352,7 +415,8 @@ def _checker(rule: Rule) -> Callable[[Any], Any]:
     """The check of one field's values, from its rule in the schema (``JobSpec``)."""
     kind = rule.kind
     if kind in (Kind.TEXT, Kind.LINE, Kind.PATH):
-        return lambda v: _as_str(v, rule.allowed_text(), non_empty=not rule.empty_ok, newlines=kind is Kind.TEXT)
+        return lambda v: _as_str(v, rule.allowed_text(), non_empty=not rule.empty_ok, newlines=kind is Kind.TEXT,
+                                 max_chars=rule.max_chars)
     if kind is Kind.CHOICE:
         return functools.partial(_check_choice, rule)
     if kind is Kind.TIMESTEPS:
@@ -365,7 +429,8 @@ def _checker(rule: Rule) -> Callable[[Any], Any]:
 
 _CHECKS: dict[str, Callable[[Any], Any]] = {
     **{name: _checker(rule) for name, rule in RULES.items() if rule.scope is not Scope.NOWHERE},
-    "description": lambda v: _as_str(v, "a string", non_empty=False, newlines=True),  # a preset's own
+    "description": lambda v: _as_str(v, "a string", non_empty=False, newlines=True,  # a preset's own
+                                     max_chars=LIMITS.text_chars),
 }
 
 
@@ -476,10 +541,22 @@ class Overrides:
 def _flag_scalar(text: str) -> Any:
     """A flag's value read as a YAML scalar, as if written in the batch (``4`` int, ``2.5`` float,
     ``euler`` str); raises _Bad for YAML that is not a plain scalar."""
+    if not text.strip():
+        return text
+    # The checks a value written in a batch file gets from the YAML reader (whose own message for
+    # these would be "special characters are not allowed"); the field's rule comes after.
+    text = _as_str(text, "a number or a word", non_empty=False, newlines=True)
+    loader = _BoundedLoader(text)
     try:
-        value = yaml.safe_load(text) if text.strip() else text
+        value = loader.get_single_data()
+    except _TooDeep:
+        raise _Bad(_too_deep()) from None
     except yaml.YAMLError as exc:
         raise _Bad(f"{text!r} is not a plain value ({str(exc).splitlines()[0]})") from None
+    except ValueError as exc:
+        raise _Bad(_unreadable_number(exc)) from None
+    finally:
+        loader.dispose()
     if isinstance(value, (dict, list)):
         raise _Bad(f"got {text!r}; a flag value must be a single number or word (no YAML lists or mappings)")
     return value
@@ -501,7 +578,8 @@ class _FlagValues:
         given: dict[str, str] = {}  # key -> the flag that gave it first
         for kind, items, allowed in (("--set", overrides.sets, SET_KEYS), ("--sweep", overrides.sweeps, SWEEP_KEYS)):
             for item in items:
-                flag = f"{kind} {item}"
+                # As typed, for messages; bytes that were not UTF-8 (lone surrogates) shown escaped.
+                flag = f"{kind} {item}".encode("utf-8", "backslashreplace").decode("utf-8")
                 key, sep, text = item.partition("=")
                 key = key.strip()
                 # Flags have no file: their problems are located by the flag as typed (line 0).
@@ -573,15 +651,16 @@ class _FlagValues:
 
 
 def _flag_path(key: str, value: Any, fctx: _Ctx) -> Any:
-    """A path given on the command line is relative to the working folder, not the batch."""
+    """A path given on the command line is relative to the working folder, not the batch; an image
+    gets the checks an image named in the batch gets."""
     if key == "loras":
         return _resolve_loras(value, fctx.base_dir, fctx, SourceLocation(fctx.display, 0), key)
     if key != "image":
         return value
     path = (fctx.base_dir / Path(value).expanduser()).resolve()
-    if fctx.check_files and not path.is_file():
-        raise _Bad(f"image {str(path)!r} does not exist; allowed: a path to an image file, relative to the "
-                   "folder the command runs in")
+    problem = _image_problem(path, relative_to="the folder the command runs in") if fctx.check_files else None
+    if problem:
+        raise _Bad(problem)
     return str(path)
 
 
@@ -636,11 +715,12 @@ class _Ctx:
 
 
 def load_batch(path: str | Path, *, check_files: bool = True, check_model: bool = True,
-               overrides: Overrides | None = None) -> Batch:
+               overrides: Overrides | None = None, say: Callable[[str], None] | None = None) -> Batch:
     """Parse, validate and resolve a batch file; raise BatchValidationError listing every problem.
 
     ``check_model=False`` plans without the checkpoint (dry runs); ``overrides`` are the
-    command line's ``--set``/``--sweep``, validated like the file and reported by flag."""
+    command line's ``--set``/``--sweep``, validated like the file and reported by flag. ``say``
+    is told when the checkpoint's weights have to be hashed (a line, before the wait)."""
     batch_path = Path(path)
     ctx = _Ctx(display=str(path), base_dir=batch_path.absolute().parent, check_files=check_files,
                check_model=check_model)
@@ -691,8 +771,8 @@ def load_batch(path: str | Path, *, check_files: bool = True, check_model: bool 
 
     weights, weights_files = None, {}
     if model != TINY_MODEL and Path(model).is_dir():
-        weights, files = folder_fingerprint(Path(model))
-        weights_files = {rel: {"size": fp.size, "sampled_sha256": fp.sampled_sha256} for rel, fp in files.items()}
+        weights, files = folder_fingerprint(Path(model), say=say)
+        weights_files = {rel: {"size": fp.size, "sha256": fp.sha256} for rel, fp in files.items()}
     jobs = _expand(raw_jobs, model=model, weights=weights, preset_name=preset_name, preset=preset,
                    defaults=defaults, sets=flags.fields, sweep=sweep, ctx=ctx)
     _check_cost(jobs, ctx)
@@ -728,7 +808,8 @@ def _read_text(path: Path, display: str, problems: list[Problem], *, what: str, 
 
 
 def _parse_model(node: _Node | None, ctx: _Ctx) -> str:
-    allowed = "'tiny' (the embedded toy model) or a checkpoint folder in the diffusers layout"
+    allowed = ("'tiny' (the embedded toy model) or a checkpoint folder in the diffusers layout (a path of at "
+               f"most {LIMITS.path_chars:,} characters)")
     if node is None:
         ctx.problem(1, "model", f"missing; allowed: {allowed}")
         return TINY_MODEL
@@ -738,11 +819,11 @@ def _parse_model(node: _Node | None, ctx: _Ctx) -> str:
     if node.value == TINY_MODEL:
         return TINY_MODEL
     try:
-        _as_str(node.value, allowed, non_empty=True)
+        value = _as_path(node.value, allowed)
     except _Bad as exc:
         ctx.problem(node.line, "model", str(exc))
         return TINY_MODEL
-    folder = (ctx.base_dir / Path(node.value).expanduser()).resolve()
+    folder = (ctx.base_dir / Path(value).expanduser()).resolve()
     if ctx.check_files and ctx.check_model:
         if not folder.is_dir():
             ctx.problem(node.line, "model", f"checkpoint folder {str(folder)!r} does not exist; allowed: {allowed}")
@@ -804,23 +885,25 @@ def _parse_prompts_file(node: _Node | None, ctx: _Ctx) -> list[_RawJob]:
     if node is None:
         return []
     allowed = ("a path to a .txt (one prompt a line) or .jsonl (one job object a line) file, relative to "
-               "this batch")
+               f"this batch, of at most {LIMITS.path_chars:,} characters")
     try:
-        _as_str(node.value, allowed, non_empty=True)
+        name = _as_path(node.value, allowed)
     except _Bad as exc:
         ctx.problem(node.line, "prompts_file", str(exc))
         return []
-    path = (ctx.base_dir / Path(node.value).expanduser()).resolve()
+    path = (ctx.base_dir / Path(name).expanduser()).resolve()
     text = _read_text(path, ctx.display, ctx.problems, what="prompts file", limit=LIMITS.prompts_file_bytes,
                       location=SourceLocation(ctx.display, node.line), fld="prompts_file")
     if text is None:
         return []
     # Rows are located in the prompts file as written relative to the batch: "jobs/prompts.txt:3".
-    display = str(Path(ctx.display).parent / node.value)
+    display = str(Path(ctx.display).parent / name)
     raw: list[_RawJob] = []
     is_jsonl = path.suffix.lower() == ".jsonl"
     rows = 0
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    # Split on line feeds only, as the YAML reader counts lines: str.splitlines would also break at
+    # form feeds and other controls, hiding them from the checks and shifting every later line.
+    for lineno, line in enumerate(text.split("\n"), start=1):
         stripped = line.strip()
         if not stripped or stripped.startswith("#"):
             continue
@@ -828,14 +911,12 @@ def _parse_prompts_file(node: _Node | None, ctx: _Ctx) -> list[_RawJob]:
         rows += 1
         where = SourceLocation(display, lineno)
         if not is_jsonl:
-            raw.append(_RawJob({"prompt": stripped}, where, label, path.parent, {"prompt": lineno}))
+            # The line is the job's prompt: checked like a prompt written in YAML.
+            fields = _fields({"prompt": _Node(stripped, lineno)}, JOB_KEYS, label + ".", display, ctx.problems)
+            raw.append(_RawJob(fields, where, label, path.parent, {"prompt": lineno}))
             continue
-        try:
-            row = json.loads(stripped)
-        except json.JSONDecodeError as exc:
-            ctx.problem(lineno, label, f"not valid JSON ({exc.msg} at column {exc.colno}); each line of a "
-                                       ".jsonl prompts file is one object like {\"prompt\": \"...\", \"seed\": 1}",
-                        display)
+        row = _json_row(stripped, lineno, label, display, ctx)
+        if row is None:
             continue
         if not isinstance(row, dict):
             ctx.problem(lineno, label, f"got {_type_name(row)}; allowed: a JSON object with `prompt` and "
@@ -847,6 +928,32 @@ def _parse_prompts_file(node: _Node | None, ctx: _Ctx) -> list[_RawJob]:
             ctx.problem(lineno, label + ".prompt", "missing; every row needs a non-empty `prompt`", display)
         raw.append(_RawJob(fields, where, label, path.parent, {k: lineno for k in row}))
     return raw
+
+
+def _json_row(text: str, lineno: int, label: str, display: str, ctx: _Ctx) -> Any:
+    """One line of a .jsonl prompts file parsed, or None with the problem noted (a row that is
+    JSON ``null`` is refused as not an object by the caller either way)."""
+    example = 'each line of a .jsonl prompts file is one object like {"prompt": "...", "seed": 1}'
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as exc:
+        ctx.problem(lineno, label, f"not valid JSON ({exc.msg} at column {exc.colno}); {example}", display)
+        return None
+    except RecursionError:  # json's reader recurses once per level
+        ctx.problem(lineno, label, _too_deep(), display)
+        return None
+    except ValueError as exc:  # an integer of more digits than Python converts
+        ctx.problem(lineno, label, _unreadable_number(exc), display)
+        return None
+    if nesting_depth(row) > LIMITS.nesting:
+        ctx.problem(lineno, label, _too_deep(), display)
+        return None
+    return row
+
+
+def _too_deep() -> str:
+    return (f"values nested more than {LIMITS.nesting} levels deep; allowed: at most {LIMITS.nesting} levels of "
+            "lists and mappings inside one another")
 
 
 def _parse_sweep(node: _Node | None, ctx: _Ctx) -> dict[str, list[Any]]:
@@ -993,10 +1100,10 @@ def _resolve_image(raw: _RawJob, ctx: _Ctx) -> None:
         ctx.problem(raw.lines.get("image", raw.location.line), raw.label + ".image", problem, raw.location.file)
 
 
-def _image_problem(path: Path) -> str | None:
+def _image_problem(path: Path, *, relative_to: str = "the file that names it") -> str | None:
     """None if ``path`` is a PNG/JPEG/WebP file within the size and pixel limits, else why not."""
     allowed = (f"a PNG, JPEG or WebP file of at most {LIMITS.image_bytes >> 20} MiB and "
-               f"{LIMITS.image_pixels:,} pixels, relative to the file that names it")
+               f"{LIMITS.image_pixels:,} pixels, relative to {relative_to}")
     try:
         data = read_regular_file(path, limit=LIMITS.image_bytes)
         width, height = image_size(data)

@@ -14,6 +14,7 @@ worker out of memory hours later:
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import stat
@@ -36,6 +37,10 @@ class InputLimits:
     side: int = 4096
     # Flow-matching schedules are defined on 1000 training timesteps: more steps repeat timesteps.
     steps: int = 1000
+    # Far above any use (Wan2.2 guides at 5, flow shifts stay under 20), far below where a step's
+    # arithmetic leaves float32's range (1e300 made non-finite latents).
+    guidance: float = 100.0
+    flow_shift: float = 100.0
     # A first frame is decoded to RGB in the worker (3 bytes a pixel) before it is resized.
     image_pixels: int = 4096 * 4096
     image_bytes: int = 64 << 20
@@ -50,6 +55,14 @@ class InputLimits:
     yaml_aliases: int = 1000
     yaml_values: int = 100_000
     jobs: int = 20_000
+    # The text encoder reads 512 tokens (about 2,000 characters of English) and cuts the rest; a
+    # longer prompt only grows the ledger, params.json, the report and the mp4 tags of every job.
+    text_chars: int = 4096
+    name_chars: int = 200  # a job id keeps the first 80 characters of its name
+    path_chars: int = 4096  # PATH_MAX on Linux
+    # Levels of lists and mappings inside one another (a batch needs 4); the YAML and JSON readers
+    # recurse once per level.
+    nesting: int = 64
 
 
 LIMITS = InputLimits()
@@ -81,12 +94,17 @@ def read_regular_file(path: Path, *, limit: int) -> bytes:
 
     Opened non-blocking so that a FIFO is refused instead of waiting for a writer; the size is
     checked on the open descriptor and the read stops at ``limit`` + 1 bytes whatever the file does
-    meanwhile. Raises InputFileError (or FileNotFoundError / PermissionError / OSError)."""
+    meanwhile. Files of /proc and /sys call themselves regular but are made up as they are read
+    (``/proc/self/environ`` is the process environment): refused by their filesystem, and by
+    reading more than their size says. Raises InputFileError (or FileNotFoundError /
+    PermissionError / OSError)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise InputFileError(f"is {_kind(st.st_mode)}; allowed: a regular file")
+        if st.st_dev in _pseudo_filesystems():
+            raise InputFileError(_PSEUDO)
         if st.st_size > limit:
             raise InputFileError(f"is {st.st_size:,} bytes; allowed: at most {limit:,} bytes")
         chunks: list[bytes] = []
@@ -102,7 +120,25 @@ def read_regular_file(path: Path, *, limit: int) -> bytes:
     data = b"".join(chunks)
     if len(data) > limit:
         raise InputFileError(f"grew past {limit:,} bytes while being read; allowed: at most {limit:,} bytes")
+    if len(data) > st.st_size:
+        raise InputFileError(_PSEUDO)
     return data
+
+
+_PSEUDO = ("is a file the kernel makes up as it is read (its size is not its content: a /proc or /sys "
+           "file); allowed: a regular file")
+
+
+@functools.cache
+def _pseudo_filesystems() -> frozenset[int]:
+    """Device numbers of /proc and /sys, where they are mounted."""
+    devices = set()
+    for root in ("/proc", "/sys"):
+        try:
+            devices.add(os.stat(root).st_dev)
+        except OSError:
+            continue
+    return frozenset(devices)
 
 
 # C0 controls and DEL, except tab, line feed and carriage return (line structure, not content).
@@ -114,6 +150,46 @@ def control_chars(text: str, *, newlines: bool) -> list[tuple[int, str]]:
     """(index, character) of each control character in ``text``; tab/LF/CR pass if ``newlines``."""
     pattern = _CONTROL if newlines else _CONTROL_OR_NEWLINE
     return [(m.start(), m.group()) for m in pattern.finditer(text)]
+
+
+def join_surrogate_pairs(text: str) -> str:
+    """``text`` with each high+low surrogate pair made the one character it stands for (YAML reads
+    the escapes ``\\ud83e\\udd8a`` as two code points, JSON as one); lone halves are left as they are."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le")
+    except UnicodeDecodeError:  # a lone half: nothing to join it with
+        return text
+
+
+def lone_surrogate(text: str) -> int | None:
+    """The index of the first lone UTF-16 surrogate in ``text`` (not encodable as UTF-8, so it fails
+    wherever the text is written: the ledger, params.json, the mp4 tags, the report), or None."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as e:
+        return e.start
+
+
+def nesting_depth(value: object) -> int:
+    """Levels of lists and dicts in ``value`` (a scalar is 0), counted without recursion."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+        else:
+            continue
+        deepest = max(deepest, depth + 1)
+    return deepest
 
 
 def describe_char(c: str) -> str:

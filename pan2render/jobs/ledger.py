@@ -26,10 +26,11 @@ Stage rows (one per job and :class:`Stage`) go pending -> running -> done | fail
 running when its job leaves ``running`` any other way than ``finish`` is put back to pending.
 
 Damage: opening checks the file (``PRAGMA quick_check``, the schema) and raises :class:`LedgerError`
-naming the path and what to do, never a raw ``sqlite3`` error. A copy is kept at safe points (once
-the batch is recorded, after each job done) with SQLite's online backup API in
-``ledger.sqlite.bak``, so a damaged ledger loses at most the last job's record; ``pan2-render
-repair`` rebuilds from that copy and from the artifacts on disk.
+naming the path and what to do, never a raw ``sqlite3`` error. A copy is kept in
+``ledger.sqlite.bak``: whole (SQLite's online backup API) once a batch is recorded, then brought up
+to date with each job's rows as it is done, so a damaged ledger loses at most the last job's record
+and a batch's backups cost in proportion to it; ``pan2-render repair`` rebuilds from that copy and
+from the artifacts on disk.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from pan2render.jobs.disk import sqlite_error_name
+from pan2render.hints import command
+from pan2render.jobs.disk import is_disk_full, sqlite_error_name
+from pan2render.jobs.outdir import create_new, open_file, refuse_link
 from pan2render.jobs.spec import JobSpec
 
 LEDGER_NAME = "ledger.sqlite"
@@ -55,6 +58,8 @@ BACKUP_NAME = "ledger.sqlite.bak"
 LOCK_NAME = ".lock"
 SCHEMA_VERSION = 1
 _TABLES = ("meta", "jobs", "stages", "events")
+# A job's rows, by table and the column naming the job: what a backup after the job copies.
+_JOB_ROWS = (("jobs", "id"), ("stages", "job_id"), ("documents", "job_id"))
 
 
 class LedgerError(RuntimeError):
@@ -68,7 +73,7 @@ class LedgerError(RuntimeError):
 
 
 def _repair_hint(path: Path) -> str:
-    return (f"`pan2-render repair {path.parent}` rebuilds it from its backup and the finished artifacts "
+    return (f"`{command('repair', path.parent)}` rebuilds it from its backup and the finished artifacts "
             f"(the damaged file is kept beside it)")
 
 
@@ -302,7 +307,9 @@ class Ledger:
 
     @classmethod
     def open_file(cls, path: Path) -> "Ledger":
-        """Open (creating if absent) a ledger file for writing; raises LedgerError if damaged."""
+        """Open (creating if absent) a ledger file for writing; raises LedgerError if damaged, and
+        UnsafePathError if it or its journal is a symlink (SQLite would write through it)."""
+        _refuse_links(path)
         if not path.exists():
             _create_whole(path)
         with _opening(path) as conn:
@@ -321,7 +328,7 @@ class Ledger:
         if not path.is_file():
             raise FileNotFoundError(
                 f"no ledger at {path}: {out_dir} is not a pan2-render output folder "
-                f"(create one with `pan2-render run BATCH --out {out_dir}`)"
+                f"(create one with `{command('run', 'BATCH', '--out', out_dir)}`)"
             )
         return cls.open_file_readonly(path)
 
@@ -330,6 +337,8 @@ class Ledger:
         """Open an existing ledger file (the ledger or its backup) for reading only."""
         # Not `mode=ro`: a read-only connection cannot roll back the hot journal a killed driver
         # may leave, so `status` would fail until the next `resume`. query_only forbids writes.
+        # That roll-back writes, so links are refused here too.
+        _refuse_links(path)
         with _opening(path) as conn:
             conn.execute("PRAGMA query_only=ON")
             _check_integrity(conn, path, fresh_ok=False)
@@ -355,11 +364,47 @@ class Ledger:
         _write_whole(dest, fill, tmp=self.path.with_name(f".{BACKUP_NAME}.tmp-{os.getpid()}"))
         return dest
 
-    def backup_quietly(self) -> None:
-        """A backup at a safe point. Its failure (e.g. the disk just filled) never fails the change
-        it follows; the next safe point tries again, and ``backup_error`` says why it failed."""
-        try:
+    def backup_job(self, job_id: str) -> None:
+        """Bring the backup up to date with one job's rows (the job, its stages, its documents) in
+        one transaction on the backup file: a write the size of the job, where a whole copy after
+        every job made a batch's backups quadratic in its length. A backup that is absent or not a
+        ledger is made whole instead."""
+        dest = self.path.with_name(BACKUP_NAME)
+        _refuse_links(dest)
+        if not dest.is_file() or dest.stat().st_size == 0:
             self.backup()
+            return
+        rows = {table: self._conn.execute(f"SELECT * FROM {table} WHERE {key} = ?", (job_id,)).fetchall()
+                for table, key in _JOB_ROWS}
+        try:
+            target = sqlite3.connect(dest, timeout=10.0, isolation_level=None)
+        except sqlite3.Error:
+            self.backup()
+            return
+        try:
+            target.execute("PRAGMA synchronous=FULL")
+            target.execute("BEGIN IMMEDIATE")
+            for table, found in rows.items():
+                for row in found:
+                    target.execute(f"INSERT OR REPLACE INTO {table} VALUES ({', '.join('?' * len(row))})", row)
+            target.execute("COMMIT")
+            return
+        except sqlite3.DatabaseError as e:
+            if is_disk_full(e):
+                raise
+        finally:
+            target.close()  # (an unfinished transaction is rolled back)
+        self.backup()  # not a ledger's copy (damaged, or of another schema): a whole one
+
+    def backup_quietly(self, job_id: str | None = None) -> None:
+        """A backup at a safe point: the whole ledger, or only ``job_id``'s rows. Its failure (e.g.
+        the disk just filled) never fails the change it follows; the next safe point tries again,
+        and ``backup_error`` says why it failed."""
+        try:
+            if job_id is None:
+                self.backup()
+            else:
+                self.backup_job(job_id)
             self.backup_error = None
         except (OSError, sqlite3.Error) as e:
             self.backup_error = f"{type(e).__name__}: {e}"
@@ -500,7 +545,7 @@ class Ledger:
                 if row and row[0]:
                     self._event(c, job_id, EventKind.TRACEBACK, row[0])
         if event is JobEvent.FINISH:
-            self.backup_quietly()  # a safe point: a damaged ledger then loses at most this job
+            self.backup_quietly(job_id)  # a safe point: a damaged ledger then loses at most this job
         return new
 
     def restore_job(self, spec: JobSpec, *, state: JobState, attempts: int, retries: int,
@@ -556,6 +601,10 @@ class Ledger:
         row = self._conn.execute("SELECT body FROM documents WHERE job_id = ? AND name = ?",
                                  (job_id, name)).fetchone()
         return None if row is None else row[0]
+
+    def documents(self, job_id: str) -> dict[str, str]:
+        """Every document recorded for the job: name -> text."""
+        return dict(self._conn.execute("SELECT name, body FROM documents WHERE job_id = ?", (job_id,)).fetchall())
 
     def set_document(self, job_id: str, name: str, body: str) -> None:
         with self._tx() as c:
@@ -654,7 +703,9 @@ def _create_whole(path: Path) -> None:
 def _write_whole(dest: Path, fill: Callable[[Path], None], *, tmp: Path) -> None:
     """``fill(tmp)`` writes a database file; it is made durable and renamed to ``dest``, so
     ``dest`` is always either what it was or the whole new file. A failure leaves no temp file."""
+    refuse_link(dest)
     try:
+        os.close(create_new(tmp))  # the temp name is predictable: never a link planted there
         fill(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
@@ -674,13 +725,19 @@ def _check_integrity(conn: sqlite3.Connection, path: Path, *, fresh_ok: bool) ->
     if not tables and fresh_ok:
         return
     if not tables:
-        raise LedgerError(path, "is empty (no batch was ever recorded in it)",
-                          f"start the batch again with `pan2-render run BATCH --out {path.parent}`, or "
-                          + _repair_hint(path))
+        raise LedgerError(path, "is empty (no batch was ever recorded in it, or it was emptied)",
+                          _repair_hint(path) + "; if the batch never ran, start it with "
+                          f"`{command('run', 'BATCH', '--out', path.parent)}`")
     missing = [t for t in _TABLES if t not in tables]
     if missing:
         raise LedgerError(path, f"lacks the table(s) {', '.join(missing)}: it is not a pan2-render ledger "
                                 "or it is damaged", _repair_hint(path))
+
+
+def _refuse_links(path: Path) -> None:
+    """The ledger and the journal SQLite writes beside it, both opened by SQLite by name."""
+    refuse_link(path)
+    refuse_link(path.with_name(path.name + "-journal"))
 
 
 def _raise_as_ledger_error(path: Path, e: sqlite3.Error) -> NoReturn:
@@ -725,9 +782,9 @@ class FolderLock:
         self.taken_over: str | None = None  # the stale holder line replaced by acquire(), if any
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_file(self.path, os.O_RDWR | os.O_CREAT)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock_soon(fd, fcntl.LOCK_EX)
         except BlockingIOError:
             holder = _describe_holder(os.read(fd, 4096).decode(errors="replace"))
             os.close(fd)
@@ -744,6 +801,31 @@ class FolderLock:
         self._fd = fd
         self.taken_over = previous or None  # the stale holder we replaced, if any
 
+    @staticmethod
+    def holder(out_dir: str | Path) -> dict[str, Any] | None:
+        """The live run holding ``out_dir`` (its holder line: pid, host, started; ``{}`` when it has
+        not written one yet), or None. Asked of the kernel, which drops the lock of a process that
+        died, by taking a shared lock for an instant: a pid in the holder line proves nothing (it
+        may be of another PID namespace, or reused)."""
+        path = Path(out_dir) / LOCK_NAME
+        try:
+            fd = open_file(path, os.O_RDONLY)
+        except OSError:  # no lock file (never run), or one that is not ours to read (a link)
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    h = json.loads(os.read(fd, 4096).decode(errors="replace") or "{}")
+                except ValueError:
+                    h = {}
+                return h if isinstance(h, dict) else {}
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        finally:
+            os.close(fd)
+
     def release(self) -> None:
         if self._fd is not None:
             os.ftruncate(self._fd, 0)
@@ -757,6 +839,21 @@ class FolderLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _flock_soon(fd: int, operation: int, *, patience_s: float = 1.0) -> None:
+    """``flock(fd, operation | LOCK_NB)``, tried again for up to ``patience_s``: ``status`` takes a
+    shared lock for an instant to see whether a run holds the folder. A run holding it answers
+    BlockingIOError after the wait."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def _describe_holder(text: str) -> str:

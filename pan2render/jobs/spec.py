@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 import re
@@ -94,6 +95,7 @@ class Rule:
     offset: int = 0  # ... and the nearest such values are suggested
     choices: tuple[Any, ...] = ()
     empty_ok: bool = False  # TEXT: the empty string is allowed
+    max_chars: int | None = None  # TEXT, LINE, PATH: the longest string allowed
     to_sampler: bool = False  # handed to PAN2Pipeline.sample under its own name
     to_encoder: str | None = None  # handed to media.video.encode_mp4 as this keyword
     # Hashed in every job id since ids were first handed out. A pixel field added since (this is
@@ -110,7 +112,7 @@ class Rule:
     inert_when: tuple[str, Any] | None = None
 
     def allowed_text(self) -> str:
-        return self.allowed.format(min=self.min, max=self.max, step=self.step,
+        return self.allowed.format(min=self.min, max=self.max, step=self.step, max_chars=self.max_chars,
                                    choices=", ".join(str(c) for c in self.choices))
 
     def first_valid(self) -> float:
@@ -178,17 +180,20 @@ class JobSpec:
 
     prompt: str = _rule(Rule(
         "what the video shows", pixels=True, in_first_ids=True, scope=Scope.JOB, kind=Kind.TEXT,
-        allowed="a non-empty string"))
+        max_chars=LIMITS.text_chars, allowed="a non-empty string of at most {max_chars:,} characters"))
     name: str = _rule(Rule(
         "readable name, unique in the batch; an unnamed job is named after its prompt's first words",
-        pixels=False, scope=Scope.JOB, kind=Kind.LINE, allowed="a non-empty string"))
+        pixels=False, scope=Scope.JOB, kind=Kind.LINE, max_chars=LIMITS.name_chars,
+        allowed="a non-empty string of at most {max_chars:,} characters"))
     negative_prompt: str = _rule(Rule(
         "what guidance steers away from", pixels=True, in_first_ids=True, scope=Scope.PRESET,
-        kind=Kind.TEXT, empty_ok=True, allowed="a string (may be empty)"), "")
+        kind=Kind.TEXT, empty_ok=True, max_chars=LIMITS.text_chars,
+        allowed="a string (may be empty) of at most {max_chars:,} characters"), "")
     # The path is not hashed, its content is (image_sha256): a moved image keeps its jobs.
     image: str | None = _rule(Rule(
         "first frame to animate (TI2V): PNG, JPEG or WebP", pixels=False, scope=Scope.DEFAULTS,
-        kind=Kind.PATH, allowed="a path to an image file (relative to this file)"), None)
+        kind=Kind.PATH, max_chars=LIMITS.path_chars,
+        allowed="a path to an image file, relative to this file (at most {max_chars:,} characters)"), None)
     seed: int = _rule(Rule(
         "noise seed", pixels=True, in_first_ids=True, scope=Scope.DEFAULTS, kind=Kind.INT,
         allowed="an integer in {min}..{max}", min=0, max=MAX_SEED, to_sampler=True), 0)
@@ -199,8 +204,8 @@ class JobSpec:
                 "training timesteps)"))
     guidance: float = _rule(Rule(
         "classifier-free guidance scale", pixels=True, in_first_ids=True, scope=Scope.PRESET,
-        kind=Kind.FLOAT, min=1.0, to_sampler=True,
-        allowed="a number >= {min} ({min} turns classifier-free guidance off)"))
+        kind=Kind.FLOAT, min=1.0, max=LIMITS.guidance, to_sampler=True,
+        allowed="a number from {min} to {max:g} ({min} turns classifier-free guidance off)"))
     height: int = _rule(Rule(
         "frame height in pixels", pixels=True, in_first_ids=True, scope=Scope.PRESET, kind=Kind.INT,
         min=0, min_open=True, max=LIMITS.side, step=WAN22.spatial_multiple, to_sampler=True,
@@ -213,16 +218,17 @@ class JobSpec:
                 "up to {max} (libx264's largest frame), e.g. 704, 1248"))
     frames: int = _rule(Rule(
         "frames of the video", pixels=True, in_first_ids=True, scope=Scope.PRESET, kind=Kind.INT,
-        min=1, step=WAN22.vae_temporal, offset=1, to_sampler=True,
-        allowed="{step}k+1 frames (1, 5, ..., 17, ..., 81, ..., 121)"))
+        min=1, max=WAN22.max_frames, step=WAN22.vae_temporal, offset=1, to_sampler=True,
+        allowed="{step}k+1 frames (1, 5, ..., 17, ..., 81, ..., 121) up to {max} (the DiT's positional "
+                f"table holds {WAN22.rope_extent} latent frames)"))
     fps: float = _rule(Rule(
         "frame rate of the mp4", pixels=True, in_first_ids=True, scope=Scope.PRESET, kind=Kind.FLOAT,
         min=FPS_RANGE[0], max=FPS_RANGE[1],
         to_encoder="fps", allowed="a number from {min:g} to {max:g} (frames per second of the mp4, e.g. 24)"))
     flow_shift: float = _rule(Rule(
         "how far the schedule leans to the noisy end", pixels=True, in_first_ids=True, scope=Scope.PRESET,
-        kind=Kind.FLOAT, min=0, min_open=True, to_sampler=True,
-        allowed="a number > {min} (flow-matching timestep shift; 5.0 for 720p, 3.0 for 480p)"))
+        kind=Kind.FLOAT, min=0, min_open=True, max=LIMITS.flow_shift, to_sampler=True,
+        allowed="a number > {min} and at most {max:g} (flow-matching timestep shift; 5.0 for 720p, 3.0 for 480p)"))
     sampler: str = _rule(Rule(
         "unipc and euler run `steps`; dmd (step-distilled checkpoints) runs `timesteps`", pixels=True,
         in_first_ids=True, scope=Scope.PRESET, kind=Kind.CHOICE, choices=SAMPLERS, to_sampler=True))
@@ -299,7 +305,8 @@ class JobSpec:
     sweep: dict[str, Any] = _rule(Rule("the sweep values applied to this job", pixels=False), factory=dict)
     source: SourceLocation | None = _rule(Rule("where the job was written", pixels=False), None)
 
-    @property
+    # Cached: a spec is frozen, and a batch of 20,000 jobs asks each for its id many times over.
+    @functools.cached_property
     def spec_hash(self) -> str:
         """sha256 over the render-affecting fields, as canonical JSON."""
         payload = {f.name: getattr(self, f.name) for f in PIXEL_FIELDS
@@ -311,7 +318,7 @@ class JobSpec:
         when = _rule_of(f).inert_when
         return when is not None and getattr(self, when[0]) == when[1]
 
-    @property
+    @functools.cached_property
     def job_id(self) -> str:
         """Readable, filesystem-safe and deterministic: ``<name>[-<field><value>...]-<hash8>``.
 
@@ -420,7 +427,7 @@ class Batch:
     model: str
     preset: str
     jobs: list[JobSpec]
-    # The model folder's per-file fingerprints ({relpath: {"size", "sampled_sha256"}}), recorded in
+    # The model folder's per-file fingerprints ({relpath: {"size", "sha256"}}), recorded in
     # the ledger so a later change can be explained file by file; empty for the tiny model.
     weights_files: dict[str, Any] = field(default_factory=dict)
 

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pan2render.models.dit_ops import ROUTED_OPS, TORCH_OPS, DiTOps, attention, rms_norm_heads
-from pan2render.sampling import is_int
+from pan2render.sampling import WAN22, is_int
 
 __all__ = [
     "AttentionOp",
@@ -96,7 +96,7 @@ class PAN2DiTConfig:
     eps: float = 1e-6  # every LayerNorm / RMSNorm
     image_dim: int | None = None  # Wan2.1-I2V CLIP image embedder: not supported
     added_kv_proj_dim: int | None = None  # Wan2.1-I2V image K/V: not supported
-    rope_max_seq_len: int = 1024  # largest token-grid extent per axis
+    rope_max_seq_len: int = WAN22.rope_extent  # largest token-grid extent per axis
     pos_embed_seq_len: int | None = None  # FLF2V image position embedding: not supported
 
     def __post_init__(self) -> None:

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file, save_model
 
+from ..cache import cache_root
+
 # The DiT's config lives torch-free beside the packages (batch validation checks a job's LoRAs
 # against it before any model loads); a change there is a change of TINY_VERSION too.
 from ..tiny_dit import TINY_DIT_CONFIG
@@ -88,10 +90,6 @@ MODEL_INDEX = {
     "transformer_2": [None, None],
     "vae": ["diffusers", "AutoencoderKLWan"],
 }
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("PAN2_RENDER_CACHE", Path.home() / ".cache" / "pan2-render")).expanduser()
 
 
 # What a complete tiny checkpoint holds; checked before it is published and when it is found.

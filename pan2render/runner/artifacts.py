@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,12 +21,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from pan2render.jobs import outdir
 from pan2render.jobs.batch import sha256_file
 from pan2render.jobs.disk import ensure_free
 from pan2render.jobs.ledger import StageRecord
 from pan2render.jobs.spec import JobSpec
 from pan2render.media.video import fsync_dir
 from pan2render.runner.retry import JobInputError
+from pan2render.sampling import WAN22
 
 EMBED_CACHE = Path("_cache") / "embeddings"
 LATENTS_NAME = "latents.safetensors"
@@ -44,9 +45,10 @@ class NonFiniteError(JobInputError, FloatingPointError):
     """Latents or frames contain NaN/Inf. Deterministic for a given spec, so never retried."""
 
 
-class UnsafePathError(JobInputError, OSError):
-    """A folder on an artifact's path inside DIR is a symlink or not a folder: writing through it
-    could put files outside DIR. Deterministic for the job's folder, so never retried."""
+class UnsafePathError(JobInputError):
+    """A folder on an artifact's path inside DIR is a symlink or not a folder (``outdir.real_dir``
+    refused it): writing through it could put files outside DIR. Deterministic for the job's
+    folder, so never retried."""
 
 
 # ------------------------------------------------------------------ paths
@@ -98,7 +100,9 @@ def pack_latents(lat: torch.Tensor, *, spec_hash: str, seed: int, steps: int, mo
                  spec: dict[str, Any] | None = None, fast_lanes: dict[str, Any] | None = None) -> bytes:
     """lat: float32 [48, T, h, w]. Raises NonFiniteError before anything is written. ``spec`` (the
     job's resolved spec) travels in the metadata so ``repair`` can rebuild the job from the file;
-    ``fast_lanes`` (the sampling plan's record: which steps computed) so params.json can show it."""
+    ``fast_lanes`` (the sampling plan's record: which steps computed) so params.json can show it;
+    ``sha256`` (of the tensor's bytes) proves the data is what the sampler wrote, where no ledger
+    recorded the file's digest (``repair``)."""
     import torch  # noqa: PLC0415 - see above
     from safetensors.torch import save  # noqa: PLC0415
 
@@ -109,7 +113,8 @@ def pack_latents(lat: torch.Tensor, *, spec_hash: str, seed: int, steps: int, mo
             f"sampling produced non-finite latents ({bad} of {lat.numel()} values NaN/Inf, shape "
             f"{list(lat.shape)}); this is deterministic for the spec: change seed, steps or guidance"
         )
-    meta = {"spec_hash": spec_hash, "seed": str(seed), "steps": str(steps), "model_id": model_id}
+    meta = {"spec_hash": spec_hash, "seed": str(seed), "steps": str(steps), "model_id": model_id,
+            "sha256": _array_digest(lat.numpy())}
     if spec is not None:
         meta["spec"] = json.dumps(spec, sort_keys=True)
     if fast_lanes is not None:
@@ -164,16 +169,10 @@ def safe_path(out_dir: Path, relpath: str) -> Path:
     parts = Path(relpath).parts
     assert parts and not Path(relpath).is_absolute() and ".." not in parts, relpath
     for name in parts[:-1]:
-        folder = folder / name
         try:
-            os.mkdir(folder)
-        except FileExistsError:
-            pass
-        mode = os.lstat(folder).st_mode
-        if not stat.S_ISDIR(mode):
-            what = "a symlink" if stat.S_ISLNK(mode) else "not a folder"
-            raise UnsafePathError(f"{folder} is {what}; pan2-render writes only into real folders inside "
-                                  f"{out_dir}: remove it (or move it away), then resume")
+            folder = outdir.real_dir(folder / name)
+        except outdir.UnsafePathError as e:  # the job's own folder: the job fails, the batch goes on
+            raise UnsafePathError(str(e)) from None
     return folder / parts[-1]
 
 
@@ -183,7 +182,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(outdir.create_new(tmp), "wb") as f:  # a predictable name: never through a link
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -251,7 +250,11 @@ def check_embedding(out_dir: Path, relpath: str, *, key: str) -> str | None:
     return None
 
 
-def check_latents(out_dir: Path, rec: Recorded, *, spec_hash: str) -> str | None:
+def check_latents(out_dir: Path, rec: Recorded, *, spec: JobSpec, require_digest: bool = False) -> str | None:
+    """None if the latents are the job's, whole and usable: readable, rendered for its spec hash,
+    their data matching the digest in their metadata (``require_digest``: a file without one,
+    written before they carried it, does not count; where the ledger recorded the file's sha256,
+    that proves the bytes instead), of the grid the job's size gives, finite."""
     problem = check_recorded(out_dir, rec)
     if problem:
         return problem
@@ -262,11 +265,25 @@ def check_latents(out_dir: Path, rec: Recorded, *, spec_hash: str) -> str | None
             lat = f.get_tensor("latents")
     except (SafetensorError, OSError, KeyError, ValueError, RuntimeError) as e:
         return f"{rec.relpath} is unreadable ({e})"
-    if meta.get("spec_hash") != spec_hash:
-        return f"{rec.relpath} was rendered for spec {meta.get('spec_hash', '?')[:12]}, not {spec_hash[:12]}"
+    if meta.get("spec_hash") != spec.spec_hash:
+        return f"{rec.relpath} was rendered for spec {meta.get('spec_hash', '?')[:12]}, not {spec.spec_hash[:12]}"
+    digest = meta.get("sha256")
+    if digest is None and require_digest:
+        return f"{rec.relpath} carries no data digest (written by an older version), so its data cannot be proven"
+    if digest is not None and digest != _array_digest(lat):
+        return f"{rec.relpath} does not match its data digest (corrupt)"
+    want = latent_grid(spec)
+    if lat.ndim != 4 or tuple(lat.shape[1:]) != want:
+        return (f"{rec.relpath} holds latents of shape {list(lat.shape)}; the job's size gives "
+                f"[channels, {', '.join(map(str, want))}]")
     if not np.isfinite(lat).all():
         return f"{rec.relpath} holds non-finite latents"
     return None
+
+
+def latent_grid(spec: JobSpec) -> tuple[int, int, int]:
+    """(T, h, w) of a job's latents: its frames and pixels through the VAE's compression."""
+    return (WAN22.latent_frames(spec.frames), spec.height // WAN22.vae_spatial, spec.width // WAN22.vae_spatial)
 
 
 def check_video(out_dir: Path, rec: Recorded, *, frames: int, width: int, height: int) -> str | None:

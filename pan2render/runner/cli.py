@@ -2,8 +2,8 @@
 
 Exit codes: 0 every job done, 1 some job failed, 2 invalid input or usage (nothing written),
 3 the environment failed (disk full, permission, damaged ledger, lost cluster: one paragraph on the
-terminal, the traceback in DIR/_logs/), 130 interrupted (Ctrl-C, SIGTERM or SIGHUP; finished
-stages kept, `resume` continues).
+terminal, the traceback in DIR/_logs/), 4 (status only, views.status_code) not finished,
+130 interrupted (Ctrl-C, SIGTERM or SIGHUP; finished stages kept, `resume` continues).
 Environment (for tests and debugging, not user settings):
     PAN2_RENDER_EXECUTOR  "local": run jobs in this process (LocalExecutor), no Ray; for tests of the
                           CLI's behaviour around the driver (ledger, disk, messages)
@@ -32,7 +32,14 @@ from typing import TYPE_CHECKING, Any
 
 import pan2render
 from pan2render.jobs.batch import Overrides, list_presets, preset_text
-from pan2render.jobs.ledger import LEDGER_NAME, FolderLock, FolderLockedError, JobState, Ledger
+from pan2render.hints import command
+from pan2render.jobs.ledger import (
+    LEDGER_NAME,
+    FolderLock,
+    FolderLockedError,
+    JobState,
+    Ledger,
+)
 from pan2render.jobs.spec import Batch, BatchValidationError
 from pan2render.runner import errors
 from pan2render.runner.executor import LOCAL_ADDRESS
@@ -60,14 +67,24 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     except KeyboardInterrupt:
         if renders:
+            from pan2render.runner.session import recorded  # noqa: PLC0415
+
             where = getattr(args, "out", None) or getattr(args, "dir", None)
             by = f" by {_stopped_by[-1]}" if _stopped_by else ""
-            _err(f"\ninterrupted{by}; finished stages are kept: `{_me()} resume {where}` continues")
+            if recorded(where):
+                _err(f"\ninterrupted{by}; finished stages are kept: `{_cmd('resume', where)}` continues")
+            else:
+                _err(f"\ninterrupted{by}; nothing was recorded in {where}: run the same command again")
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - never a traceback on the terminal: one paragraph + a log
         folder = getattr(args, "out", None) or getattr(args, "dir", None)
         log = errors.write_log(folder, traceback.format_exc())
-        _err(f"error: {errors.explain(e, folder=folder)}" + (f"\n(details: {log})" if log is not None else ""))
+        # `resume` only where a batch is recorded to resume; else the command itself, once fixed.
+        from pan2render.runner.session import recorded  # noqa: PLC0415
+
+        again = _cmd("resume", folder) if renders and recorded(folder) else None
+        _err(f"error: {errors.explain(e, folder=folder, resume=again)}"
+             + (f"\n(details: {log})" if log is not None else ""))
         return EXIT_ENVIRONMENT
 
 
@@ -194,22 +211,27 @@ NODE_PORT = 6379  # Ray's default head port: `--address auto` and `ray status` f
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    """``ray start --head`` / ``ray stop`` for a node that runs on this machine join by default: it
-    stays up between batches, so a run joins it instead of starting Ray (~2 s against ~7 s on an
-    H200 host, before the first video). A run's GPU workers are still its own."""
-    import subprocess  # noqa: PLC0415
-
-    from pan2render.runner.cluster import node_start_command  # noqa: PLC0415
+    """A Ray node on this machine that runs join by default: it stays up between batches, so a run
+    joins it instead of starting Ray (~2 s against ~7 s on an H200 host, before the first video).
+    A run's GPU workers are still its own. `node stop` ends that node alone (runner/node.py)."""
+    from pan2render.runner import node  # noqa: PLC0415 - imports ray's scripts only when it starts one
     from pan2render.runner.executor import local_gpus  # noqa: PLC0415
 
     env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     if args.action == "stop":
-        done = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop"], env=env,
-                              capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            _err(f"error: `ray stop` failed (exit {done.returncode}):\n{(done.stdout + done.stderr).strip()}")
+        try:
+            stopped = node.stop()
+        except node.NodeError as e:
+            _err(f"error: {e}")
             return EXIT_FAILED
-        print("Ray node stopped (with every Ray process of this user on this machine, as `ray stop` does)")
+        if stopped is None:
+            print("no Ray node started by `pan2-render node start` is recorded on this machine; nothing was stopped "
+                  "(a node started with plain `ray start` is stopped with `ray stop`, which ends every Ray process "
+                  "of this user here)")
+            return EXIT_OK
+        record, n = stopped
+        print(f"Ray node stopped (GCS at {record.gcs_address}, {n} process(es)); other Ray clusters on this "
+              f"machine were not touched")
         return EXIT_OK
     if args.cpu_gpus is not None and args.cpu_gpus < 1:
         _err(f"error: --cpu-gpus {args.cpu_gpus}: must be >= 1")
@@ -217,19 +239,21 @@ def cmd_node(args: argparse.Namespace) -> int:
     if not 1 <= args.port <= 65535:
         _err(f"error: --port {args.port}: must be a TCP port, 1-65535")
         return EXIT_USAGE
-    gpus, cuda, why = local_gpus(args.cpu_gpus, max_gpus=1)
-    if why:
-        print(why.replace("running on CPU", "the node runs on CPU"))
-    done = subprocess.run(node_start_command(gpus=gpus, port=args.port), env=env, capture_output=True,
-                          text=True, check=False)
-    if done.returncode != 0:
-        lines = [ln for ln in (done.stdout + done.stderr).splitlines() if ln.strip()]
-        _err(f"error: `ray start` failed (exit {done.returncode}); its last lines:\n  " + "\n  ".join(lines[-8:])
-             + f"\n(a node already running here: `{_me()} node stop` first; a port in use: --port)")
+    try:
+        if (up := node.running()) is not None:  # before anything else is said: one line
+            print(node.NodeAlreadyUp(up))
+            return EXIT_OK
+        gpus, cuda, why = local_gpus(args.cpu_gpus, max_gpus=1)
+        if why:
+            print(why.replace("running on CPU", "the node runs on CPU"))
+        record = node.start(gpus=gpus, port=args.port, env=env)
+    except node.NodeError as e:
+        _err(f"error: {e}")
         return EXIT_FAILED
     kind = "GPU(s)" if cuda and args.cpu_gpus is None else "logical GPU(s) on CPU"
-    print(f"Ray node up on this machine: {gpus} {kind}, GCS port {args.port}.\nBatches run here join it "
-          f"(`{_me()} run FILE --out DIR`; `--address local` runs without it). `{_me()} node stop` ends it.")
+    print(f"Ray node up on this machine: {gpus} {kind}, GCS at {record.gcs_address}.\nBatches run here join it "
+          f"(`{_cmd('run', 'FILE', '--out', 'DIR')}`; `--address local` runs without it). `{_cmd('node', 'stop')}` "
+          f"ends it, and only it.")
     return EXIT_OK
 
 
@@ -256,8 +280,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     from pan2render.runner.session import BatchRequest, BatchSession  # noqa: PLC0415
 
     request = BatchRequest(out_dir=out, batch=batch, overrides=overrides, retries=args.retries)
-    with BatchSession.record(request, stream=sys.stderr,
-                             title=f"run {args.batch} {' '.join(overrides.flags())}".rstrip()) as session:
+    try:
+        session = BatchSession.record(request, stream=sys.stderr,
+                                      title=f"run {args.batch} {' '.join(overrides.flags())}".rstrip())
+    except errors.UnrecordedWork as e:  # refused before a byte is written (no log either)
+        _err(f"error: {e}")
+        return EXIT_ENVIRONMENT
+    with session:
         return _drive(args, session)
 
 
@@ -266,7 +295,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
         return err
     out: Path = args.dir
     if not (out / LEDGER_NAME).is_file():
-        _err(f"error: {out} has no {LEDGER_NAME}: nothing to resume (start with `{_me()} run BATCH --out {out}`)")
+        _err(f"error: {out} has no {LEDGER_NAME}: nothing to resume (if a batch ran there, `{_cmd('repair', out)}` "
+             f"rebuilds it from the job folders; else start with `{_cmd('run', 'BATCH', '--out', out)}`)")
         return EXIT_USAGE
     from pan2render.runner.session import BatchSession  # noqa: PLC0415
 
@@ -285,9 +315,9 @@ def _holds_a_batch(out: Path, consequence: str) -> bool:
             return True
     finally:
         ledger.close()
-    _err(f"error: the ledger {ledger.path} holds no batch (the batch was never recorded, or the file was "
-          f"emptied); {consequence}. Start the batch with `pan2-render run BATCH --out {out}`, or if it had "
-          f"run, `pan2-render repair {out}` rebuilds the ledger from its backup and the artifacts")
+    _err(f"error: the ledger {ledger.path} holds no batch (the file was emptied, or the batch was never "
+          f"recorded); {consequence}. If the batch had run, `{_cmd('repair', out)}` rebuilds the ledger from its "
+          f"backup and the artifacts; if it never ran, start it with `{_cmd('run', 'BATCH', '--out', out)}`")
     return False
 
 
@@ -315,6 +345,7 @@ def _drive(args: argparse.Namespace, session: Any) -> int:
     from pan2render.runner.cluster import ClusterConnectError  # noqa: PLC0415
     from pan2render.runner.driver import Driver, DriverConfig  # noqa: PLC0415
     from pan2render.runner.executor import make_executor  # noqa: PLC0415
+    from pan2render.runner.session import warn_if_no_backup  # noqa: PLC0415
 
     out, ledger, log, ids = session.out_dir, session.ledger, session.log, session.job_ids
     config = DriverConfig(retries=args.retries, progress=not args.no_progress,
@@ -331,6 +362,11 @@ def _drive(args: argparse.Namespace, session: Any) -> int:
     try:
         executor = make_executor(address=_address(args), cpu_gpus=args.cpu_gpus,
                                  max_gpus=max(j.spec.gpus for j in jobs), say=log.line)
+    except SystemExit as e:
+        # While ray.init starts or joins Ray, its own SIGTERM handler stands in for ours and ends
+        # the process with sys.exit: the same stop as any other, with its message.
+        _stopped_by.append(signal.Signals.SIGTERM.name)
+        raise KeyboardInterrupt(signal.Signals.SIGTERM.name) from e
     except ClusterConnectError as e:
         log.line(f"error: {e}")
         return EXIT_USAGE
@@ -349,6 +385,7 @@ def _drive(args: argparse.Namespace, session: Any) -> int:
     finally:
         executor.shutdown()
     _print_summary(out, summary, log)
+    warn_if_no_backup(ledger, log)
     return summary.exit_code
 
 
@@ -365,6 +402,22 @@ def _run_with_report(out: Path, log: RunLog, run: Callable[[Callable[[], None]],
             log.line(f"report: {path}")
 
 
+def _address_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the cluster address (--address or RAY_ADDRESS) as written, before
+    anything is recorded; None if it has a form Ray takes."""
+    from pan2render.runner.cluster import RAY_CLIENT_SCHEME, parse_gcs_address  # noqa: PLC0415
+
+    address = _address(args)
+    if address is None or address in ("auto", LOCAL_ADDRESS):
+        return None
+    rest = address.removeprefix(RAY_CLIENT_SCHEME)
+    if "://" not in rest and parse_gcs_address(rest) is not None:
+        return None
+    given = f"--address {address}" if args.address else f"RAY_ADDRESS={address} (set in the environment)"
+    return (f"{given}: not a Ray cluster address; allowed: auto, local, HOST:PORT (the head's GCS, e.g. "
+            f"10.0.0.5:6379) or ray://HOST:PORT (a Ray client)")
+
+
 def _address(args: argparse.Namespace) -> str | None:
     """The cluster to join: --address, else RAY_ADDRESS as Ray documents it (set on a cluster's
     nodes, it means "join this cluster", never "start one"), else None (start a local one)."""
@@ -373,9 +426,9 @@ def _address(args: argparse.Namespace) -> str | None:
 
 def _print_summary(out: Path, s: RunSummary, log: RunLog) -> None:
     log.line(f"{len(s.done)} done, {len(s.failed)} failed in {s.seconds:.1f} s "
-             f"({s.groups_created} worker group(s) started); see `{_me()} status {out}`")
+             f"({s.groups_created} worker group(s) started); see `{_cmd('status', out)}`")
     for jid in s.failed:
-        log.line(f"  failed: {jid}  (`{_me()} show {out} {jid}` has its traceback)")
+        log.line(f"  failed: {jid}  (`{_cmd('show', out, jid)}` has its traceback)")
 
 
 # ====================================================================== validate / dry run
@@ -417,7 +470,7 @@ def load_batch_or_report(batch_path: Path, overrides: Overrides, *, check_model:
     from pan2render.jobs.batch import load_batch  # noqa: PLC0415
 
     try:
-        return load_batch(batch_path, overrides=overrides, check_model=check_model)
+        return load_batch(batch_path, overrides=overrides, check_model=check_model, say=_err)
     except BatchValidationError as e:
         _err(f"error: {batch_path}: {len(e.problems)} problem(s); nothing was run:")
         for problem in e.problems:
@@ -428,7 +481,7 @@ def load_batch_or_report(batch_path: Path, overrides: Overrides, *, check_model:
 # ====================================================================== status / show
 def cmd_status(args: argparse.Namespace) -> int:
     from pan2render.runner.report import job_statuses  # noqa: PLC0415
-    from pan2render.runner.views import format_status, holder  # noqa: PLC0415
+    from pan2render.runner.views import format_status, holder, status_code  # noqa: PLC0415
 
     if not (args.dir / LEDGER_NAME).is_file():
         _err(f"error: no ledger at {args.dir / LEDGER_NAME}: {args.dir} is not a pan2-render output folder")
@@ -436,24 +489,24 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not _holds_a_batch(args.dir, "there is no status to show"):
         return EXIT_USAGE
     while True:
+        live = holder(args.dir) is not None  # before the ledger: a run that ends meanwhile reads as done
         ledger = Ledger.open_readonly(args.dir)
         try:
             if args.json:
                 rows = job_statuses(args.dir, ledger)
-                text = json.dumps([r.to_json() for r in rows], indent=1)
-                failed = any(r.state == "failed" or r.problem for r in rows)
+                text, code = json.dumps([r.to_json() for r in rows], indent=1), status_code(rows)
             else:
-                text, failed = format_status(args.dir, ledger)
+                text, code = format_status(args.dir, ledger)
         finally:
             ledger.close()
         if args.watch is None:
             print(text)
-            return EXIT_FAILED if failed else EXIT_OK
+            return code
         if sys.stdout.isatty():
             sys.stdout.write("\x1b[H\x1b[J")  # redraw from the top of the screen
         print(f"{text}\n(every {args.watch:g} s; Ctrl-C to stop watching, the run carries on)", flush=True)
-        if holder(args.dir) is None:
-            return EXIT_FAILED if failed else EXIT_OK
+        if not live:
+            return code
         time.sleep(args.watch)
 
 
@@ -481,6 +534,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     if not (args.dir / LEDGER_NAME).is_file():
         _err(f"error: {args.dir} has no {LEDGER_NAME}; nothing to report")
+        return EXIT_USAGE
+    if not _holds_a_batch(args.dir, "there is nothing to report"):
         return EXIT_USAGE
     path = write_report(args.dir)
     print(path)
@@ -548,10 +603,19 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 # ====================================================================== helpers
 def _err(text: str) -> None:
+    # Text the terminal's encoding cannot show (a path with bytes that are not UTF-8) is escaped,
+    # never lost with the rest of the message.
+    encoding = getattr(sys.stderr, "encoding", None) or "utf-8"
+    text = text.encode(encoding, "backslashreplace").decode(encoding, "replace")
     try:
         print(text, file=sys.stderr, flush=True)
     except (OSError, ValueError):  # the terminal went away (SIGHUP)
         pass
+
+
+def _cmd(*words: str | Path) -> str:
+    """A pan2-render command to paste, as this program can be called (see _me), shell-quoted."""
+    return command(*words, program=_me())
 
 
 def _me() -> str:
@@ -581,7 +645,7 @@ def _check_cluster_args(args: argparse.Namespace) -> int | None:
     else:
         from pan2render.runner.cluster import ray_client_missing  # noqa: PLC0415
 
-        problem = ray_client_missing(_address(args))
+        problem = _address_problem(args) or ray_client_missing(_address(args))
     if problem is None and _address(args) and not getattr(args, "dry_run", False):
         from pan2render.runner.cluster import ClusterConnectError, probe_address  # noqa: PLC0415
 

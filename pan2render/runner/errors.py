@@ -14,11 +14,18 @@ import tempfile
 import time
 from pathlib import Path
 
+from pan2render.hints import command
 from pan2render.jobs.disk import is_disk_full, sqlite_error_name
 from pan2render.jobs.ledger import LedgerError
+from pan2render.jobs.outdir import UnsafePathError, create_new, real_dir
 from pan2render.runner.retry import BatchStopped, ClusterLostError
 
 LOG_DIR = "_logs"
+
+
+class UnrecordedWork(RuntimeError):
+    """The folder holds rendered job folders but no ledger that records them: a new batch there
+    would render them again over their videos (`repair` first). The message says so."""
 
 
 class NothingRecorded(RuntimeError):
@@ -29,36 +36,41 @@ class NothingRecorded(RuntimeError):
         super().__init__(str(cause))
 
 
-def explain(e: BaseException, *, folder: Path | None) -> str:
-    """One paragraph: what happened, where, and what to do."""
+def explain(e: BaseException, *, folder: Path | None, resume: str | None = None) -> str:
+    """One paragraph: what happened, where, and what to do. ``resume``: the command that continues
+    the batch, where one is recorded to continue; None: the command itself is to be run again."""
     where = str(folder) if folder is not None else "the output folder"
-    resume = f"`pan2-render resume {where}`"
+    then = f"`{resume}` continues where the batch stopped" if resume else "run the same command again"
+    if isinstance(e, UnrecordedWork):
+        return str(e)
     if isinstance(e, NothingRecorded):
         return (f"{explain(e.cause, folder=folder)} Nothing of the batch was recorded in {where}, so no "
                 f"command will report any of it as done: once that is fixed, run the same command again.")
     if isinstance(e, BatchStopped):
-        return (f"{explain(e.cause, folder=folder)} The batch stopped: the jobs that were running went back "
-                f"to pending without being charged an attempt, finished jobs are intact.")
-    if isinstance(e, (LedgerError, ClusterLostError)):
+        return (f"{explain(e.cause, folder=folder, resume=resume)} The batch stopped: the jobs that were running "
+                f"went back to pending without being charged an attempt, finished jobs are intact.")
+    if isinstance(e, (LedgerError, ClusterLostError, UnsafePathError)):
         return str(e)
     if is_disk_full(e):
         return (f"the disk holding {where} is full ({e}). Free space there (or move the folder to a larger "
-                f"disk), then {resume} continues where the batch stopped.")
+                f"disk), then {then}.")
     if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         path = e.filename or where
         return (f"{path} cannot be written ({e.strerror}): the filesystem is read-only or this user lacks "
-                f"permission. Give this user write access to {where}, then {resume}.")
+                f"permission. Give this user write access to {where}, then {then}.")
     if isinstance(e, sqlite3.Error) and sqlite_error_name(e) in ("SQLITE_BUSY", "SQLITE_LOCKED"):
         return (f"the ledger in {where} stayed locked by another process for longer than its 10 s "
                 f"wait ({e}); run the command again in a moment.")
     if isinstance(e, sqlite3.Error):
-        return (f"the ledger in {where} failed ({type(e).__name__}: {e}). If it is damaged, `pan2-render "
-                f"repair {where}` rebuilds it from its backup and the finished artifacts.")
+        repair = f"`{command('repair', where)}`" if folder is not None else "`pan2-render repair DIR`"
+        return (f"the ledger in {where} failed ({type(e).__name__}: {e}). If it is damaged, {repair} rebuilds "
+                f"it from its backup and the finished artifacts.")
     if isinstance(e, OSError):
         path = f"{e.filename}: " if e.filename else ""
-        return f"{path}{e.strerror or e} ({type(e).__name__}). Fix that, then {resume}."
+        return f"{path}{e.strerror or e} ({type(e).__name__}). Fix that, then {then}."
+    intact = f"Finished jobs are intact; `{resume}` continues." if resume else "Then run the same command again."
     return (f"unexpected {type(e).__name__}: {e}. This is likely a bug in pan2-render: please report it "
-            f"with the log named below. Finished jobs are intact; {resume} continues.")
+            f"with the log named below. {intact}")
 
 
 def write_log(folder: Path | None, text: str) -> Path | None:
@@ -69,10 +81,11 @@ def write_log(folder: Path | None, text: str) -> Path | None:
                  [Path(tempfile.gettempdir()) / "pan2-render"]
     for log_dir in candidates:
         try:
-            log_dir.mkdir(parents=True, exist_ok=True)
-            path = log_dir / name
-            path.write_text(text)
+            log_dir.parent.mkdir(parents=True, exist_ok=True)
+            path = real_dir(log_dir) / name
+            with os.fdopen(create_new(path), "w") as f:
+                f.write(text)
             return path
-        except OSError:
+        except OSError:  # a full disk, no permission, or a link at _logs: the next place
             continue
     return None

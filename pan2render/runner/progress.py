@@ -20,12 +20,15 @@ the rate is (k - 1) steps over the time between step 1 and step k, however seldo
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
+
+from pan2render.jobs.outdir import open_file
 
 RUN_LOG_NAME = "run.log"
 
@@ -80,7 +83,8 @@ class RunLog:
         """``stream``: a text stream, ``STDERR`` (the process's, as it is when the log is made) or
         None (the file alone: a farm's batches)."""
         self.stream: TextIO | None = sys.stderr if stream is STDERR else stream  # type: ignore[assignment]
-        self._file = open(path, "a", encoding="utf-8") if path is not None else None  # noqa: SIM115
+        self._file = None if path is None else os.fdopen(
+            open_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
         self.path = path
 
     @property
@@ -124,8 +128,9 @@ class _Running:
 
 
 def duration(seconds: float) -> str:
-    """Seconds as people read them: 42s, 3m05s, 2h10m."""
-    s = int(round(seconds))
+    """Seconds as people read them: 42s, 3m05s, 2h10m. Never negative: a span between stamps of
+    two clocks (a clock stepped back, another host's) shows as 0s."""
+    s = max(0, int(round(seconds)))
     if s < 60:
         return f"{s}s"
     if s < 3600:

@@ -32,6 +32,10 @@ from pan2render.runner.stages import PAN2_FLOW
 from pan2render.runner.outputs import PARAMS_NAME
 
 
+# What a job folder holds that repair reads (a spec) or re-checks (an artifact).
+JOB_FILES = (PARAMS_NAME, artifacts.LATENTS_NAME, artifacts.VIDEO_NAME)
+
+
 @dataclass
 class RepairSummary:
     jobs: int = 0
@@ -58,6 +62,7 @@ class RepairSummary:
 class _Found:
     spec: JobSpec
     attempts: int = 0
+    documents: dict[str, str] = field(default_factory=dict)  # as the backup recorded them
 
 
 def repair(out_dir: Path, *, batch: Batch | None, retries: int, say: Callable[[str], None],
@@ -97,6 +102,9 @@ def repair(out_dir: Path, *, batch: Batch | None, retries: int, say: Callable[[s
             summary.sampled += not done and Stage.SAMPLING.value in done_stages
             fresh.restore_job(item.spec, state=state, attempts=item.attempts, retries=retries,
                               stages=done_stages, reason="rebuilt by `pan2-render repair` from the artifacts")
+            if state is JobState.DONE:  # the exact text of its params.json, which resume compares
+                for name, body in item.documents.items():
+                    fresh.set_document(item.spec.job_id, name, body)
     finally:
         fresh.close()
     summary.jobs = len(found)
@@ -136,7 +144,7 @@ def _from_backup(out_dir: Path, summary: RepairSummary,
     try:
         meta = led.get_meta("batch")
         for job in led.jobs():
-            found[job.id] = _Found(job.spec, attempts=job.attempts)
+            found[job.id] = _Found(job.spec, attempts=job.attempts, documents=led.documents(job.id))
     finally:
         led.close()
     if found:

@@ -22,12 +22,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pan2render.jobs.ledger import Event, JobRecord, JobState, Ledger, Stage, StageRecord, StageState, stage_name
+from pan2render.jobs import outdir
+from pan2render.jobs.ledger import (
+    Event,
+    FolderLock,
+    JobRecord,
+    JobState,
+    Ledger,
+    Stage,
+    StageRecord,
+    StageState,
+    stage_name,
+)
 from pan2render.runner import outputs
 from pan2render.runner import artifacts as st
 from pan2render.runner.compare import comparisons
 
 REPORT_NAME = "index.html"
+# Where the report goes when DIR/index.html is a page of the user's own, which is never overwritten.
+REPORT_FALLBACK = "pan2-render-report.html"
+_OURS = (b'<meta name="generator" content="pan2-render">', b"<title>pan2-render: ")  # (the second: older pages)
 POSTER_DIR = "_report"
 POSTER_MAX_SIDE = 480  # px; a poster is shown at most ~320 px wide, and 500 of them stay small
 TILE_BOX = (320, 200)  # px: the largest a video is shown (width, height), aspect kept
@@ -35,11 +49,16 @@ TILE_BOX = (320, 200)  # px: the largest a video is shown (width, height), aspec
 _NOT_COMPARED = frozenset({"name", "sweep", "source", "image_sha256"})
 
 
+# The state shown for a job the ledger calls running when no run holds the folder: its run was
+# stopped or killed while it ran (`resume` continues it).
+INTERRUPTED = "interrupted"
+
+
 @dataclass(frozen=True)
 class JobStatus:
     id: str
     name: str
-    state: str
+    state: str  # a JobState's value, or INTERRUPTED
     stage: str | None  # done: "encode"; failed: the failing stage; else the first unfinished stage
     attempts: int
     error: str | None
@@ -71,10 +90,12 @@ def _version_key(job: JobRecord) -> str:
 def job_statuses(out_dir: Path, ledger: Ledger) -> list[JobStatus]:
     jobs = ledger.jobs()
     newer = superseded(jobs)
-    return [_status(out_dir, job, ledger.stages(job.id), newer.get(job.id)) for job in jobs]
+    live = FolderLock.holder(out_dir) is not None
+    return [_status(out_dir, job, ledger.stages(job.id), newer.get(job.id), live=live) for job in jobs]
 
 
-def _status(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], newer: str | None) -> JobStatus:
+def _status(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], newer: str | None, *,
+            live: bool) -> JobStatus:
     video = problem = None
     enc = stages[Stage.ENCODE]
     if job.state is JobState.DONE:
@@ -82,7 +103,8 @@ def _status(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], new
         problem = st.check_present(out_dir, st.Recorded(enc.artifact, enc.sha256, enc.size))
     if enc.state is StageState.DONE and enc.artifact and not problem and (out_dir / enc.artifact).is_file():
         video = str((out_dir / enc.artifact).absolute())
-    return JobStatus(id=job.id, name=job.name, state=job.state.value, stage=_stage_of(job, stages),
+    state = INTERRUPTED if job.state is JobState.RUNNING and not live else job.state.value
+    return JobStatus(id=job.id, name=job.name, state=state, stage=_stage_of(job, stages),
                      attempts=job.attempts, error=job.error, video=video,
                      seconds={stage_name(s): r.seconds for s, r in stages.items()}, superseded_by=newer,
                      problem=problem)
@@ -116,7 +138,7 @@ def shown_error(r: JobStatus, width: int = 100) -> str:
 
 def counts_lines(rows: list[JobStatus]) -> list[str]:
     """The closing lines of status: jobs per state, and the damaged videos if any."""
-    counts = {s.value: sum(r.state == s.value for r in rows) for s in JobState}
+    counts = {s: sum(r.state == s for r in rows) for s in [*(s.value for s in JobState), INTERRUPTED]}
     n_old = sum(r.superseded_by is not None for r in rows)
     lines = [(", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no jobs")
              + (f" ({n_old} superseded by a newer version)" if n_old else "")]
@@ -226,16 +248,17 @@ def _poster(out_dir: Path, job_id: str, video: Path, sha256: str | None, say: Ca
         return None
     # A cache, remade from the video when lost: renamed into place (never half a PNG under its
     # name) but not fsynced, which would cost more than the decode for a page of small clips.
-    path.parent.mkdir(exist_ok=True)
+    outdir.real_dir(path.parent)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    tmp.write_bytes(data)
+    with os.fdopen(outdir.create_new(tmp), "wb") as f:
+        f.write(data)
     os.replace(tmp, path)
     return rel
 
 
 def _tile(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], *, label: str,
           newer: str | None, say: Callable[[str], None]) -> Tile:
-    status = _status(out_dir, job, stages, newer)
+    status = _status(out_dir, job, stages, newer, live=True)  # (the tile shows the ledger's state)
     video = poster = None
     if status.video:
         video = str(stages[Stage.ENCODE].artifact)
@@ -306,7 +329,7 @@ def _wall_seconds(events: list[Event]) -> float:
 
 
 def _duration(seconds: float) -> str:
-    s = round(seconds)
+    s = max(0, round(seconds))  # (a clock stepped back between two stamps)
     return f"{s // 3600}h {s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m {s % 60:02d}s"
 
 
@@ -373,10 +396,30 @@ def render_html(context: dict[str, Any]) -> str:
 
 
 def write_report(out_dir: Path, *, say: Callable[[str], None] = print) -> Path:
-    """Write ``DIR/index.html`` (atomically: a browser reloading it never sees half a page)."""
-    path = out_dir / REPORT_NAME
+    """Write ``DIR/index.html`` (atomically: a browser reloading it never sees half a page), or
+    ``DIR/pan2-render-report.html`` when index.html is a page of the user's own (said once, when
+    that file is first written). A symlink at either name is refused (UnsafePathError)."""
+    path = report_path(out_dir)
+    outdir.refuse_link(path)
+    if path.name == REPORT_FALLBACK and not path.exists():
+        say(f"report: {out_dir / REPORT_NAME} is not a pan2-render report: it is left as it is, and the report "
+            f"is written to {path}")
     st.write_atomic(path, render_html(report_context(out_dir, say=say)).encode())
     return path
+
+
+def report_path(out_dir: Path) -> Path:
+    """Where the report of ``out_dir`` is: index.html unless that is a page of the user's own."""
+    path = out_dir / REPORT_NAME
+    try:
+        fd = outdir.open_file(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return path
+    except outdir.UnsafePathError:
+        return path  # refused by the writer, naming it
+    with os.fdopen(fd, "rb") as f:
+        head = f.read(4096)
+    return path if any(mark in head for mark in _OURS) else out_dir / REPORT_FALLBACK
 
 
 def open_in_browser(path: Path) -> bool:

@@ -20,9 +20,11 @@ from typing import Any, TextIO
 
 from pan2render.jobs import disk
 from pan2render.jobs.batch import Overrides
-from pan2render.jobs.ledger import EventKind, FolderLock, JobRecord, JobState, Ledger
+from pan2render.hints import command
+from pan2render.jobs.ledger import BACKUP_NAME, LEDGER_NAME, EventKind, FolderLock, JobRecord, JobState, Ledger
 from pan2render.jobs.spec import Batch, JobSpec
 from pan2render.runner import errors
+from pan2render.runner.errors import UnrecordedWork
 from pan2render.runner.driver import prepare_jobs
 from pan2render.runner.progress import RUN_LOG_NAME, RunLog
 
@@ -76,6 +78,8 @@ class BatchSession:
         lock = FolderLock(out)
         lock.acquire()
         try:
+            if (why := unrecorded_work(out)) is not None:
+                raise UnrecordedWork(why)
             try:
                 ledger = Ledger.open(out)
             except Exception as e:  # noqa: BLE001 - told apart by errors.explain
@@ -96,6 +100,7 @@ class BatchSession:
             except Exception as e:  # noqa: BLE001
                 raise errors.NothingRecorded(e) from e
             log.line(title)
+            warn_if_no_backup(ledger, log)
             note_superseded(ledger, batch, set(added), previous.get("weights_files") or {}, log)
             warn_if_short_of_space(out, ledger.jobs(added), log)
             n_done = sum(j.state is JobState.DONE for j in ledger.jobs(present))
@@ -171,12 +176,23 @@ def note_superseded(ledger: Ledger, batch: Batch, added: set[str], old_files: di
     changed = sorted(r for r in set(old_files) | set(batch.weights_files)
                      if old_files.get(r) != batch.weights_files.get(r))
     files = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+    # Folders recorded before the digest covered every byte hold sampled fingerprints: their
+    # jobs are superseded by the new digest alone, whether or not the weights changed.
+    sampled = any("sampled_sha256" in (fp or {}) for fp in old_files.values())
     for spec in batch.jobs:
         prev = old.get(key(spec))
         if spec.job_id in added and prev is not None and prev.spec.weights != spec.weights:
-            why = f"the weights in {spec.model} changed" + (f" ({files})" if files else "")
+            why = (f"the weights' digest of {spec.model} now covers every byte (it sampled each file before)"
+                   if sampled else f"the weights in {spec.model} changed" + (f" ({files})" if files else ""))
             ledger.log(prev.id, EventKind.SUPERSEDED, f"by {spec.job_id}: {why}")
             log.line(f"{prev.id} is superseded by {spec.job_id}: {why}")
+
+
+def warn_if_no_backup(ledger: Ledger, log: RunLog) -> None:
+    """The ledger's backup is taken quietly (its failure never fails a job); say when it failed."""
+    if ledger.backup_error:
+        log.line(f"warning: the ledger's backup could not be written ({ledger.backup_error}); `repair` would "
+                 f"have only the job folders to rebuild it from")
 
 
 def warn_if_short_of_space(out: Path, jobs: list[JobRecord], log: RunLog) -> None:
@@ -190,3 +206,40 @@ def warn_if_short_of_space(out: Path, jobs: list[JobRecord], log: RunLog) -> Non
         log.line(f"warning: {len(jobs)} job(s) need about {need / 2**30:.2f} GiB in {out} but only "
                  f"{free / 2**30:.2f} GiB is free; the batch will stop when the disk fills (`resume` "
                  f"continues once space is freed)")
+
+
+def recorded(out: Path | None) -> bool:
+    """Does ``out`` hold a ledger with a recorded batch (so that `resume` has something to do)?"""
+    if out is None or not (out / LEDGER_NAME).is_file() or (out / LEDGER_NAME).stat().st_size == 0:
+        return False  # (an empty file is what SQLite calls an empty database)
+    try:
+        ledger = Ledger.open_readonly(out)
+    except Exception:  # noqa: BLE001 - damaged or unreadable: its own message says what to do
+        return True
+    try:
+        return ledger.has_batch()
+    finally:
+        ledger.close()
+
+
+def unrecorded_work(out: Path) -> str | None:
+    """Why ``run`` must not start in ``out``: its ledger is gone or holds no batch, yet job folders
+    with artifacts are there (a ledger deleted or emptied). A run would record a new batch and
+    render those jobs again over their videos; `repair` rebuilds the ledger from them. None when
+    there is nothing of the kind."""
+    from pan2render.runner.repair import JOB_FILES  # noqa: PLC0415 - numpy, safetensors
+
+    if recorded(out) or not out.is_dir():
+        return None
+    folders = sorted(f.name for f in out.iterdir()
+                     if not f.name.startswith((".", "_")) and not f.is_symlink() and f.is_dir()
+                     and any((f / name).is_file() for name in JOB_FILES))
+    backup = (out / BACKUP_NAME).is_file() and not (out / BACKUP_NAME).is_symlink()
+    if not folders and not backup:
+        return None
+    found = " and ".join(([f"{len(folders)} job folder(s) with rendered artifacts (e.g. {folders[0]})"] if folders
+                          else []) + ([f"the ledger's backup {BACKUP_NAME}"] if backup else []))
+    return (f"{out} holds {found}, but its ledger {LEDGER_NAME} is missing or holds no batch (deleted or emptied): "
+            f"a run now would render those jobs again over their videos. `{command('repair', out)}` rebuilds the "
+            f"ledger from them (with `--batch BATCH` for jobs that left nothing on disk); then run again. "
+            f"Nothing was written.")

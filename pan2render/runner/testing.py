@@ -183,3 +183,29 @@ class _OutOfMemoryPipeline(FakePipeline):
 def load_oom_pipeline(model: str, device: str) -> FakePipeline:
     """Runs out of (device) memory in every sampling call, as torch reports it."""
     return _OutOfMemoryPipeline(model)
+
+
+class _ShortDecodePipeline(FakePipeline):
+    def decode(self, latents: torch.Tensor, *, on_device: bool = False) -> torch.Tensor:
+        return super().decode(latents, on_device=on_device)[:-1]  # uint8 [frames - 1, H, W, 3]
+
+
+def load_short_decode_pipeline(model: str, device: str) -> FakePipeline:
+    """Its decode returns one frame fewer than the latents hold (a decoder that loses a frame)."""
+    return _ShortDecodePipeline(model)
+
+
+class _OwnEncoderPipeline(FakePipeline):
+    """A text encoder of each model's own: its id and its embeddings depend on the model, as a
+    checkpoint with another umT5 gives."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(model)
+        self.text_encoder_id = "fake-text-" + hashlib.sha256(model.encode()).hexdigest()[:8]
+
+    def encode_prompt(self, prompt: str) -> torch.Tensor:
+        return super().encode_prompt(f"{self.text_encoder_id}\x00{prompt}")
+
+
+def load_own_encoder_pipeline(model: str, device: str) -> FakePipeline:
+    return _OwnEncoderPipeline(model)

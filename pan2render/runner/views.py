@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pan2render.jobs.ledger import LOCK_NAME, Event, EventKind, JobRecord, JobState, Ledger, stage_name
+from pan2render.hints import command
+from pan2render.jobs.ledger import Event, EventKind, FolderLock, JobRecord, JobState, Ledger, stage_name
 from pan2render.jobs.spec import JobSpec
 from pan2render.runner.estimates import History, Plan, plan
 from pan2render.runner.progress import duration
+from pan2render.runner.report import INTERRUPTED, JobStatus
 
 
 # ---------------------------------------------------------------------------------------- tables
@@ -72,7 +73,7 @@ def find_job(ledger: Ledger, query: str) -> JobRecord:
             listed = ", ".join(j.id for j in match[:8]) + (" ..." if len(match) > 8 else "")
             raise JobNotFound(f"{query!r} matches {len(match)} jobs ({listed}); give more of the id")
     raise JobNotFound(f"no job {query!r} in {ledger.path.parent} (an id, a unique id prefix, or a unique "
-                      f"name; `pan2-render status {ledger.path.parent}` lists them)")
+                      f"name; `{command('status', ledger.path.parent)}` lists them)")
 
 
 def _when(t: float) -> str:
@@ -142,26 +143,12 @@ def format_show(out_dir: Path, ledger: Ledger, job: JobRecord) -> str:
 
 # ---------------------------------------------------------------------------------------- status
 def holder(out_dir: Path) -> dict[str, Any] | None:
-    """The live run holding the folder (pid, host, started), or None. A holder line left by a
-    killed run on this host is recognised as dead by its pid."""
-    try:
-        h = json.loads((out_dir / LOCK_NAME).read_text() or "null")
-    except (OSError, ValueError):
-        return None
-    if not isinstance(h, dict) or "pid" not in h:
-        return None
-    if h.get("host") == socket.gethostname():
-        try:
-            os.kill(int(h["pid"]), 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass
-    return h
+    """The live run holding the folder (its holder line: pid, host, started), or None."""
+    return FolderLock.holder(out_dir)
 
 
-def format_status(out_dir: Path, ledger: Ledger) -> tuple[str, bool]:
-    """The status table and whether any job failed."""
+def format_status(out_dir: Path, ledger: Ledger) -> tuple[str, int]:
+    """The status table and status's exit code (:func:`status_code`)."""
     from pan2render.runner.report import counts_lines, job_statuses, shown_error, shown_state  # noqa: PLC0415
 
     statuses = job_statuses(out_dir, ledger)
@@ -175,11 +162,26 @@ def format_status(out_dir: Path, ledger: Ledger) -> tuple[str, bool]:
         rows.append([shown_state(r), r.stage or "-", str(r.attempts), r.id, *(_value(spec.sweep.get(k, "")) for k in keys),
                      f"{secs:.1f}" if secs else "-", video, shown_error(r, 80)])
     text = table(["state", "stage", "att", "id", *keys, "seconds", "video", "error"], rows)
-    failed = any(r.state == "failed" or r.problem for r in statuses)
-    return "\n".join([_run_line(out_dir, ledger, jobs), text, *counts_lines(statuses)]), failed
+    return "\n".join([_run_line(out_dir, ledger, jobs, statuses), text, *counts_lines(statuses)]), \
+        status_code(statuses)
 
 
-def _run_line(out_dir: Path, ledger: Ledger, jobs: dict[str, JobRecord]) -> str:
+EXIT_DONE, EXIT_FAILED, EXIT_UNFINISHED = 0, 1, 4
+
+
+def status_code(statuses: list[JobStatus]) -> int:
+    """What ``status`` exits with (the README's table): 0 every job done, 1 a job failed or a done
+    job's video is missing or damaged, 4 not finished (jobs pending, running or interrupted, none
+    failed). Versions superseded by a newer one of the same job do not count."""
+    current = [r for r in statuses if r.superseded_by is None]
+    if any(r.state == JobState.FAILED.value or r.problem for r in current):
+        return EXIT_FAILED
+    if any(r.state != JobState.DONE.value for r in current):
+        return EXIT_UNFINISHED
+    return EXIT_DONE
+
+
+def _run_line(out_dir: Path, ledger: Ledger, jobs: dict[str, JobRecord], statuses: list[JobStatus]) -> str:
     runs = ledger.get_meta("runs", [])
     live = holder(out_dir)
     last = runs[-1] if runs else None
@@ -189,10 +191,15 @@ def _run_line(out_dir: Path, ledger: Ledger, jobs: dict[str, JobRecord]) -> str:
         return head
     started = float(last["started"])
     events = ledger.events()
-    end = time.time() if live else (events[-1].at if events else started)
-    state = f"running (pid {live['pid']} on {live['host']})" if live else "not running"
+    end = time.time() if live is not None else (events[-1].at if events else started)
+    state = "not running" if live is None else \
+        f"running (pid {live.get('pid', '?')} on {live.get('host', '?')})" if live else "running"
     line = f"{head}\n{state}; last run started {_when(started)}, elapsed {duration(end - started)}"
-    if live:
+    interrupted = sum(r.state == INTERRUPTED for r in statuses)
+    if interrupted:
+        line += (f"; {interrupted} job(s) interrupted (the run stopped while they ran): "
+                 f"`{command('resume', out_dir)}` continues")
+    if live is not None:
         left = [j.spec for j in jobs.values() if j.state not in (JobState.DONE, JobState.FAILED)]
         # The live run's groups are up already: no start-up in its ETA.
         est = plan(left, gpus=int(last.get("gpus") or 1), history=History.from_folders([out_dir]),

@@ -27,7 +27,6 @@ from __future__ import annotations
 import importlib
 import os
 import socket
-import tempfile
 import threading
 import time
 import traceback
@@ -47,7 +46,7 @@ from pan2render.models.precision import PrecisionUnavailable
 from pan2render.models.sampler_state import SamplingPreempted, pack_sampler_state, unpack_sampler_state
 from pan2render.models.tiny import cache_root
 from pan2render.phases import phase, recording
-from pan2render.runner import outputs, artifacts, timeline
+from pan2render.runner import artifacts, outputs, scratch, timeline
 from pan2render.runner.messages import (  # the config and the lane sizes are importable from here too
     Adapter,
     CheckpointReply,
@@ -166,6 +165,7 @@ class RenderWorker:
         # Compiled Triton kernels persist in the pan2-render cache folder, so the second batch on
         # a machine loads them instead of compiling (read by Triton at its first compile).
         os.environ.setdefault("TRITON_CACHE_DIR", str(cache_root() / "triton"))
+        scratch.sweep_dead()  # what workers killed in the middle of an encode left behind
         self.started = WorkerStart(process_started_at=timeline.process_started_at(), ready_at=time.time(),
                                    imports_s=imports_s)
 
@@ -498,8 +498,8 @@ class RenderWorker:
 
         self._maybe_fault(js, "encode")
         t0 = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="pan2-encode-") as tmp:
-            path = Path(tmp) / artifacts.VIDEO_NAME
+        with scratch.encode_folder() as tmp:
+            path = tmp / artifacts.VIDEO_NAME
             encode_s = encode_mp4(Yuv420Video(planes), path, **js.encode_args(),
                                   metadata=outputs.video_tags(js, model_id=self._pipeline(js.model).model_id))
             mp4 = path.read_bytes()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pan2render.jobs import BatchValidationError, JobSpec, Problem, list_presets, load_batch
+from pan2render.jobs.inputs import LIMITS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,9 +65,9 @@ BAD_JOB_FIELDS = {
     "height-not-32": ("height: 70", "jobs[0].height", ["got 70", "64 or 96", "multiple of 32"]),
     "width-zero": ("width: 0", "jobs[0].width", ["got 0", "positive multiple of 32"]),
     "width-negative": ("width: -64", "jobs[0].width", ["got -64", "positive multiple of 32"]),
-    "guidance-below-1": ("guidance: 0.5", "jobs[0].guidance", ["got 0.5", "a number >= 1.0"]),
-    "guidance-nan": ("guidance: .nan", "jobs[0].guidance", ["nan", "a number >= 1.0"]),
-    "guidance-bool": ("guidance: true", "jobs[0].guidance", ["(bool", "a number >= 1.0"]),
+    "guidance-below-1": ("guidance: 0.5", "jobs[0].guidance", ["got 0.5", "a number from 1.0 to 100"]),
+    "guidance-nan": ("guidance: .nan", "jobs[0].guidance", ["nan", "a number from 1.0 to 100"]),
+    "guidance-bool": ("guidance: true", "jobs[0].guidance", ["(bool", "a number from 1.0 to 100"]),
     "crf-high": ("crf: 52", "jobs[0].crf", ["got 52", "0..51"]),
     "crf-negative": ("crf: -1", "jobs[0].crf", ["got -1", "0..51"]),
     "fps-zero": ("fps: 0", "jobs[0].fps", ["got 0.0", "a number from 1 to 240"]),
@@ -510,7 +511,7 @@ def test_hostile_names_give_ids_inside_the_folder(tmp_path: Path, name: str) -> 
 
 def test_hostile_name_in_a_batch_file(tmp_path: Path) -> None:
     path = _write(tmp_path, HEADER + "jobs:\n  - {name: ../../etc/passwd, prompt: a}\n  - {name: /abs, prompt: b}\n"
-                                     f"  - {{name: {'n' * 10_000}, prompt: c}}\n")
+                                     f"  - {{name: {'n' * LIMITS.name_chars}, prompt: c}}\n")
     for job in load_batch(path).jobs:
         assert (tmp_path / job.job_id).resolve().parent == tmp_path.resolve()
 

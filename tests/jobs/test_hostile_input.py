@@ -153,3 +153,170 @@ def test_a_sweep_that_expands_past_the_job_limit(tmp_path: Path, capsys: pytest.
     err = _run(tmp_path, HEADER + f"jobs: [a fox]\nsweep:\n  seed: {seeds}\n  crf: {list(range(52))}\n"
                                   f"  fps: {list(range(1, 3))}\n", capsys)
     assert "batch.yaml:4: sweep: the batch expands to 20,800 jobs" in err and "at most 20,000" in err
+
+
+# ------------------------------------------------------------ every input path gets the same checks
+def _flag_run(tmp_path: Path, flags: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """A valid batch refused through its command-line flags alone: exit 2 from validate and run."""
+    batch = tmp_path / "batch.yaml"
+    batch.write_text(HEADER + "jobs: [a fox]\n")
+    out = tmp_path / "out"
+    assert cli.main(["validate", str(batch), *flags]) == 2
+    assert cli.main(["run", str(batch), "--out", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    print(err)
+    assert "Traceback" not in err and not out.exists()
+    return err
+
+
+@pytest.mark.parametrize("char, shown", [("\x00", "U+0000 (NUL)"), ("\x1b", "U+001B"), ("\x0b", "U+000B")])
+def test_a_txt_prompts_file_line_gets_the_checks_a_yaml_prompt_gets(
+        tmp_path: Path, char: str, shown: str, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "prompts.txt").write_bytes(f"a calm lake\nA red{char} fox\n".encode())
+    err = _run(tmp_path, HEADER + "prompts_file: prompts.txt\n", capsys)
+    assert f"prompts.txt:2: prompts_file[1].prompt: holds the control character {shown}" in err
+
+
+@pytest.mark.parametrize("path", ["/proc/self/environ", "/proc/self/status"])
+def test_a_proc_file_is_not_a_prompts_file(tmp_path: Path, path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """/proc files call themselves regular: read as prompts, they put the process environment into
+    the ledger, params.json, the report and the mp4 tags."""
+    err = _run(tmp_path, HEADER + f"prompts_file: {path}\n", capsys)
+    assert "batch.yaml:3: prompts_file: prompts file '/proc/" in err and "allowed: a regular file" in err
+    assert os.environ.get("PATH", "PATH=") not in err
+
+
+@pytest.mark.parametrize("where", ["yaml", "jsonl", "set", "sweep"])
+def test_a_lone_surrogate_is_refused_at_validation(tmp_path: Path, where: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """An unpaired UTF-16 half validates, then fails the job at encode and `report` for the folder."""
+    if where == "yaml":
+        err = _run(tmp_path, HEADER + 'jobs:\n  - prompt: "a \\ud800 fox"\n', capsys)
+        assert "batch.yaml:4: jobs[0].prompt: holds a lone surrogate U+D800 at position 2" in err
+    elif where == "jsonl":
+        (tmp_path / "rows.jsonl").write_text('{"prompt": "fine"}\n{"prompt": "a fox", "name": "x\\udfff"}\n')
+        err = _run(tmp_path, HEADER + "prompts_file: rows.jsonl\n", capsys)
+        assert "rows.jsonl:2: prompts_file[1].name: holds a lone surrogate U+DFFF at position 1" in err
+    else:
+        # Bytes that are not UTF-8 on the command line reach Python as lone surrogates.
+        flag = ["--set", "negative_prompt=bad\udcff"] if where == "set" else ["--sweep", "negative_prompt=ok,x\udcff"]
+        err = _flag_run(tmp_path, flag, capsys)
+        assert "negative_prompt" in err and "holds a lone surrogate U+DCFF" in err
+
+
+def test_a_surrogate_pair_written_as_two_escapes_is_one_character(tmp_path: Path) -> None:
+    from pan2render.jobs.batch import load_batch
+
+    batch = tmp_path / "batch.yaml"
+    batch.write_text(HEADER + 'jobs:\n  - prompt: "a \\ud83e\\udd8a"\n')
+    (job,) = load_batch(batch).jobs
+    assert job.prompt == "a \U0001f98a"
+
+
+@pytest.mark.parametrize("where", ["yaml-flow", "yaml-block", "jsonl", "set"])
+def test_deep_nesting_is_a_problem_with_its_line_not_a_crash(tmp_path: Path, where: str,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    deep = "[" * 5000 + "]" * 5000
+    if where == "yaml-flow":
+        err = _run(tmp_path, HEADER + f"jobs: [a fox]\nsweep:\n  seed: {deep}\n", capsys)
+        assert "batch.yaml:5: (yaml): values nested more than" in err
+    elif where == "yaml-block":
+        block = "".join("  " * i + "- \n" for i in range(2000))
+        err = _run(tmp_path, HEADER + "jobs: [a fox]\nx:\n" + block, capsys)
+        assert f"(yaml): values nested more than {LIMITS.nesting} levels deep" in err
+    elif where == "jsonl":
+        (tmp_path / "rows.jsonl").write_text('{"prompt": "fine"}\n{"prompt": "a fox", "timesteps": ' + deep + "}\n")
+        err = _run(tmp_path, HEADER + "prompts_file: rows.jsonl\n", capsys)
+        assert f"rows.jsonl:2: prompts_file[1]: values nested more than {LIMITS.nesting} levels deep" in err
+    else:
+        err = _flag_run(tmp_path, ["--set", f"seed={deep}"], capsys)
+        assert f"--set seed={deep[:20]}" in err and f"nested more than {LIMITS.nesting} levels" in err
+    assert "likely a bug" not in err and "RecursionError" not in err
+
+
+@pytest.mark.parametrize("line, fragment", [
+    ("frames: 100001", "jobs[0].frames: got 100001; allowed: 4k+1 frames"),
+    ("guidance: 1.0e+300", "jobs[0].guidance: got 1e+300; allowed: a number from 1.0 to"),
+    ("flow_shift: 1.0e+300", "jobs[0].flow_shift: got 1e+300; allowed: a number > 0"),
+])
+def test_values_a_worker_cannot_render_are_refused(tmp_path: Path, line: str, fragment: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    err = _run(tmp_path, HEADER + f"jobs:\n  - name: big\n    prompt: a fox\n    {line}\n", capsys)
+    assert "batch.yaml:6: " + fragment in err
+
+
+def test_the_longest_video_the_positional_table_holds_is_accepted(tmp_path: Path) -> None:
+    from pan2render.jobs.batch import load_batch
+    from pan2render.jobs.spec import RULES
+    from pan2render.sampling import WAN22
+
+    longest = RULES["frames"].max
+    assert WAN22.latent_frames(int(longest)) // WAN22.patch[0] == WAN22.rope_extent
+    batch = tmp_path / "batch.yaml"
+    batch.write_text(HEADER + f"jobs:\n  - prompt: a fox\n    frames: {longest}\n    width: 32\n    height: 32\n")
+    assert load_batch(batch).jobs[0].frames == longest
+
+
+@pytest.mark.parametrize("how", ["yaml", "set", "sweep"])
+@pytest.mark.parametrize("size, ok", [((4096, 4096), True), ((4097, 4096), False), ((16000, 16000), False)])
+def test_the_image_checks_apply_to_every_way_of_naming_an_image(
+        tmp_path: Path, how: str, size: tuple[int, int], ok: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    image = tmp_path / "first.png"
+    image.write_bytes(_png_header(*size) + b"\x00" * 100)
+    batch = tmp_path / "batch.yaml"
+    job = "  - prompt: a fox\n" + ("    image: first.png\n" if how == "yaml" else "")
+    batch.write_text(HEADER + "jobs:\n" + job)
+    flags = {"yaml": [], "set": ["--set", f"image={image}"], "sweep": ["--sweep", f"image={image}"]}[how]
+    code = cli.main(["validate", str(batch), *flags])
+    err = capsys.readouterr().err
+    print(err)
+    assert code == (0 if ok else 2)
+    if not ok:
+        assert f"is {size[0]}x{size[1]} = {size[0] * size[1]:,} pixels" in err
+        assert f"{LIMITS.image_pixels:,} pixels, relative to" in err
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("prompt", "x" * (LIMITS.text_chars + 1), f"at most {LIMITS.text_chars:,} characters"),
+    ("negative_prompt", "y" * 1_000_000, f"at most {LIMITS.text_chars:,} characters"),
+    ("name", "n" * (LIMITS.name_chars + 1), f"at most {LIMITS.name_chars:,} characters"),
+    ("image", "p" * (LIMITS.path_chars + 1), f"at most {LIMITS.path_chars:,} characters"),
+])
+def test_string_fields_are_bounded(tmp_path: Path, field: str, value: str, allowed: str,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A 1 MB prompt swept over 500 seeds made a 1.24 GB ledger and ran the driver out of memory."""
+    other = "" if field == "prompt" else "    prompt: a fox\n"
+    err = _run(tmp_path, HEADER + f"jobs:\n  - {field}: {value}\n{other}", capsys)
+    assert f"batch.yaml:4: jobs[0].{field}: is {len(value):,} characters long; allowed:" in err and allowed in err
+    assert value not in err  # the value is not echoed back
+
+
+def test_a_prompt_of_the_longest_length_is_accepted(tmp_path: Path) -> None:
+    from pan2render.jobs.batch import load_batch
+
+    batch = tmp_path / "batch.yaml"
+    batch.write_text(HEADER + f"jobs:\n  - prompt: {'z' * LIMITS.text_chars}\n")
+    assert len(load_batch(batch).jobs[0].prompt) == LIMITS.text_chars
+
+
+@pytest.mark.parametrize("where", ["yaml", "jsonl", "set"])
+def test_a_number_too_long_to_read_is_a_problem_not_a_crash(tmp_path: Path, where: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    digits = "1" + "0" * 5000  # past what Python converts from text
+    if where == "yaml":
+        err = _run(tmp_path, HEADER + f"jobs:\n  - prompt: a fox\n    seed: {digits}\n", capsys)
+        assert "batch.yaml:5: (yaml): this value cannot be read as a number" in err
+    elif where == "jsonl":
+        (tmp_path / "rows.jsonl").write_text('{"prompt": "a fox", "seed": ' + digits + "}\n")
+        err = _run(tmp_path, HEADER + "prompts_file: rows.jsonl\n", capsys)
+        assert "rows.jsonl:1: prompts_file[0]: this value cannot be read as a number" in err
+    else:
+        err = _flag_run(tmp_path, ["--set", f"seed={digits}"], capsys)
+        assert "seed: this value cannot be read as a number" in err
+    assert "likely a bug" not in err
+
+
+def test_a_lora_path_is_bounded_like_every_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    long = "l" * (LIMITS.path_chars + 1)
+    err = _run(tmp_path, HEADER + f"jobs:\n  - prompt: a fox\n    loras: [{long}]\n", capsys)
+    assert f"jobs[0].loras: [0]: is {len(long):,} characters long" in err and long not in err

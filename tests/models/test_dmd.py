@@ -145,17 +145,12 @@ def tiny(tiny_root: Path) -> PAN2Pipeline:
     return PAN2Pipeline.from_pretrained(tiny_root, PAN2PipelineConfig(device="cpu"))
 
 
-def test_pipeline_dmd_is_the_formulas_with_the_jobs_generator(tiny: PAN2Pipeline) -> None:
-    """The pipeline's dmd loop equals the formulas applied to its own DiT, with the noise continuing the
-    job's seeded CPU generator (the initial latents first, then one draw per step but the last)."""
-    embeds = torch.randn(512, tiny.dit.config.text_dim, generator=torch.Generator().manual_seed(0))
-    timesteps = [1000, 757, 522]
-    got = tiny.sample(prompt_embeds=embeds, sampler="dmd", timesteps=timesteps, guidance=1.0, **SIZE)
+def _formulas(tiny: PAN2Pipeline, embeds: torch.Tensor, timesteps: list[int], shift: float) -> torch.Tensor:
+    """The dmd loop written out on the tiny DiT, warping each timestep with ``shift``."""
     gen = torch.Generator().manual_seed(SIZE["seed"])
     shape = (1, 48, 2, 4, 4)
     x = torch.randn(shape, generator=gen)
     ctx = tiny.dit.prepare_context(embeds[None])
-    shift = tiny.scheduler_config.flow_shift
     for i, t in enumerate(timesteps):
         sigma = torch.tensor(_sigma(t, shift), dtype=torch.float64).float().item()
         with torch.no_grad():
@@ -166,7 +161,17 @@ def test_pipeline_dmd_is_the_formulas_with_the_jobs_generator(tiny: PAN2Pipeline
             x = (1 - nxt) * x0 + nxt * torch.randn(shape, generator=gen)
         else:
             x = x0
-    err = float((got - x[0]).abs().max() / x.abs().max())
+    return x[0]
+
+
+def test_pipeline_dmd_is_the_formulas_with_the_jobs_generator(tiny: PAN2Pipeline) -> None:
+    """The pipeline's dmd loop equals the formulas applied to its own DiT, with the noise continuing the
+    job's seeded CPU generator (the initial latents first, then one draw per step but the last)."""
+    embeds = torch.randn(512, tiny.dit.config.text_dim, generator=torch.Generator().manual_seed(0))
+    timesteps = [1000, 757, 522]
+    got = tiny.sample(prompt_embeds=embeds, sampler="dmd", timesteps=timesteps, guidance=1.0, **SIZE)
+    want = _formulas(tiny, embeds, timesteps, tiny.scheduler_config.flow_shift)
+    err = float((got - want).abs().max() / want.abs().max())
     print(f"pipeline dmd vs the formulas on the tiny DiT: max rel err {err:.2e}")
     assert err <= 1e-5
     with pytest.raises(ValueError, match="guidance"):
@@ -175,6 +180,23 @@ def test_pipeline_dmd_is_the_formulas_with_the_jobs_generator(tiny: PAN2Pipeline
         tiny.sample(prompt_embeds=embeds, sampler="euler", steps=3, timesteps=timesteps, guidance=1.0, **SIZE)
     with pytest.raises(ValueError, match="needs timesteps"):  # the tiny checkpoint lists none of its own
         tiny.sample(prompt_embeds=embeds, sampler="dmd", guidance=1.0, **SIZE)
+
+
+def test_pipeline_dmd_warps_with_the_jobs_flow_shift(tiny: PAN2Pipeline) -> None:
+    """A job's flow_shift, not the checkpoint's shift, warps its timesteps (it is hashed into the
+    job's id: two jobs that differ only in it must render differently, each as its shift says)."""
+    embeds = torch.randn(512, tiny.dit.config.text_dim, generator=torch.Generator().manual_seed(0))
+    timesteps = [1000, 757, 522]
+    own = tiny.scheduler_config.flow_shift
+    jobs = 3.0 if own != 3.0 else 8.0
+    got = tiny.sample(prompt_embeds=embeds, sampler="dmd", timesteps=timesteps, guidance=1.0,
+                      flow_shift=jobs, **SIZE)
+    want, other = _formulas(tiny, embeds, timesteps, jobs), _formulas(tiny, embeds, timesteps, own)
+    err = float((got - want).abs().max() / want.abs().max())
+    off = float((got - other).abs().max() / want.abs().max())
+    print(f"job's shift {jobs}: max rel err {err:.2e}; against the checkpoint's shift {own}: {off:.2e}")
+    assert err <= 1e-5
+    assert off > 1e-3  # negative control: the checkpoint's shift gives another result
 
 
 def test_first_frame_stays_the_image(tiny: PAN2Pipeline) -> None:

@@ -384,7 +384,7 @@ def test_a_symlink_planted_at_a_job_folder_is_not_followed(tmp_path: Path,
     led = Ledger.open_readonly(out)
     job = led.job(victim)
     led.close()
-    assert job.state is JobState.FAILED and "is a symlink" in (job.error or "") and job.attempts == 1
+    assert job.state is JobState.FAILED and "is a symbolic link" in (job.error or "") and job.attempts == 1
 
 
 # ------------------------------------------------------------------------------ durability rules
@@ -456,7 +456,7 @@ def test_an_artifact_that_always_fails_its_check_fails_the_job(
 def _checkpoint(folder: Path, fill: int) -> Path:
     (folder / "transformer").mkdir(parents=True, exist_ok=True)
     (folder / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
-    # 3 MiB: large enough that the fingerprint samples it rather than hashing all of it.
+    # 3 MiB of one byte value: a rewrite with another value keeps every size.
     (folder / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(
         bytes([fill]) * (3 << 20))
     return folder
@@ -501,3 +501,418 @@ def test_weights_changed_after_validation_fail_the_job_not_mislabel_it(
     assert summary.failed == [spec.job_id] and job.attempts == 1
     assert "weights in" in (job.error or "") and "changed since the batch was validated" in job.error
     assert not (out / spec.job_id / "latents.safetensors").exists()
+
+
+def test_run_says_when_it_hashes_weights_and_a_rerun_does_not_hash_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PAN2_RENDER_CACHE", str(tmp_path / "cache"))
+    ckpt = _checkpoint(tmp_path / "ckpt", 1)
+    for path in ckpt.rglob("*"):
+        os.utime(path, (1.7e9, 1.7e9))  # written a while ago, as a download is
+    batch = write_batch(tmp_path / "b.yaml", [{"name": "w", "prompt": "weights"}], model=str(ckpt),
+                        defaults={"steps": 2, "frames": 5, "width": 32, "height": 32})
+    out = tmp_path / "out"
+    code, err = _cli(capsys, "run", str(batch), "--out", str(out))
+    assert code == 0 and f"computing the weights digest of {ckpt}: 2 file(s), 3.0 MiB not hashed before" in err
+    code, err = _cli(capsys, "run", str(batch), "--out", str(out))
+    assert code == 0 and "computing the weights digest" not in err and "already done" in err
+
+
+def test_jobs_recorded_with_a_sampled_fingerprint_are_named_superseded_by_the_full_digest(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder rendered before the digest covered every byte: its jobs get new ids once, and `run`
+    says why (not that the weights changed)."""
+    import dataclasses
+
+    from pan2render.jobs.batch import load_batch
+
+    ckpt = _checkpoint(tmp_path / "ckpt", 1)
+    batch = write_batch(tmp_path / "b.yaml", [{"name": "w", "prompt": "weights"}], model=str(ckpt),
+                        defaults={"steps": 2, "frames": 5, "width": 32, "height": 32})
+    (spec,) = load_batch(batch).jobs
+    out = tmp_path / "out"
+    out.mkdir()
+    led = Ledger.open(out)  # what an earlier version recorded: another digest, sampled fingerprints
+    old = dataclasses.replace(spec, weights="0123456789abcdef")
+    led.record_batch({"path": str(batch), "model": str(ckpt), "preset": "tiny-preview", "weights_files": {
+        rel: {"size": fp["size"], "sampled_sha256": "0" * 64} for rel, fp in load_batch(batch).weights_files.items()}},
+        [old], retries=2)
+    led.close()
+    code, err = _cli(capsys, "run", str(batch), "--out", str(out))
+    assert code == 0 and f"{old.job_id} is superseded by {spec.job_id}: the weights' digest of {ckpt} now " \
+                         "covers every byte" in err and "changed" not in err
+
+
+# ------------------------------------------------------------------------- links at fixed names
+# name -> what the run does with a symlink there: refuse (exit 3, naming it) or go on without
+# writing through it (exit 0).
+FIXED_NAMES = {".lock": "refuse", "run.log": "refuse", LEDGER_NAME: "refuse", f"{LEDGER_NAME}-journal": "refuse",
+               BACKUP_NAME: "go on", "index.html": "go on", "_report": "go on", "_logs": "go on",
+               f".{BACKUP_NAME}.tmp-PID": "go on", ".index.html.tmp-PID": "go on"}
+
+
+@pytest.mark.parametrize("name", sorted(FIXED_NAMES))
+def test_a_symlink_at_a_fixed_name_is_never_written_through(tmp_path: Path, name: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    out, outside = tmp_path / "out", tmp_path / "outside"
+    out.mkdir()
+    outside.mkdir()
+    folder = name.startswith("_")
+    target = outside / "target"
+    if folder:
+        target.mkdir()
+    else:
+        target.write_text("precious\n")
+    (out / name.replace("PID", str(os.getpid()))).symlink_to(target)
+    if name == "_logs":  # something for the run to log: a ledger that is garbage
+        (out / LEDGER_NAME).write_bytes(os.urandom(8192))
+    code, err = _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))
+    assert (list(target.iterdir()) == []) if folder else (target.read_text() == "precious\n")
+    if FIXED_NAMES[name] == "refuse":
+        assert code == 3 and f"{out / name} is a symbolic link" in err and "remove it" in err
+        assert len(err.strip().splitlines()) <= 2
+    elif name == "_logs":
+        assert code == 3 and "details: " in err and str(outside) not in err
+    else:
+        assert code == 0 and _states(out)["j0"][0] == "done"
+        if name == BACKUP_NAME:
+            assert f"{out / BACKUP_NAME} is a symbolic link" in err  # the run says the copy is not kept
+        if name in ("index.html", "_report"):
+            assert "report: could not write" in err and "is a symbolic link" in err
+
+
+def test_a_users_own_index_html_is_left_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    mine = "<!doctype html><title>my notes on these renders</title>\n"
+    (out / "index.html").write_text(mine)
+    code, err = _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))
+    assert code == 0 and (out / "index.html").read_text() == mine
+    assert f"{out / 'index.html'} is not a pan2-render report: it is left as it is" in err
+    assert err.count("is not a pan2-render report") == 1  # said once, not at every rewrite
+    assert "j0" in (out / "pan2-render-report.html").read_text()
+    code, text = _cli(capsys, "report", str(out))
+    assert code == 0 and text.strip() == str(out / "pan2-render-report.html")
+    (out / "index.html").unlink()  # the user moved theirs away: the report takes its usual name
+    assert _cli(capsys, "report", str(out))[1].strip() == str(out / "index.html")
+
+
+def test_write_atomic_never_leaves_a_half_written_file_at_its_name(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The write fails before its rename (here the fsync: a full disk, an I/O error): the path
+    still holds the old file, whole, and no temp file is left."""
+    path = tmp_path / "video.mp4"
+    path.write_bytes(b"the old video, whole")
+
+    def fsync(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(OSError):
+        artifacts.write_atomic(path, b"the new video" * 1000)
+    assert path.read_bytes() == b"the old video, whole"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["video.mp4"]
+
+
+# ----------------------------------------------------------------------------- status and hints
+def _add_running_job(out: Path, tmp_path: Path, name: str = "late") -> str:
+    """A job the ledger says is running: recorded and started by a driver (that may since have died)."""
+    from pan2render.jobs.batch import load_batch
+    from pan2render.jobs.ledger import JobEvent
+
+    batch = write_batch(tmp_path / f"{name}.yaml", [{"name": name, "prompt": "later"}],
+                        defaults={"steps": 2, "frames": 5, "width": 32, "height": 32})
+    (spec,) = load_batch(batch).jobs
+    led = Ledger.open(out)
+    led.add_jobs([spec], retries=2)
+    led.transition(spec.job_id, JobEvent.START, reason="on group g0")
+    led.close()
+    return spec.job_id
+
+
+def test_status_exit_codes_are_the_readmes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """0 every job done, 1 some job failed (or a done job's video is missing), 4 not finished."""
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path, 2)), "--out", str(out))[0] == 0
+    assert _cli(capsys, "status", str(out))[0] == 0 and _cli(capsys, "status", str(out), "--json")[0] == 0
+    jid = _add_running_job(out, tmp_path)
+    for args in (("status", str(out)), ("status", str(out), "--json")):
+        code, text = _cli(capsys, *args)
+        assert code == 4, text
+    monkeypatch.setenv("PAN2_RENDER_FAULTS", '{"fail": {"job": "late", "stage": "sampling", "raise": "JobInputError"}}')
+    assert _cli(capsys, "resume", str(out))[0] == 1
+    assert _cli(capsys, "status", str(out))[0] == 1 and jid
+    # The failed job's batch is edited and run again: its new version is done, the old one is
+    # superseded and no longer counts.
+    monkeypatch.delenv("PAN2_RENDER_FAULTS")
+    batch = write_batch(tmp_path / "late2.yaml", [{"name": "late", "prompt": "later, fixed"}],
+                        defaults={"steps": 2, "frames": 5, "width": 32, "height": 32})
+    assert _cli(capsys, "run", str(batch), "--out", str(out))[0] == 0
+    code, text = _cli(capsys, "status", str(out))
+    assert code == 0 and "superseded by" in text
+
+
+def test_status_of_a_held_folder_says_running_whatever_its_holder_line_says(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The kernel's lock is the truth: a holder line with a pid from another PID namespace (a run in
+    a container), or none yet (the instant between truncate and write), still means running."""
+    import json
+    import socket
+
+    from pan2render.jobs.ledger import FolderLock
+
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))[0] == 0
+    _add_running_job(out, tmp_path)
+    with FolderLock(out):
+        for line in (json.dumps({"pid": 2**22 + 12345, "host": socket.gethostname(), "started": "x"}), ""):
+            (out / ".lock").write_text(line)
+            code, text = _cli(capsys, "status", str(out))
+            assert code == 4 and "\nrunning" in text and "not running" not in text
+            assert "interrupted" not in text
+
+
+def test_status_shows_the_running_jobs_of_a_dead_run_as_interrupted(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))[0] == 0
+    jid = _add_running_job(out, tmp_path)
+    code, text = _cli(capsys, "status", str(out))
+    row = next(line for line in text.splitlines() if jid in line)
+    assert code == 4 and "not running" in text and row.startswith("interrupted")
+    assert f"`pan2-render resume {out}` continues" in text
+    code, text = _cli(capsys, "status", str(out), "--json")
+    assert '"state": "interrupted"' in text
+
+
+@pytest.mark.parametrize("how", ["delete", "zero"])
+def test_run_into_a_folder_whose_ledger_is_gone_refuses_before_overwriting(
+        tmp_path: Path, how: str, capsys: pytest.CaptureFixture[str]) -> None:
+    out, batch = tmp_path / "out", _batch(tmp_path)
+    assert _cli(capsys, "run", str(batch), "--out", str(out))[0] == 0
+    videos = _video_ids(out)
+    _damage(out / LEDGER_NAME, how)
+    before = sorted(p.name for p in out.iterdir())
+    code, err = _cli(capsys, "run", str(batch), "--out", str(out))
+    assert code == 3 and f"pan2-render repair {out}" in err and "nothing was written" in err.lower()
+    assert f"{N_JOBS} job folder(s)" in err
+    assert _video_ids(out) == videos and sorted(p.name for p in out.iterdir()) == before
+    assert _cli(capsys, "repair", str(out))[0] == 0
+    code, err = _cli(capsys, "run", str(batch), "--out", str(out))
+    assert code == 0 and f"all {N_JOBS} job(s) already done" in err and _video_ids(out) == videos
+
+
+def test_an_emptied_ledger_is_explained_with_repair_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))[0] == 0
+    led = Ledger.open(out)
+    led._conn.execute("DELETE FROM stages")
+    led._conn.execute("DELETE FROM jobs")  # a ledger with its tables and no batch
+    led.close()
+    for command in ("resume", "status", "report"):
+        code, err = _cli(capsys, command, str(out))
+        assert code == 2 and "holds no batch" in err, command
+        assert err.index(f"pan2-render repair {out}") < err.index("pan2-render run BATCH"), err
+
+
+def test_hints_are_commands_that_can_be_pasted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+    import shlex
+
+    out = tmp_path / "Dan's renders" / "sweep 1"
+    monkeypatch.setenv("PAN2_RENDER_FAULTS", '{"fail": {"job": "j0", "stage": "sampling", "raise": "JobInputError"}}')
+    code, err = _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))
+    _damage(out / LEDGER_NAME, "garbage")
+    err += _cli(capsys, "status", str(out))[1]
+    hints = re.findall(r"`(pan2-render [^`]*)`", err)
+    print(hints)
+    assert {"status", "show", "repair"} <= {h.split()[1] for h in hints}
+    for hint in hints:
+        assert str(out) in shlex.split(hint), hint
+
+
+def test_a_bad_ray_address_is_refused_before_anything_is_recorded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("PAN2_RENDER_EXECUTOR")
+    out = tmp_path / "out"
+    for address in ("garbage", "http://head:8265", "head:port"):
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        code, err = _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))
+        assert code == 2 and f"RAY_ADDRESS={address}" in err and "allowed: auto, local, HOST:PORT" in err
+        assert "likely a bug" not in err and not out.exists()
+
+
+def test_sigterm_while_ray_starts_is_an_interruption(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """ray.init installs a SIGTERM handler of its own that calls sys.exit(15) while it starts."""
+    def init(self: LocalExecutor, **kw: Any) -> None:
+        sys.exit(15)
+
+    monkeypatch.setattr(LocalExecutor, "__init__", init)
+    out = tmp_path / "out"
+    code, err = _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))
+    assert code == 130 and "interrupted by SIGTERM" in err and f"pan2-render resume {out}` continues" in err
+    assert _states(out)["j0"][0] == "pending"
+
+
+def test_no_resume_hint_where_nothing_was_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from pan2render.jobs import ledger
+
+    def interrupted(*a: Any, **kw: Any) -> None:
+        raise KeyboardInterrupt
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(ledger.Ledger, "record_batch", interrupted)
+    code, err = _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))
+    assert code == 130 and "pan2-render resume" not in err and "run the same command again" in err
+
+    def broken(*a: Any, **kw: Any) -> None:
+        raise ValueError("something unexpected")
+
+    monkeypatch.setattr(ledger.Ledger, "record_batch", broken)
+    code, err = _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))
+    assert code == 3 and "pan2-render resume" not in err and "run the same command again" in err
+
+
+def test_a_clock_stepped_back_never_shows_a_negative_elapsed(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    import time
+
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))[0] == 0
+    led = Ledger.open(out)
+    runs = led.get_meta("runs")
+    led.set_meta("runs", [{**runs[-1], "started": time.time() + 3600}])  # recorded by a clock an hour ahead
+    led.close()
+    code, text = _cli(capsys, "status", str(out))
+    assert "elapsed 0s" in text and "elapsed -" not in text
+
+
+# ------------------------------------------------------------------------------- the ledger's copy
+def test_repair_keeps_what_the_backup_recorded_of_each_finished_job(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The backup is brought up to date after every job done: a ledger lost afterwards is rebuilt
+    with each job's attempts and its params.json as recorded (not rewritten from less)."""
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path)), "--out", str(out))[0] == 0
+    params = {p.parent.name: p.read_bytes() for p in out.glob("*/params.json")}
+    before = _states(out)
+    (out / LEDGER_NAME).unlink()
+    assert _cli(capsys, "repair", str(out))[0] == 0
+    code, err = _cli(capsys, "resume", str(out))
+    assert code == 0 and "params.json" not in err  # nothing rewritten
+    assert _states(out) == before and len(params) == N_JOBS
+    assert {p.parent.name: p.read_bytes() for p in out.glob("*/params.json")} == params
+
+
+def test_the_backup_is_not_copied_whole_after_every_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A whole copy after each job made a batch's backups quadratic in its length: one copy per run
+    (once the batch is recorded), then each job's own rows."""
+    whole = {"n": 0}
+    real = Ledger.backup
+
+    def backup(self: Ledger) -> Path:
+        whole["n"] += 1
+        return real(self)
+
+    monkeypatch.setattr(Ledger, "backup", backup)
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path, 4)), "--out", str(out))[0] == 0
+    assert whole["n"] == 1
+    copy = Ledger.open_file_readonly(out / BACKUP_NAME)
+    try:
+        assert [j.state for j in copy.jobs()] == [JobState.DONE] * 4
+    finally:
+        copy.close()
+
+
+# ---------------------------------------------------------------------------- latents on disk
+def _run_with_j1_failing_at_decode(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                   monkeypatch: pytest.MonkeyPatch) -> Path:
+    """j0, j2 done; j1 failed at decode, its latents valid on disk (no retries)."""
+    out = tmp_path / "out"
+    monkeypatch.setenv("PAN2_RENDER_FAULTS", '{"fail": {"job": "j1", "stage": "decode", "raise": "JobInputError"}}')
+    _cli(capsys, "run", str(_batch(tmp_path)), "--out", str(out), "--retries", "0")
+    monkeypatch.delenv("PAN2_RENDER_FAULTS")
+    return out
+
+
+def _latents_of(out: Path, name: str) -> Path:
+    return next(out.glob(f"{name}-*/latents.safetensors"))
+
+
+def _latents_spec_hash(path: Path) -> str:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as f:
+        return (f.metadata() or {})["spec_hash"]
+
+
+def test_repair_does_not_take_latents_recorded_for_another_job(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    out = _run_with_j1_failing_at_decode(tmp_path, capsys, monkeypatch)
+    j1 = _latents_of(out, "j1")
+    own = _latents_spec_hash(j1)
+    j1.write_bytes(_latents_of(out, "j0").read_bytes())  # whole and finite, but j0's
+    (out / LEDGER_NAME).unlink()
+    code, err = _cli(capsys, "repair", str(out))
+    assert code == 0 and "0 with valid latents" in err
+    assert _cli(capsys, "resume", str(out))[0] == 0
+    assert _latents_spec_hash(j1) == own  # sampled again for j1, not decoded from j0's
+    _assert_consistent(out)
+
+
+def test_repair_decodes_a_video_before_counting_it_done(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A valid mp4 of the wrong length: its size and sha256 are its own (repair has no ledger record
+    to compare them with), only decoding it shows that it is not the job's video."""
+    import numpy as np
+
+    out = tmp_path / "out"
+    assert _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out))[0] == 0
+    video = next(out.glob("*/video.mp4"))
+    encode_mp4(np.zeros((1, 32, 32, 3), np.uint8), video, fps=8.0, crf=18)
+    (out / LEDGER_NAME).unlink()
+    code, err = _cli(capsys, "repair", str(out))
+    assert code == 0 and "0 done" in err and "1 with valid latents" in err
+    assert _cli(capsys, "resume", str(out))[0] == 0 and probe_mp4(video).frames == 5
+
+
+def test_repair_checks_the_latents_data_digest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A flipped byte in the latents (a finite, plausible value) decoded into a wrong video marked done."""
+    out = _run_with_j1_failing_at_decode(tmp_path, capsys, monkeypatch)
+    j1 = _latents_of(out, "j1")
+    data = bytearray(j1.read_bytes())
+    data[-3] ^= 0x01  # one mantissa bit of the last float
+    j1.write_bytes(bytes(data))
+    (out / LEDGER_NAME).unlink()
+    code, err = _cli(capsys, "repair", str(out))
+    assert code == 0 and "0 with valid latents" in err
+    assert _cli(capsys, "resume", str(out))[0] == 0
+    assert j1.read_bytes() != bytes(data)  # sampled again
+    _assert_consistent(out)
+
+
+def test_latents_of_the_wrong_shape_are_sampled_again_not_failed_at_decode(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    import torch
+
+    out = _run_with_j1_failing_at_decode(tmp_path, capsys, monkeypatch)
+    j1 = _latents_of(out, "j1")
+    led = Ledger.open(out)
+    job = next(j for j in led.jobs() if j.name == "j1")
+    data = artifacts.pack_latents(torch.zeros(48, 1, 1, 1), spec_hash=job.spec_hash, seed=job.spec.seed,
+                               steps=job.spec.steps, model_id="fake", spec=json.loads(json.dumps(job.spec.to_dict())))
+    j1.write_bytes(data)  # this job's hash, whole, finite: only its shape is wrong
+    led.set_stage(job.id, Stage.SAMPLING, StageState.DONE, artifact=str(j1.relative_to(out)),
+                  sha256=artifacts.sha256_bytes(data), size=len(data))
+    led.close()
+    assert _cli(capsys, "resume", str(out))[0] == 0
+    assert _states(out)["j1"][0] == "done" and j1.read_bytes() != data
+    _assert_consistent(out)

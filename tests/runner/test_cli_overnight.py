@@ -263,25 +263,28 @@ def test_stop_signals_are_handled_unless_ignored_as_under_nohup() -> None:
 
 def test_status_of_a_live_run_has_an_eta_from_its_own_measured_stages(
         tmp_path: Path, local_executor: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
-    import json
     import os
     import socket
+
+    from pan2render.jobs.ledger import FolderLock
 
     out = _failed_twice(tmp_path, local_executor)
     extra = write_batch(tmp_path / "more.yaml", [{"name": "later", "prompt": "z"}], defaults={"steps": 2})
     led = Ledger.open(out)
     led.add_jobs(load_batch(extra).jobs, retries=0)  # pending, as in a run still going
     led.close()
-    # The folder's lock names a live holder (this process) on this host, as a running driver's does.
-    (out / ".lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                           "started": "2026-01-01T00:00:00Z"}))
+    # The folder's lock is held (by this process), as a running driver holds it.
+    lock = FolderLock(out)
+    lock.acquire()
     capsys.readouterr()
-    assert cli.main(["status", str(out)]) == 1
+    try:
+        assert cli.main(["status", str(out)]) == 1
+    finally:
+        lock.release()
     line = capsys.readouterr().out.splitlines()[1]
     assert line.startswith(f"running (pid {os.getpid()} on {socket.gethostname()}); last run started")
     assert "ETA ~" in line and "1 job(s) from earlier runs' measured stage seconds" in line
-    (out / ".lock").write_text("")  # released
-    assert cli.main(["status", str(out)]) == 1
+    assert cli.main(["status", str(out)]) == 1  # released
     text = capsys.readouterr().out
     assert "\nnot running; last run started" in text and "ETA" not in text
 

@@ -90,8 +90,9 @@ from pan2render.runner.messages import LoadReply
 out = Path(sys.argv[1])
 executor.local_gpus(None, max_gpus=1)
 assert artifacts.check_embedding(out, "emb.safetensors", key="k") is None
-assert artifacts.check_latents(out, artifacts.Recorded("lat.safetensors", None, None), spec_hash="h") is None
-assert len(outputs._schedule(pickle.loads(Path(sys.argv[2]).read_bytes()), {"num_train_timesteps": 1000})) == 4
+job = pickle.loads(Path(sys.argv[2]).read_bytes())
+assert artifacts.check_latents(out, artifacts.Recorded("lat.safetensors", None, None), spec=job) is None
+assert len(outputs._schedule(job, {"num_train_timesteps": 1000})) == 4
 reply = pickle.loads(Path(sys.argv[3]).read_bytes())
 assert isinstance(reply, LoadReply) and reply.versions["torch"]
 print("torch imported:", "torch" in sys.modules)
@@ -109,10 +110,12 @@ def test_the_driver_side_never_imports_torch(tmp_path: Path) -> None:
 
     emb = FakePipeline("m").encode_prompt("x")
     (tmp_path / "emb.safetensors").write_bytes(artifacts.pack_embedding(emb, key="k", text_encoder_id="t"))
+    job = spec("s", steps=4)
     (tmp_path / "lat.safetensors").write_bytes(artifacts.pack_latents(
-        FakePipeline("m").sample(prompt_embeds=emb, height=32, width=32, frames=5, steps=1, guidance=1.0, seed=0),
-        spec_hash="h", seed=0, steps=1, model_id="m"))
-    (tmp_path / "spec.pickle").write_bytes(pickle.dumps(spec("s", steps=4)))
+        FakePipeline("m").sample(prompt_embeds=emb, height=job.height, width=job.width, frames=job.frames, steps=1,
+                                 guidance=1.0, seed=0),
+        spec_hash=job.spec_hash, seed=0, steps=1, model_id="m"))
+    (tmp_path / "spec.pickle").write_bytes(pickle.dumps(job))
     reply = RenderWorker(rank=0, world_size=1, config=WorkerConfig(
         pipeline_factory="pan2render.runner.testing:load_fake_pipeline")).execute(LoadCall(model="m"), 0).value
     assert reply.versions["torch"] == outputs.runtime_versions()["torch"]

@@ -38,7 +38,7 @@ def node_env(tmp_path: Path):
     home = tmp_path / "home"
     home.mkdir()
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, "HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+           "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "PAN2_RENDER_CACHE": str(tmp_path / "cache"),
            "PAN2_RENDER_PIPELINE": "pan2render.runner.testing:load_fake_pipeline"}
     env.pop("RAY_ADDRESS", None)
     env.pop("RAY_AUTH_MODE", None)
@@ -51,18 +51,27 @@ def node_env(tmp_path: Path):
 
 
 def _kill_leftovers(ray_tmp: str) -> None:
-    """Every process whose command line names this test's Ray folder (a failed stop leaves none
-    running past the test; other Ray processes on the machine are not touched)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    """Every process whose command line names this test's Ray folder, and their children (Ray's
+    agents rename themselves): a failed stop leaves none running past the test, and other Ray
+    processes on the machine are not touched."""
+    parents: dict[int, int] = {}
+    named: set[int] = set()
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            parents[pid] = int(stat.rsplit(")", 1)[1].split()[1])
+            if ray_tmp.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                named.add(pid)
+        except (OSError, ValueError, IndexError):
             continue
-        if ray_tmp.encode() in cmd:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    doomed = set(named)
+    while grown := {p for p, parent in parents.items() if parent in doomed} - doomed:
+        doomed |= grown
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _startup_lines(out: Path) -> list[str]:
@@ -78,7 +87,9 @@ def test_runs_join_the_node_kept_up_here(tmp_path: Path, node_env: dict) -> None
 
     again = subprocess.run([*CLI, "node", "start", "--cpu-gpus", "1", "--port", str(port)], env=node_env,
                            capture_output=True, text=True, timeout=180)
-    assert again.returncode == 1 and "node stop` first" in again.stderr
+    print(again.stdout, again.stderr)
+    said = (again.stdout + again.stderr).strip().splitlines()
+    assert again.returncode == 0 and len(said) == 1 and "already up" in said[0] and f":{port}" in said[0]
 
     batch = write_batch(tmp_path / "b.yaml", [{"name": f"j{i}", "prompt": f"clip {i}"} for i in range(2)],
                         defaults={"steps": 2})
@@ -103,6 +114,52 @@ def test_runs_join_the_node_kept_up_here(tmp_path: Path, node_env: dict) -> None
 
     stop = subprocess.run([*CLI, "node", "stop"], env=node_env, capture_output=True, text=True, timeout=120)
     assert stop.returncode == 0 and "Ray node stopped" in stop.stdout
+
+
+def _answers(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_node_stop_leaves_another_ray_cluster_running(tmp_path: Path, node_env: dict) -> None:
+    """`node stop` ends the node `node start` started, and nothing else: a cluster started with
+    plain `ray start` beside it (someone else's batches) keeps running."""
+    other_tmp = tempfile.mkdtemp(prefix="p2o", dir="/tmp")
+    other_port, ours = _free_port(), _free_port()
+    other_env = {**node_env, "RAY_TMPDIR": other_tmp}
+    try:
+        other = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={other_port}",
+                                "--num-cpus=1", "--include-dashboard=false", "--disable-usage-stats"],
+                               env=other_env, capture_output=True, text=True, timeout=180)
+        assert other.returncode == 0, other.stderr[-2000:]
+        start = subprocess.run([*CLI, "node", "start", "--cpu-gpus", "1", "--port", str(ours)], env=node_env,
+                               capture_output=True, text=True, timeout=180)
+        assert start.returncode == 0, start.stderr[-2000:]
+        assert _answers(ours) and _answers(other_port)
+        stop = subprocess.run([*CLI, "node", "stop"], env=node_env, capture_output=True, text=True, timeout=120)
+        print(stop.stdout, stop.stderr)
+        assert stop.returncode == 0 and "Ray node stopped" in stop.stdout
+        assert not _answers(ours)
+        assert _answers(other_port), "node stop ended a Ray cluster it did not start"
+        assert _processes_naming(other_tmp)  # its processes are all still there
+        assert not _processes_naming(node_env["RAY_TMPDIR"])
+    finally:
+        _kill_leftovers(other_tmp)
+        shutil.rmtree(other_tmp, ignore_errors=True)
+
+
+def _processes_naming(text: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
 
 
 def test_a_node_recorded_but_gone_is_not_joined(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -228,3 +228,15 @@ def test_three_swept_fields_nest_as_row_headers(tmp_path: Path) -> None:
     # Rows: flow_shift (outer, spanning 2 rows) x guidance; columns: seed.
     assert page.tables == [{"row": ["3.0", "2.0", "3.5", "5.0", "2.0", "3.5"], "col": ["0", "1"]}]
     assert text.count('rowspan="2"') == 2 and len(page.videos) == 8
+
+
+def test_text_from_the_batch_is_escaped_in_the_page(tmp_path: Path) -> None:
+    """Prompts, names and errors come from batch files: in the page they are text, never markup."""
+    evil = '"><script>alert(1)</script><img src=x onerror=alert(2)>'
+    jobs = [job(f"ok{evil}"), job(f"bad{evil}")]
+    render(tmp_path, jobs, faults={"fail": {"job": f"bad{evil}", "stage": "sampling"}})
+    text = write_report(tmp_path).read_text()
+    page = Page(text)
+    print(text[text.find("<main") if "<main" in text else 0:][:1500])
+    assert page.scripts == 0 and "<img" not in text and "onerror=alert(2)&gt;" in text
+    assert text.count("&lt;script&gt;alert(1)&lt;/script&gt;") >= 3  # a name, a prompt, an error

@@ -31,6 +31,7 @@ from typing import Any
 
 from pan2render.jobs.ledger import FolderLock, FolderLockedError, JobState
 from pan2render.runner.executor import Executor
+from pan2render.runner.errors import UnrecordedWork
 from pan2render.runner.farm.queue import BatchEvent, BatchState, FarmQueue, QueuedBatch
 from pan2render.runner.jobflow import BatchFlow
 from pan2render.runner.pool import GroupPool
@@ -152,7 +153,7 @@ class Farm:
                  + f" (farm {self.root}, priority {priority}, owner {owner})")
         try:
             session = BatchSession.record(request, stream=None, title=title)
-        except FolderLockedError as e:
+        except (FolderLockedError, UnrecordedWork) as e:
             raise FarmRequestError(str(e)) from e
         try:
             row = self.queue.add(out_dir=out, batch_path=request.batch.path, owner=owner, priority=priority,
