@@ -10,7 +10,7 @@
    decode, from its ledger) + its encode. Target: <= GPU work + encode + 2 s.
 4. (b) A 4-job 20-step guided batch: first video after `submit` against the first job's GPU work +
    encode + 2 s; steady state per job against a job's GPU work (target <= 1.03x).
-5. (c) Two batches: a 3-job 20-step batch, then, once its first job samples, a 1-job batch at a
+5. (c) Two batches: a 3-job (--c-jobs) 20-step batch, then, once its first job samples, a 1-job batch at a
    higher priority: where the second's job starts (the first group that frees up, no load between),
    and the GPU's busy fraction (NVML) from the first video to the last across both (target >= 0.97).
 6. The same 1-job DMD batch through a standalone `run --no-farm` (Ray, imports, load, warm-up of its
@@ -102,6 +102,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--checkpoint", type=Path)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--c-jobs", type=int, default=3, help="jobs of (c)'s first, lower-priority batch (default 3)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: the tiny checkpoint at toy size")
     args = p.parse_args()
     out: Path = args.out.resolve()
@@ -144,8 +145,8 @@ def main() -> int:
                                                         / res["b_guided_4jobs"]["gpu_work_s_per_job"])
         save()
 
-        bb.log("(c) a 3-job batch, then a 1-job batch at a higher priority once the first samples")
-        c1 = batch_file(out / "c1.yaml", ckpt, n=3, steps=args.steps, dmd=False, tiny=args.tiny, tag="low")
+        bb.log(f"(c) a {args.c_jobs}-job batch, then a 1-job batch at a higher priority once the first samples")
+        c1 = batch_file(out / "c1.yaml", ckpt, n=args.c_jobs, steps=args.steps, dmd=False, tiny=args.tiny, tag="low")
         c2 = batch_file(out / "c2.yaml", ckpt, n=1, steps=args.steps, dmd=False, tiny=args.tiny, tag="high")
         submit_and_wait(root, c1, out / "c1", env, logf, wait=False)
         deadline = time.monotonic() + 600
