@@ -5,7 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-_SQRT_2_OVER_PI = 0.7978845608028654
+# A constexpr: a compiled kernel may read no other global (the CPU interpreter would allow it).
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit

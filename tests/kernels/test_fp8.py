@@ -4,6 +4,8 @@ refuses FP8 where it cannot run, and (GPU) torch._scaled_mm against the referenc
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -50,6 +52,8 @@ def test_each_value_is_within_the_stated_bound_of_itself() -> None:
     assert float(q.float().abs().max()) == E4M3_MAX  # each row's amax lands on the format's largest value
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the interpreter's test (CPU tensors); on a GPU the compiled kernel's test covers it")
 @pytest.mark.parametrize("shape", [(7, 100), (3, 2500), (1, 14336)])
 @pytest.mark.parametrize("gelu", [False, True])
 def test_the_kernel_scales_as_the_reference(shape: tuple[int, int], gelu: bool) -> None:

@@ -83,7 +83,7 @@ def test_a_sampling_whose_worker_dies_continues_from_its_step_checkpoint_bit_equ
 
 
 def test_a_sigkilled_driver_resumes_the_sampling_from_its_step_checkpoint_bit_equal(tmp_path: Path) -> None:
-    defaults = {**JOB, "steps": 24}
+    defaults = {**JOB, "steps": 60}  # a sampling long enough to be killed in the middle of
     batch = write_batch(tmp_path / "b.yaml", [{"name": "long", "prompt": "a lighthouse at dusk"}], defaults=defaults)
     assert _run(["run", str(batch), "--out", str(tmp_path / "whole"), "--cpu-gpus", "1"], _env()).returncode == 0
     out = tmp_path / "killed"
@@ -96,11 +96,13 @@ def test_a_sigkilled_driver_resumes_the_sampling_from_its_step_checkpoint_bit_eq
             assert run.poll() is None and time.monotonic() < deadline, "no step checkpoint before the end"
             found = [p for p in out.glob("*/sampling.ckpt.safetensors")]
             ckpt = found[0] if found else None
-            time.sleep(0.05)
-        time.sleep(0.5)
+            time.sleep(0.02)
     finally:
         os.killpg(run.pid, signal.SIGKILL)  # the driver and every Ray process it started
         run.wait(timeout=30)
+    led = Ledger.open_readonly(out)
+    assert [j.state for j in led.jobs()] == [JobState.RUNNING]  # killed mid-sampling, as meant
+    led.close()
     done = _run(["resume", str(out), "--cpu-gpus", "1"], _env())
     assert done.returncode == 0
     resumed = _resumed_at(out)
