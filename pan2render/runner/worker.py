@@ -34,7 +34,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -48,7 +47,6 @@ from pan2render.models.tiny import cache_root
 from pan2render.phases import phase, recording
 from pan2render.runner import artifacts, outputs, scratch, timeline
 from pan2render.runner.messages import (  # the config and the lane sizes are importable from here too
-    Adapter,
     CheckpointReply,
     FetchCheckpointCall,
     StopSamplingCall,
@@ -76,7 +74,10 @@ from pan2render.runner.messages import (  # the config and the lane sizes are im
     WorkerConfig,
     WorkerStart,
 )
+from pan2render.runner.adapters import AdapterCache
+from pan2render.runner.faults import FaultHooks
 from pan2render.runner.retry import DeviceError, Failure, FailureKind, JobInputError, classify_exception
+from pan2render.runner.sampling_control import SamplingControl
 from pan2render.step_checkpoint import StepCheckpointError
 
 __all__ = ["DEFAULT_PIPELINE_FACTORY", "GPU_QUEUE_DEPTH", "IO_CONCURRENCY", "MAX_ENCODES_IN_FLIGHT", "RenderWorker",
@@ -111,9 +112,6 @@ def _decode_image(data: bytes) -> Any:
 
 # Specs a worker keeps (see RenderWorker._specs): far more than the jobs a group holds at once.
 _SPECS_KEPT = 16
-# LoRA files a worker keeps read on its device, least recently used dropped first: enough for a
-# sweep over a few adapters; each is tens to hundreds of MB.
-_ADAPTERS_KEPT = 4
 
 
 class SimulatedWorkerDeath(BaseException):
@@ -132,7 +130,7 @@ class RenderWorker:
         self.world_size = world_size
         self.config = config
         self._progress = progress
-        self._die = die or (lambda: os._exit(17))
+        self._faults = FaultHooks(config.faults, rank=rank, gpu_ids=gpu_ids, die=die or (lambda: os._exit(17)))
         self._pipes: dict[str, Any] = {}  # model (as named in the spec) -> loaded pipeline
         self._group: Any = None  # torch.distributed default group once init_group ran
         self._turn = threading.Condition()
@@ -147,12 +145,8 @@ class RenderWorker:
         # the attempt's first that needs it. Bounded: a job whose attempt failed never says
         # goodbye, and a group holds at most a few jobs at once (GPU lane, encodes).
         self._specs: OrderedDict[str, JobSpec] = OrderedDict()
-        self._adapters: OrderedDict[str, Any] = OrderedDict()  # LoRA digest -> its weights (pipeline.read_lora)
-        # Step checkpoints (rank 0): a stop asked per job (StopSamplingCall, the I/O lane), the newest
-        # state handed over by a sampling in progress, and which jobs sample now. Under self._turn.
-        self._stops: dict[str, threading.Event] = {}
-        self._checkpoints: dict[str, Any] = {}  # job id -> its newest SamplerState
-        self._sampling: set[str] = set()
+        self._adapters = AdapterCache()  # the LoRA files it was sent, read on its device
+        self._samplings = SamplingControl()  # stops asked, newest step checkpoints (the I/O lane's side)
         # Every call but the I/O lane's runs on this one thread, whichever thread of the actor it
         # arrived on. cuDNN's autotuning results are kept per thread (PyTorch's cuDNN plan cache
         # is thread-local), and Ray runs a threaded actor's calls on a pool of threads: on one
@@ -339,20 +333,18 @@ class RenderWorker:
         pipe = self._pipeline(call.model)
         job_id = call.job_id
         js = self._spec(job_id, call.spec)
-        self._set_adapters(pipe, call.adapters)
+        self._adapters.set(pipe, call.adapters)
         first_frame = None if call.image is None else _decode_image(call.image)  # uint8 [H, W, 3]
-        self._maybe_fault(js, "sampling")
+        self._faults.at_stage(js, "sampling")
 
         def progress(done: int, total: int) -> None:
             if self.rank == 0 and self._progress is not None:
                 self._progress.report(job_id, done, total)
-            self._maybe_crash(js, done)
+            self._faults.at_step(js, done)
 
         plan = pipe.sampling_plan(conditioned=first_frame is not None, **js.sample_args())
         resume, refused = self._resume_state(js, pipe, call.resume, cached=not plan.lanes.steps_exact)
-        with self._turn:
-            stop = self._stops.setdefault(job_id, threading.Event())
-            self._sampling.add(job_id)
+        stop = self._samplings.begin(job_id)
         try:
             lat = pipe.sample(
                 prompt_embeds=artifacts.unpack_embedding(call.prompt_embeds),
@@ -360,25 +352,21 @@ class RenderWorker:
                 image=first_frame, progress=progress, resume_from=resume,
                 # Periodic checkpoints need a state the cache does not fully hold (the residuals).
                 checkpoint_every_s=js.checkpoint_every if plan.lanes.steps_exact else 0.0,
-                on_checkpoint=(lambda state: self._keep_checkpoint(job_id, state)) if self.rank == 0 else None,
+                on_checkpoint=(lambda state: self._samplings.keep(job_id, state)) if self.rank == 0 else None,
                 should_stop=stop.is_set, **js.sample_args(),
             )  # float32 [48, T, h, w]
         except SamplingPreempted as e:  # a stop at a step boundary: where, and how to go on from there
             data = pack_sampler_state(e.state, spec_hash=js.spec_hash) if self.rank == 0 else None
             return SampleReply(latents=None, stopped_at=e.state.step, checkpoint=data,
-                               adapters_held=tuple(self._adapters), resume_refused=refused)
+                               adapters_held=self._adapters.held(), resume_refused=refused)
         except (PrecisionUnavailable, CalibrationMissing) as e:  # the same on any worker of this kind
             raise JobInputError(str(e)) from e
         finally:
-            with self._turn:
-                self._stops.pop(job_id, None)
-                self._sampling.discard(job_id)
-                self._checkpoints.pop(job_id, None)
-                self._turn.notify_all()
+            self._samplings.end(job_id)
         return SampleReply(latents=artifacts.pack_latents(lat, spec_hash=js.spec_hash, seed=js.seed, steps=js.steps,
                                                           model_id=pipe.model_id, spec=js.to_dict(),
                                                           fast_lanes=None if plan.lanes.exact else plan.describe()),
-                           adapters_held=tuple(self._adapters), resume_refused=refused)
+                           adapters_held=self._adapters.held(), resume_refused=refused)
 
     def _resume_state(self, js: JobSpec, pipe: Any, data: bytes | None, *, cached: bool) -> tuple[Any, str | None]:
         """The state a step checkpoint continues from, or (None, why it is not used): every rank
@@ -392,54 +380,13 @@ class RenderWorker:
         except StepCheckpointError as e:
             return None, f"the step checkpoint was refused ({e}): sampled from step 0"
 
-    def _keep_checkpoint(self, job_id: str, state: Any) -> None:
-        """A sampling's newest state (already on the host), for the driver's fetch (I/O lane)."""
-        with self._turn:
-            self._checkpoints[job_id] = state
-            self._turn.notify_all()
-
     def _stop_sampling(self, call: StopSamplingCall) -> None:
-        """Ask the job's sampling to stop at its next step boundary (set before it starts: at its first)."""
-        with self._turn:
-            self._stops.setdefault(call.job_id, threading.Event()).set()
+        self._samplings.stop(call.job_id)
 
     def _fetch_checkpoint(self, call: FetchCheckpointCall) -> CheckpointReply | None:
-        """The job's newest step checkpoint after ``after_step``, packed here on the I/O lane (the GPU
-        lane only handed the state over); None once its sampling ended or when none came in time."""
-        deadline = time.monotonic() + call.wait_s
-        with self._turn:
-            while True:
-                state = self._checkpoints.get(call.job_id)
-                if state is not None and state.step > call.after_step:
-                    break
-                left = deadline - time.monotonic()
-                if call.job_id not in self._sampling or left <= 0:
-                    return None
-                self._turn.wait(left)
         js = self._specs.get(call.job_id)
-        data = pack_sampler_state(state, spec_hash=js.spec_hash if js is not None else "")
-        return CheckpointReply(step=state.step, total_steps=state.key.total_steps, data=data)
-
-    def _set_adapters(self, pipe: Any, adapters: tuple[Adapter, ...]) -> None:
-        """Merge the job's LoRAs into the DiT (none: unmerge the last job's). The files read are kept
-        by digest, on the device, for the jobs after (a bounded few: the reply tells the driver which,
-        so it sends again what was dropped)."""
-        weights = []
-        for a in adapters:
-            if a.data is not None and a.sha256 not in self._adapters:
-                if artifacts.sha256_bytes(a.data) != a.sha256:
-                    raise JobInputError(f"LoRA {a.name}: its bytes do not match the digest the job id was made with")
-                self._adapters[a.sha256] = pipe.read_lora(a.data, name=a.name)
-            held = self._adapters.get(a.sha256)
-            if held is None:
-                raise RuntimeError(f"LoRA {a.name} ({a.sha256[:12]}) was neither sent nor kept on this worker")
-            self._adapters.move_to_end(a.sha256)
-            weights.append((held, a.scale))
-        pipe.set_loras(weights)
-        keep = {a.sha256 for a in adapters}
-        while len(self._adapters) > max(_ADAPTERS_KEPT, len(keep)):
-            oldest = next(d for d in self._adapters if d not in keep)
-            del self._adapters[oldest]
+        return self._samplings.fetch(call.job_id, after_step=call.after_step, wait_s=call.wait_s,
+                                     spec_hash=js.spec_hash if js is not None else "")
 
     def _decode(self, call: DecodeCall) -> DecodeReply | None:
         """Decode on the device, convert to yuv420p there, copy to the host once and hand the planes
@@ -447,7 +394,7 @@ class RenderWorker:
         pipe = self._pipeline(call.model)
         job_id = call.job_id
         js = self._spec(job_id, call.spec)
-        self._maybe_fault(js, "decode")
+        self._faults.at_stage(js, "decode")
         t0 = time.perf_counter()
         planes = self._frames_on_host(pipe, artifacts.unpack_latents(call.latents),
                                       want=(js.frames, js.height, js.width, 3))
@@ -496,7 +443,7 @@ class RenderWorker:
         """On the encode thread: planes uint8 [F, H*3/2, W] -> mp4 bytes, decoded back and counted."""
         from pan2render.media.video import Yuv420Video, encode_mp4  # noqa: PLC0415
 
-        self._maybe_fault(js, "encode")
+        self._faults.at_stage(js, "encode")
         t0 = time.perf_counter()
         with scratch.encode_folder() as tmp:
             path = tmp / artifacts.VIDEO_NAME
@@ -505,49 +452,6 @@ class RenderWorker:
             mp4 = path.read_bytes()
         return CollectReply(mp4=mp4, encode_s=encode_s, check_s=time.perf_counter() - t0 - encode_s)
 
-    # ------------------------------------------------------------------ test hooks
-    # faults = {"crash": {"job": NAME, "step": K, "marker": PATH}}: exit the process at sampling
-    #            step K of job NAME, once (the marker file records that it happened);
-    #          {"fail": {"job": NAME, "stage": "sampling"|"decode"|"encode", "raise": TYPE}}: raise
-    #            there, always; TYPE (default RuntimeError) names one of _FAULT_TYPES, so a test can
-    #            meet each failure class;
-    #          {"slow": {"job": NAME, "stage": ..., "seconds": S}}: sleep S seconds there first.
-    def _maybe_crash(self, js: JobSpec, step: int) -> None:
-        crash = self.config.faults.get("crash")
-        if not crash or crash["job"] != js.name or step != int(crash["step"]) or self.rank != 0:
-            return
-        marker = Path(crash["marker"])
-        try:
-            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            return
-        os.write(fd, f"pid {os.getpid()} step {step}\n".encode())
-        os.close(fd)
-        self._die()
-
-    def _maybe_fault(self, js: JobSpec, stage: str) -> None:
-        broken = self.config.faults.get("broken_gpu")
-        if broken and stage == "sampling" and int(broken["gpu"]) in self.gpu_ids:
-            raise DeviceError(f"injected device fault on GPU {broken['gpu']} (test hook)")
-        slow = self.config.faults.get("slow")
-        if slow and slow["job"] == js.name and slow.get("stage", "sampling") == stage:
-            time.sleep(float(slow["seconds"]))
-        fail = self.config.faults.get("fail")
-        if fail and fail["job"] == js.name and fail.get("stage", "sampling") == stage:
-            raise _FAULT_TYPES[fail.get("raise", "RuntimeError")](
-                f"injected failure in {stage} of job {js.name} (test hook)")
-
-
-# What a "fail" fault may raise, by name (faults travel as JSON): one type per failure class.
-_FAULT_TYPES: dict[str, type[Exception]] = {
-    "RuntimeError": RuntimeError,  # unknown
-    "ValueError": ValueError,  # unknown too: a library's ValueError is not a bad input
-    "JobInputError": JobInputError,  # input
-    "DeviceError": DeviceError,  # worker death (the device)
-    "OutOfMemoryError": torch.cuda.OutOfMemoryError,  # out of memory, as torch raises it
-}
-if hasattr(torch, "AcceleratorError"):  # a device fault by torch's own type (recent torch)
-    _FAULT_TYPES["AcceleratorError"] = torch.AcceleratorError
 
 RenderWorker.handlers = {
     RendezvousCall: RenderWorker._rendezvous,
