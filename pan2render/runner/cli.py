@@ -108,6 +108,9 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--cluster-wait", type=float, default=300.0, metavar="S",
                         help="seconds to wait for GPUs to come back after the cluster lost them (a node "
                              "died) before the batch stops, its jobs pending and uncharged (default 300)")
+        sp.add_argument("--stall-timeout", type=float, default=600.0, metavar="S",
+                        help="seconds a sampling may go without finishing a step before its workers count as "
+                             "hung: they are restarted and the job retried (default 600; 0: never)")
         sp.add_argument("--no-progress", action="store_true",
                         help="plain lines even on a terminal (one per job event, a summary each minute)")
 
@@ -349,7 +352,8 @@ def _drive(args: argparse.Namespace, session: Any) -> int:
 
     out, ledger, log, ids = session.out_dir, session.ledger, session.log, session.job_ids
     config = DriverConfig(retries=args.retries, progress=not args.no_progress,
-                          group_start_timeout_s=args.group_start_timeout, cluster_wait_s=args.cluster_wait)
+                          group_start_timeout_s=args.group_start_timeout, cluster_wait_s=args.cluster_wait,
+                          stall_timeout_s=args.stall_timeout)
     if not ids:
         log.line(f"error: the ledger {ledger.path} holds no jobs; nothing was run")
         return EXIT_USAGE
@@ -637,6 +641,8 @@ def _check_cluster_args(args: argparse.Namespace) -> int | None:
         problem = f"--group-start-timeout {args.group_start_timeout}: must be > 0 seconds"
     elif not args.cluster_wait >= 0:
         problem = f"--cluster-wait {args.cluster_wait}: must be >= 0 seconds"
+    elif not args.stall_timeout >= 0:
+        problem = f"--stall-timeout {args.stall_timeout}: must be >= 0 seconds (0: no watchdog)"
     elif args.cpu_gpus is not None and args.cpu_gpus < 1:
         problem = f"--cpu-gpus {args.cpu_gpus}: must be >= 1"
     elif args.cpu_gpus is not None and _address(args) not in (None, LOCAL_ADDRESS):

@@ -35,7 +35,9 @@ class FaultHooks:
                    meet each failure class;
                  {"slow": {"job": NAME, "stage": ..., "seconds": S}}: sleep S seconds there first;
                  {"broken_gpu": {"gpu": N}}: every sampling on GPU N (the cluster's number) raises a
-                   device fault."""
+                   device fault;
+                 {"hang": {"job": NAME, "step": K, "marker": PATH}}: at step K of job NAME, once,
+                   the worker stops answering (sleeps) without dying: what the watchdog is for."""
 
     def __init__(self, faults: dict[str, Any], *, rank: int, gpu_ids: tuple[int, ...], die: Callable[[], None]):
         self.faults = faults
@@ -44,17 +46,15 @@ class FaultHooks:
         self._die = die
 
     def at_step(self, js: JobSpec, step: int) -> None:
+        hang = self.faults.get("hang")
+        if hang and hang["job"] == js.name and step == int(hang["step"]) and _first_time(Path(hang["marker"]), step):
+            while True:
+                time.sleep(3600)
         crash = self.faults.get("crash")
         if not crash or crash["job"] != js.name or step != int(crash["step"]) or self.rank != 0:
             return
-        marker = Path(crash["marker"])
-        try:
-            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            return
-        os.write(fd, f"pid {os.getpid()} step {step}\n".encode())
-        os.close(fd)
-        self._die()
+        if _first_time(Path(crash["marker"]), step):
+            self._die()
 
     def at_stage(self, js: JobSpec, stage: str) -> None:
         broken = self.faults.get("broken_gpu")
@@ -67,3 +67,14 @@ class FaultHooks:
         if fail and fail["job"] == js.name and fail.get("stage", "sampling") == stage:
             raise FAULT_TYPES[fail.get("raise", "RuntimeError")](
                 f"injected failure in {stage} of job {js.name} (test hook)")
+
+
+def _first_time(marker: Path, step: int) -> bool:
+    """Whether this fault happens now: the first time only (the marker file records it)."""
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(fd, f"pid {os.getpid()} step {step}\n".encode())
+    os.close(fd)
+    return True

@@ -32,6 +32,7 @@ from pan2render.phases import describe as describe_phases
 from pan2render.runner import artifacts
 from pan2render.runner.executor import Call, Group
 from pan2render.runner.messages import CheckpointReply, DecodeCall, LoadCall, LoadReply, Warmup, WorkerCall
+from pan2render.runner.progress import StepReport
 from pan2render.runner.retry import Action, ArtifactCheckError, Decision, Failure
 from pan2render.runner.timeline import stamp
 from pan2render.step_checkpoint import checkpoint_problem
@@ -57,6 +58,8 @@ class JobRun:
     stop_asked: bool = False  # a StopSamplingCall went out for this attempt
     cancel: str | None = None  # why it is being cancelled (the client's request)
     preempted: bool = False  # its sampling is being stopped for a higher-priority job
+    sample_started_at: float = 0.0  # when its SampleCall went out (time.time): the watchdog's start
+    last_step: StepReport | None = None  # the latest step this attempt's sampling reported
 
     @property
     def encoding(self) -> bool:

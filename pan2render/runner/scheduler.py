@@ -39,7 +39,7 @@ from pan2render.runner.messages import (
     default_call_timeouts,
 )
 from pan2render.runner.pool import GroupPool
-from pan2render.runner.progress import RunProgress
+from pan2render.runner.progress import RunProgress, StepReport
 from pan2render.runner.retry import (
     Action,
     BatchStopped,
@@ -69,12 +69,17 @@ class DriverConfig:
     # Times a job's artifact may be redone in one run because it failed its check (corrupt on
     # disk, or freshly written and rejected) before the job fails with the check's reason.
     max_redos: int = 2
+    # A sampling that reports no step for this long is hung (a worker stopped, a collective that
+    # never completes): its group is torn down and the job retried, charged. A step of a 720p
+    # sampling takes ~1.6 s on an H200; 0 turns the watchdog off.
+    stall_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.retries < 0:
             raise ValueError(f"retries={self.retries} must be >= 0 (0 = no retries)")
-        if self.cluster_wait_s < 0 or self.max_redos < 0:
-            raise ValueError(f"cluster_wait_s={self.cluster_wait_s} and max_redos={self.max_redos} must be >= 0")
+        if self.cluster_wait_s < 0 or self.max_redos < 0 or self.stall_timeout_s < 0:
+            raise ValueError(f"cluster_wait_s={self.cluster_wait_s}, max_redos={self.max_redos} and "
+                             f"stall_timeout_s={self.stall_timeout_s} must be >= 0")
         if self.poll_s <= 0:
             raise ValueError(f"poll_s={self.poll_s} must be > 0")
         missing = {c.timeout_key for c in JOB_CALLS} - set(self.call_timeouts_s)
@@ -256,6 +261,7 @@ class Scheduler:
             reports = self.ex.progress()  # a Ray call: only while a job samples
             for batch in self._batch_of.values():
                 batch.progress.steps(reports)
+            self._check_stalls(reports)
         for batch in self._batch_of.values():
             batch.progress.tick()
             batch.notify_job_end()
@@ -361,6 +367,8 @@ class Scheduler:
             batch.ledger.set_stage(run.job.id, message.stage, StageState.RUNNING)
         batch.progress.stage(run.job.id, message.shown)
         run.call = self._call(run, message)
+        if isinstance(message, SampleCall):
+            run.sample_started_at, run.last_step = time.time(), None
         if isinstance(message, SampleCall) and run.job.spec.checkpoint_every > 0:
             run.side = self._call(run, FetchCheckpointCall(job_id=run.job.id, after_step=0))
         if run.cancel is not None or run.preempted:  # asked before this call went out
@@ -546,6 +554,30 @@ class Scheduler:
         batch.flow.fail_unrunnable(job.id, msg)
         batch.progress.job_ended(job.id, "FAILED", msg)
         batch.ended += 1
+
+    def _check_stalls(self, reports: dict[str, StepReport]) -> None:
+        """The watchdog: a sampling whose last step (or whose start) is older than the stall timeout
+        is hung; its group is torn down like a dead one, and the job retried (charged)."""
+        limit = self.config.stall_timeout_s
+        if not limit:
+            return
+        now = time.time()
+        for key, run in list(self._active.items()):
+            if key not in self._active or run.call is None or not isinstance(run.call.message, SampleCall):
+                continue
+            report = reports.get(run.job.id)
+            if report is not None and report.last_at >= run.sample_started_at:  # (not an earlier attempt's)
+                run.last_step = report
+            # A missing snapshot (the progress actor busy) keeps the last step seen: no false alarm.
+            last = run.last_step.last_at if run.last_step is not None else run.sample_started_at
+            if now - last <= limit:
+                continue
+            where = f"last step {run.last_step.done}/{run.last_step.total}" if run.last_step else "no step yet"
+            run.call = None
+            self._group_died(self._batch_of[key[0]], run, Failure(
+                stage=Stage.SAMPLING, kind=FailureKind.WORKER_DEATH,
+                error=f"worker group {run.group.id} is hung: its sampling reported no step for {now - last:.0f} s "
+                      f"({where}), over the {limit:.0f} s stall timeout"))
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()

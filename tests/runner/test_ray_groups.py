@@ -133,3 +133,34 @@ def test_a_group_the_cluster_cannot_place_fails_its_job_and_the_rest_render(
     assert pair.state is JobState.FAILED and pair.attempts == 1
     assert "placement group of 2 GPUs on one node was not ready after 3 s" in pair.error
     assert "free now" in pair.error and "--group-start-timeout" in pair.error
+
+
+def test_a_hung_worker_is_torn_down_after_the_stall_timeout_and_its_job_retried(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_pipeline: None) -> None:
+    """A worker that stops answering mid-sampling without dying (a wedged kernel, a collective
+    that never completes) is what no Ray error reports: the watchdog sees its steps stop, tears
+    the group down and retries the job, charged. A sampling slower in all than the timeout, but
+    whose steps keep coming, is left alone (the negative control)."""
+    marker = tmp_path / "hung.marker"
+    monkeypatch.setenv("PAN2_RENDER_FAULTS", json.dumps({"hang": {"job": "stuck", "step": 2, "marker": str(marker)}}))
+    monkeypatch.setenv("PAN2_FAKE_STEP_SECONDS", "0.6")
+    batch = write_batch(tmp_path / "b.yaml", [{"name": n, "prompt": n} for n in ("stuck", "steady")],
+                        defaults={"steps": 10})  # 10 x 0.6 s: each sampling lasts longer than the timeout
+    out = tmp_path / "out"
+    assert cli.main(["run", str(batch), "--out", str(out), "--no-progress", "--stall-timeout", "4"]) == 0
+    led = Ledger.open_readonly(out)
+    jobs = {j.name: j for j in led.jobs()}
+    died = [e.detail for e in led.events(jobs["stuck"].id) if e.label == "group-died"]
+    print("marker:", marker.read_text().strip(), "| died:", died,
+          "| attempts:", {n: j.attempts for n, j in jobs.items()})
+    assert all(j.state is JobState.DONE for j in jobs.values())
+    assert jobs["stuck"].attempts == 2 and len(died) == 1
+    assert "is hung" in died[0] and "last step 2/10" in died[0] and "4 s stall timeout" in died[0]
+    assert jobs["steady"].attempts == 1 and not [e for e in led.events(jobs["steady"].id) if e.label == "group-died"]
+
+
+def test_stall_timeout_must_not_be_negative(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    batch = write_batch(tmp_path / "b.yaml", [{"name": "a", "prompt": "a"}])
+    assert cli.main(["run", str(batch), "--out", str(tmp_path / "out"), "--stall-timeout", "-1"]) == 2
+    assert "--stall-timeout -1.0: must be >= 0 seconds" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -49,6 +49,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     f.add_argument("--idle-release", type=float, default=600.0, metavar="S",
                    help="seconds an idle GPU group keeps its GPUs and its loaded model (default 600)")
     f.add_argument("--retries", type=int, default=2, metavar="N", help="retries per job (default 2)")
+    f.add_argument("--stall-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds a sampling may go without finishing a step before its workers count as hung "
+                        "and are restarted, the job retried (default 600; 0: never)")
     f.add_argument("--json", action="store_true", help="status: the farm's state as JSON")
     f.set_defaults(func=cmd_farm)
 
@@ -148,10 +151,14 @@ def _start(args: argparse.Namespace, root: Path) -> int:
     if args.idle_release <= 0:
         _err(f"error: --idle-release {args.idle_release}: must be > 0 seconds")
         return EXIT_USAGE
+    if not args.stall_timeout >= 0:
+        _err(f"error: --stall-timeout {args.stall_timeout}: must be >= 0 seconds (0: no watchdog)")
+        return EXIT_USAGE
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     (root / INFO_NAME).unlink(missing_ok=True)  # a killed farm's: the new one writes its own
     cmd = [sys.executable, "-m", "pan2render.runner.farm", "--root", str(root), "--host", args.host,
-           "--port", str(args.port), "--idle-release", str(args.idle_release), "--retries", str(args.retries)]
+           "--port", str(args.port), "--idle-release", str(args.idle_release), "--retries", str(args.retries),
+           "--stall-timeout", str(args.stall_timeout)]
     if args.address:
         cmd += ["--address", args.address]
     if args.cpu_gpus is not None:

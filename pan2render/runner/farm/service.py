@@ -57,6 +57,7 @@ class FarmConfig:
     poll_s: float = 0.1  # longest a pass waits for a reply before it looks at the API's requests again
     retries: int = 2  # per job, as `run --retries`
     group_start_timeout_s: float = 300.0
+    stall_timeout_s: float = 600.0  # as `run --stall-timeout`
 
     def __post_init__(self) -> None:
         if self.idle_release_s <= 0:
@@ -101,7 +102,8 @@ class Farm:
         # A farm waits for lost GPUs to come back however long it takes (a lost GCS ends it: Ray
         # cannot go on without one).
         sched = DriverConfig(retries=config.retries, poll_s=config.poll_s, progress=False,
-                             group_start_timeout_s=config.group_start_timeout_s, cluster_wait_s=float("inf"))
+                             group_start_timeout_s=config.group_start_timeout_s, cluster_wait_s=float("inf"),
+                             stall_timeout_s=config.stall_timeout_s)
         pool = GroupPool(executor, total_gpus=executor.total_gpus(), start_timeout_s=config.group_start_timeout_s,
                          fault_limit=config.device_fault_limit)
         self.scheduler = Scheduler(executor=executor, config=sched, pool=pool)
@@ -409,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-release", type=float, default=600.0)
     p.add_argument("--device-fault-limit", type=int, default=3)
     p.add_argument("--retries", type=int, default=2)
+    p.add_argument("--stall-timeout", type=float, default=600.0)
     args = p.parse_args(argv)
     root: Path = args.root
     lock = FolderLock(root)
@@ -421,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = FarmConfig(root=root, host=args.host, port=args.port, idle_release_s=args.idle_release,
-                            device_fault_limit=args.device_fault_limit, retries=args.retries)
+                            device_fault_limit=args.device_fault_limit, retries=args.retries,
+                            stall_timeout_s=args.stall_timeout)
         token = ensure_token(root)
         executor = make_executor(address=args.address, cpu_gpus=args.cpu_gpus, max_gpus=args.cpu_gpus or 1, say=log)
         farm = Farm(config, executor, log=log)
