@@ -38,10 +38,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_dit import KEEP_FP32, TINY, log, rel_l2, sample_only_vae, sync, timed  # noqa: E402
-from pan2render.lanes import FAST_LANE_FIELDS  # noqa: E402
+from bench_dit import TINY, log, rel_l2, sample_only_vae, sync, timed  # noqa: E402
+from bench_parallel import build_dit  # noqa: E402
+
 from pan2render.jobs.batch import list_presets  # noqa: E402
-from pan2render.models.dit import PAN2DiT, PAN2DiTConfig  # noqa: E402
+from pan2render.lanes import FAST_LANE_FIELDS  # noqa: E402
+from pan2render.models.dit import PAN2DiTConfig  # noqa: E402
 from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig  # noqa: E402
 from pan2render.models.scheduler import SchedulerConfig  # noqa: E402
 from pan2render.models.step_cache import KeepResidual, ResidualSlot, ReuseResidual  # noqa: E402
@@ -50,17 +52,7 @@ PRESET = "pan2-720p-fast"
 
 
 def build_pipeline(config: PAN2DiTConfig, device: torch.device, dtype: torch.dtype, *, tiny: bool) -> PAN2Pipeline:
-    torch.manual_seed(0)
-    prev = torch.get_default_dtype()
-    try:
-        torch.set_default_dtype(dtype)
-        with torch.device(device):
-            dit = PAN2DiT(config).eval().requires_grad_(False)
-    finally:
-        torch.set_default_dtype(prev)
-    for name, p in dit.named_parameters():
-        if any(k in name for k in KEEP_FP32):
-            p.data = p.data.float()
+    dit = build_dit(config, device, dtype)
     pipe = PAN2Pipeline(dit=dit, vae=sample_only_vae(config), text_encoder=None, scheduler_config=SchedulerConfig(),
                         config=PAN2PipelineConfig(device=str(device), dtype=dtype), model_id="bench-random")
     if tiny and device.type == "cpu":

@@ -36,12 +36,13 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_parallel import build_dit  # noqa: E402
 
 from pan2render.kernels.attention import describe_attention, warm_up_attention  # noqa: E402
 from pan2render.models.dit import PAN2DiT, PAN2DiTConfig  # noqa: E402
-from pan2render.models.dit_ops import ROUTED_OPS  # noqa: E402
 from pan2render.models.lora import LoraWeights, MergedLoras, linear_shapes, read_lora  # noqa: E402
-from pan2render.models.pipeline import DIT_KEEP_IN_FP32  # noqa: E402
 from pan2render.models.tiny import cache_root  # noqa: E402
 
 TINY = PAN2DiTConfig(num_attention_heads=3, attention_head_dim=20, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2)
@@ -67,23 +68,6 @@ def seconds(fn: Callable[[], Any], device: torch.device) -> float:
     fn()
     sync(device)
     return time.perf_counter() - t0
-
-
-def build_dit(config: PAN2DiTConfig, device: torch.device, dtype: torch.dtype) -> PAN2DiT:
-    prev = torch.get_default_dtype()
-    torch.manual_seed(0)
-    try:
-        torch.set_default_dtype(dtype)
-        with torch.device(device):
-            model = PAN2DiT(config).eval().requires_grad_(False)
-    finally:
-        torch.set_default_dtype(prev)
-    for name, p in model.named_parameters():
-        if dtype != torch.float32 and set(name.split(".")) & set(DIT_KEEP_IN_FP32):
-            p.data = p.data.float()
-    model.set_ops(ROUTED_OPS)
-    model.set_residual_dtype(torch.float32)
-    return model
 
 
 def write_lora(path: Path, shapes: dict[str, tuple[int, int]], *, num_layers: int, rank: int, seed: int) -> Path:
