@@ -1,5 +1,11 @@
 """Triton kernels of the fast Wan2.2 VAE decoder, each with its plain-torch reference beside it.
 
+The ``*_reference`` functions are the one reference of each op: the kernel tests compare against
+them, the fast decoder's build check (``vae_decode.fast_decode_available``) runs one, and the
+reference decoder (``pan2render.models.vae``) computes its norms and residual adds with them. They
+live here, not in ``models/``, because that build check needs one at run time and ``kernels/``
+does not import ``models/``.
+
 All kernels work on channels-last rows: an activation ``[B, C, T, H, W]`` is stored physically as
 ``[B, T, H, W, C]``, so every (b, t, h, w) position is one contiguous row of C values and a norm
 over C is a row reduction. Storage is bf16 (fp32 in the CPU tests), arithmetic fp32, one rounding
@@ -68,16 +74,22 @@ def rms_norm_act_reference(
     bias: torch.Tensor | None = None,
     silu: bool,
     residual: torch.Tensor | None = None,
+    dim: int = -1,
 ) -> torch.Tensor:
-    """Plain torch: rows ``[..., C]`` -> same shape, fp32 math, result in x's dtype. With
-    ``residual`` the input is ``(x + bias + residual)`` rounded to x's dtype (out of place here;
-    the kernel also writes that sum back into x)."""
+    """Plain torch: the norm over ``dim`` (the kernel's rows ``[..., C]``: -1; the reference
+    decoder's ``[B, C, T, H, W]``: 1), same shape, fp32 math, ONE rounding to x's dtype at the
+    end. ``gamma`` and ``bias`` broadcast against x along ``dim`` (``[C]`` for rows, the VAE's
+    ``[C, 1, 1, 1]`` for channels first). With ``residual`` the input is ``(x + bias + residual)``
+    rounded to x's dtype (out of place here; the kernel also writes that sum back into x).
+
+    Where diffusers' ``WanRMS_norm`` rounds a 16-bit input after the normalisation, again after
+    each scale and after the SiLU, this rounds once: equal in fp32, closer to fp32 in bf16."""
     v = x.float()
     if residual is not None:
         v = add_bias_residual_reference(x, bias=bias, residual=residual).float()
     elif bias is not None:
         v = v + bias.float()
-    y = F.normalize(v, dim=-1, eps=NORM_EPS) * math.sqrt(v.shape[-1]) * gamma.float()
+    y = F.normalize(v, dim=dim, eps=NORM_EPS) * math.sqrt(v.shape[dim]) * gamma.float()
     if silu:
         y = F.silu(y)
     return y.to(x.dtype)
@@ -226,7 +238,10 @@ def rms_norm_act(
 def add_bias_residual_reference(
     y: torch.Tensor, *, bias: torch.Tensor | None, residual: torch.Tensor | None
 ) -> torch.Tensor:
-    """Plain torch, out of place: ``y + bias + residual`` in fp32, rounded to y's dtype."""
+    """Plain torch, out of place: ``y + bias + residual`` in fp32, rounded once to y's dtype.
+    ``bias`` broadcasts over the last dim (rows); the reference decoder's own adds (a resnet's
+    closing add, the attention's and the upsampler's shortcuts) pass no bias (their convs add it),
+    so any layout works there."""
     v = y.float()
     if bias is not None:
         v = v + bias.float()
@@ -295,18 +310,22 @@ def upsample_phase_combine_reference(
     """Plain torch. ``o [N, H+1, W+1, 4*Cout]`` phase conv output; ``x_in [N // r, H, W, Cin]`` the
     shortcut source (frame n of the output uses source frame n // r and time phase n % r);
     ``index [r, 2, 2, Cout]`` int: the source channel of each (time, row, column) phase.
-    Returns ``Y [N, 2H, 2W, Cout] = interleave(o) + bias + shortcut`` in fp32 math, o's dtype."""
+    Returns ``Y [N, 2H, 2W, Cout] = interleave(o) + bias + shortcut``: the phases and the shortcut
+    are moved, not computed, and the sum is `add_bias_residual_reference` (fp32, one rounding to
+    o's dtype), the same add the reference decoder runs after its upsampler."""
     n, hp, wp, c4 = o.shape
     h, w, cout = hp - 1, wp - 1, c4 // 4
-    y = torch.empty(n, h, 2, w, 2, cout, dtype=torch.float32, device=o.device)
-    src = x_in.float().repeat_interleave(r, dim=0)  # [N, H, W, Cin]
+    y = o.new_empty(n, h, 2, w, 2, cout)  # [N, H, py, W, px, Cout]: output row 2h + py, column 2w + px
+    shortcut = x_in.new_empty(n, h, 2, w, 2, cout)
+    src = x_in.repeat_interleave(r, dim=0)  # [N, H, W, Cin]
     for py in (0, 1):
         for px in (0, 1):
-            blk = o[:, py : py + h, px : px + w, (2 * py + px) * cout : (2 * py + px + 1) * cout].float()
+            y[:, :, py, :, px] = o[:, py : py + h, px : px + w, (2 * py + px) * cout : (2 * py + px + 1) * cout]
             for a in range(r):
-                sc = src[a::r].index_select(-1, index[a, py, px].long())
-                y[a::r, :, py, :, px] = blk[a::r] + bias.float() + sc
-    return y.view(n, 2 * h, 2 * w, cout).to(o.dtype)
+                shortcut[a::r, :, py, :, px] = src[a::r].index_select(-1, index[a, py, px].long())
+    return add_bias_residual_reference(
+        y.view(n, 2 * h, 2 * w, cout), bias=bias, residual=shortcut.view(n, 2 * h, 2 * w, cout)
+    )
 
 
 if triton is not None:

@@ -12,6 +12,12 @@ halves H/W three times and T twice (causally: frame 0 alone, then chunks of 4 fr
 ``[B, 48, 1 + (F - 1) / 4, H / 16, W / 16]``. The decoder mirrors it: T latent frames decode to
 ``1 + 4 (T - 1)`` frames, one latent frame per pass, with a 2-frame history per causal conv.
 
+Numerics: the norms (+ SiLU) and the residual adds are the fast decoder's op references
+(``pan2render.kernels.vae_ops``: ``rms_norm_act_reference``, ``add_bias_residual_reference``), the
+ones its kernels are tested against: fp32 math, one rounding. In fp32 that is diffusers' result;
+in bf16 diffusers rounds a norm after each step and we do not, which puts our bf16 decode no
+further from the fp32 one than diffusers' bf16 decode (``tests/models/test_vae.py``).
+
 Read bottom-up: config, helpers, leaf modules, blocks, encoder/decoder, the public ``WanVAE`` last.
 The decoder's submodule names are diffusers' names on purpose: the fast decoder
 (``pan2render/kernels``) reads this module's weights by those names. The decoder runs the units of
@@ -33,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..kernels.vae_decode import to_uint8_frames
+from ..kernels.vae_ops import add_bias_residual_reference, rms_norm_act_reference
 from ..vae_plan import DecodeUnit, DecoderPlan, State, UnitKind, decode_frames, decoder_plan, new_video
 
 # Frames of history a 3-tap causal conv needs from the previous chunk.
@@ -379,20 +386,21 @@ class CausalConv3d(nn.Conv3d):
 
 
 class RMSNorm(nn.Module):
-    """RMS norm over channels (dim 1): ``x / ||x||_2 * sqrt(C) * gamma``, computed in fp32 for
-    16-bit inputs. ``gamma`` is ``[C, 1, 1, 1]`` for 5-D inputs and ``[C, 1, 1]`` for per-frame 4-D
-    ones (diffusers' shapes, so checkpoints load unchanged). No bias in the Wan2.2 VAE.
+    """RMS norm over channels (dim 1): ``x / ||x||_2 * sqrt(C) * gamma``, then SiLU when ``silu``
+    (where the decoder applies one right after the norm). ``gamma`` is ``[C, 1, 1, 1]`` for 5-D
+    inputs and ``[C, 1, 1]`` for per-frame 4-D ones (diffusers' shapes, so checkpoints load
+    unchanged). No bias in the Wan2.2 VAE.
+
+    The math is the fast decoder's op reference (``vae_ops.rms_norm_act_reference``: fp32, one
+    rounding to x's dtype), so the kernel tests and this decoder check one definition.
     """
 
     def __init__(self, dim: int, *, spatial_dims: int) -> None:
         super().__init__()
-        self.scale = dim**0.5
         self.gamma = nn.Parameter(torch.ones(dim, *(1,) * spatial_dims))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        upcast = x.dtype in (torch.float16, torch.bfloat16)
-        normalized = F.normalize(x.float() if upcast else x, dim=1).to(x.dtype)
-        return normalized * self.scale * self.gamma
+    def forward(self, x: torch.Tensor, *, silu: bool = False) -> torch.Tensor:
+        return rms_norm_act_reference(x, self.gamma, silu=silu, dim=1)
 
 
 class Upsample2x(nn.Module):
@@ -541,12 +549,13 @@ class ResidualBlock(nn.Module):
         self, x: torch.Tensor, cache: CausalCache | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv1's output, the shortcut of x): the decoder's unit may end a rank's span here."""
-        return self.conv1(F.silu(self.norm1(x)), cache), self.conv_shortcut(x)
+        return self.conv1(self.norm1(x, silu=True), cache), self.conv_shortcut(x)
 
     def second_half(
         self, h: torch.Tensor, shortcut: torch.Tensor, cache: CausalCache | None = None
     ) -> torch.Tensor:
-        return self.conv2(self.dropout(F.silu(self.norm2(h))), cache) + shortcut
+        y = self.conv2(self.dropout(self.norm2(h, silu=True)), cache)
+        return add_bias_residual_reference(y, bias=None, residual=shortcut)
 
 
 class AttentionBlock(nn.Module):
@@ -567,7 +576,7 @@ class AttentionBlock(nn.Module):
         o = F.scaled_dot_product_attention(q, k, v)  # [B*T, 1, HW, C]
         o = o.squeeze(1).transpose(1, 2).reshape(b * t, c, h, w)
         o = self.proj(o)
-        return x + o.view(b, t, c, h, w).transpose(1, 2)  # [B, C, T, H, W]
+        return add_bias_residual_reference(x, bias=None, residual=o.view(b, t, c, h, w).transpose(1, 2))
 
 
 class MidBlock(nn.Module):
@@ -614,7 +623,7 @@ class ResidualDownBlock(nn.Module):
             x = resnet(x, cache)
         if self.downsampler is not None:
             x = self.downsampler(x, cache)
-        return x + shortcut
+        return add_bias_residual_reference(x, bias=None, residual=shortcut)
 
 
 class ResidualUpBlock(nn.Module):
@@ -680,7 +689,7 @@ class Encoder3d(nn.Module):
         for block in self.down_blocks:
             x = block(x, cache)
         x = self.mid_block(x, cache)
-        return self.conv_out(F.silu(self.norm_out(x)), cache)
+        return self.conv_out(self.norm_out(x, silu=True), cache)
 
 
 class Decoder3d(nn.Module):
@@ -719,7 +728,7 @@ class Decoder3d(nn.Module):
         if kind is UnitKind.CONV_IN:
             return {**state, "x": self.conv_in(x, cache)}
         if kind is UnitKind.HEAD:
-            return {**state, "x": self.conv_out(F.silu(self.norm_out(x)), cache)}
+            return {**state, "x": self.conv_out(self.norm_out(x, silu=True), cache)}
         if unit.block is None:
             if kind is UnitKind.ATTENTION:
                 return {**state, "x": self.mid_block.attentions[0](x)}
@@ -729,7 +738,8 @@ class Decoder3d(nn.Module):
             if kind is UnitKind.UPSAMPLE:
                 assert block.upsampler is not None and block.avg_shortcut is not None, unit
                 shortcut = block.avg_shortcut(state.pop("x_in"), first_chunk=first)
-                return {**state, "x": block.upsampler(x, cache) + shortcut}
+                up = block.upsampler(x, cache)
+                return {**state, "x": add_bias_residual_reference(up, bias=None, residual=shortcut)}
             res = block.resnets[unit.index]
             if kind is UnitKind.RES_IN and unit.index == 0 and block.avg_shortcut is not None:
                 state["x_in"] = x  # the block's input, for its shortcut after the upsampler

@@ -6,6 +6,7 @@ released), 1-3 latent frames of 4x6. Run with ``-s`` to see the printed figures.
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import math
@@ -167,6 +168,77 @@ def test_decode_matches_diffusers(models, batch: int, latent_frames: int) -> Non
     assert inside > 0.5  # most pixels are compared unclamped
     if latent_frames > 1:
         assert inside < 1.0  # and the clamp is exercised (the first frame alone stays inside)
+
+
+def test_decode_parity_tolerance_catches_a_small_norm_error(models) -> None:
+    """Negative control of the parity tolerance: one decoder norm's gamma 0.1% off (a wrong scale
+    in one layer) is already past MAX_REL_ERR."""
+    ours, ref = models
+    wrong = copy.deepcopy(ours)
+    with torch.no_grad():
+        wrong.decoder.up_blocks[1].resnets[0].norm2.gamma.mul_(1.001)
+    z = torch.randn(1, 48, 2, 4, 6, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = ref.decode(z).sample
+        err_ours, err_wrong = _rel_err(ours.decode(z), expected), _rel_err(wrong.decode(z), expected)
+    print(f"max rel err: ours {err_ours:.2e}, one gamma 0.1% off {err_wrong:.2e} (tolerance {MAX_REL_ERR:.0e})")
+    assert err_ours <= MAX_REL_ERR < err_wrong
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest |a - b| in bf16 units in the last place (of the larger of the two values)."""
+    big = torch.maximum(a.float().abs(), b.float().abs()).clamp_min(2.0**-100)
+    ulp = torch.exp2(torch.floor(torch.log2(big)) - 7)  # bf16: 7 explicit mantissa bits
+    return ((a.float() - b.float()).abs() / ulp).max().item()
+
+
+def test_the_decoders_norm_is_the_fast_decoders_op_reference(models) -> None:
+    """One reference per op: the decoder's norm + SiLU (``[B, C, T, H, W]``, channels first) is
+    `vae_ops.rms_norm_act_reference`, the function the Triton kernel is tested against on
+    channels-last rows: in bf16 the two layouts land on the same bf16 value or its neighbour (the
+    fp32 sums run in another order). Negative control: diffusers' WanRMS_norm then SiLU, which
+    round after each step, are further off."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
+
+    from pan2render.kernels import vae_ops
+
+    ours, _ = models
+    norm = copy.deepcopy(ours.decoder.up_blocks[0].resnets[0].norm1).to(torch.bfloat16)  # C = 96
+    c = norm.gamma.shape[0]
+    x = (torch.randn(2, c, 3, 5, 7, generator=torch.Generator().manual_seed(12)) * 3).to(torch.bfloat16)
+    theirs = WanRMS_norm(c, images=False).to(torch.bfloat16)
+    with torch.no_grad():
+        theirs.gamma.copy_(norm.gamma)
+        got = norm(x, silu=True)
+        rows = vae_ops.rms_norm_act_reference(x.movedim(1, -1).contiguous(), norm.gamma.reshape(-1), silu=True)
+        diffusers_rounding = torch.nn.functional.silu(theirs(x))
+    ours_ulps, theirs_ulps = _bf16_ulps(got, rows.movedim(-1, 1)), _bf16_ulps(diffusers_rounding, got)
+    print(f"bf16 norm + SiLU, C={c}: ours vs the op reference on rows {ours_ulps:g} ulp; "
+          f"diffusers' rounding vs ours {theirs_ulps:g} ulp")
+    assert ours_ulps <= 1 < theirs_ulps
+
+
+def test_decode_in_bf16_is_no_further_from_fp32_than_diffusers_in_bf16(models) -> None:
+    """The shared op references round once (fp32 math) where diffusers rounds a bf16 norm after
+    each step, so in bf16 our decode differs from diffusers' bf16 decode by design. It stays a
+    faithful decode: against the fp32 one its error is no larger than diffusers' own bf16 error.
+    Negative control: a bf16 decoder with one gamma 5% off is further than diffusers."""
+    ours, ref = models
+    z = torch.randn(1, 48, 3, 4, 6, generator=torch.Generator().manual_seed(7))
+    wrong = copy.deepcopy(ours)
+    with torch.no_grad():
+        wrong.decoder.up_blocks[1].resnets[0].norm2.gamma.mul_(1.05)
+        fp32 = ref.decode(z).sample
+        videos = {
+            "diffusers bf16": copy.deepcopy(ref).to(torch.bfloat16).decode(z.bfloat16()).sample,
+            "ours bf16": copy.deepcopy(ours).to(torch.bfloat16).decode(z.bfloat16()),
+            "one gamma 5% off, bf16": wrong.to(torch.bfloat16).decode(z.bfloat16()),
+        }
+    mse = {name: (v.float() - fp32).pow(2).mean().item() for name, v in videos.items()}
+    for name, v in videos.items():
+        print(f"{name} vs diffusers fp32: PSNR {10 * math.log10(4 / mse[name]):.2f} dB, "
+              f"max rel err {_rel_err(v.float(), fp32):.2e}")
+    assert mse["ours bf16"] <= mse["diffusers bf16"] < mse["one gamma 5% off, bf16"]
 
 
 def test_encode_matches_diffusers_posterior_mean(models) -> None:
