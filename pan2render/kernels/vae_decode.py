@@ -33,9 +33,10 @@ The first latent frame is special, as in the reference: the temporal upsamplers 
 conv on it (one frame out, not two) and the duplicate-upsample shortcut keeps only its last
 temporal copy. Chunk 0 is that frame alone; the time convs' histories start at zeros on chunk 1.
 
-Entry points: ``fast_decode(vae, z)`` (falls back to ``vae.decode`` where the fast path cannot
-run, logging why once), ``fast_decode_available(device)`` and ``fast_decoder_for(vae, device)``
-(the decoder ``fast_decode`` uses, built once per VAE).
+Entry points: ``choose_decode_path(vae, device)`` (the one decision between this decoder and the
+reference one, with its reason, logged once; a group passes its agreement in), ``fast_decode(vae,
+z)`` (decodes on the path it chooses), ``fast_decode_available(device)`` and ``fast_decoder_for(vae,
+device)`` (the decoder every path runs, built once per VAE).
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -636,7 +637,77 @@ class _Loader:
 
 _AVAILABLE: dict[str, tuple[bool, str]] = {}
 _DECODERS: weakref.WeakKeyDictionary[torch.nn.Module, FastWanDecoder] = weakref.WeakKeyDictionary()
-_FALLBACK_LOGGED: set[str] = set()
+_FALLBACK_LOGGED: set[str] = set()  # the reasons `log_fallback` has said, once each per process
+
+
+class DecodePath(NamedTuple):
+    """Which decoder a decode runs: the fast one, or the reference one and why (``reason``)."""
+
+    fast: bool
+    reason: str = ""  # why the reference decoder runs; "" when the fast one does
+
+    def describe(self) -> str:
+        """The path in words, as a pipeline records it beside every video."""
+        return "fast decoder" if self.fast else f"reference decoder ({self.reason})"
+
+
+SWITCHED_OFF = DecodePath(False, "vae_decode_kernel is off")  # the path of a pipeline with the switch off
+
+# What a group of processes makes of this process's own path (``parallel.decode``: every rank
+# takes the fast path only if all can); the single-process decoders pass none.
+Agreement = Callable[[DecodePath], DecodePath]
+
+
+def choose_decode_path(
+    vae: torch.nn.Module, device: torch.device | str, *, enabled: bool = True, agree: Agreement | None = None
+) -> DecodePath:
+    """The one decision between the fast decoder and the reference one, for every decode path
+    (`fast_decode`, the pipeline's frame decoders, the split decode over a group).
+
+    This process runs the fast decoder when ``enabled`` (the pipeline's ``vae_decode_kernel``),
+    `fast_decode_available` on ``device`` and the decoder builds for ``vae`` (its weight copy is
+    made here, once, and kept for the decode). ``agree`` turns that answer into the group's, so
+    every rank takes the same path. A fallback's reason is logged once per process
+    (`log_fallback`). Out of memory while building is raised, not a fallback: the reference
+    decoder needs more memory, not less.
+    """
+    path = _local_decode_path(vae, device, enabled=enabled)
+    if agree is not None:
+        path = agree(path)
+    if not path.fast:
+        log_fallback(path.reason)
+    return path
+
+
+def _local_decode_path(vae: torch.nn.Module, device: torch.device | str, *, enabled: bool) -> DecodePath:
+    if not enabled:
+        return SWITCHED_OFF
+    ok, reason = fast_decode_available(device)
+    if not ok:
+        return DecodePath(False, reason)
+    try:
+        fast_decoder_for(vae, device)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except (ValueError, KeyError, RuntimeError) as e:  # not a Wan2.2 decoder layout, or a broken state dict
+        return DecodePath(False, f"the fast decoder cannot take this VAE ({e})")
+    return DecodePath(True)
+
+
+def log_fallback(reason: str) -> None:
+    """Say once per process and reason that the reference decoder runs instead of the fast one."""
+    if reason not in _FALLBACK_LOGGED:
+        _FALLBACK_LOGGED.add(reason)
+        log.info("vae_decode_kernel: the reference decoder runs: %s", reason)
+
+
+def _resolved(device: torch.device | str) -> torch.device:
+    """``device`` with its index: "cuda" is the current CUDA device, so both spellings share a probe
+    and a built decoder."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def fast_decode_available(device: torch.device | str) -> tuple[bool, str]:
@@ -649,8 +720,7 @@ def fast_decode_available(device: torch.device | str) -> tuple[bool, str]:
         return False, "CUDA is not available in this process"
     if vae_ops.triton is None:
         return False, "triton is not installed"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = f"cuda:{index}"
+    key = str(_resolved(device))
     if key not in _AVAILABLE:
         _AVAILABLE[key] = _probe(torch.device(key))
     return _AVAILABLE[key]
@@ -674,9 +744,11 @@ def _probe(device: torch.device) -> tuple[bool, str]:
     return True, ""
 
 
-def fast_decoder_for(vae: torch.nn.Module, device: torch.device) -> FastWanDecoder:
+def fast_decoder_for(vae: torch.nn.Module, device: torch.device | str) -> FastWanDecoder:
     """The fast decoder of ``vae`` on ``device`` (built on first use, kept while ``vae`` lives):
-    the one `fast_decode` runs. Raises ValueError / KeyError for a VAE it does not build."""
+    the one every decode path runs once `choose_decode_path` chose it. Raises ValueError /
+    KeyError for a VAE it does not build."""
+    device = _resolved(device)
     dec = _DECODERS.get(vae)
     if dec is None or dec.device != device:
         dec = FastWanDecoder.from_vae(vae, device=device)
@@ -710,18 +782,9 @@ def fast_decode(
     out_dtype: torch.dtype = torch.uint8,
 ) -> torch.Tensor:
     """Decode raw latents ``[B, 48, T, h, w]`` with the fast decoder where it can run, else with
-    ``vae.decode`` (the reason logged once). uint8: ``[F, H, W, 3]`` (B = 1),
-    ``((x.clamp(-1, 1) + 1) * 127.5).round()``; other dtypes: ``[B, 3, F, H, W]`` in [-1, 1].
-    The result stays on z's device."""
-    ok, reason = fast_decode_available(z_raw.device)
-    if ok:
-        try:
-            dec = fast_decoder_for(vae, z_raw.device)
-        except (ValueError, KeyError) as e:  # not a Wan2.2 layout we build
-            ok, reason = False, str(e)
-    if not ok:
-        if reason not in _FALLBACK_LOGGED:
-            _FALLBACK_LOGGED.add(reason)
-            log.warning("fast VAE decode unavailable, using the reference decoder: %s", reason)
+    ``vae.decode`` (`choose_decode_path` decides, and logs the reason once). uint8: ``[F, H, W, 3]``
+    (B = 1), ``((x.clamp(-1, 1) + 1) * 127.5).round()``; other dtypes: ``[B, 3, F, H, W]`` in
+    [-1, 1]. The result stays on z's device."""
+    if not choose_decode_path(vae, z_raw.device).fast:
         return _reference_decode(vae, z_raw, out_dtype)
-    return dec.decode(z_raw, out_dtype=out_dtype)
+    return fast_decoder_for(vae, z_raw.device).decode(z_raw, out_dtype=out_dtype)

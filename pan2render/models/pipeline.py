@@ -28,7 +28,7 @@ from ..kernels.attention import describe_attention, start_attention_import, warm
 from ..phases import phase
 from .checkpoint import CheckpointError, instantiate, read_json, resolve_component
 from .dit import PAN2DiT, PAN2DiTConfig
-from ..kernels.vae_decode import to_uint8_frames
+from ..kernels.vae_decode import SWITCHED_OFF, to_uint8_frames
 from .dit_ops import ROUTED_OPS, TORCH_OPS
 from .lora import LoraWeights, MergedLoras, linear_shapes, read_lora
 from ..sampling import DMD, SAMPLERS, WAN22, Geometry, combination_problems, is_int, timesteps_problem
@@ -169,7 +169,7 @@ def default_frame_decoder(vae: WanVAE, config: PAN2PipelineConfig) -> FrameDecod
     """The single-process frame decoder ``config`` asks for (``vae_decode_kernel``)."""
     if config.vae_decode_kernel:
         return FastDecoder(vae, device=torch.device(config.device))
-    return ReferenceDecoder(vae, why="vae_decode_kernel is off")
+    return ReferenceDecoder(vae, why=SWITCHED_OFF.reason)
 
 
 class PAN2Pipeline:

@@ -17,24 +17,21 @@ about process groups.
 - `FrameDecoder`: raw latents -> uint8 frames ``[F, H, W, 3]`` on the pipeline's device, or None on a
   process that does not hold the frames (ranks other than 0 of a group). Implementations here:
   `ReferenceDecoder` (`WanVAE.decode`) and `FastDecoder` (the fast decoder, with the reference as its
-  fallback).
+  fallback; which of the two runs is `kernels.vae_decode.choose_decode_path`'s decision).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
 
-from ..kernels.vae_decode import fast_decode, fast_decode_available, to_uint8_frames
+from ..kernels.vae_decode import DecodePath, choose_decode_path, fast_decoder_for, log_fallback, to_uint8_frames
 from ..lanes import Branch
 from .dit import BlockStack
 from .vae import WanVAE
-
-log = logging.getLogger(__name__)
 
 __all__ = [
     "BranchForwards",
@@ -180,14 +177,24 @@ class ReferenceDecoder:
 
 
 class FastDecoder:
-    """The fast decoder (`kernels.vae_decode.fast_decode`) where it runs; the reference decoder
-    where it cannot (another GPU, the CPU) or when it fails to build, logged once."""
+    """The fast decoder (`kernels.vae_decode.fast_decoder_for`) where it runs; the reference
+    decoder where it cannot (another GPU, the CPU, a VAE it does not build). The path is chosen
+    once, by `kernels.vae_decode.choose_decode_path`, which logs a fallback's reason once; a decode
+    that fails on the fast path (a Triton kernel variant that does not build) runs the reference
+    decoder, its reason logged the same way."""
 
     def __init__(self, vae: WanVAE, *, device: torch.device) -> None:
         self.vae = vae
         self.device = torch.device(device)
         self.reference = ReferenceDecoder(vae)
-        self._warned_fallback = False
+        self._path: DecodePath | None = None
+
+    @property
+    def path(self) -> DecodePath:
+        """The decode path on this process, chosen on first use."""
+        if self._path is None:
+            self._path = choose_decode_path(self.vae, self.device)
+        return self._path
 
     def decode(self, z: Tensor) -> Tensor:
         frames = self.decode_fast(z)
@@ -195,23 +202,15 @@ class FastDecoder:
 
     def decode_fast(self, z: Tensor) -> Tensor | None:
         """uint8 ``[F, H, W, 3]`` on the device from the fast decoder, or None to fall back."""
-        ok, reason = fast_decode_available(self.device)
-        if not ok:
-            self._log_fallback(reason)
+        if not self.path.fast:
             return None
         try:
-            return fast_decode(self.vae, z, out_dtype=torch.uint8)
+            return fast_decoder_for(self.vae, self.device).decode(z, out_dtype=torch.uint8)
         except torch.cuda.OutOfMemoryError:
             raise  # the reference decoder needs more memory, not less
         except Exception as e:  # noqa: BLE001 - e.g. a Triton kernel variant that fails to build
-            self._log_fallback(f"the fast decoder failed ({type(e).__name__}: {e})")
+            log_fallback(f"the fast decoder failed ({type(e).__name__}: {e})")
             return None
 
     def describe(self) -> str:
-        ok, why_not = fast_decode_available(self.device)
-        return "fast decoder" if ok else f"reference decoder ({why_not})"
-
-    def _log_fallback(self, reason: str) -> None:
-        if not self._warned_fallback:
-            log.info("vae_decode_kernel: using the reference decoder: %s", reason)
-            self._warned_fallback = True
+        return self.path.describe()

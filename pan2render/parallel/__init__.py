@@ -4,8 +4,9 @@
   the denoiser that runs every forward through it over the whole group;
 - `GuidanceSplit` / `GuidanceSplitDenoiser` (guidance.py): in an even group, a guided step's two
   branches on the two halves of the group, each half Ulysses-parallel over its own ranks;
-- `pipelined_decode` / `decode_on_group` (decode.py): ``vae_decode_kernel_parallel``, one VAE
-  decode split over the group, the frames on rank 0; `SplitDecoder`, the frame decoder around it;
+- `pipelined_decode` (decode.py): ``vae_decode_kernel_parallel``, one VAE decode split over the
+  group, the frames on rank 0; `SplitDecoder`, the frame decoder around it; `agree_fast_decode`,
+  the group's decode path (the fast decoder only if every rank can run it);
 - `parallelize_pipeline` (pipeline.py): a `PAN2Pipeline` built from these strategies (what the
   runner calls once per actor after ``init_process_group``).
 
@@ -14,10 +15,10 @@ Imports go one way: this package builds on `pan2render.models`, never the revers
 
 from __future__ import annotations
 
-from .decode import agree_fast_decode, decode_on_group, pipelined_decode
+from .decode import SplitDecoder, agree_fast_decode, group_agreement, pipelined_decode
 from .group import SequenceGroup
 from .guidance import GuidanceSplit, GuidanceSplitDenoiser, guidance_split_for
-from .pipeline import SplitDecoder, parallel_denoiser, parallelize_pipeline
+from .pipeline import parallel_denoiser, parallelize_pipeline
 from .ulysses import SequenceParallelDiT, UlyssesAttention, UlyssesDenoiser, parallelize_dit
 
 __all__ = [
@@ -29,7 +30,7 @@ __all__ = [
     "UlyssesAttention",
     "UlyssesDenoiser",
     "agree_fast_decode",
-    "decode_on_group",
+    "group_agreement",
     "guidance_split_for",
     "parallel_denoiser",
     "parallelize_dit",

@@ -26,8 +26,10 @@ shortcut, or an up block's input, when the cut falls inside one).
 `split_decode` takes any decoder that implements ``vae_plan.UnitDecoder`` and uses nothing else
 of it: the reference `WanVAE` and the fast Hopper decoder
 (``pan2render.kernels.vae_decode.FastWanDecoder``) both do. `pipelined_decode` picks one of the
-two; the ranks first agree (`agree_fast_decode`): the fast one only if every rank can run it,
-else all take the reference path, the reason logged once.
+two; the ranks first agree (`agree_fast_decode`: the one decision of
+``kernels.vae_decode.choose_decode_path``, with this group's all-gather as its agreement): the fast
+one only if every rank can run it, else all take the reference path, the reason logged once.
+`SplitDecoder` is the pipeline's frame decoder around it.
 
 Results: rank 0 gets uint8 frames ``[F, H, W, 3]`` (or a float video ``[B, 3, F, H, W]``),
 every other rank None.
@@ -35,28 +37,24 @@ every other rank None.
 
 from __future__ import annotations
 
-import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pan2render.kernels.vae_decode import fast_decode_available, fast_decoder_for
+from pan2render.kernels.vae_decode import Agreement, DecodePath, choose_decode_path, fast_decoder_for
 from pan2render.models.vae import WanVAE
 from pan2render.vae_plan import STATE_KEYS, DecodeUnit, State, UnitDecoder
 
 from .group import SequenceGroup, all_reduce_and, comm_device
 
-log = logging.getLogger(__name__)
-
-__all__ = ["agree_fast_decode", "decode_on_group", "pipelined_decode", "split_decode", "split_units"]
+__all__ = ["SplitDecoder", "agree_fast_decode", "group_agreement", "pipelined_decode", "split_decode", "split_units"]
 
 _HEADER = 32  # int64 slots of a transfer header: [count, (key, ndim, *shape) per tensor]
 _MAX_IN_FLIGHT = 2  # chunks a rank may have sent but not yet seen received (bounds memory)
-_LOGGED: set[str] = set()
 
 
 # ---- the cut ------------------------------------------------------------------------------------
@@ -222,48 +220,47 @@ def split_decode(
     return out
 
 
-def _can_run_fast(vae: WanVAE, device: torch.device, *, enabled: bool) -> tuple[bool, str]:
-    """This rank's own answer: can it run the fast decoder here?"""
-    if not enabled:
-        return False, "vae_decode_kernel is off"
-    ok, reason = fast_decode_available(device)
-    if not ok:
-        return False, reason
-    try:
-        fast_decoder_for(vae, device)  # builds (and caches) its weight copy; raises on other layouts
-    except (ValueError, KeyError, RuntimeError) as e:
-        return False, f"the fast decoder cannot take this VAE ({e})"
-    return True, ""
+def group_agreement(group: SequenceGroup, device: torch.device) -> Agreement:
+    """How the ranks of ``group`` agree on the decode path (`choose_decode_path`'s ``agree``): the
+    fast decoder only if every rank can run it, else the reference decoder on every rank, with a
+    reason that names the ranks that cannot (and, on those ranks, their own reason). One
+    all-gather of a flag: collective, every rank of the group must take part."""
+
+    def agree(mine: DecodePath) -> DecodePath:
+        all_ok, flags = all_reduce_and(mine.fast, group, device=comm_device(group, device))
+        if all_ok:
+            return mine
+        bad = [rank for rank, flag in enumerate(flags) if not flag]
+        reason = f"rank(s) {bad} of {group.world_size} cannot run the fast decoder"
+        return DecodePath(False, reason + ("" if mine.fast else f"; rank {group.rank}: {mine.reason}"))
+
+    return agree
 
 
-def agree_fast_decode(
-    vae: WanVAE,
-    group: SequenceGroup,
-    *,
-    device: torch.device,
-    enabled: bool = True,
-    can_run: Callable[..., tuple[bool, str]] | None = None,
-) -> tuple[bool, str]:
-    """Whether EVERY rank can run the fast decoder (one all-gather of a flag), and if not, why.
-
-    Collective: every rank of the group must call it. The reason names the ranks that cannot and,
-    on those ranks, their own reason. ``can_run`` replaces the local check (tests).
-    """
-    ok, why = (can_run or _can_run_fast)(vae, device, enabled=enabled)
-    all_ok, flags = all_reduce_and(ok, group, device=comm_device(group, device))
-    if all_ok:
-        return True, ""
-    bad = [rank for rank, flag in enumerate(flags) if not flag]
-    reason = f"rank(s) {bad} of {group.world_size} cannot run the fast decoder"
-    return False, reason + (f"; rank {group.rank}: {why}" if not ok else "")
+def agree_fast_decode(vae: WanVAE, group: SequenceGroup, *, device: torch.device, enabled: bool = True) -> DecodePath:
+    """The decode path of the whole group (`choose_decode_path` with `group_agreement`): the same
+    on every rank, a fallback's reason logged once per rank. Collective."""
+    return choose_decode_path(vae, device, enabled=enabled, agree=group_agreement(group, device))
 
 
-def decode_on_group(pipe: Any, z: Tensor) -> Tensor | None:
-    """`PAN2Pipeline.decode`'s grouped path: raw latents ``[1, z, T, h, w]`` on the device ->
-    uint8 frames ``[F, H, W, 3]`` on rank 0's device, None on the other ranks."""
-    group: SequenceGroup = pipe.process_group
-    fast, reason = agree_fast_decode(pipe.vae, group, device=z.device, enabled=bool(pipe.config.vae_decode_kernel))
-    if not fast and reason not in _LOGGED:
-        _LOGGED.add(reason)
-        log.info("vae_decode_kernel_parallel: every rank takes the reference decoder: %s", reason)
-    return pipelined_decode(pipe.vae, z, group, fast=fast, out_dtype=torch.uint8)
+class SplitDecoder:
+    """The `FrameDecoder` of a group with ``vae_decode_kernel_parallel``: one decode split by layers
+    over the ranks (`pipelined_decode`); the frames on rank 0, None on the others. Every rank must
+    call ``decode`` with the same latents. On the first decode the ranks agree on the decoder
+    (`agree_fast_decode`: the fast one only if every rank can run it, with ``kernel`` the
+    pipeline's ``vae_decode_kernel``), and keep that path for every later decode."""
+
+    def __init__(self, vae: WanVAE, group: SequenceGroup, *, kernel: bool) -> None:
+        self.vae = vae
+        self.group = group
+        self.kernel = kernel
+        self.path: DecodePath | None = None  # agreed on the first decode
+
+    def decode(self, z: Tensor) -> Tensor | None:
+        if self.path is None:
+            self.path = agree_fast_decode(self.vae, self.group, device=z.device, enabled=self.kernel)
+        return pipelined_decode(self.vae, z, self.group, fast=self.path.fast, out_dtype=torch.uint8)
+
+    def describe(self) -> str:
+        split = f"split by layers over {self.group.world_size} ranks"
+        return split if self.path is None else f"{split}, {self.path.describe()}"

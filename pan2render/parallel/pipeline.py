@@ -17,39 +17,18 @@ import functools
 import logging
 
 import torch.distributed as dist
-from torch import Tensor
 
-from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
+from pan2render.models.pipeline import PAN2Pipeline
 from pan2render.models.strategies import Denoiser
-from pan2render.models.vae import WanVAE
 
-from .decode import decode_on_group
+from .decode import SplitDecoder
 from .group import SequenceGroup
 from .guidance import GuidanceSplitDenoiser, guidance_split_for
 from .ulysses import UlyssesDenoiser
 
-__all__ = ["SplitDecoder", "parallel_denoiser", "parallelize_pipeline"]
+__all__ = ["parallel_denoiser", "parallelize_pipeline"]
 
 log = logging.getLogger(__name__)
-
-
-class SplitDecoder:
-    """The `FrameDecoder` of a group with ``vae_decode_kernel_parallel``: one decode split by layers
-    over the ranks (`decode_on_group`); the frames on rank 0, None on the others. Every rank must
-    call ``decode`` with the same latents. All ranks first agree on the decoder (the fast one only
-    if every rank can run it, else the reference one), so they take the same path."""
-
-    def __init__(self, vae: WanVAE, group: SequenceGroup, *, config: PAN2PipelineConfig) -> None:
-        # decode_on_group reads exactly these three: the VAE, the group and config.vae_decode_kernel.
-        self.vae = vae
-        self.process_group = group
-        self.config = config
-
-    def decode(self, z: Tensor) -> Tensor | None:
-        return decode_on_group(self, z)
-
-    def describe(self) -> str:
-        return f"split by layers over {self.process_group.world_size} ranks"
 
 
 def parallel_denoiser(pipe: PAN2Pipeline, group: SequenceGroup) -> Denoiser:
@@ -83,7 +62,9 @@ def _(pipe: PAN2Pipeline, group: dist.ProcessGroup | SequenceGroup | None) -> PA
         raise ValueError("this pipeline is already parallelized; build a new one for another group")
     config = pipe.config
     denoiser = parallel_denoiser(pipe, seq)
-    decoder = SplitDecoder(pipe.vae, seq, config=config) if config.vae_decode_kernel_parallel else None
+    decoder: SplitDecoder | None = None  # without the split, every rank keeps its own whole decode
+    if config.vae_decode_kernel_parallel:
+        decoder = SplitDecoder(pipe.vae, seq, kernel=config.vae_decode_kernel)
     parallel = pipe.with_strategies(denoiser=denoiser, frame_decoder=decoder)
     if seq.rank == 0:
         steps = parallel.describe()

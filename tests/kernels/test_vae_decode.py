@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 
 import pytest
 import torch
@@ -129,7 +130,7 @@ def test_fallback_on_cpu_logs_the_reason_once_and_matches_reference(
     monkeypatch.setattr(vae_decode, "_FALLBACK_LOGGED", set())
     ok, reason = vae_decode.fast_decode_available(z.device)
     assert not ok and "not a CUDA GPU" in reason
-    with caplog.at_level(logging.WARNING, logger=vae_decode.__name__):
+    with caplog.at_level(logging.INFO, logger=vae_decode.__name__):
         frames = fast_decode(tiny_vae, z, out_dtype=torch.uint8)
         video = fast_decode(tiny_vae, z, out_dtype=torch.bfloat16)
     records = [r for r in caplog.records if r.name == vae_decode.__name__]
@@ -138,6 +139,48 @@ def test_fallback_on_cpu_logs_the_reason_once_and_matches_reference(
     want = ((ref[0].clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0)
     assert torch.equal(frames, want)
     assert video.dtype == torch.bfloat16 and video.shape == ref.shape
+
+
+class _Wan21Like:
+    """What the builder reads of a VAE (``config``, ``state_dict()``), from a layout it does not
+    build: the Wan2.1 VAE (no residual blocks)."""
+
+    def __init__(self, vae: torch.nn.Module) -> None:
+        self.config = {**TINY, "is_residual": False}
+        self._state = vae.state_dict()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._state
+
+
+def test_the_decode_path_says_why_the_fast_decoder_cannot_take_a_vae(tiny_vae, caplog, monkeypatch) -> None:
+    """Where the GPU could run the fast decoder (faked here) the one decision still builds it for
+    this VAE: a layout it does not build means the reference decoder, the builder's reason given
+    and logged once; the Wan2.2 layout builds (the fast path); the switch off needs no check; out
+    of memory while building is raised, not taken for a fallback."""
+    monkeypatch.setattr(vae_decode, "_FALLBACK_LOGGED", set())
+    monkeypatch.setattr(vae_decode, "_DECODERS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(vae_decode, "fast_decode_available", lambda device: (True, ""))
+    wan21 = _Wan21Like(tiny_vae)
+    with caplog.at_level(logging.INFO, logger=vae_decode.__name__):
+        paths = [vae_decode.choose_decode_path(wan21, "cpu") for _ in range(2)]
+    records = [r.getMessage() for r in caplog.records if r.name == vae_decode.__name__]
+    print("path:", paths[0], "logged:", records)
+    assert paths[0] == paths[1] and not paths[0].fast
+    assert paths[0].reason == "the fast decoder cannot take this VAE (the fast decoder supports the Wan2.2 VAE " \
+                              "only (is_residual=True))"
+    assert records == [f"vae_decode_kernel: the reference decoder runs: {paths[0].reason}"]
+    assert paths[0].describe() == f"reference decoder ({paths[0].reason})"
+    assert vae_decode.choose_decode_path(tiny_vae, "cpu") == vae_decode.DecodePath(True)
+    assert vae_decode.choose_decode_path(tiny_vae, "cpu", enabled=False) is vae_decode.SWITCHED_OFF
+
+    def out_of_memory(*args: object, **kwargs: object) -> FastWanDecoder:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (faked)")
+
+    monkeypatch.setattr(vae_decode, "_DECODERS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(FastWanDecoder, "from_vae", out_of_memory)
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="faked"):
+        vae_decode.choose_decode_path(tiny_vae, "cpu")
 
 
 @pytest.mark.gpu

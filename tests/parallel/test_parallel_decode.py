@@ -1,5 +1,6 @@
 """The split VAE decode (vae_decode_kernel_parallel) on gloo groups of 2 and 4, the ranks'
-agreement on the fast decoder, and the unit interface (``vae_plan``) it runs both decoders by."""
+agreement on the fast decoder (decided once per pipeline, its reason logged once), and the unit
+interface (``vae_plan``) it runs both decoders by."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from pan2render.kernels import vae_decode
 from pan2render.kernels.vae_decode import FastWanDecoder
 from pan2render.models.tiny import TINY_VAE_CONFIG
 from pan2render.models.vae import WanVAE, WanVAEConfig
@@ -84,26 +86,12 @@ def _decode_worker(rank: int, world: int, out: Path) -> None:
     reference_video = split.split_decode(InterfaceOnly(vae), raw_latents(), group, out_dtype=torch.float32)
 
     # Agreement: rank 1 says it cannot run the fast decoder -> every rank falls back, naming rank 1.
-    def one_rank_cannot(_vae, _device, *, enabled):
-        return (rank != 1, "patched: no fast decoder on this rank")
-
-    verdict = split.agree_fast_decode(vae, group, device=torch.device("cpu"), can_run=one_rank_cannot)
-    everyone = split.agree_fast_decode(vae, group, device=torch.device("cpu"),
-                                       can_run=lambda *_a, **_k: (True, ""))
-
-    # Through the pipeline: rank 0 claims the fast decoder, rank 1 cannot -> all take the reference path.
-    split.fast_decode_available = lambda device: (rank != 1, "patched: no fast decoder on this rank")
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    split.log.addHandler(handler)
-    split.log.setLevel(logging.INFO)
-    pipe = parallelize_pipeline(tiny_pipeline(), dist.group.WORLD)
-    latents = torch.randn(48, 3, 6, 10, generator=torch.Generator().manual_seed(9))
-    frames = pipe.decode(latents)
-    frames_again = pipe.decode(latents)  # the reason is logged once, not per decode
+    vae_decode.fast_decode_available = lambda device: (rank != 1, "patched: no fast decoder on this rank")
+    verdict = split.agree_fast_decode(vae, group, device=torch.device("cpu"))
+    vae_decode.fast_decode_available = lambda device: (True, "")
+    everyone = split.agree_fast_decode(vae, group, device=torch.device("cpu"))
     torch.save({"video": video, "fast_video": fast_video, "reference_video": reference_video, "verdict": verdict,
-                "everyone": everyone, "frames": frames, "again": frames_again, "log": records}, out / f"rank{rank}.pt")
+                "everyone": everyone}, out / f"rank{rank}.pt")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -130,16 +118,58 @@ def test_split_decode_matches_one_process(world: int, tmp_path: Path) -> None:
         assert r["everyone"] == (True, "")
     print(f"agreement: rank 0 says {results[0]['verdict']!r}; rank 1 says {results[1]['verdict']!r}")
 
-    # The pipeline's decode on the group took the reference path everywhere, said so once on each
-    # rank, and returned uint8 frames on rank 0 only, equal to the single-process decode.
-    reference = tiny_pipeline().decode(torch.randn(48, 3, 6, 10, generator=torch.Generator().manual_seed(9)))
+
+LATENTS_SEED = 9
+
+
+def _pipeline_decode_worker(rank: int, world: int, out: Path) -> None:
+    """Decode twice through a parallel pipeline, rank 1 unable to run the fast decoder (rank 0
+    able: it builds its fast decoder), counting this rank's own checks and its fallback log lines."""
+    checks: list[str] = []
+
+    def rank_1_cannot(device: torch.device) -> tuple[bool, str]:
+        checks.append(str(device))
+        return (True, "") if rank != 1 else (False, "patched: no Hopper GPU on rank 1")
+
+    vae_decode.fast_decode_available = rank_1_cannot
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    vae_decode.log.addHandler(handler)
+    vae_decode.log.setLevel(logging.INFO)
+    pipe = parallelize_pipeline(tiny_pipeline(), dist.group.WORLD)
+    before = pipe.describe()["decode"]
+    latents = torch.randn(48, 3, 6, 10, generator=torch.Generator().manual_seed(LATENTS_SEED))
+    frames = pipe.decode(latents)
+    again = pipe.decode(latents)
+    torch.save({"checks": checks, "log": records, "path": pipe.frame_decoder.path, "before": before,
+                "after": pipe.describe()["decode"], "frames": frames, "again": again}, out / f"rank{rank}.pt")
+
+
+def test_the_group_decides_the_decode_path_once_and_logs_its_reason_once(tmp_path: Path) -> None:
+    """A group of 2 whose rank 1 cannot run the fast decoder: on the first decode every rank
+    checks itself once and the group agrees on the reference decoder, for a reason naming rank 1
+    (rank 1 adds its own); the second decode reuses the verdict (no second check, no second log
+    line). The frames (rank 0 only) are the single-process decode's, and the pipeline's description
+    says which decoder the split runs once it is known."""
+    world = 2
+    results = run_group(world, _pipeline_decode_worker, tmp_path)
+    verdict = f"rank(s) [1] of {world} cannot run the fast decoder"
+    for rank, r in enumerate(results):
+        print(f"rank {rank}: {len(r['checks'])} check(s), path {r['path']!r}, log {r['log']}")
+        assert len(r["checks"]) == 1, r["checks"]
+        assert r["path"].fast is False and r["path"].reason.startswith(verdict), r["path"]
+        assert ("patched: no Hopper GPU on rank 1" in r["path"].reason) == (rank == 1)
+        assert r["log"] == [f"vae_decode_kernel: the reference decoder runs: {r['path'].reason}"]
+        split_by = f"split by layers over {world} ranks"
+        assert (r["before"], r["after"]) == (split_by, f"{split_by}, reference decoder ({r['path'].reason})")
+
+    latents = torch.randn(48, 3, 6, 10, generator=torch.Generator().manual_seed(LATENTS_SEED))
+    reference = tiny_pipeline().decode(latents)
     diff = (results[0]["frames"].int() - reference.int()).abs()
     print(f"group of {world}: pipe.decode uint8 vs one process: max abs diff {int(diff.max())}")
     assert int(diff.max()) <= 1 and torch.equal(results[0]["frames"], results[0]["again"])
-    for r in results:
-        fallbacks = [m for m in r["log"] if "reference decoder" in m]
-        assert len(fallbacks) == 1 and "rank(s) [1]" in fallbacks[0], r["log"]
-    assert all(r["frames"] is None for r in results[1:])
+    assert all(r["frames"] is None and r["again"] is None for r in results[1:])
 
 
 def test_layer_split_is_balanced_at_full_size() -> None:
