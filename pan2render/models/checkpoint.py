@@ -37,9 +37,17 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+# The folder layout (torch-free, shared with batch validation); re-exported for the loaders.
+from ..checkpoint_files import (  # noqa: F401
+    WEIGHTS_NAME,
+    CheckpointError,
+    read_json,
+    resolve_component,
+    safetensors_files,
+)
+
 log = logging.getLogger(__name__)
 
-WEIGHTS_NAME = "diffusion_pytorch_model"
 MAX_KEYS_LISTED = 12
 
 # Bytes per read and per host->device copy when streaming a file. At 64 MiB a chunk's read takes
@@ -76,64 +84,6 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 
 M = TypeVar("M", bound=nn.Module)
 Cast = Callable[[str, torch.Tensor], torch.Tensor]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder cannot be loaded; the message names the file and what is wrong."""
-
-
-def resolve_component(path: str | Path, component: str) -> Path:
-    """Accept either a component folder itself (holding config.json) or a checkpoint root.
-
-    ``resolve_component("ckpt", "vae")`` -> ``ckpt/vae`` when that exists, else ``ckpt`` when it
-    holds a config.json of its own.
-    """
-    root = Path(path).expanduser()
-    if not root.exists():
-        raise CheckpointError(f"{root}: checkpoint folder does not exist")
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: expected a checkpoint folder, found a file")
-    sub = root / component
-    if sub.is_dir():
-        return sub
-    if (root / "config.json").is_file():
-        return root
-    raise CheckpointError(
-        f"{root}: no '{component}/' folder and no config.json here; expected a diffusers-layout "
-        f"checkpoint (model_index.json, {component}/config.json, {component}/*.safetensors)"
-    )
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file is missing")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, found {type(data).__name__}")
-    return data
-
-
-def safetensors_files(folder: Path, prefix: str = WEIGHTS_NAME) -> list[Path]:
-    """The weight files of a component: ``prefix.safetensors`` or the shards its index lists."""
-    single = folder / f"{prefix}.safetensors"
-    index = folder / f"{prefix}.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index}: has no 'weight_map' mapping keys to shard files")
-        names = sorted(set(weight_map.values()))
-        missing = [n for n in names if not (folder / n).is_file()]
-        if missing:
-            raise CheckpointError(f"{index}: lists shard file(s) that are missing: {', '.join(missing)}")
-        return [folder / n for n in names]
-    if single.is_file():
-        return [single]
-    pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt*"))
-    hint = f" (found {', '.join(pickles)}: pickle files are not loaded; convert them to safetensors)" if pickles else ""
-    raise CheckpointError(f"{folder}: no {prefix}.safetensors and no {prefix}.safetensors.index.json{hint}")
 
 
 def read_state_dict(

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint_files import TEXT_ENCODER_DIR, TOKENIZER_DIR
 from .checkpoint import CheckpointError, read_json, safetensors_files
 from .tokenizer import PromptTokenizer, Tokenize, TransformersTokenizer, load_tokenizer
 from .umt5 import UMT5Config, UMT5Encoder, load_umt5_encoder
@@ -63,7 +64,7 @@ class TextEncoder:
         onto a GPU, tensor by tensor from the memory-mapped file on the CPU); the tokenizer by
         `load_tokenizer`."""
         root = Path(root)
-        enc_dir, tok_dir = root / "text_encoder", root / "tokenizer"
+        enc_dir, tok_dir = root / TEXT_ENCODER_DIR, root / TOKENIZER_DIR
         for d in (enc_dir, tok_dir):
             if not d.is_dir():
                 raise CheckpointError(f"{d}: folder is missing (the text encoder needs text_encoder/ and tokenizer/)")

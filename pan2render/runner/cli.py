@@ -1,9 +1,10 @@
 """``pan2-render``: run / resume / status / show / validate / report / compare / calibrate / repair / presets.
 
 Exit codes: 0 every job done, 1 some job failed, 2 invalid input or usage (nothing written),
-3 the environment failed (disk full, permission, damaged ledger, lost cluster: one paragraph on the
-terminal, the traceback in DIR/_logs/), 4 (status only, views.status_code) not finished,
-130 interrupted (Ctrl-C, SIGTERM or SIGHUP; finished stages kept, `resume` continues).
+3 the environment failed (disk full, permission, damaged ledger, lost cluster, a checkpoint folder
+that cannot be loaded: one paragraph on the terminal, the traceback in DIR/_logs/), 4 (status only,
+views.status_code) not finished, 5 (validate only) the batch is valid but its checkpoint folder is
+missing or incomplete, so `run` would refuse it, 130 interrupted (Ctrl-C, SIGTERM or SIGHUP; finished stages kept, `resume` continues).
 Environment (for tests and debugging, not user settings):
     PAN2_RENDER_EXECUTOR  "local": run jobs in this process (LocalExecutor), no Ray; for tests of the
                           CLI's behaviour around the driver (ledger, disk, messages)
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pan2render
-from pan2render.jobs.batch import Overrides, list_presets, preset_text
+from pan2render.jobs.batch import TINY_MODEL, Overrides, list_presets, preset_text
 from pan2render.hints import command
 from pan2render.jobs.ledger import (
     LEDGER_NAME,
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from pan2render.runner.driver import RunSummary
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENVIRONMENT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_CHECKPOINT = 5  # validate: a valid batch whose checkpoint `run` would refuse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -362,6 +364,12 @@ def _drive(args: argparse.Namespace, session: Any) -> int:
         # Every job done and its video intact: no workers needed, so Ray never starts.
         log.line(f"all {len(ids)} job(s) already done in {out}")
         return EXIT_OK
+    from pan2render.runner.session import checkpoint_problems  # noqa: PLC0415
+
+    if broken := checkpoint_problems([j.spec for j in jobs if j.state is not JobState.DONE]):
+        # Every job would fail its load the same way: one message, no job started or charged.
+        log.line(f"error: {errors.broken_checkpoints(broken, resume=_cmd('resume', out))}")
+        return EXIT_ENVIRONMENT
     asked = time.time()
     try:
         executor = make_executor(address=_address(args), cpu_gpus=args.cpu_gpus,
@@ -441,7 +449,20 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if batch is None:
         return EXIT_USAGE
     _print_plan(batch, args.out, args)
-    print(f"{args.batch}: valid, {len(batch.jobs)} job(s) (the checkpoint is checked by `run`)")
+    from pan2render.runner.session import checkpoint_problems  # noqa: PLC0415
+
+    broken = checkpoint_problems(batch.jobs)
+    for model, problems in broken.items():
+        print(f"checkpoint {model}: {len(problems)} problem(s); `run` will refuse it:")
+        print("\n".join(f"  {p}" for p in problems))
+    if broken:
+        print(f"{args.batch}: the batch is valid ({len(batch.jobs)} job(s)), but its checkpoint cannot be loaded "
+              f"(exit {EXIT_CHECKPOINT})")
+        return EXIT_CHECKPOINT
+    models = sorted({j.model for j in batch.jobs})
+    print(f"{args.batch}: valid, {len(batch.jobs)} job(s); checkpoint "
+          + ", ".join("the embedded tiny model" if m == TINY_MODEL else f"{m}: its configs and weight files are "
+                      f"there (the weights themselves are read by `run`)" for m in models))
     return EXIT_OK
 
 

@@ -73,6 +73,16 @@ def explain(e: BaseException, *, folder: Path | None, resume: str | None = None)
             f"with the log named below. {intact}")
 
 
+def broken_checkpoints(broken: dict[str, list[str]], *, resume: str) -> str:
+    """The paragraph for checkpoint folders that cannot be loaded (``broken``: folder -> problems):
+    no job was started, none was charged."""
+    listed = "; ".join(f"{folder}: " + " / ".join(p.removeprefix(folder).lstrip("/: ") or p for p in problems)
+                       for folder, problems in broken.items())
+    return (f"the checkpoint cannot be loaded ({listed}). No job was started and none was charged an attempt "
+            f"(every job would fail its load the same way): the jobs stay pending. Fix the folder (or point "
+            f"`model` at a complete one), then `{resume}` renders them.")
+
+
 def write_log(folder: Path | None, text: str) -> Path | None:
     """Write ``text`` (a traceback) to ``DIR/_logs/error-<time>-<pid>.log``, or to the temp folder
     when DIR cannot take it (it may be the full disk). None if nowhere can."""
