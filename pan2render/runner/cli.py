@@ -147,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
     sh.add_argument("job", help="a job id, a unique id prefix, or a unique name")
     sh.set_defaults(func=cmd_show)
 
-    v = sub.add_parser("validate", help="check a batch file and plan it (no checkpoint needed)")
+    v = sub.add_parser("validate", help="check a batch file and its checkpoint's files (no weights read), and plan it")
     v.add_argument("batch", type=Path)
     v.add_argument("--out", type=Path, metavar="DIR",
                    help="the output folder it would render into: its jobs already done are skipped, and its "
@@ -460,14 +460,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
               f"(exit {EXIT_CHECKPOINT})")
         return EXIT_CHECKPOINT
     models = sorted({j.model for j in batch.jobs})
-    print(f"{args.batch}: valid, {len(batch.jobs)} job(s); checkpoint "
+    print(f"{args.batch}: valid, {len(batch.jobs)} job(s); checkpoint: "
           + ", ".join("the embedded tiny model" if m == TINY_MODEL else f"{m}: its configs and weight files are "
                       f"there (the weights themselves are read by `run`)" for m in models))
     return EXIT_OK
 
 
 def _print_plan(batch: Batch, out: Path | None, args: argparse.Namespace) -> None:
-    from pan2render.runner.estimates import History, history_folders, plan  # noqa: PLC0415
+    from pan2render.runner.estimates import CPU, CUDA, History, history_folders, plan  # noqa: PLC0415
     from pan2render.runner.views import format_estimate, format_plan  # noqa: PLC0415
 
     done: set[str] = set()
@@ -480,11 +480,12 @@ def _print_plan(batch: Batch, out: Path | None, args: argparse.Namespace) -> Non
     from pan2render.runner.executor import local_gpus  # noqa: PLC0415
 
     if getattr(args, "address", None) not in (None, LOCAL_ADDRESS):
-        gpus, note = max_gpus, "the cluster's GPU count is known only once joined: assumed"
+        gpus, device, note = max_gpus, CUDA, "the cluster's GPU count is known only once joined: assumed"
     else:
         gpus, cuda, _why = local_gpus(getattr(args, "cpu_gpus", None), max_gpus=max_gpus)
-        note = "GPUs found on this machine" if cuda and gpus == cuda else "logical GPUs on this CPU"
-    the_plan = plan(todo, gpus=gpus, history=History.from_folders(history_folders(out)))
+        on_gpus = bool(cuda) and gpus == cuda
+        device, note = (CUDA, "GPUs found on this machine") if on_gpus else (CPU, "logical GPUs on this CPU")
+    the_plan = plan(todo, gpus=gpus, device=device, history=History.from_folders(history_folders(out)))
     print(format_plan(batch.jobs, done=done, the_plan=the_plan))
     print(f"{len(todo)} job(s) to render, {len(batch.jobs) - len(todo)} done already")
     print(format_estimate(the_plan, gpus_note=note))

@@ -13,7 +13,7 @@ from typing import Any
 from pan2render.hints import command
 from pan2render.jobs.ledger import Event, EventKind, FolderLock, JobRecord, JobState, Ledger, stage_name
 from pan2render.jobs.spec import JobSpec
-from pan2render.runner.estimates import History, Plan, plan
+from pan2render.runner.estimates import CPU, CUDA, History, JobEstimate, Plan, ledger_device, plan
 from pan2render.runner.progress import duration
 from pan2render.runner.report import INTERRUPTED, JobStatus
 
@@ -44,16 +44,31 @@ def format_plan(jobs: list[JobSpec], *, done: set[str], the_plan: Plan) -> str:
         e = est.get(j.job_id)
         rows.append([j.job_id, *(_value(j.sweep.get(k, "")) for k in keys), f"{j.width}x{j.height}x{j.frames}",
                      *(_value(getattr(j, k)) for k in fixed),
-                     "done, skip" if j.job_id in done else (duration(e.gpu_seconds) if e else "-")])
+                     "done, skip" if j.job_id in done else _job_estimate(e)])
     return table(["id", *keys, "size", *fixed, "est. GPU time"], rows)
 
 
+def _job_estimate(e: JobEstimate | None) -> str:
+    if e is None or e.times is None:
+        return "?"
+    return ("~" if e.source == "reference" else "") + duration(e.gpu_seconds)
+
+
 def format_estimate(the_plan: Plan, *, gpus_note: str) -> str:
+    """The estimate's two lines: the figures (a guess's range where the reference table gave
+    them), then which figures they came from."""
     n = len(the_plan.estimates)
     if not n:
         return "estimate: nothing to render"
-    return (f"estimate: {n} job(s), GPU time {duration(the_plan.gpu_seconds)}, wall time "
-            f"~{duration(the_plan.wall_seconds)} on {the_plan.gpus} GPU(s) ({gpus_note})\n"
+    if len(the_plan.unknown) == n:
+        return f"estimate: none for the {n} job(s)\n  from: {the_plan.sources()}"
+    low, high = the_plan.spread
+    guess = "" if (low, high) == (1.0, 1.0) else "~"
+    rng = "" if not guess else (f" (a guess: {duration(the_plan.gpu_seconds * low)} to "
+                                f"{duration(the_plan.gpu_seconds * high)})")
+    unknown = f", {len(the_plan.unknown)} job(s) not counted" if the_plan.unknown else ""
+    return (f"estimate: {n} job(s), GPU time {guess}{duration(the_plan.gpu_seconds)}{rng}, wall time "
+            f"~{duration(the_plan.wall_seconds)} on {the_plan.gpus} GPU(s) ({gpus_note}){unknown}\n"
             f"  from: {the_plan.sources()}")
 
 
@@ -181,6 +196,12 @@ def status_code(statuses: list[JobStatus]) -> int:
     return EXIT_DONE
 
 
+def _this_machine_device() -> str:
+    from pan2render.runner.devices import cuda_gpu_count  # noqa: PLC0415
+
+    return CUDA if cuda_gpu_count() else CPU
+
+
 def _run_line(out_dir: Path, ledger: Ledger, jobs: dict[str, JobRecord], statuses: list[JobStatus]) -> str:
     runs = ledger.get_meta("runs", [])
     live = holder(out_dir)
@@ -203,7 +224,7 @@ def _run_line(out_dir: Path, ledger: Ledger, jobs: dict[str, JobRecord], statuse
         left = [j.spec for j in jobs.values() if j.state not in (JobState.DONE, JobState.FAILED)]
         # The live run's groups are up already: no start-up in its ETA.
         est = plan(left, gpus=int(last.get("gpus") or 1), history=History.from_folders([out_dir]),
-                   group_starts=False)
+                   device=ledger_device(ledger) or _this_machine_device(), group_starts=False)
         if left:
             line += f", ETA ~{duration(est.wall_seconds)} ({est.sources()})"
     return line

@@ -18,7 +18,7 @@ import yaml
 from runner_helpers import write_batch
 
 from pan2render.jobs.batch import load_batch
-from pan2render.jobs.ledger import JobEvent, JobState, Ledger, Stage, StageState
+from pan2render.jobs.ledger import EventKind, JobEvent, JobState, Ledger, Stage, StageState
 from pan2render.runner import cli, executor
 from pan2render.runner.local_executor import LocalExecutor
 from pan2render.runner.progress import RUN_LOG_NAME
@@ -83,13 +83,21 @@ def test_bad_override_exits_2_naming_the_flag_and_writes_nothing(
     assert "--sweep steps=4,0: steps[1]: got 0" in capsys.readouterr().err
 
 
+def _seconds(shown: str) -> int:
+    """``1m37s`` -> 97 (views' duration format)."""
+    m = re.fullmatch(r"(?:(\d+)m)?(\d+)s", shown)
+    assert m, shown
+    return int(m[1] or 0) * 60 + int(m[2])
+
+
 def _history(folder: Path, batch: Path) -> None:
-    """An earlier run's ledger: every job done with set stage seconds (2 s conditioning, 5 s per
-    sampling step, 10 s decode, 3 s encode)."""
+    """An earlier run's ledger on this CPU (its group loaded on device cpu): every job done with
+    set stage seconds (2 s conditioning, 5 s per sampling step, 10 s decode, 3 s encode)."""
     folder.mkdir()
     led = Ledger.open(folder)
     specs = load_batch(batch, check_model=False).jobs
     led.add_jobs(specs, retries=0)
+    led.log(specs[0].job_id, EventKind.GROUP_LOAD, "group g0x1: loaded on 1 rank(s), device cpu, backend gloo")
     for s in specs:
         led.transition(s.job_id, JobEvent.START, reason="test")
         for stage, secs in [(Stage.CONDITIONING, 2.0), (Stage.SAMPLING, 5.0 * s.steps), (Stage.DECODE, 10.0),
@@ -122,13 +130,17 @@ def test_dry_run_plans_without_the_checkpoint_from_an_earlier_runs_ledger(
     assert sorted((r[1], r[2], r[-1]) for r in rows) == [("0", "2", "1m55s"), ("0", "4", "1m55s"),
                                                          ("1", "2", "1m55s"), ("1", "4", "1m55s")]
     assert "GPU time 7m40s" in text and "on 2 GPU(s)" in text
-    assert f"4 job(s) from earlier runs' measured stage seconds (same model and size; {renders / 'yesterday'})" in text
+    assert f"4 job(s) from this machine's runs (2 done job(s) in {renders / 'yesterday'}" in text
     assert not out.exists()
 
-    # A size no earlier run had: the reference table, and the output says so.
-    assert cli.main(["validate", str(batch), "--out", str(out), "--set", "frames=33"]) == 0
+    # A size no earlier run had: the same runs, scaled to it by the cost model (more frames, more time),
+    # and validate says the checkpoint it plans for is not there.
+    assert cli.main(["validate", str(batch), "--out", str(out), "--set", "frames=33"]) == cli.EXIT_CHECKPOINT
     text = capsys.readouterr().out
-    assert "2 job(s) from the reference table (one H200, full-size checkpoint" in text
+    print(text)
+    assert "2 job(s) from this machine's runs" in text and "`run` will refuse it" in text
+    # Its own size (8 steps): 2 + 8 x 5 + 10 + 3 = 55 s a job; 33 frames cost more.
+    assert all(_seconds(line.split()[-1]) > 55 for line in text.splitlines()[1:3])
     assert not out.exists()
 
 
@@ -283,7 +295,7 @@ def test_status_of_a_live_run_has_an_eta_from_its_own_measured_stages(
         lock.release()
     line = capsys.readouterr().out.splitlines()[1]
     assert line.startswith(f"running (pid {os.getpid()} on {socket.gethostname()}); last run started")
-    assert "ETA ~" in line and "1 job(s) from earlier runs' measured stage seconds" in line
+    assert "ETA ~" in line and "1 job(s) from this machine's runs" in line
     assert cli.main(["status", str(out)]) == 1  # released
     text = capsys.readouterr().out
     assert "\nnot running; last run started" in text and "ETA" not in text

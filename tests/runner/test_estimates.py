@@ -1,0 +1,95 @@
+"""Estimates a user can plan a night by: from this machine's own runs of another size, scaled by the
+cost model, within 2x of what the job then takes; a guess from the reference table says so, and a
+full-size checkpoint on CPU gets no H200 figure."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+from runner_helpers import write_batch
+
+from pan2render.jobs.batch import load_batch
+from pan2render.jobs.ledger import Ledger
+from pan2render.runner import cli
+from pan2render.runner.estimates import CPU, CUDA, History, JobSize, plan
+from pan2render.runner.views import format_estimate
+
+
+def _render(tmp_path: Path, name: str, *, height: int, width: int, frames: int) -> tuple[Path, Path]:
+    batch = write_batch(tmp_path / f"{name}.yaml", [{"name": f"j{i}", "prompt": f"clip {i}"} for i in range(3)],
+                        defaults={"height": height, "width": width, "frames": frames, "steps": 4})
+    out = tmp_path / "renders" / name
+    assert cli.main(["run", str(batch), "--out", str(out), "--no-progress"]) == 0
+    return batch, out
+
+
+def _measured(out: Path) -> float:
+    """Median seconds of a done job of the folder, its stages summed."""
+    ledger = Ledger.open_readonly(out)
+    try:
+        return statistics.median(sum(r.seconds or 0.0 for r in ledger.stages(j.id).values()) for j in ledger.jobs())
+    finally:
+        ledger.close()
+
+
+def test_an_unseen_size_is_estimated_within_2x_from_a_run_of_another_size(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny model renders 32x32x5 here; a batch of 64x64x17 (10x the DiT tokens, 14x the
+    pixels) is estimated from that ledger alone, then rendered. Negative control: scaling the small
+    jobs' stage seconds in proportion to tokens and pixels (no overhead in the model) is off by
+    more than 2x at these sizes, so the tolerance tells a cost model from none."""
+    monkeypatch.setenv("PAN2_RENDER_EXECUTOR", "local")
+    _, small = _render(tmp_path, "small", height=32, width=32, frames=5)
+    big_batch = write_batch(tmp_path / "big.yaml", [{"name": f"j{i}", "prompt": f"clip {i}"} for i in range(3)],
+                            defaults={"height": 64, "width": 64, "frames": 17, "steps": 4})
+    jobs = load_batch(big_batch).jobs
+    history = History.from_folders([small])
+    estimate = plan(jobs, gpus=1, device=CPU, history=history)
+    assert {e.source for e in estimate.estimates} == {"history"}
+    print(format_estimate(estimate, gpus_note="logical GPUs on this CPU"))
+    predicted = estimate.estimates[0].gpu_seconds
+
+    _, big = _render(tmp_path, "big", height=64, width=64, frames=17)
+    measured = _measured(big)
+    ledger = Ledger.open_readonly(small)
+    st = [ledger.stages(j.id) for j in ledger.jobs()]
+    ledger.close()
+    small_size, big_size = JobSize.of(load_batch(tmp_path / "small.yaml").jobs[0]), JobSize.of(jobs[0])
+    tokens, pixels = big_size.tokens / small_size.tokens, big_size.pixels / small_size.pixels
+    proportional = statistics.median(
+        (s["conditioning"].seconds or 0) + s["sampling"].seconds * tokens + (s["decode"].seconds + s["encode"].seconds)
+        * pixels for s in st)
+    print(f"64x64x17: estimated {predicted:.2f} s from 32x32x5, measured {measured:.2f} s; "
+          f"proportional scaling {proportional:.2f} s")
+    assert 0.5 <= predicted / measured <= 2.0
+    assert not 0.5 <= proportional / measured <= 2.0
+
+
+def test_without_a_run_the_estimate_is_a_guess_with_its_range_and_never_h200_figures_on_cpu(
+        tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    tiny = write_batch(tmp_path / "tiny.yaml", [{"name": "a", "prompt": "x"}])
+    full = write_batch(tmp_path / "full.yaml", [{"name": "a", "prompt": "x"}], model=str(ckpt),
+                       defaults={"height": 704, "width": 1248, "frames": 121, "steps": 50})
+    tiny_jobs = load_batch(tiny, check_model=False).jobs
+    full_jobs = load_batch(full, check_model=False).jobs
+
+    guess = plan(tiny_jobs, gpus=1, device=CPU, history=History())
+    text = format_estimate(guess, gpus_note="logical GPUs on this CPU")
+    print(text)
+    assert guess.estimates[0].source == "reference" and guess.spread[0] < 1 < guess.spread[1]
+    assert "a guess" in text and "the tiny model on an idle 2-core CPU" in text
+
+    on_cpu = plan(full_jobs, gpus=1, device=CPU, history=History())
+    text = format_estimate(on_cpu, gpus_note="logical GPUs on this CPU")
+    print(text)
+    assert on_cpu.estimates[0].times is None and "H200" not in text and "none for the 1 job(s)" in text
+
+    on_gpu = plan(full_jobs, gpus=1, device=CUDA, history=History())
+    text = format_estimate(on_gpu, gpus_note="GPUs found on this machine")
+    print(text)
+    # 50 guided steps at 26,598 tokens are most of a job: about a minute and a half on an H200.
+    assert "one H200" in text and 60 < on_gpu.estimates[0].gpu_seconds < 200
