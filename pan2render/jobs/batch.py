@@ -479,20 +479,29 @@ def _load_presets() -> dict[str, dict[str, Any]]:
     for res in sorted(_preset_dir().iterdir(), key=lambda r: r.name):
         if not res.name.endswith(".yaml"):
             continue
-        display = str(res)
-        reader = _YamlReader(display, problems)
-        root = reader.read(res.read_text(encoding="utf-8"))
-        if root is None or not isinstance(root.value, dict):
-            problems.append(Problem(SourceLocation(display, 1), "(preset)", "a preset must be a mapping of job fields"))
-            continue
-        values = _fields(root.value, PRESET_KEYS, "", display, problems)
-        for key in PRESET_REQUIRED:
-            if key not in values:
-                problems.append(Problem(SourceLocation(display, 1), key, f"preset lacks required field {key!r}"))
-        presets[res.name[: -len(".yaml")]] = values
+        values = _read_preset(res.read_text(encoding="utf-8"), str(res), problems)
+        if values is not None:
+            presets[res.name[: -len(".yaml")]] = values
     if problems:  # a shipped preset is broken: a bug in this package, reported like a batch problem
         raise BatchValidationError(problems)
     return presets
+
+
+def _read_preset(text: str, display: str, problems: list[Problem]) -> dict[str, Any] | None:
+    """A preset file's fields (coerced, with ``description``), checked as every preset is: a
+    mapping of the fields a preset may hold, each valid, the required ones present. None (with
+    the problems noted) when it is not a mapping."""
+    reader = _YamlReader(display, problems)
+    root = reader.read(text)
+    if root is None or not isinstance(root.value, dict):
+        problems.append(Problem(SourceLocation(display, root.line if root else 1), "(preset)",
+                                f"a preset must be a mapping of job fields ({', '.join(PRESET_FIELDS)})"))
+        return None
+    values = _fields(root.value, PRESET_KEYS, "", display, problems)
+    for key in PRESET_REQUIRED:
+        if key not in values:
+            problems.append(Problem(SourceLocation(display, 1), key, f"preset lacks required field {key!r}"))
+    return values
 
 
 def list_presets() -> dict[str, dict[str, Any]]:
@@ -780,7 +789,7 @@ def load_batch(path: str | Path, *, check_files: bool = True, check_model: bool 
     if ctx.problems:
         raise BatchValidationError(_sorted(ctx))
     return Batch(path=str(batch_path.absolute()), model=model, preset=preset_name, jobs=jobs,
-                 weights_files=weights_files)
+                 weights_files=weights_files, text=text)
 
 
 def _sorted(ctx: _Ctx) -> list[Problem]:
@@ -833,18 +842,42 @@ def _parse_model(node: _Node | None, ctx: _Ctx) -> str:
     return str(folder)
 
 
+PRESET_FILE_SUFFIXES = (".yaml", ".yml")
+
+
 def _parse_preset(node: _Node | None, ctx: _Ctx) -> tuple[str, dict[str, Any]]:
+    """A shipped preset by name, or a preset file of the user's own by path (one with a ``/`` or a
+    ``.yaml`` / ``.yml`` ending, relative to the file that names it), checked as the shipped ones
+    are. Returns (the name, or the file's absolute path; its fields)."""
     presets = _load_presets()
-    allowed = "one of " + ", ".join(sorted(presets))
+    allowed = f"one of {', '.join(sorted(presets))}, or a path to a preset file ({'/'.join(PRESET_FILE_SUFFIXES)})"
     if node is None:
         ctx.problem(1, "preset", f"missing; allowed: {allowed}")
         return "", {}
+    if isinstance(node.value, str) and ("/" in node.value or node.value.endswith(PRESET_FILE_SUFFIXES)):
+        return _preset_file(node, ctx)
     if not isinstance(node.value, str) or node.value not in presets:
         hint = _did_you_mean(node.value, sorted(presets)) if isinstance(node.value, str) else ""
         ctx.problem(node.line, "preset", f"unknown preset {node.value!r}{hint}; allowed: {allowed}")
         return "", {}
     values = {k: v for k, v in presets[node.value].items() if k != "description"}
     return node.value, values
+
+
+def _preset_file(node: _Node, ctx: _Ctx) -> tuple[str, dict[str, Any]]:
+    try:
+        value = _as_path(node.value, "a path to a preset file")
+    except _Bad as exc:
+        ctx.problem(node.line, "preset", str(exc))
+        return "", {}
+    path = (ctx.base_dir / Path(value).expanduser()).resolve()
+    where = SourceLocation(ctx.display, node.line)
+    text = _read_text(path, str(path), ctx.problems, what="preset file", limit=LIMITS.batch_bytes,
+                      location=where, fld="preset")
+    values = None if text is None else _read_preset(text, str(path), ctx.problems)
+    if values is None:
+        return "", {}
+    return str(path), {k: v for k, v in values.items() if k != "description"}
 
 
 def _parse_defaults(node: _Node | None, ctx: _Ctx) -> dict[str, Any]:

@@ -144,6 +144,7 @@ class EventKind(str, enum.Enum):
     GROUP_DISCARDED = "group-discarded"
     GROUP_DIED = "group-died"
     CHECKPOINT_DROPPED = "checkpoint-dropped"
+    DROPPED = "dropped"  # a job removed from the ledger (`run --prune`); its id leads the detail
     OTHER = "other"  # a kind this version does not know (a newer version wrote it)
 
 
@@ -643,6 +644,17 @@ class Ledger:
              stage_name(stage)),
         )
         assert cur.rowcount == 1, f"no stage row {job_id}/{stage_name(stage)}"
+
+    def drop_jobs(self, job_ids: Sequence[str], *, reason: str) -> None:
+        """Remove jobs from the ledger (their rows, stages and documents; their events stay, and a
+        folder-wide event names each), in one transaction, then a whole backup (a backup that still
+        held them would bring them back on `repair`). Their folders on disk are left alone."""
+        with self._tx() as c:
+            for job_id in job_ids:
+                for table, key in reversed(_JOB_ROWS):  # the stages and documents before the job
+                    c.execute(f"DELETE FROM {table} WHERE {key} = ?", (job_id,))
+                self._event(c, None, EventKind.DROPPED, f"{job_id}: {reason}")
+        self.backup_quietly()
 
     # ---------------------------------------------------------------- events
     def log(self, job_id: str | None, kind: EventKind, detail: str) -> None:

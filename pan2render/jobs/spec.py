@@ -329,6 +329,18 @@ class JobSpec:
         readable = _slug("-".join(parts))[:80].strip("-.") or "job"
         return f"{readable}-{self.spec_hash[:8]}"
 
+    @property
+    def version_key(self) -> str:
+        """What stays the same when a batch is edited and run again: the job's name and sweep
+        values. Two jobs of one folder with this key and other ids are versions of one job, the
+        newer superseding the older."""
+        return json.dumps([self.name, self.sweep], sort_keys=True, default=str)
+
+    def changes_from(self, older: JobSpec) -> list[tuple[str, Any, Any]]:
+        """(field, older value, this value) for each field that changes the pixels and differs."""
+        return [(f.name, getattr(older, f.name), getattr(self, f.name)) for f in PIXEL_FIELDS
+                if getattr(older, f.name) != getattr(self, f.name)]
+
     def sample_args(self) -> dict[str, Any]:
         """The keyword arguments ``PAN2Pipeline.sample`` takes from this job: its sampler fields."""
         args = {f.name: getattr(self, f.name) for f in SAMPLER_FIELDS}
@@ -430,6 +442,7 @@ class Batch:
     # The model folder's per-file fingerprints ({relpath: {"size", "sha256"}}), recorded in
     # the ledger so a later change can be explained file by file; empty for the tiny model.
     weights_files: dict[str, Any] = field(default_factory=dict)
+    text: str | None = None  # the batch file as read (the output folder keeps a copy)
 
 
 def _slug(text: str) -> str:

@@ -122,6 +122,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--dry-run", action="store_true",
                    help="plan only: the jobs, and an estimate of GPU and wall time; needs no checkpoint, "
                         "writes nothing")
+    r.add_argument("--add", action="store_true",
+                   help="render this batch into a folder that holds another batch's jobs, beside them")
+    r.add_argument("--force", action="store_true",
+                   help="write into a non-empty folder that is not a pan2-render output")
+    r.add_argument("--prune", action="store_true",
+                   help="drop the folder's jobs that are not in this batch and not done (resume would render them)")
     r.add_argument("--no-farm", action="store_true",
                    help="render in this process even where a farm runs (default: a running farm takes the batch, "
                         "and this command follows it)")
@@ -274,6 +280,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         _err(f"error: --out {out} is a file, not a folder; name a new or existing folder")
         return EXIT_USAGE
+    from pan2render.runner.out_check import refusal  # noqa: PLC0415
+
+    if (why := refusal(out, batch.path, {j.job_id for j in batch.jobs}, add=args.add, force=args.force)) is not None:
+        _err(f"error: {why}; nothing was written")
+        return EXIT_USAGE
     if args.dry_run:
         _print_plan(batch, out, args)
         print(f"dry run: nothing written to {out}")
@@ -284,7 +295,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return code
     from pan2render.runner.session import BatchRequest, BatchSession  # noqa: PLC0415
 
-    request = BatchRequest(out_dir=out, batch=batch, overrides=overrides, retries=args.retries)
+    request = BatchRequest(out_dir=out, batch=batch, overrides=overrides, retries=args.retries, prune=args.prune)
     try:
         session = BatchSession.record(request, stream=sys.stderr,
                                       title=f"run {args.batch} {' '.join(overrides.flags())}".rstrip())

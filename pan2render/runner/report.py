@@ -79,12 +79,8 @@ def superseded(jobs: list[JobRecord]) -> dict[str, str]:
     Newest = added to the ledger last."""
     newest: dict[str, str] = {}
     for job in sorted(jobs, key=lambda j: j.position):
-        newest[_version_key(job)] = job.id
-    return {j.id: newest[_version_key(j)] for j in jobs if newest[_version_key(j)] != j.id}
-
-
-def _version_key(job: JobRecord) -> str:
-    return json.dumps([job.name, job.spec.sweep], sort_keys=True, default=str)
+        newest[job.spec.version_key] = job.id
+    return {j.id: newest[j.spec.version_key] for j in jobs if newest[j.spec.version_key] != j.id}
 
 
 def job_statuses(out_dir: Path, ledger: Ledger) -> list[JobStatus]:

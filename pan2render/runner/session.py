@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass
@@ -39,20 +40,22 @@ class BatchRequest:
     batch: Batch
     overrides: Overrides
     retries: int = 2
+    prune: bool = False  # drop the folder's jobs that are not in this batch and not done
 
     def to_json(self) -> dict[str, Any]:
         b = self.batch
         return {"out_dir": str(self.out_dir), "retries": self.retries, "overrides": self.overrides.to_json(),
+                "prune": self.prune,
                 "batch": {"path": b.path, "model": b.model, "preset": b.preset, "weights_files": b.weights_files,
-                          "jobs": [j.to_dict() for j in b.jobs]}}
+                          "text": b.text, "jobs": [j.to_dict() for j in b.jobs]}}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> BatchRequest:
         b = d["batch"]
         batch = Batch(path=b["path"], model=b["model"], preset=b["preset"], weights_files=b.get("weights_files") or {},
-                      jobs=[JobSpec.from_dict(j) for j in b["jobs"]])
+                      jobs=[JobSpec.from_dict(j) for j in b["jobs"]], text=b.get("text"))
         return cls(out_dir=Path(d["out_dir"]), batch=batch, overrides=Overrides.from_json(d.get("overrides")),
-                   retries=int(d.get("retries", 2)))
+                   retries=int(d.get("retries", 2)), prune=bool(d.get("prune", False)))
 
 
 class BatchSession:
@@ -101,12 +104,16 @@ class BatchSession:
             except Exception as e:  # noqa: BLE001
                 raise errors.NothingRecorded(e) from e
             log.line(title)
+            keep_batch_copy(out, ledger, batch, overrides.flags(), log)
             warn_if_no_backup(ledger, log)
-            note_superseded(ledger, batch, set(added), previous.get("weights_files") or {}, log)
+            n_old = note_superseded(ledger, batch, set(added), previous.get("weights_files") or {}, log)
+            if request.prune:
+                prune_jobs(ledger, keep={j.job_id for j in batch.jobs}, log=log)
             warn_if_short_of_space(out, ledger.jobs(added), log)
             n_done = sum(j.state is JobState.DONE for j in ledger.jobs(present))
-            log.line(f"{out}: {len(added)} new job(s), {len(present)} already in the ledger "
-                     f"({n_done} done, skipped unless their video is corrupt); log: {out / RUN_LOG_NAME}")
+            log.line(f"{out}: {len(added)} new job(s)" + (f" ({n_old} superseding an older version)" if n_old else "")
+                     + f", {len(present)} already in the ledger ({n_done} done, skipped unless their video is "
+                     f"corrupt); log: {out / RUN_LOG_NAME}")
         except BaseException:
             session.close()
             raise
@@ -167,26 +174,99 @@ class BatchSession:
         self.close()
 
 
-def note_superseded(ledger: Ledger, batch: Batch, added: set[str], old_files: dict[str, Any], log: RunLog) -> None:
-    """A new job that is an old one with other weights (same name, sweep values and model path):
-    the checkpoint was replaced in place. Say so, in the ledger and here, naming the files."""
-    def key(spec: JobSpec) -> str:
-        return json.dumps([spec.name, spec.sweep, spec.model], sort_keys=True, default=str)
-
-    old = {key(j.spec): j for j in ledger.jobs() if j.id not in added}
-    changed = sorted(r for r in set(old_files) | set(batch.weights_files)
-                     if old_files.get(r) != batch.weights_files.get(r))
-    files = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
-    # Folders recorded before the digest covered every byte hold sampled fingerprints: their
-    # jobs are superseded by the new digest alone, whether or not the weights changed.
-    sampled = any("sampled_sha256" in (fp or {}) for fp in old_files.values())
+def note_superseded(ledger: Ledger, batch: Batch, added: set[str], old_files: dict[str, Any], log: RunLog) -> int:
+    """Each new job that is a new version of one the folder holds (the same name and sweep values,
+    another id: the batch was edited, or the checkpoint replaced in place) is named, with what
+    changed, in the ledger and here. Returns how many."""
+    old = {j.spec.version_key: j for j in ledger.jobs() if j.id not in added}  # the newest version of each
+    n = 0
     for spec in batch.jobs:
-        prev = old.get(key(spec))
-        if spec.job_id in added and prev is not None and prev.spec.weights != spec.weights:
-            why = (f"the weights' digest of {spec.model} now covers every byte (it sampled each file before)"
-                   if sampled else f"the weights in {spec.model} changed" + (f" ({files})" if files else ""))
-            ledger.log(prev.id, EventKind.SUPERSEDED, f"by {spec.job_id}: {why}")
+        prev = old.get(spec.version_key)
+        if spec.job_id not in added or prev is None:
+            continue
+        why = _what_changed(spec, prev.spec, old_files, batch.weights_files)
+        ledger.log(prev.id, EventKind.SUPERSEDED, f"by {spec.job_id}: {why}")
+        if n < SUPERSEDED_SHOWN:
             log.line(f"{prev.id} is superseded by {spec.job_id}: {why}")
+        n += 1
+    if n > SUPERSEDED_SHOWN:
+        log.line(f"... and {n - SUPERSEDED_SHOWN} more superseded job(s) (`{command('status', ledger.path.parent)}` "
+                 f"marks each)")
+    return n
+
+
+SUPERSEDED_SHOWN = 20  # lines naming superseded jobs; the rest are counted (status marks every one)
+
+
+def _what_changed(new: JobSpec, old: JobSpec, old_files: dict[str, Any], new_files: dict[str, Any]) -> str:
+    """What made ``new`` another job than ``old``, for a person: fields with their values, the
+    weights with the files that changed."""
+    parts = []
+    for name, before, after in new.changes_from(old):
+        if name == "weights":
+            changed = sorted(r for r in set(old_files) | set(new_files) if old_files.get(r) != new_files.get(r))
+            files = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+            # Folders recorded before the digest covered every byte hold sampled fingerprints: their
+            # jobs are superseded by the new digest alone, whether or not the weights changed.
+            if any("sampled_sha256" in (fp or {}) for fp in old_files.values()):
+                parts.append(f"the weights' digest of {new.model} now covers every byte (it sampled each file before)")
+            else:
+                parts.append(f"the weights in {new.model} changed" + (f" ({files})" if files else ""))
+        elif name == "image_sha256":
+            parts.append("the image's content changed")
+        elif name == "lora_digests":
+            parts.append("a LoRA file's content or scale changed")
+        else:
+            parts.append(f"{name} {_shown(before)} -> {_shown(after)}")
+    return ", ".join(parts) or "its spec changed"
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+BATCHES_DIR = "_batches"  # DIR/_batches/NNN-<stem>.yaml: each batch file the folder was run with
+
+
+def keep_batch_copy(out: Path, ledger: Ledger, batch: Batch, flags: list[str], log: RunLog) -> None:
+    """Keep a copy of the batch file (as read) and its flags in ``DIR/_batches/``, written atomically,
+    and list it in the ledger (meta ``batches``, which `status` and the report show). The same
+    file with the same flags as the last one kept is not copied again."""
+    from pan2render.runner.artifacts import sha256_bytes, write_artifact  # noqa: PLC0415
+
+    kept = ledger.get_meta("batches", []) or []
+    data = (batch.text or "").encode()
+    digest = sha256_bytes(data) if batch.text is not None else None
+    entry = {"path": batch.path, "flags": flags, "sha256": digest, "at": time.time()}
+    if kept and all(kept[-1].get(k) == entry[k] for k in ("path", "flags", "sha256")):
+        return
+    copy = None
+    if batch.text is not None:
+        stem = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(batch.path).stem)[:60].strip("-.") or "batch"
+        copy = f"{BATCHES_DIR}/{len(kept) + 1:03d}-{stem}.yaml"
+        try:
+            write_artifact(out, copy, data)
+            write_artifact(out, copy.removesuffix(".yaml") + ".json",
+                           (json.dumps({"batch": batch.path, "flags": flags, "sha256": digest,
+                                        "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                                       indent=1) + "\n").encode())
+        except OSError as e:  # a record for the user, never worth the batch
+            log.line(f"warning: the copy of the batch file could not be kept in {out / BATCHES_DIR}: {e}")
+            copy = None
+    ledger.set_meta("batches", [*kept, {**entry, "copy": copy}])
+
+
+def prune_jobs(ledger: Ledger, *, keep: set[str], log: RunLog) -> None:
+    """``run --prune``: the folder's jobs that are not in the batch and not done are dropped from
+    the ledger (their folders stay on disk), so `resume` no longer renders them."""
+    drop = [j for j in ledger.jobs() if j.id not in keep and j.state is not JobState.DONE]
+    if not drop:
+        log.line("--prune: every job of the folder that is not done is in this batch; nothing dropped")
+        return
+    ledger.drop_jobs([j.id for j in drop], reason="not in the batch of `run --prune`")
+    names = ", ".join(j.id for j in drop[:10]) + (f" and {len(drop) - 10} more" if len(drop) > 10 else "")
+    log.line(f"--prune: dropped {len(drop)} job(s) no longer in the batch ({names}); done jobs are kept")
 
 
 def warn_if_no_backup(ledger: Ledger, log: RunLog) -> None:

@@ -196,6 +196,17 @@ def status_code(statuses: list[JobStatus]) -> int:
     return EXIT_DONE
 
 
+def batch_copies(ledger: Ledger) -> list[str]:
+    """Each batch file the folder was run with, as its copy in DIR/_batches/ and its flags."""
+    return [" ".join([b.get("copy") or f"{b.get('path')} (not kept)", *b.get("flags", [])])
+            for b in ledger.get_meta("batches", []) or []]
+
+
+def batches_kept(ledger: Ledger) -> str | None:
+    copies = batch_copies(ledger)
+    return f"batch files run here (copies): {'; '.join(copies)}" if copies else None
+
+
 def _this_machine_device() -> str:
     from pan2render.runner.devices import cuda_gpu_count  # noqa: PLC0415
 
@@ -208,6 +219,8 @@ def _run_line(out_dir: Path, ledger: Ledger, jobs: dict[str, JobRecord], statuse
     last = runs[-1] if runs else None
     flags = " ".join(last.get("flags", [])) if last else ""
     head = f"{out_dir}: batch {ledger.get_meta('batch', {}).get('path', '?')}" + (f" {flags}" if flags else "")
+    if (kept := batches_kept(ledger)) is not None:
+        head += f"; {kept}"
     if last is None:
         return head
     started = float(last["started"])

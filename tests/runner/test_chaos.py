@@ -342,7 +342,7 @@ def test_corrupt_cached_embedding_is_not_used(tmp_path: Path, capsys: pytest.Cap
     monkeypatch.setattr(LocalExecutor, "call", call)
     batch2 = write_batch(tmp_path / "b2.yaml", [{"name": "again", "prompt": "clip 0", "seed": 9}],
                          defaults={"steps": 2, "frames": 5, "width": 32, "height": 32})
-    assert _cli(capsys, "run", str(batch2), "--out", str(out))[0] == 0
+    assert _cli(capsys, "run", str(batch2), "--out", str(out), "--add")[0] == 0
     assert EncodePromptsCall in calls  # re-encoded, not rendered from the corrupt cache
     assert artifacts.check_embedding(out, str(emb.relative_to(out)), key=emb.stem) is None
 
@@ -656,7 +656,7 @@ def test_status_exit_codes_are_the_readmes(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.delenv("PAN2_RENDER_FAULTS")
     batch = write_batch(tmp_path / "late2.yaml", [{"name": "late", "prompt": "later, fixed"}],
                         defaults={"steps": 2, "frames": 5, "width": 32, "height": 32})
-    assert _cli(capsys, "run", str(batch), "--out", str(out))[0] == 0
+    assert _cli(capsys, "run", str(batch), "--out", str(out), "--add")[0] == 0
     code, text = _cli(capsys, "status", str(out))
     assert code == 0 and "superseded by" in text
 

@@ -54,7 +54,7 @@ def test_a_sweep_over_a_loras_scale_renders_each_job_as_a_fresh_load(
                                      "jobs": [{"name": "plain", "prompt": "a lighthouse"}]}))
     out = tmp_path / "out"
     assert cli.main(["run", str(batch), "--out", str(out), "--no-progress"]) == 0
-    assert cli.main(["run", str(plain), "--out", str(out), "--no-progress"]) == 0
+    assert cli.main(["run", str(plain), "--out", str(out), "--no-progress", "--add"]) == 0
     capsys.readouterr()
 
     led = Ledger.open_readonly(out)

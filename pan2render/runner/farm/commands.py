@@ -237,13 +237,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def submit(client: FarmClient, batch: Any, overrides: Any, *, out: Path, priority: int, retries: int,
-           wait: bool, preempt: bool = False) -> int:
+           wait: bool, preempt: bool = False, prune: bool = False) -> int:
     from pan2render.runner.session import BatchRequest  # noqa: PLC0415
 
     if out.exists() and not out.is_dir():
         _err(f"error: --out {out} is a file, not a folder; name a new or existing folder")
         return EXIT_USAGE
-    request = BatchRequest(out_dir=out.absolute(), batch=batch, overrides=overrides, retries=retries)
+    request = BatchRequest(out_dir=out.absolute(), batch=batch, overrides=overrides, retries=retries, prune=prune)
     log_start = _log_size(out)
     try:
         b = client.post("/api/batches", {"request": request.to_json(), "owner": owner(), "priority": priority,
@@ -348,6 +348,7 @@ def hand_to_farm(args: argparse.Namespace, batch: Any, overrides: Any) -> int | 
         return None
     print(f"run: a farm runs at {client.url} ({client.root}): the batch is submitted to it and followed here "
           f"(`--no-farm` renders it in this process)", file=sys.stderr, flush=True)
-    return submit(client, batch, overrides, out=args.out, priority=0, retries=args.retries, wait=True)
+    return submit(client, batch, overrides, out=args.out, priority=0, retries=args.retries, wait=True,
+                  prune=getattr(args, "prune", False))
 
 
