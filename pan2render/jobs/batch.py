@@ -724,16 +724,20 @@ class _Ctx:
 
 
 def load_batch(path: str | Path, *, check_files: bool = True, check_model: bool = True,
-               overrides: Overrides | None = None, say: Callable[[str], None] | None = None) -> Batch:
+               overrides: Overrides | None = None, say: Callable[[str], None] | None = None,
+               text: str | None = None) -> Batch:
     """Parse, validate and resolve a batch file; raise BatchValidationError listing every problem.
 
     ``check_model=False`` plans without the checkpoint (dry runs); ``overrides`` are the
     command line's ``--set``/``--sweep``, validated like the file and reported by flag. ``say``
-    is told when the checkpoint's weights have to be hashed (a line, before the wait)."""
+    is told when the checkpoint's weights have to be hashed (a line, before the wait). ``text``:
+    the batch's YAML when it is not read from ``path`` (a batch made from a render's own record,
+    ``run --from``), which then only names it and anchors relative paths."""
     batch_path = Path(path)
     ctx = _Ctx(display=str(path), base_dir=batch_path.absolute().parent, check_files=check_files,
                check_model=check_model)
-    text = _read_text(batch_path, ctx.display, ctx.problems, what="batch file", limit=LIMITS.batch_bytes)
+    if text is None:
+        text = _read_text(batch_path, ctx.display, ctx.problems, what="batch file", limit=LIMITS.batch_bytes)
     root = None if text is None else _YamlReader(ctx.display, ctx.problems).read(text)
     if ctx.problems:
         raise BatchValidationError(ctx.problems)

@@ -117,7 +117,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="plain lines even on a terminal (one per job event, a summary each minute)")
 
     r = sub.add_parser("run", help="render a batch into an output folder")
-    r.add_argument("batch", type=Path)
+    r.add_argument("batch", type=Path, nargs="?")
+    r.add_argument("--from", type=Path, dest="from_path", metavar="PATH",
+                   help="render a job again from what it left: its params.json, its video (made by pan2-render) "
+                        "or its job folder; same id and pixels, --set/--sweep applied on top")
     r.add_argument("--out", type=Path, required=True, metavar="DIR")
     r.add_argument("--dry-run", action="store_true",
                    help="plan only: the jobs, and an estimate of GPU and wall time; needs no checkpoint, "
@@ -273,7 +276,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     if (err := _check_cluster_args(args)) is not None:
         return err
     overrides = Overrides(sets=tuple(args.sets), sweeps=tuple(args.sweeps))
-    batch = load_batch_or_report(args.batch, overrides, check_model=not args.dry_run)
+    if (args.batch is None) == (args.from_path is None):
+        _err("error: run takes a batch file or --from PATH (a params.json, a video made by pan2-render, or a "
+             "job folder), one of the two")
+        return EXIT_USAGE
+    if args.from_path is not None:
+        from pan2render.runner.cli_from import load_from_or_report  # noqa: PLC0415
+
+        batch = load_from_or_report(args.from_path, overrides, check_model=not args.dry_run, err=_err)
+    else:
+        batch = load_batch_or_report(args.batch, overrides, check_model=not args.dry_run)
     if batch is None:
         return EXIT_USAGE  # nothing written: the out folder is created only after validation
     out: Path = args.out
@@ -298,7 +310,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     request = BatchRequest(out_dir=out, batch=batch, overrides=overrides, retries=args.retries, prune=args.prune)
     try:
         session = BatchSession.record(request, stream=sys.stderr,
-                                      title=f"run {args.batch} {' '.join(overrides.flags())}".rstrip())
+                                      title=f"run {args.batch or '--from ' + str(args.from_path)} "
+                                            f"{' '.join(overrides.flags())}".rstrip())
     except errors.UnrecordedWork as e:  # refused before a byte is written (no log either)
         _err(f"error: {e}")
         return EXIT_ENVIRONMENT
