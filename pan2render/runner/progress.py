@@ -13,20 +13,24 @@ shows depends on where stderr goes:
 Every line printed (events and summaries, not the redrawn block) is also appended to
 ``DIR/run.log`` with a UTC timestamp, so an overnight run can be read back the next morning.
 
-Step rates are measured where the steps happen: :class:`StepClock` stamps each step report as it
-arrives (in the worker's process for the in-process executor, in a small Ray actor otherwise), so
-the rate is (k - 1) steps over the time between step 1 and step k, however seldom the driver polls.
+Step rates are measured where the steps happen: the worker stamps each step it reports, and a
+:class:`StepClock` (in the worker's process for the in-process executor, in a small Ray actor
+otherwise) keeps the latest few per job, so the rate is the latest steps over their own seconds,
+however seldom the driver polls and however Ray batches the reports.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, Protocol, TextIO
+
+from rich.cells import cell_len, set_cell_size
 
 from pan2render.jobs.outdir import open_file
 
@@ -34,37 +38,51 @@ RUN_LOG_NAME = "run.log"
 
 
 # ---------------------------------------------------------------------------------------- steps
+RATE_WINDOW_STEPS = 8  # the step rate is measured over this many latest steps
+
+
 @dataclass(frozen=True)
 class StepReport:
-    """Sampling progress of one job: ``done`` of ``total`` steps; wall-clock times (``time.time``,
-    taken by the :class:`StepClock` that received them) of step 1 and of step ``done``."""
+    """Sampling progress of one job: ``done`` of ``total`` steps; ``window``: (step, wall-clock
+    time) of the latest steps, oldest first, stamped by the worker that ran them."""
 
     done: int
     total: int
-    first_at: float
-    last_at: float
+    window: tuple[tuple[int, float], ...]
+
+    @property
+    def first_at(self) -> float:
+        return self.window[0][1]
+
+    @property
+    def last_at(self) -> float:
+        return self.window[-1][1]
 
     @property
     def rate(self) -> float | None:
-        """Steps per second between step 1 and the latest step; None before step 2."""
-        if self.done < 2 or self.last_at <= self.first_at:
+        """Steps per second over the window (the latest RATE_WINDOW_STEPS steps: a first step that
+        compiled, or a slower stretch long past, does not weigh on it); None before two steps."""
+        (k0, t0), (k1, t1) = self.window[0], self.window[-1]
+        if k1 <= k0 or t1 <= t0:
             return None
-        return (self.done - 1) / (self.last_at - self.first_at)
+        return (k1 - k0) / (t1 - t0)
 
 
 class StepClock:
-    """Receives ``report(job_id, done, total)`` from rank 0 of each group as sampling steps finish
-    and keeps the latest :class:`StepReport` per job. A report of step 1 (or of fewer steps than
-    before: a retried job) restarts that job's clock."""
+    """Receives ``report(job_id, done, total, at)`` from rank 0 of each group as sampling steps
+    finish (``at``: when, stamped by the worker, so reports delivered in a burst keep their
+    spacing; None: on arrival) and keeps the latest :class:`StepReport` per job. A report of step 1
+    (or of fewer steps than before: a retried job) restarts that job's window."""
 
     def __init__(self) -> None:
         self._state: dict[str, StepReport] = {}
 
-    def report(self, job_id: str, done: int, total: int) -> None:
-        now = time.time()
+    def report(self, job_id: str, done: int, total: int, at: float | None = None) -> None:
+        stamp = time.time() if at is None else at
         prev = self._state.get(job_id)
-        first = now if prev is None or done <= 1 or done < prev.done else prev.first_at
-        self._state[job_id] = StepReport(done=done, total=total, first_at=first, last_at=now)
+        kept = () if prev is None or done <= 1 or done < prev.done else prev.window
+        window = (*kept, (done, stamp))[-(RATE_WINDOW_STEPS + 1):]
+        self._state[job_id] = StepReport(done=done, total=total, window=window)
 
     def snapshot(self) -> dict[str, StepReport]:
         return dict(self._state)
@@ -86,6 +104,11 @@ class RunLog:
         self._file = None if path is None else os.fdopen(
             open_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
         self.path = path
+        # A block redrawn in place below the lines (RunProgress on a terminal): every line clears
+        # it first and redraws it after, so no line lands inside it and none of it is left behind.
+        # One writer at a time: lines come from the scheduler's thread and the report's.
+        self.region: Region | None = None
+        self.lock = threading.RLock()
 
     @property
     def is_terminal(self) -> bool:
@@ -95,7 +118,20 @@ class RunLog:
             return False
 
     def line(self, text: str) -> None:
-        self.write_stream(text + "\n")
+        with self.lock:
+            if self.region is not None:
+                self.region.clear()
+            self.write_stream(text + "\n")
+            if self.region is not None:
+                self.region.redraw()
+            self._write_file(text)
+
+    def file_line(self, text: str) -> None:
+        """A line for DIR/run.log alone (what is worth keeping but not worth the terminal)."""
+        with self.lock:
+            self._write_file(text)
+
+    def _write_file(self, text: str) -> None:
         if self._file is not None:
             stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             for part in text.splitlines() or [""]:
@@ -111,10 +147,57 @@ class RunLog:
         except (OSError, ValueError):  # EIO after SIGHUP, or a closed pipe
             self.stream = None
 
+    def terminal_width(self) -> int:
+        """Columns of the terminal the stream is (80 when it cannot tell)."""
+        try:
+            return os.get_terminal_size(self.stream.fileno()).columns  # type: ignore[union-attr]
+        except (AttributeError, OSError, ValueError):
+            return 80
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+class Region(Protocol):
+    """What a RunLog asks of the block it keeps below its lines."""
+
+    def clear(self) -> None: ...
+    def redraw(self) -> None: ...
+
+
+def fit(text: str, width: int) -> str:
+    """``text`` cut to fit a terminal line of ``width`` columns (wide characters count two), with
+    one column to spare: a line that reaches the last column wraps on some terminals, and a wrapped
+    row is one the in-place redraw does not know of."""
+    if cell_len(text) < width:
+        return text
+    return set_cell_size(text, max(width - 2, 0)) + "…"
+
+
+class _GuardedStream:
+    """``sys.stdout`` / ``sys.stderr`` while a block is drawn: what other code prints there (Ray
+    forwards its workers' output to the driver's streams) clears the block first, and the block is
+    drawn again below it."""
+
+    def __init__(self, stream: TextIO, log: RunLog):
+        self._stream = stream
+        self._log = log
+
+    def write(self, text: str) -> int:
+        with self._log.lock:
+            region = self._log.region
+            if region is not None:
+                region.clear()
+            n = self._stream.write(text)
+            self._stream.flush()
+            if region is not None and text.endswith("\n"):
+                region.redraw()
+            return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 # ---------------------------------------------------------------------------------------- progress
@@ -156,6 +239,7 @@ class RunProgress:
     _last_summary: float = 0.0
     _last_draw: float = -1e9
     _drawn_lines: int = 0
+    _guarded: list[tuple[str, TextIO]] = field(default_factory=list)  # (sys attribute, stream it replaced)
 
     def __post_init__(self) -> None:
         if self.summary_every_s <= 0:
@@ -166,11 +250,16 @@ class RunProgress:
         self.total, self.done, self.failed = total, done, failed
         self._ended_this_run = 0  # (jobs failed before the loop, unrunnable, took no time)
         self._started = self._last_summary = self.clock()
+        if self.live and self.log.region is None:
+            self.log.region = self
+            for name in ("stdout", "stderr"):
+                stream = getattr(sys, name)
+                if not isinstance(stream, _GuardedStream):
+                    self._guarded.append((name, stream))
+                    setattr(sys, name, _GuardedStream(stream, self.log))
 
     def say(self, text: str) -> None:
-        self._clear()
-        self.log.line(text)
-        self._draw(force=True)
+        self.log.line(text)  # (on a terminal the log clears the block first and redraws it after)
 
     def job_started(self, job_id: str, *, group: str, attempt: int) -> None:
         self._running[job_id] = _Running(job_id=job_id, group=group, stage="starting", stage_since=self.clock())
@@ -210,7 +299,20 @@ class RunProgress:
             self.log.line(self.summary())
 
     def close(self) -> None:
+        with self.log.lock:
+            self._clear()
+            if self.log.region is self:
+                self.log.region = None
+            for name, stream in reversed(self._guarded):
+                setattr(sys, name, stream)
+            self._guarded.clear()
+
+    # Region: what the log asks of the block
+    def clear(self) -> None:
         self._clear()
+
+    def redraw(self) -> None:
+        self._draw(force=True)
 
     # ------------------------------------------------------------------ what is shown
     def eta_seconds(self) -> float | None:
@@ -237,15 +339,18 @@ class RunProgress:
                     + ("" if rate is None else f" {rate:.2f} step/s"))
         return f"{r.stage} {duration(self.clock() - r.stage_since)}"
 
-    def _by_group(self) -> list[tuple[str, str]]:
-        """(group, what its jobs are doing), one entry per running group."""
+    def _by_group(self, *, stage_first: bool = False) -> list[tuple[str, str]]:
+        """(group, what its jobs are doing), one entry per running group; ``stage_first``: each
+        job's stage and steps before its id (a row cut to the terminal keeps what moves)."""
         by_group: dict[str, list[_Running]] = {}
         for r in self._running.values():
             by_group.setdefault(r.group, []).append(r)
-        return [(g, " | ".join(f"{r.job_id}: {self.job_text(r)}" for r in rs)) for g, rs in sorted(by_group.items())]
+        def shown(r: _Running) -> str:
+            return f"{self.job_text(r)}  {r.job_id}" if stage_first else f"{r.job_id}: {self.job_text(r)}"
+        return [(g, " | ".join(shown(r) for r in rs)) for g, rs in sorted(by_group.items())]
 
     def group_rows(self) -> list[str]:
-        return [f"  {g:8} {text}" for g, text in self._by_group()]
+        return [f"  {g:8} {text}" for g, text in self._by_group(stage_first=True)]
 
     def summary(self) -> str:
         rows = "; ".join(f"{g} {text}" for g, text in self._by_group())
@@ -263,8 +368,11 @@ class RunProgress:
         now = self.clock()
         if not force and now - self._last_draw < self.redraw_every_s:
             return
-        self._clear()
-        lines = [*self.group_rows(), self.overall()]
-        self.log.write_stream("".join(line + "\n" for line in lines))
-        self._drawn_lines = len(lines)
-        self._last_draw = now
+        with self.log.lock:
+            self._clear()
+            # One terminal row per line, whatever the width: a wrapped line would leave a stale row.
+            width = self.log.terminal_width()
+            lines = [fit(line, width) for line in [*self.group_rows(), self.overall()]]
+            self.log.write_stream("".join(line + "\n" for line in lines))
+            self._drawn_lines = len(lines)
+            self._last_draw = now

@@ -378,6 +378,6 @@ class _RayProgress:
     def __init__(self, actor: Any):
         self._actor = actor
 
-    def report(self, job_id: str, done: int, total: int) -> None:
-        self._actor.report.remote(job_id, done, total)
+    def report(self, job_id: str, done: int, total: int, at: float | None = None) -> None:
+        self._actor.report.remote(job_id, done, total, at)
 

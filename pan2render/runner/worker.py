@@ -85,7 +85,7 @@ __all__ = ["DEFAULT_PIPELINE_FACTORY", "GPU_QUEUE_DEPTH", "IO_CONCURRENCY", "MAX
 
 
 class ProgressSink(Protocol):
-    def report(self, job_id: str, done: int, total: int) -> None: ...
+    def report(self, job_id: str, done: int, total: int, at: float | None = None) -> None: ...
 
 
 def load_pan2_pipeline(model: str, device: str) -> Any:
@@ -339,7 +339,7 @@ class RenderWorker:
 
         def progress(done: int, total: int) -> None:
             if self.rank == 0 and self._progress is not None:
-                self._progress.report(job_id, done, total)
+                self._progress.report(job_id, done, total, time.time())
             self._faults.at_step(js, done)
 
         plan = pipe.sampling_plan(conditioned=first_frame is not None, **js.sample_args())

@@ -63,11 +63,11 @@ def test_step_rate_equals_steps_over_seconds_on_a_slow_fake_model(tmp_path: Path
     true_rate = 12 / reply["seconds"]
     row = progress.group_rows()[0]
     print("\n".join(shown), f"\nfinal: {row}; true {true_rate:.2f} step/s")
-    assert row.startswith(f"  g0x1     {spec.job_id}: sampling 12/12 ")
-    rate = float(row.split()[-2])
+    assert row.startswith("  g0x1     sampling 12/12 ") and row.endswith(f"step/s  {spec.job_id}")
+    rate = float(row.split()[-3])
     assert abs(rate - true_rate) / true_rate < 0.10
     # It is a rate over the steps done, not a counter: mid-run rows say the same within 10%.
-    mid = [float(r.split()[-2]) for r in shown if r.endswith("step/s") and "12/12" not in r]
+    mid = [float(r.split()[-3]) for r in shown if "step/s" in r and "12/12" not in r]
     assert mid and all(abs(m - true_rate) / true_rate < 0.10 for m in mid)
 
 
@@ -126,7 +126,7 @@ def test_terminal_block_has_a_row_per_group_and_redraws_in_place() -> None:
     p.job_started("a", group="g0x1", attempt=1)
     p.job_started("b", group="g1x1", attempt=1)
     p.stage("a", "sampling")
-    assert p.group_rows() == ["  g0x1     a: sampling 0s", "  g1x1     b: starting 0s"]
+    assert p.group_rows() == ["  g0x1     sampling 0s  a", "  g1x1     starting 0s  b"]
     assert p.overall().startswith("jobs 0/3: 0 done, 0 failed, 2 running, 1 waiting; elapsed 0s, ETA ?")
     p.close()
     out = stream.getvalue()
@@ -144,3 +144,17 @@ def test_a_stream_that_went_away_still_logs_to_the_file(tmp_path: Path) -> None:
     log.line("two")
     log.close()
     assert [line.split(" ", 1)[1] for line in (tmp_path / "run.log").read_text().splitlines()] == ["one", "two"]
+
+
+def test_the_step_rate_is_the_recent_steps_not_the_whole_sampling() -> None:
+    """A first step that compiled for 10 s, then 2 steps a second: after 20 steps the rate shown is
+    the recent 2 step/s, where steps over the whole sampling would say about 1. The steps are
+    stamped by the worker (``at``), so reports that arrive in one burst keep their spacing."""
+    clock = StepClock()
+    clock.report("j", 1, 50, at=100.0)
+    for k in range(2, 21):
+        clock.report("j", k, 50, at=110.0 + 0.5 * (k - 2))
+    rep = clock.snapshot()["j"]
+    whole = (rep.done - 1) / (rep.last_at - 100.0)
+    print(f"window {rep.rate:.2f} step/s, whole sampling {whole:.2f} step/s")
+    assert abs(rep.rate - 2.0) < 1e-9 and whole < 1.1
