@@ -530,8 +530,7 @@ def load_batch_or_report(batch_path: Path, overrides: Overrides, *, check_model:
 
 # ====================================================================== status / show
 def cmd_status(args: argparse.Namespace) -> int:
-    from pan2render.runner.report import job_statuses  # noqa: PLC0415
-    from pan2render.runner.views import format_status, holder, status_code  # noqa: PLC0415
+    from pan2render.runner.views import format_status, holder, status_document  # noqa: PLC0415
 
     if not (args.dir / LEDGER_NAME).is_file():
         _err(f"error: no ledger at {args.dir / LEDGER_NAME}: {args.dir} is not a pan2-render output folder")
@@ -543,8 +542,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         ledger = Ledger.open_readonly(args.dir)
         try:
             if args.json:
-                rows = job_statuses(args.dir, ledger)
-                text, code = json.dumps([r.to_json() for r in rows], indent=1), status_code(rows)
+                doc, code = status_document(args.dir, ledger)
+                text = json.dumps(doc, indent=1)
             else:
                 text, code = format_status(args.dir, ledger)
         finally:

@@ -39,6 +39,9 @@ from pan2render.step_checkpoint import checkpoint_problem
 
 # The ledger document recording a job's newest step checkpoint (its file, digest, size, step).
 STEP_CHECKPOINT_DOC = "step-checkpoint"
+# The ledger document with a running sampling's latest step, as the scheduler last recorded it
+# ({"step", "steps", "rate", "at"}), so that `status` (another process) can show it.
+SAMPLING_STEP_DOC = "sampling-step"
 
 
 # ---------------------------------------------------------------------- one attempt of a job

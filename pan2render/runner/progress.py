@@ -49,6 +49,9 @@ class StepReport:
     done: int
     total: int
     window: tuple[tuple[int, float], ...]
+    # When the clock received the latest step (its own clock: the scheduler's watchdog compares it
+    # with its own time, which a worker's stamp on another node need not agree with).
+    received_at: float = 0.0
 
     @property
     def first_at(self) -> float:
@@ -82,7 +85,7 @@ class StepClock:
         prev = self._state.get(job_id)
         kept = () if prev is None or done <= 1 or done < prev.done else prev.window
         window = (*kept, (done, stamp))[-(RATE_WINDOW_STEPS + 1):]
-        self._state[job_id] = StepReport(done=done, total=total, window=window)
+        self._state[job_id] = StepReport(done=done, total=total, window=window, received_at=time.time())
 
     def snapshot(self) -> dict[str, StepReport]:
         return dict(self._state)

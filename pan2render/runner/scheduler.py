@@ -19,6 +19,7 @@ up (the pool tears idle groups down for it).
 from __future__ import annotations
 
 import itertools
+import json
 import time
 import traceback
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from pan2render.jobs.ledger import EventKind, JobEvent, JobRecord, JobState, Ledger, Stage, StageState, stage_name
 from pan2render.runner.executor import Call, Executor, Group, GroupDied, GroupStartError
 from pan2render.runner.messages import WorkerCall
-from pan2render.runner.jobflow import BatchFlow, JobRun
+from pan2render.runner.jobflow import SAMPLING_STEP_DOC, BatchFlow, JobRun
 from pan2render.runner.messages import (
     JOB_CALLS,
     MAX_ENCODES_IN_FLIGHT,
@@ -88,6 +89,7 @@ class DriverConfig:
 
 
 _served = itertools.count()
+STEP_RECORD_EVERY_S = 5.0  # a running sampling's step goes to its ledger at most this often
 
 
 @dataclass(eq=False)
@@ -147,6 +149,7 @@ class Scheduler:
         self._lost_since: float | None = None  # monotonic time the cluster lost a job's GPUs
         self._groups_seen: set[str] = set()  # groups whose placement the run log has told
         self._failed_on: dict[tuple[int, str], set[str]] = {}  # (batch seq, job id) -> groups it failed on
+        self._steps_recorded: dict[tuple[int, str], tuple[float, int]] = {}  # -> (monotonic, step) last written
 
     # ================================================================== what it serves
     def serve(self, batch: ServedBatch, job_ids: list[str]) -> None:
@@ -262,9 +265,29 @@ class Scheduler:
             for batch in self._batch_of.values():
                 batch.progress.steps(reports)
             self._check_stalls(reports)
+            self._record_steps(reports)
         for batch in self._batch_of.values():
             batch.progress.tick()
             batch.notify_job_end()
+
+    def _record_steps(self, reports: dict[str, StepReport]) -> None:
+        """Each sampling's latest step into its ledger, at most every STEP_RECORD_EVERY_S per job
+        (``status``, another process, reads it there); a write the disk refuses costs only that."""
+        now = time.monotonic()
+        for key, run in self._active.items():
+            rep = reports.get(run.job.id)
+            if rep is None or run.call is None or not isinstance(run.call.message, SampleCall):
+                continue
+            last = self._steps_recorded.get(key)
+            if last is not None and (now - last[0] < STEP_RECORD_EVERY_S or last[1] == rep.done):
+                continue
+            self._steps_recorded[key] = (now, rep.done)
+            doc = {"step": rep.done, "steps": rep.total, "rate": rep.rate, "at": time.time()}
+            try:
+                self._batch_of[key[0]].ledger.set_document(run.job.id, SAMPLING_STEP_DOC, json.dumps(doc))
+            except Exception as e:  # noqa: BLE001 - only a full disk is expected; the batch goes on
+                if classify_exception(e) is not FailureKind.STORAGE:
+                    raise
 
     def interrupt_all(self, reason: str, *, outcome: str = "interrupted", detail: str = "") -> None:
         """Every running job back to pending, uncharged (the run stops, or the cluster went)."""
@@ -566,10 +589,10 @@ class Scheduler:
             if key not in self._active or run.call is None or not isinstance(run.call.message, SampleCall):
                 continue
             report = reports.get(run.job.id)
-            if report is not None and report.last_at >= run.sample_started_at:  # (not an earlier attempt's)
+            if report is not None and report.received_at >= run.sample_started_at:  # (not an earlier attempt's)
                 run.last_step = report
             # A missing snapshot (the progress actor busy) keeps the last step seen: no false alarm.
-            last = run.last_step.last_at if run.last_step is not None else run.sample_started_at
+            last = run.last_step.received_at if run.last_step is not None else run.sample_started_at
             if now - last <= limit:
                 continue
             where = f"last step {run.last_step.done}/{run.last_step.total}" if run.last_step else "no step yet"

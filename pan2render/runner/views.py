@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pan2render.hints import command
-from pan2render.jobs.ledger import Event, EventKind, FolderLock, JobRecord, JobState, Ledger, stage_name
+from pan2render.jobs.ledger import Event, EventKind, FolderLock, JobRecord, JobState, Ledger, StageState, stage_name
 from pan2render.jobs.spec import JobSpec
 from pan2render.runner.estimates import CPU, CUDA, History, JobEstimate, Plan, ledger_device, plan
 from pan2render.runner.progress import duration
@@ -124,6 +124,9 @@ def format_show(out_dir: Path, ledger: Ledger, job: JobRecord) -> str:
              f"folder   {out_dir.absolute() / job.id}"]
     if job.error:
         lines.append(f"error    {job.error}")
+    at = next((stage_name(s) for s, r in ledger.stages(job.id).items() if r.state is not StageState.DONE), None)
+    if at is not None and (progress := job_progress(ledger, job.id, job.state.value, at)) is not None:
+        lines.append(f"progress {stage_text(at, progress)}")
     spec = job.spec.to_dict()
     source = spec.pop("source")
     lines.append("spec" + (f" (from {source['file']}:{source['line']})" if source else "") + ":")
@@ -174,11 +177,65 @@ def format_status(out_dir: Path, ledger: Ledger) -> tuple[str, int]:
         spec = jobs[r.id].spec
         secs = sum(v for v in r.seconds.values() if v)
         video = os.path.relpath(r.video, out_dir.absolute()) if r.video else ""
-        rows.append([shown_state(r), r.stage or "-", str(r.attempts), r.id, *(_value(spec.sweep.get(k, "")) for k in keys),
+        stage = stage_text(r.stage, job_progress(ledger, r.id, r.state, r.stage)) if r.stage else "-"
+        rows.append([shown_state(r), stage, str(r.attempts), r.id, *(_value(spec.sweep.get(k, "")) for k in keys),
                      f"{secs:.1f}" if secs else "-", video, shown_error(r, 80)])
     text = table(["state", "stage", "att", "id", *keys, "seconds", "video", "error"], rows)
     return "\n".join([_run_line(out_dir, ledger, jobs, statuses), text, *counts_lines(statuses)]), \
         status_code(statuses)
+
+
+def status_document(out_dir: Path, ledger: Ledger) -> tuple[dict[str, Any], int]:
+    """``status --json``: the folder's run (state, elapsed, ETA, flags), the batch files run there,
+    counts, and every job with its swept values and progress; and status's exit code."""
+    from pan2render.runner.report import job_statuses  # noqa: PLC0415
+
+    statuses = job_statuses(out_dir, ledger)
+    jobs = {j.id: j for j in ledger.jobs()}
+    run = _run_state(out_dir, ledger, jobs)
+    counts = {s: sum(r.state == s for r in statuses) for s in [*(s.value for s in JobState), INTERRUPTED]}
+    code = status_code(statuses)
+    return {
+        "folder": str(out_dir.absolute()),
+        "batch": (ledger.get_meta("batch", {}) or {}).get("path"),
+        "batches": ledger.get_meta("batches", []) or [],
+        "run": None if run is None else {
+            "state": "running" if run.live is not None else "not running",
+            "pid": (run.live or {}).get("pid"), "host": (run.live or {}).get("host"),
+            "started_at": run.started, "elapsed_s": round(run.elapsed_s, 3),
+            "eta_s": None if run.eta is None else round(run.eta.wall_seconds, 3),
+            "eta_from": None if run.eta is None else run.eta.sources(), "flags": run.flags},
+        "counts": {**counts, "total": len(statuses), "superseded": sum(r.superseded_by is not None for r in statuses)},
+        "exit_code": code,
+        "jobs": [{**r.to_json(), "sweep": jobs[r.id].spec.sweep,
+                  "progress": job_progress(ledger, r.id, r.state, r.stage)} for r in statuses],
+    }, code
+
+
+def job_progress(ledger: Ledger, job_id: str, state: str, stage: str | None) -> dict[str, Any] | None:
+    """Where a sampling stands: its step as the run last recorded it (while the job runs) and its
+    step checkpoint, which a stopped sampling continues from; None when neither applies."""
+    from pan2render.runner.jobflow import SAMPLING_STEP_DOC, STEP_CHECKPOINT_DOC  # noqa: PLC0415
+
+    if stage != "sampling":
+        return None
+    out: dict[str, Any] = {}
+    if state == JobState.RUNNING.value and (doc := ledger.document(job_id, SAMPLING_STEP_DOC)) is not None:
+        out.update(json.loads(doc))
+    if (doc := ledger.document(job_id, STEP_CHECKPOINT_DOC)) is not None:
+        rec = json.loads(doc)
+        out["checkpoint_step"] = rec["step"]
+        out.setdefault("steps", rec["total"])
+    return out or None
+
+
+def stage_text(stage: str, progress: dict[str, Any] | None) -> str:
+    """``sampling 37/50 (checkpoint at 30)``, or the stage alone."""
+    if progress is None:
+        return stage
+    steps = f" {progress['step']}/{progress['steps']}" if "step" in progress else ""
+    ckpt = f" (checkpoint at {progress['checkpoint_step']})" if "checkpoint_step" in progress else ""
+    return f"{stage}{steps}{ckpt}"
 
 
 EXIT_DONE, EXIT_FAILED, EXIT_UNFINISHED = 0, 1, 4
@@ -213,31 +270,51 @@ def _this_machine_device() -> str:
     return CUDA if cuda_gpu_count() else CPU
 
 
-def _run_line(out_dir: Path, ledger: Ledger, jobs: dict[str, JobRecord], statuses: list[JobStatus]) -> str:
+@dataclass(frozen=True)
+class _RunState:
+    """The folder's last run, as status shows it."""
+
+    started: float
+    elapsed_s: float
+    flags: list[str]
+    live: dict[str, Any] | None  # the holder's line (pid, host) while a run holds the folder
+    eta: Plan | None  # while a run holds it and jobs are left
+
+
+def _run_state(out_dir: Path, ledger: Ledger, jobs: dict[str, JobRecord]) -> _RunState | None:
     runs = ledger.get_meta("runs", [])
+    if not runs:
+        return None
+    last = runs[-1]
     live = holder(out_dir)
-    last = runs[-1] if runs else None
-    flags = " ".join(last.get("flags", [])) if last else ""
-    head = f"{out_dir}: batch {ledger.get_meta('batch', {}).get('path', '?')}" + (f" {flags}" if flags else "")
-    if (kept := batches_kept(ledger)) is not None:
-        head += f"; {kept}"
-    if last is None:
-        return head
     started = float(last["started"])
     events = ledger.events()
     end = time.time() if live is not None else (events[-1].at if events else started)
+    eta = None
+    left = [j.spec for j in jobs.values() if j.state not in (JobState.DONE, JobState.FAILED)]
+    if live is not None and left:
+        # The live run's groups are up already: no start-up in its ETA.
+        eta = plan(left, gpus=int(last.get("gpus") or 1), history=History.from_folders([out_dir]),
+                   device=ledger_device(ledger) or _this_machine_device(), group_starts=False)
+    return _RunState(started=started, elapsed_s=end - started, flags=list(last.get("flags", [])), live=live, eta=eta)
+
+
+def _run_line(out_dir: Path, ledger: Ledger, jobs: dict[str, JobRecord], statuses: list[JobStatus]) -> str:
+    run = _run_state(out_dir, ledger, jobs)
+    flags = " ".join(run.flags) if run else ""
+    head = f"{out_dir}: batch {ledger.get_meta('batch', {}).get('path', '?')}" + (f" {flags}" if flags else "")
+    if (kept := batches_kept(ledger)) is not None:
+        head += f"; {kept}"
+    if run is None:
+        return head
+    live = run.live
     state = "not running" if live is None else \
         f"running (pid {live.get('pid', '?')} on {live.get('host', '?')})" if live else "running"
-    line = f"{head}\n{state}; last run started {_when(started)}, elapsed {duration(end - started)}"
+    line = f"{head}\n{state}; last run started {_when(run.started)}, elapsed {duration(run.elapsed_s)}"
     interrupted = sum(r.state == INTERRUPTED for r in statuses)
     if interrupted:
         line += (f"; {interrupted} job(s) interrupted (the run stopped while they ran): "
                  f"`{command('resume', out_dir)}` continues")
-    if live is not None:
-        left = [j.spec for j in jobs.values() if j.state not in (JobState.DONE, JobState.FAILED)]
-        # The live run's groups are up already: no start-up in its ETA.
-        est = plan(left, gpus=int(last.get("gpus") or 1), history=History.from_folders([out_dir]),
-                   device=ledger_device(ledger) or _this_machine_device(), group_starts=False)
-        if left:
-            line += f", ETA ~{duration(est.wall_seconds)} ({est.sources()})"
+    if run.eta is not None:
+        line += f", ETA ~{duration(run.eta.wall_seconds)} ({run.eta.sources()})"
     return line

@@ -109,7 +109,7 @@ def test_status_json_and_report(tmp_path: Path, capsys: pytest.CaptureFixture[st
     _render_locally(batch, out, faults={"fail": {"job": "broken", "stage": "sampling"}})
     capsys.readouterr()
     assert cli.main(["status", str(out), "--json"]) == 1
-    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["jobs"]}
     print(json.dumps(rows, indent=1))
     for r in rows.values():
         assert {"id", "name", "state", "stage", "attempts", "error", "video"} <= set(r)

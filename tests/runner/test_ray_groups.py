@@ -91,7 +91,7 @@ def test_always_failing_job_fails_the_batch_with_exit_1(
     assert cli.main(["run", str(batch), "--out", str(out), "--no-progress"]) == 1
     capsys.readouterr()
     assert cli.main(["status", str(out), "--json"]) == 1
-    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["jobs"]}
     print(json.dumps(rows["doomed"], indent=1))
     assert rows["doomed"]["state"] == "failed" and rows["doomed"]["stage"] == "sampling"
     # The same error twice in a row on one stage stops retrying (the budget would allow a third).

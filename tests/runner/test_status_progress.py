@@ -1,0 +1,131 @@
+"""`status` shows where a running sampling stands (its step, as the scheduler recorded it from the
+workers' reports, and its step checkpoint), and `status --json` is one object: the run's state,
+elapsed, ETA, flags, counts, and every job with its swept values and progress."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent import futures
+from pathlib import Path
+
+import pytest
+from runner_helpers import write_batch
+
+from pan2render.jobs.batch import load_batch
+from pan2render.jobs.ledger import FolderLock, JobEvent, Ledger, Stage, StageState
+from pan2render.runner import cli, scheduler
+from pan2render.runner.driver import Driver, DriverConfig
+from pan2render.runner.jobflow import SAMPLING_STEP_DOC, STEP_CHECKPOINT_DOC
+from pan2render.runner.executor import Call, Group
+from pan2render.runner.local_executor import LocalExecutor
+from pan2render.runner.messages import Lane, WorkerCall
+from pan2render.runner.testing import FAKE_FACTORY
+from pan2render.runner.worker import WorkerConfig
+
+
+def _sampling_folder(tmp_path: Path) -> tuple[Path, str]:
+    """A folder whose run is live (its lock held), one job sampling at step 37 of 50 with a step
+    checkpoint at 30, the others pending; run with two flags."""
+    batch = write_batch(tmp_path / "b.yaml", [{"name": "fox", "prompt": "a fox"}], sweep={"seed": [1, 2, 3]},
+                        defaults={"steps": 50})
+    out = tmp_path / "out"
+    out.mkdir()
+    ledger = Ledger.open(out)
+    specs = load_batch(batch).jobs
+    ledger.record_batch({"path": str(batch)}, specs, retries=1)
+    ledger.set_meta("runs", [{"command": "run", "started": time.time() - 30, "pid": os.getpid(), "host": "here",
+                              "flags": ["--set", "steps=50"], "gpus": 1}])
+    job = specs[1].job_id
+    ledger.transition(job, JobEvent.START, reason="test")
+    ledger.set_stage(job, Stage.CONDITIONING, StageState.DONE, seconds=0.1)
+    ledger.set_stage(job, Stage.SAMPLING, StageState.RUNNING)
+    ledger.set_document(job, SAMPLING_STEP_DOC, json.dumps({"step": 37, "steps": 50, "rate": 1.5, "at": time.time()}))
+    ledger.set_document(job, STEP_CHECKPOINT_DOC, json.dumps(
+        {"artifact": f"{job}/sampling.ckpt.safetensors", "sha256": "0" * 64, "size": 1, "step": 30, "total": 50}))
+    ledger.close()
+    return out, job
+
+
+def test_status_and_show_say_the_step_of_a_running_sampling_and_its_checkpoint(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, job = _sampling_folder(tmp_path)
+    lock = FolderLock(out)
+    lock.acquire()
+    try:
+        assert cli.main(["status", str(out)]) == 4
+        text = capsys.readouterr().out
+        assert cli.main(["show", str(out), job]) == 0
+        shown = capsys.readouterr().out
+        assert cli.main(["status", str(out), "--json"]) == 4
+        doc = json.loads(capsys.readouterr().out)
+    finally:
+        lock.release()
+    print(text)
+    row = next(line for line in text.splitlines() if job in line)
+    assert row.startswith("running  sampling 37/50 (checkpoint at 30)")
+    assert "progress sampling 37/50 (checkpoint at 30)" in shown
+
+    assert doc["run"]["state"] == "running" and doc["run"]["pid"] == os.getpid()
+    assert 29 < doc["run"]["elapsed_s"] < 120 and doc["run"]["eta_s"] > 0 and doc["run"]["eta_from"]
+    assert doc["run"]["flags"] == ["--set", "steps=50"]
+    assert doc["counts"] == {"pending": 2, "running": 1, "done": 0, "failed": 0, "cancelled": 0, "interrupted": 0,
+                             "total": 3, "superseded": 0}
+    assert doc["exit_code"] == 4
+    jobs = {j["id"]: j for j in doc["jobs"]}
+    assert [j["sweep"] for j in doc["jobs"]] == [{"seed": 1}, {"seed": 2}, {"seed": 3}]
+    assert jobs[job]["progress"]["step"] == 37 and jobs[job]["progress"]["checkpoint_step"] == 30
+    assert all(j["progress"] is None for i, j in jobs.items() if i != job)
+
+    # The run gone (the lock released): the sampling is interrupted; its checkpoint is what is left.
+    capsys.readouterr()
+    assert cli.main(["status", str(out)]) == 4
+    row = next(line for line in capsys.readouterr().out.splitlines() if job in line)
+    assert row.startswith("interrupted  sampling (checkpoint at 30)")
+
+
+class _ThreadedExecutor(LocalExecutor):
+    """The in-process executor with its GPU lane on a thread of its own, as a Ray actor's runs
+    beside the driver: the scheduler's loop goes on while a sampling runs."""
+
+    def __init__(self, **kw: object):
+        super().__init__(**kw)
+        self._gpu_lane = futures.ThreadPoolExecutor(max_workers=1)
+
+    def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
+        seq = group.take_seq(message)
+        lane = self._io if message.lane is Lane.IO else self._gpu_lane
+        return Call(group=group, message=message, started=time.monotonic(), timeout_s=timeout_s,
+                    handle=lane.submit(self._execute, group, message, seq))
+
+
+def test_the_scheduler_records_the_steps_the_workers_report(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake sampling of 12 steps of 0.1 s, the recording interval made 0: the ledger holds the
+    step of the sampling as reported while it ran."""
+    monkeypatch.setenv("PAN2_FAKE_STEP_SECONDS", "0.1")
+    monkeypatch.setattr(scheduler, "STEP_RECORD_EVERY_S", 0.0)
+    batch = write_batch(tmp_path / "b.yaml", [{"name": "slow", "prompt": "x"}], defaults={"steps": 12})
+    out = tmp_path / "out"
+    out.mkdir()
+    ledger = Ledger.open(out)
+    specs = load_batch(batch).jobs
+    ledger.add_jobs(specs, retries=0)
+    seen: list[int] = []
+    real = Ledger.set_document
+
+    def spy(self: Ledger, job_id: str, name: str, body: str) -> None:
+        if name == SAMPLING_STEP_DOC:
+            seen.append(json.loads(body)["step"])
+        real(self, job_id, name, body)
+
+    monkeypatch.setattr(Ledger, "set_document", spy)
+    ex = _ThreadedExecutor(gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
+    Driver(out_dir=out, ledger=ledger, executor=ex, config=DriverConfig(retries=0, progress=False, poll_s=0.2)).run(
+        [s.job_id for s in specs])
+    recorded = json.loads(ledger.document(specs[0].job_id, SAMPLING_STEP_DOC))
+    ledger.close()
+    print("steps recorded:", seen)
+    assert len(seen) >= 2 and seen == sorted(seen) and 1 <= seen[0] < 12
+    assert recorded["steps"] == 12 and recorded["step"] == seen[-1]
