@@ -4,10 +4,13 @@ executor."""
 
 from __future__ import annotations
 
+import getpass
 import os
+import pwd
 import socket
 import threading
 import time
+from pathlib import Path
 
 from pan2render.runner.retry import ClusterLostError
 
@@ -73,6 +76,60 @@ def running_local_node() -> tuple[str | None, str | None]:
                       f"stopped without `ray stop`; starting a local cluster instead")
     return address, None
 
+
+
+_LISTEN = "0A"  # the TCP state of a listening socket in /proc/net/tcp
+
+
+def listening_user(port: int, *, proc_net: Path = Path("/proc/net")) -> str | None:
+    """The user whose process listens on TCP ``port`` of this machine (read from the kernel's
+    socket table, /proc/net/tcp and tcp6, whose rows carry the owner's uid); None when no local
+    socket listens there or the table cannot be read (not Linux)."""
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = (proc_net / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 7 and fields[3] == _LISTEN and int(fields[1].rpartition(":")[2], 16) == port:
+                uid = int(fields[7])
+                try:
+                    return pwd.getpwuid(uid).pw_name
+                except KeyError:
+                    return f"uid {uid}"
+    return None
+
+
+def whose(gcs_address: str, *, kept_up_here: str | None) -> str:
+    """Who a cluster is, for the line a run says when it joins one: the node `node start` keeps up
+    here (``kept_up_here``: its GCS address), or a cluster started otherwise, and by which user
+    when its GCS listens on this machine."""
+    if kept_up_here is not None and gcs_address == kept_up_here:
+        return "the Ray node `pan2-render node start` keeps up on this machine"
+    target = parse_gcs_address(gcs_address)
+    user = listening_user(target[1]) if target is not None and _is_this_machine(target[0]) else None
+    me = getpass.getuser()
+    if user is None:
+        return "a Ray cluster started elsewhere (its owner is not known here)"
+    who = "you" if user == me else f"user {user} (not you, {me})"
+    return f"a Ray cluster {who} started (with `ray start` or ray.init), not pan2-render's `node start`"
+
+
+def _is_this_machine(host: str) -> bool:
+    """Is ``host`` an address of this machine? Only a local address can be bound to."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, _proto, _name, addr in infos:
+        try:
+            with socket.socket(family, kind) as probe:
+                probe.bind((addr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
 
 
 def probe_address(address: str) -> None:

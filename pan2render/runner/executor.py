@@ -22,11 +22,14 @@ import itertools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pan2render.runner.messages import Lane, LoadReply, Reply, WorkerCall, WorkerConfig
 from pan2render.runner.progress import StepReport
 from pan2render.runner.retry import FailureKind
+
+if TYPE_CHECKING:
+    from pan2render.runner.ray_executor import RayExecutor
 
 # The worker (``worker.py``) imports torch and, on its first load, the model code: seconds that the
 # driver never needs. Only the processes that run workers import it: Ray's actors through
@@ -89,7 +92,9 @@ class Executor(Protocol):
 
     def total_gpus(self) -> int: ...
     def max_group_size(self) -> int: ...  # most GPUs on one node (a group is STRICT_PACK)
-    def create_group(self, size: int, *, timeout_s: float) -> Group: ...
+    # ``on_wait``: told, every few seconds from the thread that starts the group, while its GPUs
+    # are not granted (what it waits for, how many the cluster has free).
+    def create_group(self, size: int, *, timeout_s: float, on_wait: Callable[[str], None] | None = None) -> Group: ...
     def destroy_group(self, group: Group) -> None: ...
     # New workers on the same GPUs (the group's id and fault count kept), and: the workers ended but
     # the GPUs kept, so that no group is placed on them again (a GPU held out of service).
@@ -123,6 +128,22 @@ def first_failure(replies: list[Reply[Any]]) -> Reply[Any]:
 
 
 # ====================================================================== which executor a run gets
+def _joined(executor: RayExecutor, say: Callable[[str], None]) -> RayExecutor:
+    """Say which cluster a run joined and whose it is (another user's `ray start` is joined as
+    readily as one's own), and how many GPUs it has free."""
+    from pan2render.runner.cluster import whose  # noqa: PLC0415
+    from pan2render.runner.node import read_record  # noqa: PLC0415
+
+    gcs = executor.gcs_address
+    if gcs:
+        record = read_record()
+        owner = whose(gcs, kept_up_here=record.gcs_address if record is not None else None)
+        say(f"joined {executor.cluster}: {owner}; {executor.total_gpus()} GPU(s), {executor.free_gpus()} free now "
+            f"(`--address local` runs on a cluster of this run's own)")
+    return executor
+
+
+
 LOCAL_ADDRESS = "local"  # --address local: a cluster of this run's own, even with a node kept up here
 
 
@@ -167,16 +188,16 @@ def make_executor(*, address: str | None, cpu_gpus: int | None, max_gpus: int,
     from pan2render.runner.ray_executor import RayExecutor  # noqa: PLC0415
 
     if address not in (None, LOCAL_ADDRESS):
-        return RayExecutor(address=address, gpus=None, cpus=None, config=config)
+        return _joined(RayExecutor(address=address, gpus=None, cpus=None, config=config), say)
     if address is None and not ray.is_initialized():
         node, note = running_local_node()
         if note:
             say(note)
         if node is not None:
             if cpu_gpus is not None:
-                say(f"--cpu-gpus {cpu_gpus} is not used: the Ray node kept up on this machine has its own "
+                say(f"--cpu-gpus {cpu_gpus} is not used: the Ray node running on this machine has its own "
                     f"GPUs (`--address local` runs on a cluster of this run's own)")
-            return RayExecutor(address=node, gpus=None, cpus=None, local_node=True, config=config)
+            return _joined(RayExecutor(address=node, gpus=None, cpus=None, local_node=True, config=config), say)
     gpus, cuda, why = local_gpus(cpu_gpus, max_gpus=max_gpus)
     if ray.is_initialized():  # embedded in a process already connected to a cluster (tests)
         gpus = int(ray.cluster_resources().get("GPU", 0)) or 1

@@ -7,7 +7,7 @@ lanes as on Ray."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +44,8 @@ class LocalExecutor:
     def max_group_size(self) -> int:
         return self._gpus
 
-    def create_group(self, size: int, *, timeout_s: float) -> Group:
+    def create_group(self, size: int, *, timeout_s: float, on_wait: Callable[[str], None] | None = None) -> Group:
+        # (an in-process group never waits: it is made at once or refused)
         if len(self._free) < size:
             raise GroupStartError(f"{size} GPU(s) asked of the in-process cluster, {len(self._free)} free")
         gpus = sorted(self._free)[:size]

@@ -18,12 +18,14 @@ from pan2render.runner.executor import Executor, Group, GroupStartError
 
 class _BackgroundStart:
     """One ``create_group`` running on a daemon thread (daemon: a start stuck waiting for a
-    placement group never keeps the process alive after the driver is done)."""
+    placement group never keeps the process alive after the driver is done). ``create`` is called
+    with the callable that keeps what the start says while it waits (``note``)."""
 
     def __init__(self, size: int, create: Any, destroy: Any) -> None:
         self.size = size
         self.group: Group | None = None
         self.error: BaseException | None = None
+        self.note: str | None = None  # the latest word from the start while it waits (create's on_wait)
         self.finished = threading.Event()
         self._destroy = destroy
         self._lock = threading.Lock()
@@ -32,7 +34,7 @@ class _BackgroundStart:
 
     def _run(self, create: Any) -> None:
         try:
-            group = create()
+            group = create(self._note)
         except BaseException as e:  # noqa: BLE001 - handed to the driver thread
             self.error = e
         else:
@@ -43,6 +45,10 @@ class _BackgroundStart:
             if not keep:  # the pool closed while this group was starting
                 self._destroy(group)
         self.finished.set()
+
+    def _note(self, text: str) -> None:
+        """create_group's on_wait, on this start's thread; the scheduler's loop takes the note."""
+        self.note = text
 
     def abandon(self) -> None:
         """The pool is closing: whatever this start makes is torn down, now or when it finishes."""
@@ -88,6 +94,14 @@ class GroupPool:
     def starting(self) -> bool:
         return self._starting is not None
 
+    def take_start_note(self) -> str | None:
+        """What a group start waiting for GPUs last said, once (None: nothing new)."""
+        start = self._starting
+        if start is None or start.note is None:
+            return None
+        note, start.note = start.note, None
+        return note
+
     def wait_for_start(self, timeout_s: float) -> None:
         """Sleep up to ``timeout_s``, waking early when a background start finishes."""
         if self._starting is not None:
@@ -128,7 +142,8 @@ class GroupPool:
             free += g.size
         if getattr(self._ex, "starts_in_background", False):
             self._starting = _BackgroundStart(
-                size, lambda: self._ex.create_group(size, timeout_s=self._start_timeout_s), self._ex.destroy_group)
+                size, lambda on_wait: self._ex.create_group(size, timeout_s=self._start_timeout_s, on_wait=on_wait),
+                self._ex.destroy_group)
             return None
         group = self._ex.create_group(size, timeout_s=self._start_timeout_s)
         self.created += 1

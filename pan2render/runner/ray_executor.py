@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -43,6 +43,9 @@ from pan2render.runner.messages import (
 )
 from pan2render.runner.progress import StepClock, StepReport
 from pan2render.runner.retry import FailureKind, classify_group_death
+
+
+WAIT_NOTE_EVERY_S = 10.0  # how often a group waiting for GPUs says so
 
 
 class RayExecutor:
@@ -93,12 +96,14 @@ class RayExecutor:
             self.worker_logs = f"{session}/logs"
         # A Ray client (ray://) reaches the cluster through its client server, not the GCS.
         self._gcs: GcsWatch | None = None
+        self.gcs_address: str | None = None  # host:port of the cluster's GCS (None: a Ray client)
         self.cluster = f"the Ray cluster at {address}"
         gcs_address = None if (address or "").startswith(RAY_CLIENT_SCHEME) else \
             ray.get_runtime_context().gcs_address
         if gcs_address and parse_gcs_address(gcs_address) is not None:
             self._gcs = GcsWatch(gcs_address)
-            self.cluster = (f"the Ray node kept up on this machine (GCS at {gcs_address})" if local_node
+            self.gcs_address = gcs_address
+            self.cluster = (f"the Ray node running on this machine (GCS at {gcs_address})" if local_node
                             else f"the Ray cluster at {gcs_address}" if address is not None or not self._owns_ray
                             else f"the local Ray cluster this run started (GCS at {gcs_address})")
         self._gcs_lost_after_s = gcs_lost_after_s()
@@ -115,6 +120,9 @@ class RayExecutor:
 
     def total_gpus(self) -> int:
         return int(self._ask_gcs(self._ray.cluster_resources).get("GPU", 0))
+
+    def free_gpus(self) -> int:
+        return int(self._ask_gcs(self._ray.available_resources).get("GPU", 0))
 
     def max_group_size(self) -> int:
         per_node = [n.get("Resources", {}).get("GPU", 0) for n in self._ask_gcs(self._ray.nodes) if n.get("Alive")]
@@ -150,7 +158,7 @@ class RayExecutor:
                 f"connections for {down:.0f} s, so the head node or its GCS process died, and with it "
                 f"this run's workers")
 
-    def create_group(self, size: int, *, timeout_s: float) -> Group:
+    def create_group(self, size: int, *, timeout_s: float, on_wait: Callable[[str], None] | None = None) -> Group:
         ray = self._ray
         from ray.util.placement_group import (  # noqa: PLC0415
             placement_group,
@@ -161,16 +169,20 @@ class RayExecutor:
         gid = f"g{next_group_number()}x{size}"
         asked = time.time()
         pg = placement_group([{"GPU": 1}] * size, strategy="STRICT_PACK")
-        try:
-            ray.get(pg.ready(), timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(pg)
-            free = int(ray.available_resources().get("GPU", 0))
-            raise GroupStartError(
-                f"placement group of {size} GPUs on one node was not ready after {timeout_s:.0f} s; "
-                f"the cluster has {self.total_gpus()} GPUs, {free} free now (a group needs {size} on ONE "
-                f"node; on a shared cluster others may hold them: see --group-start-timeout)"
-            ) from None
+        ready = pg.ready()
+        while not ray.wait([ready], timeout=min(WAIT_NOTE_EVERY_S, max(asked + timeout_s - time.time(), 0)))[0]:
+            waited = time.time() - asked
+            if waited >= timeout_s:
+                remove_placement_group(pg)
+                raise GroupStartError(
+                    f"placement group of {size} GPUs on one node was not ready after {timeout_s:.0f} s; "
+                    f"the cluster has {self.total_gpus()} GPUs, {self.free_gpus()} free now (a group needs {size} "
+                    f"on ONE node; on a shared cluster others may hold them: see --group-start-timeout)"
+                ) from None
+            if on_wait is not None:
+                on_wait(f"group {gid}: waiting for {size} GPU(s) on one node: the cluster has {self.free_gpus()} "
+                        f"free of {self.total_gpus()} (other groups or applications hold the rest); waited "
+                        f"{waited:.0f} s of --group-start-timeout {timeout_s:.0f} s")
         # The nodes holding the group, to tell a lost node from a dead worker when a call fails.
         nodes = set(placement_group_table(pg).get("bundles_to_node_id", {}).values())
         return self._start_workers(Group(id=gid, size=size, handle={"pg": pg, "nodes": nodes}, asked_at=asked),

@@ -253,6 +253,9 @@ class Scheduler:
         """One pass: start what can start, handle every reply that is ready, check deadlines."""
         self.ex.check_cluster()
         self._dispatch()
+        if (note := self.pool.take_start_note()) is not None:  # a group waiting for GPUs, every few seconds
+            for batch in self._batch_of.values():
+                batch.progress.say(note)
         if not self._active:  # nothing running: a group is starting (or failed to)
             self.pool.wait_for_start(self.config.poll_s)
             return

@@ -237,9 +237,32 @@ class BackgroundStarts(RecordingExecutor):
     def before_start(self, size: int) -> None:
         pass
 
-    def create_group(self, size: int, *, timeout_s: float) -> Group:
+    def create_group(self, size: int, *, timeout_s: float, on_wait: Any = None) -> Group:
         self.before_start(size)
         return super().create_group(size, timeout_s=timeout_s)
+
+
+def test_a_group_waiting_for_gpus_says_so_while_the_running_jobs_go_on(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The 2-GPU group's start waits (as a placement group does while others hold the GPUs) and
+    says so through on_wait from its thread; the scheduler's loop prints each note as a run line."""
+
+    class WaitingPairStart(BackgroundStarts):
+        def create_group(self, size: int, *, timeout_s: float, on_wait: Any = None) -> Group:
+            n = 0
+            while size == 2 and (DecodeCall, "a") not in self.calls:
+                n += 1
+                on_wait(f"waiting for 2 GPU(s) on one node: note {n}")
+                time.sleep(0.05)
+            return super().create_group(size, timeout_s=timeout_s)
+
+    summary, ex, led = render(tmp_path, [spec("a", steps=8), spec("b", gpus=2)], gpus=3, retries=0,
+                              executor=WaitingPairStart)
+    err = capsys.readouterr().err
+    notes = [line for line in err.splitlines() if line.startswith("waiting for 2 GPU(s) on one node: note")]
+    print("\n".join(notes))
+    assert summary.failed == [] and len(summary.done) == 2
+    assert notes and len(notes) == len(set(notes))  # each note said once
 
 
 def test_running_jobs_advance_while_a_group_starts(tmp_path: Path) -> None:

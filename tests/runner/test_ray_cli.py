@@ -173,6 +173,7 @@ def test_address_joins_an_existing_cluster(tmp_path: Path) -> None:
                               "--no-progress"], env=env, capture_output=True, text=True, timeout=120)
         print("address", address, "->", run.returncode, run.stderr.strip().splitlines()[-1])
         assert run.returncode == 0 and head.poll() is None  # the cluster outlives the driver
+        assert f"joined the Ray cluster at {address}: a Ray cluster you started" in run.stderr
         bad = subprocess.run([*CLI, "run", str(batch), "--out", str(tmp_path / "out2"), "--address",
                               "127.0.0.1:1"], env=env, capture_output=True, text=True, timeout=60)
         print("bad address ->", bad.returncode, bad.stderr.strip().splitlines()[-1][:160])

@@ -103,11 +103,16 @@ def test_always_failing_job_fails_the_batch_with_exit_1(
 
 
 def test_a_group_the_cluster_cannot_place_fails_its_job_and_the_rest_render(
-        tmp_path: Path, fake_pipeline: None) -> None:
+        tmp_path: Path, fake_pipeline: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Another application holds one of the 2 GPUs: the 2-GPU job's placement group is never
-    granted; after --group-start-timeout it is charged (no retries here) with a message saying so,
-    and the 1-GPU jobs before and after it render."""
+    granted, and says so while it waits (every second here); after --group-start-timeout it is
+    charged (no retries here) with a message saying so, and the 1-GPU jobs before and after it
+    render."""
     import ray
+
+    from pan2render.runner import ray_executor
+
+    monkeypatch.setattr(ray_executor, "WAIT_NOTE_EVERY_S", 1.0)
 
     @ray.remote(num_gpus=1, num_cpus=0)
     class Holder:
@@ -133,6 +138,8 @@ def test_a_group_the_cluster_cannot_place_fails_its_job_and_the_rest_render(
     assert pair.state is JobState.FAILED and pair.attempts == 1
     assert "placement group of 2 GPUs on one node was not ready after 3 s" in pair.error
     assert "free now" in pair.error and "--group-start-timeout" in pair.error
+    log = (out / "run.log").read_text()
+    assert "waiting for 2 GPU(s) on one node: the cluster has " in log and " free of 2 " in log
 
 
 def test_a_hung_worker_is_torn_down_after_the_stall_timeout_and_its_job_retried(

@@ -98,7 +98,8 @@ def test_runs_join_the_node_kept_up_here(tmp_path: Path, node_env: dict) -> None
     print(run.stderr[-3000:])
     assert run.returncode == 0, run.stderr[-2000:]
     lines = _startup_lines(tmp_path / "out")
-    assert any("the Ray node kept up on this machine (GCS at " in ln and f":{port})" in ln for ln in lines), lines
+    assert any("the Ray node running on this machine (GCS at " in ln and f":{port})" in ln for ln in lines), lines
+    assert "`pan2-render node start` keeps up on this machine" in (tmp_path / "out" / "run.log").read_text()
     ledger = Ledger.open_readonly(tmp_path / "out")
     try:
         assert [j.state for j in ledger.jobs()] == [JobState.DONE] * 2

@@ -1,0 +1,36 @@
+"""A run that joins a cluster says whose it is: the node `node start` keeps up, or a `ray start` by
+this user or another one (the owner of the socket its GCS listens on), or one started elsewhere."""
+
+from __future__ import annotations
+
+import getpass
+import socket
+from pathlib import Path
+
+from pan2render.runner.cluster import listening_user, whose
+
+
+def test_the_owner_of_a_local_gcs_port_is_named() -> None:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    try:
+        assert listening_user(port) == getpass.getuser()
+        assert whose(f"127.0.0.1:{port}", kept_up_here=None).startswith("a Ray cluster you started")
+        kept = whose(f"127.0.0.1:{port}", kept_up_here=f"127.0.0.1:{port}")
+        assert kept == "the Ray node `pan2-render node start` keeps up on this machine"
+    finally:
+        server.close()
+    assert listening_user(port) is None  # nothing listens there now
+    assert "started elsewhere" in whose(f"127.0.0.1:{port}", kept_up_here=None)
+
+
+def test_another_users_cluster_is_named_as_theirs(tmp_path: Path) -> None:
+    """A kernel socket table row of a GCS listening on port 6379 (0x18EB) owned by uid 0 (root)."""
+    (tmp_path / "tcp").write_text(
+        "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+        "   0: 0100007F:18EB 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1 0 100 0 0 10 0\n"
+        "   1: 0100007F:18EC 0100007F:9C40 01 00000000:00000000 00:00000000 00000000  1000        0 2 1 0 100 0 0 10 0\n")
+    assert listening_user(6379, proc_net=tmp_path) == "root"
+    assert listening_user(6380, proc_net=tmp_path) is None  # an established connection, not a listener
