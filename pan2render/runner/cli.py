@@ -397,7 +397,7 @@ def _drive(args: argparse.Namespace, session: Any) -> int:
     asked = time.time()
     try:
         executor = make_executor(address=_address(args), cpu_gpus=args.cpu_gpus,
-                                 max_gpus=max(j.spec.gpus for j in jobs), say=log.line)
+                                 max_gpus=max(j.spec.gpus for j in jobs), say=log.line, note=log.file_line)
     except SystemExit as e:
         # While ray.init starts or joins Ray, its own SIGTERM handler stands in for ours and ends
         # the process with sys.exit: the same stop as any other, with its message.

@@ -5,11 +5,13 @@ executor."""
 from __future__ import annotations
 
 import getpass
+import logging
 import os
 import pwd
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pan2render.runner.retry import ClusterLostError
@@ -76,6 +78,31 @@ def running_local_node() -> tuple[str | None, str | None]:
                       f"stopped without `ray stop`; starting a local cluster instead")
     return address, None
 
+
+
+# Where Ray logs which token authentication a cluster got, as a WARNING at every ray.init: a
+# logger name (logging is how a library's messages are routed), not an import of Ray's module.
+RAY_TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+class _ToRunLog(logging.Filter):
+    def __init__(self, note: Callable[[str], None]):
+        super().__init__()
+        self.note = note
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.note(f"Ray: {record.getMessage()}")
+        return False  # not on the terminal
+
+
+def ray_banner_to(note: Callable[[str], None]) -> None:
+    """Send Ray's token-authentication banner (a WARNING opening every run, whichever way it went)
+    to ``note`` (the run log) instead of the terminal. Once per process: a later call replaces the
+    destination."""
+    logger = logging.getLogger(RAY_TOKEN_AUTH_LOGGER)
+    for old in [f for f in logger.filters if isinstance(f, _ToRunLog)]:
+        logger.removeFilter(old)
+    logger.addFilter(_ToRunLog(note))
 
 
 _LISTEN = "0A"  # the TCP state of a listening socket in /proc/net/tcp

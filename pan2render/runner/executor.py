@@ -163,11 +163,11 @@ def local_gpus(cpu_gpus: int | None, *, max_gpus: int) -> tuple[int, int, str | 
 
 
 def make_executor(*, address: str | None, cpu_gpus: int | None, max_gpus: int,
-                  say: Callable[[str], None]) -> Executor:
+                  say: Callable[[str], None], note: Callable[[str], None] | None = None) -> Executor:
     """The executor for a run: ``address`` (a cluster to join, ``local`` for a cluster of the
     run's own, None for the node kept up on this machine if one runs, else a local cluster),
     ``cpu_gpus`` logical GPUs on a CPU-only machine, ``max_gpus`` the largest group the batch
-    needs. The test hooks of the environment (``PAN2_RENDER_EXECUTOR``, ``PAN2_RENDER_PIPELINE``,
+    needs; ``note``: where lines for the run log alone go (default ``say``). The test hooks of the environment (``PAN2_RENDER_EXECUTOR``, ``PAN2_RENDER_PIPELINE``,
     ``PAN2_RENDER_FAULTS``: see ``cli.py``) are read here."""
     import json  # noqa: PLC0415
 
@@ -184,15 +184,17 @@ def make_executor(*, address: str | None, cpu_gpus: int | None, max_gpus: int,
         return LocalExecutor(gpus=cpu_gpus or max_gpus, config=config)
     import ray  # noqa: PLC0415 - ~1 s; only a run that renders gets here
 
-    from pan2render.runner.cluster import running_local_node  # noqa: PLC0415
+    from pan2render.runner.cluster import ray_banner_to, running_local_node  # noqa: PLC0415
     from pan2render.runner.ray_executor import RayExecutor  # noqa: PLC0415
+
+    ray_banner_to(note or say)
+    node, node_note = running_local_node() if address is None and not ray.is_initialized() else (None, None)
 
     if address not in (None, LOCAL_ADDRESS):
         return _joined(RayExecutor(address=address, gpus=None, cpus=None, config=config), say)
     if address is None and not ray.is_initialized():
-        node, note = running_local_node()
-        if note:
-            say(note)
+        if node_note:
+            say(node_note)
         if node is not None:
             if cpu_gpus is not None:
                 say(f"--cpu-gpus {cpu_gpus} is not used: the Ray node running on this machine has its own "

@@ -1,11 +1,14 @@
 """A run that joins a cluster says whose it is: the node `node start` keeps up, or a `ray start` by
-this user or another one (the owner of the socket its GCS listens on), or one started elsewhere."""
+this user or another one (the owner of the socket its GCS listens on), or one started elsewhere;
+Ray's token-authentication banner goes to the run log."""
 
 from __future__ import annotations
 
 import getpass
 import socket
 from pathlib import Path
+
+import pytest
 
 from pan2render.runner.cluster import listening_user, whose
 
@@ -34,3 +37,22 @@ def test_another_users_cluster_is_named_as_theirs(tmp_path: Path) -> None:
         "   1: 0100007F:18EC 0100007F:9C40 01 00000000:00000000 00:00000000 00000000  1000        0 2 1 0 100 0 0 10 0\n")
     assert listening_user(6379, proc_net=tmp_path) == "root"
     assert listening_user(6380, proc_net=tmp_path) is None  # an established connection, not a listener
+
+
+def test_rays_token_authentication_banner_goes_to_the_run_log_not_the_terminal(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import logging
+
+    from pan2render.runner.cluster import RAY_TOKEN_AUTH_LOGGER, ray_banner_to
+
+    noted: list[str] = []
+    ray_banner_to(noted.append)
+    logger = logging.getLogger(RAY_TOKEN_AUTH_LOGGER)
+    logger.addHandler(handler := logging.StreamHandler())  # as Ray's own handler prints it
+    try:
+        logger.warning("Token authentication is enabled for this Ray cluster.")
+        logging.getLogger("ray.other").warning("another warning stays where it was")
+    finally:
+        logger.removeHandler(handler)
+    assert noted == ["Ray: Token authentication is enabled for this Ray cluster."]
+    assert "Token authentication" not in capsys.readouterr().err
