@@ -199,13 +199,27 @@ def middle_frame_png(path: str | os.PathLike[str], *, max_side: int) -> bytes:
             middle = (frames - 1) // 2
             for i, frame in enumerate(container.decode(stream)):
                 if i == middle:
-                    scale = min(1.0, max_side / max(frame.width, frame.height))
-                    small = frame.reformat(width=max(2, round(frame.width * scale)),
-                                           height=max(2, round(frame.height * scale)), format="rgb24")
-                    return png_bytes(small.to_ndarray())  # [h, w, 3] uint8
+                    return _scaled_png(frame, max_side)
     except (av.FFmpegError, OSError, ValueError, IndexError) as exc:
         raise MediaError(f"cannot read frames of {p}: {exc}") from exc
     raise MediaError(f"{p} ended before its middle frame {middle}; re-encode it")
+
+
+def image_png(path: str | os.PathLike[str], *, max_side: int) -> bytes:
+    """PNG bytes of a still image (PNG, JPEG, WebP: a job's first frame), scaled down so its longer
+    side is at most ``max_side`` (never up)."""
+    try:
+        with av.open(str(path), mode="r") as container:
+            return _scaled_png(next(container.decode(video=0)), max_side)
+    except (av.FFmpegError, OSError, ValueError, IndexError, StopIteration) as exc:
+        raise MediaError(f"cannot read the image {path}: {exc}") from exc
+
+
+def _scaled_png(frame: Any, max_side: int) -> bytes:
+    scale = min(1.0, max_side / max(frame.width, frame.height))
+    small = frame.reformat(width=max(2, round(frame.width * scale)), height=max(2, round(frame.height * scale)),
+                           format="rgb24")
+    return png_bytes(small.to_ndarray())  # [h, w, 3] uint8
 
 
 def png_bytes(rgb: np.ndarray) -> bytes:

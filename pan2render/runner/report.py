@@ -172,6 +172,8 @@ class Tile:
     traceback: str | None
     superseded_by: str | None
     lane: str | None = None  # a fast-lane job: its quality and speed against the exact job's
+    input_image: str | None = None  # a thumbnail of the job's first frame (TI2V), relative to the page
+    input_path: str | None = None  # that image's own path
 
 
 
@@ -198,9 +200,15 @@ class Grid:
     rows: list[GridRow] = field(default_factory=list)
 
 
+NONE_SHOWN = "none"  # a field left unset (no image, the checkpoint's own timesteps)
+
+
 def _fmt(value: Any) -> str:
+    """A field's value as the page shows it: an empty string as "" (not a blank), unset as none."""
     if value is None:
-        return "-"
+        return NONE_SHOWN
+    if value == "":
+        return '""'
     return value if isinstance(value, str) else json.dumps(value)
 
 
@@ -242,14 +250,43 @@ def _poster(out_dir: Path, job_id: str, video: Path, sha256: str | None, say: Ca
     except MediaError as e:  # shown without a poster; `resume` re-encodes a broken video
         say(f"report: {job_id}: no poster: {e}")
         return None
-    # A cache, remade from the video when lost: renamed into place (never half a PNG under its
-    # name) but not fsynced, which would cost more than the decode for a page of small clips.
+    _write_cached(path, data)
+    return rel
+
+
+INPUT_MAX_SIDE = 160  # px: the first frame is shown small beside the video it started
+
+
+def _input_thumbnail(out_dir: Path, job: JobRecord, say: Callable[[str], None]) -> str | None:
+    """A small PNG of the job's input image, made once per image content into DIR/_report/ (the
+    image itself may sit anywhere; the page only links inside DIR)."""
+    from pan2render.media.video import MediaError, image_png  # noqa: PLC0415 - PyAV
+
+    spec = job.spec
+    if spec.image is None or spec.image_sha256 is None:
+        return None
+    rel = f"{POSTER_DIR}/{job.id}.input.{spec.image_sha256[:12]}.png"
+    if (out_dir / rel).is_file():
+        return rel
+    if not Path(spec.image).is_file():
+        return None  # moved or deleted since: the tile names its path
+    try:
+        data = image_png(spec.image, max_side=INPUT_MAX_SIDE)
+    except MediaError as e:
+        say(f"report: {job.id}: no thumbnail of its image: {e}")
+        return None
+    _write_cached(out_dir / rel, data)
+    return rel
+
+
+def _write_cached(path: Path, data: bytes) -> None:
+    """A file of the report's cache, remade from its source when lost: renamed into place (never
+    half a PNG under its name) but not fsynced, which would cost more than making it."""
     outdir.real_dir(path.parent)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     with os.fdopen(outdir.create_new(tmp), "wb") as f:
         f.write(data)
     os.replace(tmp, path)
-    return rel
 
 
 def _tile(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], *, label: str,
@@ -267,7 +304,8 @@ def _tile(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], *, la
     return Tile(id=job.id, name=job.name, state=job.state.value, stage=status.stage, attempts=job.attempts,
                 label=label, video=video, poster=poster,
                 params=params if (out_dir / params).is_file() else None, width=width, height=height,
-                error=job.error, traceback=tb, superseded_by=newer)
+                error=job.error, traceback=tb, superseded_by=newer,
+                input_image=_input_thumbnail(out_dir, job, say), input_path=job.spec.image)
 
 
 def _grid(name: str, jobs: list[JobRecord], tiles: dict[str, Tile], batch_varying: list[str],
@@ -329,6 +367,21 @@ def _duration(seconds: float) -> str:
     return f"{s // 3600}h {s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m {s % 60:02d}s"
 
 
+@dataclass(frozen=True)
+class BatchFile:
+    """A batch file the folder was run with, for the page's header."""
+
+    name: str
+    path: str
+    flags: str  # the --set / --sweep flags, as typed
+    copy: str | None  # its copy in DIR/_batches/, relative to the page
+
+
+def _batch_files(recorded: list[dict[str, Any]]) -> list[BatchFile]:
+    return [BatchFile(name=Path(b.get("path") or "?").name, path=str(b.get("path") or "?"),
+                      flags=" ".join(b.get("flags", [])), copy=b.get("copy")) for b in recorded]
+
+
 def report_context(out_dir: Path, *, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Everything the template shows, read from the ledger (posters are made as needed)."""
     ledger = Ledger.open_readonly(out_dir)
@@ -337,6 +390,10 @@ def report_context(out_dir: Path, *, say: Callable[[str], None] = print) -> dict
         stages = {j.id: ledger.stages(j.id) for j in jobs}
         events = ledger.events()
         batch = ledger.get_meta("batch", {}) or {}
+        batch_files = ledger.get_meta("batches", []) or []
+        if not batch_files and batch.get("path"):  # a folder recorded before copies were kept
+            runs = ledger.get_meta("runs", []) or []
+            batch_files = [{"path": batch["path"], "flags": runs[-1].get("flags", []) if runs else [], "copy": None}]
     finally:
         ledger.close()
     newer = superseded(jobs)
@@ -375,7 +432,8 @@ def report_context(out_dir: Path, *, say: Callable[[str], None] = print) -> dict
         "n_superseded": len(newer),
         "gpu_time": _duration(gpu_s),
         "wall_time": _duration(_wall_seconds(events)),
-        "shared": sorted((k, v) for k, v in shared.items() if v != _fmt(None)),
+        "shared": sorted((k, v) for k, v in shared.items() if v != NONE_SHOWN),
+        "batch_files": _batch_files(batch_files),
         "grids": grids,
         "gallery": gallery,
         "written_at": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime()),
