@@ -30,6 +30,7 @@ run: $(RUN_STAMP)
 	@echo ">> pan2-render is installed in $(VENV): 'source $(VENV)/bin/activate' puts it on PATH (README.md, First five minutes)"
 
 test: $(TEST_STAMP)
+	@echo ">> running the test suite (about 12-15 minutes on 2 cores); each line ends with tests run / total"
 	$(BIN)/python -m pytest -q
 
 clean:
