@@ -32,7 +32,7 @@ def local_executor(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     each executor's creation, so a test can change it between commands."""
     settings: dict[str, Any] = {"faults": {}}
 
-    def make(*, address: str | None, cpu_gpus: int | None, max_gpus: int, say: Any) -> LocalExecutor:
+    def make(*, address: str | None, cpu_gpus: int | None, max_gpus: int, say: Any, note: Any = None) -> LocalExecutor:
         return LocalExecutor(gpus=max(max_gpus, 1),
                              config=WorkerConfig(pipeline_factory=FAKE_FACTORY, faults=dict(settings["faults"])))
 
