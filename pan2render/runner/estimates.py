@@ -239,13 +239,13 @@ def fit(samples: Sequence[Sample], *, shape: CostModel) -> CostModel:
     sampling over seconds per guided step, the decode over its seconds, each split into its
     overhead and its per-size part where the samples' sizes are far enough apart, else scaled by one
     factor, and the encode likewise; conditioning takes the samples' median."""
-    steps = _median_by([(s.size.tokens, s.times.sampling / s.size.step_units) for s in samples if s.size.step_units])
+    steps = _typical_by([(s.size.tokens, s.times.sampling / s.size.step_units) for s in samples if s.size.step_units])
     step_fixed, step_sized = _fit_two([(shape.step_overhead, shape.step(n) - shape.step_overhead, t)
                                        for n, t in steps])
-    decodes = _median_by([((s.size.latent_frames, s.size.pixels), s.times.decode) for s in samples])
+    decodes = _typical_by([((s.size.latent_frames, s.size.pixels), s.times.decode) for s in samples])
     dec_fixed, dec_sized = _fit_two([(shape.decode_per_latent_frame * f, shape.decode_per_pixel * p, t)
                                      for (f, p), t in decodes])
-    encodes = _median_by([(s.size.pixels, s.times.encode) for s in samples])
+    encodes = _typical_by([(s.size.pixels, s.times.encode) for s in samples])
     enc_fixed, enc_sized = _fit_two([(shape.encode_overhead, shape.encode_per_pixel * p, t) for p, t in encodes])
     return replace(shape, conditioning=statistics.median(s.times.conditioning for s in samples),
                    step_overhead=shape.step_overhead * step_fixed, step_per_token=shape.step_per_token * step_sized,
@@ -255,13 +255,14 @@ def fit(samples: Sequence[Sample], *, shape: CostModel) -> CostModel:
                    encode_per_pixel=shape.encode_per_pixel * enc_sized)
 
 
-def _median_by(pairs: list[tuple[K, float]]) -> list[tuple[K, float]]:
-    """One point per size, the median of its measurements: a group's first job carries first-call
-    compiles in its stage seconds."""
+def _typical_by(pairs: list[tuple[K, float]]) -> list[tuple[K, float]]:
+    """One point per size: the lower quartile of its measurements (the smallest of up to four).
+    Delays only ever add to a measurement: a group's first job carries first-call compiles in its
+    stage seconds, and other work on a shared machine slows some jobs and not others."""
     by: dict[K, list[float]] = {}
     for key, value in pairs:
         by.setdefault(key, []).append(value)
-    return [(key, statistics.median(values)) for key, values in by.items()]
+    return [(key, sorted(values)[(len(values) - 1) // 4]) for key, values in by.items()]
 
 
 def _fit_two(points: list[tuple[float, float, float]]) -> tuple[float, float]:
@@ -324,8 +325,9 @@ class Plan:
             parts.append(f"{n_hist} job(s) from this machine's runs ({self.history.jobs} done job(s) in {where}, "
                          f"scaled to each job's size and steps)")
         if n_ref:
-            parts.append(f"{n_ref} job(s) a guess from the reference table ({'; '.join(refs)}; nothing of that model "
-                         f"rendered on this machine yet: its first done job makes the estimate this machine's)")
+            parts.append(f"{n_ref} job(s) a guess from the reference table ({'; '.join(refs)}): no done job of that "
+                         f"model on this kind of device in the output folder or the folders beside it (--out DIR); "
+                         f"the first one makes the estimate this machine's")
         if self.unknown:
             models = ", ".join(sorted({e.job.model for e in self.unknown}))
             parts.append(f"{len(self.unknown)} job(s) without an estimate ({models} has not run here on "
