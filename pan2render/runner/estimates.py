@@ -241,12 +241,13 @@ def fit(samples: Sequence[Sample], *, shape: CostModel) -> CostModel:
     factor, and the encode likewise; conditioning takes the samples' median."""
     steps = _typical_by([(s.size.tokens, s.times.sampling / s.size.step_units) for s in samples if s.size.step_units])
     step_fixed, step_sized = _fit_two([(shape.step_overhead, shape.step(n) - shape.step_overhead, t)
-                                       for n, t in steps])
+                                       for n, t in steps], slowed=SLOWDOWN_SHARE.step)
     decodes = _typical_by([((s.size.latent_frames, s.size.pixels), s.times.decode) for s in samples])
     dec_fixed, dec_sized = _fit_two([(shape.decode_per_latent_frame * f, shape.decode_per_pixel * p, t)
-                                     for (f, p), t in decodes])
+                                     for (f, p), t in decodes], slowed=SLOWDOWN_SHARE.decode)
     encodes = _typical_by([(s.size.pixels, s.times.encode) for s in samples])
-    enc_fixed, enc_sized = _fit_two([(shape.encode_overhead, shape.encode_per_pixel * p, t) for p, t in encodes])
+    enc_fixed, enc_sized = _fit_two([(shape.encode_overhead, shape.encode_per_pixel * p, t) for p, t in encodes],
+                                    slowed=SLOWDOWN_SHARE.encode)
     return replace(shape, conditioning=statistics.median(s.times.conditioning for s in samples),
                    step_overhead=shape.step_overhead * step_fixed, step_per_token=shape.step_per_token * step_sized,
                    step_per_token2=shape.step_per_token2 * step_sized,
@@ -265,11 +266,28 @@ def _typical_by(pairs: list[tuple[K, float]]) -> list[tuple[K, float]]:
     return [(key, sorted(values)[(len(values) - 1) // 4]) for key, values in by.items()]
 
 
-def _fit_two(points: list[tuple[float, float, float]]) -> tuple[float, float]:
+@dataclass(frozen=True)
+class SlowdownShare:
+    """Per stage, how much of a slowdown against the reference the per-size part takes, as an
+    exponent: a machine k times slower at one size is taken as k**share slower in its per-size
+    part, the overhead taking the rest. Fitted to the tiny model's two CPU measurements, idle and
+    with other work on the 2 cores (docs/performance.md, "Planning estimates"): other processes slow
+    the many small calls of the overhead far more than the arithmetic."""
+
+    step: float
+    decode: float
+    encode: float
+
+
+SLOWDOWN_SHARE = SlowdownShare(step=0.75, decode=0.36, encode=0.3)
+
+
+def _fit_two(points: list[tuple[float, float, float]], *, slowed: float) -> tuple[float, float]:
     """Factors (a, b) on the reference's parts of each measured size, ``(fixed, sized, seconds)``,
     so that ``seconds ~ a fixed + b sized``: least squares on the relative error where the sized
-    parts span FIT_SPREAD or more and both factors come out positive; else one factor on both, the
-    median ratio of measured seconds to the reference's."""
+    parts span FIT_SPREAD or more and both factors come out positive; else from the median ratio k
+    of measured seconds to the reference's: one factor on both where this machine is as fast or
+    faster, and where it is slower ``b = k ** slowed`` with the overhead taking the rest."""
     sized = [g for f, g, t in points if g > 0]
     if len(sized) >= 2 and max(sized) / min(sized) >= FIT_SPREAD and all(f > 0 for f, _, _ in points):
         rows = [(f / t, g / t) for f, g, t in points if t > 0]
@@ -282,6 +300,11 @@ def _fit_two(points: list[tuple[float, float, float]]) -> tuple[float, float]:
                 return a, b
     ratios = [t / (f + g) for f, g, t in points if f + g > 0]
     k = statistics.median(ratios) if ratios else 1.0
+    if k > 1 and all(f > 0 for f, _, _ in points):
+        b = k ** slowed
+        a = statistics.median((t - b * g) / f for f, g, t in points)
+        if a >= b:
+            return a, b
     return k, k
 
 
