@@ -125,12 +125,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--dry-run", action="store_true",
                    help="plan only: the jobs, and an estimate of GPU and wall time; needs no checkpoint, "
                         "writes nothing")
-    r.add_argument("--add", action="store_true",
-                   help="render this batch into a folder that holds another batch's jobs, beside them")
-    r.add_argument("--force", action="store_true",
-                   help="write into a non-empty folder that is not a pan2-render output")
-    r.add_argument("--prune", action="store_true",
-                   help="drop the folder's jobs that are not in this batch and not done (resume would render them)")
+    add_folder_args(r)
     r.add_argument("--no-farm", action="store_true",
                    help="render in this process even where a farm runs (default: a running farm takes the batch, "
                         "and this command follows it)")
@@ -220,6 +215,30 @@ def add_override_args(sp: argparse.ArgumentParser) -> None:
                          "(repeatable; axes multiply)")
 
 
+def add_folder_args(sp: argparse.ArgumentParser) -> None:
+    """What a batch may do to the output folder it is recorded into (`run` and `submit`)."""
+    sp.add_argument("--add", action="store_true",
+                    help="render this batch into a folder that holds another batch's jobs, beside them")
+    sp.add_argument("--force", action="store_true",
+                    help="write into a non-empty folder that is not a pan2-render output")
+    sp.add_argument("--prune", action="store_true",
+                    help="drop the folder's jobs that are not in this batch and not done (resume would render them)")
+
+
+def check_out_folder(out: Path, batch: Any, args: argparse.Namespace) -> int | None:
+    """The exit code when ``batch`` may not be recorded into ``out`` as it stands (said on stderr,
+    nothing written), else None."""
+    if out.exists() and not out.is_dir():
+        _err(f"error: --out {out} is a file, not a folder; name a new or existing folder")
+        return EXIT_USAGE
+    from pan2render.runner.out_check import refusal  # noqa: PLC0415
+
+    if (why := refusal(out, batch.path, {j.job_id for j in batch.jobs}, add=args.add, force=args.force)) is not None:
+        _err(f"error: {why}; nothing was written")
+        return EXIT_USAGE
+    return None
+
+
 # ====================================================================== node
 NODE_PORT = 6379  # Ray's default head port: `--address auto` and `ray status` find it as usual
 
@@ -289,14 +308,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if batch is None:
         return EXIT_USAGE  # nothing written: the out folder is created only after validation
     out: Path = args.out
-    if out.exists() and not out.is_dir():
-        _err(f"error: --out {out} is a file, not a folder; name a new or existing folder")
-        return EXIT_USAGE
-    from pan2render.runner.out_check import refusal  # noqa: PLC0415
-
-    if (why := refusal(out, batch.path, {j.job_id for j in batch.jobs}, add=args.add, force=args.force)) is not None:
-        _err(f"error: {why}; nothing was written")
-        return EXIT_USAGE
+    if (code := check_out_folder(out, batch, args)) is not None:
+        return code
     if args.dry_run:
         _print_plan(batch, out, args)
         print(f"dry run: nothing written to {out}")

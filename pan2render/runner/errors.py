@@ -73,14 +73,18 @@ def explain(e: BaseException, *, folder: Path | None, resume: str | None = None)
             f"with the log named below. {intact}")
 
 
-def broken_checkpoints(broken: dict[str, list[str]], *, resume: str) -> str:
+def broken_checkpoints(broken: dict[str, list[str]], *, resume: str | None) -> str:
     """The paragraph for checkpoint folders that cannot be loaded (``broken``: folder -> problems):
-    no job was started, none was charged."""
+    no job was started, none was charged. ``resume``: the command that renders the recorded jobs
+    once the folder is fixed; None where the farm refused to queue or continue the batch."""
     listed = "; ".join(f"{folder}: " + " / ".join(p.removeprefix(folder).lstrip("/: ") or p for p in problems)
                        for folder, problems in broken.items())
+    then = (f"the jobs stay pending. Fix the folder (or point `model` at a complete one), then `{resume}` renders "
+            f"them." if resume is not None else
+            "the farm does not serve the batch. Fix the folder (or point `model` at a complete one), then submit "
+            "it again (or `pan2-render retry` it, where it was queued).")
     return (f"the checkpoint cannot be loaded ({listed}). No job was started and none was charged an attempt "
-            f"(every job would fail its load the same way): the jobs stay pending. Fix the folder (or point "
-            f"`model` at a complete one), then `{resume}` renders them.")
+            f"(every job would fail its load the same way): {then}")
 
 
 def write_log(folder: Path | None, text: str) -> Path | None:

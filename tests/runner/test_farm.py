@@ -5,7 +5,9 @@ tests/runner/test_farm_process.py runs the farm as `farm start` does, on Ray, an
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 import threading
 import time
 import urllib.error
@@ -130,16 +132,19 @@ def test_an_idle_group_is_released_and_a_new_model_evicts_the_old(tmp_path: Path
     farm, ex = _farm(tmp_path, idle_release_s=0.3)
     farm.submit(_request(tmp_path / "a", [spec("a")]), owner="ann", priority=0)
     _serve_until_idle(farm)
-    other = JobSpec(**{**spec("b").to_dict(), "model": "other-model"})
+    from pan2render.models.tiny import tiny_checkpoint_path
+
+    other_model = str(shutil.copytree(tiny_checkpoint_path(), tmp_path / "other-model"))  # (a folder of its own)
+    other = JobSpec(**{**spec("b").to_dict(), "model": other_model})
     farm.submit(_request(tmp_path / "b", [other]), owner="ann", priority=0)
     _serve_until_idle(farm)
     loads = [m for m in ex.messages if isinstance(m, LoadCall)]
     print("loads:", loads)
     # One GPU: the warm group unloads the first model for the second (no new group), then idles.
-    assert [(m.model, m.unload) for m in loads] == [("tiny", ()), ("other-model", ("tiny",))]
+    assert [(m.model, m.unload) for m in loads] == [("tiny", ()), (other_model, ("tiny",))]
     assert ex.groups_created == 1
     groups = farm.scheduler.pool.describe()
-    assert [g.loads.keys() for g, _, _ in groups] == [{"other-model": None}.keys()]
+    assert [g.loads.keys() for g, _, _ in groups] == [{other_model: None}.keys()]
     time.sleep(0.4)
     farm.step()
     assert farm.scheduler.pool.describe() == []  # released after its idle time
@@ -233,4 +238,46 @@ def test_a_farm_started_again_continues_its_batches_from_their_ledgers(tmp_path:
     assert all(p.stat().st_mtime_ns == t for p, t in {**done_before, **sampled_before}.items())  # nothing redone
     assert len([m for m in ex.messages if isinstance(m, SampleCall)]) == 3 - len(sampled_before)
     assert again.queue.get(b["id"]).state is BatchState.DONE
+    again.close()
+
+
+def test_a_batch_whose_checkpoint_cannot_be_loaded_is_not_served(tmp_path: Path) -> None:
+    """Refused before it is queued (422, nothing written); and a queued batch whose checkpoint broke
+    since is not retried, nor continued when the farm starts again: every job would fail its load
+    the same way, so none is started or charged."""
+    from pan2render.models.tiny import tiny_checkpoint_path
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint_path(), ckpt)
+    (broken := tmp_path / "broken").mkdir()
+    (broken / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
+    farm, _ = _farm(tmp_path)
+    with pytest.raises(FarmRequestError, match="the checkpoint cannot be loaded") as refused:
+        farm.submit(_request(tmp_path / "never", [dataclasses.replace(spec("a"), model=str(broken))]),
+                    owner="ann", priority=0)
+    assert refused.value.status == 422 and "transformer" in str(refused.value) and "submit it again" in str(refused.value)
+    assert not (tmp_path / "never").exists() and not farm.queue.batches(include_ended=True)
+
+    jobs = [dataclasses.replace(spec(n), model=str(ckpt)) for n in ("a", "b")]
+    cancelled = farm.submit(_request(tmp_path / "out", jobs), owner="ann", priority=0)
+    farm.cancel(cancelled["id"])
+    _serve_until_idle(farm)
+    left = farm.submit(_request(tmp_path / "left", [dataclasses.replace(spec("c"), model=str(ckpt))]),
+                       owner="bob", priority=0)
+    farm.close()  # before a step: its job is queued, the batch active
+    shutil.rmtree(ckpt / "transformer")
+
+    again, ex = _farm(tmp_path)
+    with pytest.raises(FarmRequestError, match="transformer") as refused:
+        again.retry(cancelled["id"])
+    assert refused.value.status == 422 and again.describe(cancelled["id"])["state"] == "cancelled"
+    again.resume_unfinished()
+    row = again.queue.get(left["id"])
+    assert row.state is BatchState.STOPPED and "the checkpoint cannot be loaded" in row.reason
+    _serve_until_idle(again)
+    assert not ex.calls  # no group was asked for anything
+    for out in ("out", "left"):
+        led = Ledger.open_readonly(tmp_path / out)
+        assert all(j.state is not JobState.DONE and j.attempts == 0 for j in led.jobs())
+        led.close()
     again.close()

@@ -66,7 +66,7 @@ def make_app(farm: Farm, *, token: str) -> web.Application:
         try:
             result = await asyncio.wait_for(asyncio.wrap_future(farm.ask(fn)), ASK_TIMEOUT_S)
         except (FarmRequestError, QueueError) as e:
-            return _error(409, str(e))
+            return _error(e.status if isinstance(e, FarmRequestError) else 409, str(e))
         except (KeyError, ValueError, TypeError) as e:
             return _error(400, f"bad request: {type(e).__name__}: {e}")
         except asyncio.TimeoutError:

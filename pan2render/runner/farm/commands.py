@@ -66,6 +66,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     s.add_argument("--retries", type=int, default=2, metavar="N", help="retries per job (default 2)")
     _root_arg(s)
     cli.add_override_args(s)
+    cli.add_folder_args(s)
     s.set_defaults(func=cmd_submit)
 
     q = sub.add_parser("queue", help="the farm's batches: owner, priority, state, progress, ETA")
@@ -229,20 +230,19 @@ def cmd_submit(args: argparse.Namespace) -> int:
     batch = cli.load_batch_or_report(args.batch, overrides, check_model=True)
     if batch is None:
         return EXIT_USAGE
+    if (code := cli.check_out_folder(args.out, batch, args)) is not None:
+        return code
     client = _client(args.root)
     if client is None:
         return EXIT_ENVIRONMENT
     return submit(client, batch, overrides, out=args.out, priority=args.priority, retries=args.retries,
-                  wait=args.wait, preempt=args.preempt)
+                  wait=args.wait, preempt=args.preempt, prune=args.prune)
 
 
 def submit(client: FarmClient, batch: Any, overrides: Any, *, out: Path, priority: int, retries: int,
            wait: bool, preempt: bool = False, prune: bool = False) -> int:
     from pan2render.runner.session import BatchRequest  # noqa: PLC0415
 
-    if out.exists() and not out.is_dir():
-        _err(f"error: --out {out} is a file, not a folder; name a new or existing folder")
-        return EXIT_USAGE
     request = BatchRequest(out_dir=out.absolute(), batch=batch, overrides=overrides, retries=retries, prune=prune)
     log_start = _log_size(out)
     try:
@@ -250,6 +250,7 @@ def submit(client: FarmClient, batch: Any, overrides: Any, *, out: Path, priorit
                                          "preempt": preempt})
     except FarmError as e:
         _err(f"error: the farm refused the batch: {e}")
+        # 422: the batch is valid but cannot be rendered as things stand (its checkpoint), as `run`'s 3
         return EXIT_USAGE if e.status in (400, 409) else EXIT_ENVIRONMENT
     print(f"queued batch {b['id']}: {b['counts']['total']} job(s) into {b['out_dir']}, priority {priority} "
           f"(`pan2-render queue` lists the farm's batches)", flush=True)

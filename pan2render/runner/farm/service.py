@@ -29,16 +29,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pan2render.jobs.ledger import FolderLock, FolderLockedError, JobState
-from pan2render.runner.executor import Executor
+from pan2render.jobs.ledger import FolderLock, FolderLockedError, JobState, Ledger
+from pan2render.runner import errors
 from pan2render.runner.errors import UnrecordedWork
+from pan2render.runner.executor import Executor
 from pan2render.runner.farm.queue import BatchEvent, BatchState, FarmQueue, QueuedBatch
 from pan2render.runner.jobflow import BatchFlow
 from pan2render.runner.pool import GroupPool
 from pan2render.runner.progress import RunProgress
 from pan2render.runner.report import ReportUpdater
 from pan2render.runner.scheduler import DriverConfig, Scheduler, ServedBatch
-from pan2render.runner.session import BatchRequest, BatchSession
+from pan2render.runner.session import BatchRequest, BatchSession, checkpoint_problems
 from pan2render.runner.stages import PAN2_FLOW
 
 PUBLISH_EVERY_S = 0.5  # the snapshot's age at most (each publish reads every served batch's ledger)
@@ -69,7 +70,12 @@ class FarmConfig:
 
 
 class FarmRequestError(RuntimeError):
-    """A client's request the farm refuses (the reason is sent back as is)."""
+    """A client's request the farm refuses (the reason is sent back as is, with the HTTP status:
+    409 a conflict with the farm's state, 422 a batch that cannot be rendered as things stand)."""
+
+    def __init__(self, message: str, *, status: int = 409):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -151,6 +157,8 @@ class Farm:
         if (other := self.queue.active_for(out)) is not None:
             raise FarmRequestError(f"{out} is already served by batch {other.id} on this farm; wait for it to end "
                                    f"or `pan2-render cancel {other.id}`, or choose another --out")
+        if broken := checkpoint_problems(request.batch.jobs):
+            raise FarmRequestError(errors.broken_checkpoints(broken, resume=None), status=422)
         title = (f"submit {request.batch.path} {' '.join(request.overrides.flags())}".rstrip()
                  + f" (farm {self.root}, priority {priority}, owner {owner})")
         try:
@@ -214,6 +222,8 @@ class Farm:
         row = self.queue.get(batch_id)
         if row.id in self.served:
             raise FarmRequestError(f"batch {row.id} is {row.state.value}: it is being served; retry it once it ends")
+        if broken := self._broken_checkpoints(row):
+            raise FarmRequestError(errors.broken_checkpoints(broken, resume=None), status=422)
         session = BatchSession.reopen(Path(row.out_dir), stream=None, job_ids=row.job_ids,
                                       title=f"farm: retry of batch {row.id} ({{batch}})")
         row = self.queue.transition(row.id, BatchEvent.RETRY, reason="retried by a client")
@@ -236,6 +246,11 @@ class Farm:
     def resume_unfinished(self) -> None:
         """At start: every batch of the queue that has not ended is served again from its ledger."""
         for row in self.queue.batches(include_ended=False):
+            if broken := self._broken_checkpoints(row):
+                why = errors.broken_checkpoints(broken, resume=None)
+                self.queue.transition(row.id, BatchEvent.STOP, reason=why)
+                self.log(f"{row.id}: not continued: {why}")
+                continue
             try:
                 session = BatchSession.reopen(Path(row.out_dir), stream=None, job_ids=row.job_ids,
                                               title=f"farm: continuing batch {row.id} ({{batch}}) after the "
@@ -246,6 +261,20 @@ class Farm:
                 continue
             self.log(f"{row.id}: continued from its ledger ({row.out_dir})")
             self._serve(row, session, revive_cancelled=False)
+
+    @staticmethod
+    def _broken_checkpoints(row: QueuedBatch) -> dict[str, list[str]]:
+        """The checkpoint folders the batch's unfinished jobs name that cannot be loaded (checked
+        before a batch is served again: each of its jobs would fail its load the same way)."""
+        try:
+            ledger = Ledger.open_readonly(Path(row.out_dir))
+        except Exception:  # noqa: BLE001 - an unreadable folder: reopening it says what is wrong
+            return {}
+        try:
+            specs = [j.spec for j in ledger.jobs(row.job_ids) if j.state is not JobState.DONE]
+        finally:
+            ledger.close()
+        return checkpoint_problems(specs)
 
     def _serve(self, row: QueuedBatch, session: BatchSession, *, revive_cancelled: bool = True) -> None:
         try:
