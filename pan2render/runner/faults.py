@@ -4,6 +4,7 @@ every failure path can be met on demand. Unused in production (the dict is empty
 
 from __future__ import annotations
 
+import glob
 import os
 import time
 from collections.abc import Callable
@@ -28,8 +29,10 @@ if hasattr(torch, "AcceleratorError"):  # a device fault by torch's own type (re
 
 
 class FaultHooks:
-    """faults = {"crash": {"job": NAME, "step": K, "marker": PATH}}: exit the process at sampling
-                   step K of job NAME, once (the marker file records that it happened);
+    """faults = {"crash": {"job": NAME, "step": K, "marker": PATH, "after": GLOB}}: exit the process
+                   at sampling step K of job NAME, once (the marker file records that it happened);
+                   with "after", only once a file matches GLOB (the driver has written a step
+                   checkpoint: waited for, up to 120 s, so a loaded machine cannot reorder them);
                  {"fail": {"job": NAME, "stage": "sampling"|"decode"|"encode", "raise": TYPE}}: raise
                    there, always; TYPE (default RuntimeError) names one of FAULT_TYPES, so a test can
                    meet each failure class;
@@ -54,6 +57,9 @@ class FaultHooks:
         if not crash or crash["job"] != js.name or step != int(crash["step"]) or self.rank != 0:
             return
         if _first_time(Path(crash["marker"]), step):
+            deadline = time.monotonic() + 120
+            while crash.get("after") and not glob.glob(crash["after"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
             self._die()
 
     def at_stage(self, js: JobSpec, stage: str) -> None:

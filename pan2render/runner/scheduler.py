@@ -10,41 +10,35 @@ What a failure costs the job and whether its group takes the next job is decided
 
 :class:`Scheduler` serves any number of batches (each a :class:`ServedBatch`: its flow, its
 progress, its priority); ``driver.Driver`` is the scheduler serving one batch until it is done, as
-``pan2-render run`` does, and the farm (``farm.py``) is the scheduler kept up. Pending jobs start strictly in queue order (priority, then when their
-batch was served, then their order in it): when the head job's group size is not free, later jobs
-wait too, so a 4-GPU job is never starved by a stream of 1-GPU jobs taking every GPU that frees
-up (the pool tears idle groups down for it).
+``pan2-render run`` does, and the farm (``farm/``) is the scheduler kept up. What it serves and
+how is ``serving.py``'s; what it watches (call deadlines, hung samplings, their steps, a cluster
+that lost GPUs) is ``watch.py``'s. Pending jobs start strictly in queue order (priority, then when
+their batch was served, then their order in it): when the head job's group size is not free, later
+jobs wait too, so a 4-GPU job is never starved by a stream of 1-GPU jobs taking every GPU that
+frees up (the pool tears idle groups down for it).
 """
 
 from __future__ import annotations
 
 import itertools
-import json
-import time
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from pan2render.jobs.ledger import EventKind, JobEvent, JobRecord, JobState, Ledger, Stage, StageState, stage_name
+from pan2render.jobs.ledger import EventKind, JobEvent, JobRecord, JobState, Stage, StageState, stage_name
 from pan2render.runner.executor import Call, Executor, Group, GroupDied, GroupStartError
-from pan2render.runner.messages import WorkerCall
-from pan2render.runner.jobflow import SAMPLING_STEP_DOC, BatchFlow, JobRun
+from pan2render.runner.jobflow import JobRun
 from pan2render.runner.messages import (
-    JOB_CALLS,
     MAX_ENCODES_IN_FLIGHT,
     CheckpointReply,
     FetchCheckpointCall,
     Lane,
     SampleCall,
     StopSamplingCall,
-    default_call_timeouts,
+    WorkerCall,
 )
 from pan2render.runner.pool import GroupPool
-from pan2render.runner.progress import RunProgress, StepReport
 from pan2render.runner.retry import (
     Action,
     BatchStopped,
-    ClusterLostError,
     Decision,
     Failure,
     FailureKind,
@@ -52,84 +46,11 @@ from pan2render.runner.retry import (
     RetryPolicy,
     classify_exception,
 )
+from pan2render.runner.serving import DriverConfig, QueuedJob, ServedBatch
 from pan2render.runner.timeline import stamp
+from pan2render.runner.watch import ClusterWait, StepRecorder, hung, overdue, sampling, started_sampling
 
-
-@dataclass(frozen=True)
-class DriverConfig:
-    retries: int = 2  # retries per job after its first attempt (resume grants a fresh budget)
-    poll_s: float = 0.5  # longest the loop sleeps in ray.wait before checking deadlines/progress
-    group_start_timeout_s: float = 300.0
-    # Per-call deadlines, by each call type's timeout_key (defaults: messages.py); a call past its
-    # deadline is treated as a dead group.
-    call_timeouts_s: dict[str, float] = field(default_factory=default_call_timeouts)
-    progress: bool = True  # a live block on stderr when it is a terminal (else plain lines)
-    # How long the batch waits for GPUs to come back after the cluster lost the ones a job needs
-    # (a node died, its raylet or the GCS restarted) before it stops with a message.
-    cluster_wait_s: float = 300.0
-    # Times a job's artifact may be redone in one run because it failed its check (corrupt on
-    # disk, or freshly written and rejected) before the job fails with the check's reason.
-    max_redos: int = 2
-    # A sampling that reports no step for this long is hung (a worker stopped, a collective that
-    # never completes): its group is torn down and the job retried, charged. A step of a 720p
-    # sampling takes ~1.6 s on an H200; 0 turns the watchdog off.
-    stall_timeout_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        if self.retries < 0:
-            raise ValueError(f"retries={self.retries} must be >= 0 (0 = no retries)")
-        if self.cluster_wait_s < 0 or self.max_redos < 0 or self.stall_timeout_s < 0:
-            raise ValueError(f"cluster_wait_s={self.cluster_wait_s}, max_redos={self.max_redos} and "
-                             f"stall_timeout_s={self.stall_timeout_s} must be >= 0")
-        if self.poll_s <= 0:
-            raise ValueError(f"poll_s={self.poll_s} must be > 0")
-        missing = {c.timeout_key for c in JOB_CALLS} - set(self.call_timeouts_s)
-        if missing:
-            raise ValueError(f"call_timeouts_s lacks {sorted(missing)}")
-
-
-_served = itertools.count()
-STEP_RECORD_EVERY_S = 5.0  # a running sampling's step goes to its ledger at most this often
-
-
-@dataclass(eq=False)
-class ServedBatch:
-    """One batch the scheduler serves: its flow (folder + ledger), its progress, its place in the
-    queue. ``on_job_end``: called from the loop after any of its jobs finished or failed (e.g. to
-    refresh the report); it must return quickly."""
-
-    flow: BatchFlow
-    progress: RunProgress
-    priority: int = 0  # higher first
-    on_job_end: Callable[[], None] | None = None
-    paused: bool = False  # no new job of it starts
-    # Its queued jobs may stop a lower-priority batch's sampling at a step boundary to take its
-    # group (the stopped job continues from its step checkpoint later).
-    preempts: bool = False
-    seq: int = field(default_factory=lambda: next(_served))  # served earlier, first among equals
-    stop: BaseException | None = None  # set on a full disk: start nothing more of it
-    ended: int = 0  # jobs ended (done or failed) while served
-    _ended_seen: int = 0
-
-    @property
-    def ledger(self) -> Ledger:
-        return self.flow.ledger
-
-    def notify_job_end(self) -> None:
-        if self.on_job_end is not None and self.ended != self._ended_seen:
-            self._ended_seen = self.ended
-            self.on_job_end()
-
-
-@dataclass(eq=False)
-class _Queued:
-    batch: ServedBatch
-    job_id: str
-    gpus: int
-    model: str
-    adapters: frozenset[str]  # its LoRA files' digests: a group holding them is preferred
-    order: int  # first queued first, among jobs of one priority and batch
-    avoid: frozenset[str] = frozenset()  # groups it failed on in this run: others first
+__all__ = ["DriverConfig", "Scheduler", "ServedBatch"]
 
 
 class Scheduler:
@@ -141,15 +62,15 @@ class Scheduler:
         self.pool = pool or GroupPool(executor, total_gpus=executor.total_gpus(),
                                       start_timeout_s=config.group_start_timeout_s)
         self._max_group = executor.max_group_size()  # a group's GPUs must all be on one node
-        self._queue: list[_Queued] = []
+        self._queue: list[QueuedJob] = []
         self._active: dict[tuple[int, str], JobRun] = {}  # (batch seq, job id) -> its attempt
         self._batch_of: dict[int, ServedBatch] = {}
         self._order = itertools.count()
         self._policy = RetryPolicy()
-        self._lost_since: float | None = None  # monotonic time the cluster lost a job's GPUs
+        self._cluster = ClusterWait(executor, wait_s=config.cluster_wait_s)
         self._groups_seen: set[str] = set()  # groups whose placement the run log has told
         self._failed_on: dict[tuple[int, str], set[str]] = {}  # (batch seq, job id) -> groups it failed on
-        self._steps_recorded: dict[tuple[int, str], tuple[float, int]] = {}  # -> (monotonic, step) last written
+        self._steps = StepRecorder()
 
     # ================================================================== what it serves
     def serve(self, batch: ServedBatch, job_ids: list[str]) -> None:
@@ -175,7 +96,7 @@ class Scheduler:
         return bool(self._active) or any(q.batch.stop is None and not q.batch.paused for q in self._queue)
 
     def _enqueue(self, batch: ServedBatch, job: JobRecord) -> None:
-        self._queue.append(_Queued(batch, job.id, job.spec.gpus, job.spec.model,
+        self._queue.append(QueuedJob(batch, job.id, job.spec.gpus, job.spec.model,
                                    frozenset(sha for sha, _ in job.spec.lora_digests if sha), next(self._order),
                                    frozenset(self._failed_on.get((batch.seq, job.id), ()))))
         self.reorder()
@@ -185,7 +106,7 @@ class Scheduler:
         self._queue.sort(key=lambda q: (-q.batch.priority, q.batch.seq, q.order))
 
     def running_on(self, group: Group) -> list[JobRun]:
-        return self._jobs_on(group)
+        return [r for r in self._active.values() if r.group is group]
 
     # ================================================================== stops: cancel, preemption
     def cancel(self, batch: ServedBatch, job_ids: list[str] | None, *, reason: str) -> list[JobRun]:
@@ -213,7 +134,7 @@ class Scheduler:
         self.ex.call(run.group, StopSamplingCall(job_id=run.job.id), timeout_s=StopSamplingCall.default_timeout_s)
         return True
 
-    def _preempt_for(self, q: _Queued) -> None:
+    def _preempt_for(self, q: QueuedJob) -> None:
         """``q`` waits for a group while a lower-priority batch's job samples on one of its size:
         that sampling stops at its next step boundary, checkpointed, and its job goes back to the
         queue (uncharged); ``q`` then takes the group."""
@@ -262,35 +183,16 @@ class Scheduler:
         calls = [c for r in self._active.values() for c in (r.call, r.side) if c is not None]
         for call in self.ex.wait(calls, timeout_s=self.config.poll_s):
             self._on_ready(call)
-        self._check_deadlines()
-        if any(r.call is not None and isinstance(r.call.message, SampleCall) for r in self._active.values()):
+        self._tear_down(overdue(list(self._active.items()), lacks_gpus_for=self.ex.lacks_gpus_for))
+        if any(sampling(r) for r in self._active.values()):
             reports = self.ex.progress()  # a Ray call: only while a job samples
             for batch in self._batch_of.values():
                 batch.progress.steps(reports)
-            self._check_stalls(reports)
-            self._record_steps(reports)
+            self._tear_down(hung(list(self._active.items()), reports, limit_s=self.config.stall_timeout_s))
+            self._steps.record([(k, r, self._batch_of[k[0]].ledger) for k, r in self._active.items()], reports)
         for batch in self._batch_of.values():
             batch.progress.tick()
             batch.notify_job_end()
-
-    def _record_steps(self, reports: dict[str, StepReport]) -> None:
-        """Each sampling's latest step into its ledger, at most every STEP_RECORD_EVERY_S per job
-        (``status``, another process, reads it there); a write the disk refuses costs only that."""
-        now = time.monotonic()
-        for key, run in self._active.items():
-            rep = reports.get(run.job.id)
-            if rep is None or run.call is None or not isinstance(run.call.message, SampleCall):
-                continue
-            last = self._steps_recorded.get(key)
-            if last is not None and (now - last[0] < STEP_RECORD_EVERY_S or last[1] == rep.done):
-                continue
-            self._steps_recorded[key] = (now, rep.done)
-            doc = {"step": rep.done, "steps": rep.total, "rate": rep.rate, "at": time.time()}
-            try:
-                self._batch_of[key[0]].ledger.set_document(run.job.id, SAMPLING_STEP_DOC, json.dumps(doc))
-            except Exception as e:  # noqa: BLE001 - only a full disk is expected; the batch goes on
-                if classify_exception(e) is not FailureKind.STORAGE:
-                    raise
 
     def interrupt_all(self, reason: str, *, outcome: str = "interrupted", detail: str = "") -> None:
         """Every running job back to pending, uncharged (the run stops, or the cluster went)."""
@@ -343,15 +245,12 @@ class Scheduler:
         within MAX_ENCODES_IN_FLIGHT."""
         held = {id(r.group): r.group for r in self._active.values() if r.group.size == size and r.group.id not in avoid}
         for group in held.values():
-            jobs = self._jobs_on(group)
+            jobs = self.running_on(group)
             on_gpu = [r for r in jobs if not r.encoding]
             free = not on_gpu or (behind_decode and len(on_gpu) == 1 and on_gpu[0].decoding)
             if free and len(jobs) < MAX_ENCODES_IN_FLIGHT:
                 return group
         return None
-
-    def _jobs_on(self, group: Group) -> list[JobRun]:
-        return [r for r in self._active.values() if r.group is group]
 
     def _say_placed(self, batch: ServedBatch, group: Group) -> None:
         """The run log's start-up line of a group the first time it takes a job (stamps: seconds
@@ -367,7 +266,7 @@ class Scheduler:
     def _leave(self, batch: ServedBatch, run: JobRun) -> None:
         """The job no longer runs on its group; the group goes back to the pool once it holds no job."""
         del self._active[(batch.seq, run.job.id)]
-        if not self._jobs_on(run.group):
+        if not self.running_on(run.group):
             self.pool.release(run.group)
 
     def _advance(self, batch: ServedBatch, run: JobRun) -> None:
@@ -394,7 +293,7 @@ class Scheduler:
         batch.progress.stage(run.job.id, message.shown)
         run.call = self._call(run, message)
         if isinstance(message, SampleCall):
-            run.sample_started_at, run.last_step = time.time(), None
+            started_sampling(run)
         if isinstance(message, SampleCall) and run.job.spec.checkpoint_every > 0:
             run.side = self._call(run, FetchCheckpointCall(job_id=run.job.id, after_step=0))
         if run.cancel is not None or run.preempted:  # asked before this call went out
@@ -469,6 +368,13 @@ class Scheduler:
         self._advance(batch, run)
 
     # ================================================================== failures
+    def _tear_down(self, found: list[tuple[tuple[int, str], JobRun, Failure]]) -> None:
+        """Each run the watch found overdue or hung: its group torn down, as a dead one."""
+        for key, run, failure in found:
+            if key in self._active:  # (not a job of a group torn down for an earlier one)
+                run.call = None
+                self._group_died(self._batch_of[key[0]], run, failure)
+
     def _group_died(self, batch: ServedBatch, run: JobRun, failure: Failure) -> None:
         self._call_failed(batch, run, failure, OnGroup(size=run.group.size), died=True)
 
@@ -522,8 +428,8 @@ class Scheduler:
         if decision.action is Action.REQUEUE:
             if decision.stop_batch and batch.stop is None:
                 batch.stop = BatchStopped(failure.cause or RuntimeError(failure.message))
-            if failure.kind is FailureKind.CLUSTER_LOST and self._lost_since is None:
-                self._lost_since = time.monotonic()
+            if failure.kind is FailureKind.CLUSTER_LOST:
+                self._cluster.lose()
             self._requeue(batch, job_id, f"{decision.reason}: {failure.message}")
             batch.progress.job_ended(job_id, "requeued", f"{line}; {decision.reason}")
             return
@@ -548,30 +454,16 @@ class Scheduler:
             self._enqueue(batch, batch.ledger.job(job_id))
 
     def _cluster_ready(self) -> bool:
-        """After the cluster lost GPUs: have enough come back for every queued job? Raises
-        ClusterLostError once they have been gone for ``cluster_wait_s``."""
-        if self._lost_since is None:
-            return True
-        need = max((q.gpus for q in self._queue), default=0)
-        try:
-            available = self.ex.total_gpus()
-        except Exception:  # noqa: BLE001 - the cluster cannot even be asked
-            available = 0
-        if available >= need:
-            self.pool.total_gpus = available
-            self._lost_since = None
-            for batch in self._batch_of.values():
-                batch.progress.say(f"the cluster has {available} GPU(s) again; continuing")
-            return True
-        waited = time.monotonic() - self._lost_since
-        if waited > self.config.cluster_wait_s and not self._active:  # running jobs finish first
-            folders = " ".join(str(b.flow.out_dir) for b in self._batch_of.values())
-            raise ClusterLostError(
-                f"{self.ex.cluster} lost its GPUs ({available} left, {need} needed) and they did not come back "
-                f"within {self.config.cluster_wait_s:.0f} s; the {len(self._queue)} unfinished job(s) are "
-                f"pending, none was charged an attempt. Bring the node(s) back (`ray status` on the head "
-                f"shows them), then `pan2-render resume {folders}`")
-        return False
+        """After the cluster lost GPUs: have enough come back for every queued job? (Raises
+        ClusterLostError once they have been gone too long, no job running.)"""
+        back = self._cluster.back(need=max((q.gpus for q in self._queue), default=0), running=bool(self._active),
+                                  queued=len(self._queue), folders=[b.flow.out_dir for b in self._batch_of.values()])
+        if back is None:
+            return not self._cluster.lost
+        self.pool.total_gpus = back
+        for batch in self._batch_of.values():
+            batch.progress.say(f"the cluster has {back} GPU(s) again; continuing")
+        return True
 
     def _fail_unrunnable(self, batch: ServedBatch, job: JobRecord) -> None:
         msg = (f"needs a group of {job.spec.gpus} GPUs but the cluster has {self.pool.total_gpus} "
@@ -581,40 +473,3 @@ class Scheduler:
         batch.progress.job_ended(job.id, "FAILED", msg)
         batch.ended += 1
 
-    def _check_stalls(self, reports: dict[str, StepReport]) -> None:
-        """The watchdog: a sampling whose last step (or whose start) is older than the stall timeout
-        is hung; its group is torn down like a dead one, and the job retried (charged)."""
-        limit = self.config.stall_timeout_s
-        if not limit:
-            return
-        now = time.time()
-        for key, run in list(self._active.items()):
-            if key not in self._active or run.call is None or not isinstance(run.call.message, SampleCall):
-                continue
-            report = reports.get(run.job.id)
-            if report is not None and report.received_at >= run.sample_started_at:  # (not an earlier attempt's)
-                run.last_step = report
-            # A missing snapshot (the progress actor busy) keeps the last step seen: no false alarm.
-            last = run.last_step.received_at if run.last_step is not None else run.sample_started_at
-            if now - last <= limit:
-                continue
-            where = f"last step {run.last_step.done}/{run.last_step.total}" if run.last_step else "no step yet"
-            run.call = None
-            self._group_died(self._batch_of[key[0]], run, Failure(
-                stage=Stage.SAMPLING, kind=FailureKind.WORKER_DEATH,
-                error=f"worker group {run.group.id} is hung: its sampling reported no step for {now - last:.0f} s "
-                      f"({where}), over the {limit:.0f} s stall timeout"))
-
-    def _check_deadlines(self) -> None:
-        now = time.monotonic()
-        for key, run in list(self._active.items()):
-            if key not in self._active:
-                continue  # failed with a group torn down for an earlier job of this loop
-            if run.call is not None and now - run.call.started > run.call.timeout_s:
-                message, limit = run.call.message, run.call.timeout_s
-                run.call = None
-                kind = FailureKind.CLUSTER_LOST if self.ex.lacks_gpus_for(run.group.size) else FailureKind.WORKER_DEATH
-                self._group_died(self._batch_of[key[0]], run, Failure(
-                    stage=message.stage or Stage.CONDITIONING, kind=kind,
-                    error=f"worker group {run.group.id} died or stopped answering: no reply to "
-                          f"{type(message).__name__} within its {limit:.0f} s deadline"))

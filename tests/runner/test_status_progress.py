@@ -15,7 +15,7 @@ from runner_helpers import write_batch
 
 from pan2render.jobs.batch import load_batch
 from pan2render.jobs.ledger import FolderLock, JobEvent, Ledger, Stage, StageState
-from pan2render.runner import cli, scheduler
+from pan2render.runner import cli, watch
 from pan2render.runner.driver import Driver, DriverConfig
 from pan2render.runner.jobflow import SAMPLING_STEP_DOC, STEP_CHECKPOINT_DOC
 from pan2render.runner.executor import Call, Group
@@ -105,7 +105,7 @@ def test_the_scheduler_records_the_steps_the_workers_report(
     """A fake sampling of 12 steps of 0.1 s, the recording interval made 0: the ledger holds the
     step of the sampling as reported while it ran."""
     monkeypatch.setenv("PAN2_FAKE_STEP_SECONDS", "0.1")
-    monkeypatch.setattr(scheduler, "STEP_RECORD_EVERY_S", 0.0)
+    monkeypatch.setattr(watch, "STEP_RECORD_EVERY_S", 0.0)
     batch = write_batch(tmp_path / "b.yaml", [{"name": "slow", "prompt": "x"}], defaults={"steps": 12})
     out = tmp_path / "out"
     out.mkdir()

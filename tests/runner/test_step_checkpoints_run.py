@@ -69,8 +69,11 @@ def test_a_sampling_whose_worker_dies_continues_from_its_step_checkpoint_bit_equ
     assert whole.returncode == 0
     marker = tmp_path / "crashed"
     crash_at = defaults["steps"] - 1
-    faults = {"crash": {"job": "long", "step": crash_at, "marker": str(marker)}}
     out = tmp_path / "interrupted"
+    # The worker dies once the driver holds a step checkpoint (on a loaded machine the whole
+    # sampling can end before the first one is fetched).
+    faults = {"crash": {"job": "long", "step": crash_at, "marker": str(marker),
+                        "after": str(out / "*" / "sampling.ckpt.safetensors")}}
     cut = _run(["run", str(batch), "--out", str(out), "--cpu-gpus", str(gpus)],
                _env(PAN2_RENDER_FAULTS=json.dumps(faults)))
     assert cut.returncode == 0 and marker.exists()  # the worker died at step crash_at, the retry finished
