@@ -143,7 +143,7 @@ def make_app(farm: Farm, *, token: str) -> web.Application:
         return _json({"stopping": True})
 
     app = web.Application(middlewares=[monitor.guard, auth], client_max_size=256 << 20)
-    monitor.add_routes(app, farm)
+    monitor.add_routes(app, farm, ask_timeout_s=ASK_TIMEOUT_S)
     app.add_routes([
         web.get("/api/status", status),
         web.get("/api/batches", batches),

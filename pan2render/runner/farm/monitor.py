@@ -35,6 +35,7 @@ from aiohttp import web
 from pan2render.jobs import outdir
 from pan2render.jobs.ledger import Ledger
 from pan2render.runner.artifacts import VIDEO_NAME
+from pan2render.runner.farm.queue import QueueError
 from pan2render.runner.farm.service import Farm
 from pan2render.runner.outputs import PARAMS_NAME
 from pan2render.runner.report import POSTER_DIR, Grid, batch_view, report_path
@@ -116,8 +117,9 @@ def _not_found(message: str) -> web.HTTPNotFound:
     return web.HTTPNotFound(text=json.dumps({"error": message}), content_type="application/json")
 
 
-def add_routes(app: web.Application, farm: Farm) -> None:
-    """The monitor's routes on the farm's API (``api.make_app``)."""
+def add_routes(app: web.Application, farm: Farm, *, ask_timeout_s: float) -> None:
+    """The monitor's routes on the farm's API (``api.make_app``); ``ask_timeout_s``: the longest a
+    read waits for the farm's main thread."""
     closing = asyncio.Event()
 
     async def on_shutdown(_: web.Application) -> None:
@@ -147,7 +149,8 @@ def add_routes(app: web.Application, farm: Farm) -> None:
         await response.prepare(request)
         sent, quiet = "", 0.0
         while not closing.is_set():
-            data = json.dumps(farm.snapshot())
+            snap = farm.snapshot()  # ({} until the farm's first pass has published one)
+            data = json.dumps(snap) if snap else sent
             if data != sent:
                 await response.write(f"event: snapshot\ndata: {data}\n\n".encode())
                 sent, quiet = data, 0.0
@@ -161,11 +164,11 @@ def add_routes(app: web.Application, farm: Farm) -> None:
         return response
 
     async def view(request: web.Request) -> web.Response:
-        batch = _served_batch(farm, request.match_info["id"])
+        batch = await _served_batch(farm, request.match_info["id"], ask_timeout_s)
         return web.json_response(await asyncio.get_running_loop().run_in_executor(None, _view, batch))
 
     async def file(request: web.Request) -> web.StreamResponse:
-        batch = _served_batch(farm, request.match_info["id"])
+        batch = await _served_batch(farm, request.match_info["id"], ask_timeout_s)
         rel = request.match_info["path"]
         if not _SERVED_FILES.fullmatch(rel):
             raise _not_found(f"{rel!r}: the monitor serves a job's {VIDEO_NAME} and {PARAMS_NAME} and the report's "
@@ -198,12 +201,13 @@ def _static(name: str) -> bytes:
     return resources.files("pan2render.runner").joinpath("templates", "static", name).read_bytes()
 
 
-def _served_batch(farm: Farm, batch_id: str) -> dict[str, Any]:
-    """The batch as the farm last published it: only a batch of the farm's queue has files here."""
-    found = next((b for b in farm.snapshot().get("batches", []) if b["id"] == batch_id), None)
-    if found is None:
-        raise _not_found(f"no batch {batch_id!r} on this farm")
-    return found
+async def _served_batch(farm: Farm, batch_id: str, timeout_s: float) -> dict[str, Any]:
+    """The batch as the farm's queue has it now (asked of its main thread, as every read of the
+    queue is): only a batch of the farm's queue has files here."""
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(farm.ask(lambda: farm.describe(batch_id))), timeout_s)
+    except QueueError as e:
+        raise _not_found(str(e)) from None
 
 
 def _open_inside(out_dir: Path, rel: str) -> tuple[int, int]:
