@@ -321,7 +321,7 @@ function links(b, view) {
 
 function liveText(job, live) {
   const r = live.get(job.id);
-  if (!r) return job.state === "done" ? "" : (job.stage || "");
+  if (!r) return {done: "", pending: "waiting", cancelled: ""}[job.state] ?? (job.stage || "");
   if (r.step !== null && r.total) {
     return `${r.stage} ${r.step}/${r.total}` + (r.rate ? ` · ${r.rate.toFixed(2)} step/s` : "");
   }
