@@ -205,12 +205,14 @@ class _GuardedStream:
 
 # ---------------------------------------------------------------------------------------- progress
 @dataclass
-class _Running:
+class RunningJob:
+    """A job between its start and its end, as the progress shows it (read it, never change it)."""
+
     job_id: str
     group: str
     stage: str
-    stage_since: float  # monotonic
-    steps: StepReport | None = None
+    stage_since: float  # RunProgress.clock's time the stage began
+    steps: StepReport | None = None  # while sampling: its latest steps
 
 
 def duration(seconds: float) -> str:
@@ -236,7 +238,7 @@ class RunProgress:
     total: int = 0
     done: int = 0
     failed: int = 0
-    _running: dict[str, _Running] = field(default_factory=dict)
+    _running: dict[str, RunningJob] = field(default_factory=dict)
     _started: float = 0.0
     _ended_this_run: int = 0
     _last_summary: float = 0.0
@@ -265,7 +267,7 @@ class RunProgress:
         self.log.line(text)  # (on a terminal the log clears the block first and redraws it after)
 
     def job_started(self, job_id: str, *, group: str, attempt: int) -> None:
-        self._running[job_id] = _Running(job_id=job_id, group=group, stage="starting", stage_since=self.clock())
+        self._running[job_id] = RunningJob(job_id=job_id, group=group, stage="starting", stage_since=self.clock())
         self.say(f"start  {job_id}  on {group}" + (f", attempt {attempt}" if attempt > 1 else ""))
 
     def stage(self, job_id: str, stage: str) -> None:
@@ -318,6 +320,13 @@ class RunProgress:
         self._draw(force=True)
 
     # ------------------------------------------------------------------ what is shown
+    def running(self) -> list[RunningJob]:
+        """The jobs running now, each at its stage (the web monitor's rows)."""
+        return list(self._running.values())
+
+    def stage_seconds(self, r: RunningJob) -> float:
+        return self.clock() - r.stage_since
+
     def eta_seconds(self) -> float | None:
         """Jobs left over this run's throughput so far; None until a job has ended this run."""
         left = self.total - self.done - self.failed
@@ -335,20 +344,20 @@ class RunProgress:
                 f"{len(self._running)} running, {left} waiting; elapsed {duration(self.clock() - self._started)}, "
                 f"ETA {'?' if eta is None else duration(eta)}")
 
-    def job_text(self, r: _Running) -> str:
+    def job_text(self, r: RunningJob) -> str:
         if r.stage == "sampling" and r.steps is not None:
             rate = r.steps.rate
             return (f"sampling {r.steps.done}/{r.steps.total}"
                     + ("" if rate is None else f" {rate:.2f} step/s"))
-        return f"{r.stage} {duration(self.clock() - r.stage_since)}"
+        return f"{r.stage} {duration(self.stage_seconds(r))}"
 
     def _by_group(self, *, stage_first: bool = False) -> list[tuple[str, str]]:
         """(group, what its jobs are doing), one entry per running group; ``stage_first``: each
         job's stage and steps before its id (a row cut to the terminal keeps what moves)."""
-        by_group: dict[str, list[_Running]] = {}
+        by_group: dict[str, list[RunningJob]] = {}
         for r in self._running.values():
             by_group.setdefault(r.group, []).append(r)
-        def shown(r: _Running) -> str:
+        def shown(r: RunningJob) -> str:
             return f"{self.job_text(r)}  {r.job_id}" if stage_first else f"{r.job_id}: {self.job_text(r)}"
         return [(g, " | ".join(shown(r) for r in rs)) for g, rs in sorted(by_group.items())]
 

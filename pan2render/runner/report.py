@@ -174,7 +174,8 @@ class Tile:
     lane: str | None = None  # a fast-lane job: its quality and speed against the exact job's
     input_image: str | None = None  # a thumbnail of the job's first frame (TI2V), relative to the page
     input_path: str | None = None  # that image's own path
-
+    prompt: str = ""
+    seconds: dict[str, float | None] = field(default_factory=dict)  # per stage, as the ledger recorded them
 
 
 @dataclass
@@ -237,14 +238,18 @@ def _display_size(width: int, height: int) -> tuple[int, int]:
     return round(width * scale), round(height * scale)
 
 
-def _poster(out_dir: Path, job_id: str, video: Path, sha256: str | None, say: Callable[[str], None]) -> str | None:
-    """The poster (middle frame) of a video, made once per video content and kept in DIR/_report/."""
+def _poster(out_dir: Path, job_id: str, video: Path, sha256: str | None, say: Callable[[str], None], *,
+            make: bool = True) -> str | None:
+    """The poster (middle frame) of a video, made once per video content and kept in DIR/_report/
+    (``make`` False: only a poster already made, else None)."""
     from pan2render.media.video import MediaError, middle_frame_png  # noqa: PLC0415 - PyAV
 
     rel = f"{POSTER_DIR}/{job_id}.{(sha256 or 'unrecorded')[:12]}.png"
     path = out_dir / rel
     if path.is_file():
         return rel
+    if not make:
+        return None
     try:
         data = middle_frame_png(video, max_side=POSTER_MAX_SIDE)
     except MediaError as e:  # shown without a poster; `resume` re-encodes a broken video
@@ -257,9 +262,9 @@ def _poster(out_dir: Path, job_id: str, video: Path, sha256: str | None, say: Ca
 INPUT_MAX_SIDE = 160  # px: the first frame is shown small beside the video it started
 
 
-def _input_thumbnail(out_dir: Path, job: JobRecord, say: Callable[[str], None]) -> str | None:
+def _input_thumbnail(out_dir: Path, job: JobRecord, say: Callable[[str], None], *, make: bool = True) -> str | None:
     """A small PNG of the job's input image, made once per image content into DIR/_report/ (the
-    image itself may sit anywhere; the page only links inside DIR)."""
+    image itself may sit anywhere; the page only links inside DIR). ``make`` False: only one made."""
     from pan2render.media.video import MediaError, image_png  # noqa: PLC0415 - PyAV
 
     spec = job.spec
@@ -268,7 +273,7 @@ def _input_thumbnail(out_dir: Path, job: JobRecord, say: Callable[[str], None]) 
     rel = f"{POSTER_DIR}/{job.id}.input.{spec.image_sha256[:12]}.png"
     if (out_dir / rel).is_file():
         return rel
-    if not Path(spec.image).is_file():
+    if not make or not Path(spec.image).is_file():
         return None  # moved or deleted since: the tile names its path
     try:
         data = image_png(spec.image, max_side=INPUT_MAX_SIDE)
@@ -290,12 +295,12 @@ def _write_cached(path: Path, data: bytes) -> None:
 
 
 def _tile(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], *, label: str,
-          newer: str | None, say: Callable[[str], None]) -> Tile:
+          newer: str | None, say: Callable[[str], None], make_poster: bool) -> Tile:
     status = _status(out_dir, job, stages, newer, live=True)  # (the tile shows the ledger's state)
     video = poster = None
     if status.video:
         video = str(stages[Stage.ENCODE].artifact)
-        poster = _poster(out_dir, job.id, out_dir / video, stages[Stage.ENCODE].sha256, say)
+        poster = _poster(out_dir, job.id, out_dir / video, stages[Stage.ENCODE].sha256, say, make=make_poster)
     params = outputs.params_relpath(job.id)
     tb = None
     if job.error_stage:
@@ -305,7 +310,8 @@ def _tile(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], *, la
                 label=label, video=video, poster=poster,
                 params=params if (out_dir / params).is_file() else None, width=width, height=height,
                 error=job.error, traceback=tb, superseded_by=newer,
-                input_image=_input_thumbnail(out_dir, job, say), input_path=job.spec.image)
+                input_image=_input_thumbnail(out_dir, job, say, make=make_poster), input_path=job.spec.image,
+                prompt=job.spec.prompt, seconds=status.seconds)
 
 
 def _grid(name: str, jobs: list[JobRecord], tiles: dict[str, Tile], batch_varying: list[str],
@@ -382,20 +388,23 @@ def _batch_files(recorded: list[dict[str, Any]]) -> list[BatchFile]:
                       flags=" ".join(b.get("flags", [])), copy=b.get("copy")) for b in recorded]
 
 
-def report_context(out_dir: Path, *, say: Callable[[str], None] = print) -> dict[str, Any]:
-    """Everything the template shows, read from the ledger (posters are made as needed)."""
-    ledger = Ledger.open_readonly(out_dir)
-    try:
-        jobs = ledger.jobs()
-        stages = {j.id: ledger.stages(j.id) for j in jobs}
-        events = ledger.events()
-        batch = ledger.get_meta("batch", {}) or {}
-        batch_files = ledger.get_meta("batches", []) or []
-        if not batch_files and batch.get("path"):  # a folder recorded before copies were kept
-            runs = ledger.get_meta("runs", []) or []
-            batch_files = [{"path": batch["path"], "flags": runs[-1].get("flags", []) if runs else [], "copy": None}]
-    finally:
-        ledger.close()
+@dataclass(frozen=True)
+class BatchView:
+    """A batch's jobs as the report lays them out: one tile per job (in the ledger's order) and, for
+    a swept batch, its grids (one table per job of the batch file, its axes the swept fields)."""
+
+    tiles: dict[str, Tile]
+    grids: list[Grid]
+    gallery: list[Tile]  # a batch without sweeps: its tiles, current versions first
+    shared: dict[str, str]  # fields with one value across the current jobs
+    current: list[JobRecord]  # the jobs no newer version supersedes
+    n_superseded: int
+
+
+def _batch_view(out_dir: Path, jobs: list[JobRecord], stages: dict[str, dict[Stage, StageRecord]], *,
+                say: Callable[[str], None], make_posters: bool, lanes: bool) -> BatchView:
+    """``make_posters``: make the posters and thumbnails not made yet; ``lanes``: measure (and keep)
+    each fast-lane video's quality against its exact job's."""
     newer = superseded(jobs)
     current = [j for j in jobs if j.id not in newer]
     shared, varying = _varying(current)
@@ -411,31 +420,69 @@ def report_context(out_dir: Path, *, say: Callable[[str], None] = print) -> dict
         shown = [k for k in inner if k != "prompt"]
         for job in group:
             label = ", ".join(f"{k} {_compared(job)[k]}" for k in shown)
-            tiles[job.id] = _tile(out_dir, job, stages[job.id], label=label, newer=newer.get(job.id), say=say)
+            tiles[job.id] = _tile(out_dir, job, stages[job.id], label=label, newer=newer.get(job.id), say=say,
+                                  make_poster=make_posters)
+    if lanes:
+        tiles = _with_lanes(out_dir, tiles)
+    grids = [_grid(name, group, tiles, varying, newer) for name, group in by_name.items()] if swept else []
+    gallery = [] if swept else [tiles[j.id] for j in sorted(jobs, key=lambda j: (j.id in newer, j.position))]
+    return BatchView(tiles=tiles, grids=grids, gallery=gallery, shared=shared, current=current,
+                     n_superseded=len(newer))
 
+
+def batch_view(out_dir: Path, *, say: Callable[[str], None] = print) -> BatchView:
+    """The report's layout of a batch, read from its ledger and nothing else: no poster or thumbnail
+    is made (one the report made is named) and no fast-lane comparison is measured. For the farm's
+    web monitor, which reads while the farm writes."""
+    ledger = Ledger.open_readonly(out_dir)
+    try:
+        jobs = ledger.jobs()
+        stages = {j.id: ledger.stages(j.id) for j in jobs}
+    finally:
+        ledger.close()
+    return _batch_view(out_dir, jobs, stages, say=say, make_posters=False, lanes=False)
+
+
+def _with_lanes(out_dir: Path, tiles: dict[str, Tile]) -> dict[str, Tile]:
     ledger = Ledger.open_readonly(out_dir)
     try:  # a fast video's PSNR / SSIM against the exact one (kept in its folder once measured)
         for row in comparisons(out_dir, ledger):
             tiles[row.job_id] = dataclasses.replace(tiles[row.job_id], lane=row.summary())
     finally:
         ledger.close()
-    grids = [_grid(name, group, tiles, varying, newer) for name, group in by_name.items()] if swept else []
-    gallery = [] if swept else [tiles[j.id] for j in sorted(jobs, key=lambda j: (j.id in newer, j.position))]
-    counts = {s.value: sum(j.state is s for j in current) for s in JobState}
+    return tiles
+
+
+def report_context(out_dir: Path, *, say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Everything the template shows, read from the ledger (posters are made as needed)."""
+    ledger = Ledger.open_readonly(out_dir)
+    try:
+        jobs = ledger.jobs()
+        stages = {j.id: ledger.stages(j.id) for j in jobs}
+        events = ledger.events()
+        batch = ledger.get_meta("batch", {}) or {}
+        batch_files = ledger.get_meta("batches", []) or []
+        if not batch_files and batch.get("path"):  # a folder recorded before copies were kept
+            runs = ledger.get_meta("runs", []) or []
+            batch_files = [{"path": batch["path"], "flags": runs[-1].get("flags", []) if runs else [], "copy": None}]
+    finally:
+        ledger.close()
+    view = _batch_view(out_dir, jobs, stages, say=say, make_posters=True, lanes=True)
+    counts = {s.value: sum(j.state is s for j in view.current) for s in JobState}
     gpu_s = sum((r.seconds or 0.0) * j.spec.gpus for j in jobs for r in stages[j.id].values())
     return {
         "title": f"pan2-render: {out_dir.resolve().name}",
         "folder": str(out_dir.resolve()),
         "batch": batch.get("path"),
-        "total": len(current),
+        "total": len(view.current),
         "counts": counts,
-        "n_superseded": len(newer),
+        "n_superseded": view.n_superseded,
         "gpu_time": _duration(gpu_s),
         "wall_time": _duration(_wall_seconds(events)),
-        "shared": sorted((k, v) for k, v in shared.items() if v != NONE_SHOWN),
+        "shared": sorted((k, v) for k, v in view.shared.items() if v != NONE_SHOWN),
         "batch_files": _batch_files(batch_files),
-        "grids": grids,
-        "gallery": gallery,
+        "grids": view.grids,
+        "gallery": view.gallery,
         "written_at": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime()),
     }
 

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import hashlib
+import shutil
 import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from pan2render.jobs.batch import Overrides, load_batch
 from pan2render.jobs.ledger import JobState, Ledger, Stage, StageState
 from pan2render.jobs.spec import JobSpec
 from pan2render.runner.driver import Driver, DriverConfig, RunSummary
 from pan2render.runner.executor import Call, Group
+from pan2render.runner.farm.api import start_api
+from pan2render.runner.farm.service import Farm, FarmConfig, ensure_token
 from pan2render.runner.local_executor import LocalExecutor
 from pan2render.runner.messages import (
     CollectCall,
@@ -23,6 +30,7 @@ from pan2render.runner.messages import (
     StopSamplingCall,
     WorkerCall,
 )
+from pan2render.runner.session import BatchRequest
 from pan2render.runner.testing import FAKE_FACTORY
 from pan2render.runner.worker import WorkerConfig
 
@@ -130,3 +138,36 @@ def one_done_and_one_sampling(out: Path) -> bool:
         return False
     finally:
         led.close()
+
+
+CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+
+
+@contextmanager
+def serving_farm(tmp_path: Path, *, gpus: int = 1, faults: dict[str, Any] | None = None,
+                 **config: Any) -> Iterator[tuple[Farm, str, str]]:
+    """A farm in this process (the fake pipeline) with its API on a free port and its main loop on a
+    thread, as in its own process: yields (farm, url, token); stopped on exit."""
+    root = tmp_path / "farm"
+    root.mkdir(exist_ok=True)
+    ex = LocalExecutor(gpus=gpus, config=WorkerConfig(pipeline_factory=FAKE_FACTORY, faults=faults or {}))
+    farm = Farm(FarmConfig(root=root, poll_s=0.01, **config), ex, log=lambda text: None)
+    token = ensure_token(root)
+    api = start_api(farm, token=token, host="127.0.0.1", port=0)
+    farm.url = api.url
+    loop = threading.Thread(target=farm.run, name="farm-main", daemon=True)
+    loop.start()
+    try:
+        yield farm, api.url, token
+    finally:
+        farm.stop()
+        loop.join(timeout=30)
+        api.stop()
+
+
+def submit_file(farm: Farm, out: Path, doc: dict[str, Any], *, owner: str = "ann", priority: int = 0) -> str:
+    """Validate a batch file's content as `submit` does and queue it on ``farm``: the batch's id."""
+    path = out.with_suffix(".yaml")
+    path.write_text(yaml.safe_dump({"model": "tiny", "preset": "tiny-preview", **doc}, sort_keys=False))
+    request = BatchRequest(out_dir=out, batch=load_batch(path), overrides=Overrides())
+    return farm.ask(lambda: farm.submit(request, owner=owner, priority=priority)).result(timeout=60)["id"]

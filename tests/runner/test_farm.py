@@ -281,3 +281,16 @@ def test_a_batch_whose_checkpoint_cannot_be_loaded_is_not_served(tmp_path: Path)
         assert all(j.state is not JobState.DONE and j.attempts == 0 for j in led.jobs())
         led.close()
     again.close()
+
+
+def test_a_batch_paused_while_its_last_job_runs_ends_when_that_job_ends(tmp_path: Path) -> None:
+    """Pause stops new jobs; the running one finishes, and then nothing of the batch is left."""
+    farm, _ = _farm(tmp_path, faults={"slow": {"job": "a", "stage": "encode", "seconds": 0.5}})
+    b = farm.submit(_request(tmp_path / "out", [spec("a")]), owner="ann", priority=0)
+    while not farm.describe(b["id"])["running"]:
+        farm.step()
+    farm.pause(b["id"], paused=True)  # (the encode runs on the worker's I/O thread meanwhile)
+    _serve_until_idle(farm)
+    d = farm.describe(b["id"])
+    assert (d["state"], d["counts"]["done"], d["exit_code"]) == ("done", 1, 0)
+    farm.close()

@@ -11,7 +11,7 @@ from pathlib import Path
 from pan2render.jobs.batch import load_batch
 from pan2render.runner import artifacts
 from pan2render.runner.messages import LoadCall, SampleCall
-from pan2render.runner.progress import RunLog, RunProgress, StepClock
+from pan2render.runner.progress import RunLog, RunProgress, StepClock, StepReport
 from pan2render.runner.testing import FAKE_FACTORY, FakePipeline
 from pan2render.runner.worker import RenderWorker, WorkerConfig
 
@@ -158,3 +158,22 @@ def test_the_step_rate_is_the_recent_steps_not_the_whole_sampling() -> None:
     whole = (rep.done - 1) / (rep.last_at - 100.0)
     print(f"window {rep.rate:.2f} step/s, whole sampling {whole:.2f} step/s")
     assert abs(rep.rate - 2.0) < 1e-9 and whole < 1.1
+
+
+def test_running_lists_each_job_at_its_stage_with_its_steps() -> None:
+    """What the farm's snapshot (and so the web monitor) shows per running job."""
+    clock = _Clock()
+    p = RunProgress(log=RunLog(None, stream=None), clock=clock)
+    p.begin(total=2, done=0, failed=0)
+    p.job_started("a", group="g0", attempt=1)
+    p.job_started("b", group="g1", attempt=1)
+    p.stage("a", "sampling")
+    clock.t += 2.5
+    p.steps({"a": StepReport(done=5, total=8, window=((1, 10.0), (5, 12.0))),
+             "b": StepReport(done=3, total=8, window=((1, 0.0), (3, 1.0)))})
+    rows = {r.job_id: r for r in p.running()}
+    assert rows["a"].stage == "sampling" and (rows["a"].steps.done, rows["a"].steps.total) == (5, 8)
+    assert rows["a"].steps.rate == 2.0 and p.stage_seconds(rows["a"]) == 2.5
+    assert rows["b"].stage == "starting" and rows["b"].steps is None  # (steps count only while sampling)
+    p.job_ended("a", "done")
+    assert [r.job_id for r in p.running()] == ["b"]

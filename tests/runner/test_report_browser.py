@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from runner_helpers import CHROMIUM
 
 from pan2render.jobs.batch import load_batch
 from pan2render.jobs.ledger import Ledger
@@ -25,7 +25,6 @@ from pan2render.runner.worker import WorkerConfig
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "jobs" / "quickstart.yaml"
 HAVE_METADATA = 1
-CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 
 # Appended to a copy of the page (the report itself has no script): asks every <video> to load,
 # waits for its metadata or its error, and writes what it saw into the DOM that Chromium dumps.

@@ -13,6 +13,8 @@ what to change.
     GET  /api/batches/{id}/log         its run.log from ?offset=N -> {text, offset}
     POST /api/batches/{id}/pause       /unpause  /cancel {job?}  /retry  /priority {priority}
     POST /api/stop                     stop the farm (running jobs go back to pending)
+
+The web monitor's page (``GET /``, no token: it holds no data) and its routes are in ``monitor.py``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pan2render.runner.farm import monitor
 from pan2render.runner.farm.queue import QueueError
 from pan2render.runner.farm.service import Farm, FarmRequestError
 from pan2render.runner.progress import RUN_LOG_NAME
@@ -56,6 +59,8 @@ def _error(status: int, message: str) -> web.Response:
 def make_app(farm: Farm, *, token: str) -> web.Application:
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if monitor.is_public(request):
+            return await handler(request)
         given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         if not given or not hmac.compare_digest(given, token):
             return _error(401, f"this farm needs its token: send `Authorization: Bearer <token>` with the token "
@@ -137,7 +142,8 @@ def make_app(farm: Farm, *, token: str) -> web.Application:
         farm.stop()
         return _json({"stopping": True})
 
-    app = web.Application(middlewares=[auth], client_max_size=256 << 20)
+    app = web.Application(middlewares=[monitor.guard, auth], client_max_size=256 << 20)
+    monitor.add_routes(app, farm, ask_timeout_s=ASK_TIMEOUT_S)
     app.add_routes([
         web.get("/api/status", status),
         web.get("/api/batches", batches),

@@ -170,8 +170,8 @@ def _start(args: argparse.Namespace, root: Path) -> int:
     while time.monotonic() < deadline:
         if (client := find_farm(root, timeout_s=1.0)) is not None:
             print(f"farm up at {client.url} (pid {proc.pid}); folder {root}, log {root / 'farm.log'}, token in "
-                  f"{root / 'token'}\n`pan2-render submit BATCH --out DIR` queues a batch; `pan2-render run` hands "
-                  f"its batch to this farm while it runs (`--no-farm`: not)")
+                  f"{root / 'token'}\n{monitor_line(client.url, root)}\n`pan2-render submit BATCH --out DIR` queues a "
+                  f"batch; `pan2-render run` hands its batch to this farm while it runs (`--no-farm`: not)")
             return EXIT_OK
         if proc.poll() is not None:
             tail = (root / "farm.log").read_text(errors="replace").splitlines()[-12:]
@@ -202,6 +202,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def monitor_line(url: str, root: Path) -> str:
+    """Where the web monitor is: the token goes in the URL's fragment, which the browser keeps to itself."""
+    return (f"web monitor: {url}/ (it asks for the token in {root / 'token'}; from a shell: "
+            f"xdg-open \"{url}/#token=$(cat {root / 'token'})\")")
+
+
 def format_status(snap: dict[str, Any]) -> str:
     from pan2render.runner.progress import duration  # noqa: PLC0415
     from pan2render.runner.views import table  # noqa: PLC0415
@@ -209,7 +215,8 @@ def format_status(snap: dict[str, Any]) -> str:
     now = time.time()
     lines = [f"farm at {snap['url']} (pid {snap['pid']} on {snap['host']}), up {duration(now - snap['started_at'])}",
              f"{snap['cluster']}: {snap['gpus']} GPU(s); idle groups released after {snap['idle_release_s']:.0f} s",
-             f"queue: {snap['queue_depth']} job(s) waiting; log: {snap['log']}"]
+             f"queue: {snap['queue_depth']} job(s) waiting; log: {snap['log']}",
+             monitor_line(snap["url"], Path(snap["root"]))]
     rows = [[g["id"], str(g["gpus"]), ", ".join(g["models"]) or "-", g["state"],
              duration(now - g["since"]) if g["since"] else "-", ", ".join(g["jobs"]) or "-",
              str(g["faults"])] for g in snap["groups"]]

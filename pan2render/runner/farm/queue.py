@@ -10,7 +10,7 @@ Batch lifecycle (:data:`BATCH_TRANSITIONS`)::
 
     active --pause--> paused --unpause--> active
     active/paused --cancel--> cancelled
-    active --end--> done | failed        (every job ended; failed: some job failed)
+    active/paused --end--> done | failed (every job ended; failed: some job failed)
     active --stop--> stopped             (its folder refused a write: disk full, permission)
     failed/cancelled/stopped/done --retry--> active   (failed, cancelled and interrupted jobs again)
 """
@@ -60,6 +60,9 @@ BATCH_TRANSITIONS: dict[tuple[BatchState, BatchEvent], BatchState] = {
     (BatchState.PAUSED, BatchEvent.CANCEL): BatchState.CANCELLED,
     (BatchState.ACTIVE, BatchEvent.END_DONE): BatchState.DONE,
     (BatchState.ACTIVE, BatchEvent.END_FAILED): BatchState.FAILED,
+    # Paused while its last jobs ran: nothing is left to hold back once they end.
+    (BatchState.PAUSED, BatchEvent.END_DONE): BatchState.DONE,
+    (BatchState.PAUSED, BatchEvent.END_FAILED): BatchState.FAILED,
     (BatchState.ACTIVE, BatchEvent.STOP): BatchState.STOPPED,
     (BatchState.PAUSED, BatchEvent.STOP): BatchState.STOPPED,
     **{(s, BatchEvent.RETRY): BatchState.ACTIVE

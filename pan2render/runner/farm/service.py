@@ -36,7 +36,7 @@ from pan2render.runner.executor import Executor
 from pan2render.runner.farm.queue import BatchEvent, BatchState, FarmQueue, QueuedBatch
 from pan2render.runner.jobflow import BatchFlow
 from pan2render.runner.pool import GroupPool
-from pan2render.runner.progress import RunProgress
+from pan2render.runner.progress import RunningJob, RunProgress
 from pan2render.runner.report import ReportUpdater
 from pan2render.runner.scheduler import DriverConfig, Scheduler, ServedBatch
 from pan2render.runner.session import BatchRequest, BatchSession, checkpoint_problems
@@ -46,6 +46,7 @@ PUBLISH_EVERY_S = 0.5  # the snapshot's age at most (each publish reads every se
 TOKEN_NAME = "token"
 INFO_NAME = "farm.json"
 LOG_NAME = "farm.log"
+EVENTS_SHOWN = 50  # the queue's latest events in the snapshot (the web monitor's list)
 
 
 @dataclass(frozen=True)
@@ -388,10 +389,22 @@ class Farm:
                 "started_at": self.started_at, "cluster": self.ex.cluster, "gpus": self.scheduler.pool.total_gpus,
                 "groups": groups, "batches": batches,
                 "queue_depth": sum(len(self.scheduler.pending(s.batch)) for s in self.served.values()),
-                "log": str(self.root / LOG_NAME), "idle_release_s": self.config.idle_release_s}
+                "log": str(self.root / LOG_NAME), "idle_release_s": self.config.idle_release_s,
+                "running": [_running_row(batch_id, s.batch.progress, r) for batch_id, s in self.served.items()
+                            for r in s.batch.progress.running()],
+                "events": self.queue.events(limit=EVENTS_SHOWN)}
         with self._snapshot_lock:
             self._snapshot = snap
         self._published = time.monotonic()
+
+
+def _running_row(batch_id: str, progress: RunProgress, r: RunningJob) -> dict[str, Any]:
+    """One running job for the snapshot: its stage, for how long, and a sampling's step k/N with the
+    rate measured where the steps happen (None before its second step)."""
+    steps = r.steps
+    return {"job": r.job_id, "batch": batch_id, "group": r.group, "stage": r.stage,
+            "stage_s": progress.stage_seconds(r), "step": steps.done if steps else None,
+            "total": steps.total if steps else None, "rate": steps.rate if steps else None}
 
 
 def exit_code(state: BatchState, counts: dict[str, int]) -> int | None:
