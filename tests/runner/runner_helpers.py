@@ -165,9 +165,18 @@ def serving_farm(tmp_path: Path, *, gpus: int = 1, faults: dict[str, Any] | None
         api.stop()
 
 
-def submit_file(farm: Farm, out: Path, doc: dict[str, Any], *, owner: str = "ann", priority: int = 0) -> str:
-    """Validate a batch file's content as `submit` does and queue it on ``farm``: the batch's id."""
+def submit_file(farm: Farm, out: Path, doc: dict[str, Any], *, owner: str = "ann", priority: int = 0,
+                paused: bool = False) -> str:
+    """Validate a batch file's content as `submit` does and queue it on ``farm``: the batch's id.
+    ``paused``: paused in the same request, before the farm's loop can start any of its jobs."""
     path = out.with_suffix(".yaml")
     path.write_text(yaml.safe_dump({"model": "tiny", "preset": "tiny-preview", **doc}, sort_keys=False))
     request = BatchRequest(out_dir=out, batch=load_batch(path), overrides=Overrides())
-    return farm.ask(lambda: farm.submit(request, owner=owner, priority=priority)).result(timeout=60)["id"]
+
+    def submit() -> str:
+        batch_id = farm.submit(request, owner=owner, priority=priority)["id"]
+        if paused:
+            farm.pause(batch_id, paused=True)
+        return batch_id
+
+    return farm.ask(submit).result(timeout=60)

@@ -64,8 +64,7 @@ def _state(farm: Farm, batch_id: str) -> dict[str, Any]:
 
 def test_the_page_loads_without_the_token_and_every_read_and_action_needs_it(tmp_path: Path) -> None:
     with serving_farm(tmp_path) as (farm, url, token):
-        b = submit_file(farm, tmp_path / "out", {"jobs": [{"name": "a", "prompt": "a"}]})
-        farm.ask(lambda: farm.pause(b, paused=True)).result(timeout=30)
+        b = submit_file(farm, tmp_path / "out", {"jobs": [{"name": "a", "prompt": "a"}]}, paused=True)
         code, headers, page = _send(url + "/")
         assert code == 200 and b"pan2-render farm" in page
         csp = headers["Content-Security-Policy"]
@@ -95,8 +94,7 @@ def test_the_page_loads_without_the_token_and_every_read_and_action_needs_it(tmp
 
 def test_a_cross_site_post_is_refused_even_with_the_token(tmp_path: Path) -> None:
     with serving_farm(tmp_path) as (farm, url, token):
-        b = submit_file(farm, tmp_path / "out", {"jobs": [{"name": "a", "prompt": "a"}]})
-        farm.ask(lambda: farm.pause(b, paused=True)).result(timeout=30)
+        b = submit_file(farm, tmp_path / "out", {"jobs": [{"name": "a", "prompt": "a"}]}, paused=True)
         pause = url + f"/api/batches/{b}/priority"
         code, _, answer = _send(pause, method="POST", body={"priority": 7}, token=token,
                                 headers={"Origin": "http://evil.example"})

@@ -73,11 +73,11 @@ def test_the_monitor_follows_the_farm_and_acts_on_it(tmp_path: Path, page: Any, 
         submit_file(farm, tmp_path / "hold", {"jobs": [{"name": "hold", "prompt": "h", **one}]}, priority=1)
         later = submit_file(farm, tmp_path / "later", {"defaults": one, "jobs": [{"name": "la", "prompt": "l"},
                                                                                    {"name": "lb", "prompt": "m"}]})
+        # Held back until the page has changed a priority (paused as they are queued).
         failing = submit_file(farm, tmp_path / "failing", {"defaults": one, "jobs": [{"name": "broken", "prompt": "b"},
-                                                                                      {"name": "c1", "prompt": "c"}]})
-        last = submit_file(farm, tmp_path / "last", {"jobs": [{"name": "d1", "prompt": "d", **one}]})
-        # Held back until the page has changed a priority (queued behind the sweep, they cannot start yet).
-        farm.ask(lambda: [farm.pause(b, paused=True) for b in (failing, last)]).result(timeout=30)
+                                                                                      {"name": "c1", "prompt": "c"}]},
+                              paused=True)
+        last = submit_file(farm, tmp_path / "last", {"jobs": [{"name": "d1", "prompt": "d", **one}]}, paused=True)
 
         page.goto(f"{url}/#token={token}")
         _wait_text(page, "#conn", "live")
