@@ -17,9 +17,9 @@ import pytest
 import yaml
 from runner_helpers import write_batch
 
-from pan2render.jobs.batch import load_batch
+from pan2render.jobs.batch import Overrides, load_batch
 from pan2render.jobs.ledger import EventKind, JobEvent, JobState, Ledger, Stage, StageState
-from pan2render.runner import cli, executor
+from pan2render.runner import cli, cli_common, executor
 from pan2render.runner.local_executor import LocalExecutor
 from pan2render.runner.progress import RUN_LOG_NAME
 from pan2render.runner.testing import FAKE_FACTORY
@@ -54,7 +54,7 @@ def test_overrides_are_recorded_and_resume_repeats_them(
     states = {j.id: j.state for j in led.jobs()}
     led.close()
     assert sorted(states) == sorted(s.job_id for s in load_batch(
-        batch, overrides=cli.Overrides(sets=("steps=3", "guidance=1.0"), sweeps=("seed=5,6",))).jobs)
+        batch, overrides=Overrides(sets=("steps=3", "guidance=1.0"), sweeps=("seed=5,6",))).jobs)
     assert sum(s is JobState.FAILED for s in states.values()) == 2
 
     local_executor["faults"] = {}
@@ -261,16 +261,16 @@ def test_stop_signals_are_handled_unless_ignored_as_under_nohup() -> None:
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what `nohup` does
     term_before = signal.getsignal(signal.SIGTERM)  # (Ray, when an earlier test started it here)
     try:
-        with cli._stop_signals_interrupt():
+        with cli_common.stop_signals_interrupt():
             assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
-            assert signal.getsignal(signal.SIGTERM) is cli._on_stop_signal
+            assert signal.getsignal(signal.SIGTERM) is cli_common.on_stop_signal
             with pytest.raises(KeyboardInterrupt):
                 signal.raise_signal(signal.SIGTERM)
             assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # a second one waits for the clean-up
         assert signal.getsignal(signal.SIGTERM) == term_before
     finally:
         signal.signal(signal.SIGHUP, previous)
-        cli._stopped_by.clear()
+        cli_common.stopped_by.clear()
 
 
 def test_status_of_a_live_run_has_an_eta_from_its_own_measured_stages(
@@ -309,6 +309,6 @@ def test_hints_name_the_command_as_it_can_be_typed(tmp_path: Path, monkeypatch: 
     exe.chmod(0o755)
     monkeypatch.setattr(sys, "argv", [str(exe), "status"])
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
-    assert cli._me() == str(exe)
+    assert cli_common.program() == str(exe)
     monkeypatch.setenv("PATH", f"{exe.parent}:/usr/bin:/bin")  # activated
-    assert cli._me() == "pan2-render"
+    assert cli_common.program() == "pan2-render"

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from runner_helpers import write_batch
 
+from pan2render.jobs.batch import preset_text
 from pan2render.jobs.ledger import JobState, Ledger
 from pan2render.runner import cli
 
@@ -119,7 +120,7 @@ def test_a_preset_file_of_ones_own_is_checked_like_the_shipped_ones(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "presets").mkdir()
     mine = tmp_path / "presets" / "mine.yaml"
-    mine.write_text(cli.preset_text("tiny-preview").replace("steps: 8", "steps: 3"))
+    mine.write_text(preset_text("tiny-preview").replace("steps: 8", "steps: 3"))
     batch = tmp_path / "b.yaml"
     batch.write_text("model: tiny\npreset: presets/mine.yaml\njobs:\n  - {name: a, prompt: x}\n")
     assert cli.main(["validate", str(batch)]) == 0

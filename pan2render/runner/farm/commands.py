@@ -18,15 +18,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pan2render.runner.cli_common import (
+    EXIT_ENVIRONMENT,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    add_folder_args,
+    add_override_args,
+    check_out_folder,
+    load_batch_or_report,
+    print_error,
+)
 from pan2render.runner.farm.client import INFO_NAME, FarmClient, FarmError, default_root, find_farm
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENVIRONMENT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 START_TIMEOUT_S = 180.0  # Ray's start, the process's imports: seconds; a busy machine: more
 _STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ ")
-
-
-def _err(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
 
 
 def _root_arg(sp: argparse.ArgumentParser) -> None:
@@ -35,7 +42,6 @@ def _root_arg(sp: argparse.ArgumentParser) -> None:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from pan2render.runner import cli  # noqa: PLC0415 - the shared flags (cli imports this module on use)
 
     f = sub.add_parser("farm", help="a render farm that stays up: one queue of batches, warm GPU groups")
     f.add_argument("action", choices=("start", "stop", "status"))
@@ -65,8 +71,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     s.add_argument("--wait", action="store_true", help="follow it as `run` would, with run's exit codes")
     s.add_argument("--retries", type=int, default=2, metavar="N", help="retries per job (default 2)")
     _root_arg(s)
-    cli.add_override_args(s)
-    cli.add_folder_args(s)
+    add_override_args(s)
+    add_folder_args(s)
     s.set_defaults(func=cmd_submit)
 
     q = sub.add_parser("queue", help="the farm's batches: owner, priority, state, progress, ETA")
@@ -99,8 +105,8 @@ def _client(root: Path | None) -> FarmClient | None:
     client = find_farm(root)
     if client is None:
         where = default_root() if root is None else root
-        _err(f"error: no farm answers at {where} (`pan2-render farm start{'' if root is None else f' --root {root}'}` "
-             f"starts one)")
+        start = "pan2-render farm start" + ("" if root is None else f" --root {root}")
+        print_error(f"error: no farm answers at {where} (`{start}` starts one)")
     return client
 
 
@@ -147,13 +153,13 @@ def _start(args: argparse.Namespace, root: Path) -> int:
         print(f"a farm already runs at {root}: {client.url} (`pan2-render farm stop --root {root}` ends it)")
         return EXIT_OK
     if args.cpu_gpus is not None and args.cpu_gpus < 1:
-        _err(f"error: --cpu-gpus {args.cpu_gpus}: must be >= 1")
+        print_error(f"error: --cpu-gpus {args.cpu_gpus}: must be >= 1")
         return EXIT_USAGE
     if args.idle_release <= 0:
-        _err(f"error: --idle-release {args.idle_release}: must be > 0 seconds")
+        print_error(f"error: --idle-release {args.idle_release}: must be > 0 seconds")
         return EXIT_USAGE
     if not args.stall_timeout >= 0:
-        _err(f"error: --stall-timeout {args.stall_timeout}: must be >= 0 seconds (0: no watchdog)")
+        print_error(f"error: --stall-timeout {args.stall_timeout}: must be >= 0 seconds (0: no watchdog)")
         return EXIT_USAGE
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     (root / INFO_NAME).unlink(missing_ok=True)  # a killed farm's: the new one writes its own
@@ -175,11 +181,12 @@ def _start(args: argparse.Namespace, root: Path) -> int:
             return EXIT_OK
         if proc.poll() is not None:
             tail = (root / "farm.log").read_text(errors="replace").splitlines()[-12:]
-            _err(f"error: the farm exited ({proc.returncode}) before it answered; the end of {root / 'farm.log'}:\n  "
-                 + "\n  ".join(tail))
+            print_error(f"error: the farm exited ({proc.returncode}) before it answered; the end of "
+                        f"{root / 'farm.log'}:\n  " + "\n  ".join(tail))
             return EXIT_ENVIRONMENT
         time.sleep(0.2)
-    _err(f"error: the farm (pid {proc.pid}) did not answer within {START_TIMEOUT_S:.0f} s; see {root / 'farm.log'}")
+    print_error(f"error: the farm (pid {proc.pid}) did not answer within {START_TIMEOUT_S:.0f} s; "
+                f"see {root / 'farm.log'}")
     return EXIT_ENVIRONMENT
 
 
@@ -228,16 +235,15 @@ def format_status(snap: dict[str, Any]) -> str:
 # ====================================================================== submit / follow
 def cmd_submit(args: argparse.Namespace) -> int:
     from pan2render.jobs.batch import Overrides  # noqa: PLC0415
-    from pan2render.runner import cli  # noqa: PLC0415
 
     if args.retries < 0:
-        _err(f"error: --retries {args.retries}: must be >= 0")
+        print_error(f"error: --retries {args.retries}: must be >= 0")
         return EXIT_USAGE
     overrides = Overrides(sets=tuple(args.sets), sweeps=tuple(args.sweeps))
-    batch = cli.load_batch_or_report(args.batch, overrides, check_model=True)
+    batch = load_batch_or_report(args.batch, overrides, check_model=True)
     if batch is None:
         return EXIT_USAGE
-    if (code := cli.check_out_folder(args.out, batch, args)) is not None:
+    if (code := check_out_folder(args.out, batch, args)) is not None:
         return code
     client = _client(args.root)
     if client is None:
@@ -256,7 +262,7 @@ def submit(client: FarmClient, batch: Any, overrides: Any, *, out: Path, priorit
         b = client.post("/api/batches", {"request": request.to_json(), "owner": owner(), "priority": priority,
                                          "preempt": preempt})
     except FarmError as e:
-        _err(f"error: the farm refused the batch: {e}")
+        print_error(f"error: the farm refused the batch: {e}")
         # 422: the batch is valid but cannot be rendered as things stand (its checkpoint), as `run`'s 3
         return EXIT_USAGE if e.status in (400, 409) else EXIT_ENVIRONMENT
     print(f"queued batch {b['id']}: {b['counts']['total']} job(s) into {b['out_dir']}, priority {priority} "
@@ -286,11 +292,11 @@ def follow(client: FarmClient, batch_id: str, *, offset: int = 0) -> int:
             if not got["text"]:
                 time.sleep(0.3)
     except KeyboardInterrupt:
-        _err(f"\nstopped following; batch {batch_id} goes on on the farm (`pan2-render cancel {batch_id}` "
-             f"stops it, `pan2-render queue` shows it)")
+        print_error(f"\nstopped following; batch {batch_id} goes on on the farm (`pan2-render cancel {batch_id}` "
+                    f"stops it, `pan2-render queue` shows it)")
         return EXIT_INTERRUPTED
     except FarmError as e:
-        _err(f"error: lost the farm while following batch {batch_id}: {e}")
+        print_error(f"error: lost the farm while following batch {batch_id}: {e}")
         return EXIT_ENVIRONMENT
 
 
@@ -337,7 +343,7 @@ def cmd_action(args: argparse.Namespace) -> int:
     try:
         b = client.post(f"/api/batches/{args.batch}/{args.action}", data)
     except FarmError as e:
-        _err(f"error: {e}")
+        print_error(f"error: {e}")
         return EXIT_USAGE if e.status in (400, 404, 409) else EXIT_ENVIRONMENT
     c = b["counts"]
     print(f"batch {b['id']}: {b['state']}, priority {b['priority']}; {c.get('done', 0)} done, "
