@@ -1,4 +1,5 @@
-"""``status`` rows and the HTML report (``DIR/index.html``), both read-only on the ledger.
+"""The HTML report (``DIR/index.html``), read-only on the ledger (``status``'s rows: job_status.py;
+the posters and thumbnails it shows: posters.py).
 
 The report is one page for looking at and comparing a batch: every finished video plays inline,
 a swept batch is laid out as grids (one table per job of the batch, its rows and columns the swept
@@ -25,131 +26,24 @@ from typing import Any
 from pan2render.jobs import outdir
 from pan2render.jobs.ledger import (
     Event,
-    FolderLock,
     JobRecord,
     JobState,
     Ledger,
     Stage,
     StageRecord,
-    StageState,
-    stage_name,
 )
-from pan2render.runner import outputs
 from pan2render.runner import artifacts as st
+from pan2render.runner import outputs, posters
 from pan2render.runner.compare import comparisons
+from pan2render.runner.job_status import job_status, superseded
 
 REPORT_NAME = "index.html"
 # Where the report goes when DIR/index.html is a page of the user's own, which is never overwritten.
 REPORT_FALLBACK = "pan2-render-report.html"
 _OURS = (b'<meta name="generator" content="pan2-render">', b"<title>pan2-render: ")  # (the second: older pages)
-POSTER_DIR = "_report"
-POSTER_MAX_SIDE = 480  # px; a poster is shown at most ~320 px wide, and 500 of them stay small
 TILE_BOX = (320, 200)  # px: the largest a video is shown (width, height), aspect kept
 # Spec fields never listed as "shared" or "varying": identity, provenance, or shown elsewhere.
 _NOT_COMPARED = frozenset({"name", "sweep", "source", "image_sha256"})
-
-
-# The state shown for a job the ledger calls running when no run holds the folder: its run was
-# stopped or killed while it ran (`resume` continues it).
-INTERRUPTED = "interrupted"
-
-
-@dataclass(frozen=True)
-class JobStatus:
-    id: str
-    name: str
-    state: str  # a JobState's value, or INTERRUPTED
-    stage: str | None  # done: "encode"; failed: the failing stage; else the first unfinished stage
-    attempts: int
-    error: str | None
-    video: str | None  # absolute path of a finished video, else None
-    seconds: dict[str, float | None]  # per stage
-    superseded_by: str | None = None  # id of the newer version of this job (same name and sweep)
-    problem: str | None = None  # a done job whose video is missing or not the recorded size
-
-    def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "name": self.name, "state": self.state, "stage": self.stage,
-                "attempts": self.attempts, "error": self.error, "video": self.video,
-                "seconds": self.seconds, "superseded_by": self.superseded_by, "problem": self.problem}
-
-
-def superseded(jobs: list[JobRecord]) -> dict[str, str]:
-    """Old id -> newest id, for every job that has a newer version in the ledger: the same name and
-    sweep values under another spec hash (the batch was edited and run again into the folder).
-    Newest = added to the ledger last."""
-    newest: dict[str, str] = {}
-    for job in sorted(jobs, key=lambda j: j.position):
-        newest[job.spec.version_key] = job.id
-    return {j.id: newest[j.spec.version_key] for j in jobs if newest[j.spec.version_key] != j.id}
-
-
-def job_statuses(out_dir: Path, ledger: Ledger) -> list[JobStatus]:
-    jobs = ledger.jobs()
-    newer = superseded(jobs)
-    live = FolderLock.holder(out_dir) is not None
-    return [_status(out_dir, job, ledger.stages(job.id), newer.get(job.id), live=live) for job in jobs]
-
-
-def _status(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], newer: str | None, *,
-            live: bool) -> JobStatus:
-    video = problem = None
-    enc = stages[Stage.ENCODE]
-    if job.state is JobState.DONE:
-        # Cheap checks only (status must stay fast on hundreds of jobs): present, recorded size.
-        problem = st.check_present(out_dir, st.Recorded(enc.artifact, enc.sha256, enc.size))
-    if enc.state is StageState.DONE and enc.artifact and not problem and (out_dir / enc.artifact).is_file():
-        video = str((out_dir / enc.artifact).absolute())
-    state = INTERRUPTED if job.state is JobState.RUNNING and not live else job.state.value
-    return JobStatus(id=job.id, name=job.name, state=state, stage=_stage_of(job, stages),
-                     attempts=job.attempts, error=job.error, video=video,
-                     seconds={stage_name(s): r.seconds for s, r in stages.items()}, superseded_by=newer,
-                     problem=problem)
-
-
-def _stage_of(job: JobRecord, stages: dict[Stage | str, StageRecord]) -> str | None:
-    """The stage a job stands at: the failed one, else its first stage not done, else its last."""
-    if job.state is JobState.FAILED and job.error_stage:
-        return job.error_stage
-    for s, r in stages.items():
-        if r.state is not StageState.DONE:
-            return stage_name(s)
-    return stage_name(list(stages)[-1])
-
-
-def shown_state(r: JobStatus) -> str:
-    """The state as status shows it: a done job whose video is missing or damaged gets a ``!``."""
-    return r.state + ("!" if r.problem else "")
-
-
-def shown_error(r: JobStatus, width: int = 100) -> str:
-    """The error column of status: the video problem or the job's error, after a note naming the
-    newer version when this one is superseded."""
-    if r.problem:
-        error = f"VIDEO PROBLEM: {r.problem}; `pan2-render resume` re-encodes it"
-    else:
-        error = (r.error or "").splitlines()[0][:width] if r.error else ""
-    note = f"superseded by {r.superseded_by}" if r.superseded_by else ""
-    return "; ".join(x for x in (note, error) if x)
-
-
-def counts_lines(rows: list[JobStatus]) -> list[str]:
-    """The closing lines of status: jobs per state, and the damaged videos if any."""
-    counts = {s: sum(r.state == s for r in rows) for s in [*(s.value for s in JobState), INTERRUPTED]}
-    n_old = sum(r.superseded_by is not None for r in rows)
-    lines = [(", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no jobs")
-             + (f" ({n_old} superseded by a newer version)" if n_old else "")]
-    damaged = sum(bool(r.problem) for r in rows)
-    if damaged:
-        lines.append(f"{damaged} done job(s) marked ! have a missing or damaged video")
-    return lines
-
-
-def format_table(rows: list[JobStatus]) -> str:
-    head = f"{'state':8} {'stage':13} {'att':>3}  {'id':50} error"
-    lines = [head]
-    for r in rows:
-        lines.append(f"{shown_state(r):8} {r.stage or '-':13} {r.attempts:>3}  {r.id:50} {shown_error(r)}")
-    return "\n".join(lines + counts_lines(rows))
 
 
 # ---------------------------------------------------------------------- the page's model
@@ -238,69 +132,13 @@ def _display_size(width: int, height: int) -> tuple[int, int]:
     return round(width * scale), round(height * scale)
 
 
-def _poster(out_dir: Path, job_id: str, video: Path, sha256: str | None, say: Callable[[str], None], *,
-            make: bool = True) -> str | None:
-    """The poster (middle frame) of a video, made once per video content and kept in DIR/_report/
-    (``make`` False: only a poster already made, else None)."""
-    from pan2render.media.video import MediaError, middle_frame_png  # noqa: PLC0415 - PyAV
-
-    rel = f"{POSTER_DIR}/{job_id}.{(sha256 or 'unrecorded')[:12]}.png"
-    path = out_dir / rel
-    if path.is_file():
-        return rel
-    if not make:
-        return None
-    try:
-        data = middle_frame_png(video, max_side=POSTER_MAX_SIDE)
-    except MediaError as e:  # shown without a poster; `resume` re-encodes a broken video
-        say(f"report: {job_id}: no poster: {e}")
-        return None
-    _write_cached(path, data)
-    return rel
-
-
-INPUT_MAX_SIDE = 160  # px: the first frame is shown small beside the video it started
-
-
-def _input_thumbnail(out_dir: Path, job: JobRecord, say: Callable[[str], None], *, make: bool = True) -> str | None:
-    """A small PNG of the job's input image, made once per image content into DIR/_report/ (the
-    image itself may sit anywhere; the page only links inside DIR). ``make`` False: only one made."""
-    from pan2render.media.video import MediaError, image_png  # noqa: PLC0415 - PyAV
-
-    spec = job.spec
-    if spec.image is None or spec.image_sha256 is None:
-        return None
-    rel = f"{POSTER_DIR}/{job.id}.input.{spec.image_sha256[:12]}.png"
-    if (out_dir / rel).is_file():
-        return rel
-    if not make or not Path(spec.image).is_file():
-        return None  # moved or deleted since: the tile names its path
-    try:
-        data = image_png(spec.image, max_side=INPUT_MAX_SIDE)
-    except MediaError as e:
-        say(f"report: {job.id}: no thumbnail of its image: {e}")
-        return None
-    _write_cached(out_dir / rel, data)
-    return rel
-
-
-def _write_cached(path: Path, data: bytes) -> None:
-    """A file of the report's cache, remade from its source when lost: renamed into place (never
-    half a PNG under its name) but not fsynced, which would cost more than making it."""
-    outdir.real_dir(path.parent)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    with os.fdopen(outdir.create_new(tmp), "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def _tile(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], *, label: str,
           newer: str | None, say: Callable[[str], None], make_poster: bool) -> Tile:
-    status = _status(out_dir, job, stages, newer, live=True)  # (the tile shows the ledger's state)
+    status = job_status(out_dir, job, stages, newer, live=True)  # (the tile shows the ledger's state)
     video = poster = None
     if status.video:
         video = str(stages[Stage.ENCODE].artifact)
-        poster = _poster(out_dir, job.id, out_dir / video, stages[Stage.ENCODE].sha256, say, make=make_poster)
+        poster = posters.poster(out_dir, job.id, out_dir / video, stages[Stage.ENCODE].sha256, say, make=make_poster)
     params = outputs.params_relpath(job.id)
     tb = None
     if job.error_stage:
@@ -310,7 +148,7 @@ def _tile(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], *, la
                 label=label, video=video, poster=poster,
                 params=params if (out_dir / params).is_file() else None, width=width, height=height,
                 error=job.error, traceback=tb, superseded_by=newer,
-                input_image=_input_thumbnail(out_dir, job, say, make=make_poster), input_path=job.spec.image,
+                input_image=posters.input_thumbnail(out_dir, job, say, make=make_poster), input_path=job.spec.image,
                 prompt=job.spec.prompt, seconds=status.seconds)
 
 

@@ -14,8 +14,8 @@ from pan2render.hints import command
 from pan2render.jobs.ledger import Event, EventKind, FolderLock, JobRecord, JobState, Ledger, StageState, stage_name
 from pan2render.jobs.spec import JobSpec
 from pan2render.runner.estimates import CPU, CUDA, History, JobEstimate, Plan, ledger_device, plan
+from pan2render.runner.job_status import INTERRUPTED, JobStatus, counts_lines, job_statuses, shown_error, shown_state
 from pan2render.runner.progress import duration
-from pan2render.runner.report import INTERRUPTED, JobStatus
 
 
 # ---------------------------------------------------------------------------------------- tables
@@ -167,8 +167,6 @@ def holder(out_dir: Path) -> dict[str, Any] | None:
 
 def format_status(out_dir: Path, ledger: Ledger) -> tuple[str, int]:
     """The status table and status's exit code (:func:`status_code`)."""
-    from pan2render.runner.report import counts_lines, job_statuses, shown_error, shown_state  # noqa: PLC0415
-
     statuses = job_statuses(out_dir, ledger)
     jobs = {j.id: j for j in ledger.jobs()}
     keys = sweep_keys([j.spec for j in jobs.values()])
@@ -188,8 +186,6 @@ def format_status(out_dir: Path, ledger: Ledger) -> tuple[str, int]:
 def status_document(out_dir: Path, ledger: Ledger) -> tuple[dict[str, Any], int]:
     """``status --json``: the folder's run (state, elapsed, ETA, flags), the batch files run there,
     counts, and every job with its swept values and progress; and status's exit code."""
-    from pan2render.runner.report import job_statuses  # noqa: PLC0415
-
     statuses = job_statuses(out_dir, ledger)
     jobs = {j.id: j for j in ledger.jobs()}
     run = _run_state(out_dir, ledger, jobs)

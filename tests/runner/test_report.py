@@ -15,8 +15,9 @@ from pan2render.jobs.spec import JobSpec
 from pan2render.media.video import encode_mp4
 from pan2render.runner import cli
 from pan2render.runner.driver import Driver, DriverConfig
+from pan2render.runner.job_status import job_statuses
 from pan2render.runner.local_executor import LocalExecutor
-from pan2render.runner.report import ReportUpdater, job_statuses, write_report
+from pan2render.runner.report import ReportUpdater, write_report
 from pan2render.runner.testing import FAKE_FACTORY
 from pan2render.runner.worker import WorkerConfig
 

@@ -38,7 +38,8 @@ from pan2render.runner.artifacts import VIDEO_NAME
 from pan2render.runner.farm.queue import QueueError
 from pan2render.runner.farm.service import Farm
 from pan2render.runner.outputs import PARAMS_NAME
-from pan2render.runner.report import POSTER_DIR, Grid, batch_view, report_path
+from pan2render.runner.posters import POSTER_DIR
+from pan2render.runner.report import Grid, batch_view, report_path
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
