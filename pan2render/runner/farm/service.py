@@ -16,20 +16,18 @@ ledger, and nothing done is redone. The GPU workers are the farm's Ray actors, s
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import queue as queue_mod
 import secrets
 import socket
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pan2render.jobs.ledger import FolderLock, FolderLockedError, JobState, Ledger
+from pan2render.jobs.ledger import FolderLockedError, JobState, Ledger
 from pan2render.runner import errors
 from pan2render.runner.errors import UnrecordedWork
 from pan2render.runner.executor import Executor
@@ -428,68 +426,3 @@ def _ledger_counts(out_dir: Path, job_ids: list[str]) -> dict[str, int]:
         return {state.value: sum(j.state is state for j in jobs) for state in JobState} | {"total": len(jobs)}
     finally:
         led.close()
-
-
-def write_info(root: Path, info: dict[str, Any]) -> None:
-    from pan2render.runner.artifacts import write_atomic  # noqa: PLC0415
-
-    write_atomic(root / INFO_NAME, (json.dumps(info, indent=1) + "\n").encode())
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The farm process (``python -m pan2render.runner.farm``), started by ``farm start``."""
-    import argparse  # noqa: PLC0415
-    import signal  # noqa: PLC0415
-
-    from pan2render.runner.executor import make_executor  # noqa: PLC0415
-    from pan2render.runner.farm.api import start_api  # noqa: PLC0415
-
-    p = argparse.ArgumentParser(prog="python -m pan2render.runner.farm")
-    p.add_argument("--root", type=Path, required=True)
-    p.add_argument("--address")
-    p.add_argument("--cpu-gpus", type=int)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--idle-release", type=float, default=600.0)
-    p.add_argument("--device-fault-limit", type=int, default=3)
-    p.add_argument("--retries", type=int, default=2)
-    p.add_argument("--stall-timeout", type=float, default=600.0)
-    args = p.parse_args(argv)
-    root: Path = args.root
-    lock = FolderLock(root)
-    lock.acquire()  # one farm per folder; the kernel drops it when this process dies
-    logf = open(root / LOG_NAME, "a", encoding="utf-8")  # noqa: SIM115 - the farm's whole life
-
-    def log(text: str) -> None:
-        logf.write(time.strftime("%Y-%m-%dT%H:%M:%SZ ", time.gmtime()) + text + "\n")
-        logf.flush()
-
-    try:
-        config = FarmConfig(root=root, host=args.host, port=args.port, idle_release_s=args.idle_release,
-                            device_fault_limit=args.device_fault_limit, retries=args.retries,
-                            stall_timeout_s=args.stall_timeout)
-        token = ensure_token(root)
-        executor = make_executor(address=args.address, cpu_gpus=args.cpu_gpus, max_gpus=args.cpu_gpus or 1, say=log)
-        farm = Farm(config, executor, log=log)
-        api = start_api(farm, token=token, host=config.host, port=config.port)
-        farm.url = api.url
-        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(s, lambda *_: farm.stop())
-        write_info(root, {"pid": os.getpid(), "host": socket.gethostname(), "url": api.url, "root": str(root),
-                          "started_at": farm.started_at, "cluster": executor.cluster})
-        log(f"farm up at {api.url} on {executor.cluster} ({executor.total_gpus()} GPU(s)), pid {os.getpid()}")
-        try:
-            farm.run()
-        finally:
-            api.stop()
-            executor.shutdown()
-            (root / INFO_NAME).unlink(missing_ok=True)
-            log("farm stopped")
-        return 0
-    except BaseException:
-        log("farm failed:\n" + traceback.format_exc())
-        raise
-    finally:
-        logf.close()
-        lock.release()
-
