@@ -19,7 +19,7 @@ $(RUN_STAMP): pyproject.toml
 	touch $@
 
 $(TEST_STAMP): $(RUN_STAMP) pyproject.toml
-	@echo ">> installing the test extras into $(VENV): pytest, pytest-timeout, diffusers and peft (the reference our models are tested against), triton (kernel tests), playwright (drives Chromium in the browser tests)"
+	@echo ">> installing the test extras into $(VENV): pytest, pytest-timeout, diffusers and peft (the reference our models are tested against), triton (kernel tests), playwright (drives Chromium in the browser tests), ruff (the linter)"
 	$(BIN)/python -m pip install --disable-pip-version-check -e '.[test]'
 	touch $@
 
@@ -30,7 +30,8 @@ run: $(RUN_STAMP)
 	@echo ">> pan2-render is installed in $(VENV): 'source $(VENV)/bin/activate' puts it on PATH (README.md, First five minutes)"
 
 test: $(TEST_STAMP)
-	@echo ">> running the test suite (about 12-15 minutes on 2 cores); each line ends with tests run / total"
+	@echo ">> linting (ruff, pyproject.toml [tool.ruff]), then the test suite (about 12-15 minutes on 2 cores); each line ends with tests run / total"
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 clean:

@@ -21,9 +21,9 @@ Layouts accepted, as diffusers' ``WanLoraLoaderMixin.lora_state_dict`` tells the
 An ``.alpha`` scales its module by alpha / rank (diffusers folds that into the factors). The
 ``.diff`` / ``.diff_b`` keys diffusers leaves unread are dropped likewise (the norms', zeros in
 released files; a ``.diff`` of any layer but head.head; those of modules it has no name for), so a
-file renders as it does in diffusers. Everything else that does not fit the DiT is an error naming the file and the first
-offending keys: a key naming no module of the model (another model's LoRA, a Wan2.1 image-to-video
-one, a 40-block 14B one), a shape that does not fit (a 5120-wide 14B LoRA on the 3072-wide 5B),
+file renders as it does in diffusers. Everything else that does not fit the DiT is an error naming
+the file and the first offending keys: a key naming no module of the model (another model's LoRA,
+a Wan2.1 image-to-video one, a 40-block 14B one), a shape that does not fit (a 5120-wide 14B LoRA on the 3072-wide 5B),
 DoRA, a half of a factor pair, a tensor that is not a LoRA's.
 """
 
@@ -379,14 +379,14 @@ def _target(module: str, parts: dict[str, str], header: Header, shape: tuple[int
     out, inp = shape
     t = header.tensors
     problems: list[str] = []
-    for part, key in parts.items():
+    for key in parts.values():
         if t[key].dtype not in FLOAT_DTYPES:
             problems.append(f"key {key!r} is {t[key].dtype}; allowed: one of {', '.join(FLOAT_DTYPES)}")
     down, up = parts.get("down"), parts.get("up")
     if (down is None) != (up is None):
         have = down or up
-        raise LoraFileError(f"LoRA {name!r}: {have!r} has no {'lora_B / lora_up' if up is None else 'lora_A / lora_down'}"
-                            f" partner; allowed: both factors of every module")
+        partner = "lora_B / lora_up" if up is None else "lora_A / lora_down"
+        raise LoraFileError(f"LoRA {name!r}: {have!r} has no {partner} partner; allowed: both factors of every module")
     if "diff" in parts and down is not None:
         raise LoraFileError(f"LoRA {name!r}: {parts['diff']!r} and {down!r} both adapt {module!r}; allowed: factors "
                             f"or a whole-weight diff, not both")
@@ -467,7 +467,8 @@ def _peft_config(metadata: dict[str, str], name: str) -> _PeftConfig | None:
                            alpha_pattern={str(k): float(v) for k, v in (config.get("alpha_pattern") or {}).items()},
                            use_rslora=bool(config.get("use_rslora", False)))
     except (KeyError, TypeError, ValueError) as e:
-        raise LoraFileError(f"LoRA {name!r}: its {PEFT_METADATA_KEY} metadata has no usable r / lora_alpha ({e})") from e
+        raise LoraFileError(f"LoRA {name!r}: its {PEFT_METADATA_KEY} metadata has no usable r / lora_alpha "
+                            f"({e})") from e
 
 
 def plan_lora_file(path: str | Path, linears: Mapping[str, tuple[int, int]], *, display: str | None = None,

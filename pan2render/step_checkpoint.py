@@ -163,8 +163,8 @@ def _metadata(data: bytes) -> dict[str, str]:
 
 
 def _arrays(data: bytes) -> dict[str, np.ndarray]:
-    from safetensors import SafetensorError  # noqa: PLC0415 - the Rust extension, only when reading
-    from safetensors.numpy import load  # noqa: PLC0415
+    from safetensors import SafetensorError  # the Rust extension, only when reading
+    from safetensors.numpy import load
 
     try:
         return load(data)

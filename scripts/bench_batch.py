@@ -183,7 +183,7 @@ class GpuSampler:
                 try:
                     for dev, util, mem in read():
                         self.samples.append((t, dev, util, mem))
-                except Exception as e:  # noqa: BLE001 - a sampler must never stop the benchmark
+                except Exception as e:  # a sampler must never stop the benchmark
                     log(f"gpu sampler: {type(e).__name__}: {e}; stopping")
                     return
                 self._stop.wait(self.period_s)
@@ -198,7 +198,7 @@ class GpuSampler:
 
             pynvml.nvmlInit()
             handles = {d: pynvml.nvmlDeviceGetHandleByIndex(d) for d in self.devices}
-        except Exception:  # noqa: BLE001
+        except Exception:
             return None
         self.source = "nvml"
         return lambda: [(d, float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu),
@@ -327,6 +327,7 @@ def diffusers_main(args: argparse.Namespace) -> int:
     """The diffusers loop, run as a subprocess of this script; writes OUT/diffusers.json."""
     import numpy as np
     import torch
+
     from pan2render.media.video import encode_mp4
 
     out = Path(args.out)

@@ -51,16 +51,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_parallel import build_dit  # noqa: E402
-from pan2render.kernels.attention import start_attention_import  # noqa: E402
-from pan2render.models.dit import PAN2DiT, PAN2DiTConfig  # noqa: E402
-from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig  # noqa: E402
-from pan2render.models.sampler_state import (SamplerState, SamplingPreempted, pack_sampler_state,  # noqa: E402
-                                             unpack_sampler_state)
-from pan2render.models.scheduler import SchedulerConfig  # noqa: E402
-from pan2render.models.strategies import SeparateGuidance, VelocityFn  # noqa: E402
-from pan2render.models.tiny import cache_root  # noqa: E402
-from pan2render.models.vae import WanVAE, WanVAEConfig  # noqa: E402
+from bench_parallel import build_dit
+
+from pan2render.kernels.attention import start_attention_import
+from pan2render.models.dit import PAN2DiT, PAN2DiTConfig
+from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
+from pan2render.models.sampler_state import SamplerState, SamplingPreempted, pack_sampler_state, unpack_sampler_state
+from pan2render.models.scheduler import SchedulerConfig
+from pan2render.models.strategies import SeparateGuidance, VelocityFn
+from pan2render.models.tiny import cache_root
+from pan2render.models.vae import WanVAE, WanVAEConfig
 
 FULL = dict(height=704, width=1248, frames=121)
 TINY = dict(height=64, width=64, frames=17)
@@ -204,7 +204,8 @@ def main() -> int:
                    negative_prompt_embeds=torch.randn(512, text_dim, generator=gen))
     res["config"] = {
         "size": TINY if args.tiny else FULL, "steps": args.steps, "stop_at": stop_at, "guidance": args.guidance,
-        "sampler": args.sampler, "dit": "stub" if args.stub else "full-size random weights" if not args.tiny else "tiny",
+        "sampler": args.sampler,
+        "dit": "stub" if args.stub else "full-size random weights" if not args.tiny else "tiny",
         "attention": "stub" if args.stub else pipe.attention_backend, "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
@@ -251,7 +252,8 @@ def main() -> int:
     if args.repeat:
         log("4. uninterrupted again (run-to-run)")
         again, _ = run_uninterrupted(pipe, request)
-        res["run_to_run"] = {"max_abs_diff": float((again - full).abs().max()), "bit_equal": bool(torch.equal(again, full))}
+        res["run_to_run"] = {"max_abs_diff": float((again - full).abs().max()),
+                             "bit_equal": bool(torch.equal(again, full))}
         log(f"   max abs diff {res['run_to_run']['max_abs_diff']:.3e}")
         save()
     log(f"wrote {args.out}")

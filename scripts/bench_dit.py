@@ -49,12 +49,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pan2render.kernels import attention as attn_mod  # noqa: E402
-from pan2render.kernels.attention import describe_attention, fa4_unusable_reason, warm_up_attention  # noqa: E402
-from pan2render.kernels import dit_fused  # noqa: E402
-from pan2render.models.dit import ContextCache, PAN2DiT, PAN2DiTConfig  # noqa: E402
-from pan2render.models.dit_ops import ROUTED_OPS, TORCH_OPS  # noqa: E402
-from pan2render.models.pipeline import PAN2PipelineConfig  # noqa: E402
+from pan2render.kernels import attention as attn_mod
+from pan2render.kernels import dit_fused
+from pan2render.kernels.attention import describe_attention, fa4_unusable_reason, warm_up_attention
+from pan2render.models.dit import ContextCache, PAN2DiT, PAN2DiTConfig
+from pan2render.models.dit_ops import ROUTED_OPS, TORCH_OPS
+from pan2render.models.pipeline import PAN2PipelineConfig
 
 # diffusers keeps these in fp32 when loading the transformer in bf16 (_keep_in_fp32_modules).
 KEEP_FP32 = ("time_embedder", "scale_shift_table", "norm1", "norm2", "norm3")
@@ -158,8 +158,8 @@ def attention_micro(device: torch.device, dtype: torch.dtype, *, heads: int, seq
     """TFLOP/s of SDPA backends and FlashAttention-4 at the DiT's self- ([1, H, L, D] x L) and
     cross- (x 512) shapes, with q/k/v head-major contiguous ('bhsd') or token-major views ('bshd',
     what the model makes)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     out: dict[str, float] = {}
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
@@ -178,12 +178,12 @@ def attention_micro(device: torch.device, dtype: torch.dtype, *, heads: int, seq
                         log(f"attention micro {kind} {layout} fa4: skipped ({why})")
                         continue
                     attn_mod.set_attention_backend(attn_mod.FA4)
-                    s, _, _ = timed(lambda: attn_mod.attention(q, k, v), device=device, reps=reps, warmup=1)
+                    s, _, _ = timed(lambda: attn_mod.attention(q, k, v), device=device, reps=reps, warmup=1)  # noqa: F821 - bound above (ruff reads the del below as unbinding it)
                     attn_mod.set_attention_backend("auto")
                 else:
                     try:
                         with sdpa_kernel([backend]):
-                            s, _, _ = timed(lambda: F.scaled_dot_product_attention(q, k, v), device=device,
+                            s, _, _ = timed(lambda: F.scaled_dot_product_attention(q, k, v), device=device,  # noqa: F821 - bound above (ruff reads the del below as unbinding it)
                                             reps=reps, warmup=1)
                     except RuntimeError as err:  # backend cannot take these inputs
                         log(f"attention micro {kind} {layout} {name}: {str(err).splitlines()[0]}")
@@ -561,7 +561,8 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace, stack: contextlib.
         for other in ran[1:]:
             key = f"latents_rel_l2_{ran[0]}_vs_{other}"
             results[key] = round(rel_l2(latents[ran[0]], latents[other]), 6)
-            log(f"{args.compare_steps}-step guided sample, final latents {ran[0]} vs {other}: rel L2 {results[key]:.3e}")
+            log(f"{args.compare_steps}-step guided sample, final latents {ran[0]} vs {other}: "
+                f"rel L2 {results[key]:.3e}")
         del latents
         save()
 

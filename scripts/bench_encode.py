@@ -71,14 +71,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the checkout's pan2render, not whichever one is installed
 
-import av  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import av
+import numpy as np
+import torch
 
-from pan2render.media.video import COLOUR_TAGS, Yuv420Video, encode_mp4, fsync_file, probe_mp4  # noqa: E402
-from pan2render.media.x264 import DEFAULT_X264_PRESET, X264_TUNES  # noqa: E402
-from pan2render.media.yuv import rgb_to_yuv420  # noqa: E402
-from pan2render.runner.outputs import MP4_PARAMS_KEY  # noqa: E402
+from pan2render.media.video import COLOUR_TAGS, Yuv420Video, encode_mp4, fsync_file, probe_mp4
+from pan2render.media.x264 import DEFAULT_X264_PRESET, X264_TUNES
+from pan2render.media.yuv import rgb_to_yuv420
+from pan2render.runner.outputs import MP4_PARAMS_KEY
 
 CONTENTS = ("noise", "smooth")
 PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium")

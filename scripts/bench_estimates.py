@@ -22,11 +22,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_batch  # noqa: E402 - the random checkpoint builder, beside this script
+import bench_batch  # the random checkpoint builder, beside this script
 
-from pan2render.jobs.batch import load_batch  # noqa: E402
-from pan2render.jobs.ledger import Ledger  # noqa: E402
-from pan2render.runner.estimates import CPU, CUDA, History, plan  # noqa: E402
+from pan2render.jobs.batch import load_batch
+from pan2render.jobs.ledger import Ledger
+from pan2render.runner.estimates import CPU, CUDA, History, plan
 
 FULL_SIZES = ("480x832x33", "704x1248x121", "480x832x81")
 TINY_SIZES = ("32x32x5", "64x64x17", "96x96x25")

@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_batch as bb  # noqa: E402 - the checkpoint, the GPU sampler, the env for subprocesses
+import bench_batch as bb  # the checkpoint, the GPU sampler, the env for subprocesses
 
 CLI = [sys.executable, "-m", "pan2render.runner.cli"]
 
@@ -163,7 +163,8 @@ def main() -> int:
         starts = sorted([(s, j["job"]) for side in (low, high) for j in side["jobs"] for s in j["started"]])
         after = [name for s, name in starts if s > t_high]
         dones = sorted(j["done_at"] for side in (low, high) for j in side["jobs"])
-        busy = sampler.summary(dones[0] - time.time() + time.monotonic(), dones[-1] - time.time() + time.monotonic(), [0])
+        to_monotonic = time.monotonic() - time.time()
+        busy = sampler.summary(dones[0] + to_monotonic, dones[-1] + to_monotonic, [0])
         res["c_priority"] = {"starts_after_the_high_submit": after, "high_first": bool(after) and after[0] == "high0",
                              "loads_in_high_batch": len(high["loads"]), "busy_first_to_last_video": busy}
         save()
@@ -181,7 +182,8 @@ def main() -> int:
     save()
     a_, b_ = res["a_dmd_1job"], res["b_guided_4jobs"]
     print(f"(a) 1-job DMD: first video {a_['first_video_after_submit_s']:.2f} s after submit, target "
-          f"{a_['target_s']:.2f} s (GPU work {a_['first_job_gpu_work_s']:.2f} + encode {a_['first_job_encode_s']:.2f} + 2)")
+          f"{a_['target_s']:.2f} s (GPU work {a_['first_job_gpu_work_s']:.2f} + encode "
+          f"{a_['first_job_encode_s']:.2f} + 2)")
     print(f"(b) 4x{args.steps}: first video {b_['first_video_after_submit_s']:.2f} s, target {b_['target_s']:.2f} s; "
           f"steady {b_['steady_s_per_job']:.2f} s/job = {b_['steady_over_gpu_work']:.3f}x GPU work")
     print(f"(c) after the high-priority submit the starts were {res['c_priority']['starts_after_the_high_submit']}; "

@@ -38,15 +38,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_dit import TINY, log, rel_l2, sample_only_vae, sync, timed  # noqa: E402
-from bench_parallel import build_dit  # noqa: E402
+from bench_dit import TINY, log, rel_l2, sample_only_vae, sync, timed
+from bench_parallel import build_dit
 
-from pan2render.jobs.batch import list_presets  # noqa: E402
-from pan2render.lanes import FAST_LANE_FIELDS  # noqa: E402
-from pan2render.models.dit import PAN2DiTConfig  # noqa: E402
-from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig  # noqa: E402
-from pan2render.models.scheduler import SchedulerConfig  # noqa: E402
-from pan2render.models.step_cache import KeepResidual, ResidualSlot, ReuseResidual  # noqa: E402
+from pan2render.jobs.batch import list_presets
+from pan2render.lanes import FAST_LANE_FIELDS
+from pan2render.models.dit import PAN2DiTConfig
+from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
+from pan2render.models.scheduler import SchedulerConfig
+from pan2render.models.step_cache import KeepResidual, ResidualSlot, ReuseResidual
 
 PRESET = "pan2-720p-fast"
 
@@ -65,10 +65,12 @@ def forwards(pipe: PAN2Pipeline, args: argparse.Namespace, device: torch.device)
     dit, dtype = pipe.dit, pipe.config.dtype
     gen = torch.Generator(device="cpu").manual_seed(1)
     lat = (args.frames - 1) // 4 + 1
-    x = torch.randn(1, dit.config.in_channels, lat, args.height // 16, args.width // 16, generator=gen).to(device, dtype)
+    x = torch.randn(1, dit.config.in_channels, lat, args.height // 16, args.width // 16, generator=gen)
+    x = x.to(device, dtype)
     t = torch.tensor([700.0], device=device)
     ctx = dit.prepare_context(torch.randn(1, 512, dit.config.text_dim, generator=gen).to(device, dtype))
-    out: dict[str, Any] = {"tokens": dit.token_grid(x.shape)[0] * dit.token_grid(x.shape)[1] * dit.token_grid(x.shape)[2]}
+    grid = dit.token_grid(x.shape)
+    out: dict[str, Any] = {"tokens": grid[0] * grid[1] * grid[2]}
     with torch.no_grad():
         bf16_s, bf16_peak, bf16 = timed(lambda: dit(x, t, ctx), device=device, reps=args.reps, warmup=1)
         with pipe.precision.applied("fp8"):
@@ -137,8 +139,8 @@ def main() -> int:
     save()
     fast = {k: v for k, v in list_presets()[PRESET].items() if k in FAST_LANE_FIELDS}
     if args.tiny:  # the tiny DiT is not the architecture the published ratios are for
-        from pan2render.lanes import Calibration  # noqa: PLC0415
-        from pan2render.models.calibration import store_calibration  # noqa: PLC0415
+        from pan2render.lanes import Calibration
+        from pan2render.models.calibration import store_calibration
 
         store_calibration(pipe.model_id, Calibration(cond=(1.0,) + (0.995,) * (args.steps - 1),
                                                      uncond=(1.0,) + (0.995,) * (args.steps - 1), source="flat"),

@@ -175,8 +175,8 @@ def main() -> int:
     runs: list[dict[str, Any]] = []
     for rnd in range(args.rounds):
         for variant in args.variants.split(","):
-            proc = subprocess.run([sys.executable, __file__, "--out", str(args.out), "--one", variant, str(ckpt), device],
-                                  capture_output=True, text=True)
+            one = [sys.executable, __file__, "--out", str(args.out), "--one", variant, str(ckpt), device]
+            proc = subprocess.run(one, capture_output=True, text=True)
             if proc.returncode != 0:
                 print(proc.stderr[-3000:], file=sys.stderr)
                 runs.append({"variant": variant, "round": rnd, "error": proc.stderr.strip().splitlines()[-1:]})

@@ -38,12 +38,12 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_parallel import build_dit  # noqa: E402
+from bench_parallel import build_dit
 
-from pan2render.kernels.attention import describe_attention, warm_up_attention  # noqa: E402
-from pan2render.models.dit import PAN2DiT, PAN2DiTConfig  # noqa: E402
-from pan2render.models.lora import LoraWeights, MergedLoras, linear_shapes, read_lora  # noqa: E402
-from pan2render.models.tiny import cache_root  # noqa: E402
+from pan2render.kernels.attention import describe_attention, warm_up_attention
+from pan2render.models.dit import PAN2DiT, PAN2DiTConfig
+from pan2render.models.lora import LoraWeights, MergedLoras, linear_shapes, read_lora
+from pan2render.models.tiny import cache_root
 
 TINY = PAN2DiTConfig(num_attention_heads=3, attention_head_dim=20, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2)
 # Musubi-tuner's names for the block linears it trains (the original Wan names, dots flattened).
@@ -170,7 +170,7 @@ def main() -> int:
             t0 = time.perf_counter()
             host = read_lora(paths[0], linears=shapes)
             entry["read_s"] = time.perf_counter() - t0
-            entry["to_device_s"] = seconds(lambda: host.to(device), device)
+            entry["to_device_s"] = seconds(lambda: host.to(device), device)  # noqa: F821 - bound above (ruff reads the del below as unbinding it)
             a, b = host.to(device), read_lora(paths[1], linears=shapes).to(device)
             entry["modules"] = len(a.deltas)
             for where in args.backup.split(","):

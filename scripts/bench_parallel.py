@@ -48,15 +48,20 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pan2render.models.dit import PAN2DiT, PAN2DiTConfig  # noqa: E402
-from pan2render.models.vae import WanVAE, WanVAEConfig  # noqa: E402
-from pan2render.models.pipeline import DIT_KEEP_IN_FP32, make_denoiser  # noqa: E402
-from pan2render.kernels.vae_decode import fast_decoder_for  # noqa: E402
-from pan2render.parallel import GuidanceSplit, GuidanceSplitDenoiser, agree_fast_decode, parallelize_dit  # noqa: E402
-from pan2render.parallel import parallelize_pipeline  # noqa: E402
-from pan2render.parallel.decode import split_decode  # noqa: E402
-from pan2render.parallel.group import SequenceGroup  # noqa: E402
-from pan2render.vae_plan import DecodeUnit, UnitDecoder  # noqa: E402
+from pan2render.kernels.vae_decode import fast_decoder_for
+from pan2render.models.dit import PAN2DiT, PAN2DiTConfig
+from pan2render.models.pipeline import DIT_KEEP_IN_FP32, make_denoiser
+from pan2render.models.vae import WanVAE, WanVAEConfig
+from pan2render.parallel import (
+    GuidanceSplit,
+    GuidanceSplitDenoiser,
+    agree_fast_decode,
+    parallelize_dit,
+    parallelize_pipeline,
+)
+from pan2render.parallel.decode import split_decode
+from pan2render.parallel.group import SequenceGroup
+from pan2render.vae_plan import DecodeUnit, UnitDecoder
 
 FULL = dict(frames=31, height=44, width=78, text=512)  # latent sizes of 704x1248x121
 TINY = dict(frames=3, height=6, width=10, text=16)
@@ -156,12 +161,12 @@ def use_fast_paths(model: PAN2DiT, attention: str = "auto") -> str:
         if getattr(PAN2PipelineConfig(), "dit_fp32_residual", False):
             model.set_residual_dtype(torch.float32)
             used.append("fp32 residual stream")
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         used.append(f"compute-dtype residual stream ({type(e).__name__}: {e})")
     try:
         model.set_ops(ROUTED_OPS)  # the table PAN2PipelineConfig.dit_fused_kernels=True gives
         used.append("fused DiT kernels")
-    except Exception as e:  # noqa: BLE001 - bench what exists, say what did not
+    except Exception as e:  # bench what exists, say what did not
         used.append(f"eager ops ({type(e).__name__}: {e})")
     try:
         from pan2render.kernels import attention as attn_mod
@@ -175,7 +180,7 @@ def use_fast_paths(model: PAN2DiT, attention: str = "auto") -> str:
             block.attn1.attention_fn = attn_mod.attention
             block.attn2.attention_fn = attn_mod.attention
         used.append(f"attention {attention}: {attn_mod.describe_attention(param.device, param.dtype, head_dim)}")
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         used.append(f"SDPA default order ({type(e).__name__}: {e})")
     return ", ".join(used)
 
@@ -198,7 +203,7 @@ def profile_step(fn: Callable[[], Any], device: torch.device, rank: int, what: s
         try:
             print(events.table(sort_by=key, row_limit=22, max_name_column_width=70))
             break
-        except Exception as e:  # noqa: BLE001 - the key's name changed across torch versions
+        except Exception as e:  # the key's name changed across torch versions
             print(f"(sort by {key} failed: {e})")
 
 
@@ -250,7 +255,7 @@ def bench_dit(rank: int, world: int, device: torch.device, args: argparse.Namesp
         res[f"step_{name}_peak_gib"] = peaks(device, world)
         if rank == 0:
             res[f"step_{name}_speedup"] = round(res["step_1gpu_s"] / secs, 3)
-            res[f"step_{name}_vs_1gpu_rel_l2"] = rel_l2(grouped, single)
+            res[f"step_{name}_vs_1gpu_rel_l2"] = rel_l2(grouped, single)  # noqa: F821 - bound above (ruff reads the del below as unbinding it)
             log(rank, f"guided step, group of {world}, {what}: {secs:.3f} s -> {res[f'step_{name}_speedup']}x; "
                       f"peak per rank {res[f'step_{name}_peak_gib']} GiB; rel L2 vs 1 GPU "
                       f"{res[f'step_{name}_vs_1gpu_rel_l2']:.2e}")
@@ -309,8 +314,8 @@ def bench_sample(model: PAN2DiT, cond: torch.Tensor, uncond: torch.Tensor, rank:
     if rank == 0:
         res["sample_speedup"] = round(res["sample_1gpu_s"] / secs, 3)
         res["sample_group_vs_1gpu_rel_l2"] = rel_l2(latents, one)
-        log(rank, f"PAN2Pipeline.sample, {args.sample_steps} guided steps, group of {world} "
-                  f"({'guidance split' if isinstance(pipe.denoiser, GuidanceSplitDenoiser) else 'Ulysses'}): {secs:.2f} s -> "
+        how = "guidance split" if isinstance(pipe.denoiser, GuidanceSplitDenoiser) else "Ulysses"
+        log(rank, f"PAN2Pipeline.sample, {args.sample_steps} guided steps, group of {world} ({how}): {secs:.2f} s -> "
                   f"{res['sample_speedup']}x; latents rel L2 vs 1 GPU {res['sample_group_vs_1gpu_rel_l2']:.2e}")
 
 
@@ -517,7 +522,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             bench_dit(rank, world, device, args, res)
         if not args.skip_decode:
             bench_decode(rank, world, device, args, res)
-    except Exception:  # noqa: BLE001 - keep what was measured
+    except Exception:  # keep what was measured
         res["error"] = traceback.format_exc()
         print(f"rank {rank}: {res['error']}", flush=True)
         raise

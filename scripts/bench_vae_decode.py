@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_diffusers:
             model = diffusers_vae(state, torch.bfloat16)
             diffusers_decode(model, warm)
-            out, dt, pk, pw = timed(lambda: diffusers_decode(model, z))
+            out, dt, pk, pw = timed(lambda: diffusers_decode(model, z))  # noqa: F821 - bound above (ruff reads the del below as unbinding it)
             outs["diffusers bf16"] = out.cpu()
             del out, model
             t_diff = dt
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         dec.decode(z[:, :, :2], out_dtype=torch.uint8)  # cuDNN autotune (first chunk and steady-state shapes)
         for odt in (torch.uint8, torch.bfloat16):
             name = f"ours {'uint8' if odt == torch.uint8 else 'bf16'}"
-            out, dt, pk, pw = timed(lambda: dec.decode(z, out_dtype=odt))
+            out, dt, pk, pw = timed(lambda: dec.decode(z, out_dtype=odt))  # noqa: F821 - bound above (ruff reads the del below as unbinding it)
             outs[name] = out.cpu()
             del out
             sp = t_diff / dt if t_diff else None
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[seed {seed}] {name} {clip}: {dt:.3f} s, peak {pk:.2f} GiB (work {pw:.2f})"
                   + (f", {sp:.2f}x diffusers" if sp else ""), flush=True)
         if args.profile and si == 0:
-            profile(lambda: dec.decode(z, out_dtype=torch.uint8))
+            profile(lambda: dec.decode(z, out_dtype=torch.uint8))  # noqa: F821 - bound above (ruff reads the del below as unbinding it)
         del dec
 
         if not args.skip_strict:

@@ -51,7 +51,7 @@ def cli(args: list[str], env: dict[str, str]) -> None:
 
 
 def shoot(url: str, token: str, out: Path, *, sweep: str, failing: str) -> None:
-    from playwright.sync_api import sync_playwright  # noqa: PLC0415 - a test extra
+    from playwright.sync_api import sync_playwright  # a test extra
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:

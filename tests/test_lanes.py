@@ -8,8 +8,17 @@ import random
 import numpy as np
 import pytest
 
-from pan2render.lanes import (Action, Branch, Calibration, FastLanes, guided_steps, magcache_actions,
-                              nearest_interp, plan_sampling, published_calibration)
+from pan2render.lanes import (
+    Action,
+    Branch,
+    Calibration,
+    FastLanes,
+    guided_steps,
+    magcache_actions,
+    nearest_interp,
+    plan_sampling,
+    published_calibration,
+)
 
 
 def reference_schedule(mag_ratios: list[float], *, steps: int, thresh: float, k: int, retention: float,

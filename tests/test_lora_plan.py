@@ -55,7 +55,8 @@ def test_each_layout_is_recognised(tmp_path: Path) -> None:
 
 def test_peft_metadata_sets_each_modules_scale(tmp_path: Path) -> None:
     a, b = _pair()
-    tensors = {f"transformer.blocks.{i}.attn1.to_q.{p}.weight": t for i in (0, 1) for p, t in (("lora_A", a), ("lora_B", b))}
+    tensors = {f"transformer.blocks.{i}.attn1.to_q.{p}.weight": t
+               for i in (0, 1) for p, t in (("lora_A", a), ("lora_B", b))}
     config = {"transformer.r": 4, "transformer.lora_alpha": 8, "transformer.alpha_pattern": {"blocks.1.attn1.to_q": 2}}
     path = _save(tmp_path / "m.safetensors", tensors, {"lora_adapter_metadata": json.dumps(config)})
     assert {t.module: t.config_scale for t in plan_lora_file(path, LINEARS).targets} == {

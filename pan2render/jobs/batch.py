@@ -514,7 +514,8 @@ def preset_text(name: str) -> str:
     value); LookupError naming the presets (and the nearest one) if there is none of that name."""
     presets = sorted(_load_presets())
     if name not in presets:
-        raise LookupError(f"unknown preset {name!r}{_did_you_mean(name, presets)}; allowed: one of {', '.join(presets)}")
+        raise LookupError(f"unknown preset {name!r}{_did_you_mean(name, presets)}; "
+                          f"allowed: one of {', '.join(presets)}")
     return (_preset_dir() / f"{name}.yaml").read_text(encoding="utf-8")
 
 

@@ -257,7 +257,8 @@ class JobSpec:
         pixels=True, scope=Scope.PRESET, kind=Kind.CHOICE, choices=lanes.CACHES, to_sampler=True), lanes.CACHE_NONE)
     cache_threshold: float = _rule(Rule(
         "magcache: accumulated magnitude error allowed before a step computes again (0 never reuses)",
-        pixels=True, scope=Scope.PRESET, kind=Kind.FLOAT, min=0, to_sampler=True, inert_when=("cache", lanes.CACHE_NONE),
+        pixels=True, scope=Scope.PRESET, kind=Kind.FLOAT, min=0, to_sampler=True,
+        inert_when=("cache", lanes.CACHE_NONE),
         allowed="a number >= {min:g} (MagCache's Wan2.2-TI2V-5B setting: 0.06)"), lanes.DEFAULT_CACHE_THRESHOLD)
     cache_max_skips: int = _rule(Rule(
         "magcache: consecutive steps that may reuse the residual (MagCache's K)", pixels=True, scope=Scope.PRESET,

@@ -28,10 +28,11 @@ Measured on one H200 (docs/performance.md): cuDNN 630-640 TFLOP/s on the self-at
 isolation (flash 356) and 536 on the cross-attention one (flash 312), whatever the q/k/v layout, so
 cuDNN leads for both. The inputs go to SDPA as they lie and the batch whole: running one batch
 entry at a time, or copying q / k / v to contiguous [B, H, L, D] first, measured slower in the DiT
-forward (scripts/bench_dit.py keeps the layout comparison). ``set_attention_backend`` forces one backend ('fa4' or an SDPA one)
-for tests and benchmarks; if the forced backend cannot run here, the call falls back to the
-device's SDPA order and says so once. The backend used is logged once per process and input kind
-(`describe_attention` gives the same words for the load reply and the group's layout line).
+forward (scripts/bench_dit.py keeps the layout comparison). ``set_attention_backend`` forces one
+backend ('fa4' or an SDPA one) for tests and benchmarks; if the forced backend cannot run here,
+the call falls back to the device's SDPA order and says so once. The backend used is logged once
+per process and input kind (`describe_attention` gives the same words for the load reply and the
+group's layout line).
 """
 
 from __future__ import annotations
@@ -263,7 +264,8 @@ def _warn_once(backend: str, q: torch.Tensor, message: str) -> None:
         logger.warning("%s (inputs %s %s on %s)", message, tuple(q.shape), q.dtype, q.device)
 
 
-def attention_backends(q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> list[SDPBackend]:
+def attention_backends(q: torch.Tensor, k: torch.Tensor | None = None,
+                       v: torch.Tensor | None = None) -> list[SDPBackend]:
     """The SDPA priority order ``attention`` uses for these inputs when FlashAttention-4 does not
     run them (the first usable one runs)."""
     k = q if k is None else k

@@ -122,7 +122,8 @@ def _check_rows(name: str, rows: torch.Tensor | None, dim: int) -> None:
         return
     if rows.ndim != 2 or rows.shape[1] != dim or rows.stride(1) != 1:
         raise ValueError(
-            f"{name} has shape {tuple(rows.shape)} strides {rows.stride()}; expected [U, {dim}] with a contiguous last dim"
+            f"{name} has shape {tuple(rows.shape)} strides {rows.stride()}; expected [U, {dim}] with a "
+            f"contiguous last dim"
         )
 
 
@@ -134,7 +135,8 @@ def _index_strides(index: torch.Tensor, batch: int, seq: int) -> tuple[int, int]
         return index.stride(0), 0
     if tuple(index.shape) == (batch, seq):
         return index.stride(0), index.stride(1)
-    raise ValueError(f"index shape {tuple(index.shape)}: expected [{batch}] (per sample) or [{batch}, {seq}] (per token)")
+    raise ValueError(f"index shape {tuple(index.shape)}: expected [{batch}] (per sample) or [{batch}, {seq}] "
+                     f"(per token)")
 
 
 def _launch(

@@ -92,7 +92,7 @@ def quantize_rows(x: Tensor, *, gelu: bool = False) -> tuple[Tensor, Tensor]:
 
 
 def _launch(x: Tensor, out: Tensor, scale: Tensor, *, gelu: bool, store_scaled: bool) -> None:
-    from pan2render.kernels.fp8_triton import quantize_rows_kernel  # noqa: PLC0415 - triton on first use
+    from pan2render.kernels.fp8_triton import quantize_rows_kernel  # triton on first use
 
     rows, cols = x.shape
     quantize_rows_kernel[(rows,)](x, out, scale, cols, x.stride(0), out.stride(0), E4M3_MAX, MIN_AMAX,

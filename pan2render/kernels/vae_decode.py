@@ -53,7 +53,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..vae_plan import DecodeUnit, DecoderPlan, State, UnitKind, decode_frames, decoder_plan, new_video
+from ..vae_plan import DecoderPlan, DecodeUnit, State, UnitKind, decode_frames, decoder_plan, new_video
 from . import vae_ops
 
 log = logging.getLogger(__name__)
@@ -739,7 +739,7 @@ def _probe(device: torch.device) -> tuple[bool, str]:
         err = (got.float() - want.float()).abs().max().item()
         if not err <= 0.05:
             return False, f"the Triton RMS-norm kernel disagrees with its reference (max abs err {err:.3g})"
-    except Exception as e:  # a failed build must not fail the render: fall back and say why
+    except Exception as e:  # noqa: BLE001 - a failed build must not fail the render: fall back and say why
         return False, f"the Triton kernels failed to build or run ({type(e).__name__}: {e})"
     return True, ""
 

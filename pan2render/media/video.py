@@ -14,9 +14,9 @@ import struct
 import tempfile
 import time
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -256,9 +256,9 @@ def _as_uint8_video(frames: Any) -> np.ndarray:
 
 
 def _to_yuv420(video: np.ndarray) -> Yuv420Video:
-    import torch  # noqa: PLC0415 - the conversion is shared with the GPU path
+    import torch  # the conversion is shared with the GPU path
 
-    from pan2render.media.yuv import rgb_to_yuv420  # noqa: PLC0415
+    from pan2render.media.yuv import rgb_to_yuv420
 
     return Yuv420Video(rgb_to_yuv420(torch.from_numpy(video)).numpy())
 

@@ -90,7 +90,7 @@ def calibration_for(model_id: str, dit_config: PAN2DiTConfig, *, conditioned: bo
 def calibrate(pipe: Any, **sample_args: Any) -> Calibration:
     """Run one exact job on ``pipe`` (a `PAN2Pipeline`; ``sample_args``: `PAN2Pipeline.sample`'s
     keywords, fast lanes left at their defaults) and return the magnitude ratios it measured."""
-    from .step_cache import RatioRecorder  # noqa: PLC0415 - torch
+    from .step_cache import RatioRecorder  # torch
 
     recorder = RatioRecorder()
     pipe.sample(**sample_args, record=recorder)

@@ -287,7 +287,7 @@ def stream_file_bytes(file: str | Path, start: int, nbytes: int, device: str | t
                 n = min(chunk, nbytes - c * chunk)
                 _pread_exactly(fd, views[i][:n], file, start + c * chunk)
                 filled.put((i, c, n))
-        except BaseException as e:  # handed to the copying thread, which raises it
+        except BaseException as e:  # noqa: BLE001 - handed to the copying thread, which raises it
             filled.put(e)
 
     fd = os.open(file, os.O_RDONLY)

@@ -214,8 +214,8 @@ class DiTOps:
 
     `ROUTED_OPS` (below) has kernel entries with the same signatures; the pipeline hands one table
     or the other to `PAN2DiT.set_ops` (``PAN2PipelineConfig.dit_fused_kernels``), and
-    ``dataclasses.replace`` makes a table fusing only some ops. Attention is not in here: it is swapped per attention module
-    (`attention_fn`) because sequence parallelism wraps self-attention only.
+    ``dataclasses.replace`` makes a table fusing only some ops. Attention is not in here: it is
+    swapped per attention module (`attention_fn`) because sequence parallelism wraps self-attention only.
     """
 
     modulated_norm: Callable[..., Tensor] = modulated_norm

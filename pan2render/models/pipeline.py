@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import math
 import sys
@@ -25,24 +26,42 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.attention import describe_attention, start_attention_import, warm_up_attention
+from ..kernels.vae_decode import SWITCHED_OFF, to_uint8_frames
+from ..lanes import (
+    BF16,
+    CACHE_NONE,
+    DEFAULT_CACHE_MAX_SKIPS,
+    DEFAULT_CACHE_RETENTION,
+    DEFAULT_CACHE_THRESHOLD,
+    DEFAULT_GUIDANCE_UNTIL,
+    Branch,
+    FastLanes,
+    SamplingPlan,
+    lane_problems,
+    plan_sampling,
+)
 from ..phases import phase
+from ..sampling import DMD, SAMPLERS, WAN22, Geometry, combination_problems, is_int, timesteps_problem
+from ..step_checkpoint import StepCheckpointError
+from ..vae_plan import SHAPE_COVERING_LATENT_FRAMES
+from .calibration import calibration_for
 from .checkpoint import CheckpointError, instantiate, read_json, resolve_component
 from .dit import PAN2DiT, PAN2DiTConfig
-from ..kernels.vae_decode import SWITCHED_OFF, to_uint8_frames
 from .dit_ops import ROUTED_OPS, TORCH_OPS
 from .lora import LoraWeights, MergedLoras, linear_shapes, read_lora
-from ..sampling import DMD, SAMPLERS, WAN22, Geometry, combination_problems, is_int, timesteps_problem
-from ..vae_plan import SHAPE_COVERING_LATENT_FRAMES
-from ..lanes import (BF16, CACHE_NONE, DEFAULT_CACHE_MAX_SKIPS, DEFAULT_CACHE_RETENTION, DEFAULT_CACHE_THRESHOLD,
-                     DEFAULT_GUIDANCE_UNTIL, Branch, FastLanes, SamplingPlan, lane_problems, plan_sampling)
-from .calibration import calibration_for
 from .precision import DiTPrecision
-from ..step_checkpoint import StepCheckpointError
 from .sampler_state import CheckpointKey, SamplerState, StepHooks, capture_state, resume_state
 from .scheduler import FlowDMDScheduler, SchedulerConfig, make_scheduler
 from .step_cache import RatioRecorder, fast_lane_velocity
-from .strategies import (Denoiser, FastDecoder, FrameDecoder, ReferenceDecoder, SeparateGuidance,
-                         apply_guidance, make_denoiser)
+from .strategies import (
+    Denoiser,
+    FastDecoder,
+    FrameDecoder,
+    ReferenceDecoder,
+    SeparateGuidance,
+    apply_guidance,
+    make_denoiser,
+)
 from .text import TextEncoder
 from .tiny import cache_root
 from .vae import WanVAE, WanVAEConfig
@@ -467,7 +486,8 @@ class PAN2Pipeline:
                                    hooks=hooks, capture=lambda lat: capture_state(key, lat, scheduler, gen))
 
     def _velocity(self, req: SampleRequest, lanes: FastLanes, cond: torch.Tensor, uncond: torch.Tensor | None, *,
-                  conditioned: bool, record: RatioRecorder | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+                  conditioned: bool,
+                  record: RatioRecorder | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """The exact path's velocity (today's denoiser) unless a fast lane changes which forwards run."""
         if record is not None:
             plan = plan_sampling(FastLanes(precision=lanes.precision), steps=req.steps, guided=uncond is not None)
@@ -501,7 +521,7 @@ class PAN2Pipeline:
             if progress is not None:
                 progress(i + 1, len(timesteps))
             if hooks.active and i + 1 < len(timesteps):
-                hooks.at_boundary(lambda: capture(latents), self.denoiser.any_rank)
+                hooks.at_boundary(functools.partial(capture, latents), self.denoiser.any_rank)
         return latents[0].float().cpu()
 
     def sampling_plan(self, *, steps: int | None, guidance: float, sampler: str | None = None,

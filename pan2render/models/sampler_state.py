@@ -19,8 +19,19 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..step_checkpoint import (GENERATOR, LATENTS, SAMPLER_PREFIX, SCHEDULE, CheckpointHeader, CheckpointKey,
-                               StepCheckpointError, key_problem, metadata_for, read_checkpoint, step_problem)
+from ..step_checkpoint import (
+    GENERATOR,
+    LATENTS,
+    SAMPLER_PREFIX,
+    SCHEDULE,
+    CheckpointHeader,
+    CheckpointKey,
+    StepCheckpointError,
+    key_problem,
+    metadata_for,
+    read_checkpoint,
+    step_problem,
+)
 from .scheduler import FlowScheduler, StepState
 
 __all__ = ["CheckpointKey", "SamplerState", "SamplingPreempted", "StepCheckpointError", "StepHooks", "capture_state",
@@ -61,7 +72,7 @@ class SamplingPreempted(Exception):
 
 def pack_sampler_state(state: SamplerState, *, spec_hash: str = "") -> bytes:
     """The state as step-checkpoint bytes (safetensors), marked with the job's ``spec_hash``."""
-    from safetensors.torch import save  # noqa: PLC0415 - only where checkpoints are written
+    from safetensors.torch import save  # only where checkpoints are written
 
     key = replace(state.key, spec_hash=spec_hash) if spec_hash else state.key
     tensors = {LATENTS: state.latents, SCHEDULE: state.schedule, GENERATOR: state.generator,

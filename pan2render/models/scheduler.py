@@ -183,7 +183,8 @@ class SchedulerConfig:
         dc = self.disable_corrector
         if not isinstance(dc, (tuple, list)) or not all(is_int(i) and i >= 0 for i in dc):
             raise ValueError(
-                f"disable_corrector={list(dc) if isinstance(dc, tuple) else dc!r} must be a list of step indices (ints >= 0), e.g. [] or [0]"
+                f"disable_corrector={list(dc) if isinstance(dc, tuple) else dc!r} must be a list of step "
+                f"indices (ints >= 0), e.g. [] or [0]"
             )
         object.__setattr__(self, "disable_corrector", tuple(sorted(set(dc))))
         if self.default_sampler not in SAMPLERS:

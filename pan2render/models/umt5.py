@@ -36,7 +36,6 @@ from torch import nn
 
 from .checkpoint import CheckpointError, instantiate, read_json
 
-
 # transformers keeps these in fp32 when a umT5 is loaded in fp16 (its ``_keep_in_fp32_modules``; T5
 # models' FFN outputs are known to overflow fp16). Under bf16 everything is bf16, as transformers
 # loads it.

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from ..kernels.vae_decode import to_uint8_frames
 from ..kernels.vae_ops import add_bias_residual_reference, rms_norm_act_reference
-from ..vae_plan import DecodeUnit, DecoderPlan, State, UnitKind, decode_frames, decoder_plan, new_video
+from ..vae_plan import DecoderPlan, DecodeUnit, State, UnitKind, decode_frames, decoder_plan, new_video
 
 # Frames of history a 3-tap causal conv needs from the previous chunk.
 CACHE_T = 2

@@ -77,8 +77,8 @@ def pack_embedding(emb: torch.Tensor, *, key: str, text_encoder_id: str) -> byte
     """emb: float32 [512, text_dim] -> safetensors bytes carrying its cache key and the sha256 of
     the tensor's bytes (the cache is keyed by prompt, not content: the digest is what proves a
     cached file holds what the encoder wrote)."""
-    import torch  # noqa: PLC0415 - see above
-    from safetensors.torch import save  # noqa: PLC0415
+    import torch  # see above
+    from safetensors.torch import save
 
     emb = emb.detach().to("cpu", torch.float32).contiguous()
     return save({"prompt_embeds": emb}, metadata={"key": key, "text_encoder_id": text_encoder_id,
@@ -91,7 +91,7 @@ def _array_digest(a: np.ndarray) -> str:
 
 
 def unpack_embedding(data: bytes) -> torch.Tensor:
-    from safetensors.torch import load  # noqa: PLC0415 - torch
+    from safetensors.torch import load  # torch
 
     return load(data)["prompt_embeds"]
 
@@ -103,8 +103,8 @@ def pack_latents(lat: torch.Tensor, *, spec_hash: str, seed: int, steps: int, mo
     ``fast_lanes`` (the sampling plan's record: which steps computed) so params.json can show it;
     ``sha256`` (of the tensor's bytes) proves the data is what the sampler wrote, where no ledger
     recorded the file's digest (``repair``)."""
-    import torch  # noqa: PLC0415 - see above
-    from safetensors.torch import save  # noqa: PLC0415
+    import torch  # see above
+    from safetensors.torch import save
 
     lat = lat.detach().to("cpu", torch.float32).contiguous()
     if not torch.isfinite(lat).all():
@@ -136,7 +136,7 @@ def latents_fast_lanes(out_dir: Path, relpath: str) -> dict[str, Any] | None:
 
 
 def unpack_latents(data: bytes) -> torch.Tensor:
-    from safetensors.torch import load  # noqa: PLC0415 - torch
+    from safetensors.torch import load  # torch
 
     return load(data)["latents"]
 
@@ -290,7 +290,7 @@ def check_video(out_dir: Path, rec: Recorded, *, frames: int, width: int, height
     problem = check_recorded(out_dir, rec)
     if problem:
         return problem
-    from pan2render.media.video import MediaError, probe_mp4  # noqa: PLC0415 - PyAV is heavy
+    from pan2render.media.video import MediaError, probe_mp4  # PyAV is heavy
 
     try:
         info = probe_mp4(out_dir / str(rec.relpath))

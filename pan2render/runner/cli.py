@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     except KeyboardInterrupt:
         if renders:
-            from pan2render.runner.session import recorded  # noqa: PLC0415
+            from pan2render.runner.session import recorded
 
             where = getattr(args, "out", None) or getattr(args, "dir", None)
             by = f" by {stopped_by[-1]}" if stopped_by else ""
@@ -81,11 +81,11 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print_error(f"\ninterrupted{by}; nothing was recorded in {where}: run the same command again")
         return EXIT_INTERRUPTED
-    except Exception as e:  # noqa: BLE001 - never a traceback on the terminal: one paragraph + a log
+    except Exception as e:  # never a traceback on the terminal: one paragraph + a log
         folder = getattr(args, "out", None) or getattr(args, "dir", None)
         log = errors.write_log(folder, traceback.format_exc())
         # `resume` only where a batch is recorded to resume; else the command itself, once fixed.
-        from pan2render.runner.session import recorded  # noqa: PLC0415
+        from pan2render.runner.session import recorded
 
         again = cmd("resume", folder) if renders and recorded(folder) else None
         print_error(f"error: {errors.explain(e, folder=folder, resume=again)}"
@@ -202,7 +202,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="declare N logical GPUs on a CPU-only machine (default: the CUDA GPUs found, else 1)")
     nd.add_argument("--port", type=int, default=NODE_PORT, help=f"the node's GCS port (default {NODE_PORT})")
     nd.set_defaults(func=cmd_node)
-    from pan2render.runner.farm.commands import add_commands  # noqa: PLC0415 - it imports this module
+    from pan2render.runner.farm.commands import add_commands  # it imports this module
 
     add_commands(sub)
     return p

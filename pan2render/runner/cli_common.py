@@ -49,7 +49,7 @@ def check_out_folder(out: Path, batch: Any, args: argparse.Namespace) -> int | N
     if out.exists() and not out.is_dir():
         print_error(f"error: --out {out} is a file, not a folder; name a new or existing folder")
         return EXIT_USAGE
-    from pan2render.runner.out_check import refusal  # noqa: PLC0415
+    from pan2render.runner.out_check import refusal
 
     if (why := refusal(out, batch.path, {j.job_id for j in batch.jobs}, add=args.add, force=args.force)) is not None:
         print_error(f"error: {why}; nothing was written")
@@ -59,7 +59,7 @@ def check_out_folder(out: Path, batch: Any, args: argparse.Namespace) -> int | N
 
 def load_batch_or_report(batch_path: Path, overrides: Overrides, *, check_model: bool) -> Batch | None:
     """The batch validated, or None with every problem printed (file:line, field, what is allowed)."""
-    from pan2render.jobs.batch import load_batch  # noqa: PLC0415
+    from pan2render.jobs.batch import load_batch
 
     try:
         return load_batch(batch_path, overrides=overrides, check_model=check_model, say=print_error)

@@ -52,7 +52,7 @@ def recorded_spec(path: Path) -> tuple[JobSpec, str]:
         if not isinstance(spec, dict):
             raise FromError(f"{path} is JSON but not a pan2-render {PARAMS_NAME} (it has no \"spec\" object)")
         return _spec(spec, path), str(path)
-    from pan2render.media.video import MediaError, read_metadata  # noqa: PLC0415 - PyAV
+    from pan2render.media.video import MediaError, read_metadata  # PyAV
 
     try:
         tag = read_metadata(path).get(MP4_PARAMS_KEY)
@@ -113,7 +113,7 @@ def _axis_value(spec: JobSpec, key: str) -> Any:
 def load_from(path: Path, overrides: Overrides, *, check_model: bool, say: Any) -> tuple[Batch, JobSpec]:
     """The one-job batch that renders PATH's job again, and the recorded spec (raises FromError,
     or BatchValidationError with every problem)."""
-    from pan2render.jobs.batch import load_batch  # noqa: PLC0415
+    from pan2render.jobs.batch import load_batch
 
     spec, source = recorded_spec(path)
     overridden = {item.partition("=")[0].strip() for item in overrides.sets}
@@ -135,7 +135,7 @@ def differences(recorded: JobSpec, now: JobSpec) -> str | None:
 def load_from_or_report(path: Path, overrides: Overrides, *, check_model: bool, err: Any) -> Batch | None:
     """``run --from``'s batch, or None with what is wrong printed through ``err`` (exit 2). Says so
     when the job no longer renders under its recorded id, and why."""
-    from pan2render.jobs.spec import BatchValidationError  # noqa: PLC0415
+    from pan2render.jobs.spec import BatchValidationError
 
     try:
         batch, recorded = load_from(path, overrides, check_model=check_model, say=err)

@@ -45,8 +45,8 @@ def cmd_node(args: argparse.Namespace) -> int:
     """A Ray node on this machine that runs join by default: it stays up between batches, so a run
     joins it instead of starting Ray (~2 s against ~7 s on an H200 host, before the first video).
     A run's GPU workers are still its own. `node stop` ends that node alone (runner/node.py)."""
-    from pan2render.runner import node  # noqa: PLC0415 - imports ray's scripts only when it starts one
-    from pan2render.runner.executor import local_gpus  # noqa: PLC0415
+    from pan2render.runner import node  # imports ray's scripts only when it starts one
+    from pan2render.runner.executor import local_gpus
 
     env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     if args.action == "stop":
@@ -97,7 +97,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     "job folder), one of the two")
         return EXIT_USAGE
     if args.from_path is not None:
-        from pan2render.runner.cli_from import load_from_or_report  # noqa: PLC0415
+        from pan2render.runner.cli_from import load_from_or_report
 
         batch = load_from_or_report(args.from_path, overrides, check_model=not args.dry_run, err=print_error)
     else:
@@ -111,11 +111,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         print_plan(batch, out, args)
         print(f"dry run: nothing written to {out}")
         return EXIT_OK
-    from pan2render.runner.farm.commands import hand_to_farm  # noqa: PLC0415
+    from pan2render.runner.farm.commands import hand_to_farm
 
     if (code := hand_to_farm(args, batch, overrides)) is not None:
         return code
-    from pan2render.runner.session import BatchRequest, BatchSession  # noqa: PLC0415
+    from pan2render.runner.session import BatchRequest, BatchSession
 
     request = BatchRequest(out_dir=out, batch=batch, overrides=overrides, retries=args.retries, prune=args.prune)
     try:
@@ -138,7 +138,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
                     f"`{cmd('repair', out)}` rebuilds it from the job folders; else start with "
                     f"`{cmd('run', 'BATCH', '--out', out)}`)")
         return EXIT_USAGE
-    from pan2render.runner.session import BatchSession  # noqa: PLC0415
+    from pan2render.runner.session import BatchSession
 
     with FolderLock(out):
         if not holds_a_batch(out, "nothing was resumed"):  # checked read-only: an empty file stays so
@@ -148,7 +148,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
-    from pan2render.runner.repair import repair  # noqa: PLC0415
+    from pan2render.runner.repair import repair
 
     out: Path = args.dir
     if not out.is_dir():
@@ -168,10 +168,10 @@ def cmd_repair(args: argparse.Namespace) -> int:
 def _drive(args: argparse.Namespace, session: Any) -> int:
     """Serve the session's batch in this process (the scheduler serving one batch): its jobs
     prepared, Ray started or joined only when one of them needs rendering."""
-    from pan2render.runner.cluster import ClusterConnectError  # noqa: PLC0415
-    from pan2render.runner.driver import Driver, DriverConfig  # noqa: PLC0415
-    from pan2render.runner.executor import make_executor  # noqa: PLC0415
-    from pan2render.runner.session import warn_if_no_backup  # noqa: PLC0415
+    from pan2render.runner.cluster import ClusterConnectError
+    from pan2render.runner.driver import Driver, DriverConfig
+    from pan2render.runner.executor import make_executor
+    from pan2render.runner.session import warn_if_no_backup
 
     out, ledger, log, ids = session.out_dir, session.ledger, session.log, session.job_ids
     config = DriverConfig(retries=args.retries, progress=not args.no_progress,
@@ -185,7 +185,7 @@ def _drive(args: argparse.Namespace, session: Any) -> int:
         # Every job done and its video intact: no workers needed, so Ray never starts.
         log.line(f"all {len(ids)} job(s) already done in {out}")
         return EXIT_OK
-    from pan2render.runner.session import checkpoint_problems  # noqa: PLC0415
+    from pan2render.runner.session import checkpoint_problems
 
     if broken := checkpoint_problems([j.spec for j in jobs if j.state is not JobState.DONE]):
         # Every job would fail its load the same way: one message, no job started or charged.
@@ -225,7 +225,7 @@ def _drive(args: argparse.Namespace, session: Any) -> int:
 def _run_with_report(out: Path, log: RunLog, run: Callable[[Callable[[], None]], RunSummary]) -> RunSummary:
     """Run the driver, keeping DIR/index.html current as jobs end and writing it once more at the
     end, however the run ends."""
-    from pan2render.runner.report import ReportUpdater  # noqa: PLC0415
+    from pan2render.runner.report import ReportUpdater
 
     report = ReportUpdater(out, say=log.line)
     try:
@@ -238,7 +238,7 @@ def _run_with_report(out: Path, log: RunLog, run: Callable[[Callable[[], None]],
 def _address_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the cluster address (--address or RAY_ADDRESS) as written, before
     anything is recorded; None if it has a form Ray takes."""
-    from pan2render.runner.cluster import RAY_CLIENT_SCHEME, parse_gcs_address  # noqa: PLC0415
+    from pan2render.runner.cluster import RAY_CLIENT_SCHEME, parse_gcs_address
 
     address = _address(args)
     if address is None or address in ("auto", LOCAL_ADDRESS):
@@ -281,11 +281,11 @@ def _check_cluster_args(args: argparse.Namespace) -> int | None:
         given = "--address" if args.address else f"RAY_ADDRESS={os.environ['RAY_ADDRESS']} (set in the environment)"
         problem = f"--cpu-gpus declares GPUs of a LOCAL cluster; it cannot be used with {given}"
     else:
-        from pan2render.runner.cluster import ray_client_missing  # noqa: PLC0415
+        from pan2render.runner.cluster import ray_client_missing
 
         problem = _address_problem(args) or ray_client_missing(_address(args))
     if problem is None and _address(args) and not getattr(args, "dry_run", False):
-        from pan2render.runner.cluster import ClusterConnectError, probe_address  # noqa: PLC0415
+        from pan2render.runner.cluster import ClusterConnectError, probe_address
 
         try:
             probe_address(_address(args))

@@ -30,7 +30,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if batch is None:
         return EXIT_USAGE
     print_plan(batch, args.out, args)
-    from pan2render.runner.session import checkpoint_problems  # noqa: PLC0415
+    from pan2render.runner.session import checkpoint_problems
 
     broken = checkpoint_problems(batch.jobs)
     for model, problems in broken.items():
@@ -48,8 +48,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def print_plan(batch: Batch, out: Path | None, args: argparse.Namespace) -> None:
-    from pan2render.runner.estimates import CPU, CUDA, History, history_folders, plan  # noqa: PLC0415
-    from pan2render.runner.views import format_estimate, format_plan  # noqa: PLC0415
+    from pan2render.runner.estimates import CPU, CUDA, History, history_folders, plan
+    from pan2render.runner.views import format_estimate, format_plan
 
     done: set[str] = set()
     if out is not None and (out / LEDGER_NAME).is_file():
@@ -58,7 +58,7 @@ def print_plan(batch: Batch, out: Path | None, args: argparse.Namespace) -> None
         ledger.close()
     todo = [j for j in batch.jobs if j.job_id not in done]
     max_gpus = max((j.gpus for j in batch.jobs), default=1)
-    from pan2render.runner.executor import local_gpus  # noqa: PLC0415
+    from pan2render.runner.executor import local_gpus
 
     if getattr(args, "address", None) not in (None, LOCAL_ADDRESS):
         gpus, device, note = max_gpus, CUDA, "the cluster's GPU count is known only once joined: assumed"
@@ -73,7 +73,7 @@ def print_plan(batch: Batch, out: Path | None, args: argparse.Namespace) -> None
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from pan2render.runner.views import format_status, holder, status_document  # noqa: PLC0415
+    from pan2render.runner.views import format_status, holder, status_document
 
     if not (args.dir / LEDGER_NAME).is_file():
         print_error(f"error: no ledger at {args.dir / LEDGER_NAME}: {args.dir} is not a pan2-render output folder")
@@ -103,7 +103,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from pan2render.runner.views import JobNotFound, find_job, format_show  # noqa: PLC0415
+    from pan2render.runner.views import JobNotFound, find_job, format_show
 
     if not (args.dir / LEDGER_NAME).is_file():
         print_error(f"error: no ledger at {args.dir / LEDGER_NAME}: {args.dir} is not a pan2-render output folder")
@@ -122,7 +122,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from pan2render.runner.report import open_in_browser, write_report  # noqa: PLC0415
+    from pan2render.runner.report import open_in_browser, write_report
 
     if not (args.dir / LEDGER_NAME).is_file():
         print_error(f"error: {args.dir} has no {LEDGER_NAME}; nothing to report")
@@ -137,7 +137,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from pan2render.runner.compare import comparisons, format_comparisons  # noqa: PLC0415
+    from pan2render.runner.compare import comparisons, format_comparisons
 
     if not (args.dir / LEDGER_NAME).is_file():
         print_error(f"error: {args.dir} has no {LEDGER_NAME}; nothing to compare")
@@ -152,11 +152,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    import numpy as np  # noqa: PLC0415
-    from PIL import Image  # noqa: PLC0415
+    import numpy as np
+    from PIL import Image
 
-    from pan2render.models.calibration import calibrate, store_calibration  # noqa: PLC0415
-    from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig  # noqa: PLC0415
+    from pan2render.models.calibration import calibrate, store_calibration
+    from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
 
     try:
         preset = list_presets()[args.preset]
@@ -175,7 +175,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    from pan2render.runner.views import table  # noqa: PLC0415
+    from pan2render.runner.views import table
 
     if args.name is not None:
         try:

@@ -35,7 +35,7 @@ def ray_client_missing(address: str | None) -> str | None:
     if address is None or not address.startswith(RAY_CLIENT_SCHEME):
         return None
     try:
-        import grpc  # noqa: F401, PLC0415 - what ray[client] adds
+        import grpc  # noqa: F401 - what ray[client] adds
     except ImportError:
         return (f"--address {address}: a ray:// address needs Ray's client extra, which is not installed; "
                 f"install it with `pip install 'pan2-render[client]'` (or `pip install 'ray[client]'`), or "
@@ -49,7 +49,7 @@ def node_start_command(*, gpus: int, port: int) -> list[str]:
     GPUs (logical on a CPU-only machine), no dashboard (slow to start, not needed). Its CPU count is
     its GPU count: the runner's actors take no CPU, and Ray keeps one idle worker process per CPU
     it counts."""
-    import sys  # noqa: PLC0415
+    import sys
 
     return [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
             f"--num-gpus={gpus}", f"--num-cpus={gpus}", "--include-dashboard=false", "--disable-usage-stats"]
@@ -62,7 +62,7 @@ def running_local_node() -> tuple[str | None, str | None]:
     first. Ray records the node for that purpose (`ray start` writes it, `ray stop` removes it) but
     offers no public call that reads it, hence the one private import, guarded."""
     try:
-        from ray._private.services import find_bootstrap_address  # noqa: PLC0415
+        from ray._private.services import find_bootstrap_address
     except ImportError:
         return None, None
     address = find_bootstrap_address(None)
@@ -162,7 +162,7 @@ def _is_this_machine(host: str) -> bool:
 def probe_address(address: str) -> None:
     """Fail in seconds, not minutes (ray.init retries a dead GCS address for a long time), when a
     ``host:port`` or ``ray://host:port`` does not accept connections. ``auto`` is left to Ray."""
-    import socket  # noqa: PLC0415
+    import socket
 
     host, sep, port = address.removeprefix(RAY_CLIENT_SCHEME).rpartition(":")
     if not sep or "://" in host or not port.isdigit():

@@ -84,7 +84,7 @@ def _video(out_dir: Path, ledger: Ledger, job: JobRecord) -> tuple[Path, str]:
 
 def _measured(out_dir: Path, fast: tuple[Path, str], exact: tuple[Path, str], job_id: str) -> dict[str, Any]:
     """The quality of ``fast``'s video against ``exact``'s, from quality.json or measured now."""
-    from pan2render.media.quality import VideoQuality, compare_videos  # noqa: PLC0415 - PyAV
+    from pan2render.media.quality import VideoQuality, compare_videos  # PyAV
 
     rel = f"{job_id}/{QUALITY_NAME}"
     key = {"video_sha256": fast[1], "reference_sha256": exact[1]}
@@ -116,7 +116,7 @@ def comparisons(out_dir: Path, ledger: Ledger, *, say: Callable[[str], None] | N
 
 def format_comparisons(rows: list[LaneComparison]) -> str:
     """The table ``pan2-render compare`` prints."""
-    from pan2render.runner.views import table  # noqa: PLC0415
+    from pan2render.runner.views import table
 
     if not rows:
         return ("no fast-lane jobs with an exact partner here: a job with cache, guidance_until or precision "

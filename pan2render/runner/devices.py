@@ -92,6 +92,6 @@ def torch_build() -> str | None:
 
 
 def _count_through_torch() -> int:
-    import torch  # noqa: PLC0415 - only for a ROCm build, which NVML cannot see
+    import torch  # only for a ROCm build, which NVML cannot see
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -169,11 +169,11 @@ class History:
                 continue
             try:
                 ledger = Ledger.open_readonly(folder)
-            except Exception:  # noqa: BLE001 - an unreadable old ledger only means no history
+            except Exception:  # an unreadable old ledger only means no history
                 continue
             try:
                 n = history._add(ledger)
-            except Exception:  # noqa: BLE001 - a ledger of another schema version: skip it
+            except Exception:  # a ledger of another schema version: skip it
                 n = 0
             finally:
                 ledger.close()
@@ -252,7 +252,8 @@ def fit(samples: Sequence[Sample], *, shape: CostModel) -> CostModel:
                    step_overhead=shape.step_overhead * step_fixed, step_per_token=shape.step_per_token * step_sized,
                    step_per_token2=shape.step_per_token2 * step_sized,
                    decode_per_latent_frame=shape.decode_per_latent_frame * dec_fixed,
-                   decode_per_pixel=shape.decode_per_pixel * dec_sized, encode_overhead=shape.encode_overhead * enc_fixed,
+                   decode_per_pixel=shape.decode_per_pixel * dec_sized,
+                   encode_overhead=shape.encode_overhead * enc_fixed,
                    encode_per_pixel=shape.encode_per_pixel * enc_sized)
 
 

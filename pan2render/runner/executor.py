@@ -131,8 +131,8 @@ def first_failure(replies: list[Reply[Any]]) -> Reply[Any]:
 def _joined(executor: RayExecutor, say: Callable[[str], None]) -> RayExecutor:
     """Say which cluster a run joined and whose it is (another user's `ray start` is joined as
     readily as one's own), and how many GPUs it has free."""
-    from pan2render.runner.cluster import whose  # noqa: PLC0415
-    from pan2render.runner.node import read_record  # noqa: PLC0415
+    from pan2render.runner.cluster import whose
+    from pan2render.runner.node import read_record
 
     gcs = executor.gcs_address
     if gcs:
@@ -150,7 +150,7 @@ LOCAL_ADDRESS = "local"  # --address local: a cluster of this run's own, even wi
 def local_gpus(cpu_gpus: int | None, *, max_gpus: int) -> tuple[int, int, str | None]:
     """(GPUs a local cluster gets, CUDA devices found, a note for the user when they are logical).
     The devices are counted through NVML, without importing torch (`runner/devices.py`)."""
-    from pan2render.runner.devices import cuda_gpu_count  # noqa: PLC0415
+    from pan2render.runner.devices import cuda_gpu_count
 
     cuda = cuda_gpu_count()
     if cpu_gpus is not None:
@@ -167,11 +167,12 @@ def make_executor(*, address: str | None, cpu_gpus: int | None, max_gpus: int,
     """The executor for a run: ``address`` (a cluster to join, ``local`` for a cluster of the
     run's own, None for the node kept up on this machine if one runs, else a local cluster),
     ``cpu_gpus`` logical GPUs on a CPU-only machine, ``max_gpus`` the largest group the batch
-    needs; ``note``: where lines for the run log alone go (default ``say``). The test hooks of the environment (``PAN2_RENDER_EXECUTOR``, ``PAN2_RENDER_PIPELINE``,
-    ``PAN2_RENDER_FAULTS``: see ``cli.py``) are read here."""
-    import json  # noqa: PLC0415
+    needs; ``note``: where lines for the run log alone go (default ``say``). The test hooks of the
+    environment (``PAN2_RENDER_EXECUTOR``, ``PAN2_RENDER_PIPELINE``, ``PAN2_RENDER_FAULTS``: see
+    ``cli.py``) are read here."""
+    import json
 
-    from pan2render.runner.messages import DEFAULT_PIPELINE_FACTORY  # noqa: PLC0415
+    from pan2render.runner.messages import DEFAULT_PIPELINE_FACTORY
 
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # no uv-run runtime env probing
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -179,13 +180,13 @@ def make_executor(*, address: str | None, cpu_gpus: int | None, max_gpus: int,
     factory = os.environ.get("PAN2_RENDER_PIPELINE", DEFAULT_PIPELINE_FACTORY)
     config = WorkerConfig(pipeline_factory=factory, faults=faults)
     if os.environ.get("PAN2_RENDER_EXECUTOR") == "local":
-        from pan2render.runner.local_executor import LocalExecutor  # noqa: PLC0415
+        from pan2render.runner.local_executor import LocalExecutor
 
         return LocalExecutor(gpus=cpu_gpus or max_gpus, config=config)
-    import ray  # noqa: PLC0415 - ~1 s; only a run that renders gets here
+    import ray  # ~1 s; only a run that renders gets here
 
-    from pan2render.runner.cluster import ray_banner_to, running_local_node  # noqa: PLC0415
-    from pan2render.runner.ray_executor import RayExecutor  # noqa: PLC0415
+    from pan2render.runner.cluster import ray_banner_to, running_local_node
+    from pan2render.runner.ray_executor import RayExecutor
 
     ray_banner_to(note or say)
     node, node_note = running_local_node() if address is None and not ray.is_initialized() else (None, None)

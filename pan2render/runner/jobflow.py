@@ -319,7 +319,8 @@ class BatchFlow:
             self.drop_step_checkpoint(run.job.id, f"its step checkpoint is refused ({problem}); sampling from step 0")
             return None
         run.checkpoint_step = int(rec["step"])
-        self.say(f"{run.job.name}: continuing its sampling from the step checkpoint at step {rec['step']}/{rec['total']}")
+        self.say(f"{run.job.name}: continuing its sampling from the step checkpoint at step "
+                 f"{rec['step']}/{rec['total']}")
         return data
 
     def record_step_checkpoint(self, run: JobRun, reply: CheckpointReply) -> None:

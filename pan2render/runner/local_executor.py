@@ -53,7 +53,7 @@ class LocalExecutor:
         return self._group(f"local-{next_group_number()}", size, gpus)
 
     def _group(self, gid: str, size: int, gpus: list[int]) -> Group:
-        from pan2render.runner.worker import RenderWorker, SimulatedWorkerDeath  # noqa: PLC0415 - torch
+        from pan2render.runner.worker import RenderWorker, SimulatedWorkerDeath  # torch
 
         def die() -> None:
             raise SimulatedWorkerDeath()
@@ -92,7 +92,7 @@ class LocalExecutor:
 
     @staticmethod
     def _execute(group: Group, message: WorkerCall, seq: int | None) -> Reply[Any] | GroupDied:
-        from pan2render.runner.worker import SimulatedWorkerDeath  # noqa: PLC0415 - imported by create_group
+        from pan2render.runner.worker import SimulatedWorkerDeath  # imported by create_group
 
         if group.handle["dead"]:
             return GroupDied(f"group {group.id} was torn down")

@@ -44,7 +44,7 @@ def refusal(out: Path, batch_path: str, job_ids: set[str], *, add: bool, force: 
     if (out / LEDGER_NAME).is_file():
         try:
             recorded = recorded_batch_files(out)
-        except Exception:  # noqa: BLE001 - a damaged or emptied ledger: recording refuses it, saying why
+        except Exception:  # a damaged or emptied ledger: recording refuses it, saying why
             return None
         others = [p for p in recorded if p != batch_path]
         if add or not others or batch_path in recorded:

@@ -36,8 +36,8 @@ def params_relpath(job_id: str) -> str:
 
 def runtime_versions() -> dict[str, str]:
     """Versions of what renders, as the worker that loads a model reports them."""
-    import av  # noqa: PLC0415 - heavy; workers have it loaded already
-    import torch  # noqa: PLC0415
+    import av  # heavy; workers have it loaded already
+    import torch
 
     # Plain strings: torch.__version__ is a TorchVersion, whose unpickling imports torch in the
     # driver (which never needs torch otherwise).

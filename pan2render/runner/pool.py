@@ -35,7 +35,7 @@ class _BackgroundStart:
     def _run(self, create: Any) -> None:
         try:
             group = create(self._note)
-        except BaseException as e:  # noqa: BLE001 - handed to the driver thread
+        except BaseException as e:  # handed to the driver thread
             self.error = e
         else:
             with self._lock:

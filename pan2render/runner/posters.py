@@ -20,7 +20,7 @@ def poster(out_dir: Path, job_id: str, video: Path, sha256: str | None, say: Cal
             make: bool = True) -> str | None:
     """The poster (middle frame) of a video, made once per video content and kept in DIR/_report/
     (``make`` False: only a poster already made, else None)."""
-    from pan2render.media.video import MediaError, middle_frame_png  # noqa: PLC0415 - PyAV
+    from pan2render.media.video import MediaError, middle_frame_png  # PyAV
 
     rel = f"{POSTER_DIR}/{job_id}.{(sha256 or 'unrecorded')[:12]}.png"
     path = out_dir / rel
@@ -43,7 +43,7 @@ INPUT_MAX_SIDE = 160  # px: the first frame is shown small beside the video it s
 def input_thumbnail(out_dir: Path, job: JobRecord, say: Callable[[str], None], *, make: bool = True) -> str | None:
     """A small PNG of the job's input image, made once per image content into DIR/_report/ (the
     image itself may sit anywhere; the page only links inside DIR). ``make`` False: only one made."""
-    from pan2render.media.video import MediaError, image_png  # noqa: PLC0415 - PyAV
+    from pan2render.media.video import MediaError, image_png  # PyAV
 
     spec = job.spec
     if spec.image is None or spec.image_sha256 is None:

@@ -44,7 +44,6 @@ from pan2render.runner.messages import (
 from pan2render.runner.progress import StepClock, StepReport
 from pan2render.runner.retry import FailureKind, classify_group_death
 
-
 WAIT_NOTE_EVERY_S = 10.0  # how often a group waiting for GPUs says so
 
 
@@ -60,7 +59,7 @@ class RayExecutor:
     def __init__(self, *, address: str | None, gpus: int | None, cpus: int | None,
                  config: WorkerConfig, object_store_bytes: int = 1 << 30, local_node: bool = False):
         """``local_node``: ``address`` is the node kept up on this machine (`running_local_node`)."""
-        import ray  # noqa: PLC0415 - importing ray costs ~1 s; unit tests with LocalExecutor skip it
+        import ray  # importing ray costs ~1 s; unit tests with LocalExecutor skip it
 
         self._ray = ray
         self._config = config
@@ -160,7 +159,7 @@ class RayExecutor:
 
     def create_group(self, size: int, *, timeout_s: float, on_wait: Callable[[str], None] | None = None) -> Group:
         ray = self._ray
-        from ray.util.placement_group import (  # noqa: PLC0415
+        from ray.util.placement_group import (
             placement_group,
             placement_group_table,
             remove_placement_group,
@@ -190,7 +189,7 @@ class RayExecutor:
 
     def _start_workers(self, group: Group, *, timeout_s: float) -> Group:
         """One actor per bundle of the group's placement group, joined into a process group."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         progress = _RayProgress(self._progress_actor)
         group.handle["actors"] = [
@@ -240,7 +239,7 @@ class RayExecutor:
             raise RuntimeError(f"rank {bad.rank}: {bad.failure.error}\n{bad.failure.traceback}")
 
     def destroy_group(self, group: Group) -> None:
-        from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
+        from ray.util.placement_group import remove_placement_group
 
         if self._gcs_down():  # both calls below need the GCS; the cluster's end took the group
             with self._lock:
@@ -249,7 +248,7 @@ class RayExecutor:
         self._kill_actors(group)
         try:
             remove_placement_group(group.handle["pg"])
-        except Exception:  # noqa: BLE001
+        except Exception:
             traceback.print_exc()
         with self._lock:
             self._groups.pop(group.id, None)
@@ -258,7 +257,7 @@ class RayExecutor:
         for actor in group.handle.get("actors", ()):
             try:
                 self._ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead is fine
+            except Exception:  # already dead is fine
                 pass
 
     def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
@@ -300,7 +299,7 @@ class RayExecutor:
             try:
                 if not self._ray.get(r, timeout=0).ok:
                     return True
-            except Exception:  # noqa: BLE001
+            except Exception:
                 return True
         return False
 
@@ -328,14 +327,14 @@ class RayExecutor:
         time a call fails for it the node table says so."""
         try:
             alive = {n["NodeID"] for n in self._ask_gcs(self._ray.nodes) if n.get("Alive")}
-        except Exception:  # noqa: BLE001 - the GCS cannot be asked: the cluster itself is failing
+        except Exception:  # the GCS cannot be asked: the cluster itself is failing
             return True
         return not group.handle.get("nodes", set()) <= alive
 
     def lacks_gpus_for(self, size: int) -> bool:
         try:
             return self.total_gpus() < size
-        except Exception:  # noqa: BLE001 - the cluster cannot even be asked: it is gone
+        except Exception:  # the cluster cannot even be asked: it is gone
             return True
 
     def progress(self) -> dict[str, StepReport]:
@@ -343,7 +342,7 @@ class RayExecutor:
             return {}  # its actor may have died with the cluster: Ray would ask the GCS, and block
         try:
             return self._ray.get(self._progress_actor.snapshot.remote(), timeout=10)
-        except Exception:  # noqa: BLE001 - progress is cosmetic; never let it stop the batch
+        except Exception:  # progress is cosmetic; never let it stop the batch
             return {}
 
     def shutdown(self) -> None:
@@ -354,7 +353,7 @@ class RayExecutor:
         if not self._gcs_down():
             try:
                 self._ray.kill(self._progress_actor, no_restart=True)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         if self._gcs is not None:
             self._gcs.stop()
@@ -371,9 +370,9 @@ class RayWorkerProcess:
 
     def __init__(self, **kwargs: Any):
         t0 = time.perf_counter()
-        from pan2render.runner.worker import RenderWorker  # noqa: PLC0415 - torch, in the actor's process
+        import ray  # in the actor: the GPUs Ray gave it (a fault hook names one)
 
-        import ray  # noqa: PLC0415 - in the actor: the GPUs Ray gave it (a fault hook names one)
+        from pan2render.runner.worker import RenderWorker  # torch, in the actor's process
 
         gpu_ids = tuple(int(g) for g in ray.get_gpu_ids())
         self._worker = RenderWorker(**kwargs, imports_s=time.perf_counter() - t0, gpu_ids=gpu_ids)

@@ -28,9 +28,8 @@ from pan2render.jobs.spec import Batch, JobSpec
 from pan2render.media.video import fsync_dir
 from pan2render.runner import artifacts
 from pan2render.runner.jobflow import JobFlow
-from pan2render.runner.stages import PAN2_FLOW
 from pan2render.runner.outputs import PARAMS_NAME
-
+from pan2render.runner.stages import PAN2_FLOW
 
 # What a job folder holds that repair reads (a spec) or re-checks (an artifact).
 JOB_FILES = (PARAMS_NAME, artifacts.LATENTS_NAME, artifacts.VIDEO_NAME)

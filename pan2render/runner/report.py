@@ -252,7 +252,7 @@ def _batch_view(out_dir: Path, jobs: list[JobRecord], stages: dict[str, dict[Sta
         by_name.setdefault(job.name, []).append(job)
 
     tiles: dict[str, Tile] = {}
-    for name, group in by_name.items():
+    for group in by_name.values():
         # A tile's label: what varies inside its table when grids are shown, else across the batch.
         inner = _varying([j for j in group if j.id not in newer])[1] if swept else varying
         shown = [k for k in inner if k != "prompt"]
@@ -326,7 +326,7 @@ def report_context(out_dir: Path, *, say: Callable[[str], None] = print) -> dict
 
 
 def render_html(context: dict[str, Any]) -> str:
-    import jinja2  # noqa: PLC0415
+    import jinja2
 
     env = jinja2.Environment(loader=jinja2.PackageLoader("pan2render.runner", "templates"),
                              autoescape=True, undefined=jinja2.StrictUndefined,
@@ -410,7 +410,7 @@ class ReportUpdater:
         with self._lock:
             try:
                 path = write_report(self.out_dir, say=self._say)
-            except Exception as e:  # noqa: BLE001 - a report is never worth a job
+            except Exception as e:  # a report is never worth a job
                 self._say(f"report: could not write {self.out_dir / REPORT_NAME}: {type(e).__name__}: {e}")
                 return None
             self.writes += 1

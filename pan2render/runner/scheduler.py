@@ -196,7 +196,7 @@ class Scheduler:
 
     def interrupt_all(self, reason: str, *, outcome: str = "interrupted", detail: str = "") -> None:
         """Every running job back to pending, uncharged (the run stops, or the cluster went)."""
-        for (seq, job_id), run in list(self._active.items()):
+        for seq, job_id in list(self._active):
             batch = self._batch_of[seq]
             batch.ledger.transition(job_id, JobEvent.INTERRUPT, reason=reason)
             batch.progress.job_ended(job_id, outcome, detail)
@@ -278,7 +278,7 @@ class Scheduler:
                                                     "`resume` continues")
         try:
             message = batch.flow.next_call(run)
-        except Exception as e:  # noqa: BLE001 - any driver-side failure is the job's, with its class
+        except Exception as e:  # any driver-side failure is the job's, with its class
             self._leave(batch, run)
             return self._failed(batch, run.job.id, self._driver_failure(batch, run.job.id, e))
         if message is None:
@@ -328,7 +328,7 @@ class Scheduler:
         if reply.failure is None and isinstance(reply.value, CheckpointReply):
             try:
                 batch.flow.record_step_checkpoint(run, reply.value)
-            except Exception as e:  # noqa: BLE001 - a checkpoint not written costs only its minutes
+            except Exception as e:  # a checkpoint not written costs only its minutes
                 batch.progress.say(f"{run.job.name}: step checkpoint not written: {type(e).__name__}: {e}")
         after = reply.value.step if isinstance(reply.value, CheckpointReply) else run.checkpoint_step
         if run.call is not None and isinstance(run.call.message, SampleCall):
@@ -354,7 +354,7 @@ class Scheduler:
             return self._call_failed(batch, run, reply.failure, on_group)
         try:
             batch.flow.record(run, call.message, reply.value, reply.seconds)
-        except Exception as e:  # noqa: BLE001 - e.g. disk full, or the written video fails its check
+        except Exception as e:  # e.g. disk full, or the written video fails its check
             self._leave(batch, run)
             return self._failed(batch, run.job.id, self._driver_failure(batch, run.job.id, e))
         if run.stopped_at is not None:
@@ -447,7 +447,7 @@ class Scheduler:
         which the next run or resume treats as interrupted: the same outcome."""
         try:
             batch.ledger.transition(job_id, JobEvent.INTERRUPT, reason=reason)
-        except Exception as e:  # noqa: BLE001 - only a full disk is expected here
+        except Exception as e:  # only a full disk is expected here
             if classify_exception(e) is not FailureKind.STORAGE:
                 raise
         if batch.stop is None:

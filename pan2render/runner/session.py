@@ -19,15 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from pan2render.jobs import disk
 from pan2render.checkpoint_files import checkpoint_problems as files_problems
-from pan2render.jobs.batch import TINY_MODEL, Overrides
 from pan2render.hints import command
+from pan2render.jobs import disk
+from pan2render.jobs.batch import TINY_MODEL, Overrides
 from pan2render.jobs.ledger import BACKUP_NAME, LEDGER_NAME, EventKind, FolderLock, JobRecord, JobState, Ledger
 from pan2render.jobs.spec import Batch, JobSpec
 from pan2render.runner import errors
-from pan2render.runner.errors import UnrecordedWork
 from pan2render.runner.driver import prepare_jobs
+from pan2render.runner.errors import UnrecordedWork
 from pan2render.runner.progress import RUN_LOG_NAME, RunLog
 
 
@@ -86,7 +86,7 @@ class BatchSession:
                 raise UnrecordedWork(why)
             try:
                 ledger = Ledger.open(out)
-            except Exception as e:  # noqa: BLE001 - told apart by errors.explain
+            except Exception as e:  # told apart by errors.explain
                 raise errors.NothingRecorded(e) from e
             log = RunLog(out / RUN_LOG_NAME, stream=stream)
         except BaseException:
@@ -101,7 +101,7 @@ class BatchSession:
                     {"path": batch.path, "model": batch.model, "preset": batch.preset,
                      "weights_files": batch.weights_files, "overrides": overrides.to_json()},
                     batch.jobs, retries=request.retries)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 raise errors.NothingRecorded(e) from e
             log.line(title)
             keep_batch_copy(out, ledger, batch, overrides.flags(), log)
@@ -233,7 +233,7 @@ def keep_batch_copy(out: Path, ledger: Ledger, batch: Batch, flags: list[str], l
     """Keep a copy of the batch file (as read) and its flags in ``DIR/_batches/``, written atomically,
     and list it in the ledger (meta ``batches``, which `status` and the report show). The same
     file with the same flags as the last one kept is not copied again."""
-    from pan2render.runner.artifacts import sha256_bytes, write_artifact  # noqa: PLC0415
+    from pan2render.runner.artifacts import sha256_bytes, write_artifact
 
     kept = ledger.get_meta("batches", []) or []
     data = (batch.text or "").encode()
@@ -279,7 +279,7 @@ def warn_if_no_backup(ledger: Ledger, log: RunLog) -> None:
 def warn_if_short_of_space(out: Path, jobs: list[JobRecord], log: RunLog) -> None:
     """Before starting: warn (only) when the unfinished jobs' artifacts may not fit. An estimate:
     each write is checked against its real size, and a full disk stops the batch cleanly."""
-    from pan2render.runner.artifacts import estimated_bytes  # noqa: PLC0415
+    from pan2render.runner.artifacts import estimated_bytes
 
     need = sum(estimated_bytes(j.spec) for j in jobs)
     free = disk.free_bytes(out)
@@ -304,7 +304,7 @@ def recorded(out: Path | None) -> bool:
         return False  # (an empty file is what SQLite calls an empty database)
     try:
         ledger = Ledger.open_readonly(out)
-    except Exception:  # noqa: BLE001 - damaged or unreadable: its own message says what to do
+    except Exception:  # damaged or unreadable: its own message says what to do
         return True
     try:
         return ledger.has_batch()
@@ -317,7 +317,7 @@ def unrecorded_work(out: Path) -> str | None:
     with artifacts are there (a ledger deleted or emptied). A run would record a new batch and
     render those jobs again over their videos; `repair` rebuilds the ledger from them. None when
     there is nothing of the kind."""
-    from pan2render.runner.repair import JOB_FILES  # noqa: PLC0415 - numpy, safetensors
+    from pan2render.runner.repair import JOB_FILES  # numpy, safetensors
 
     if recorded(out) or not out.is_dir():
         return None

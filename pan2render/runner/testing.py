@@ -11,16 +11,15 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from pan2render.lanes import CACHE_NONE, FastLanes, SamplingPlan, plan_sampling, published_calibration
 from pan2render.models.sampler_state import CheckpointKey, SamplerState, SamplingPreempted, StepCheckpointError
 from pan2render.models.scheduler import StepState
-
-from pan2render.lanes import CACHE_NONE, FastLanes, SamplingPlan, plan_sampling, published_calibration
 from pan2render.parallel import parallelize_pipeline
 from pan2render.phases import phase
 from pan2render.vae_plan import SHAPE_COVERING_LATENT_FRAMES

@@ -211,7 +211,7 @@ def status_document(out_dir: Path, ledger: Ledger) -> tuple[dict[str, Any], int]
 def job_progress(ledger: Ledger, job_id: str, state: str, stage: str | None) -> dict[str, Any] | None:
     """Where a sampling stands: its step as the run last recorded it (while the job runs) and its
     step checkpoint, which a stopped sampling continues from; None when neither applies."""
-    from pan2render.runner.jobflow import SAMPLING_STEP_DOC, STEP_CHECKPOINT_DOC  # noqa: PLC0415
+    from pan2render.runner.jobflow import SAMPLING_STEP_DOC, STEP_CHECKPOINT_DOC
 
     if stage != "sampling":
         return None
@@ -261,7 +261,7 @@ def batches_kept(ledger: Ledger) -> str | None:
 
 
 def _this_machine_device() -> str:
-    from pan2render.runner.devices import cuda_gpu_count  # noqa: PLC0415
+    from pan2render.runner.devices import cuda_gpu_count
 
     return CUDA if cuda_gpu_count() else CPU
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable
-from typing import TypeVar
-
 from pathlib import Path
+from typing import TypeVar
 
 from pan2render.hints import command
 from pan2render.jobs.ledger import Ledger, Stage
@@ -57,7 +56,7 @@ class StepRecorder:
             doc = {"step": rep.done, "steps": rep.total, "rate": rep.rate, "at": time.time()}
             try:
                 ledger.set_document(run.job.id, SAMPLING_STEP_DOC, json.dumps(doc))
-            except Exception as e:  # noqa: BLE001 - only a full disk is expected; the batch goes on
+            except Exception as e:  # only a full disk is expected; the batch goes on
                 if classify_exception(e) is not FailureKind.STORAGE:
                     raise
 
@@ -130,7 +129,7 @@ class ClusterWait:
             return None
         try:
             available = self.ex.total_gpus()
-        except Exception:  # noqa: BLE001 - the cluster cannot even be asked
+        except Exception:  # the cluster cannot even be asked
             available = 0
         if available >= need:
             self._since = None

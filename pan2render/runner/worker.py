@@ -46,20 +46,21 @@ from pan2render.models.sampler_state import SamplingPreempted, pack_sampler_stat
 from pan2render.models.tiny import cache_root
 from pan2render.phases import phase, recording
 from pan2render.runner import artifacts, outputs, scratch, timeline
+from pan2render.runner.adapters import AdapterCache
+from pan2render.runner.faults import FaultHooks
 from pan2render.runner.messages import (  # the config and the lane sizes are importable from here too
-    CheckpointReply,
-    FetchCheckpointCall,
-    StopSamplingCall,
     DEFAULT_PIPELINE_FACTORY,
     GPU_QUEUE_DEPTH,
     IO_CONCURRENCY,
     MAX_ENCODES_IN_FLIGHT,
+    CheckpointReply,
     CollectCall,
     CollectReply,
     DecodeCall,
     DecodeReply,
     EncodePromptsCall,
     EncodePromptsReply,
+    FetchCheckpointCall,
     InitGroupCall,
     InitGroupReply,
     Lane,
@@ -70,12 +71,11 @@ from pan2render.runner.messages import (  # the config and the lane sizes are im
     Reply,
     SampleCall,
     SampleReply,
+    StopSamplingCall,
     WorkerCall,
     WorkerConfig,
     WorkerStart,
 )
-from pan2render.runner.adapters import AdapterCache
-from pan2render.runner.faults import FaultHooks
 from pan2render.runner.retry import DeviceError, Failure, FailureKind, JobInputError, classify_exception
 from pan2render.runner.sampling_control import SamplingControl
 from pan2render.step_checkpoint import StepCheckpointError
@@ -90,7 +90,7 @@ class ProgressSink(Protocol):
 
 def load_pan2_pipeline(model: str, device: str) -> Any:
     with phase("imports"):
-        from pan2render.models import PAN2Pipeline, PAN2PipelineConfig  # noqa: PLC0415 - heavy import
+        from pan2render.models import PAN2Pipeline, PAN2PipelineConfig  # heavy import
 
     return PAN2Pipeline.from_pretrained(model, config=PAN2PipelineConfig(device=device))
 
@@ -98,9 +98,9 @@ def load_pan2_pipeline(model: str, device: str) -> Any:
 def _decode_image(data: bytes) -> Any:
     """Image file bytes (PNG, JPEG, WebP, ...) -> uint8 numpy [H, W, 3], with PyAV (a dependency
     already, unlike Pillow). The driver sends the bytes, so workers need no shared filesystem."""
-    import io  # noqa: PLC0415
+    import io
 
-    import av  # noqa: PLC0415
+    import av
 
     try:
         with av.open(io.BytesIO(data)) as container:
@@ -195,7 +195,7 @@ class RenderWorker:
             value = handler(self, call)
         except SimulatedWorkerDeath:
             raise
-        except Exception as e:  # noqa: BLE001 - every failure goes back to the driver, with rank
+        except Exception as e:  # every failure goes back to the driver, with rank
             tb = traceback.format_exc()
             if call.lane is Lane.GPU:
                 e = self._device_fault(e)
@@ -214,7 +214,7 @@ class RenderWorker:
             return e
         try:
             torch.cuda.synchronize()
-        except Exception as probe:  # noqa: BLE001 - any failure of the probe means the device is gone
+        except Exception as probe:  # any failure of the probe means the device is gone
             return DeviceError(f"the device fails after {type(e).__name__}: {e} "
                                f"(synchronize: {type(probe).__name__}: {probe})")
         return e
@@ -222,7 +222,7 @@ class RenderWorker:
     # ------------------------------------------------------------------ group set-up
     def _rendezvous(self, call: RendezvousCall) -> RendezvousReply:
         """Rank 0 picks the rendezvous address on its own node (so no port is guessed remotely)."""
-        import ray  # noqa: PLC0415 - only meaningful inside a Ray actor
+        import ray  # only meaningful inside a Ray actor
 
         ip = ray.util.get_node_ip_address()
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -231,7 +231,7 @@ class RenderWorker:
         return RendezvousReply(addr=ip, port=port, backend="nccl" if self.device == "cuda" else "gloo")
 
     def _init_group(self, call: InitGroupCall) -> InitGroupReply:
-        import torch.distributed as dist  # noqa: PLC0415
+        import torch.distributed as dist
 
         if self.device == "cuda":
             torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU as device 0
@@ -254,7 +254,7 @@ class RenderWorker:
                 factory = getattr(importlib.import_module(module), attr)
             pipe = factory(model, self.device)
             if self._group is not None:
-                from pan2render.parallel import parallelize_pipeline  # noqa: PLC0415 - groups only
+                from pan2render.parallel import parallelize_pipeline  # groups only
 
                 # The one place a group's pipeline becomes sequence-parallel.
                 pipe = parallelize_pipeline(pipe, self._group)
@@ -269,7 +269,7 @@ class RenderWorker:
             return
         del dropped
         self._adapters.clear()  # read for the dropped DiT
-        import gc  # noqa: PLC0415
+        import gc
 
         gc.collect()
         if self.device == "cuda":
@@ -295,7 +295,7 @@ class RenderWorker:
                      guidance=call.warmup.guidance, decode=lambda latents: self._frames_on_host(pipe, latents))
         backend, world = "none", 1
         if self._group is not None:
-            import torch.distributed as dist  # noqa: PLC0415
+            import torch.distributed as dist
 
             backend, world = str(dist.get_backend()), dist.get_world_size()
         return LoadReply(model_id=pipe.model_id, text_encoder_id=pipe.text_encoder_id,
@@ -414,7 +414,7 @@ class RenderWorker:
         this host: decoded on the device, converted there, copied once. Every rank decodes (a
         group's decode is split over them); rank 0 alone gets planes, the others None. What a job's
         decode runs, and what the load's warm-up runs, so that none of it runs first in a job."""
-        from pan2render.media.yuv import rgb_to_yuv420  # noqa: PLC0415
+        from pan2render.media.yuv import rgb_to_yuv420
 
         frames = pipe.decode(latents, on_device=True)  # uint8 [F, H, W, 3]
         if self.rank != 0:
@@ -441,7 +441,7 @@ class RenderWorker:
 
     def _encode(self, js: JobSpec, planes: Any) -> CollectReply:
         """On the encode thread: planes uint8 [F, H*3/2, W] -> mp4 bytes, decoded back and counted."""
-        from pan2render.media.video import Yuv420Video, encode_mp4  # noqa: PLC0415
+        from pan2render.media.video import Yuv420Video, encode_mp4
 
         self._faults.at_stage(js, "encode")
         t0 = time.perf_counter()

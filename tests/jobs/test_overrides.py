@@ -120,8 +120,9 @@ def test_aliases_also_hint_in_the_batch_file(tmp_path: Path) -> None:
 
 
 def test_set_image_is_relative_to_the_working_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pan2render.media.video import png_bytes
     import numpy as np
+
+    from pan2render.media.video import png_bytes
 
     path = _batch(tmp_path)
     (tmp_path / "first.png").write_bytes(png_bytes(np.zeros((8, 8, 3), np.uint8)))

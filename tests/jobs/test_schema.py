@@ -13,10 +13,10 @@ import pytest
 
 from pan2render.jobs import load_batch
 from pan2render.jobs.spec import (
+    ENCODER_FIELDS,
     FIELDS,
     PIXEL_FIELDS,
     RULES,
-    ENCODER_FIELDS,
     SAMPLER_FIELDS,
     JobSpec,
     Kind,
@@ -27,7 +27,7 @@ from pan2render.jobs.spec import (
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
-import field_table as field_table_script  # noqa: E402
+import field_table as field_table_script
 
 BASE = dict(name="fox", model="tiny", prompt="A red fox trots through fresh snow at dawn.", negative_prompt="blurry",
             image=None, image_sha256=None, seed=3, steps=8, guidance=2.5, height=64, width=64, frames=17, fps=8.0,
@@ -112,9 +112,8 @@ def test_job_ids_handed_out_before_the_schema_stay_the_same() -> None:
 
 
 def test_the_sampler_gets_exactly_the_fields_its_request_has() -> None:
-    from pan2render.models.pipeline import PAN2Pipeline, SampleRequest
-
     from pan2render.lanes import FastLanes
+    from pan2render.models.pipeline import PAN2Pipeline, SampleRequest
 
     names = {f.name for f in SAMPLER_FIELDS}
     request = {f.name for f in dataclasses.fields(SampleRequest)} - {"geometry"}

@@ -92,8 +92,9 @@ def test_dit_forward_runs_every_fused_kernel(per_token: bool) -> None:
         got = _fused_forward(model, *args)
         counts = fused_kernel_counts()
         print("fused launches:", counts)
-        # Per block: Q/K prologue, residual->norm2, residual->norm3. 2 blocks: block 0's first norm and the output norm plain; two residual+norm passes per
-        # block, plus block 1's first norm taking block 0's last residual; block 1's alone.
+        # Per block: Q/K prologue, residual->norm2, residual->norm3. 2 blocks: block 0's first norm
+        # and the output norm plain; two residual+norm passes per block, plus block 1's first norm
+        # taking block 0's last residual; block 1's alone.
         assert counts == {"norm_modulate": 1 + 1, "residual_norm_modulate": 2 * 2 + 1, "gated_residual": 1,
                           "qk_norm_rope": 2}
         rel = float((got - want).abs().max() / want.abs().max())

@@ -32,7 +32,8 @@ EPS = 1e-6
 
 
 def _rel(name: str, got: torch.Tensor, want: torch.Tensor) -> float:
-    assert got.dtype == want.dtype and got.shape == want.shape, f"{name}: {got.dtype} {got.shape} vs {want.dtype} {want.shape}"
+    assert got.dtype == want.dtype and got.shape == want.shape, \
+        f"{name}: {got.dtype} {got.shape} vs {want.dtype} {want.shape}"
     diff = (got.float() - want.float()).abs()
     rel = float(diff.max() / want.float().abs().max())
     where = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
@@ -94,7 +95,8 @@ def test_residual_ops(batch: int, seq: int, dim: int, distinct: int, per_token: 
     assert _rel(f"-> modulated norm {dtypes}", gn, wn) < TOL[out_dtype]
     # Gated residual alone (the block's last step).
     kw = dict(gate=c_gate, index=index)
-    assert _rel(f"gated residual {dtypes}", fused.gated_residual(x, y, **kw), ref.gated_residual(x, y, **kw)) < stream_tol
+    got, want = fused.gated_residual(x, y, **kw), ref.gated_residual(x, y, **kw)
+    assert _rel(f"gated residual {dtypes}", got, want) < stream_tol
 
 
 def test_per_token_timesteps_match_diffusers_per_token_table() -> None:

@@ -78,7 +78,8 @@ def test_sequence_shard_equals_rows_of_full_sequence() -> None:
     dim = heads * head_dim
     qkv = torch.cat([q, k, q], dim=-1)[:, offset : offset + n]  # strided rows: stride(1) = 3 * dim
     cos, sin = _rope(head_dim, grid, start=offset, length=n)
-    got_q, got_k = fused.qk_norm_rope(qkv[..., :dim], qkv[..., dim : 2 * dim], **{**kw, "freqs_cos": cos, "freqs_sin": sin})
+    got_q, got_k = fused.qk_norm_rope(qkv[..., :dim], qkv[..., dim : 2 * dim],
+                                      **{**kw, "freqs_cos": cos, "freqs_sin": sin})
     assert _report("shard q", got_q, full_q[:, :, offset : offset + n]) < 1e-5
     assert _report("shard k", got_k, full_k[:, :, offset : offset + n]) < 1e-5
 

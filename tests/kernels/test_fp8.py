@@ -10,8 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pan2render.kernels.fp8 import (E4M3_MAX, Fp8Linear, fp8_matmul_reference, fp8_problem, quantize_rows,
-                                    quantize_rows_reference, scaled_rows_by_kernel)
+from pan2render.kernels.fp8 import (
+    E4M3_MAX,
+    Fp8Linear,
+    fp8_matmul_reference,
+    fp8_problem,
+    quantize_rows,
+    quantize_rows_reference,
+    scaled_rows_by_kernel,
+)
 from pan2render.models.dit import PAN2DiT, PAN2DiTConfig
 from pan2render.models.precision import DiTPrecision, PrecisionUnavailable
 

@@ -17,8 +17,8 @@ import torch
 
 diffusers = pytest.importorskip("diffusers")
 
-from pan2render.kernels import vae_decode  # noqa: E402
-from pan2render.kernels.vae_decode import FastWanDecoder, fast_decode  # noqa: E402
+from pan2render.kernels import vae_decode
+from pan2render.kernels.vae_decode import FastWanDecoder, fast_decode
 
 TINY = dict(
     base_dim=8, decoder_base_dim=16, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
@@ -260,7 +260,7 @@ class _UnitCalls(torch.overrides.TorchFunctionMode):
         self.seen: set[object] = set()
         self.in_unit = False
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", repr(func))
         if self.in_unit and any(op in name for op in _PER_SHAPE):
@@ -291,7 +291,7 @@ def _decode_calls(decoder: object, z: torch.Tensor, monkeypatch: pytest.MonkeyPa
     run = decoder.start_decode(z)
     real_run_unit = run.run_unit
 
-    def run_unit(unit, state, *, first):  # noqa: ANN001, ANN202
+    def run_unit(unit, state, *, first):
         calls.in_unit = True
         try:
             return real_run_unit(unit, state, first=first)

@@ -168,5 +168,6 @@ def test_a_key_in_two_shards_names_both_files(tmp_path: Path, dit_state) -> None
     from safetensors.torch import load_file
 
     save_file({**load_file(second), key: dit_state[key]}, second)
-    with pytest.raises(CheckpointError, match=rf"00002-of-00002.safetensors: key '{key}' also appears in .*00001-of-00002"):
+    twice = rf"00002-of-00002.safetensors: key '{key}' also appears in .*00001-of-00002"
+    with pytest.raises(CheckpointError, match=twice):
         load_dit(tmp_path)

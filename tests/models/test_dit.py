@@ -15,7 +15,7 @@ from pan2render.models.dit import ContextCache, PAN2DiT, PAN2DiTConfig
 from pan2render.models.dit_ops import TORCH_OPS, DiTOps, attention, modulated_norm, residual_modulated_norm
 
 diffusers = pytest.importorskip("diffusers")
-from diffusers import WanTransformer3DModel  # noqa: E402
+from diffusers import WanTransformer3DModel
 
 MAX_REL_ERR = 1e-4
 

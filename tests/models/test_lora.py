@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lora_files import block_modules, diffusers_dict, kohya_dict, random_factors, wan_dict, write
 
 from pan2render.lora_plan import dit_linears
 from pan2render.models import PAN2Pipeline, PAN2PipelineConfig
@@ -20,12 +21,9 @@ from pan2render.models.scheduler import SchedulerConfig
 from pan2render.models.tiny import SCHEDULER_CONFIG, TINY_VAE_CONFIG
 from pan2render.models.vae import WanVAE, WanVAEConfig
 
-from lora_files import (block_modules, diffusers_dict, kohya_dict, random_factors, wan_dict,
-                        write)
-
 pytest.importorskip("peft")  # diffusers' LoRA loading runs on PEFT
-from diffusers import WanTransformer3DModel  # noqa: E402
-from diffusers.loaders import WanLoraLoaderMixin  # noqa: E402
+from diffusers import WanTransformer3DModel
+from diffusers.loaders import WanLoraLoaderMixin
 
 MAX_REL_ERR = 1e-4
 TINY = PAN2DiTConfig(num_attention_heads=3, attention_head_dim=20, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2)
@@ -54,7 +52,7 @@ def state() -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = PAN2DiT(TINY)
     with torch.no_grad():  # norms and tables off their initial values, so every weight matters
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn(p.shape) * 0.1)
     return {k: v.clone() for k, v in model.state_dict().items()}
@@ -209,7 +207,8 @@ def _tiny_pipeline() -> PAN2Pipeline:
     torch.manual_seed(0)
     dit = PAN2DiT(TINY).eval()
     vae = WanVAE(WanVAEConfig.from_dict(TINY_VAE_CONFIG)).eval()
-    return PAN2Pipeline(dit=dit, vae=vae, text_encoder=None, scheduler_config=SchedulerConfig.from_dict(SCHEDULER_CONFIG),
+    return PAN2Pipeline(dit=dit, vae=vae, text_encoder=None,
+                        scheduler_config=SchedulerConfig.from_dict(SCHEDULER_CONFIG),
                         config=PAN2PipelineConfig(device="cpu", dtype=torch.float32), model_id="lora-test")
 
 

@@ -17,8 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pan2render.models import checkpoint
-from pan2render.models.checkpoint import (CheckpointError, read_safetensors_header, read_state_dict,
-                                          stream_safetensors)
+from pan2render.models.checkpoint import CheckpointError, read_safetensors_header, read_state_dict, stream_safetensors
 
 NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
 

@@ -19,7 +19,6 @@ from pan2render.models.scheduler import (
 )
 
 
-
 def _diffusers():
     """diffusers is the reference (a test dependency); tests that need it skip without it."""
     return pytest.importorskip("diffusers", reason="diffusers is the reference: pip install -e .[test]")
@@ -370,7 +369,8 @@ def test_flow_match_euler_config_loads_with_its_own_shift(caplog: pytest.LogCapt
     assert SchedulerConfig.from_dict({"_class_name": "FlowMatchEulerDiscreteScheduler"}).flow_shift == 1.0
     # The same sigmas as a UniPC config of the same shift: the shift is what the samplers read.
     for name in ("euler", "dmd"):
-        a, b = make_scheduler(name, cfg), make_scheduler(name, SchedulerConfig.from_dict(WAN22_TI2V_5B_SCHEDULER_CONFIG))
+        wan = SchedulerConfig.from_dict(WAN22_TI2V_5B_SCHEDULER_CONFIG)
+        a, b = make_scheduler(name, cfg), make_scheduler(name, wan)
         for s in (a, b):
             if name == "dmd":
                 s.set_dmd_timesteps([1000, 757, 522], generator=torch.Generator())

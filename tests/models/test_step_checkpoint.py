@@ -16,8 +16,14 @@ import torch
 
 from pan2render.models import PAN2Pipeline, PAN2PipelineConfig
 from pan2render.models import pipeline as pipeline_module
-from pan2render.models.sampler_state import (SamplerState, SamplingPreempted, StepCheckpointError, StepHooks,
-                                             pack_sampler_state, unpack_sampler_state)
+from pan2render.models.sampler_state import (
+    SamplerState,
+    SamplingPreempted,
+    StepCheckpointError,
+    StepHooks,
+    pack_sampler_state,
+    unpack_sampler_state,
+)
 from pan2render.models.scheduler import SchedulerConfig, make_scheduler
 from pan2render.step_checkpoint import checkpoint_problem
 
@@ -184,7 +190,8 @@ def test_a_foreign_checkpoint_is_refused(pipes, tmp_path: Path) -> None:
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
     later = save(tensors, metadata={**meta, "version": "2"})
     assert checkpoint_problem(later) == "stale: step checkpoint format version '2', this pan2-render reads version 1"
-    extra = save({**tensors, "sampler.x0.0": tensors["latents"].clone()}, metadata=meta)  # an euler state with a history
+    # An euler state with a history:
+    extra = save({**tensors, "sampler.x0.0": tensors["latents"].clone()}, metadata=meta)
     assert checkpoint_problem(extra) == "damaged: its sha256 does not match its contents"
 
 
@@ -246,7 +253,7 @@ def test_load_state_refuses_a_state_that_does_not_fit() -> None:
     assert sorted(state.tensors) == ["last_sample", "x0.0", "x0.1"] and state.counters == {"last_order": 2}
     with pytest.raises(RuntimeError, match="continues a job just set up"):
         unipc.load_state(state, device="cpu")
-    fresh = lambda name="unipc", config=SchedulerConfig(): _set_up(name, config, gen)  # noqa: E731
+    fresh = lambda name="unipc", config=None: _set_up(name, config or SchedulerConfig(), gen)  # noqa: E731
     no_history = dataclasses.replace(state, tensors={"last_sample": state.tensors["last_sample"]})
     with pytest.raises(ValueError, match=r"keeps \['last_sample', 'x0.0', 'x0.1'\], got \['last_sample'\]"):
         fresh().load_state(no_history, device="cpu")

@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import max_rel, run_group
+from test_ulysses import inputs, tiny_pipeline
 
 from pan2render.lanes import Action, Branch, Calibration
 from pan2render.models.calibration import store_calibration
 from pan2render.parallel import GuidanceSplitDenoiser, UlyssesDenoiser, parallelize_pipeline
-
-from dist_helpers import max_rel, run_group
-from test_ulysses import inputs, tiny_pipeline
 
 JOB = dict(height=96, width=160, frames=9, steps=6, guidance=3.0, seed=7, sampler="unipc")
 # K=3 and flat ratios: cond computes at step 0 and reuses 1-3; step 3 is the first gated step

@@ -8,13 +8,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from dist_helpers import max_rel, run_group
 from safetensors.torch import save_file
+from test_ulysses import T2V, inputs, tiny_pipeline
 
 from pan2render.models.lora import linear_shapes
 from pan2render.parallel import GuidanceSplitDenoiser, parallelize_pipeline
-
-from dist_helpers import max_rel, run_group
-from test_ulysses import T2V, inputs, tiny_pipeline
 
 JOBS = {"guided": T2V, "unguided": {**T2V, "guidance": 1.0}}
 

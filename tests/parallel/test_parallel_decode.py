@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import max_rel, run_group
+from test_ulysses import tiny_pipeline
 
 from pan2render.kernels import vae_decode
 from pan2render.kernels.vae_decode import FastWanDecoder
@@ -21,9 +23,6 @@ from pan2render.parallel import decode as split
 from pan2render.parallel import parallelize_pipeline
 from pan2render.parallel.group import SequenceGroup
 from pan2render.vae_plan import DecodeRun, UnitDecoder, decoder_plan
-
-from dist_helpers import max_rel, run_group
-from test_ulysses import tiny_pipeline
 
 
 def tiny_vae() -> WanVAE:

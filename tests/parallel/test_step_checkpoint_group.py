@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import run_group, tiny_pipeline
 
 from pan2render.models.sampler_state import SamplingPreempted, pack_sampler_state, unpack_sampler_state
 from pan2render.parallel import GuidanceSplitDenoiser, UlyssesDenoiser, parallelize_pipeline
-
-from dist_helpers import run_group, tiny_pipeline
 
 SIZE = dict(height=96, width=160, frames=9)  # 45 tokens: a group of 2 pads its last shard
 CASES = {

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_helpers import run_group
 
 from pan2render.models.tiny import TINY_FILES, missing_tiny_files, tiny_checkpoint_path, write_tiny_checkpoint
-
-from dist_helpers import run_group
 
 
 def _write_on_each_rank(rank: int, world: int, out: Path) -> None:

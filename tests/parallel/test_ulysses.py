@@ -8,15 +8,19 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-
-from pan2render.models import PAN2Pipeline, PAN2PipelineConfig
-from pan2render.models import dit_ops
-from pan2render.models.dit import LocalAttention, PAN2DiT
-from pan2render.parallel import (GuidanceSplit, GuidanceSplitDenoiser, SequenceParallelDiT, UlyssesDenoiser,
-                                  parallelize_dit, parallelize_pipeline)
-from pan2render.parallel.ulysses import ShardLayout
-
 from dist_helpers import max_rel, run_group, tiny_pipeline
+
+from pan2render.models import PAN2Pipeline, PAN2PipelineConfig, dit_ops
+from pan2render.models.dit import LocalAttention, PAN2DiT
+from pan2render.parallel import (
+    GuidanceSplit,
+    GuidanceSplitDenoiser,
+    SequenceParallelDiT,
+    UlyssesDenoiser,
+    parallelize_dit,
+    parallelize_pipeline,
+)
+from pan2render.parallel.ulysses import ShardLayout
 
 # 96x160 px, 9 frames -> latent 3x6x10 -> token grid 3x3x5 = 45 tokens: 45 = 2*23 - 1 = 4*12 - 3,
 # so groups of 2 and 4 both pad their last shard (the padding must not change the result).

@@ -24,8 +24,8 @@ from pan2render.runner import cli, executor
 from pan2render.runner.cluster import GcsLost, GcsWatch
 from pan2render.runner.executor import Call, Group, GroupDied
 from pan2render.runner.local_executor import LocalExecutor
-from pan2render.runner.ray_executor import RayExecutor
 from pan2render.runner.messages import SampleCall, WorkerCall
+from pan2render.runner.ray_executor import RayExecutor
 from pan2render.runner.retry import FailureKind
 from pan2render.runner.testing import FAKE_FACTORY
 from pan2render.runner.worker import WorkerConfig

@@ -33,8 +33,8 @@ def test_another_users_cluster_is_named_as_theirs(tmp_path: Path) -> None:
     """A kernel socket table row of a GCS listening on port 6379 (0x18EB) owned by uid 0 (root)."""
     (tmp_path / "tcp").write_text(
         "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
-        "   0: 0100007F:18EB 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1 0 100 0 0 10 0\n"
-        "   1: 0100007F:18EC 0100007F:9C40 01 00000000:00000000 00:00000000 00000000  1000        0 2 1 0 100 0 0 10 0\n")
+        "   0: 0100007F:18EB 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1 0 100 0 0 10 0\n"  # noqa: E501 - the kernel's table as it is
+        "   1: 0100007F:18EC 0100007F:9C40 01 00000000:00000000 00:00000000 00000000  1000        0 2 1 0 100 0 0 10 0\n")  # noqa: E501
     assert listening_user(6379, proc_net=tmp_path) == "root"
     assert listening_user(6380, proc_net=tmp_path) is None  # an established connection, not a listener
 

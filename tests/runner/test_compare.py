@@ -12,13 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from runner_helpers import render, spec
 
 from pan2render.jobs.ledger import Ledger, Stage
 from pan2render.media.quality import psnr, read_frames, ssim
 from pan2render.runner.compare import QUALITY_NAME, comparisons, lane_pairs
 from pan2render.runner.report import write_report
-
-from runner_helpers import render, spec
 
 
 @pytest.fixture(scope="module")

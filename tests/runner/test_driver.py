@@ -21,7 +21,6 @@ from pan2render.jobs.ledger import JobState, Ledger, Stage, StageState
 from pan2render.jobs.spec import JobSpec
 from pan2render.media.video import probe_mp4
 from pan2render.runner.executor import Call, Group, GroupStartError
-from pan2render.runner.pool import GroupPool
 from pan2render.runner.messages import (
     CollectCall,
     DecodeCall,
@@ -30,6 +29,7 @@ from pan2render.runner.messages import (
     SampleCall,
     WorkerCall,
 )
+from pan2render.runner.pool import GroupPool
 from pan2render.runner.testing import FAKE_FACTORY
 from pan2render.runner.worker import WorkerConfig
 
@@ -422,7 +422,7 @@ def test_sigkill_while_an_encode_runs_in_the_background_then_resume(tmp_path: Pa
                 try:
                     if led.stages(slow)[Stage.ENCODE].state is StageState.RUNNING:
                         break
-                except Exception:  # noqa: BLE001 - the writer holds the journal this instant
+                except Exception:  # the writer holds the journal this instant
                     pass
                 finally:
                     led.close()
@@ -434,7 +434,8 @@ def test_sigkill_while_an_encode_runs_in_the_background_then_resume(tmp_path: Pa
         if proc.poll() is None:
             proc.kill()
     led = Ledger.open_readonly(out)
-    killed = {j.name: (j.state.value, {s.value: r.state.value for s, r in led.stages(j.id).items()}) for j in led.jobs()}
+    killed = {j.name: (j.state.value, {s.value: r.state.value for s, r in led.stages(j.id).items()})
+              for j in led.jobs()}
     done = [j.id for j in led.jobs() if j.state is JobState.DONE]
     before = {jid: (led.job(jid).attempts, file_id(out / jid / "video.mp4")) for jid in done}
     latents_before = file_id(out / slow / "latents.safetensors")

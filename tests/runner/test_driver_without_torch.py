@@ -103,7 +103,7 @@ assert "torch" not in sys.modules, "the driver imported torch"
 def test_the_driver_side_never_imports_torch(tmp_path: Path) -> None:
     from runner_helpers import spec
 
-    from pan2render.runner import outputs, artifacts
+    from pan2render.runner import artifacts, outputs
     from pan2render.runner.messages import LoadCall, WorkerConfig
     from pan2render.runner.testing import FakePipeline
     from pan2render.runner.worker import RenderWorker

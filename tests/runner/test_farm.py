@@ -30,7 +30,8 @@ from pan2render.runner.testing import FAKE_FACTORY
 from pan2render.runner.worker import WorkerConfig
 
 
-def _farm(tmp_path: Path, *, gpus: int = 1, faults: dict[str, Any] | None = None, **config: Any) -> tuple[Farm, RecordingExecutor]:
+def _farm(tmp_path: Path, *, gpus: int = 1, faults: dict[str, Any] | None = None,
+          **config: Any) -> tuple[Farm, RecordingExecutor]:
     root = tmp_path / "farm"
     root.mkdir(exist_ok=True)
     ex = RecordingExecutor(gpus=gpus, config=WorkerConfig(pipeline_factory=FAKE_FACTORY, faults=faults or {}))
@@ -255,7 +256,8 @@ def test_a_batch_whose_checkpoint_cannot_be_loaded_is_not_served(tmp_path: Path)
     with pytest.raises(FarmRequestError, match="the checkpoint cannot be loaded") as refused:
         farm.submit(_request(tmp_path / "never", [dataclasses.replace(spec("a"), model=str(broken))]),
                     owner="ann", priority=0)
-    assert refused.value.status == 422 and "transformer" in str(refused.value) and "submit it again" in str(refused.value)
+    assert refused.value.status == 422
+    assert "transformer" in str(refused.value) and "submit it again" in str(refused.value)
     assert not (tmp_path / "never").exists() and not farm.queue.batches(include_ended=True)
 
     jobs = [dataclasses.replace(spec(n), model=str(ckpt)) for n in ("a", "b")]

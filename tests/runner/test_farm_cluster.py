@@ -62,7 +62,8 @@ def _queue(env: dict[str, str]) -> list[dict[str, Any]]:
 def _worker_nodes(address: str) -> set[str]:
     """The nodes holding the farm's GPU groups (its live placement groups), asked of the cluster's
     GCS from a process of the test's own."""
-    code = ("import ray, json; from ray.util import placement_group_table; ray.init(address=%r, logging_level='ERROR'); "
+    code = ("import ray, json; from ray.util import placement_group_table; "
+            "ray.init(address=%r, logging_level='ERROR'); "
             "print(json.dumps(sorted({n for pg in placement_group_table().values() if pg['state'] == 'CREATED' "
             "for n in pg['bundles_to_node_id'].values()})))" % address)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,

@@ -156,7 +156,8 @@ def test_the_stream_sends_the_snapshot_and_a_batch_view_has_its_grid_and_traceba
             first = next(snaps)
             snap = first if first["batches"] else next(s for s in snaps if s["batches"])  # (published every 0.5 s)
         assert set(first) >= {"batches", "groups", "running", "events", "queue_depth", "url"}
-        assert [(x["id"], x["owner"], x["priority"], x["counts"]["total"]) for x in snap["batches"]] == [(b, "ann", 3, 4)]
+        rows = [(x["id"], x["owner"], x["priority"], x["counts"]["total"]) for x in snap["batches"]]
+        assert rows == [(b, "ann", 3, 4)]
         assert any(e["batch"] == b and e["kind"] == "submitted" for e in snap["events"])
 
         _until(lambda: _state(farm, b)["state"] == "failed", "the batch to end")
@@ -180,7 +181,8 @@ def test_the_stream_sends_the_snapshot_and_a_batch_view_has_its_grid_and_traceba
 
 
 def test_a_running_job_is_in_the_snapshot_with_its_stage(tmp_path: Path) -> None:
-    with serving_farm(tmp_path, faults={"slow": {"job": "slow", "stage": "encode", "seconds": 1.0}}) as (farm, url, token):
+    slow = {"slow": {"job": "slow", "stage": "encode", "seconds": 1.0}}
+    with serving_farm(tmp_path, faults=slow) as (farm, url, token):
         b = submit_file(farm, tmp_path / "out", {"jobs": [{"name": "slow", "prompt": "s"}]})
         seen: list[dict[str, Any]] = []
 

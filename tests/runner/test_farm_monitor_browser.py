@@ -64,7 +64,8 @@ def _wait_text(page: Any, selector: str, text: str) -> None:
                            timeout=WAIT_MS)
 
 
-def test_the_monitor_follows_the_farm_and_acts_on_it(tmp_path: Path, page: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_monitor_follows_the_farm_and_acts_on_it(tmp_path: Path, page: Any,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAN2_FAKE_STEP_SECONDS", "0.05")
     one = {"steps": 4}
     with serving_farm(tmp_path, faults=FAULTS, retries=0) as (farm, url, token):

@@ -15,9 +15,9 @@ from pan2render.jobs.spec import JobSpec
 from pan2render.runner import artifacts
 from pan2render.runner.driver import Driver, DriverConfig
 from pan2render.runner.jobflow import JobFlow, JobRun, Step
-from pan2render.runner.stages import PAN2_FLOW
 from pan2render.runner.messages import CollectCall, DecodeCall, EncodePromptsCall, LoadCall, SampleCall, WorkerCall
 from pan2render.runner.repair import repair
+from pan2render.runner.stages import PAN2_FLOW
 from pan2render.runner.testing import FAKE_FACTORY
 from pan2render.runner.worker import RenderWorker, WorkerConfig
 

@@ -178,7 +178,7 @@ def test_report_of_500_jobs_is_written_in_under_5_s(tmp_path: Path) -> None:
     ledger is built directly (no workers): 400 done jobs sharing one small video, 50 failed, 50
     pending, over a 2-prompt x 250-value sweep."""
     sample = tmp_path / "sample.mp4"
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
     encode_mp4(np.random.default_rng(0).integers(0, 255, (17, 64, 64, 3), dtype=np.uint8), sample,
                fps=8, crf=18)

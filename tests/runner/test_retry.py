@@ -145,9 +145,12 @@ def test_each_class_has_its_rule() -> None:
 
 def test_the_same_error_twice_in_a_row_stops_retrying() -> None:
     policy, job = RetryPolicy(), _job(retries_left=5)
-    first = policy.decide(job, Failure(Stage.DECODE, FailureKind.UNKNOWN, "rank 0: RuntimeError: bad thing in group g3x1"))
-    other = policy.decide(job, Failure(Stage.ENCODE, FailureKind.UNKNOWN, "rank 0: RuntimeError: bad thing in group g4x1"))
-    again = policy.decide(job, Failure(Stage.ENCODE, FailureKind.UNKNOWN, "rank 0: RuntimeError: bad thing in group g5x1"))
+    def bad_thing(stage: Stage, group: str) -> Failure:
+        return Failure(stage, FailureKind.UNKNOWN, f"rank 0: RuntimeError: bad thing in group {group}")
+
+    first = policy.decide(job, bad_thing(Stage.DECODE, "g3x1"))
+    other = policy.decide(job, bad_thing(Stage.ENCODE, "g4x1"))
+    again = policy.decide(job, bad_thing(Stage.ENCODE, "g5x1"))
     assert (first.action, other.action) == (Action.RETRY, Action.RETRY)  # another stage: not "the same"
     assert again.action is Action.FAIL and "twice in a row in encode" in again.reason  # group ids differ only
 

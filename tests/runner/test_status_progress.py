@@ -17,8 +17,8 @@ from pan2render.jobs.batch import load_batch
 from pan2render.jobs.ledger import FolderLock, JobEvent, Ledger, Stage, StageState
 from pan2render.runner import cli, watch
 from pan2render.runner.driver import Driver, DriverConfig
-from pan2render.runner.jobflow import SAMPLING_STEP_DOC, STEP_CHECKPOINT_DOC
 from pan2render.runner.executor import Call, Group
+from pan2render.runner.jobflow import SAMPLING_STEP_DOC, STEP_CHECKPOINT_DOC
 from pan2render.runner.local_executor import LocalExecutor
 from pan2render.runner.messages import Lane, WorkerCall
 from pan2render.runner.testing import FAKE_FACTORY

@@ -8,9 +8,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from pan2render.jobs.ledger import Stage
 from pan2render.jobs.spec import JobSpec
 from pan2render.media.video import probe_mp4
-from pan2render.jobs.ledger import Stage
 from pan2render.runner import artifacts
 from pan2render.runner.messages import CollectCall, DecodeCall, WorkerCall
 from pan2render.runner.retry import FailureKind

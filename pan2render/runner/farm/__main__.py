@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     root: Path = args.root
     lock = FolderLock(root)
     lock.acquire()  # one farm per folder; the kernel drops it when this process dies
-    logf = open(root / LOG_NAME, "a", encoding="utf-8")  # noqa: SIM115 - the farm's whole life
+    logf = open(root / LOG_NAME, "a", encoding="utf-8")  # the farm's whole life
 
     def log(text: str) -> None:
         logf.write(time.strftime("%Y-%m-%dT%H:%M:%SZ ", time.gmtime()) + text + "\n")

@@ -84,7 +84,8 @@ def make_app(farm: Farm, *, token: str) -> web.Application:
         except ValueError:
             data = None
         if not isinstance(data, dict):
-            raise web.HTTPBadRequest(text='{"error": "the body must be a JSON object"}', content_type="application/json")
+            raise web.HTTPBadRequest(text='{"error": "the body must be a JSON object"}',
+                                     content_type="application/json")
         return data
 
     async def status(request: web.Request) -> web.Response:
@@ -96,7 +97,8 @@ def make_app(farm: Farm, *, token: str) -> web.Application:
     async def submit(request: web.Request) -> web.Response:
         data = await body(request)
         req = BatchRequest.from_json(data["request"])
-        owner, priority, preempt = str(data.get("owner") or "unknown"), int(data.get("priority", 0)), bool(data.get("preempt"))
+        owner, priority = str(data.get("owner") or "unknown"), int(data.get("priority", 0))
+        preempt = bool(data.get("preempt"))
         return await ask(lambda: farm.submit(req, owner=owner, priority=priority, preempt=preempt))
 
     async def one(request: web.Request) -> web.Response:
@@ -175,7 +177,7 @@ def start_api(farm: Farm, *, token: str, host: str, port: int) -> RunningApi:
             where["port"] = sock.getsockname()[1]
             loop.run_until_complete(runner.setup())
             loop.run_until_complete(web.SockSite(runner, sock).start())
-        except BaseException as e:  # noqa: BLE001 - handed to the thread that waits
+        except BaseException as e:  # handed to the thread that waits
             where["error"] = e
             ready.set()
             return
@@ -189,7 +191,7 @@ def start_api(farm: Farm, *, token: str, host: str, port: int) -> RunningApi:
     ready.wait()
     if "error" in where:
         raise where["error"]
-    shown = "127.0.0.1" if host in ("0.0.0.0", "") else host  # noqa: S104 - naming, not binding
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else host  # naming, not binding
     url = f"http://{shown}:{where['port']}"
 
     def stop() -> None:

@@ -49,10 +49,10 @@ class FarmClient:
 
     def _send(self, method: str, path: str, data: dict[str, Any] | None, timeout_s: float) -> Any:
         body = None if data is None else json.dumps(data).encode()
-        req = urllib.request.Request(self.url + path, data=body, method=method,
-                                     headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"})
+        headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
+        req = urllib.request.Request(self.url + path, data=body, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 - the farm's own URL
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # the farm's own URL
                 return json.loads(resp.read() or b"null")
         except urllib.error.HTTPError as e:
             try:

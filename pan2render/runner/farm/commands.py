@@ -140,7 +140,7 @@ def cmd_farm(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     snap = client.get("/api/status")
     if args.json:
-        import json  # noqa: PLC0415
+        import json
 
         print(json.dumps(snap, indent=1))
         return EXIT_OK
@@ -191,7 +191,7 @@ def _start(args: argparse.Namespace, root: Path) -> int:
 
 
 def _pid(root: Path) -> int | None:
-    import json  # noqa: PLC0415
+    import json
 
     try:
         return int(json.loads((root / INFO_NAME).read_text())["pid"])
@@ -216,8 +216,8 @@ def monitor_line(url: str, root: Path) -> str:
 
 
 def format_status(snap: dict[str, Any]) -> str:
-    from pan2render.runner.progress import duration  # noqa: PLC0415
-    from pan2render.runner.views import table  # noqa: PLC0415
+    from pan2render.runner.progress import duration
+    from pan2render.runner.views import table
 
     now = time.time()
     lines = [f"farm at {snap['url']} (pid {snap['pid']} on {snap['host']}), up {duration(now - snap['started_at'])}",
@@ -234,7 +234,7 @@ def format_status(snap: dict[str, Any]) -> str:
 
 # ====================================================================== submit / follow
 def cmd_submit(args: argparse.Namespace) -> int:
-    from pan2render.jobs.batch import Overrides  # noqa: PLC0415
+    from pan2render.jobs.batch import Overrides
 
     if args.retries < 0:
         print_error(f"error: --retries {args.retries}: must be >= 0")
@@ -254,7 +254,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def submit(client: FarmClient, batch: Any, overrides: Any, *, out: Path, priority: int, retries: int,
            wait: bool, preempt: bool = False, prune: bool = False) -> int:
-    from pan2render.runner.session import BatchRequest  # noqa: PLC0415
+    from pan2render.runner.session import BatchRequest
 
     request = BatchRequest(out_dir=out.absolute(), batch=batch, overrides=overrides, retries=retries, prune=prune)
     log_start = _log_size(out)
@@ -302,8 +302,8 @@ def follow(client: FarmClient, batch_id: str, *, offset: int = 0) -> int:
 
 # ====================================================================== queue and actions
 def cmd_queue(args: argparse.Namespace) -> int:
-    from pan2render.runner.progress import duration  # noqa: PLC0415
-    from pan2render.runner.views import table  # noqa: PLC0415
+    from pan2render.runner.progress import duration
+    from pan2render.runner.views import table
 
     client = _client(args.root)
     if client is None:
@@ -312,7 +312,7 @@ def cmd_queue(args: argparse.Namespace) -> int:
     if not args.all:
         batches = [b for b in batches if b["exit_code"] is None]
     if args.json:
-        import json  # noqa: PLC0415
+        import json
 
         print(json.dumps(batches, indent=1))
         return EXIT_OK

@@ -187,7 +187,8 @@ class FarmQueue:
 
     @staticmethod
     def _event(c: sqlite3.Connection, batch_id: str | None, kind: str, detail: str) -> None:
-        c.execute("INSERT INTO events (at, batch, kind, detail) VALUES (?, ?, ?, ?)", (time.time(), batch_id, kind, detail))
+        c.execute("INSERT INTO events (at, batch, kind, detail) VALUES (?, ?, ?, ?)",
+                  (time.time(), batch_id, kind, detail))
 
 
 def _past(event: BatchEvent) -> str:

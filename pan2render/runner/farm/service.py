@@ -144,7 +144,7 @@ class Farm:
                 return
             try:
                 fut.set_result(request())
-            except Exception as e:  # noqa: BLE001 - every refusal goes back to the client
+            except Exception as e:  # every refusal goes back to the client
                 fut.set_exception(e)
 
     # ================================================================== what a client can ask
@@ -205,7 +205,7 @@ class Farm:
         else:
             if s is None:
                 raise FarmRequestError(f"batch {row.id} is {row.state.value}: none of its jobs runs or waits")
-            from pan2render.runner.views import JobNotFound, find_job  # noqa: PLC0415
+            from pan2render.runner.views import JobNotFound, find_job
 
             try:
                 target = find_job(s.session.ledger, job)
@@ -254,7 +254,7 @@ class Farm:
                 session = BatchSession.reopen(Path(row.out_dir), stream=None, job_ids=row.job_ids,
                                               title=f"farm: continuing batch {row.id} ({{batch}}) after the "
                                                     f"farm's restart")
-            except Exception as e:  # noqa: BLE001 - one unusable folder must not keep the farm down
+            except Exception as e:  # one unusable folder must not keep the farm down
                 self.queue.transition(row.id, BatchEvent.STOP, reason=f"could not be reopened: {type(e).__name__}: {e}")
                 self.log(f"{row.id}: not continued: {type(e).__name__}: {e}")
                 continue
@@ -267,7 +267,7 @@ class Farm:
         before a batch is served again: each of its jobs would fail its load the same way)."""
         try:
             ledger = Ledger.open_readonly(Path(row.out_dir))
-        except Exception:  # noqa: BLE001 - an unreadable folder: reopening it says what is wrong
+        except Exception:  # an unreadable folder: reopening it says what is wrong
             return {}
         try:
             specs = [j.spec for j in ledger.jobs(row.job_ids) if j.state is not JobState.DONE]
@@ -415,11 +415,11 @@ def exit_code(state: BatchState, counts: dict[str, int]) -> int | None:
 
 
 def _ledger_counts(out_dir: Path, job_ids: list[str]) -> dict[str, int]:
-    from pan2render.jobs.ledger import Ledger  # noqa: PLC0415
+    from pan2render.jobs.ledger import Ledger
 
     try:
         led = Ledger.open_readonly(out_dir)
-    except Exception:  # noqa: BLE001 - a folder gone or damaged since: counts unknown
+    except Exception:  # a folder gone or damaged since: counts unknown
         return {"total": len(job_ids)}
     try:
         jobs = led.jobs(job_ids)
