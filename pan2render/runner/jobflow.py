@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from pan2render.jobs import outdir
 from pan2render.jobs.ledger import EventKind, JobEvent, JobRecord, Ledger, Stage, StageRecord, StageState, stage_name
 from pan2render.jobs.spec import JobSpec
 from pan2render.phases import describe as describe_phases
@@ -35,7 +37,7 @@ from pan2render.runner.messages import CheckpointReply, DecodeCall, LoadCall, Lo
 from pan2render.runner.progress import StepReport
 from pan2render.runner.retry import Action, ArtifactCheckError, Decision, Failure
 from pan2render.runner.timeline import stamp
-from pan2render.step_checkpoint import checkpoint_problem
+from pan2render.step_checkpoint import StepCheckpointError, read_checkpoint
 
 # The ledger document recording a job's newest step checkpoint (its file, digest, size, step).
 STEP_CHECKPOINT_DOC = "step-checkpoint"
@@ -303,24 +305,29 @@ class BatchFlow:
 
     # ------------------------------------------------------------------ step checkpoints
     def step_checkpoint(self, run: JobRun) -> bytes | None:
-        """The job's recorded step checkpoint to continue its sampling from, if it still checks out
-        (its file as recorded, and for this job and model); one that does not is dropped, with why."""
-        doc = self.ledger.document(run.job.id, STEP_CHECKPOINT_DOC)
-        if doc is None:
+        """The job's step checkpoint to continue its sampling from, if one is on disk and checks out
+        for this job and model; one that does not is dropped, with why. The file carries its own
+        digest and key, so it is checked on its own, not against the ledger's record of it: a
+        driver killed after renaming a newer checkpoint into place and before recording it leaves
+        that newer file, as good a place to continue from (and one killed before recording its
+        first leaves a file with no record)."""
+        rel = artifacts.step_checkpoint_relpath(run.job.id)
+        path = self.out_dir / rel
+        if self.ledger.document(run.job.id, STEP_CHECKPOINT_DOC) is None and not path.is_file():
             return None
-        rec = json.loads(doc)
-        recorded = artifacts.Recorded(rec["artifact"], rec["sha256"], rec["size"])
-        problem = artifacts.check_recorded(self.out_dir, recorded)
-        data = None if problem else (self.out_dir / rec["artifact"]).read_bytes()
-        if data is not None:
+        try:
+            fd = outdir.open_file(path, os.O_RDONLY)  # (never through a link planted at its name)
+            with os.fdopen(fd, "rb") as f:
+                data = f.read()
             model_id = run.group.loads[run.job.spec.model].model_id
-            problem = checkpoint_problem(data, spec_hash=run.job.spec.spec_hash, model_id=model_id)
-        if problem:
+            header, _ = read_checkpoint(data, spec_hash=run.job.spec.spec_hash, model_id=model_id)
+        except (OSError, outdir.UnsafePathError, StepCheckpointError) as e:
+            problem = f"{rel} is missing" if isinstance(e, FileNotFoundError) else str(e)
             self.drop_step_checkpoint(run.job.id, f"its step checkpoint is refused ({problem}); sampling from step 0")
             return None
-        run.checkpoint_step = int(rec["step"])
+        run.checkpoint_step = header.step
         self.say(f"{run.job.name}: continuing its sampling from the step checkpoint at step "
-                 f"{rec['step']}/{rec['total']}")
+                 f"{header.step}/{header.key.total_steps}")
         return data
 
     def record_step_checkpoint(self, run: JobRun, reply: CheckpointReply) -> None:
@@ -339,10 +346,11 @@ class BatchFlow:
     def drop_step_checkpoint(self, job_id: str, reason: str | None) -> None:
         """Forget the job's step checkpoint (the record first, then the file): the sampling ended, or
         the checkpoint was refused (``reason``, logged)."""
-        if self.ledger.document(job_id, STEP_CHECKPOINT_DOC) is None:
+        path = self.out_dir / artifacts.step_checkpoint_relpath(job_id)
+        if self.ledger.document(job_id, STEP_CHECKPOINT_DOC) is None and not path.is_symlink() and not path.exists():
             return
         self.ledger.delete_document(job_id, STEP_CHECKPOINT_DOC)
-        (self.out_dir / artifacts.step_checkpoint_relpath(job_id)).unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
         if reason:
             self.ledger.log(job_id, EventKind.CHECKPOINT_DROPPED, reason)
             self.say(f"{job_id}: {reason}")

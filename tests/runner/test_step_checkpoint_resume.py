@@ -1,0 +1,84 @@
+"""Which step checkpoint a sampling continues from (BatchFlow.step_checkpoint): the file on disk,
+checked on its own (its digest, its job, its model), not against the ledger's record of it. A
+driver SIGKILLed after renaming a newer checkpoint into place and before recording it leaves the
+ledger one checkpoint behind the file; the newer file is as good a place to continue from."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from runner_helpers import spec
+
+from pan2render.jobs.ledger import Ledger
+from pan2render.models.sampler_state import SamplerState, pack_sampler_state
+from pan2render.models.scheduler import StepState
+from pan2render.runner import artifacts
+from pan2render.runner.executor import Group
+from pan2render.runner.jobflow import STEP_CHECKPOINT_DOC, BatchFlow, JobRun
+from pan2render.runner.messages import LoadReply
+from pan2render.runner.stages import PAN2_FLOW
+from pan2render.step_checkpoint import CheckpointKey
+
+MODEL_ID = "tiny-0123"
+
+
+def _checkpoint(spec_hash: str, *, step: int, total: int = 10) -> bytes:
+    key = CheckpointKey(model_id=MODEL_ID, sampler="euler", total_steps=total, latent_shape=(1, 2, 1, 2, 2),
+                        seed=0, guidance=2.5, spec_hash=spec_hash)
+    latents = torch.full(key.latent_shape, float(step))
+    state = SamplerState(key=key, latents=latents, schedule=torch.linspace(1, 0, total + 1),
+                         generator=torch.Generator().manual_seed(0).get_state(),
+                         scheduler=StepState(step=step, tensors={}, counters={}))
+    return pack_sampler_state(state, spec_hash=spec_hash)
+
+
+def _set_up(tmp_path: Path) -> tuple[BatchFlow, JobRun, list[str]]:
+    out = tmp_path / "out"
+    out.mkdir()
+    ledger = Ledger.open(out)
+    job = spec("long")
+    ledger.add_jobs([job], retries=2)
+    said: list[str] = []
+    flow = BatchFlow(out_dir=out, ledger=ledger, flow=PAN2_FLOW, say=said.append)
+    group = Group(id="g0x1", size=1, handle=None)
+    group.loads[job.model] = LoadReply(model_id=MODEL_ID, text_encoder_id="t", backend="none", world_size=1,
+                                       device="cpu", attention="n/a", load_s=0.0, warmup_s=0.0)
+    return flow, JobRun(job=ledger.job(job.job_id), group=group), said
+
+
+def test_a_checkpoint_newer_than_its_record_is_continued_from(tmp_path: Path) -> None:
+    flow, run, said = _set_up(tmp_path)
+    flow.write_step_checkpoint(run, _checkpoint(run.job.spec.spec_hash, step=3), step=3)
+    # Killed between the rename of step 6's file into place and its record: the ledger says step 3.
+    newer = _checkpoint(run.job.spec.spec_hash, step=6)
+    (flow.out_dir / artifacts.step_checkpoint_relpath(run.job.id)).write_bytes(newer)
+    assert json.loads(flow.ledger.document(run.job.id, STEP_CHECKPOINT_DOC))["step"] == 3
+    assert flow.step_checkpoint(run) == newer and run.checkpoint_step == 6
+    assert said == ["long: continuing its sampling from the step checkpoint at step 6/10"]
+
+
+def test_a_checkpoint_with_no_record_yet_is_continued_from(tmp_path: Path) -> None:
+    """Killed after the first checkpoint's rename, before anything was recorded."""
+    flow, run, _ = _set_up(tmp_path)
+    first = _checkpoint(run.job.spec.spec_hash, step=2)
+    path = flow.out_dir / artifacts.step_checkpoint_relpath(run.job.id)
+    path.parent.mkdir()
+    path.write_bytes(first)
+    assert flow.step_checkpoint(run) == first and run.checkpoint_step == 2
+
+
+def test_a_damaged_or_foreign_checkpoint_is_dropped_and_the_sampling_starts_over(tmp_path: Path) -> None:
+    flow, run, said = _set_up(tmp_path)
+    path = flow.out_dir / artifacts.step_checkpoint_relpath(run.job.id)
+    flow.write_step_checkpoint(run, _checkpoint(run.job.spec.spec_hash, step=3), step=3)
+    damaged = bytearray(path.read_bytes())
+    damaged[-1] ^= 1
+    path.write_bytes(bytes(damaged))
+    assert flow.step_checkpoint(run) is None
+    assert "damaged: its sha256 does not match its contents" in said[-1] and "sampling from step 0" in said[-1]
+    assert not path.exists() and flow.ledger.document(run.job.id, STEP_CHECKPOINT_DOC) is None
+    path.write_bytes(_checkpoint("e" * 64, step=5))  # another job's (another spec hash)
+    assert flow.step_checkpoint(run) is None and "belongs to spec_hash 'eeeeeeeeeeee'" in said[-1]
+    assert not path.exists()
