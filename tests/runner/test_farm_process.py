@@ -1,6 +1,7 @@
 """The farm as users run it: `farm start` in the background on a Ray cluster of its own (logical
 GPUs), `submit`, `queue`, `cancel` of a job mid-sampling, a SIGKILL of the farm then `farm start`
-again (every batch finished, nothing done redone), and `run` handing its batch to the farm with
+again (every batch finished, nothing done redone), a higher-priority batch preempting a sampling
+(which then continues from its step checkpoint), and `run` handing its batch to the farm with
 the exit code and job lines of a standalone `run`.
 
 The farm lives in a folder of the test's own, its Ray in a temp folder of its own with a HOME of its
@@ -156,5 +157,54 @@ def test_a_farm_serves_batches_survives_a_kill_and_takes_runs(tmp_path: Path, fa
     assert not (tmp_path / "slow" / jobs["one"].id / "latents.safetensors").exists()
     assert re.search(r"sampling stopped at step \d+", _cli(env, "show", str(tmp_path / "slow"), "one").stdout)
 
+    _preemption(tmp_path, env)
+
     assert _cli(env, "farm", "stop").returncode == 0
     assert "no farm runs" in _cli(env, "farm", "status").stdout
+
+
+def _latents(out: Path) -> dict[str, bytes]:
+    from safetensors.numpy import load
+
+    return {name: load((out / j.id / "latents.safetensors").read_bytes())["latents"].tobytes()
+            for name, j in _jobs(out).items()}
+
+
+def _preemption(tmp_path: Path, env: dict[str, str]) -> None:
+    """Both groups sample a low-priority batch; a batch submitted with --preempt at a higher
+    priority stops one of those samplings at a step boundary (checkpointed), runs on its group,
+    and the stopped job then continues from its checkpoint to the latents of a sampling never
+    stopped (the same batch in another folder)."""
+    low = write_batch(tmp_path / "low.yaml", [{"name": n, "prompt": n} for n in ("l1", "l2")],
+                      defaults={"steps": 30, "checkpoint_every": 0.001})
+    urgent = write_batch(tmp_path / "urgent.yaml", [{"name": "urgent", "prompt": "now"}], defaults={"steps": 2})
+    assert _cli(env, "submit", str(low), "--out", str(tmp_path / "low")).returncode == 0
+    _wait(env, lambda bs: len(bs[-1]["running"]) == 2)
+    time.sleep(1.5)  # a few steps into both samplings
+    submitted = time.time()
+    assert _cli(env, "submit", str(urgent), "--out", str(tmp_path / "urgent"), "--priority", "5", "--preempt",
+                "--wait").returncode == 0
+    _wait(env, lambda bs: bs[-2]["exit_code"] is not None)
+    assert _cli(env, "submit", str(low), "--out", str(tmp_path / "low-ref"), "--wait").returncode == 0
+
+    led = Ledger.open_readonly(tmp_path / "low")
+    try:
+        names = {j.id: j.name for j in led.jobs()}
+        stops = [(names[e.job_id], e) for e in led.events() if e.job_id and "preempted at step" in e.detail]
+        done_at = {names[e.job_id]: e.at for e in led.events() if e.label == "running->done"}
+    finally:
+        led.close()
+    print("preempted:", [(n, e.detail) for n, e in stops])
+    assert len(stops) == 1  # one sampling made room, the other went on
+    victim, stop = stops[0]
+    step = int(re.search(r"preempted at step (\d+)", stop.detail).group(1))
+    assert 1 <= step < 30 and submitted < stop.at
+    led = Ledger.open_readonly(tmp_path / "urgent")
+    try:
+        urgent_done = next(e.at for e in led.events() if e.label == "running->done")
+    finally:
+        led.close()
+    assert stop.at < urgent_done < done_at[victim]  # the urgent job ran in the gap the stop made
+    assert f"from the step checkpoint at step {step}/30" in (tmp_path / "low" / "run.log").read_text()
+    assert _latents(tmp_path / "low") == _latents(tmp_path / "low-ref")
+    assert not list((tmp_path / "low").glob("*/sampling.ckpt.safetensors*"))
