@@ -20,6 +20,7 @@ job does next lives here. A new stage is a new :class:`Step` in a flow (docs/arc
 from __future__ import annotations
 
 import enum
+import itertools
 import json
 import os
 from collections.abc import Callable, Iterable
@@ -47,6 +48,9 @@ SAMPLING_STEP_DOC = "sampling-step"
 
 
 # ---------------------------------------------------------------------- one attempt of a job
+_RUN_NUMBERS = itertools.count(1)
+
+
 @dataclass
 class JobRun:
     """One attempt of one job on one group: what the flow knows beyond the ledger while it runs."""
@@ -65,6 +69,13 @@ class JobRun:
     preempted: bool = False  # its sampling is being stopped for a higher-priority job
     sample_started_at: float = 0.0  # when its SampleCall went out (time.time): the watchdog's start
     last_step: StepReport | None = None  # the latest step this attempt's sampling reported
+    number: int = field(default_factory=lambda: next(_RUN_NUMBERS))  # unique in this process
+
+    @property
+    def progress_key(self) -> str:
+        """The key this attempt's step reports go under: its own, not its job id, which an earlier
+        attempt or the same job in another of a farm's batches reported under too."""
+        return f"{self.job.id}#{self.number}"
 
     @property
     def encoding(self) -> bool:

@@ -201,6 +201,10 @@ class SampleCall(WorkerCall):
     image: bytes | None = None  # the first-frame image file's bytes: workers need no shared disk
     adapters: tuple[Adapter, ...] = ()  # the job's LoRAs, in order (none: the DiT as loaded)
     resume: bytes | None = None  # a step checkpoint of this job to continue from (step_checkpoint.py)
+    # The key its step reports go under ("": the job id). One per sampling: a job id recurs
+    # (another attempt, the same job in another batch of a farm), and a report of one sampling
+    # must not pass for another's.
+    progress_key: str = ""
 
 
 @dataclass(frozen=True)

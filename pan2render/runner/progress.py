@@ -25,6 +25,7 @@ import os
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,8 @@ RUN_LOG_NAME = "run.log"
 
 # ---------------------------------------------------------------------------------------- steps
 RATE_WINDOW_STEPS = 8  # the step rate is measured over this many latest steps
+# Samplings a StepClock remembers: far more than run at once on any cluster (one per group).
+STEP_CLOCK_KEYS = 512
 
 
 @dataclass(frozen=True)
@@ -72,20 +75,25 @@ class StepReport:
 
 
 class StepClock:
-    """Receives ``report(job_id, done, total, at)`` from rank 0 of each group as sampling steps
-    finish (``at``: when, stamped by the worker, so reports delivered in a burst keep their
-    spacing; None: on arrival) and keeps the latest :class:`StepReport` per job. A report of step 1
-    (or of fewer steps than before: a retried job) restarts that job's window."""
+    """Receives ``report(key, done, total, at)`` from rank 0 of each group as sampling steps
+    finish (``key``: the sampling's own, see ``SampleCall.progress_key``; ``at``: when, stamped by
+    the worker, so reports delivered in a burst keep their spacing; None: on arrival) and keeps the
+    latest :class:`StepReport` per key, for the newest STEP_CLOCK_KEYS keys (a farm's clock lives
+    as long as the farm). A report of step 1 (or of fewer steps than before) restarts a key's
+    window."""
 
     def __init__(self) -> None:
-        self._state: dict[str, StepReport] = {}
+        self._state: OrderedDict[str, StepReport] = OrderedDict()
 
-    def report(self, job_id: str, done: int, total: int, at: float | None = None) -> None:
+    def report(self, key: str, done: int, total: int, at: float | None = None) -> None:
         stamp = time.time() if at is None else at
-        prev = self._state.get(job_id)
+        prev = self._state.get(key)
         kept = () if prev is None or done <= 1 or done < prev.done else prev.window
         window = (*kept, (done, stamp))[-(RATE_WINDOW_STEPS + 1):]
-        self._state[job_id] = StepReport(done=done, total=total, window=window, received_at=time.time())
+        self._state[key] = StepReport(done=done, total=total, window=window, received_at=time.time())
+        self._state.move_to_end(key)
+        while len(self._state) > STEP_CLOCK_KEYS:
+            self._state.popitem(last=False)
 
     def snapshot(self) -> dict[str, StepReport]:
         return dict(self._state)

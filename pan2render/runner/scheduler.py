@@ -48,7 +48,15 @@ from pan2render.runner.retry import (
 )
 from pan2render.runner.serving import DriverConfig, QueuedJob, ServedBatch
 from pan2render.runner.timeline import stamp
-from pan2render.runner.watch import ClusterWait, StepRecorder, hung, overdue, sampling, started_sampling
+from pan2render.runner.watch import (
+    ClusterWait,
+    StepRecorder,
+    current_steps,
+    hung,
+    overdue,
+    sampling,
+    started_sampling,
+)
 
 __all__ = ["DriverConfig", "Scheduler", "ServedBatch"]
 
@@ -185,11 +193,12 @@ class Scheduler:
             self._on_ready(call)
         self._tear_down(overdue(list(self._active.items()), lacks_gpus_for=self.ex.lacks_gpus_for))
         if any(sampling(r) for r in self._active.values()):
-            reports = self.ex.progress()  # a Ray call: only while a job samples
-            for batch in self._batch_of.values():
-                batch.progress.steps(reports)
-            self._tear_down(hung(list(self._active.items()), reports, limit_s=self.config.stall_timeout_s))
-            self._steps.record([(k, r, self._batch_of[k[0]].ledger) for k, r in self._active.items()], reports)
+            # A Ray call: only while a job samples.
+            steps = current_steps(list(self._active.items()), self.ex.progress())
+            for seq, batch in self._batch_of.items():
+                batch.progress.steps({job_id: rep for (s, job_id), rep in steps.items() if s == seq})
+            self._tear_down(hung(list(self._active.items()), steps, limit_s=self.config.stall_timeout_s))
+            self._steps.record([(k, r, self._batch_of[k[0]].ledger) for k, r in self._active.items()], steps)
         for batch in self._batch_of.values():
             batch.progress.tick()
             batch.notify_job_end()

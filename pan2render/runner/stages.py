@@ -97,7 +97,8 @@ class SamplingStep(Step):
                                 f"(fingerprint differs); run the batch again: its jobs get new ids")
         return SampleCall(model=spec.model, job_id=run.job.id, spec=run.spec_once(), prompt_embeds=prompt,
                           negative_embeds=negative, image=_image_bytes(spec),
-                          adapters=_adapters(spec, held=run.group.adapters), resume=flow.step_checkpoint(run))
+                          adapters=_adapters(spec, held=run.group.adapters), resume=flow.step_checkpoint(run),
+                          progress_key=run.progress_key)
 
     def record(self, flow: BatchFlow, run: JobRun, value: SampleReply, seconds: float) -> None:
         run.group.adapters = frozenset(value.adapters_held)

@@ -31,6 +31,12 @@ def sampling(run: JobRun) -> bool:
     return run.call is not None and isinstance(run.call.message, SampleCall)
 
 
+def current_steps(runs: Iterable[tuple[Key, JobRun]], reports: dict[str, StepReport]) -> dict[Key, StepReport]:
+    """The latest step of each sampling among ``runs``: the report under its own key, never one
+    of another sampling of the same job id (an earlier attempt, another batch of a farm)."""
+    return {key: reports[run.progress_key] for key, run in runs if sampling(run) and run.progress_key in reports}
+
+
 def started_sampling(run: JobRun) -> None:
     """``run``'s SampleCall just went out: the watchdog's clock starts over for this attempt."""
     run.sample_started_at, run.last_step = time.time(), None
@@ -43,11 +49,12 @@ class StepRecorder:
     def __init__(self) -> None:
         self._recorded: dict[object, tuple[float, int]] = {}  # key -> (monotonic, step) last written
 
-    def record(self, runs: Iterable[tuple[Key, JobRun, Ledger]], reports: dict[str, StepReport]) -> None:
+    def record(self, runs: Iterable[tuple[Key, JobRun, Ledger]], steps: dict[Key, StepReport]) -> None:
+        """``steps``: :func:`current_steps` of the runs."""
         now = time.monotonic()
         for key, run, ledger in runs:
-            rep = reports.get(run.job.id)
-            if rep is None or not sampling(run):
+            rep = steps.get(key)
+            if rep is None:
                 continue
             last = self._recorded.get(key)
             if last is not None and (now - last[0] < STEP_RECORD_EVERY_S or last[1] == rep.done):
@@ -61,20 +68,19 @@ class StepRecorder:
                     raise
 
 
-def hung(runs: Iterable[tuple[Key, JobRun]], reports: dict[str, StepReport], *,
+def hung(runs: Iterable[tuple[Key, JobRun]], steps: dict[Key, StepReport], *,
          limit_s: float) -> list[tuple[Key, JobRun, Failure]]:
     """The samplings among ``runs`` whose latest step (or whose start) arrived more than
     ``limit_s`` ago, each with the failure it is charged (a worker death: the group goes);
-    ``limit_s`` 0: none. Each run keeps the latest step seen, so a snapshot that is missing (the
-    progress actor busy) raises no false alarm."""
+    ``limit_s`` 0: none. ``steps``: :func:`current_steps` of the runs. Each run keeps the latest
+    step seen, so a snapshot that is missing (the progress actor busy) raises no false alarm."""
     if not limit_s:
         return []
     now, found = time.time(), []
     for key, run in runs:
         if not sampling(run):
             continue
-        report = reports.get(run.job.id)
-        if report is not None and report.received_at >= run.sample_started_at:  # (not an earlier attempt's)
+        if (report := steps.get(key)) is not None:
             run.last_step = report
         last = run.last_step.received_at if run.last_step is not None else run.sample_started_at
         if now - last <= limit_s:

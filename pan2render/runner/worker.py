@@ -332,6 +332,7 @@ class RenderWorker:
     def _sample(self, call: SampleCall) -> SampleReply:
         pipe = self._pipeline(call.model)
         job_id = call.job_id
+        progress_key = call.progress_key or job_id
         js = self._spec(job_id, call.spec)
         self._adapters.set(pipe, call.adapters)
         first_frame = None if call.image is None else _decode_image(call.image)  # uint8 [H, W, 3]
@@ -339,7 +340,7 @@ class RenderWorker:
 
         def progress(done: int, total: int) -> None:
             if self.rank == 0 and self._progress is not None:
-                self._progress.report(job_id, done, total, time.time())
+                self._progress.report(progress_key, done, total, time.time())
             self._faults.at_step(js, done)
 
         plan = pipe.sampling_plan(conditioned=first_frame is not None, **js.sample_args())

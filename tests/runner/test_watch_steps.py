@@ -1,0 +1,74 @@
+"""Which step report belongs to which sampling. A job id recurs: the same job in another batch of a
+farm (the same batch file submitted into a second folder) or a later attempt. The step a sampling
+shows, records in its ledger and is watched by must be its own: another sampling's last report
+("50/50") would pass for this one's progress, and the watchdog would time it from that report."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from runner_helpers import spec
+
+from pan2render.jobs.ledger import Ledger
+from pan2render.runner import artifacts
+from pan2render.runner.executor import Call, Group
+from pan2render.runner.jobflow import SAMPLING_STEP_DOC, JobRun
+from pan2render.runner.messages import LoadCall, SampleCall
+from pan2render.runner.progress import StepClock
+from pan2render.runner.testing import FAKE_FACTORY, FakePipeline
+from pan2render.runner.watch import StepRecorder, current_steps, hung, started_sampling
+from pan2render.runner.worker import RenderWorker, WorkerConfig
+
+
+def _sampling_run(ledger: Ledger, job_id: str) -> JobRun:
+    run = JobRun(job=ledger.job(job_id), group=Group(id="g0x1", size=1, handle=None))
+    message = SampleCall(model="tiny", job_id=job_id, spec=None, prompt_embeds=b"", negative_embeds=b"",
+                         progress_key=run.progress_key)
+    run.call = Call(group=run.group, message=message, started=time.monotonic(), timeout_s=60.0, handle=None)
+    started_sampling(run)
+    return run
+
+
+def test_a_sampling_sees_only_its_own_step_reports(tmp_path: Path) -> None:
+    job = spec("same")
+    ledgers = []
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        ledgers.append(led := Ledger.open(tmp_path / name))
+        led.add_jobs([job], retries=2)
+    first, second = (_sampling_run(led, job.job_id) for led in ledgers)
+    assert first.progress_key != second.progress_key
+    clock = StepClock()
+    for step in range(1, 51):  # the first batch's sampling ran to its end
+        clock.report(first.progress_key, step, 50)
+    second.sample_started_at -= 120.0  # the second's sampling went out two minutes ago, no step yet
+
+    steps = current_steps([(1, first), (2, second)], clock.snapshot())
+    assert list(steps) == [1] and steps[1].done == 50
+    # The second's ledger records no step, and the watchdog times it from its own start.
+    StepRecorder().record([(2, second, ledgers[1])], current_steps([(2, second)], clock.snapshot()))
+    assert ledgers[1].document(job.job_id, SAMPLING_STEP_DOC) is None
+    (found,) = hung([(2, second)], current_steps([(2, second)], clock.snapshot()), limit_s=60.0)
+    assert "no step yet" in found[2].error
+    clock.report(second.progress_key, 3, 50)
+    StepRecorder().record([(2, second, ledgers[1])], current_steps([(2, second)], clock.snapshot()))
+    assert json.loads(ledgers[1].document(job.job_id, SAMPLING_STEP_DOC))["step"] == 3
+    assert hung([(2, second)], current_steps([(2, second)], clock.snapshot()), limit_s=60.0) == []
+    for led in ledgers:
+        led.close()
+
+
+def test_the_worker_reports_steps_under_the_calls_progress_key(tmp_path: Path) -> None:
+    clock = StepClock()
+    worker = RenderWorker(rank=0, world_size=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY), progress=clock)
+    job = spec("same", steps=4)
+    emb = artifacts.pack_embedding(FakePipeline("tiny").encode_prompt("x"), key="k", text_encoder_id="fake-text-v1")
+    worker.execute(LoadCall(model=job.model))
+    for key in ("same#1", "same#2"):
+        reply = worker.execute(SampleCall(model=job.model, job_id=job.job_id, spec=job, prompt_embeds=emb,
+                                          negative_embeds=emb, progress_key=key))
+        assert reply.ok, reply.failure
+    snap = clock.snapshot()
+    assert set(snap) == {"same#1", "same#2"} and snap["same#2"].done == 4
