@@ -258,8 +258,10 @@ def _address(args: argparse.Namespace) -> str | None:
 
 
 def _print_summary(out: Path, s: RunSummary, log: RunLog) -> None:
+    # The batch's own seconds, then the command's: Ray's start and the report are in the second.
     log.line(f"{len(s.done)} done, {len(s.failed)} failed in {s.seconds:.1f} s "
-             f"({s.groups_created} worker group(s) started); see `{cmd('status', out)}`")
+             f"({time.time() - timeline.process_started_at():.1f} s since the command started; "
+             f"{s.groups_created} worker group(s) started); see `{cmd('status', out)}`")
     for jid in s.failed:
         log.line(f"  failed: {jid}  (`{cmd('show', out, jid)}` has its traceback)")
 

@@ -388,9 +388,12 @@ class BatchFlow:
         if load.worker is not None and not group.worker_told:
             group.worker_told = True
             w = load.worker
-            self.say(f"start-up: group {group.id} worker process (rank 0) started at "
-                     f"{stamp(w.process_started_at)}, up at {stamp(w.ready_at)} "
-                     f"(importing the worker {w.imports_s:.2f} s)")
+            # Ray may hand the group a worker process it started beforehand, even before the
+            # cluster was ready: said as such, so the earlier stamp reads as no mistake.
+            early = (" before the group was placed,"
+                     if group.placed_at and w.process_started_at < group.placed_at else "")
+            self.say(f"start-up: group {group.id} worker process (rank 0) up at {stamp(w.ready_at)} "
+                     f"(started{early} at {stamp(w.process_started_at)}; importing the worker {w.imports_s:.2f} s)")
         self.say(f"start-up: group {group.id} loaded {model} at {stamp()} in {seconds:.1f} s "
                  f"(pipeline {load.load_s:.1f} s, warm-up {load.warmup_s:.1f} s): "
                  f"{describe_phases(load.phases, total=seconds) or 'no phases reported'}")
