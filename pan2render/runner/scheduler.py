@@ -24,6 +24,7 @@ import itertools
 import traceback
 
 from pan2render.jobs.ledger import EventKind, JobEvent, JobRecord, JobState, Stage, StageState, stage_name
+from pan2render.runner import watch
 from pan2render.runner.executor import Call, Executor, Group, GroupDied, GroupStartError
 from pan2render.runner.jobflow import JobRun
 from pan2render.runner.messages import (
@@ -48,15 +49,6 @@ from pan2render.runner.retry import (
 )
 from pan2render.runner.serving import DriverConfig, QueuedJob, ServedBatch
 from pan2render.runner.timeline import stamp
-from pan2render.runner.watch import (
-    ClusterWait,
-    StepRecorder,
-    current_steps,
-    hung,
-    overdue,
-    sampling,
-    started_sampling,
-)
 
 __all__ = ["DriverConfig", "Scheduler", "ServedBatch"]
 
@@ -75,10 +67,10 @@ class Scheduler:
         self._batch_of: dict[int, ServedBatch] = {}
         self._order = itertools.count()
         self._policy = RetryPolicy()
-        self._cluster = ClusterWait(executor, wait_s=config.cluster_wait_s)
+        self._cluster = watch.ClusterWait(executor, wait_s=config.cluster_wait_s)
         self._groups_seen: set[str] = set()  # groups whose placement the run log has told
         self._failed_on: dict[tuple[int, str], set[str]] = {}  # (batch seq, job id) -> groups it failed on
-        self._steps = StepRecorder()
+        self._steps = watch.StepRecorder()
 
     # ================================================================== what it serves
     def serve(self, batch: ServedBatch, job_ids: list[str]) -> None:
@@ -191,13 +183,13 @@ class Scheduler:
         calls = [c for r in self._active.values() for c in (r.call, r.side) if c is not None]
         for call in self.ex.wait(calls, timeout_s=self.config.poll_s):
             self._on_ready(call)
-        self._tear_down(overdue(list(self._active.items()), lacks_gpus_for=self.ex.lacks_gpus_for))
-        if any(sampling(r) for r in self._active.values()):
+        self._tear_down(watch.overdue(list(self._active.items()), lacks_gpus_for=self.ex.lacks_gpus_for))
+        if any(watch.sampling(r) for r in self._active.values()):
             # A Ray call: only while a job samples.
-            steps = current_steps(list(self._active.items()), self.ex.progress())
+            steps = watch.current_steps(list(self._active.items()), self.ex.progress())
             for seq, batch in self._batch_of.items():
                 batch.progress.steps({job_id: rep for (s, job_id), rep in steps.items() if s == seq})
-            self._tear_down(hung(list(self._active.items()), steps, limit_s=self.config.stall_timeout_s))
+            self._tear_down(watch.hung(list(self._active.items()), steps, limit_s=self.config.stall_timeout_s))
             self._steps.record([(k, r, self._batch_of[k[0]].ledger) for k, r in self._active.items()], steps)
         for batch in self._batch_of.values():
             batch.progress.tick()
@@ -302,7 +294,7 @@ class Scheduler:
         batch.progress.stage(run.job.id, message.shown)
         run.call = self._call(run, message)
         if isinstance(message, SampleCall):
-            started_sampling(run)
+            watch.started_sampling(run)
         if isinstance(message, SampleCall) and run.job.spec.checkpoint_every > 0:
             run.side = self._call(run, FetchCheckpointCall(job_id=run.job.id, after_step=0))
         if run.cancel is not None or run.preempted:  # asked before this call went out
