@@ -148,7 +148,7 @@ def stop() -> tuple[NodeRecord, int] | None:
     if record is None:
         return None
     doomed = node_processes(record.session_dir)
-    _end(doomed)
+    end_processes(doomed)
     left = node_processes(record.session_dir)
     if left:
         raise NodeError(f"{len(left)} process(es) of the node (session {record.session_dir}) did not end "
@@ -165,7 +165,21 @@ def node_processes(session_dir: str) -> set[int]:
     their command line, and every descendant of those."""
     procs = _processes()
     mark = session_dir.encode()
-    found = {pid for pid, (_parent, argv) in procs.items() if any(mark in arg for arg in argv)}
+    return _with_descendants({pid for pid, (_parent, argv) in procs.items() if any(mark in arg for arg in argv)},
+                             procs)
+
+
+def process_tree(roots: set[int]) -> set[int]:
+    """``roots`` and every descendant of them (NodeError where there is no /proc)."""
+    return _with_descendants(set(roots), _processes())
+
+
+def started_by(pid: int) -> set[int]:
+    """The processes whose parent is ``pid`` (NodeError where there is no /proc)."""
+    return {child for child, (parent, _) in _processes().items() if parent == pid}
+
+
+def _with_descendants(found: set[int], procs: dict[int, tuple[int, list[bytes]]]) -> set[int]:
     while grown := {pid for pid, (parent, _) in procs.items() if parent in found} - found:
         found |= grown
     return found
@@ -189,9 +203,10 @@ def _processes() -> dict[int, tuple[int, list[bytes]]]:
     return out
 
 
-def _end(pids: set[int]) -> None:
-    """SIGTERM, up to GRACE_S for them to end, then SIGKILL for the rest."""
-    for sig, wait_s in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, 5.0)):
+def end_processes(pids: set[int], *, grace_s: float = GRACE_S) -> None:
+    """SIGTERM to those still running, up to ``grace_s`` for them to end, then SIGKILL for the rest."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        pids = {pid for pid in pids if _alive(pid)}
         for pid in pids:
             try:
                 os.kill(pid, sig)

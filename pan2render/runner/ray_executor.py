@@ -13,6 +13,7 @@ back and say so.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import traceback
@@ -41,10 +42,12 @@ from pan2render.runner.messages import (
     WorkerCall,
     WorkerConfig,
 )
+from pan2render.runner.node import NodeError, end_processes, process_tree, started_by
 from pan2render.runner.progress import StepClock, StepReport
 from pan2render.runner.retry import FailureKind, classify_group_death
 
 WAIT_NOTE_EVERY_S = 10.0  # how often a group waiting for GPUs says so
+NODE_LEFTOVERS_GRACE_S = 3.0  # after ray.shutdown(): what is left of our node's processes, SIGTERM to SIGKILL
 
 
 class RayExecutor:
@@ -66,6 +69,19 @@ class RayExecutor:
         # Already connected (a test's module-wide cluster, or an embedding application): use that
         # cluster as it is and leave it running at shutdown.
         self._owns_ray = not ray.is_initialized()
+        self._node_roots: set[int] = set()  # the processes ray.init started here for a local cluster
+        try:
+            self._start(address=address, gpus=gpus, cpus=cpus, object_store_bytes=object_store_bytes,
+                        local_node=local_node)
+        except BaseException:
+            # Interrupted (Ctrl-C, a stop signal, or Ray's own SIGTERM handler's SystemExit) or
+            # failed while starting or joining Ray: what was started ends with the run.
+            self._end_ray()
+            raise
+
+    def _start(self, *, address: str | None, gpus: int | None, cpus: int | None, object_store_bytes: int,
+               local_node: bool) -> None:
+        ray = self._ray
         # Where Ray keeps the workers' own logs (this node's session folder), when we started or
         # joined Ray here; a Ray client (ray://) keeps them on the cluster's nodes.
         self.worker_logs: str | None = None
@@ -74,9 +90,13 @@ class RayExecutor:
             # A local cluster: no dashboard (slow to start, not needed), a modest object store
             # (artifacts are MBs: latents ~10 MB, an mp4 a few MB), worker logs shown here.
             # "local": a new cluster even where a node recorded on this machine is gone.
-            context = ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False,
-                               log_to_driver=True, object_store_memory=object_store_bytes,
-                               logging_level="WARNING")
+            before = _children()
+            try:
+                context = ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False,
+                                   log_to_driver=True, object_store_memory=object_store_bytes,
+                                   logging_level="WARNING")
+            finally:  # the GCS, raylet, ... of the new node: this process's children since ray.init
+                self._node_roots = _children() - before
         elif self._owns_ray:
             probe_address(address)
             try:
@@ -358,9 +378,41 @@ class RayExecutor:
         if self._gcs is not None:
             self._gcs.stop()
         self._gcs_queries.shutdown(wait=False, cancel_futures=True)
-        if self._owns_ray:
-            self._ray.shutdown()
+        self._end_ray()
 
+    def _end_ray(self) -> None:
+        """``ray.shutdown()`` of a Ray this run owns, then an end to what its local node left running.
+
+        Ray ends only a node it has finished starting: a driver interrupted while ray.init waits
+        for the new raylet to register leaves the raylet's dashboard and runtime-env agents
+        running for a minute (the GCS and raylet die with the driver; the agents notice only
+        later). So the processes ray.init started here, and their descendants, are listed before
+        the shutdown (which orphans the raylet's children) and any still running after it get a
+        SIGTERM, then a SIGKILL. Only a local cluster of this run's own: a joined cluster has no
+        processes started here."""
+        if not self._owns_ray:
+            return
+        ours = self._node_processes()
+        try:
+            self._ray.shutdown()
+        finally:
+            end_processes(ours, grace_s=NODE_LEFTOVERS_GRACE_S)
+
+    def _node_processes(self) -> set[int]:
+        """The processes of the local node this run started, now: those ray.init started that are
+        still our children (a pid reused since is not), and their descendants."""
+        try:
+            return process_tree(self._node_roots & _children())
+        except NodeError:  # no /proc: Ray's own shutdown is all there is
+            return set()
+
+
+def _children() -> set[int]:
+    """This process's children (none known where there is no /proc)."""
+    try:
+        return started_by(os.getpid())
+    except NodeError:
+        return set()
 
 
 class RayWorkerProcess:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import shutil
 import sqlite3
+import subprocess
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,16 @@ def write_batch(path: Path, jobs: list[dict], *, defaults: dict | None = None,
         doc["sweep"] = sweep
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
+
+
+def wait_while_running(run: subprocess.Popen, ready: Callable[[], bool], *, within_s: float, what: str,
+                       poll_s: float = 0.1) -> None:
+    """Poll until ``ready()``; the run ending first, or ``within_s`` passing, fails the test."""
+    deadline = time.monotonic() + within_s
+    while not ready():
+        assert run.poll() is None, f"run ended early: {run.stderr.read() if run.stderr else ''}"
+        assert time.monotonic() < deadline, f"{what} within {within_s:.0f} s"
+        time.sleep(poll_s)
 
 
 def spec(name: str, *, seed: int = 0, gpus: int = 1, prompt: str | None = None, steps: int = 3,
