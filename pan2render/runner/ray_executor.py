@@ -13,11 +13,14 @@ back and say so.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -92,9 +95,10 @@ class RayExecutor:
             # "local": a new cluster even where a node recorded on this machine is gone.
             before = _children()
             try:
-                context = ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False,
-                                   log_to_driver=True, object_store_memory=object_store_bytes,
-                                   logging_level="WARNING")
+                with _interrupts_deferred():
+                    context = ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False,
+                                       log_to_driver=True, object_store_memory=object_store_bytes,
+                                       logging_level="WARNING")
             finally:  # the GCS, raylet, ... of the new node: this process's children since ray.init
                 self._node_roots = _children() - before
         elif self._owns_ray:
@@ -102,8 +106,9 @@ class RayExecutor:
             try:
                 # The node kept up here is joined as Ray's "auto" finds it, the one way Ray takes its
                 # token (token authentication, on by default) from ~/.ray without being told to.
-                context = ray.init(address="auto" if local_node else address, log_to_driver=True,
-                                   logging_level="WARNING")
+                with _interrupts_deferred():
+                    context = ray.init(address="auto" if local_node else address, log_to_driver=True,
+                                       logging_level="WARNING")
             except (ConnectionError, RuntimeError) as e:
                 raise ClusterConnectError(
                     f"could not join the Ray cluster at {address!r}: {str(e).splitlines()[0]}; check "
@@ -405,6 +410,32 @@ class RayExecutor:
             return process_tree(self._node_roots & _children())
         except NodeError:  # no /proc: Ray's own shutdown is all there is
             return set()
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """A Ctrl-C while ray.init runs takes effect once it returns (a second one at once). Ray
+    interrupted while it builds its core worker leaves one that no ray.shutdown() reaches, and
+    whose thread crashes the process at exit (SIGSEGV after the "interrupted" line). Where this is
+    not the main thread, signals are not ours to handle: nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+
+    def later(signum: int, _frame: object) -> None:
+        if pending:
+            raise KeyboardInterrupt
+        pending.append(signum)
+        print("interrupt: stopping once Ray has started (Ctrl-C again to stop now)", file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGINT, later)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pending:
+        raise KeyboardInterrupt
 
 
 def _children() -> set[int]:
