@@ -203,11 +203,11 @@ def _drive(args: argparse.Namespace, session: Any) -> int:
     except ClusterConnectError as e:
         log.line(f"error: {e}")
         return EXIT_USAGE
-    log.line(f"start-up: {executor.cluster} ready at {timeline.stamp()}, {time.time() - asked:.2f} s after "
-             f"it was asked for (start-up stamps are seconds since the command started)")
-    # ray.init installs its own SIGTERM handler, which aborts the process: ours again.
-    install_stop_handlers()
-    try:
+    try:  # from here on, however the run ends, the executor shuts down what it started
+        log.line(f"start-up: {executor.cluster} ready at {timeline.stamp()}, {time.time() - asked:.2f} s after "
+                 f"it was asked for (start-up stamps are seconds since the command started)")
+        # ray.init installs its own SIGTERM handler, which aborts the process: ours again.
+        install_stop_handlers()
         if executor.worker_logs:
             log.line(f"Ray's worker logs: {executor.worker_logs}")
         session.note_run(command=args.command, gpus=executor.total_gpus())
