@@ -10,17 +10,16 @@ What a failure costs the job and whether its group takes the next job is decided
 
 :class:`Scheduler` serves any number of batches (each a :class:`ServedBatch`: its flow, its
 progress, its priority); ``driver.Driver`` is the scheduler serving one batch until it is done, as
-``pan2-render run`` does, and the farm (``farm/``) is the scheduler kept up. What it serves and
-how is ``serving.py``'s; what it watches (call deadlines, hung samplings, their steps, a cluster
-that lost GPUs) is ``watch.py``'s. Pending jobs start strictly in queue order (priority, then when
-their batch was served, then their order in it): when the head job's group size is not free, later
-jobs wait too, so a 4-GPU job is never starved by a stream of 1-GPU jobs taking every GPU that
-frees up (the pool tears idle groups down for it).
+``pan2-render run`` does, and the farm (``farm/``) is the scheduler kept up. What it serves and how
+(the queue's order included) is ``serving.py``'s; what it watches (call deadlines, hung samplings,
+their steps, a cluster that lost GPUs) is ``watch.py``'s. Pending jobs start strictly in queue
+order (priority, then when their batch was served, then their order in it): when the head job's
+group size is not free, later jobs wait too, so a 4-GPU job is never starved by a stream of 1-GPU
+jobs taking every GPU that frees up (the pool tears idle groups down for it).
 """
 
 from __future__ import annotations
 
-import itertools
 import traceback
 
 from pan2render.jobs.ledger import EventKind, JobEvent, JobRecord, JobState, Stage, StageState, stage_name
@@ -47,7 +46,7 @@ from pan2render.runner.retry import (
     RetryPolicy,
     classify_exception,
 )
-from pan2render.runner.serving import DriverConfig, QueuedJob, ServedBatch
+from pan2render.runner.serving import DriverConfig, JobQueue, QueuedJob, ServedBatch
 from pan2render.runner.timeline import stamp
 
 __all__ = ["DriverConfig", "Scheduler", "ServedBatch"]
@@ -62,14 +61,12 @@ class Scheduler:
         self.pool = pool or GroupPool(executor, total_gpus=executor.total_gpus(),
                                       start_timeout_s=config.group_start_timeout_s)
         self._max_group = executor.max_group_size()  # a group's GPUs must all be on one node
-        self._queue: list[QueuedJob] = []
+        self._queue = JobQueue()
         self._active: dict[tuple[int, str], JobRun] = {}  # (batch seq, job id) -> its attempt
         self._batch_of: dict[int, ServedBatch] = {}
-        self._order = itertools.count()
         self._policy = RetryPolicy()
         self._cluster = watch.ClusterWait(executor, wait_s=config.cluster_wait_s)
         self._groups_seen: set[str] = set()  # groups whose placement the run log has told
-        self._failed_on: dict[tuple[int, str], set[str]] = {}  # (batch seq, job id) -> groups it failed on
         self._steps = watch.StepRecorder()
 
     # ================================================================== what it serves
@@ -82,10 +79,10 @@ class Scheduler:
             if job.spec.gpus > self._max_group:
                 self._fail_unrunnable(batch, job)
             else:
-                self._enqueue(batch, job)
+                self._queue.add(batch, job)
 
     def pending(self, batch: ServedBatch) -> list[str]:
-        return [q.job_id for q in self._queue if q.batch is batch]
+        return [q.job_id for q in self._queue.of(batch)]
 
     def running(self, batch: ServedBatch) -> list[JobRun]:
         return [r for (seq, _), r in self._active.items() if seq == batch.seq]
@@ -95,15 +92,9 @@ class Scheduler:
         """Anything left to do: a job running, or one that may start."""
         return bool(self._active) or any(q.batch.stop is None and not q.batch.paused for q in self._queue)
 
-    def _enqueue(self, batch: ServedBatch, job: JobRecord) -> None:
-        self._queue.append(QueuedJob(batch, job.id, job.spec.gpus, job.spec.model,
-                                   frozenset(sha for sha, _ in job.spec.lora_digests if sha), next(self._order),
-                                   frozenset(self._failed_on.get((batch.seq, job.id), ()))))
-        self.reorder()
-
     def reorder(self) -> None:
-        """Queue order: priority (higher first), then when the batch was served, then the job's turn."""
-        self._queue.sort(key=lambda q: (-q.batch.priority, q.batch.seq, q.order))
+        """After a batch's priority changed."""
+        self._queue.reorder()
 
     def running_on(self, group: Group) -> list[JobRun]:
         return [r for r in self._active.values() if r.group is group]
@@ -113,7 +104,7 @@ class Scheduler:
         """Cancel the batch's jobs (``job_ids``; None: all): a queued one now, a sampling one at its
         next step boundary (returned), one past its sampling once its video is made."""
         wanted = None if job_ids is None else set(job_ids)
-        for q in [q for q in self._queue if q.batch is batch and (wanted is None or q.job_id in wanted)]:
+        for q in [q for q in self._queue.of(batch) if wanted is None or q.job_id in wanted]:
             self._queue.remove(q)
             batch.ledger.transition(q.job_id, JobEvent.CANCEL, reason=reason)
             batch.progress.job_ended(q.job_id, "cancelled", reason)
@@ -213,7 +204,7 @@ class Scheduler:
         behind it."""
         if not self._cluster_ready():
             return
-        for q in list(self._queue):
+        for q in self._queue:
             if q.batch.stop is not None or q.batch.paused:
                 continue
             group = self._held_group(q.gpus, behind_decode=False, avoid=q.avoid)
@@ -384,7 +375,7 @@ class Scheduler:
         """A call of ``run`` failed on its group: one decision (retry.py) says what becomes of the
         job and whether the group takes the next job or is torn down."""
         job = batch.ledger.job(run.job.id)
-        self._failed_on.setdefault((batch.seq, job.id), set()).add(run.group.id)
+        self._queue.failed_on(batch, job.id, run.group.id)
         decision = self._policy.decide(job, failure, on_group=on_group)
         if decision.keep_group:
             self._leave(batch, run)  # only this job's call failed; the group goes on
@@ -436,7 +427,7 @@ class Scheduler:
             return
         batch.flow.record_failure(job_id, failure.without_cause(), decision)
         if decision.action is Action.RETRY:
-            self._enqueue(batch, batch.ledger.job(job_id))
+            self._queue.add(batch, batch.ledger.job(job_id))
             batch.progress.job_ended(job_id, "retry", line)
         else:
             batch.progress.job_ended(job_id, "FAILED", f"{line}; {decision.reason}")
@@ -452,7 +443,7 @@ class Scheduler:
             if classify_exception(e) is not FailureKind.STORAGE:
                 raise
         if batch.stop is None:
-            self._enqueue(batch, batch.ledger.job(job_id))
+            self._queue.add(batch, batch.ledger.job(job_id))
 
     def _cluster_ready(self) -> bool:
         """After the cluster lost GPUs: have enough come back for every queued job? (Raises

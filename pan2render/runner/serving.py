@@ -1,14 +1,14 @@
 """What the scheduler serves, and how: :class:`DriverConfig` (retries, deadlines, waits),
 :class:`ServedBatch` (one batch's flow, progress and place in the queue) and :class:`QueuedJob`
-(a pending job in the queue)."""
+(a pending job) in a :class:`JobQueue` (their order)."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from pan2render.jobs.ledger import Ledger
+from pan2render.jobs.ledger import JobRecord, Ledger
 from pan2render.runner.jobflow import BatchFlow
 from pan2render.runner.messages import JOB_CALLS, default_call_timeouts
 from pan2render.runner.progress import RunProgress
@@ -90,3 +90,39 @@ class QueuedJob:
     adapters: frozenset[str]  # its LoRA files' digests: a group holding them is preferred
     order: int  # first queued first, among jobs of one priority and batch
     avoid: frozenset[str] = frozenset()  # groups it failed on in this run: others first
+
+
+class JobQueue:
+    """The scheduler's pending jobs in the order they start: priority (higher first), then when
+    their batch was served, then each job's turn. It remembers the groups each job failed on in
+    this run, so that it is offered other groups first when it comes back."""
+
+    def __init__(self) -> None:
+        self._jobs: list[QueuedJob] = []
+        self._turns = itertools.count()
+        self._failed_on: dict[tuple[int, str], set[str]] = {}  # (batch seq, job id) -> group ids
+
+    def add(self, batch: ServedBatch, job: JobRecord) -> None:
+        self._jobs.append(QueuedJob(batch, job.id, job.spec.gpus, job.spec.model,
+                                    frozenset(sha for sha, _ in job.spec.lora_digests if sha), next(self._turns),
+                                    frozenset(self._failed_on.get((batch.seq, job.id), ()))))
+        self.reorder()
+
+    def reorder(self) -> None:
+        """After a batch's priority changed."""
+        self._jobs.sort(key=lambda q: (-q.batch.priority, q.batch.seq, q.order))
+
+    def failed_on(self, batch: ServedBatch, job_id: str, group_id: str) -> None:
+        self._failed_on.setdefault((batch.seq, job_id), set()).add(group_id)
+
+    def of(self, batch: ServedBatch) -> list[QueuedJob]:
+        return [q for q in self._jobs if q.batch is batch]
+
+    def remove(self, q: QueuedJob) -> None:
+        self._jobs.remove(q)
+
+    def __iter__(self) -> Iterator[QueuedJob]:
+        return iter(list(self._jobs))  # a copy: the scheduler takes jobs out as it walks them
+
+    def __len__(self) -> int:
+        return len(self._jobs)
