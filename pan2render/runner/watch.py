@@ -32,9 +32,15 @@ def sampling(run: JobRun) -> bool:
 
 
 def current_steps(runs: Iterable[tuple[Key, JobRun]], reports: dict[str, StepReport]) -> dict[Key, StepReport]:
-    """The latest step of each sampling among ``runs``: the report under its own key, never one
-    of another sampling of the same job id (an earlier attempt, another batch of a farm)."""
-    return {key: reports[run.progress_key] for key, run in runs if sampling(run) and run.progress_key in reports}
+    """The latest step of each sampling among ``runs``: the report under its attempt's key (never
+    one of another sampling of the same job id: an earlier attempt, another batch of a farm) that
+    arrived since its SampleCall went out (not one of a sampling the attempt redid)."""
+    steps = {}
+    for key, run in runs:
+        rep = reports.get(run.progress_key) if sampling(run) else None
+        if rep is not None and rep.received_at >= run.sample_started_at:
+            steps[key] = rep
+    return steps
 
 
 def started_sampling(run: JobRun) -> None:

@@ -72,3 +72,20 @@ def test_the_worker_reports_steps_under_the_calls_progress_key(tmp_path: Path) -
         assert reply.ok, reply.failure
     snap = clock.snapshot()
     assert set(snap) == {"same#1", "same#2"} and snap["same#2"].done == 4
+
+
+def test_a_sampling_redone_by_the_same_attempt_does_not_take_the_first_ones_last_step(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    led = Ledger.open(tmp_path / "out")
+    job = spec("redo")
+    led.add_jobs([job], retries=2)
+    run = _sampling_run(led, job.job_id)
+    clock = StepClock()
+    for step in range(1, 51):  # its first sampling ended; its latents failed their check
+        clock.report(run.progress_key, step, 50)
+    time.sleep(0.01)
+    started_sampling(run)  # the same attempt samples again
+    assert current_steps([(1, run)], clock.snapshot()) == {}
+    clock.report(run.progress_key, 1, 50)
+    assert current_steps([(1, run)], clock.snapshot())[1].done == 1
+    led.close()
