@@ -72,11 +72,18 @@ def print_plan(batch: Batch, out: Path | None, args: argparse.Namespace) -> None
     print(format_estimate(the_plan, gpus_note=note))
 
 
+def _is_output_folder(folder: Path) -> bool:
+    """Does ``folder`` hold a ledger? If not, say so."""
+    if (folder / LEDGER_NAME).is_file():
+        return True
+    print_error(f"error: no ledger at {folder / LEDGER_NAME}: {folder} is not a pan2-render output folder")
+    return False
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from pan2render.runner.views import format_status, holder, status_document
 
-    if not (args.dir / LEDGER_NAME).is_file():
-        print_error(f"error: no ledger at {args.dir / LEDGER_NAME}: {args.dir} is not a pan2-render output folder")
+    if not _is_output_folder(args.dir):
         return EXIT_USAGE
     if not holds_a_batch(args.dir, "there is no status to show"):
         return EXIT_USAGE
@@ -105,8 +112,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     from pan2render.runner.views import JobNotFound, find_job, format_show
 
-    if not (args.dir / LEDGER_NAME).is_file():
-        print_error(f"error: no ledger at {args.dir / LEDGER_NAME}: {args.dir} is not a pan2-render output folder")
+    if not _is_output_folder(args.dir):
         return EXIT_USAGE
     ledger = Ledger.open_readonly(args.dir)
     try:

@@ -204,7 +204,7 @@ class Scheduler:
         behind it."""
         if not self._cluster_ready():
             return
-        for q in self._queue:
+        for q in list(self._queue):  # a copy: jobs are taken out as it walks them
             if q.batch.stop is not None or q.batch.paused:
                 continue
             group = self._held_group(q.gpus, behind_decode=False, avoid=q.avoid)

@@ -122,7 +122,7 @@ class JobQueue:
         self._jobs.remove(q)
 
     def __iter__(self) -> Iterator[QueuedJob]:
-        return iter(list(self._jobs))  # a copy: the scheduler takes jobs out as it walks them
+        return iter(self._jobs)
 
     def __len__(self) -> int:
         return len(self._jobs)
