@@ -9,7 +9,7 @@
 1. A full-size random-weight Wan2.2-TI2V-5B checkpoint in the diffusers layout (DiT and VAE fp32,
    umT5-XXL bf16, sharded as a release is; built on the GPU, no per-parameter CPU init), written
    once into --checkpoint (default ``$PAN2_RENDER_CACHE/bench/wan22-ti2v-5b-random``) and reused.
-2. (a) ``python -m pan2render.runner.cli run`` on a batch of N jobs (distinct prompts and seeds).
+2. (a) ``python -m pan2render.runner.cli.main run`` on a batch of N jobs (distinct prompts and seeds).
    From its ledger: per-stage seconds per job, first-video time, steady-state seconds per job
    ((t_last_done - t_first_done) / (N - 1)); from NVML (or nvidia-smi), sampled on a thread: GPU
    busy fraction and peak memory.

@@ -4,7 +4,7 @@
     python scripts/bench_estimates.py --out /tmp/est --tiny        # CPU smoke at toy size
 
 Renders jobs of one size (the first of --sizes) through ``pan2-render run``, then for each other
-size: the estimate from that ledger alone (runner/estimates.py: the cost model fitted to it), the
+size: the estimate from that ledger alone (runner/views/estimates.py: the cost model fitted to it), the
 estimate from the reference table alone (no ledger), and the measured seconds of the same jobs
 rendered afterwards (median over --jobs jobs, stages summed). The checkpoint is bench_batch.py's
 random-weight Wan2.2-TI2V-5B folder (written once, reused). Results: OUT/bench_estimates.json.
@@ -26,7 +26,7 @@ import bench_batch  # the random checkpoint builder, beside this script
 
 from pan2render.jobs.batch import load_batch
 from pan2render.jobs.ledger import Ledger
-from pan2render.runner.estimates import CPU, CUDA, History, plan
+from pan2render.runner.views.estimates import CPU, CUDA, History, plan
 
 FULL_SIZES = ("480x832x33", "704x1248x121", "480x832x81")
 TINY_SIZES = ("32x32x5", "64x64x17", "96x96x25")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pan2render.jobs.inputs import LIMITS
-from pan2render.runner import cli
+from pan2render.runner.cli import main as cli
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -62,7 +62,7 @@ def test_models_import_nothing_from_parallel_runner_or_jobs() -> None:
 @pytest.mark.parametrize("source", [
     "def parallelize(pipe, group):\n    from ..parallel import parallelize_pipeline\n    return 1\n",
     "from .. import parallel\n",
-    "import pan2render.runner.worker\n",
+    "import pan2render.runner.worker.render_worker\n",
     "class A:\n    def f(self):\n        from pan2render.jobs.spec import JobSpec\n",
     "import importlib\nmod = importlib.import_module('pan2render.parallel.decode')\n",
 ])

@@ -14,4 +14,4 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 @pytest.fixture
 def fake_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make every worker build the fake pipeline instead of the tiny model."""
-    monkeypatch.setenv("PAN2_RENDER_PIPELINE", "pan2render.runner.testing:load_fake_pipeline")
+    monkeypatch.setenv("PAN2_RENDER_PIPELINE", "pan2render.runner.worker.fake_pipeline:load_fake_pipeline")

@@ -18,12 +18,11 @@ import yaml
 from pan2render.jobs.batch import Overrides, load_batch
 from pan2render.jobs.ledger import JobState, Ledger, Stage, StageState
 from pan2render.jobs.spec import JobSpec
-from pan2render.runner.driver import Driver, DriverConfig, RunSummary
-from pan2render.runner.executor import Call, Group
+from pan2render.runner.cluster.executor import Call, Group
+from pan2render.runner.cluster.local_executor import LocalExecutor
 from pan2render.runner.farm.api import start_api
 from pan2render.runner.farm.service import Farm, FarmConfig, ensure_token
-from pan2render.runner.local_executor import LocalExecutor
-from pan2render.runner.messages import (
+from pan2render.runner.protocol.messages import (
     CollectCall,
     DecodeCall,
     EncodePromptsCall,
@@ -32,9 +31,10 @@ from pan2render.runner.messages import (
     StopSamplingCall,
     WorkerCall,
 )
-from pan2render.runner.session import BatchRequest
-from pan2render.runner.testing import FAKE_FACTORY
-from pan2render.runner.worker import WorkerConfig
+from pan2render.runner.serve.driver import Driver, DriverConfig, RunSummary
+from pan2render.runner.serve.session import BatchRequest
+from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
+from pan2render.runner.worker.render_worker import WorkerConfig
 
 
 def sqlite_disk_full() -> sqlite3.OperationalError:

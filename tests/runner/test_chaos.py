@@ -22,14 +22,15 @@ from runner_helpers import sqlite_disk_full, write_batch
 from pan2render.jobs import disk
 from pan2render.jobs.ledger import BACKUP_NAME, LEDGER_NAME, JobState, Ledger, Stage, StageState
 from pan2render.media.video import encode_mp4, probe_mp4
-from pan2render.runner import artifacts, cli
-from pan2render.runner.driver import Driver, DriverConfig
-from pan2render.runner.executor import Call, Group, GroupDied
-from pan2render.runner.local_executor import LocalExecutor
-from pan2render.runner.messages import EncodePromptsCall, SampleCall, WorkerCall
-from pan2render.runner.retry import ClusterLostError
-from pan2render.runner.testing import FAKE_FACTORY
-from pan2render.runner.worker import WorkerConfig
+from pan2render.runner.cli import main as cli
+from pan2render.runner.cluster.executor import Call, Group, GroupDied
+from pan2render.runner.cluster.local_executor import LocalExecutor
+from pan2render.runner.protocol import artifacts
+from pan2render.runner.protocol.messages import EncodePromptsCall, SampleCall, WorkerCall
+from pan2render.runner.serve.driver import Driver, DriverConfig
+from pan2render.runner.serve.retry import ClusterLostError
+from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
+from pan2render.runner.worker.render_worker import WorkerConfig
 
 pytestmark = pytest.mark.timeout(60)
 N_JOBS = 3
@@ -310,7 +311,7 @@ def test_ray_address_in_the_environment_joins_like_address(
 # ------------------------------------------------------------------------------- retries and limits
 def test_out_of_memory_is_named_and_not_retried_forever(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setenv("PAN2_RENDER_PIPELINE", "pan2render.runner.testing:load_oom_pipeline")
+    monkeypatch.setenv("PAN2_RENDER_PIPELINE", "pan2render.runner.worker.fake_pipeline:load_oom_pipeline")
     out = tmp_path / "out"
     code, err = _cli(capsys, "run", str(_batch(tmp_path, 1)), "--out", str(out), "--retries", "5")
     led = Ledger.open_readonly(out)

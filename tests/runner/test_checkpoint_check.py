@@ -10,7 +10,7 @@ import pytest
 from runner_helpers import write_batch
 
 from pan2render.jobs.ledger import EventKind, JobState, Ledger
-from pan2render.runner import cli
+from pan2render.runner.cli import main as cli
 
 
 def _only_model_index(tmp_path: Path) -> Path:

@@ -19,11 +19,13 @@ from runner_helpers import write_batch
 
 from pan2render.jobs.batch import Overrides, load_batch
 from pan2render.jobs.ledger import EventKind, JobEvent, JobState, Ledger, Stage, StageState
-from pan2render.runner import cli, cli_common, executor
-from pan2render.runner.local_executor import LocalExecutor
-from pan2render.runner.progress import RUN_LOG_NAME
-from pan2render.runner.testing import FAKE_FACTORY
-from pan2render.runner.worker import WorkerConfig
+from pan2render.runner.cli import common as cli_common
+from pan2render.runner.cli import main as cli
+from pan2render.runner.cluster import executor
+from pan2render.runner.cluster.local_executor import LocalExecutor
+from pan2render.runner.serve.progress import RUN_LOG_NAME
+from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
+from pan2render.runner.worker.render_worker import WorkerConfig
 
 
 @pytest.fixture

@@ -20,15 +20,16 @@ import pytest
 from runner_helpers import jobs_by_name, write_batch
 
 from pan2render.jobs.ledger import JobState, Ledger
-from pan2render.runner import cli, executor
-from pan2render.runner.cluster import GcsLost, GcsWatch
-from pan2render.runner.executor import Call, Group, GroupDied
-from pan2render.runner.local_executor import LocalExecutor
-from pan2render.runner.messages import SampleCall, WorkerCall
-from pan2render.runner.ray_executor import RayExecutor
-from pan2render.runner.retry import FailureKind
-from pan2render.runner.testing import FAKE_FACTORY
-from pan2render.runner.worker import WorkerConfig
+from pan2render.runner.cli import main as cli
+from pan2render.runner.cluster import executor
+from pan2render.runner.cluster.executor import Call, Group, GroupDied
+from pan2render.runner.cluster.local_executor import LocalExecutor
+from pan2render.runner.cluster.ray_cluster import GcsLost, GcsWatch
+from pan2render.runner.cluster.ray_executor import RayExecutor
+from pan2render.runner.protocol.messages import SampleCall, WorkerCall
+from pan2render.runner.serve.retry import FailureKind
+from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
+from pan2render.runner.worker.render_worker import WorkerConfig
 
 pytestmark = pytest.mark.timeout(60)
 EXIT_ENVIRONMENT = 3

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pan2render.runner.cluster import listening_user, whose
+from pan2render.runner.cluster.ray_cluster import listening_user, whose
 
 
 def test_the_owner_of_a_local_gcs_port_is_named() -> None:
@@ -43,7 +43,7 @@ def test_rays_token_authentication_banner_goes_to_the_run_log_not_the_terminal(
         capsys: pytest.CaptureFixture[str]) -> None:
     import logging
 
-    from pan2render.runner.cluster import RAY_TOKEN_AUTH_LOGGER, ray_banner_to
+    from pan2render.runner.cluster.ray_cluster import RAY_TOKEN_AUTH_LOGGER, ray_banner_to
 
     noted: list[str] = []
     ray_banner_to(noted.append)

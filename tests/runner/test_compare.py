@@ -16,8 +16,8 @@ from runner_helpers import render, spec
 
 from pan2render.jobs.ledger import Ledger, Stage
 from pan2render.media.quality import psnr, read_frames, ssim
-from pan2render.runner.compare import QUALITY_NAME, comparisons, lane_pairs
-from pan2render.runner.report import write_report
+from pan2render.runner.views.compare import QUALITY_NAME, comparisons, lane_pairs
+from pan2render.runner.views.report import write_report
 
 
 @pytest.fixture(scope="module")

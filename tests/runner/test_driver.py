@@ -20,8 +20,8 @@ from runner_helpers import RecordingExecutor, render, spec
 from pan2render.jobs.ledger import JobState, Ledger, Stage, StageState
 from pan2render.jobs.spec import JobSpec
 from pan2render.media.video import probe_mp4
-from pan2render.runner.executor import Call, Group, GroupStartError
-from pan2render.runner.messages import (
+from pan2render.runner.cluster.executor import Call, Group, GroupStartError
+from pan2render.runner.protocol.messages import (
     CollectCall,
     DecodeCall,
     EncodePromptsCall,
@@ -29,9 +29,9 @@ from pan2render.runner.messages import (
     SampleCall,
     WorkerCall,
 )
-from pan2render.runner.pool import GroupPool
-from pan2render.runner.testing import FAKE_FACTORY
-from pan2render.runner.worker import WorkerConfig
+from pan2render.runner.serve.pool import GroupPool
+from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
+from pan2render.runner.worker.render_worker import WorkerConfig
 
 
 def file_id(path: Path) -> tuple[int, int]:
@@ -65,7 +65,7 @@ def test_batch_renders_valid_videos_and_rerun_skips_done(tmp_path: Path) -> None
 
 
 def test_look_ahead_skips_cached_embeddings_and_a_damaged_one_is_encoded_again(tmp_path: Path) -> None:
-    from pan2render.runner import artifacts
+    from pan2render.runner.protocol import artifacts
 
     render(tmp_path, [spec("a"), spec("b")])
     key = artifacts.embedding_key(prompt="a clip of b", text_encoder_id="fake-text-v1")
@@ -113,7 +113,7 @@ def test_worker_death_requeues_job_on_a_new_group(tmp_path: Path) -> None:
 
 
 def test_nonfinite_latents_fail_at_once_with_reason(tmp_path: Path) -> None:
-    summary, ex, led = render(tmp_path, [spec("n")], factory="pan2render.runner.testing:load_nan_pipeline")
+    summary, ex, led = render(tmp_path, [spec("n")], factory="pan2render.runner.worker.fake_pipeline:load_nan_pipeline")
     job = led.job(spec("n").job_id)
     print("nan job:", job.state.value, job.attempts, job.error)
     assert job.state is JobState.FAILED and job.attempts == 1  # deterministic: no retry
@@ -383,9 +383,9 @@ import json, sys
 from pathlib import Path
 from pan2render.jobs.ledger import Ledger
 from pan2render.jobs.spec import JobSpec
-from pan2render.runner.driver import Driver, DriverConfig
-from pan2render.runner.local_executor import LocalExecutor
-from pan2render.runner.worker import WorkerConfig
+from pan2render.runner.serve.driver import Driver, DriverConfig
+from pan2render.runner.cluster.local_executor import LocalExecutor
+from pan2render.runner.worker.render_worker import WorkerConfig
 out, specs, faults = Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 jobs = [JobSpec.from_dict(d) for d in specs]
 ledger = Ledger.open(out)
@@ -464,7 +464,7 @@ _SHARED: dict[str, Any] = {}
 def shared_tiny_pipeline(model: str, device: str) -> Any:
     """A pipeline factory for the worker that loads the tiny model once per test process, so the
     test compares against the very pipeline the worker used."""
-    from pan2render.runner.worker import load_pan2_pipeline
+    from pan2render.runner.worker.render_worker import load_pan2_pipeline
 
     if model not in _SHARED:
         _SHARED[model] = load_pan2_pipeline(model, device)
@@ -476,7 +476,7 @@ def test_a_dmd_job_reaches_the_real_pipeline_with_its_timesteps(tmp_path: Path) 
     what the tiny pipeline samples for them (and differ from another timesteps list)."""
     import dataclasses
 
-    from pan2render.runner.artifacts import unpack_latents
+    from pan2render.runner.protocol.artifacts import unpack_latents
 
     # The embedded tiny model from the default cache, as the Ray runner tests use it (built once).
     base = dataclasses.replace(spec("dmd"), sampler="dmd", guidance=1.0, height=32, width=32, frames=5)

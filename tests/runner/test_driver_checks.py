@@ -17,11 +17,11 @@ from runner_helpers import RecordingExecutor, render, spec
 
 from pan2render.jobs.ledger import JobState, Ledger, Stage
 from pan2render.media.video import probe_mp4
-from pan2render.runner import artifacts
-from pan2render.runner.driver import Driver, DriverConfig
-from pan2render.runner.executor import Call, Group, GroupDied
-from pan2render.runner.messages import EncodePromptsCall, SampleCall, WorkerCall
-from pan2render.runner.worker import WorkerConfig
+from pan2render.runner.cluster.executor import Call, Group, GroupDied
+from pan2render.runner.protocol import artifacts
+from pan2render.runner.protocol.messages import EncodePromptsCall, SampleCall, WorkerCall
+from pan2render.runner.serve.driver import Driver, DriverConfig
+from pan2render.runner.worker.render_worker import WorkerConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,7 +39,7 @@ def test_a_decode_of_the_wrong_length_fails_the_job_and_records_no_video(tmp_pat
     """The worker checks the decoded frames' shape before it encodes them: the mp4's own check
     counts the frames it was given, so a decoder that loses a frame would pass it."""
     summary, _, led = render(tmp_path, [spec("a")], retries=1,
-                             factory="pan2render.runner.testing:load_short_decode_pipeline")
+                             factory="pan2render.runner.worker.fake_pipeline:load_short_decode_pipeline")
     job = led.job(spec("a").job_id)
     print(job.state, job.error)
     assert summary.failed == [job.id] and job.error_stage == Stage.DECODE.value
@@ -72,7 +72,7 @@ def test_two_encodes_at_once_on_one_worker_give_each_job_its_own_video(
 def test_an_embedding_cached_by_another_text_encoder_is_not_used(tmp_path: Path) -> None:
     """The embedding cache is keyed by prompt and text encoder: the same prompt under a model with
     its own encoder is encoded again, and renders what that model alone renders."""
-    factory = "pan2render.runner.testing:load_own_encoder_pipeline"
+    factory = "pan2render.runner.worker.fake_pipeline:load_own_encoder_pipeline"
     a = spec("a", prompt="the same prompt")
     b = dataclasses.replace(spec("b", prompt="the same prompt"), model="another-checkpoint")
     summary, ex, led = render(tmp_path / "both", [a, b], factory=factory)

@@ -17,7 +17,7 @@ def test_the_drivers_checks_read_what_the_workers_wrote(tmp_path: Path) -> None:
     """The numpy checks against the torch-packed files: the digest, the key, non-finite values."""
     import torch
 
-    from pan2render.runner import artifacts
+    from pan2render.runner.protocol import artifacts
 
     emb = torch.randn(512, 16)
     path = tmp_path / "e.safetensors"
@@ -37,7 +37,7 @@ def test_the_drivers_checks_read_what_the_workers_wrote(tmp_path: Path) -> None:
 
 
 def test_gpus_are_counted_as_ray_counts_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pan2render.runner import devices, executor
+    from pan2render.runner.cluster import devices, executor
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert devices.visible(4) == 4
@@ -63,7 +63,7 @@ def test_gpus_are_counted_as_ray_counts_them(monkeypatch: pytest.MonkeyPatch) ->
 ])
 def test_the_torch_build_is_read_without_importing_torch(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, build: str | None) -> None:
-    from pan2render.runner import devices
+    from pan2render.runner.cluster import devices
 
     (tmp_path / "torch").mkdir()
     (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('must not be imported')\n")
@@ -76,7 +76,7 @@ def test_the_torch_build_is_read_without_importing_torch(
 def test_the_installed_torch_build_is_read() -> None:
     import torch
 
-    from pan2render.runner import devices
+    from pan2render.runner.cluster import devices
 
     assert devices.torch_build() == ("cuda" if torch.version.cuda else "rocm" if torch.version.hip else "cpu")
 
@@ -84,9 +84,12 @@ def test_the_installed_torch_build_is_read() -> None:
 _DRIVER_SIDE = r"""
 import pickle, sys
 from pathlib import Path
-from pan2render.runner import (artifacts, cli, cluster, driver, executor, jobflow, local_executor, outputs, pool,
-                               ray_executor, repair, report, scheduler, stages, views)
-from pan2render.runner.messages import LoadReply
+from pan2render.runner.cli import main as cli
+from pan2render.runner.cluster import ray_cluster as cluster, executor, local_executor, ray_executor
+from pan2render.runner.protocol import artifacts, outputs
+from pan2render.runner.serve import driver, jobflow, pool, repair, scheduler, steps as stages
+from pan2render.runner.views import report, status as views
+from pan2render.runner.protocol.messages import LoadReply
 out = Path(sys.argv[1])
 executor.local_gpus(None, max_gpus=1)
 assert artifacts.check_embedding(out, "emb.safetensors", key="k") is None
@@ -103,10 +106,10 @@ assert "torch" not in sys.modules, "the driver imported torch"
 def test_the_driver_side_never_imports_torch(tmp_path: Path) -> None:
     from runner_helpers import spec
 
-    from pan2render.runner import artifacts, outputs
-    from pan2render.runner.messages import LoadCall, WorkerConfig
-    from pan2render.runner.testing import FakePipeline
-    from pan2render.runner.worker import RenderWorker
+    from pan2render.runner.protocol import artifacts, outputs
+    from pan2render.runner.protocol.messages import LoadCall, WorkerConfig
+    from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY, FakePipeline
+    from pan2render.runner.worker.render_worker import RenderWorker
 
     emb = FakePipeline("m").encode_prompt("x")
     (tmp_path / "emb.safetensors").write_bytes(artifacts.pack_embedding(emb, key="k", text_encoder_id="t"))
@@ -117,7 +120,7 @@ def test_the_driver_side_never_imports_torch(tmp_path: Path) -> None:
         spec_hash=job.spec_hash, seed=0, steps=1, model_id="m"))
     (tmp_path / "spec.pickle").write_bytes(pickle.dumps(job))
     reply = RenderWorker(rank=0, world_size=1, config=WorkerConfig(
-        pipeline_factory="pan2render.runner.testing:load_fake_pipeline")).execute(LoadCall(model="m"), 0).value
+        pipeline_factory=FAKE_FACTORY)).execute(LoadCall(model="m"), 0).value
     assert reply.versions["torch"] == outputs.runtime_versions()["torch"]
     (tmp_path / "reply.pickle").write_bytes(pickle.dumps(reply))
     done = subprocess.run([sys.executable, "-c", _DRIVER_SIDE, str(tmp_path), str(tmp_path / "spec.pickle"),

@@ -11,9 +11,9 @@ from runner_helpers import write_batch
 
 from pan2render.jobs.batch import load_batch
 from pan2render.jobs.ledger import Ledger
-from pan2render.runner import cli
-from pan2render.runner.estimates import CPU, CUDA, History, JobSize, plan
-from pan2render.runner.views import format_estimate
+from pan2render.runner.cli import main as cli
+from pan2render.runner.views.estimates import CPU, CUDA, History, JobSize, plan
+from pan2render.runner.views.status import format_estimate
 
 
 def _render(tmp_path: Path, name: str, *, height: int, width: int, frames: int) -> tuple[Path, Path]:

@@ -20,6 +20,7 @@ import pytest
 from runner_helpers import write_batch
 
 from pan2render.jobs.ledger import JobState, Ledger
+from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "pan2render.runner.cli"]
@@ -39,7 +40,7 @@ def cluster(tmp_path: Path) -> Iterator[tuple[Any, dict[str, str]]]:
             "num_cpus": 1, "num_gpus": 0, "include_dashboard": False, "_system_config": FAST_NODE_DEATH})
         root = tmp_path / "farm"
         env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0",
-               "PAN2_RENDER_FARM": str(root), "PAN2_RENDER_PIPELINE": "pan2render.runner.testing:load_fake_pipeline"}
+               "PAN2_RENDER_FARM": str(root), "PAN2_RENDER_PIPELINE": FAKE_FACTORY}
         try:
             yield c, env
         finally:

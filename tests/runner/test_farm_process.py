@@ -26,6 +26,7 @@ import pytest
 from runner_helpers import write_batch
 
 from pan2render.jobs.ledger import JobState, Ledger
+from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "pan2render.runner.cli"]
@@ -40,7 +41,7 @@ def farm_env(tmp_path: Path):
     root = tmp_path / "farm"
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, "HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "PAN2_RENDER_FARM": str(root),
-           "PAN2_RENDER_PIPELINE": "pan2render.runner.testing:load_fake_pipeline", "PAN2_FAKE_STEP_SECONDS": "0.25",
+           "PAN2_RENDER_PIPELINE": FAKE_FACTORY, "PAN2_FAKE_STEP_SECONDS": "0.25",
            "PAN2_RENDER_FAULTS": json.dumps({"fail": {"job": "broken", "stage": "sampling", "raise": "JobInputError"}})}
     for name in ("RAY_ADDRESS", "RAY_AUTH_MODE"):
         env.pop(name, None)

@@ -4,10 +4,10 @@ whether its actor died or its call came back with an error, so the other ranks a
 from __future__ import annotations
 
 from pan2render.jobs.ledger import Stage
-from pan2render.runner.executor import Call
-from pan2render.runner.messages import Reply, SampleCall
-from pan2render.runner.ray_executor import RayExecutor
-from pan2render.runner.retry import Failure, FailureKind
+from pan2render.runner.cluster.executor import Call
+from pan2render.runner.cluster.ray_executor import RayExecutor
+from pan2render.runner.protocol.messages import Reply, SampleCall
+from pan2render.runner.serve.retry import Failure, FailureKind
 
 
 class _FakeRay:

@@ -1,4 +1,4 @@
-"""The stage flow is declared once (runner/jobflow.py): a flow with one more stage, declared here in
+"""The stage flow is declared once (runner/serve/jobflow.py): a flow with one more stage, declared here in
 the test alone, runs, resumes and is repaired by the unchanged scheduler, ledger and repair."""
 
 from __future__ import annotations
@@ -12,14 +12,21 @@ from runner_helpers import RecordingExecutor, spec
 
 from pan2render.jobs.ledger import LEDGER_NAME, JobEvent, JobState, Ledger, StageState
 from pan2render.jobs.spec import JobSpec
-from pan2render.runner import artifacts
-from pan2render.runner.driver import Driver, DriverConfig
-from pan2render.runner.jobflow import JobFlow, JobRun, Step
-from pan2render.runner.messages import CollectCall, DecodeCall, EncodePromptsCall, LoadCall, SampleCall, WorkerCall
-from pan2render.runner.repair import repair
-from pan2render.runner.stages import PAN2_FLOW
-from pan2render.runner.testing import FAKE_FACTORY
-from pan2render.runner.worker import RenderWorker, WorkerConfig
+from pan2render.runner.protocol import artifacts
+from pan2render.runner.protocol.messages import (
+    CollectCall,
+    DecodeCall,
+    EncodePromptsCall,
+    LoadCall,
+    SampleCall,
+    WorkerCall,
+)
+from pan2render.runner.serve import repair
+from pan2render.runner.serve.driver import Driver, DriverConfig
+from pan2render.runner.serve.jobflow import JobFlow, JobRun, Step
+from pan2render.runner.serve.steps import PAN2_FLOW
+from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
+from pan2render.runner.worker.render_worker import RenderWorker, WorkerConfig
 
 THUMB = "thumbnail"
 

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from pan2render.jobs.ledger import JobState, Ledger
 from pan2render.models import PAN2Pipeline, PAN2PipelineConfig
 from pan2render.models.lora import linear_shapes
-from pan2render.runner import cli
+from pan2render.runner.cli import main as cli
 
 JOB = {"height": 32, "width": 64, "frames": 5, "steps": 2, "guidance": 2.5, "seed": 4}
 

@@ -8,8 +8,7 @@ import pickle
 import pytest
 
 from pan2render.jobs.ledger import Stage
-from pan2render.runner.driver import DriverConfig
-from pan2render.runner.messages import (
+from pan2render.runner.protocol.messages import (
     JOB_CALLS,
     SETUP_CALLS,
     CollectCall,
@@ -25,9 +24,10 @@ from pan2render.runner.messages import (
     Warmup,
     default_call_timeouts,
 )
-from pan2render.runner.retry import Failure, FailureKind
-from pan2render.runner.testing import FAKE_FACTORY
-from pan2render.runner.worker import RenderWorker, WorkerConfig
+from pan2render.runner.serve.driver import DriverConfig
+from pan2render.runner.serve.retry import Failure, FailureKind
+from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
+from pan2render.runner.worker.render_worker import RenderWorker, WorkerConfig
 
 
 def test_the_worker_handles_every_call_type_and_nothing_else() -> None:

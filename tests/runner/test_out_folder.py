@@ -13,7 +13,7 @@ from runner_helpers import write_batch
 
 from pan2render.jobs.batch import preset_text
 from pan2render.jobs.ledger import JobState, Ledger
-from pan2render.runner import cli
+from pan2render.runner.cli import main as cli
 
 
 @pytest.fixture(autouse=True)

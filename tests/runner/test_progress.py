@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 from pan2render.jobs.batch import load_batch
-from pan2render.runner import artifacts
-from pan2render.runner.messages import LoadCall, SampleCall
-from pan2render.runner.progress import RunLog, RunProgress, StepClock, StepReport
-from pan2render.runner.testing import FAKE_FACTORY, FakePipeline
-from pan2render.runner.worker import RenderWorker, WorkerConfig
+from pan2render.runner.protocol import artifacts
+from pan2render.runner.protocol.messages import LoadCall, SampleCall
+from pan2render.runner.serve.progress import RunLog, RunProgress, StepClock, StepReport
+from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY, FakePipeline
+from pan2render.runner.worker.render_worker import RenderWorker, WorkerConfig
 
 
 class _Clock:

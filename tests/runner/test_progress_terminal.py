@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux
 SCRIPT = r'''
 import sys, time
 from pathlib import Path
-from pan2render.runner import progress
-from pan2render.runner.progress import RunLog, RunProgress, StepReport
+from pan2render.runner.serve import progress
+from pan2render.runner.serve.progress import RunLog, RunProgress, StepReport
 
 if sys.argv[1] == "uncut":
     progress.fit = lambda text, width: text

@@ -19,6 +19,7 @@ import pytest
 from runner_helpers import write_batch
 
 from pan2render.jobs.ledger import JobState, Ledger
+from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "pan2render.runner.cli"]
@@ -63,7 +64,7 @@ def test_sigkill_driver_then_resume_finishes_without_rerendering(tmp_path: Path)
     batch = write_batch(tmp_path / "b.yaml", [{"name": f"j{i}", "prompt": f"clip {i}"} for i in range(8)],
                         defaults={"steps": 16})
     out = tmp_path / "out"
-    env = _env(PAN2_RENDER_PIPELINE="pan2render.runner.testing:load_fake_pipeline",
+    env = _env(PAN2_RENDER_PIPELINE=FAKE_FACTORY,
                PAN2_FAKE_STEP_SECONDS="0.3")
     run = subprocess.Popen([*CLI, "run", str(batch), "--out", str(out), "--cpu-gpus", "1", "--no-progress"],
                            env=env, start_new_session=True, stderr=subprocess.PIPE, text=True)
@@ -158,7 +159,7 @@ def test_runner_overhead_against_a_plain_pipeline_loop(tmp_path: Path) -> None:
 def test_address_joins_an_existing_cluster(tmp_path: Path) -> None:
     """A head started elsewhere (here: a subprocess); `run --address` renders on it and leaves it up.
     Token auth off on both sides: the cluster is this test's own."""
-    env = _env(RAY_AUTH_MODE="disabled", PAN2_RENDER_PIPELINE="pan2render.runner.testing:load_fake_pipeline")
+    env = _env(RAY_AUTH_MODE="disabled", PAN2_RENDER_PIPELINE=FAKE_FACTORY)
     head_src = ("import ray, sys, time\n"
                 "ray.init(num_cpus=1, num_gpus=1, include_dashboard=False, object_store_memory=128 << 20)\n"
                 "print(ray.get_runtime_context().gcs_address, flush=True)\n"

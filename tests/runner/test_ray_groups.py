@@ -15,7 +15,7 @@ from runner_helpers import write_batch
 
 from pan2render.jobs.ledger import JobState, Ledger
 from pan2render.media.video import probe_mp4
-from pan2render.runner import cli
+from pan2render.runner.cli import main as cli
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +110,7 @@ def test_a_group_the_cluster_cannot_place_fails_its_job_and_the_rest_render(
     render."""
     import ray
 
-    from pan2render.runner import ray_executor
+    from pan2render.runner.cluster import ray_executor
 
     monkeypatch.setattr(ray_executor, "WAIT_NOTE_EVERY_S", 1.0)
 

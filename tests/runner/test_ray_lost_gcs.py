@@ -98,7 +98,7 @@ def test_gcs_killed_mid_run_ends_cleanly_and_resume_finishes(tmp_path: Path) -> 
     batch = write_batch(tmp_path / "b.yaml", [{"name": f"j{i}", "prompt": f"clip {i}"} for i in range(3)],
                         defaults={"steps": 10})
     out = tmp_path / "out"
-    env = _env(PAN2_RENDER_PIPELINE="pan2render.runner.testing:load_fake_pipeline",
+    env = _env(PAN2_RENDER_PIPELINE="pan2render.runner.worker.fake_pipeline:load_fake_pipeline",
                RAY_gcs_rpc_server_reconnect_timeout_s="30")
     with _head() as (address, head):
         run = subprocess.Popen([*CLI, "run", str(batch), "--out", str(out), "--address", address,

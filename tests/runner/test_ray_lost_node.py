@@ -61,7 +61,7 @@ def _gpu_node(cluster: Any) -> Any:
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(RAY_ENABLE_UV_RUN_RUNTIME_ENV="0", RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled",
-               PAN2_RENDER_PIPELINE="pan2render.runner.testing:load_fake_pipeline")
+               PAN2_RENDER_PIPELINE="pan2render.runner.worker.fake_pipeline:load_fake_pipeline")
     return env
 
 

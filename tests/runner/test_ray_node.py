@@ -39,7 +39,7 @@ def node_env(tmp_path: Path):
     home.mkdir()
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, "HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "PAN2_RENDER_CACHE": str(tmp_path / "cache"),
-           "PAN2_RENDER_PIPELINE": "pan2render.runner.testing:load_fake_pipeline"}
+           "PAN2_RENDER_PIPELINE": "pan2render.runner.worker.fake_pipeline:load_fake_pipeline"}
     env.pop("RAY_ADDRESS", None)
     env.pop("RAY_AUTH_MODE", None)
     try:
@@ -166,7 +166,7 @@ def _processes_naming(text: str) -> list[int]:
 def test_a_node_recorded_but_gone_is_not_joined(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`ray start` records its node for ray.init to join; a node killed without `ray stop` leaves
     the record behind. A run then starts a cluster of its own and says why."""
-    from pan2render.runner.cluster import running_local_node
+    from pan2render.runner.cluster.ray_cluster import running_local_node
 
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     (tmp_path / "ray").mkdir()

@@ -17,6 +17,7 @@ import pytest
 from runner_helpers import wait_while_running, write_batch
 
 from pan2render.jobs.ledger import JobState, Ledger, StageState
+from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "pan2render.runner.cli"]
@@ -81,7 +82,7 @@ def test_sigterm_mid_run_leaves_a_consistent_ledger_and_resume_finishes(tmp_path
                         defaults={"steps": 4})
     out = tmp_path / "out"
     env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0",
-           "PAN2_RENDER_PIPELINE": "pan2render.runner.testing:load_fake_pipeline", "PAN2_FAKE_STEP_SECONDS": "0.3"}
+           "PAN2_RENDER_PIPELINE": FAKE_FACTORY, "PAN2_FAKE_STEP_SECONDS": "0.3"}
     run = subprocess.Popen([*CLI, "run", str(batch), "--out", str(out), "--cpu-gpus", "1"], env=env,
                            start_new_session=True, stderr=subprocess.PIPE, text=True)
     try:
@@ -136,7 +137,7 @@ def test_a_stop_while_ray_starts_leaves_no_ray_process(tmp_path: Path, sig: sign
     batch = write_batch(tmp_path / "b.yaml", [{"name": "a", "prompt": "a"}], defaults={"steps": 2})
     out = tmp_path / "out"
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, "HOME": str(home), "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
-           "RAY_USAGE_STATS_ENABLED": "0", "PAN2_RENDER_PIPELINE": "pan2render.runner.testing:load_fake_pipeline"}
+           "RAY_USAGE_STATS_ENABLED": "0", "PAN2_RENDER_PIPELINE": FAKE_FACTORY}
     env.pop("RAY_ADDRESS", None)
     run = subprocess.Popen([*CLI, "run", str(batch), "--out", str(out), "--cpu-gpus", "1"], env=env,
                            start_new_session=True, stderr=subprocess.PIPE, text=True)

@@ -12,7 +12,7 @@ import pytest
 from runner_helpers import write_batch
 
 from pan2render.media.video import png_bytes
-from pan2render.runner import cli
+from pan2render.runner.cli import main as cli
 
 
 def test_the_report_shows_the_batch_files_flags_empty_values_and_input_images(

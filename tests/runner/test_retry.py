@@ -19,11 +19,11 @@ from runner_helpers import RecordingExecutor, render, spec, sqlite_disk_full
 from pan2render.jobs.disk import DiskFullError
 from pan2render.jobs.ledger import JobRecord, JobState, Stage
 from pan2render.jobs.spec import JobSpec
-from pan2render.runner import artifacts
-from pan2render.runner.driver import Driver, DriverConfig
-from pan2render.runner.executor import Call, Group, GroupDied
-from pan2render.runner.messages import SampleCall, WorkerCall
-from pan2render.runner.retry import (
+from pan2render.runner.cluster.executor import Call, Group, GroupDied
+from pan2render.runner.protocol import artifacts
+from pan2render.runner.protocol.messages import SampleCall, WorkerCall
+from pan2render.runner.serve.driver import Driver, DriverConfig
+from pan2render.runner.serve.retry import (
     Action,
     ArtifactCheckError,
     BatchStopped,
@@ -37,8 +37,8 @@ from pan2render.runner.retry import (
     classify_group_death,
     keeps_group,
 )
-from pan2render.runner.testing import FAKE_FACTORY
-from pan2render.runner.worker import RenderWorker, WorkerConfig
+from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
+from pan2render.runner.worker.render_worker import RenderWorker, WorkerConfig
 
 
 def _job(retries_left: int = 2) -> JobRecord:

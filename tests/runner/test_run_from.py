@@ -11,7 +11,7 @@ from runner_helpers import write_batch
 from safetensors.numpy import load_file
 
 from pan2render.jobs.ledger import Ledger
-from pan2render.runner import cli
+from pan2render.runner.cli import main as cli
 
 
 @pytest.fixture(scope="module")

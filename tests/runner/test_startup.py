@@ -17,8 +17,8 @@ import pytest
 from runner_helpers import write_batch
 
 from pan2render.phases import Phase
-from pan2render.runner import cli
-from pan2render.runner.messages import LoadReply
+from pan2render.runner.cli import main as cli
+from pan2render.runner.protocol.messages import LoadReply
 
 PHASES_OF_A_LOAD = ["imports", "DiT", "VAE", "text encoder"]  # the attention warm-up is the warm-up's
 STAMP = r"[+-]\d+\.\d\d s"  # seconds since the command started
@@ -26,7 +26,7 @@ STAMP = r"[+-]\d+\.\d\d s"  # seconds since the command started
 
 def test_the_tiny_models_load_reports_its_phases_and_the_log_its_start_up(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pan2render.runner.jobflow import BatchFlow
+    from pan2render.runner.serve.jobflow import BatchFlow
 
     loads: list[tuple[LoadReply, float]] = []
     real = BatchFlow.record_load
@@ -65,9 +65,9 @@ def test_the_tiny_models_load_reports_its_phases_and_the_log_its_start_up(
 
 def test_the_warm_up_decodes_through_what_a_jobs_decode_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     from pan2render.media import yuv
-    from pan2render.runner.messages import LoadCall, Warmup, WorkerConfig
-    from pan2render.runner.testing import load_warming_pipeline
-    from pan2render.runner.worker import RenderWorker
+    from pan2render.runner.protocol.messages import LoadCall, Warmup, WorkerConfig
+    from pan2render.runner.worker.fake_pipeline import load_warming_pipeline
+    from pan2render.runner.worker.render_worker import RenderWorker
 
     converted: list[tuple[int, ...]] = []
     real = yuv.rgb_to_yuv420
@@ -78,7 +78,7 @@ def test_the_warm_up_decodes_through_what_a_jobs_decode_runs(monkeypatch: pytest
 
     monkeypatch.setattr(yuv, "rgb_to_yuv420", counting)
     worker = RenderWorker(rank=0, world_size=1,
-                          config=WorkerConfig(pipeline_factory="pan2render.runner.testing:load_warming_pipeline"))
+                          config=WorkerConfig(pipeline_factory="pan2render.runner.worker.fake_pipeline:load_warming_pipeline"))
     reply = worker.execute(LoadCall(model="warm", warmup=Warmup(height=32, width=48, frames=17, guidance=2.5)), 0)
     assert reply.ok, reply.failure
     load = reply.value
@@ -96,9 +96,9 @@ def test_every_gpu_lane_call_runs_on_the_workers_one_thread() -> None:
     per thread: the worker runs them all on one thread, so the jobs find what the load tuned."""
     import threading
 
-    from pan2render.runner.messages import CollectCall, LoadCall, WorkerCall, WorkerConfig
-    from pan2render.runner.testing import FAKE_FACTORY
-    from pan2render.runner.worker import RenderWorker
+    from pan2render.runner.protocol.messages import CollectCall, LoadCall, WorkerCall, WorkerConfig
+    from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
+    from pan2render.runner.worker.render_worker import RenderWorker
 
     ran: list[tuple[str, int]] = []
 

@@ -15,14 +15,15 @@ from runner_helpers import write_batch
 
 from pan2render.jobs.batch import load_batch
 from pan2render.jobs.ledger import FolderLock, JobEvent, Ledger, Stage, StageState
-from pan2render.runner import cli, watch
-from pan2render.runner.driver import Driver, DriverConfig
-from pan2render.runner.executor import Call, Group
-from pan2render.runner.jobflow import SAMPLING_STEP_DOC, STEP_CHECKPOINT_DOC
-from pan2render.runner.local_executor import LocalExecutor
-from pan2render.runner.messages import Lane, WorkerCall
-from pan2render.runner.testing import FAKE_FACTORY
-from pan2render.runner.worker import WorkerConfig
+from pan2render.runner.cli import main as cli
+from pan2render.runner.cluster.executor import Call, Group
+from pan2render.runner.cluster.local_executor import LocalExecutor
+from pan2render.runner.protocol.messages import Lane, WorkerCall
+from pan2render.runner.serve import watch
+from pan2render.runner.serve.driver import Driver, DriverConfig
+from pan2render.runner.serve.jobflow import SAMPLING_STEP_DOC, STEP_CHECKPOINT_DOC
+from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
+from pan2render.runner.worker.render_worker import WorkerConfig
 
 
 def _sampling_folder(tmp_path: Path) -> tuple[Path, str]:

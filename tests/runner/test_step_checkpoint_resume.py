@@ -14,11 +14,11 @@ from runner_helpers import spec
 from pan2render.jobs.ledger import Ledger
 from pan2render.models.sampler_state import SamplerState, pack_sampler_state
 from pan2render.models.scheduler import StepState
-from pan2render.runner import artifacts
-from pan2render.runner.executor import Group
-from pan2render.runner.jobflow import STEP_CHECKPOINT_DOC, BatchFlow, JobRun
-from pan2render.runner.messages import LoadReply
-from pan2render.runner.stages import PAN2_FLOW
+from pan2render.runner.cluster.executor import Group
+from pan2render.runner.protocol import artifacts
+from pan2render.runner.protocol.messages import LoadReply
+from pan2render.runner.serve.jobflow import STEP_CHECKPOINT_DOC, BatchFlow, JobRun
+from pan2render.runner.serve.steps import PAN2_FLOW
 from pan2render.step_checkpoint import CheckpointKey
 
 MODEL_ID = "tiny-0123"

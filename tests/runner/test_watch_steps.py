@@ -12,14 +12,14 @@ from pathlib import Path
 from runner_helpers import spec
 
 from pan2render.jobs.ledger import Ledger
-from pan2render.runner import artifacts
-from pan2render.runner.executor import Call, Group
-from pan2render.runner.jobflow import SAMPLING_STEP_DOC, JobRun
-from pan2render.runner.messages import LoadCall, SampleCall
-from pan2render.runner.progress import StepClock
-from pan2render.runner.testing import FAKE_FACTORY, FakePipeline
-from pan2render.runner.watch import StepRecorder, current_steps, hung, started_sampling
-from pan2render.runner.worker import RenderWorker, WorkerConfig
+from pan2render.runner.cluster.executor import Call, Group
+from pan2render.runner.protocol import artifacts
+from pan2render.runner.protocol.messages import LoadCall, SampleCall
+from pan2render.runner.serve.jobflow import SAMPLING_STEP_DOC, JobRun
+from pan2render.runner.serve.progress import StepClock
+from pan2render.runner.serve.watch import StepRecorder, current_steps, hung, started_sampling
+from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY, FakePipeline
+from pan2render.runner.worker.render_worker import RenderWorker, WorkerConfig
 
 
 def _sampling_run(ledger: Ledger, job_id: str) -> JobRun:

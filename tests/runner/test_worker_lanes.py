@@ -11,11 +11,11 @@ from typing import Any
 from pan2render.jobs.ledger import Stage
 from pan2render.jobs.spec import JobSpec
 from pan2render.media.video import probe_mp4
-from pan2render.runner import artifacts
-from pan2render.runner.messages import CollectCall, DecodeCall, WorkerCall
-from pan2render.runner.retry import FailureKind
-from pan2render.runner.testing import FAKE_FACTORY, FakePipeline
-from pan2render.runner.worker import RenderWorker, WorkerConfig
+from pan2render.runner.protocol import artifacts
+from pan2render.runner.protocol.messages import CollectCall, DecodeCall, WorkerCall
+from pan2render.runner.serve.retry import FailureKind
+from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY, FakePipeline
+from pan2render.runner.worker.render_worker import RenderWorker, WorkerConfig
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pan2render.runner.testing import FAKE_FACTORY
-from pan2render.runner.worker import RenderWorker, WorkerConfig
+from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
+from pan2render.runner.worker.render_worker import RenderWorker, WorkerConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,10 +24,10 @@ _WORKER = r"""
 import dataclasses, time
 from runner_helpers import spec
 from pan2render.media import video
-from pan2render.runner import artifacts
-from pan2render.runner.messages import DecodeCall, LoadCall, WorkerConfig
-from pan2render.runner.testing import FAKE_FACTORY, FakePipeline
-from pan2render.runner.worker import RenderWorker
+from pan2render.runner.protocol import artifacts
+from pan2render.runner.protocol.messages import DecodeCall, LoadCall, WorkerConfig
+from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY, FakePipeline
+from pan2render.runner.worker.render_worker import RenderWorker
 
 real = video.encode_mp4
 def held(*args, **kw):
@@ -77,7 +77,7 @@ def test_the_next_worker_removes_what_a_worker_killed_while_encoding_left(
 def test_a_live_workers_encode_folder_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: a worker starting beside a live one (another group on the machine) does
     not touch its files."""
-    from pan2render.runner.scratch import encode_folder
+    from pan2render.runner.worker.scratch import encode_folder
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with encode_folder() as folder:

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from pan2render.jobs.ledger import FolderLock
-from pan2render.runner.artifacts import write_atomic
-from pan2render.runner.executor import make_executor
+from pan2render.runner.cluster.executor import make_executor
 from pan2render.runner.farm.api import start_api
 from pan2render.runner.farm.service import INFO_NAME, LOG_NAME, Farm, FarmConfig, ensure_token
+from pan2render.runner.protocol.artifacts import write_atomic
 
 
 def write_info(root: Path, info: dict[str, Any]) -> None:

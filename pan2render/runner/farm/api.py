@@ -33,8 +33,8 @@ from aiohttp import web
 from pan2render.runner.farm import monitor
 from pan2render.runner.farm.queue import QueueError
 from pan2render.runner.farm.service import Farm, FarmRequestError
-from pan2render.runner.progress import RUN_LOG_NAME
-from pan2render.runner.session import BatchRequest
+from pan2render.runner.serve.progress import RUN_LOG_NAME
+from pan2render.runner.serve.session import BatchRequest
 
 LOG_CHUNK = 256 << 10  # most bytes of a run log one request returns
 ASK_TIMEOUT_S = 60.0  # a request the main thread has not answered by then is reported as such

@@ -1,6 +1,6 @@
 """The farm's web monitor: the page at the farm's URL and the API routes only it needs.
 
-The page (``templates/static/monitor.html`` with its script and style sheet beside it) holds no data
+The page (``static/monitor.html`` with its script and style sheet beside it) holds no data
 and needs no token to load; everything it shows comes from the token-protected API:
 
     GET  /                                 the page; /static/<name> its script and style sheet
@@ -34,12 +34,12 @@ from aiohttp import web
 
 from pan2render.jobs import outdir
 from pan2render.jobs.ledger import Ledger
-from pan2render.runner.artifacts import VIDEO_NAME
 from pan2render.runner.farm.queue import QueueError
 from pan2render.runner.farm.service import Farm
-from pan2render.runner.outputs import PARAMS_NAME
-from pan2render.runner.posters import POSTER_DIR
-from pan2render.runner.report import Grid, batch_view, report_path
+from pan2render.runner.protocol.artifacts import VIDEO_NAME
+from pan2render.runner.protocol.outputs import PARAMS_NAME
+from pan2render.runner.views.posters import POSTER_DIR
+from pan2render.runner.views.report import Grid, batch_view, report_path
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -199,7 +199,7 @@ def add_routes(app: web.Application, farm: Farm, *, ask_timeout_s: float) -> Non
 
 
 def _static(name: str) -> bytes:
-    return resources.files("pan2render.runner").joinpath("templates", "static", name).read_bytes()
+    return resources.files("pan2render.runner.farm").joinpath("static", name).read_bytes()
 
 
 async def _served_batch(farm: Farm, batch_id: str, timeout_s: float) -> dict[str, Any]:

@@ -28,17 +28,17 @@ from pathlib import Path
 from typing import Any
 
 from pan2render.jobs.ledger import FolderLockedError, JobState, Ledger
-from pan2render.runner import errors
-from pan2render.runner.errors import UnrecordedWork
-from pan2render.runner.executor import Executor
+from pan2render.runner.cluster.executor import Executor
 from pan2render.runner.farm.queue import BatchEvent, BatchState, FarmQueue, QueuedBatch
-from pan2render.runner.jobflow import BatchFlow
-from pan2render.runner.pool import GroupPool
-from pan2render.runner.progress import RunningJob, RunProgress
-from pan2render.runner.report import ReportUpdater
-from pan2render.runner.scheduler import DriverConfig, Scheduler, ServedBatch
-from pan2render.runner.session import BatchRequest, BatchSession, checkpoint_problems
-from pan2render.runner.stages import PAN2_FLOW
+from pan2render.runner.serve import errors
+from pan2render.runner.serve.errors import UnrecordedWork
+from pan2render.runner.serve.jobflow import BatchFlow
+from pan2render.runner.serve.pool import GroupPool
+from pan2render.runner.serve.progress import RunningJob, RunProgress
+from pan2render.runner.serve.scheduler import DriverConfig, Scheduler, ServedBatch
+from pan2render.runner.serve.session import BatchRequest, BatchSession, checkpoint_problems
+from pan2render.runner.serve.steps import PAN2_FLOW
+from pan2render.runner.views.report import ReportUpdater
 
 PUBLISH_EVERY_S = 0.5  # the snapshot's age at most (each publish reads every served batch's ledger)
 TOKEN_NAME = "token"
@@ -205,7 +205,7 @@ class Farm:
         else:
             if s is None:
                 raise FarmRequestError(f"batch {row.id} is {row.state.value}: none of its jobs runs or waits")
-            from pan2render.runner.views import JobNotFound, find_job
+            from pan2render.runner.views.status import JobNotFound, find_job
 
             try:
                 target = find_job(s.session.ledger, job)

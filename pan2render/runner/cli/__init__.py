@@ -1,0 +1,1 @@
+"""The `pan2-render` commands."""

@@ -1,0 +1,302 @@
+"""Stage artifacts: where they live, how they are serialised, written and checked.
+
+Artifacts travel between the worker and the driver as ``bytes`` (embeddings ~4 MB at text dim 4096,
+latents ~10 MB, an mp4 a few MB) and only the DRIVER writes them, so workers on other nodes need no
+shared filesystem. Layout under the output folder ``DIR``::
+
+    DIR/_cache/embeddings/<sha256(text_encoder_id, prompt)>.safetensors   conditioning
+    DIR/<job-id>/latents.safetensors                                       sampling
+    DIR/<job-id>/video.mp4                                                 decode + encode
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from pan2render.jobs import outdir
+from pan2render.jobs.batch import sha256_file
+from pan2render.jobs.disk import ensure_free
+from pan2render.jobs.ledger import StageRecord
+from pan2render.jobs.spec import JobSpec
+from pan2render.media.video import fsync_dir
+from pan2render.runner.serve.retry import JobInputError
+from pan2render.sampling import WAN22
+
+EMBED_CACHE = Path("_cache") / "embeddings"
+LATENTS_NAME = "latents.safetensors"
+VIDEO_NAME = "video.mp4"
+STEP_CHECKPOINT_NAME = "sampling.ckpt.safetensors"  # a sampling's newest step checkpoint, until it ends
+
+# Torch is imported where tensors are packed and unpacked, on the workers: the driver writes and
+# checks artifacts with numpy alone, so it never imports torch (seconds before a run can start).
+if TYPE_CHECKING:
+    import torch
+
+
+class NonFiniteError(JobInputError, FloatingPointError):
+    """Latents or frames contain NaN/Inf. Deterministic for a given spec, so never retried."""
+
+
+class UnsafePathError(JobInputError):
+    """A folder on an artifact's path inside DIR is a symlink or not a folder (``outdir.real_dir``
+    refused it): writing through it could put files outside DIR. Deterministic for the job's
+    folder, so never retried."""
+
+
+# ------------------------------------------------------------------ paths
+def embedding_key(*, prompt: str, text_encoder_id: str) -> str:
+    return hashlib.sha256(f"{text_encoder_id}\x00{prompt}".encode()).hexdigest()
+
+
+def embedding_relpath(key: str) -> str:
+    return str(EMBED_CACHE / f"{key}.safetensors")
+
+
+def latents_relpath(job_id: str) -> str:
+    return f"{job_id}/{LATENTS_NAME}"
+
+
+def video_relpath(job_id: str) -> str:
+    return f"{job_id}/{VIDEO_NAME}"
+
+
+def step_checkpoint_relpath(job_id: str) -> str:
+    return f"{job_id}/{STEP_CHECKPOINT_NAME}"
+
+
+# ------------------------------------------------------------------ (de)serialisation
+def pack_embedding(emb: torch.Tensor, *, key: str, text_encoder_id: str) -> bytes:
+    """emb: float32 [512, text_dim] -> safetensors bytes carrying its cache key and the sha256 of
+    the tensor's bytes (the cache is keyed by prompt, not content: the digest is what proves a
+    cached file holds what the encoder wrote)."""
+    import torch  # see above
+    from safetensors.torch import save
+
+    emb = emb.detach().to("cpu", torch.float32).contiguous()
+    return save({"prompt_embeds": emb}, metadata={"key": key, "text_encoder_id": text_encoder_id,
+                                                  "sha256": _array_digest(emb.numpy())})
+
+
+def _array_digest(a: np.ndarray) -> str:
+    """sha256 of an array's bytes in C order (a float32 tensor's bytes, as torch lays them out)."""
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def unpack_embedding(data: bytes) -> torch.Tensor:
+    from safetensors.torch import load  # torch
+
+    return load(data)["prompt_embeds"]
+
+
+def pack_latents(lat: torch.Tensor, *, spec_hash: str, seed: int, steps: int, model_id: str,
+                 spec: dict[str, Any] | None = None, fast_lanes: dict[str, Any] | None = None) -> bytes:
+    """lat: float32 [48, T, h, w]. Raises NonFiniteError before anything is written. ``spec`` (the
+    job's resolved spec) travels in the metadata so ``repair`` can rebuild the job from the file;
+    ``fast_lanes`` (the sampling plan's record: which steps computed) so params.json can show it;
+    ``sha256`` (of the tensor's bytes) proves the data is what the sampler wrote, where no ledger
+    recorded the file's digest (``repair``)."""
+    import torch  # see above
+    from safetensors.torch import save
+
+    lat = lat.detach().to("cpu", torch.float32).contiguous()
+    if not torch.isfinite(lat).all():
+        bad = int((~torch.isfinite(lat)).sum())
+        raise NonFiniteError(
+            f"sampling produced non-finite latents ({bad} of {lat.numel()} values NaN/Inf, shape "
+            f"{list(lat.shape)}); this is deterministic for the spec: change seed, steps or guidance"
+        )
+    meta = {"spec_hash": spec_hash, "seed": str(seed), "steps": str(steps), "model_id": model_id,
+            "sha256": _array_digest(lat.numpy())}
+    if spec is not None:
+        meta["spec"] = json.dumps(spec, sort_keys=True)
+    if fast_lanes is not None:
+        meta[FAST_LANES_KEY] = json.dumps(fast_lanes, sort_keys=True)
+    return save({"latents": lat}, metadata=meta)
+
+
+FAST_LANES_KEY = "fast_lanes"
+
+
+def latents_fast_lanes(out_dir: Path, relpath: str) -> dict[str, Any] | None:
+    """The sampling plan a latents file records (`pack_latents`), None when it records none."""
+    try:
+        with safe_open(str(out_dir / relpath), framework="numpy") as f:
+            text = (f.metadata() or {}).get(FAST_LANES_KEY)
+    except (SafetensorError, OSError, ValueError, RuntimeError):
+        return None
+    return None if text is None else json.loads(text)
+
+
+def unpack_latents(data: bytes) -> torch.Tensor:
+    from safetensors.torch import load  # torch
+
+    return load(data)["latents"]
+
+
+def estimated_bytes(spec: JobSpec) -> int:
+    """What a job will write, roughly: float32 latents [48, T, h/16, w/16] plus an mp4 budgeted at
+    a generous 2 bits a pixel (crf 18 on detailed content stays well under it)."""
+    latent_frames = (spec.frames - 1) // 4 + 1
+    latents = 48 * latent_frames * (spec.height // 16) * (spec.width // 16) * 4
+    return latents + spec.frames * spec.height * spec.width // 4
+
+
+# ------------------------------------------------------------------ durable writes
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_artifact(out_dir: Path, relpath: str, data: bytes) -> None:
+    """Write one artifact under DIR: free space checked first (DiskFullError, nothing written),
+    folders created without following symlinks (UnsafePathError), then :func:`write_atomic`."""
+    path = safe_path(out_dir, relpath)
+    ensure_free(path.parent, len(data), what=relpath)
+    write_atomic(path, data)
+
+
+def safe_path(out_dir: Path, relpath: str) -> Path:
+    """``DIR/relpath`` with each folder between created if absent and refused if it is a symlink
+    or not a folder, so a link planted at ``DIR/<job-id>`` cannot send files outside DIR."""
+    folder = Path(out_dir)
+    parts = Path(relpath).parts
+    assert parts and not Path(relpath).is_absolute() and ".." not in parts, relpath
+    for name in parts[:-1]:
+        try:
+            folder = outdir.real_dir(folder / name)
+        except outdir.UnsafePathError as e:  # the job's own folder: the job fails, the batch goes on
+            raise UnsafePathError(str(e)) from None
+    return folder / parts[-1]
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Temp name in the same folder + fsync + rename + fsync of the folder: after a crash the path
+    holds either nothing/the old file or the complete new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with os.fdopen(outdir.create_new(tmp), "wb") as f:  # a predictable name: never through a link
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # e.g. disk full: leave no temp file behind
+        raise
+    fsync_dir(path.parent)
+
+
+# ------------------------------------------------------------------ checks (None = valid)
+@dataclass(frozen=True)
+class Recorded:
+    """What the ledger recorded for an artifact."""
+
+    relpath: str | None
+    sha256: str | None
+    size: int | None
+
+
+def recorded(rec: StageRecord) -> Recorded:
+    """The artifact a stage row records."""
+    return Recorded(rec.artifact, rec.sha256, rec.size)
+
+
+def check_present(out_dir: Path, rec: Recorded) -> str | None:
+    """The cheap part of :func:`check_recorded`: the file is there with the recorded size."""
+    if rec.relpath is None:
+        return "no artifact recorded"
+    path = out_dir / rec.relpath
+    if not path.is_file():
+        return f"{rec.relpath} is missing"
+    size = path.stat().st_size
+    if rec.size is not None and size != rec.size:
+        return f"{rec.relpath} is {size} bytes, the ledger recorded {rec.size} (truncated or replaced)"
+    return None
+
+
+def check_recorded(out_dir: Path, rec: Recorded) -> str | None:
+    problem = check_present(out_dir, rec)
+    if problem:
+        return problem
+    path = out_dir / str(rec.relpath)
+    if rec.sha256 is not None and sha256_file(path) != rec.sha256:
+        return f"{rec.relpath} sha256 differs from the ledger's (corrupt or replaced)"
+    return None
+
+
+def check_embedding(out_dir: Path, relpath: str, *, key: str) -> str | None:
+    path = out_dir / relpath
+    if not path.is_file():
+        return f"{relpath} is missing"
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+            emb = f.get_tensor("prompt_embeds")
+    except (SafetensorError, OSError, KeyError, ValueError) as e:
+        return f"{relpath} is unreadable ({e})"
+    if meta.get("key") != key:
+        return f"{relpath} belongs to another prompt/encoder (key {meta.get('key')!r})"
+    if meta.get("sha256") != _array_digest(emb):
+        return f"{relpath} does not match its recorded sha256 (corrupt, or written without one)"
+    if not np.isfinite(emb).all():
+        return f"{relpath} holds non-finite embeddings"
+    return None
+
+
+def check_latents(out_dir: Path, rec: Recorded, *, spec: JobSpec, require_digest: bool = False) -> str | None:
+    """None if the latents are the job's, whole and usable: readable, rendered for its spec hash,
+    their data matching the digest in their metadata (``require_digest``: a file without one,
+    written before they carried it, does not count; where the ledger recorded the file's sha256,
+    that proves the bytes instead), of the grid the job's size gives, finite."""
+    problem = check_recorded(out_dir, rec)
+    if problem:
+        return problem
+    path = out_dir / str(rec.relpath)
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+            lat = f.get_tensor("latents")
+    except (SafetensorError, OSError, KeyError, ValueError, RuntimeError) as e:
+        return f"{rec.relpath} is unreadable ({e})"
+    if meta.get("spec_hash") != spec.spec_hash:
+        return f"{rec.relpath} was rendered for spec {meta.get('spec_hash', '?')[:12]}, not {spec.spec_hash[:12]}"
+    digest = meta.get("sha256")
+    if digest is None and require_digest:
+        return f"{rec.relpath} carries no data digest (written by an older version), so its data cannot be proven"
+    if digest is not None and digest != _array_digest(lat):
+        return f"{rec.relpath} does not match its data digest (corrupt)"
+    want = latent_grid(spec)
+    if lat.ndim != 4 or tuple(lat.shape[1:]) != want:
+        return (f"{rec.relpath} holds latents of shape {list(lat.shape)}; the job's size gives "
+                f"[channels, {', '.join(map(str, want))}]")
+    if not np.isfinite(lat).all():
+        return f"{rec.relpath} holds non-finite latents"
+    return None
+
+
+def latent_grid(spec: JobSpec) -> tuple[int, int, int]:
+    """(T, h, w) of a job's latents: its frames and pixels through the VAE's compression."""
+    return (WAN22.latent_frames(spec.frames), spec.height // WAN22.vae_spatial, spec.width // WAN22.vae_spatial)
+
+
+def check_video(out_dir: Path, rec: Recorded, *, frames: int, width: int, height: int) -> str | None:
+    problem = check_recorded(out_dir, rec)
+    if problem:
+        return problem
+    from pan2render.media.video import MediaError, probe_mp4  # PyAV is heavy
+
+    try:
+        info = probe_mp4(out_dir / str(rec.relpath))
+    except MediaError as e:
+        return f"{rec.relpath} does not decode ({e})"
+    if (info.frames, info.width, info.height) != (frames, width, height):
+        return (f"{rec.relpath} has {info.frames} frames of {info.width}x{info.height}, the spec asks "
+                f"for {frames} of {width}x{height}")
+    return None

@@ -1,0 +1,467 @@
+"""The scheduler: feeds the jobs of one or more batches to worker groups and keeps every group's GPU
+busy. What a job does next, and how a reply or a failure is recorded, is the stage flow's
+(``jobflow.py``); the scheduler decides only which job runs on which group, and when.
+
+A group owns up to two kinds of jobs at once: one on its GPU lane (plus the next one queued behind
+a decode, so the GPU starts it the moment the decode ends) and up to ``MAX_ENCODES_IN_FLIGHT``
+encoding in the background. The loop never blocks on one call: it waits on all in-flight calls
+with a short timeout, and every call has its own deadline; a call past it counts as a dead group.
+What a failure costs the job and whether its group takes the next job is decided in ``retry.py``.
+
+:class:`Scheduler` serves any number of batches (each a :class:`ServedBatch`: its flow, its
+progress, its priority); ``driver.Driver`` is the scheduler serving one batch until it is done, as
+``pan2-render run`` does, and the farm (``farm/``) is the scheduler kept up. What it serves and how
+(the queue's order included) is ``serving.py``'s; what it watches (call deadlines, hung samplings,
+their steps, a cluster that lost GPUs) is ``watch.py``'s. Pending jobs start strictly in queue
+order (priority, then when their batch was served, then their order in it): when the head job's
+group size is not free, later jobs wait too, so a 4-GPU job is never starved by a stream of 1-GPU
+jobs taking every GPU that frees up (the pool tears idle groups down for it).
+"""
+
+from __future__ import annotations
+
+import traceback
+
+from pan2render.jobs.ledger import EventKind, JobEvent, JobRecord, JobState, Stage, StageState, stage_name
+from pan2render.runner.cluster.executor import Call, Executor, Group, GroupDied, GroupStartError
+from pan2render.runner.protocol.messages import (
+    MAX_ENCODES_IN_FLIGHT,
+    CheckpointReply,
+    FetchCheckpointCall,
+    Lane,
+    SampleCall,
+    StopSamplingCall,
+    WorkerCall,
+)
+from pan2render.runner.protocol.timeline import stamp
+from pan2render.runner.serve import watch
+from pan2render.runner.serve.jobflow import JobRun
+from pan2render.runner.serve.pool import GroupPool
+from pan2render.runner.serve.retry import (
+    Action,
+    BatchStopped,
+    Decision,
+    Failure,
+    FailureKind,
+    OnGroup,
+    RetryPolicy,
+    classify_exception,
+)
+from pan2render.runner.serve.serving import DriverConfig, JobQueue, QueuedJob, ServedBatch
+
+__all__ = ["DriverConfig", "Scheduler", "ServedBatch"]
+
+
+class Scheduler:
+    """Runs the pending jobs of every served batch on groups from one pool."""
+
+    def __init__(self, *, executor: Executor, config: DriverConfig, pool: GroupPool | None = None):
+        self.ex = executor
+        self.config = config
+        self.pool = pool or GroupPool(executor, total_gpus=executor.total_gpus(),
+                                      start_timeout_s=config.group_start_timeout_s)
+        self._max_group = executor.max_group_size()  # a group's GPUs must all be on one node
+        self._queue = JobQueue()
+        self._active: dict[tuple[int, str], JobRun] = {}  # (batch seq, job id) -> its attempt
+        self._batch_of: dict[int, ServedBatch] = {}
+        self._policy = RetryPolicy()
+        self._cluster = watch.ClusterWait(executor, wait_s=config.cluster_wait_s)
+        self._groups_seen: set[str] = set()  # groups whose placement the run log has told
+        self._steps = watch.StepRecorder()
+
+    # ================================================================== what it serves
+    def serve(self, batch: ServedBatch, job_ids: list[str]) -> None:
+        """Queue the named jobs of ``batch`` that are pending (prepared: see prepare_jobs)."""
+        self._batch_of[batch.seq] = batch
+        for job in batch.ledger.jobs(job_ids):
+            if job.state is not JobState.PENDING:
+                continue
+            if job.spec.gpus > self._max_group:
+                self._fail_unrunnable(batch, job)
+            else:
+                self._queue.add(batch, job)
+
+    def pending(self, batch: ServedBatch) -> list[str]:
+        return [q.job_id for q in self._queue.of(batch)]
+
+    def running(self, batch: ServedBatch) -> list[JobRun]:
+        return [r for (seq, _), r in self._active.items() if seq == batch.seq]
+
+    @property
+    def busy(self) -> bool:
+        """Anything left to do: a job running, or one that may start."""
+        return bool(self._active) or any(q.batch.stop is None and not q.batch.paused for q in self._queue)
+
+    def reorder(self) -> None:
+        """After a batch's priority changed."""
+        self._queue.reorder()
+
+    def running_on(self, group: Group) -> list[JobRun]:
+        return [r for r in self._active.values() if r.group is group]
+
+    # ================================================================== stops: cancel, preemption
+    def cancel(self, batch: ServedBatch, job_ids: list[str] | None, *, reason: str) -> list[JobRun]:
+        """Cancel the batch's jobs (``job_ids``; None: all): a queued one now, a sampling one at its
+        next step boundary (returned), one past its sampling once its video is made."""
+        wanted = None if job_ids is None else set(job_ids)
+        for q in [q for q in self._queue.of(batch) if wanted is None or q.job_id in wanted]:
+            self._queue.remove(q)
+            batch.ledger.transition(q.job_id, JobEvent.CANCEL, reason=reason)
+            batch.progress.job_ended(q.job_id, "cancelled", reason)
+            batch.ended += 1
+        stopped = []
+        for run in self.running(batch):
+            if wanted is None or run.job.id in wanted:
+                run.cancel = reason
+                if self._stop_sampling(run):
+                    stopped.append(run)
+        return stopped
+
+    def _stop_sampling(self, run: JobRun) -> bool:
+        """Ask ``run``'s sampling, if one is in flight, to stop at its next step boundary."""
+        if run.call is None or not isinstance(run.call.message, SampleCall) or run.stop_asked:
+            return False
+        run.stop_asked = True
+        self.ex.call(run.group, StopSamplingCall(job_id=run.job.id), timeout_s=StopSamplingCall.default_timeout_s)
+        return True
+
+    def _preempt_for(self, q: QueuedJob) -> None:
+        """``q`` waits for a group while a lower-priority batch's job samples on one of its size:
+        that sampling stops at its next step boundary, checkpointed, and its job goes back to the
+        queue (uncharged); ``q`` then takes the group."""
+        if not q.batch.preempts or any(r.preempted for r in self._active.values()):
+            return
+        victims = [r for (seq, _), r in self._active.items()
+                   if r.group.size == q.gpus and self._batch_of[seq].priority < q.batch.priority
+                   and r.cancel is None and r.call is not None and isinstance(r.call.message, SampleCall)]
+        if victims:
+            victim = min(victims, key=lambda r: self._batch_of[self._seq_of(r)].priority)
+            victim.preempted = True
+            self._stop_sampling(victim)
+
+    def _seq_of(self, run: JobRun) -> int:
+        return next(seq for (seq, _), r in self._active.items() if r is run)
+
+    def _stopped(self, batch: ServedBatch, run: JobRun) -> None:
+        """``run``'s sampling stopped at a step boundary (its checkpoint is recorded): cancelled, or
+        preempted and back in the queue, uncharged."""
+        self._leave(batch, run)
+        if run.cancel is not None:
+            batch.ledger.transition(run.job.id, JobEvent.CANCEL, reason=f"{run.cancel}: sampling stopped at step "
+                                                                        f"{run.stopped_at}")
+            batch.progress.job_ended(run.job.id, "cancelled", run.cancel)
+            batch.ended += 1
+            return
+        self._requeue(batch, run.job.id, f"preempted at step {run.stopped_at} by a higher-priority batch; it "
+                                         f"continues from its step checkpoint")
+        batch.progress.job_ended(run.job.id, "requeued", f"preempted at step {run.stopped_at}")
+
+    def upcoming(self, batch: ServedBatch) -> list[JobRecord]:
+        """The batch's queued jobs, in the order they will start."""
+        return batch.ledger.jobs(self.pending(batch))
+
+    # ================================================================== the loop
+    def tick(self) -> None:
+        """One pass: start what can start, handle every reply that is ready, check deadlines."""
+        self.ex.check_cluster()
+        self._dispatch()
+        if (note := self.pool.take_start_note()) is not None:  # a group waiting for GPUs, every few seconds
+            for batch in self._batch_of.values():
+                batch.progress.say(note)
+        if not self._active:  # nothing running: a group is starting (or failed to)
+            self.pool.wait_for_start(self.config.poll_s)
+            return
+        calls = [c for r in self._active.values() for c in (r.call, r.side) if c is not None]
+        for call in self.ex.wait(calls, timeout_s=self.config.poll_s):
+            self._on_ready(call)
+        self._tear_down(watch.overdue(list(self._active.items()), lacks_gpus_for=self.ex.lacks_gpus_for))
+        if any(watch.sampling(r) for r in self._active.values()):
+            # A Ray call: only while a job samples.
+            steps = watch.current_steps(list(self._active.items()), self.ex.progress())
+            for seq, batch in self._batch_of.items():
+                batch.progress.steps({job_id: rep for (s, job_id), rep in steps.items() if s == seq})
+            self._tear_down(watch.hung(list(self._active.items()), steps, limit_s=self.config.stall_timeout_s))
+            self._steps.record([(k, r, self._batch_of[k[0]].ledger) for k, r in self._active.items()], steps)
+        for batch in self._batch_of.values():
+            batch.progress.tick()
+            batch.notify_job_end()
+
+    def interrupt_all(self, reason: str, *, outcome: str = "interrupted", detail: str = "") -> None:
+        """Every running job back to pending, uncharged (the run stops, or the cluster went)."""
+        for seq, job_id in list(self._active):
+            batch = self._batch_of[seq]
+            batch.ledger.transition(job_id, JobEvent.INTERRUPT, reason=reason)
+            batch.progress.job_ended(job_id, outcome, detail)
+        self._active.clear()
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def _dispatch(self) -> None:
+        """Start queued jobs, in order, on groups. Where a job goes, best first: a group that
+        holds a job already and whose GPU lane is free (its jobs only encode); an idle or new group
+        from the pool; a held group whose GPU lane runs only a decode, the job's first call queued
+        behind it."""
+        if not self._cluster_ready():
+            return
+        for q in list(self._queue):  # a copy: jobs are taken out as it walks them
+            if q.batch.stop is not None or q.batch.paused:
+                continue
+            group = self._held_group(q.gpus, behind_decode=False, avoid=q.avoid)
+            try:
+                group = group or self.pool.try_acquire(q.gpus, model=q.model, adapters=q.adapters, avoid=q.avoid)
+            except GroupStartError as e:
+                self._queue.remove(q)
+                q.batch.ledger.transition(q.job_id, JobEvent.START, reason="starting a group")
+                # Charged to the stage the job would have run next; its finished stages (and their
+                # artifacts) stay done.
+                kind = FailureKind.CLUSTER_LOST if self.ex.lacks_gpus_for(q.gpus) else FailureKind.UNKNOWN
+                self._failed(q.batch, q.job_id, Failure(stage=q.batch.flow.next_stage(q.job_id), kind=kind,
+                                                        error=str(e), cause=e))
+                continue
+            group = group or self._held_group(q.gpus, behind_decode=True, avoid=q.avoid)
+            if group is None:
+                self._preempt_for(q)
+                break
+            self._say_placed(q.batch, group)
+            self._queue.remove(q)
+            q.batch.ledger.transition(q.job_id, JobEvent.START, reason=f"on group {group.id} ({group.size} GPU(s))")
+            run = JobRun(job=q.batch.ledger.job(q.job_id), group=group)
+            q.batch.progress.job_started(q.job_id, group=group.id, attempt=run.job.attempts)
+            self._active[(q.batch.seq, q.job_id)] = run
+            self._advance(q.batch, run)
+
+    def _held_group(self, size: int, *, behind_decode: bool, avoid: frozenset[str] = frozenset()) -> Group | None:
+        """A group of ``size`` with active jobs that can take one more: its GPU lane is free (or,
+        with ``behind_decode``, runs only a decode) and its encodes, counting that decode's, stay
+        within MAX_ENCODES_IN_FLIGHT."""
+        held = {id(r.group): r.group for r in self._active.values() if r.group.size == size and r.group.id not in avoid}
+        for group in held.values():
+            jobs = self.running_on(group)
+            on_gpu = [r for r in jobs if not r.encoding]
+            free = not on_gpu or (behind_decode and len(on_gpu) == 1 and on_gpu[0].decoding)
+            if free and len(jobs) < MAX_ENCODES_IN_FLIGHT:
+                return group
+        return None
+
+    def _say_placed(self, batch: ServedBatch, group: Group) -> None:
+        """The run log's start-up line of a group the first time it takes a job (stamps: seconds
+        since the command started)."""
+        if group.id in self._groups_seen:
+            return
+        self._groups_seen.add(group.id)
+        if group.placed_at:
+            joined = ", its processes joined" if group.size > 1 else ""
+            batch.progress.say(f"start-up: group {group.id} ({group.size} GPU{'s' if group.size > 1 else ''}) "
+                               f"placed at {stamp(group.placed_at)}{joined} (asked for at {stamp(group.asked_at)})")
+
+    def _leave(self, batch: ServedBatch, run: JobRun) -> None:
+        """The job no longer runs on its group; the group goes back to the pool once it holds no job."""
+        del self._active[(batch.seq, run.job.id)]
+        if not self.running_on(run.group):
+            self.pool.release(run.group)
+
+    def _advance(self, batch: ServedBatch, run: JobRun) -> None:
+        """Issue the job's next call, or finish it. A driver-side problem (input image gone or
+        changed, unreadable cache file) fails the stage the job was about to run."""
+        if batch.stop is not None:  # e.g. the disk is full: this job goes back to pending, uncharged
+            self._leave(batch, run)
+            return self._requeue(batch, run.job.id, "the output folder refused a write: the batch stops; "
+                                                    "`resume` continues")
+        try:
+            message = batch.flow.next_call(run)
+        except Exception as e:  # any driver-side failure is the job's, with its class
+            self._leave(batch, run)
+            return self._failed(batch, run.job.id, self._driver_failure(batch, run.job.id, e))
+        if message is None:
+            self._leave(batch, run)
+            self.pool.succeeded(run.group)
+            batch.flow.finish(run)
+            batch.progress.job_ended(run.job.id, "done")
+            batch.ended += 1
+            return None
+        if message.marks_stage and message.stage is not None:
+            batch.ledger.set_stage(run.job.id, message.stage, StageState.RUNNING)
+        batch.progress.stage(run.job.id, message.shown)
+        run.call = self._call(run, message)
+        if isinstance(message, SampleCall):
+            watch.started_sampling(run)
+        if isinstance(message, SampleCall) and run.job.spec.checkpoint_every > 0:
+            run.side = self._call(run, FetchCheckpointCall(job_id=run.job.id, after_step=0))
+        if run.cancel is not None or run.preempted:  # asked before this call went out
+            self._stop_sampling(run)
+        return None
+
+    def _call(self, run: JobRun, message: WorkerCall) -> Call:
+        timeout_s = self.config.call_timeouts_s.get(message.timeout_key, message.default_timeout_s)
+        return self.ex.call(run.group, message, timeout_s=timeout_s)
+
+    @staticmethod
+    def _driver_failure(batch: ServedBatch, job_id: str, e: Exception) -> Failure:
+        return Failure(stage=batch.flow.next_stage(job_id), kind=classify_exception(e),
+                       error=f"driver: {type(e).__name__}: {e}", traceback=traceback.format_exc(), cause=e)
+
+    # ================================================================== results
+    def _find(self, call: Call) -> tuple[ServedBatch, JobRun] | None:
+        for (seq, _), run in self._active.items():
+            if run.call is call or run.side is call:
+                return self._batch_of[seq], run
+        return None
+
+    def _on_side_reply(self, batch: ServedBatch, run: JobRun, call: Call) -> None:
+        """A step checkpoint fetched beside the job's sampling: recorded, and the next one asked for
+        while the sampling goes on. A fetch that failed is dropped (the sampling's own reply says
+        what became of the group)."""
+        run.side = None
+        try:
+            reply = self.ex.result(call)
+        except GroupDied:
+            return
+        if reply.failure is None and isinstance(reply.value, CheckpointReply):
+            try:
+                batch.flow.record_step_checkpoint(run, reply.value)
+            except Exception as e:  # a checkpoint not written costs only its minutes
+                batch.progress.say(f"{run.job.name}: step checkpoint not written: {type(e).__name__}: {e}")
+        after = reply.value.step if isinstance(reply.value, CheckpointReply) else run.checkpoint_step
+        if run.call is not None and isinstance(run.call.message, SampleCall):
+            run.side = self._call(run, FetchCheckpointCall(job_id=run.job.id, after_step=after))
+
+    def _on_ready(self, call: Call) -> None:
+        found = self._find(call)
+        if found is None:
+            return  # its job left when its group was torn down: the reply is void
+        batch, run = found
+        if call is run.side:
+            return self._on_side_reply(batch, run, call)
+        run.call = None
+        stage = call.message.stage
+        assert stage is not None, f"{type(call.message).__name__} is not a job's call"
+        try:
+            reply = self.ex.result(call)
+        except GroupDied as e:
+            return self._group_died(batch, run, Failure(
+                stage=stage, kind=e.kind, error=f"worker group {run.group.id} died or stopped answering: {e}"))
+        if reply.failure is not None:
+            on_group = OnGroup(size=run.group.size, io_lane=call.message.lane is Lane.IO)
+            return self._call_failed(batch, run, reply.failure, on_group)
+        try:
+            batch.flow.record(run, call.message, reply.value, reply.seconds)
+        except Exception as e:  # e.g. disk full, or the written video fails its check
+            self._leave(batch, run)
+            return self._failed(batch, run.job.id, self._driver_failure(batch, run.job.id, e))
+        if run.stopped_at is not None:
+            return self._stopped(batch, run)
+        if run.cancel is not None and not run.encoding:  # its GPU work not done: go no further
+            self._leave(batch, run)
+            batch.ledger.transition(run.job.id, JobEvent.CANCEL, reason=run.cancel)
+            batch.progress.job_ended(run.job.id, "cancelled", run.cancel)
+            batch.ended += 1
+            return None
+        self._advance(batch, run)
+
+    # ================================================================== failures
+    def _tear_down(self, found: list[tuple[tuple[int, str], JobRun, Failure]]) -> None:
+        """Each run the watch found overdue or hung: its group torn down, as a dead one."""
+        for key, run, failure in found:
+            if key in self._active:  # (not a job of a group torn down for an earlier one)
+                run.call = None
+                self._group_died(self._batch_of[key[0]], run, failure)
+
+    def _group_died(self, batch: ServedBatch, run: JobRun, failure: Failure) -> None:
+        self._call_failed(batch, run, failure, OnGroup(size=run.group.size), died=True)
+
+    def _call_failed(self, batch: ServedBatch, run: JobRun, failure: Failure, on_group: OnGroup, *,
+                     died: bool = False) -> None:
+        """A call of ``run`` failed on its group: one decision (retry.py) says what becomes of the
+        job and whether the group takes the next job or is torn down."""
+        job = batch.ledger.job(run.job.id)
+        self._queue.failed_on(batch, job.id, run.group.id)
+        decision = self._policy.decide(job, failure, on_group=on_group)
+        if decision.keep_group:
+            self._leave(batch, run)  # only this job's call failed; the group goes on
+            return self._carry_out(batch, job.id, failure, decision)
+        if not died:
+            batch.ledger.log(job.id, EventKind.GROUP_DISCARDED,
+                             f"group {run.group.id} after [{failure.kind.value}]: {failure.message}")
+        others = [(self._batch_of[seq], r) for (seq, _), r in self._active.items()
+                  if r.group is run.group and r is not run]
+        if failure.kind is FailureKind.WORKER_DEATH:
+            fresh = self.pool.device_fault(run.group)
+            if fresh is None and run.group.faults >= (self.pool.fault_limit or 0) > 0:
+                batch.progress.say(f"group {run.group.id} is out of service after {run.group.faults} device "
+                                   f"faults in a row; its jobs run elsewhere")
+        else:
+            self.pool.discard(run.group)
+        for b, r in [(batch, run), *others]:
+            del self._active[(b.seq, r.job.id)]
+        batch.ledger.log(job.id, EventKind.GROUP_DIED, failure.message)
+        self._carry_out(batch, job.id, failure, decision)
+        # Every other job the torn-down group owned (one queued on its GPU lane, ones encoding)
+        # fails where it stood, as a worker death (as cluster-lost when this failure was: they
+        # were on the same lost node); each goes back from its last durable stage.
+        lost = failure.kind is FailureKind.CLUSTER_LOST or self.ex.lacks_gpus_for(run.group.size)
+        for b, r in others:
+            msg = (f"group {run.group.id} was torn down (after job {run.job.name}: "
+                   f"{failure.message.splitlines()[0][:300]})")
+            b.ledger.log(r.job.id, EventKind.GROUP_DIED, msg)
+            stage = r.call.message.stage if r.call is not None else b.flow.next_stage(r.job.id)
+            self._failed(b, r.job.id, Failure(stage=stage or Stage.CONDITIONING, error=msg,
+                                              kind=FailureKind.CLUSTER_LOST if lost else FailureKind.WORKER_DEATH))
+
+    def _failed(self, batch: ServedBatch, job_id: str, failure: Failure) -> None:
+        """A failure of a job off any group (a driver write, a group that never formed, a job of a
+        group torn down for another): decided by retry.py, then carried out."""
+        self._carry_out(batch, job_id, failure, self._policy.decide(batch.ledger.job(job_id), failure))
+
+    def _carry_out(self, batch: ServedBatch, job_id: str, failure: Failure, decision: Decision) -> None:
+        """The flow records the decision in the ledger; here the job is queued again or ends."""
+        first = failure.message.splitlines()[0][:200] if failure.message else ""
+        line = f"{stage_name(failure.stage)}: [{failure.kind.value}] {first}"
+        if decision.action is Action.REQUEUE:
+            if decision.stop_batch and batch.stop is None:
+                batch.stop = BatchStopped(failure.cause or RuntimeError(failure.message))
+            if failure.kind is FailureKind.CLUSTER_LOST:
+                self._cluster.lose()
+            self._requeue(batch, job_id, f"{decision.reason}: {failure.message}")
+            batch.progress.job_ended(job_id, "requeued", f"{line}; {decision.reason}")
+            return
+        batch.flow.record_failure(job_id, failure.without_cause(), decision)
+        if decision.action is Action.RETRY:
+            self._queue.add(batch, batch.ledger.job(job_id))
+            batch.progress.job_ended(job_id, "retry", line)
+        else:
+            batch.progress.job_ended(job_id, "FAILED", f"{line}; {decision.reason}")
+            batch.ended += 1
+
+    def _requeue(self, batch: ServedBatch, job_id: str, reason: str) -> None:
+        """Back to pending without charging the job (the environment failed, not the job). If the
+        ledger cannot record it (the disk that filled holds it too), the job stays "running" there,
+        which the next run or resume treats as interrupted: the same outcome."""
+        try:
+            batch.ledger.transition(job_id, JobEvent.INTERRUPT, reason=reason)
+        except Exception as e:  # only a full disk is expected here
+            if classify_exception(e) is not FailureKind.STORAGE:
+                raise
+        if batch.stop is None:
+            self._queue.add(batch, batch.ledger.job(job_id))
+
+    def _cluster_ready(self) -> bool:
+        """After the cluster lost GPUs: have enough come back for every queued job? (Raises
+        ClusterLostError once they have been gone too long, no job running.)"""
+        back = self._cluster.back(need=max((q.gpus for q in self._queue), default=0), running=bool(self._active),
+                                  queued=len(self._queue), folders=[b.flow.out_dir for b in self._batch_of.values()])
+        if back is None:
+            return not self._cluster.lost
+        self.pool.total_gpus = back
+        for batch in self._batch_of.values():
+            batch.progress.say(f"the cluster has {back} GPU(s) again; continuing")
+        return True
+
+    def _fail_unrunnable(self, batch: ServedBatch, job: JobRecord) -> None:
+        msg = (f"needs a group of {job.spec.gpus} GPUs but the cluster has {self.pool.total_gpus} "
+               f"(at most {self._max_group} on one node, and a group must sit on one node); lower "
+               f"`gpus` or add GPUs (--cpu-gpus N on a CPU-only machine)")
+        batch.flow.fail_unrunnable(job.id, msg)
+        batch.progress.job_ended(job.id, "FAILED", msg)
+        batch.ended += 1
+

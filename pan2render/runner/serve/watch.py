@@ -1,0 +1,155 @@
+"""What the scheduler watches of the calls in flight: each sampling's latest step, recorded in its
+ledger for ``status``; the stall watchdog (a sampling that reports no step for the stall timeout
+is hung: a stopped worker, a collective that never completes, which no Ray error reports); and
+every call's own deadline; and a cluster that lost the GPUs its jobs need, until they come back.
+The watch only finds; the scheduler tears the groups down.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TypeVar
+
+from pan2render.hints import command
+from pan2render.jobs.ledger import Ledger, Stage
+from pan2render.runner.cluster.executor import Executor
+from pan2render.runner.protocol.messages import SampleCall
+from pan2render.runner.serve.jobflow import SAMPLING_STEP_DOC, JobRun
+from pan2render.runner.serve.progress import StepReport
+from pan2render.runner.serve.retry import ClusterLostError, Failure, FailureKind, classify_exception
+
+STEP_RECORD_EVERY_S = 5.0  # a running sampling's step goes to its ledger at most this often
+
+Key = TypeVar("Key")
+
+
+def sampling(run: JobRun) -> bool:
+    """Is ``run``'s call in flight its sampling?"""
+    return run.call is not None and isinstance(run.call.message, SampleCall)
+
+
+def current_steps(runs: Iterable[tuple[Key, JobRun]], reports: dict[str, StepReport]) -> dict[Key, StepReport]:
+    """The latest step of each sampling among ``runs``: the report under its attempt's key (never
+    one of another sampling of the same job id: an earlier attempt, another batch of a farm) that
+    arrived since its SampleCall went out (not one of a sampling the attempt redid)."""
+    steps = {}
+    for key, run in runs:
+        rep = reports.get(run.progress_key) if sampling(run) else None
+        if rep is not None and rep.received_at >= run.sample_started_at:
+            steps[key] = rep
+    return steps
+
+
+def started_sampling(run: JobRun) -> None:
+    """``run``'s SampleCall just went out: the watchdog's clock starts over for this attempt."""
+    run.sample_started_at, run.last_step = time.time(), None
+
+
+class StepRecorder:
+    """Each sampling's latest step into its ledger, at most every STEP_RECORD_EVERY_S per job
+    (``status``, another process, reads it there); a write the disk refuses costs only that."""
+
+    def __init__(self) -> None:
+        self._recorded: dict[object, tuple[float, int]] = {}  # key -> (monotonic, step) last written
+
+    def record(self, runs: Iterable[tuple[Key, JobRun, Ledger]], steps: dict[Key, StepReport]) -> None:
+        """``steps``: :func:`current_steps` of the runs."""
+        now = time.monotonic()
+        for key, run, ledger in runs:
+            rep = steps.get(key)
+            if rep is None:
+                continue
+            last = self._recorded.get(key)
+            if last is not None and (now - last[0] < STEP_RECORD_EVERY_S or last[1] == rep.done):
+                continue
+            self._recorded[key] = (now, rep.done)
+            doc = {"step": rep.done, "steps": rep.total, "rate": rep.rate, "at": time.time()}
+            try:
+                ledger.set_document(run.job.id, SAMPLING_STEP_DOC, json.dumps(doc))
+            except Exception as e:  # only a full disk is expected; the batch goes on
+                if classify_exception(e) is not FailureKind.STORAGE:
+                    raise
+
+
+def hung(runs: Iterable[tuple[Key, JobRun]], steps: dict[Key, StepReport], *,
+         limit_s: float) -> list[tuple[Key, JobRun, Failure]]:
+    """The samplings among ``runs`` whose latest step (or whose start) arrived more than
+    ``limit_s`` ago, each with the failure it is charged (a worker death: the group goes);
+    ``limit_s`` 0: none. ``steps``: :func:`current_steps` of the runs. Each run keeps the latest
+    step seen, so a snapshot that is missing (the progress actor busy) raises no false alarm."""
+    if not limit_s:
+        return []
+    now, found = time.time(), []
+    for key, run in runs:
+        if not sampling(run):
+            continue
+        if (report := steps.get(key)) is not None:
+            run.last_step = report
+        last = run.last_step.received_at if run.last_step is not None else run.sample_started_at
+        if now - last <= limit_s:
+            continue
+        where = f"last step {run.last_step.done}/{run.last_step.total}" if run.last_step else "no step yet"
+        found.append((key, run, Failure(
+            stage=Stage.SAMPLING, kind=FailureKind.WORKER_DEATH,
+            error=f"worker group {run.group.id} is hung: its sampling reported no step for {now - last:.0f} s "
+                  f"({where}), over the {limit_s:.0f} s stall timeout")))
+    return found
+
+
+def overdue(runs: Iterable[tuple[Key, JobRun]], *,
+            lacks_gpus_for: Callable[[int], bool]) -> list[tuple[Key, JobRun, Failure]]:
+    """The runs whose call is past its deadline, each with its failure: a dead group, or a lost
+    cluster where it no longer has the GPUs for the group."""
+    now, found = time.monotonic(), []
+    for key, run in runs:
+        if run.call is None or now - run.call.started <= run.call.timeout_s:
+            continue
+        message, limit = run.call.message, run.call.timeout_s
+        kind = FailureKind.CLUSTER_LOST if lacks_gpus_for(run.group.size) else FailureKind.WORKER_DEATH
+        found.append((key, run, Failure(
+            stage=message.stage or Stage.CONDITIONING, kind=kind,
+            error=f"worker group {run.group.id} died or stopped answering: no reply to "
+                  f"{type(message).__name__} within its {limit:.0f} s deadline")))
+    return found
+
+
+class ClusterWait:
+    """The cluster lost GPUs a job needed (a node died, its raylet or the GCS restarted): the
+    scheduler starts nothing until enough are back, for at most ``wait_s``."""
+
+    def __init__(self, executor: Executor, *, wait_s: float):
+        self.ex = executor
+        self.wait_s = wait_s
+        self._since: float | None = None  # monotonic time the GPUs were lost
+
+    @property
+    def lost(self) -> bool:
+        return self._since is not None
+
+    def lose(self) -> None:
+        if self._since is None:
+            self._since = time.monotonic()
+
+    def back(self, *, need: int, running: bool, queued: int, folders: list[Path]) -> int | None:
+        """The cluster's GPU count once ``need`` are back after a loss (the loss is over), else
+        None. Raises ClusterLostError when they have been gone for ``wait_s`` and no job runs
+        (running jobs finish first)."""
+        if self._since is None:
+            return None
+        try:
+            available = self.ex.total_gpus()
+        except Exception:  # the cluster cannot even be asked
+            available = 0
+        if available >= need:
+            self._since = None
+            return available
+        if time.monotonic() - self._since > self.wait_s and not running:
+            raise ClusterLostError(
+                f"{self.ex.cluster} lost its GPUs ({available} left, {need} needed) and they did not come back "
+                f"within {self.wait_s:.0f} s; the {queued} unfinished job(s) are pending, none was charged an "
+                f"attempt. Bring the node(s) back (`ray status` on the head shows them), then "
+                f"`{command('resume', *folders)}`")
+        return None

@@ -1,0 +1,106 @@
+"""Where each job of an output folder stands, as ``status`` shows it (and ``status --json``,
+the report and the farm's monitor read it): one row per job, read-only on the ledger, cheap
+enough for hundreds of jobs (a done job's video is checked for presence and size, not decoded)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pan2render.jobs.ledger import FolderLock, JobRecord, JobState, Ledger, Stage, StageRecord, StageState, stage_name
+from pan2render.runner.protocol import artifacts as st
+
+# The state shown for a job the ledger calls running when no run holds the folder: its run was
+# stopped or killed while it ran (`resume` continues it).
+INTERRUPTED = "interrupted"
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    id: str
+    name: str
+    state: str  # a JobState's value, or INTERRUPTED
+    stage: str | None  # done: "encode"; failed: the failing stage; else the first unfinished stage
+    attempts: int
+    error: str | None
+    video: str | None  # absolute path of a finished video, else None
+    seconds: dict[str, float | None]  # per stage
+    superseded_by: str | None = None  # id of the newer version of this job (same name and sweep)
+    problem: str | None = None  # a done job whose video is missing or not the recorded size
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "name": self.name, "state": self.state, "stage": self.stage,
+                "attempts": self.attempts, "error": self.error, "video": self.video,
+                "seconds": self.seconds, "superseded_by": self.superseded_by, "problem": self.problem}
+
+
+def superseded(jobs: list[JobRecord]) -> dict[str, str]:
+    """Old id -> newest id, for every job that has a newer version in the ledger: the same name and
+    sweep values under another spec hash (the batch was edited and run again into the folder).
+    Newest = added to the ledger last."""
+    newest: dict[str, str] = {}
+    for job in sorted(jobs, key=lambda j: j.position):
+        newest[job.spec.version_key] = job.id
+    return {j.id: newest[j.spec.version_key] for j in jobs if newest[j.spec.version_key] != j.id}
+
+
+def job_statuses(out_dir: Path, ledger: Ledger) -> list[JobStatus]:
+    jobs = ledger.jobs()
+    newer = superseded(jobs)
+    live = FolderLock.holder(out_dir) is not None
+    return [job_status(out_dir, job, ledger.stages(job.id), newer.get(job.id), live=live) for job in jobs]
+
+
+def job_status(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], newer: str | None, *,
+            live: bool) -> JobStatus:
+    video = problem = None
+    enc = stages[Stage.ENCODE]
+    if job.state is JobState.DONE:
+        # Cheap checks only (status must stay fast on hundreds of jobs): present, recorded size.
+        problem = st.check_present(out_dir, st.Recorded(enc.artifact, enc.sha256, enc.size))
+    if enc.state is StageState.DONE and enc.artifact and not problem and (out_dir / enc.artifact).is_file():
+        video = str((out_dir / enc.artifact).absolute())
+    state = INTERRUPTED if job.state is JobState.RUNNING and not live else job.state.value
+    return JobStatus(id=job.id, name=job.name, state=state, stage=_stage_of(job, stages),
+                     attempts=job.attempts, error=job.error, video=video,
+                     seconds={stage_name(s): r.seconds for s, r in stages.items()}, superseded_by=newer,
+                     problem=problem)
+
+
+def _stage_of(job: JobRecord, stages: dict[Stage | str, StageRecord]) -> str | None:
+    """The stage a job stands at: the failed one, else its first stage not done, else its last."""
+    if job.state is JobState.FAILED and job.error_stage:
+        return job.error_stage
+    for s, r in stages.items():
+        if r.state is not StageState.DONE:
+            return stage_name(s)
+    return stage_name(list(stages)[-1])
+
+
+def shown_state(r: JobStatus) -> str:
+    """The state as status shows it: a done job whose video is missing or damaged gets a ``!``."""
+    return r.state + ("!" if r.problem else "")
+
+
+def shown_error(r: JobStatus, width: int = 100) -> str:
+    """The error column of status: the video problem or the job's error, after a note naming the
+    newer version when this one is superseded."""
+    if r.problem:
+        error = f"VIDEO PROBLEM: {r.problem}; `pan2-render resume` re-encodes it"
+    else:
+        error = (r.error or "").splitlines()[0][:width] if r.error else ""
+    note = f"superseded by {r.superseded_by}" if r.superseded_by else ""
+    return "; ".join(x for x in (note, error) if x)
+
+
+def counts_lines(rows: list[JobStatus]) -> list[str]:
+    """The closing lines of status: jobs per state, and the damaged videos if any."""
+    counts = {s: sum(r.state == s for r in rows) for s in [*(s.value for s in JobState), INTERRUPTED]}
+    n_old = sum(r.superseded_by is not None for r in rows)
+    lines = [(", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no jobs")
+             + (f" ({n_old} superseded by a newer version)" if n_old else "")]
+    damaged = sum(bool(r.problem) for r in rows)
+    if damaged:
+        lines.append(f"{damaged} done job(s) marked ! have a missing or damaged video")
+    return lines
