@@ -26,9 +26,10 @@ from pan2render.runner.cli import main as cli
 from pan2render.runner.cluster.executor import Call, Group, GroupDied
 from pan2render.runner.cluster.local_executor import LocalExecutor
 from pan2render.runner.protocol import artifacts
+from pan2render.runner.protocol.failures import ClusterLostError
 from pan2render.runner.protocol.messages import EncodePromptsCall, SampleCall, WorkerCall
 from pan2render.runner.serve.driver import Driver, DriverConfig
-from pan2render.runner.serve.retry import ClusterLostError
+from pan2render.runner.worker import packing
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 from pan2render.runner.worker.render_worker import WorkerConfig
 
@@ -917,7 +918,7 @@ def test_latents_of_the_wrong_shape_are_sampled_again_not_failed_at_decode(
     j1 = _latents_of(out, "j1")
     led = Ledger.open(out)
     job = next(j for j in led.jobs() if j.name == "j1")
-    data = artifacts.pack_latents(torch.zeros(48, 1, 1, 1), spec_hash=job.spec_hash, seed=job.spec.seed,
+    data = packing.pack_latents(torch.zeros(48, 1, 1, 1), spec_hash=job.spec_hash, seed=job.spec.seed,
                                steps=job.spec.steps, model_id="fake", spec=json.loads(json.dumps(job.spec.to_dict())))
     j1.write_bytes(data)  # this job's hash, whole, finite: only its shape is wrong
     led.set_stage(job.id, Stage.SAMPLING, StageState.DONE, artifact=str(j1.relative_to(out)),

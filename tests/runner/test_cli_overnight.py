@@ -21,7 +21,7 @@ from pan2render.jobs.batch import Overrides, load_batch
 from pan2render.jobs.ledger import EventKind, JobEvent, JobState, Ledger, Stage, StageState
 from pan2render.runner.cli import common as cli_common
 from pan2render.runner.cli import main as cli
-from pan2render.runner.cluster import executor
+from pan2render.runner.cluster import choose
 from pan2render.runner.cluster.local_executor import LocalExecutor
 from pan2render.runner.serve.progress import RUN_LOG_NAME
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
@@ -38,7 +38,7 @@ def local_executor(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         return LocalExecutor(gpus=max(max_gpus, 1),
                              config=WorkerConfig(pipeline_factory=FAKE_FACTORY, faults=dict(settings["faults"])))
 
-    monkeypatch.setattr(executor, "make_executor", make)
+    monkeypatch.setattr(choose, "make_executor", make)
     return settings
 
 

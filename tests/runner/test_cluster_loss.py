@@ -21,13 +21,13 @@ from runner_helpers import jobs_by_name, write_batch
 
 from pan2render.jobs.ledger import JobState, Ledger
 from pan2render.runner.cli import main as cli
-from pan2render.runner.cluster import executor
+from pan2render.runner.cluster import choose
 from pan2render.runner.cluster.executor import Call, Group, GroupDied
 from pan2render.runner.cluster.local_executor import LocalExecutor
 from pan2render.runner.cluster.ray_cluster import GcsLost, GcsWatch
 from pan2render.runner.cluster.ray_executor import RayExecutor
+from pan2render.runner.protocol.failures import FailureKind
 from pan2render.runner.protocol.messages import SampleCall, WorkerCall
-from pan2render.runner.serve.retry import FailureKind
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 from pan2render.runner.worker.render_worker import WorkerConfig
 
@@ -80,7 +80,7 @@ def executors(monkeypatch: pytest.MonkeyPatch) -> list[_Cluster | LocalExecutor]
     """`run`/`resume` take the next executor from this list (one per command)."""
     queue: list[_Cluster | LocalExecutor] = []
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr(executor, "make_executor", lambda **_: queue.pop(0))
+    monkeypatch.setattr(choose, "make_executor", lambda **_: queue.pop(0))
     return queue
 
 

@@ -21,6 +21,7 @@ from pan2render.runner.cluster.executor import Call, Group, GroupDied
 from pan2render.runner.protocol import artifacts
 from pan2render.runner.protocol.messages import EncodePromptsCall, SampleCall, WorkerCall
 from pan2render.runner.serve.driver import Driver, DriverConfig
+from pan2render.runner.worker import packing
 from pan2render.runner.worker.render_worker import WorkerConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -80,8 +81,8 @@ def test_an_embedding_cached_by_another_text_encoder_is_not_used(tmp_path: Path)
     assert sum(kind is EncodePromptsCall for kind, _ in ex.calls) == 2
     alone, _, _ = render(tmp_path / "alone", [b], factory=factory)
     latents = artifacts.latents_relpath(b.job_id)
-    both = artifacts.unpack_latents((tmp_path / "both" / latents).read_bytes())
-    assert torch.equal(both, artifacts.unpack_latents((tmp_path / "alone" / latents).read_bytes()))
+    both = packing.unpack_latents((tmp_path / "both" / latents).read_bytes())
+    assert torch.equal(both, packing.unpack_latents((tmp_path / "alone" / latents).read_bytes()))
 
 
 class LosesOneNode(RecordingExecutor):

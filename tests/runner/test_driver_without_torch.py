@@ -18,10 +18,11 @@ def test_the_drivers_checks_read_what_the_workers_wrote(tmp_path: Path) -> None:
     import torch
 
     from pan2render.runner.protocol import artifacts
+    from pan2render.runner.worker import packing
 
     emb = torch.randn(512, 16)
     path = tmp_path / "e.safetensors"
-    path.write_bytes(artifacts.pack_embedding(emb, key="k", text_encoder_id="t"))
+    path.write_bytes(packing.pack_embedding(emb, key="k", text_encoder_id="t"))
     assert artifacts.check_embedding(tmp_path, "e.safetensors", key="k") is None
     assert "another prompt" in (artifacts.check_embedding(tmp_path, "e.safetensors", key="other") or "")
     data = bytearray(path.read_bytes())
@@ -32,12 +33,12 @@ def test_the_drivers_checks_read_what_the_workers_wrote(tmp_path: Path) -> None:
     assert "unreadable" in (artifacts.check_embedding(tmp_path, "e.safetensors", key="k") or "")
     bad = emb.clone()
     bad[3, 3] = float("inf")
-    path.write_bytes(artifacts.pack_embedding(bad, key="k", text_encoder_id="t"))
+    path.write_bytes(packing.pack_embedding(bad, key="k", text_encoder_id="t"))
     assert "non-finite" in (artifacts.check_embedding(tmp_path, "e.safetensors", key="k") or "")
 
 
 def test_gpus_are_counted_as_ray_counts_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pan2render.runner.cluster import devices, executor
+    from pan2render.runner.cluster import choose, devices
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert devices.visible(4) == 4
@@ -48,11 +49,11 @@ def test_gpus_are_counted_as_ray_counts_them(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(devices, "torch_build", lambda: "cuda")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     assert devices.cuda_gpu_count() == 2
-    assert executor.local_gpus(None, max_gpus=1) == (2, 2, None)
+    assert choose.local_gpus(None, max_gpus=1) == (2, 2, None)
     monkeypatch.setattr(devices, "nvml_device_count", lambda: 0)
-    gpus, cuda, why = executor.local_gpus(None, max_gpus=2)
+    gpus, cuda, why = choose.local_gpus(None, max_gpus=2)
     assert (gpus, cuda) == (2, 0) and why is not None and why.startswith("no CUDA GPU found")
-    assert executor.local_gpus(3, max_gpus=2) == (3, 0, None)
+    assert choose.local_gpus(3, max_gpus=2) == (3, 0, None)
 
 
 @pytest.mark.parametrize(("text", "build"), [
@@ -85,13 +86,14 @@ _DRIVER_SIDE = r"""
 import pickle, sys
 from pathlib import Path
 from pan2render.runner.cli import main as cli
-from pan2render.runner.cluster import ray_cluster as cluster, executor, local_executor, ray_executor
+from pan2render.runner.cluster import choose, executor, local_executor, ray_executor
+from pan2render.runner.cluster import ray_cluster as cluster
 from pan2render.runner.protocol import artifacts, outputs
 from pan2render.runner.serve import driver, jobflow, pool, repair, scheduler, steps as stages
 from pan2render.runner.views import report, status as views
 from pan2render.runner.protocol.messages import LoadReply
 out = Path(sys.argv[1])
-executor.local_gpus(None, max_gpus=1)
+choose.local_gpus(None, max_gpus=1)
 assert artifacts.check_embedding(out, "emb.safetensors", key="k") is None
 job = pickle.loads(Path(sys.argv[2]).read_bytes())
 assert artifacts.check_latents(out, artifacts.Recorded("lat.safetensors", None, None), spec=job) is None
@@ -106,15 +108,16 @@ assert "torch" not in sys.modules, "the driver imported torch"
 def test_the_driver_side_never_imports_torch(tmp_path: Path) -> None:
     from runner_helpers import spec
 
-    from pan2render.runner.protocol import artifacts, outputs
+    from pan2render.runner.protocol import outputs
     from pan2render.runner.protocol.messages import LoadCall, WorkerConfig
+    from pan2render.runner.worker import packing
     from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY, FakePipeline
     from pan2render.runner.worker.render_worker import RenderWorker
 
     emb = FakePipeline("m").encode_prompt("x")
-    (tmp_path / "emb.safetensors").write_bytes(artifacts.pack_embedding(emb, key="k", text_encoder_id="t"))
+    (tmp_path / "emb.safetensors").write_bytes(packing.pack_embedding(emb, key="k", text_encoder_id="t"))
     job = spec("s", steps=4)
-    (tmp_path / "lat.safetensors").write_bytes(artifacts.pack_latents(
+    (tmp_path / "lat.safetensors").write_bytes(packing.pack_latents(
         FakePipeline("m").sample(prompt_embeds=emb, height=job.height, width=job.width, frames=job.frames, steps=1,
                                  guidance=1.0, seed=0),
         spec_hash=job.spec_hash, seed=0, steps=1, model_id="m"))

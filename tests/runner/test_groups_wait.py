@@ -6,8 +6,8 @@ from __future__ import annotations
 from pan2render.jobs.ledger import Stage
 from pan2render.runner.cluster.executor import Call
 from pan2render.runner.cluster.ray_executor import RayExecutor
+from pan2render.runner.protocol.failures import Failure, FailureKind
 from pan2render.runner.protocol.messages import Reply, SampleCall
-from pan2render.runner.serve.retry import Failure, FailureKind
 
 
 class _FakeRay:

@@ -8,6 +8,7 @@ import pickle
 import pytest
 
 from pan2render.jobs.ledger import Stage
+from pan2render.runner.protocol.failures import Failure, FailureKind
 from pan2render.runner.protocol.messages import (
     JOB_CALLS,
     SETUP_CALLS,
@@ -25,7 +26,6 @@ from pan2render.runner.protocol.messages import (
     default_call_timeouts,
 )
 from pan2render.runner.serve.driver import DriverConfig
-from pan2render.runner.serve.retry import Failure, FailureKind
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 from pan2render.runner.worker.render_worker import RenderWorker, WorkerConfig
 

@@ -9,9 +9,10 @@ import time
 from pathlib import Path
 
 from pan2render.jobs.batch import load_batch
-from pan2render.runner.protocol import artifacts
 from pan2render.runner.protocol.messages import LoadCall, SampleCall
-from pan2render.runner.serve.progress import RunLog, RunProgress, StepClock, StepReport
+from pan2render.runner.protocol.steps import StepClock, StepReport
+from pan2render.runner.serve.progress import RunLog, RunProgress
+from pan2render.runner.worker import packing
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY, FakePipeline
 from pan2render.runner.worker.render_worker import RenderWorker, WorkerConfig
 
@@ -36,7 +37,7 @@ def test_step_rate_equals_steps_over_seconds_on_a_slow_fake_model(tmp_path: Path
     batch.write_text("model: tiny\npreset: tiny-preview\ndefaults: {steps: 12, height: 32, width: 32, frames: 5}\n"
                      "jobs: [{name: slow, prompt: x}]\n")
     spec = load_batch(batch).jobs[0]
-    emb = artifacts.pack_embedding(FakePipeline("tiny").encode_prompt("x"), key="k", text_encoder_id="fake-text-v1")
+    emb = packing.pack_embedding(FakePipeline("tiny").encode_prompt("x"), key="k", text_encoder_id="fake-text-v1")
     worker.execute(LoadCall(model="tiny"))
     reply: dict = {}
 

@@ -20,7 +20,8 @@ SCRIPT = r'''
 import sys, time
 from pathlib import Path
 from pan2render.runner.serve import progress
-from pan2render.runner.serve.progress import RunLog, RunProgress, StepReport
+from pan2render.runner.serve.progress import RunLog, RunProgress
+from pan2render.runner.protocol.steps import StepReport
 
 if sys.argv[1] == "uncut":
     progress.fit = lambda text, width: text

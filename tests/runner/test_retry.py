@@ -21,22 +21,19 @@ from pan2render.jobs.ledger import JobRecord, JobState, Stage
 from pan2render.jobs.spec import JobSpec
 from pan2render.runner.cluster.executor import Call, Group, GroupDied
 from pan2render.runner.protocol import artifacts
-from pan2render.runner.protocol.messages import SampleCall, WorkerCall
-from pan2render.runner.serve.driver import Driver, DriverConfig
-from pan2render.runner.serve.retry import (
-    Action,
+from pan2render.runner.protocol.failures import (
     ArtifactCheckError,
     BatchStopped,
     DeviceError,
     Failure,
     FailureKind,
     JobInputError,
-    OnGroup,
-    RetryPolicy,
     classify_exception,
     classify_group_death,
-    keeps_group,
 )
+from pan2render.runner.protocol.messages import SampleCall, WorkerCall
+from pan2render.runner.serve.driver import Driver, DriverConfig
+from pan2render.runner.serve.retry import Action, OnGroup, RetryPolicy, keeps_group
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 from pan2render.runner.worker.render_worker import RenderWorker, WorkerConfig
 

@@ -18,10 +18,10 @@ from pan2render.jobs.ledger import FolderLock, JobEvent, Ledger, Stage, StageSta
 from pan2render.runner.cli import main as cli
 from pan2render.runner.cluster.executor import Call, Group
 from pan2render.runner.cluster.local_executor import LocalExecutor
+from pan2render.runner.protocol.artifacts import SAMPLING_STEP_DOC, STEP_CHECKPOINT_DOC
 from pan2render.runner.protocol.messages import Lane, WorkerCall
 from pan2render.runner.serve import watch
 from pan2render.runner.serve.driver import Driver, DriverConfig
-from pan2render.runner.serve.jobflow import SAMPLING_STEP_DOC, STEP_CHECKPOINT_DOC
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 from pan2render.runner.worker.render_worker import WorkerConfig
 

@@ -13,11 +13,12 @@ from runner_helpers import spec
 
 from pan2render.jobs.ledger import Ledger
 from pan2render.runner.cluster.executor import Call, Group
-from pan2render.runner.protocol import artifacts
+from pan2render.runner.protocol.artifacts import SAMPLING_STEP_DOC
 from pan2render.runner.protocol.messages import LoadCall, SampleCall
-from pan2render.runner.serve.jobflow import SAMPLING_STEP_DOC, JobRun
-from pan2render.runner.serve.progress import StepClock
+from pan2render.runner.protocol.steps import StepClock
+from pan2render.runner.serve.jobflow import JobRun
 from pan2render.runner.serve.watch import StepRecorder, current_steps, hung, started_sampling
+from pan2render.runner.worker import packing
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY, FakePipeline
 from pan2render.runner.worker.render_worker import RenderWorker, WorkerConfig
 
@@ -64,7 +65,7 @@ def test_the_worker_reports_steps_under_the_calls_progress_key(tmp_path: Path) -
     clock = StepClock()
     worker = RenderWorker(rank=0, world_size=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY), progress=clock)
     job = spec("same", steps=4)
-    emb = artifacts.pack_embedding(FakePipeline("tiny").encode_prompt("x"), key="k", text_encoder_id="fake-text-v1")
+    emb = packing.pack_embedding(FakePipeline("tiny").encode_prompt("x"), key="k", text_encoder_id="fake-text-v1")
     worker.execute(LoadCall(model=job.model))
     for key in ("same#1", "same#2"):
         reply = worker.execute(SampleCall(model=job.model, job_id=job.job_id, spec=job, prompt_embeds=emb,

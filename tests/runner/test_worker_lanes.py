@@ -11,9 +11,9 @@ from typing import Any
 from pan2render.jobs.ledger import Stage
 from pan2render.jobs.spec import JobSpec
 from pan2render.media.video import probe_mp4
-from pan2render.runner.protocol import artifacts
+from pan2render.runner.protocol.failures import FailureKind
 from pan2render.runner.protocol.messages import CollectCall, DecodeCall, WorkerCall
-from pan2render.runner.serve.retry import FailureKind
+from pan2render.runner.worker import packing
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY, FakePipeline
 from pan2render.runner.worker.render_worker import RenderWorker, WorkerConfig
 
@@ -70,7 +70,7 @@ def test_gpu_lane_calls_run_in_seq_order_whatever_the_arrival_order() -> None:
 def test_collect_returns_while_the_gpu_lane_is_held(tmp_path: Any) -> None:
     w = _Worker()
     js = _spec()
-    latents = artifacts.pack_latents(FakePipeline("tiny").sample(
+    latents = packing.pack_latents(FakePipeline("tiny").sample(
         prompt_embeds=FakePipeline("tiny").encode_prompt("p"), height=32, width=48, frames=9, steps=2,
         guidance=1.0, seed=0), spec_hash=js.spec_hash, seed=0, steps=2, model_id="fake")
     decoded = w.execute(DecodeCall(model="tiny", job_id=js.job_id, spec=js, latents=latents), 0)

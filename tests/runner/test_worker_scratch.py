@@ -25,6 +25,7 @@ import dataclasses, time
 from runner_helpers import spec
 from pan2render.media import video
 from pan2render.runner.protocol import artifacts
+from pan2render.runner.worker import packing
 from pan2render.runner.protocol.messages import DecodeCall, LoadCall, WorkerConfig
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY, FakePipeline
 from pan2render.runner.worker.render_worker import RenderWorker
@@ -42,7 +43,7 @@ lat = pipe.sample(prompt_embeds=pipe.encode_prompt(job.prompt), height=32, width
                   guidance=1.0, seed=0)
 worker = RenderWorker(rank=0, world_size=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
 assert worker.execute(LoadCall(model=job.model), 0).ok
-data = artifacts.pack_latents(lat, spec_hash=job.spec_hash, seed=0, steps=1, model_id=pipe.model_id)
+data = packing.pack_latents(lat, spec_hash=job.spec_hash, seed=0, steps=1, model_id=pipe.model_id)
 reply = worker.execute(DecodeCall(model=job.model, job_id=job.job_id, spec=job, latents=data), 1)
 print("decoded" if reply.ok else reply.failure.error, flush=True)
 time.sleep(600)

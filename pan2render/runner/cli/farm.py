@@ -216,8 +216,7 @@ def monitor_line(url: str, root: Path) -> str:
 
 
 def format_status(snap: dict[str, Any]) -> str:
-    from pan2render.runner.serve.progress import duration
-    from pan2render.runner.views.status import table
+    from pan2render.runner.views.format import duration, table
 
     now = time.time()
     lines = [f"farm at {snap['url']} (pid {snap['pid']} on {snap['host']}), up {duration(now - snap['started_at'])}",
@@ -302,8 +301,7 @@ def follow(client: FarmClient, batch_id: str, *, offset: int = 0) -> int:
 
 # ====================================================================== queue and actions
 def cmd_queue(args: argparse.Namespace) -> int:
-    from pan2render.runner.serve.progress import duration
-    from pan2render.runner.views.status import table
+    from pan2render.runner.views.format import duration, table
 
     client = _client(args.root)
     if client is None:

@@ -21,7 +21,7 @@ from pan2render.runner.cli.common import (
     load_batch_or_report,
     print_error,
 )
-from pan2render.runner.cluster.executor import LOCAL_ADDRESS
+from pan2render.runner.cluster.choose import LOCAL_ADDRESS
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -58,7 +58,7 @@ def print_plan(batch: Batch, out: Path | None, args: argparse.Namespace) -> None
         ledger.close()
     todo = [j for j in batch.jobs if j.job_id not in done]
     max_gpus = max((j.gpus for j in batch.jobs), default=1)
-    from pan2render.runner.cluster.executor import local_gpus
+    from pan2render.runner.cluster.choose import local_gpus
 
     if getattr(args, "address", None) not in (None, LOCAL_ADDRESS):
         gpus, device, note = max_gpus, CUDA, "the cluster's GPU count is known only once joined: assumed"
@@ -181,7 +181,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_presets(args: argparse.Namespace) -> int:
-    from pan2render.runner.views.status import table
+    from pan2render.runner.views.format import table
 
     if args.name is not None:
         try:

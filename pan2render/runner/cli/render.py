@@ -28,7 +28,7 @@ from pan2render.runner.cli.common import (
     stopped_by,
 )
 from pan2render.runner.cli.reading import print_plan
-from pan2render.runner.cluster.executor import LOCAL_ADDRESS
+from pan2render.runner.cluster.choose import LOCAL_ADDRESS
 from pan2render.runner.protocol import timeline
 from pan2render.runner.serve import errors
 from pan2render.runner.serve.progress import RunLog, RunProgress
@@ -47,7 +47,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     joins it instead of starting Ray (~2 s against ~7 s on an H200 host, before the first video).
     A run's GPU workers are still its own. `node stop` ends that node alone (runner/cluster/node.py)."""
     from pan2render.runner.cluster import node  # imports ray's scripts only when it starts one
-    from pan2render.runner.cluster.executor import local_gpus
+    from pan2render.runner.cluster.choose import local_gpus
 
     env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     if args.action == "stop":
@@ -169,7 +169,7 @@ def cmd_repair(args: argparse.Namespace) -> int:
 def _drive(args: argparse.Namespace, session: Any) -> int:
     """Serve the session's batch in this process (the scheduler serving one batch): its jobs
     prepared, Ray started or joined only when one of them needs rendering."""
-    from pan2render.runner.cluster.executor import make_executor
+    from pan2render.runner.cluster.choose import make_executor
     from pan2render.runner.cluster.ray_cluster import ClusterConnectError
     from pan2render.runner.serve.driver import Driver, DriverConfig
     from pan2render.runner.serve.session import warn_if_no_backup

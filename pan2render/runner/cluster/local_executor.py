@@ -12,9 +12,9 @@ from concurrent import futures
 from typing import TYPE_CHECKING, Any
 
 from pan2render.runner.cluster.executor import Call, Group, GroupDied, GroupStartError, next_group_number
+from pan2render.runner.protocol.failures import FailureKind
 from pan2render.runner.protocol.messages import IO_CONCURRENCY, Lane, Reply, WorkerCall, WorkerConfig
-from pan2render.runner.serve.progress import StepClock, StepReport
-from pan2render.runner.serve.retry import FailureKind
+from pan2render.runner.protocol.steps import StepClock, StepReport
 
 if TYPE_CHECKING:  # the worker imports torch: only once a group is made
     from pan2render.runner.worker.render_worker import RenderWorker

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pan2render.runner.serve.retry import ClusterLostError
+from pan2render.runner.protocol.failures import ClusterLostError
 
 
 class GcsLost(ClusterLostError):

@@ -36,6 +36,7 @@ from pan2render.runner.cluster.ray_cluster import (
     parse_gcs_address,
     probe_address,
 )
+from pan2render.runner.protocol.failures import FailureKind, classify_group_death
 from pan2render.runner.protocol.messages import (
     GPU_QUEUE_DEPTH,
     IO_CONCURRENCY,
@@ -46,8 +47,7 @@ from pan2render.runner.protocol.messages import (
     WorkerCall,
     WorkerConfig,
 )
-from pan2render.runner.serve.progress import StepClock, StepReport
-from pan2render.runner.serve.retry import FailureKind, classify_group_death
+from pan2render.runner.protocol.steps import StepClock, StepReport
 
 WAIT_NOTE_EVERY_S = 10.0  # how often a group waiting for GPUs says so
 NODE_LEFTOVERS_GRACE_S = 3.0  # after ray.shutdown(): what is left of our node's processes, SIGTERM to SIGKILL

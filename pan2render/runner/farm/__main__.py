@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pan2render.jobs.ledger import FolderLock
-from pan2render.runner.cluster.executor import make_executor
+from pan2render.runner.cluster.choose import make_executor
 from pan2render.runner.farm.api import start_api
 from pan2render.runner.farm.service import INFO_NAME, LOG_NAME, Farm, FarmConfig, ensure_token
 from pan2render.runner.protocol.artifacts import write_atomic

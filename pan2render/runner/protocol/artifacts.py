@@ -16,7 +16,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -27,19 +27,18 @@ from pan2render.jobs.disk import ensure_free
 from pan2render.jobs.ledger import StageRecord
 from pan2render.jobs.spec import JobSpec
 from pan2render.media.video import fsync_dir
-from pan2render.runner.serve.retry import JobInputError
+from pan2render.runner.protocol.failures import JobInputError
 from pan2render.sampling import WAN22
 
 EMBED_CACHE = Path("_cache") / "embeddings"
 LATENTS_NAME = "latents.safetensors"
 VIDEO_NAME = "video.mp4"
+# The ledger document recording a job's newest step checkpoint (its file, digest, size, step).
+STEP_CHECKPOINT_DOC = "step-checkpoint"
+# The ledger document with a running sampling's latest step, as the scheduler last recorded it
+# ({"step", "steps", "rate", "at"}), so that `status` (another process) can show it.
+SAMPLING_STEP_DOC = "sampling-step"
 STEP_CHECKPOINT_NAME = "sampling.ckpt.safetensors"  # a sampling's newest step checkpoint, until it ends
-
-# Torch is imported where tensors are packed and unpacked, on the workers: the driver writes and
-# checks artifacts with numpy alone, so it never imports torch (seconds before a run can start).
-if TYPE_CHECKING:
-    import torch
-
 
 class NonFiniteError(JobInputError, FloatingPointError):
     """Latents or frames contain NaN/Inf. Deterministic for a given spec, so never retried."""
@@ -72,54 +71,10 @@ def step_checkpoint_relpath(job_id: str) -> str:
     return f"{job_id}/{STEP_CHECKPOINT_NAME}"
 
 
-# ------------------------------------------------------------------ (de)serialisation
-def pack_embedding(emb: torch.Tensor, *, key: str, text_encoder_id: str) -> bytes:
-    """emb: float32 [512, text_dim] -> safetensors bytes carrying its cache key and the sha256 of
-    the tensor's bytes (the cache is keyed by prompt, not content: the digest is what proves a
-    cached file holds what the encoder wrote)."""
-    import torch  # see above
-    from safetensors.torch import save
-
-    emb = emb.detach().to("cpu", torch.float32).contiguous()
-    return save({"prompt_embeds": emb}, metadata={"key": key, "text_encoder_id": text_encoder_id,
-                                                  "sha256": _array_digest(emb.numpy())})
-
-
-def _array_digest(a: np.ndarray) -> str:
+# ------------------------------------------------------------------ what the files hold
+def array_digest(a: np.ndarray) -> str:
     """sha256 of an array's bytes in C order (a float32 tensor's bytes, as torch lays them out)."""
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
-
-
-def unpack_embedding(data: bytes) -> torch.Tensor:
-    from safetensors.torch import load  # torch
-
-    return load(data)["prompt_embeds"]
-
-
-def pack_latents(lat: torch.Tensor, *, spec_hash: str, seed: int, steps: int, model_id: str,
-                 spec: dict[str, Any] | None = None, fast_lanes: dict[str, Any] | None = None) -> bytes:
-    """lat: float32 [48, T, h, w]. Raises NonFiniteError before anything is written. ``spec`` (the
-    job's resolved spec) travels in the metadata so ``repair`` can rebuild the job from the file;
-    ``fast_lanes`` (the sampling plan's record: which steps computed) so params.json can show it;
-    ``sha256`` (of the tensor's bytes) proves the data is what the sampler wrote, where no ledger
-    recorded the file's digest (``repair``)."""
-    import torch  # see above
-    from safetensors.torch import save
-
-    lat = lat.detach().to("cpu", torch.float32).contiguous()
-    if not torch.isfinite(lat).all():
-        bad = int((~torch.isfinite(lat)).sum())
-        raise NonFiniteError(
-            f"sampling produced non-finite latents ({bad} of {lat.numel()} values NaN/Inf, shape "
-            f"{list(lat.shape)}); this is deterministic for the spec: change seed, steps or guidance"
-        )
-    meta = {"spec_hash": spec_hash, "seed": str(seed), "steps": str(steps), "model_id": model_id,
-            "sha256": _array_digest(lat.numpy())}
-    if spec is not None:
-        meta["spec"] = json.dumps(spec, sort_keys=True)
-    if fast_lanes is not None:
-        meta[FAST_LANES_KEY] = json.dumps(fast_lanes, sort_keys=True)
-    return save({"latents": lat}, metadata=meta)
 
 
 FAST_LANES_KEY = "fast_lanes"
@@ -133,12 +88,6 @@ def latents_fast_lanes(out_dir: Path, relpath: str) -> dict[str, Any] | None:
     except (SafetensorError, OSError, ValueError, RuntimeError):
         return None
     return None if text is None else json.loads(text)
-
-
-def unpack_latents(data: bytes) -> torch.Tensor:
-    from safetensors.torch import load  # torch
-
-    return load(data)["latents"]
 
 
 def estimated_bytes(spec: JobSpec) -> int:
@@ -243,7 +192,7 @@ def check_embedding(out_dir: Path, relpath: str, *, key: str) -> str | None:
         return f"{relpath} is unreadable ({e})"
     if meta.get("key") != key:
         return f"{relpath} belongs to another prompt/encoder (key {meta.get('key')!r})"
-    if meta.get("sha256") != _array_digest(emb):
+    if meta.get("sha256") != array_digest(emb):
         return f"{relpath} does not match its recorded sha256 (corrupt, or written without one)"
     if not np.isfinite(emb).all():
         return f"{relpath} holds non-finite embeddings"
@@ -270,7 +219,7 @@ def check_latents(out_dir: Path, rec: Recorded, *, spec: JobSpec, require_digest
     digest = meta.get("sha256")
     if digest is None and require_digest:
         return f"{rec.relpath} carries no data digest (written by an older version), so its data cannot be proven"
-    if digest is not None and digest != _array_digest(lat):
+    if digest is not None and digest != array_digest(lat):
         return f"{rec.relpath} does not match its data digest (corrupt)"
     want = latent_grid(spec)
     if lat.ndim != 4 or tuple(lat.shape[1:]) != want:

@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 from pan2render.jobs.ledger import Stage
 from pan2render.jobs.spec import JobSpec
 from pan2render.phases import Phase
-from pan2render.runner.serve.retry import Failure
+from pan2render.runner.protocol.failures import Failure
 
 DEFAULT_PIPELINE_FACTORY = "pan2render.runner.worker.render_worker:load_pan2_pipeline"
 

@@ -14,9 +14,9 @@ from pan2render.jobs.ledger import EventKind, JobEvent, JobState, Ledger, Stage
 from pan2render.runner.cluster.executor import Executor
 from pan2render.runner.cluster.ray_cluster import GcsLost
 from pan2render.runner.protocol import artifacts, outputs
+from pan2render.runner.protocol.failures import ClusterLostError
 from pan2render.runner.serve.jobflow import BatchFlow, JobFlow
 from pan2render.runner.serve.progress import RunLog, RunProgress
-from pan2render.runner.serve.retry import ClusterLostError
 from pan2render.runner.serve.scheduler import DriverConfig, Scheduler, ServedBatch
 from pan2render.runner.serve.steps import PAN2_FLOW
 

@@ -18,7 +18,7 @@ from pan2render.hints import command
 from pan2render.jobs.disk import is_disk_full, sqlite_error_name
 from pan2render.jobs.ledger import LedgerError
 from pan2render.jobs.outdir import UnsafePathError, create_new, real_dir
-from pan2render.runner.serve.retry import BatchStopped, ClusterLostError
+from pan2render.runner.protocol.failures import BatchStopped, ClusterLostError
 
 LOG_DIR = "_logs"
 

@@ -34,18 +34,12 @@ from pan2render.jobs.spec import JobSpec
 from pan2render.phases import describe as describe_phases
 from pan2render.runner.cluster.executor import Call, Group
 from pan2render.runner.protocol import artifacts
+from pan2render.runner.protocol.failures import ArtifactCheckError, Failure
 from pan2render.runner.protocol.messages import CheckpointReply, DecodeCall, LoadCall, LoadReply, Warmup, WorkerCall
+from pan2render.runner.protocol.steps import StepReport
 from pan2render.runner.protocol.timeline import stamp
-from pan2render.runner.serve.progress import StepReport
-from pan2render.runner.serve.retry import Action, ArtifactCheckError, Decision, Failure
+from pan2render.runner.serve.retry import Action, Decision
 from pan2render.step_checkpoint import StepCheckpointError, read_checkpoint
-
-# The ledger document recording a job's newest step checkpoint (its file, digest, size, step).
-STEP_CHECKPOINT_DOC = "step-checkpoint"
-# The ledger document with a running sampling's latest step, as the scheduler last recorded it
-# ({"step", "steps", "rate", "at"}), so that `status` (another process) can show it.
-SAMPLING_STEP_DOC = "sampling-step"
-
 
 # ---------------------------------------------------------------------- one attempt of a job
 _RUN_NUMBERS = itertools.count(1)
@@ -324,7 +318,7 @@ class BatchFlow:
         first leaves a file with no record)."""
         rel = artifacts.step_checkpoint_relpath(run.job.id)
         path = self.out_dir / rel
-        if self.ledger.document(run.job.id, STEP_CHECKPOINT_DOC) is None and not path.is_file():
+        if self.ledger.document(run.job.id, artifacts.STEP_CHECKPOINT_DOC) is None and not path.is_file():
             return None
         try:
             fd = outdir.open_file(path, os.O_RDONLY)  # (never through a link planted at its name)
@@ -350,7 +344,7 @@ class BatchFlow:
         rel = artifacts.step_checkpoint_relpath(run.job.id)
         artifacts.write_artifact(self.out_dir, rel, data)
         total = run.job.spec.steps
-        self.ledger.set_document(run.job.id, STEP_CHECKPOINT_DOC, json.dumps(
+        self.ledger.set_document(run.job.id, artifacts.STEP_CHECKPOINT_DOC, json.dumps(
             {"artifact": rel, "sha256": artifacts.sha256_bytes(data), "size": len(data), "step": step, "total": total}))
         run.checkpoint_step = step
 
@@ -358,9 +352,10 @@ class BatchFlow:
         """Forget the job's step checkpoint (the record first, then the file): the sampling ended, or
         the checkpoint was refused (``reason``, logged)."""
         path = self.out_dir / artifacts.step_checkpoint_relpath(job_id)
-        if self.ledger.document(job_id, STEP_CHECKPOINT_DOC) is None and not path.is_symlink() and not path.exists():
+        recorded = self.ledger.document(job_id, artifacts.STEP_CHECKPOINT_DOC) is not None
+        if not recorded and not path.is_symlink() and not path.exists():
             return
-        self.ledger.delete_document(job_id, STEP_CHECKPOINT_DOC)
+        self.ledger.delete_document(job_id, artifacts.STEP_CHECKPOINT_DOC)
         path.unlink(missing_ok=True)
         if reason:
             self.ledger.log(job_id, EventKind.CHECKPOINT_DROPPED, reason)

@@ -13,10 +13,7 @@ shows depends on where stderr goes:
 Every line printed (events and summaries, not the redrawn block) is also appended to
 ``DIR/run.log`` with a UTC timestamp, so an overnight run can be read back the next morning.
 
-Step rates are measured where the steps happen: the worker stamps each step it reports, and a
-:class:`StepClock` (in the worker's process for the in-process executor, in a small Ray actor
-otherwise) keeps the latest few per job, so the rate is the latest steps over their own seconds,
-however seldom the driver polls and however Ray batches the reports.
+Sampling steps arrive as ``protocol.steps.StepReport``s, measured where the steps happen.
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ import os
 import sys
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,69 +30,10 @@ from typing import Any, Protocol, TextIO
 from rich.cells import cell_len, set_cell_size
 
 from pan2render.jobs.outdir import open_file
+from pan2render.runner.protocol.steps import StepReport
+from pan2render.runner.views.format import duration
 
 RUN_LOG_NAME = "run.log"
-
-
-# ---------------------------------------------------------------------------------------- steps
-RATE_WINDOW_STEPS = 8  # the step rate is measured over this many latest steps
-# Samplings a StepClock remembers: far more than run at once on any cluster (one per group).
-STEP_CLOCK_KEYS = 512
-
-
-@dataclass(frozen=True)
-class StepReport:
-    """Sampling progress of one job: ``done`` of ``total`` steps; ``window``: (step, wall-clock
-    time) of the latest steps, oldest first, stamped by the worker that ran them."""
-
-    done: int
-    total: int
-    window: tuple[tuple[int, float], ...]
-    # When the clock received the latest step (its own clock: the scheduler's watchdog compares it
-    # with its own time, which a worker's stamp on another node need not agree with).
-    received_at: float = 0.0
-
-    @property
-    def first_at(self) -> float:
-        return self.window[0][1]
-
-    @property
-    def last_at(self) -> float:
-        return self.window[-1][1]
-
-    @property
-    def rate(self) -> float | None:
-        """Steps per second over the window (the latest RATE_WINDOW_STEPS steps: a first step that
-        compiled, or a slower stretch long past, does not weigh on it); None before two steps."""
-        (k0, t0), (k1, t1) = self.window[0], self.window[-1]
-        if k1 <= k0 or t1 <= t0:
-            return None
-        return (k1 - k0) / (t1 - t0)
-
-
-class StepClock:
-    """Receives ``report(key, done, total, at)`` from rank 0 of each group as sampling steps
-    finish (``key``: the sampling's own, see ``SampleCall.progress_key``; ``at``: when, stamped by
-    the worker, so reports delivered in a burst keep their spacing; None: on arrival) and keeps the
-    latest :class:`StepReport` per key, for the newest STEP_CLOCK_KEYS keys (a farm's clock lives
-    as long as the farm). A report of step 1 (or of fewer steps than before) restarts a key's
-    window."""
-
-    def __init__(self) -> None:
-        self._state: OrderedDict[str, StepReport] = OrderedDict()
-
-    def report(self, key: str, done: int, total: int, at: float | None = None) -> None:
-        stamp = time.time() if at is None else at
-        prev = self._state.get(key)
-        kept = () if prev is None or done <= 1 or done < prev.done else prev.window
-        window = (*kept, (done, stamp))[-(RATE_WINDOW_STEPS + 1):]
-        self._state[key] = StepReport(done=done, total=total, window=window, received_at=time.time())
-        self._state.move_to_end(key)
-        while len(self._state) > STEP_CLOCK_KEYS:
-            self._state.popitem(last=False)
-
-    def snapshot(self) -> dict[str, StepReport]:
-        return dict(self._state)
 
 
 # ---------------------------------------------------------------------------------------- log
@@ -222,16 +159,6 @@ class RunningJob:
     stage_since: float  # RunProgress.clock's time the stage began
     steps: StepReport | None = None  # while sampling: its latest steps
 
-
-def duration(seconds: float) -> str:
-    """Seconds as people read them: 42s, 3m05s, 2h10m. Never negative: a span between stamps of
-    two clocks (a clock stepped back, another host's) shows as 0s."""
-    s = max(0, int(round(seconds)))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 @dataclass

@@ -24,6 +24,7 @@ import traceback
 
 from pan2render.jobs.ledger import EventKind, JobEvent, JobRecord, JobState, Stage, StageState, stage_name
 from pan2render.runner.cluster.executor import Call, Executor, Group, GroupDied, GroupStartError
+from pan2render.runner.protocol.failures import BatchStopped, Failure, FailureKind, classify_exception
 from pan2render.runner.protocol.messages import (
     MAX_ENCODES_IN_FLIGHT,
     CheckpointReply,
@@ -37,16 +38,7 @@ from pan2render.runner.protocol.timeline import stamp
 from pan2render.runner.serve import watch
 from pan2render.runner.serve.jobflow import JobRun
 from pan2render.runner.serve.pool import GroupPool
-from pan2render.runner.serve.retry import (
-    Action,
-    BatchStopped,
-    Decision,
-    Failure,
-    FailureKind,
-    OnGroup,
-    RetryPolicy,
-    classify_exception,
-)
+from pan2render.runner.serve.retry import Action, Decision, OnGroup, RetryPolicy
 from pan2render.runner.serve.serving import DriverConfig, JobQueue, QueuedJob, ServedBatch
 
 __all__ = ["DriverConfig", "Scheduler", "ServedBatch"]

@@ -21,6 +21,7 @@ from pan2render.jobs.ledger import EventKind, Stage, StageRecord, StageState, st
 from pan2render.jobs.spec import JobSpec
 from pan2render.jobs.weights import folder_fingerprint
 from pan2render.runner.protocol import artifacts, outputs
+from pan2render.runner.protocol.failures import JobInputError
 from pan2render.runner.protocol.messages import (
     Adapter,
     CollectCall,
@@ -34,7 +35,6 @@ from pan2render.runner.protocol.messages import (
     WorkerCall,
 )
 from pan2render.runner.serve.jobflow import BatchFlow, Done, JobFlow, JobRun, Redo, Status, Step, file_proof
-from pan2render.runner.serve.retry import JobInputError
 
 # Prompts encoded in one encode_prompts call (the current job's and upcoming jobs'); each
 # embedding is 512 x 4096 float32 = 8 MB of reply.

@@ -16,10 +16,11 @@ from typing import TypeVar
 from pan2render.hints import command
 from pan2render.jobs.ledger import Ledger, Stage
 from pan2render.runner.cluster.executor import Executor
+from pan2render.runner.protocol.artifacts import SAMPLING_STEP_DOC
+from pan2render.runner.protocol.failures import ClusterLostError, Failure, FailureKind, classify_exception
 from pan2render.runner.protocol.messages import SampleCall
-from pan2render.runner.serve.jobflow import SAMPLING_STEP_DOC, JobRun
-from pan2render.runner.serve.progress import StepReport
-from pan2render.runner.serve.retry import ClusterLostError, Failure, FailureKind, classify_exception
+from pan2render.runner.protocol.steps import StepReport
+from pan2render.runner.serve.jobflow import JobRun
 
 STEP_RECORD_EVERY_S = 5.0  # a running sampling's step goes to its ledger at most this often
 

@@ -116,7 +116,7 @@ def comparisons(out_dir: Path, ledger: Ledger, *, say: Callable[[str], None] | N
 
 def format_comparisons(rows: list[LaneComparison]) -> str:
     """The table ``pan2-render compare`` prints."""
-    from pan2render.runner.views.status import table
+    from pan2render.runner.views.format import table
 
     if not rows:
         return ("no fast-lane jobs with an exact partner here: a job with cache, guidance_until or precision "

@@ -13,8 +13,8 @@ from typing import Any
 from pan2render.hints import command
 from pan2render.jobs.ledger import Event, EventKind, FolderLock, JobRecord, JobState, Ledger, StageState, stage_name
 from pan2render.jobs.spec import JobSpec
-from pan2render.runner.serve.progress import duration
 from pan2render.runner.views.estimates import CPU, CUDA, History, JobEstimate, Plan, ledger_device, plan
+from pan2render.runner.views.format import duration, table
 from pan2render.runner.views.job_status import (
     INTERRUPTED,
     JobStatus,
@@ -24,13 +24,7 @@ from pan2render.runner.views.job_status import (
     shown_state,
 )
 
-
 # ---------------------------------------------------------------------------------------- tables
-def table(header: list[str], rows: list[list[str]]) -> str:
-    """Left-aligned columns, two spaces apart."""
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows])
-
 
 def sweep_keys(specs: list[JobSpec]) -> list[str]:
     """The swept fields of a batch, in first-seen order: one column each."""
@@ -218,7 +212,7 @@ def status_document(out_dir: Path, ledger: Ledger) -> tuple[dict[str, Any], int]
 def job_progress(ledger: Ledger, job_id: str, state: str, stage: str | None) -> dict[str, Any] | None:
     """Where a sampling stands: its step as the run last recorded it (while the job runs) and its
     step checkpoint, which a stopped sampling continues from; None when neither applies."""
-    from pan2render.runner.serve.jobflow import SAMPLING_STEP_DOC, STEP_CHECKPOINT_DOC
+    from pan2render.runner.protocol.artifacts import SAMPLING_STEP_DOC, STEP_CHECKPOINT_DOC
 
     if stage != "sampling":
         return None

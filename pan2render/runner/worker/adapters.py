@@ -9,8 +9,8 @@ from collections import OrderedDict
 from typing import Any
 
 from pan2render.runner.protocol import artifacts
+from pan2render.runner.protocol.failures import JobInputError
 from pan2render.runner.protocol.messages import Adapter
-from pan2render.runner.serve.retry import JobInputError
 
 # Enough for a sweep over a few adapters; each is tens to hundreds of MB on the device.
 ADAPTERS_KEPT = 4

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from pan2render.jobs.spec import JobSpec
-from pan2render.runner.serve.retry import DeviceError, JobInputError
+from pan2render.runner.protocol.failures import DeviceError, JobInputError
 
 # What a "fail" fault may raise, by name (faults travel as JSON): one type per failure class.
 FAULT_TYPES: dict[str, type[Exception]] = {

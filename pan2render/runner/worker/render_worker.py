@@ -46,6 +46,7 @@ from pan2render.models.sampler_state import SamplingPreempted, pack_sampler_stat
 from pan2render.models.tiny import cache_root
 from pan2render.phases import phase, recording
 from pan2render.runner.protocol import artifacts, outputs, timeline
+from pan2render.runner.protocol.failures import DeviceError, Failure, FailureKind, JobInputError, classify_exception
 from pan2render.runner.protocol.messages import (  # the config and the lane sizes are importable from here too
     DEFAULT_PIPELINE_FACTORY,
     GPU_QUEUE_DEPTH,
@@ -74,8 +75,7 @@ from pan2render.runner.protocol.messages import (  # the config and the lane siz
     WorkerConfig,
     WorkerStart,
 )
-from pan2render.runner.serve.retry import DeviceError, Failure, FailureKind, JobInputError, classify_exception
-from pan2render.runner.worker import scratch
+from pan2render.runner.worker import packing, scratch
 from pan2render.runner.worker.adapters import AdapterCache
 from pan2render.runner.worker.faults import FaultHooks
 from pan2render.runner.worker.sampling_control import SamplingControl
@@ -312,7 +312,7 @@ class RenderWorker:
         for text in call.texts:
             emb = pipe.encode_prompt(text)  # float32 [512, text_dim]
             key = artifacts.embedding_key(prompt=text, text_encoder_id=pipe.text_encoder_id)
-            out.append(artifacts.pack_embedding(emb, key=key, text_encoder_id=pipe.text_encoder_id))
+            out.append(packing.pack_embedding(emb, key=key, text_encoder_id=pipe.text_encoder_id))
         return EncodePromptsReply(embeddings=tuple(out))
 
     def _spec(self, job_id: str, spec: JobSpec | None) -> JobSpec:
@@ -349,8 +349,8 @@ class RenderWorker:
         stop = self._samplings.begin(job_id)
         try:
             lat = pipe.sample(
-                prompt_embeds=artifacts.unpack_embedding(call.prompt_embeds),
-                negative_prompt_embeds=artifacts.unpack_embedding(call.negative_embeds),
+                prompt_embeds=packing.unpack_embedding(call.prompt_embeds),
+                negative_prompt_embeds=packing.unpack_embedding(call.negative_embeds),
                 image=first_frame, progress=progress, resume_from=resume,
                 # Periodic checkpoints need a state the cache does not fully hold (the residuals).
                 checkpoint_every_s=js.checkpoint_every if plan.lanes.steps_exact else 0.0,
@@ -365,7 +365,7 @@ class RenderWorker:
             raise JobInputError(str(e)) from e
         finally:
             self._samplings.end(job_id)
-        return SampleReply(latents=artifacts.pack_latents(lat, spec_hash=js.spec_hash, seed=js.seed, steps=js.steps,
+        return SampleReply(latents=packing.pack_latents(lat, spec_hash=js.spec_hash, seed=js.seed, steps=js.steps,
                                                           model_id=pipe.model_id, spec=js.to_dict(),
                                                           fast_lanes=None if plan.lanes.exact else plan.describe()),
                            adapters_held=self._adapters.held(), resume_refused=refused)
@@ -398,7 +398,7 @@ class RenderWorker:
         js = self._spec(job_id, call.spec)
         self._faults.at_stage(js, "decode")
         t0 = time.perf_counter()
-        planes = self._frames_on_host(pipe, artifacts.unpack_latents(call.latents),
+        planes = self._frames_on_host(pipe, packing.unpack_latents(call.latents),
                                       want=(js.frames, js.height, js.width, 3))
         if planes is None:  # not rank 0
             return None

@@ -1,0 +1,20 @@
+"""How the views write times and tables for a terminal."""
+
+from __future__ import annotations
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """Left-aligned columns, two spaces apart."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows])
+
+
+def duration(seconds: float) -> str:
+    """Seconds as people read them: 42s, 3m05s, 2h10m. Never negative: a span between stamps of
+    two clocks (a clock stepped back, another host's) shows as 0s."""
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
