@@ -108,11 +108,11 @@ assert "torch" not in sys.modules, "the driver imported torch"
 def test_the_driver_side_never_imports_torch(tmp_path: Path) -> None:
     from runner_helpers import spec
 
-    from pan2render.runner.protocol import outputs
     from pan2render.runner.protocol.messages import LoadCall, WorkerConfig
     from pan2render.runner.worker import packing
     from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY, FakePipeline
     from pan2render.runner.worker.render_worker import RenderWorker
+    from pan2render.runner.worker.versions import runtime_versions
 
     emb = FakePipeline("m").encode_prompt("x")
     (tmp_path / "emb.safetensors").write_bytes(packing.pack_embedding(emb, key="k", text_encoder_id="t"))
@@ -124,7 +124,7 @@ def test_the_driver_side_never_imports_torch(tmp_path: Path) -> None:
     (tmp_path / "spec.pickle").write_bytes(pickle.dumps(job))
     reply = RenderWorker(rank=0, world_size=1, config=WorkerConfig(
         pipeline_factory=FAKE_FACTORY)).execute(LoadCall(model="m"), 0).value
-    assert reply.versions["torch"] == outputs.runtime_versions()["torch"]
+    assert reply.versions["torch"] == runtime_versions()["torch"]
     (tmp_path / "reply.pickle").write_bytes(pickle.dumps(reply))
     done = subprocess.run([sys.executable, "-c", _DRIVER_SIDE, str(tmp_path), str(tmp_path / "spec.pickle"),
                            str(tmp_path / "reply.pickle")], capture_output=True, text=True, timeout=120)

@@ -163,7 +163,7 @@ class LoadReply:
     load_s: float  # building the pipeline: imports, CUDA, the weights, the attention warm-up
     warmup_s: float  # the warm-up at the first job's size, after load_s
     describe: dict[str, Any] = field(default_factory=dict)  # the pipeline's own account of its set-up
-    versions: dict[str, Any] = field(default_factory=dict)  # of what renders (outputs.runtime_versions)
+    versions: dict[str, Any] = field(default_factory=dict)  # of what renders (worker.versions.runtime_versions)
     # The steps of load_s and warmup_s in the order they ran (pan2render.phases: "imports", "CUDA",
     # "DiT", "VAE", "text encoder", "attention warm-up", "warm-up sampling", "warm-up decode"; a
     # pipeline names its own); they do not overlap and sum to at most load_s + warmup_s.

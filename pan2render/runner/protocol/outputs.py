@@ -13,12 +13,10 @@ truncated or edited on resume is rewritten from it (:func:`restore_params`).
 from __future__ import annotations
 
 import json
-import platform
 import time
 from pathlib import Path
 from typing import Any
 
-from pan2render import __version__
 from pan2render.jobs.ledger import STAGES, JobRecord, Ledger
 from pan2render.jobs.spec import JobSpec
 from pan2render.runner.protocol import artifacts
@@ -32,21 +30,6 @@ PARAMS_FORMAT = 1  # bumped when a field of params.json changes meaning
 
 def params_relpath(job_id: str) -> str:
     return f"{job_id}/{PARAMS_NAME}"
-
-
-def runtime_versions() -> dict[str, str]:
-    """Versions of what renders, as the worker that loads a model reports them."""
-    import av  # heavy; workers have it loaded already
-    import torch
-
-    # Plain strings: torch.__version__ is a TorchVersion, whose unpickling imports torch in the
-    # driver (which never needs torch otherwise).
-    versions = {"pan2-render": __version__, "torch": str(torch.__version__), "av": str(av.__version__),
-                "python": platform.python_version()}
-    if torch.cuda.is_available():
-        versions["cuda"] = str(torch.version.cuda)
-        versions["gpu"] = torch.cuda.get_device_name(0)
-    return versions
 
 
 def video_tags(spec: JobSpec, *, model_id: str) -> dict[str, str]:

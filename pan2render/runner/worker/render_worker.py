@@ -79,6 +79,7 @@ from pan2render.runner.worker import packing, scratch
 from pan2render.runner.worker.adapters import AdapterCache
 from pan2render.runner.worker.faults import FaultHooks
 from pan2render.runner.worker.sampling_control import SamplingControl
+from pan2render.runner.worker.versions import runtime_versions
 from pan2render.step_checkpoint import StepCheckpointError
 
 __all__ = ["DEFAULT_PIPELINE_FACTORY", "GPU_QUEUE_DEPTH", "IO_CONCURRENCY", "MAX_ENCODES_IN_FLIGHT", "RenderWorker",
@@ -303,7 +304,7 @@ class RenderWorker:
                          backend=backend, world_size=world, device=self.device,
                          attention=getattr(pipe, "attention_backend", "n/a"),  # n/a: a pipeline without a DiT
                          load_s=load_s, warmup_s=time.perf_counter() - t0 - load_s,
-                         describe=pipe.describe(), versions=outputs.runtime_versions(),
+                         describe=pipe.describe(), versions=runtime_versions(),
                          phases=tuple(record.phases), worker=self.started)
 
     def _encode_prompts(self, call: EncodePromptsCall) -> EncodePromptsReply:
