@@ -149,7 +149,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
-    from pan2render.runner.serve import repair
+    from pan2render.runner.serve.repair import repair
 
     out: Path = args.dir
     if not out.is_dir():
