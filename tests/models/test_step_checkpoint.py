@@ -173,7 +173,7 @@ def test_a_stale_checkpoint_is_refused_naming_what_differs(pipes) -> None:
 def test_a_foreign_checkpoint_is_refused(pipes, tmp_path: Path) -> None:
     from safetensors.torch import save
 
-    from pan2render.runner.protocol.artifacts import pack_latents
+    from pan2render.runner.worker.packing import pack_latents
 
     pipe, _ = pipes
     latents = pipe.sample(**SIZE, **REQUESTS["euler"])

@@ -476,7 +476,7 @@ def test_a_dmd_job_reaches_the_real_pipeline_with_its_timesteps(tmp_path: Path) 
     what the tiny pipeline samples for them (and differ from another timesteps list)."""
     import dataclasses
 
-    from pan2render.runner.protocol.artifacts import unpack_latents
+    from pan2render.runner.worker.packing import unpack_latents
 
     # The embedded tiny model from the default cache, as the Ray runner tests use it (built once).
     base = dataclasses.replace(spec("dmd"), sampler="dmd", guidance=1.0, height=32, width=32, frames=5)

@@ -21,8 +21,9 @@ from pan2render.runner.protocol.messages import (
     SampleCall,
     WorkerCall,
 )
+from pan2render.runner.serve.attempt import JobRun
 from pan2render.runner.serve.driver import Driver, DriverConfig
-from pan2render.runner.serve.jobflow import JobFlow, JobRun, Step
+from pan2render.runner.serve.jobflow import JobFlow, Step
 from pan2render.runner.serve.repair import repair
 from pan2render.runner.serve.steps import PAN2_FLOW
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY

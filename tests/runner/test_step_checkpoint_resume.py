@@ -18,7 +18,8 @@ from pan2render.runner.cluster.executor import Group
 from pan2render.runner.protocol import artifacts
 from pan2render.runner.protocol.artifacts import STEP_CHECKPOINT_DOC
 from pan2render.runner.protocol.messages import LoadReply
-from pan2render.runner.serve.jobflow import BatchFlow, JobRun
+from pan2render.runner.serve.attempt import JobRun
+from pan2render.runner.serve.jobflow import BatchFlow
 from pan2render.runner.serve.steps import PAN2_FLOW
 from pan2render.step_checkpoint import CheckpointKey
 

@@ -16,7 +16,7 @@ from pan2render.runner.cluster.executor import Call, Group
 from pan2render.runner.protocol.artifacts import SAMPLING_STEP_DOC
 from pan2render.runner.protocol.messages import LoadCall, SampleCall
 from pan2render.runner.protocol.steps import StepClock
-from pan2render.runner.serve.jobflow import JobRun
+from pan2render.runner.serve.attempt import JobRun
 from pan2render.runner.serve.watch import StepRecorder, current_steps, hung, started_sampling
 from pan2render.runner.worker import packing
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY, FakePipeline
@@ -27,7 +27,7 @@ def _sampling_run(ledger: Ledger, job_id: str) -> JobRun:
     run = JobRun(job=ledger.job(job_id), group=Group(id="g0x1", size=1, handle=None))
     message = SampleCall(model="tiny", job_id=job_id, spec=None, prompt_embeds=b"", negative_embeds=b"",
                          progress_key=run.progress_key)
-    run.call = Call(group=run.group, message=message, started=time.monotonic(), timeout_s=60.0, handle=None)
+    run.sent(message, Call(group=run.group, message=message, started=time.monotonic(), timeout_s=60.0, handle=None))
     started_sampling(run)
     return run
 

@@ -20,11 +20,10 @@ job does next lives here. A new stage is a new :class:`Step` in a flow (docs/arc
 from __future__ import annotations
 
 import enum
-import itertools
 import json
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -32,62 +31,13 @@ from pan2render.jobs import outdir
 from pan2render.jobs.ledger import EventKind, JobEvent, JobRecord, Ledger, Stage, StageRecord, StageState, stage_name
 from pan2render.jobs.spec import JobSpec
 from pan2render.phases import describe as describe_phases
-from pan2render.runner.cluster.executor import Call, Group
 from pan2render.runner.protocol import artifacts
 from pan2render.runner.protocol.failures import ArtifactCheckError, Failure
-from pan2render.runner.protocol.messages import CheckpointReply, DecodeCall, LoadCall, LoadReply, Warmup, WorkerCall
-from pan2render.runner.protocol.steps import StepReport
+from pan2render.runner.protocol.messages import CheckpointReply, LoadCall, LoadReply, Warmup, WorkerCall
 from pan2render.runner.protocol.timeline import stamp
+from pan2render.runner.serve.attempt import JobRun
 from pan2render.runner.serve.retry import Action, Decision
 from pan2render.step_checkpoint import StepCheckpointError, read_checkpoint
-
-# ---------------------------------------------------------------------- one attempt of a job
-_RUN_NUMBERS = itertools.count(1)
-
-
-@dataclass
-class JobRun:
-    """One attempt of one job on one group: what the flow knows beyond the ledger while it runs."""
-
-    job: JobRecord
-    group: Group
-    call: Call | None = None  # the call in flight
-    side: Call | None = None  # an I/O-lane call beside it: the sampling's step checkpoint fetch
-    spec_sent: bool = False  # the group's workers hold this attempt's spec (sent with its first job call)
-    encode_texts: list[str] = field(default_factory=list)  # texts of the encode_prompts in flight
-    decode_s: float | None = None  # set when its decode returned: the encode runs in the background
-    checkpoint_step: int = 0  # the step of its newest step checkpoint recorded (0: none)
-    stopped_at: int | None = None  # its sampling stopped after this step (a cancel, a preemption)
-    stop_asked: bool = False  # a StopSamplingCall went out for this attempt
-    cancel: str | None = None  # why it is being cancelled (the client's request)
-    preempted: bool = False  # its sampling is being stopped for a higher-priority job
-    sample_started_at: float = 0.0  # when its SampleCall went out (time.time): the watchdog's start
-    last_step: StepReport | None = None  # the latest step this attempt's sampling reported
-    number: int = field(default_factory=lambda: next(_RUN_NUMBERS))  # unique in this process
-
-    @property
-    def progress_key(self) -> str:
-        """The key this attempt's step reports go under: its own, not its job id, which an earlier
-        attempt or the same job in another of a farm's batches reported under too."""
-        return f"{self.job.id}#{self.number}"
-
-    @property
-    def encoding(self) -> bool:
-        """Waiting only for its background encode: the group's GPU lane is not this job's."""
-        return self.decode_s is not None
-
-    @property
-    def decoding(self) -> bool:
-        """Its decode is in flight: the last GPU work of the job."""
-        return self.call is not None and isinstance(self.call.message, DecodeCall)
-
-    def spec_once(self) -> JobSpec | None:
-        """The spec for this attempt's next call to carry: with the first call that needs it,
-        then None (the workers keep it for the attempt)."""
-        if self.spec_sent:
-            return None
-        self.spec_sent = True
-        return self.job.spec
 
 
 class Done(enum.Enum):

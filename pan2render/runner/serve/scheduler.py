@@ -30,13 +30,12 @@ from pan2render.runner.protocol.messages import (
     CheckpointReply,
     FetchCheckpointCall,
     Lane,
-    SampleCall,
     StopSamplingCall,
     WorkerCall,
 )
 from pan2render.runner.protocol.timeline import stamp
 from pan2render.runner.serve import watch
-from pan2render.runner.serve.jobflow import JobRun
+from pan2render.runner.serve.attempt import JobRun, Phase, Stop, StopKind
 from pan2render.runner.serve.pool import GroupPool
 from pan2render.runner.serve.retry import Action, Decision, OnGroup, RetryPolicy
 from pan2render.runner.serve.serving import DriverConfig, JobQueue, QueuedJob, ServedBatch
@@ -94,59 +93,74 @@ class Scheduler:
     # ================================================================== stops: cancel, preemption
     def cancel(self, batch: ServedBatch, job_ids: list[str] | None, *, reason: str) -> list[JobRun]:
         """Cancel the batch's jobs (``job_ids``; None: all): a queued one now, a sampling one at its
-        next step boundary (returned), one past its sampling once its video is made."""
+        next step boundary (returned), one still before its sampling when its call in flight
+        returns, one past its sampling once its video is made."""
         wanted = None if job_ids is None else set(job_ids)
         for q in [q for q in self._queue.of(batch) if wanted is None or q.job_id in wanted]:
             self._queue.remove(q)
-            batch.ledger.transition(q.job_id, JobEvent.CANCEL, reason=reason)
-            batch.progress.job_ended(q.job_id, "cancelled", reason)
-            batch.ended += 1
+            self._end_cancelled(batch, q.job_id, reason)
         stopped = []
         for run in self.running(batch):
             if wanted is None or run.job.id in wanted:
-                run.cancel = reason
+                run.stop = Stop(StopKind.CANCEL, reason)
                 if self._stop_sampling(run):
                     stopped.append(run)
         return stopped
 
     def _stop_sampling(self, run: JobRun) -> bool:
         """Ask ``run``'s sampling, if one is in flight, to stop at its next step boundary."""
-        if run.call is None or not isinstance(run.call.message, SampleCall) or run.stop_asked:
+        if run.phase is not Phase.SAMPLING:
             return False
-        run.stop_asked = True
+        run.move(Phase.STOPPING)
         self.ex.call(run.group, StopSamplingCall(job_id=run.job.id), timeout_s=StopSamplingCall.default_timeout_s)
         return True
 
     def _preempt_for(self, q: QueuedJob) -> None:
         """``q`` waits for a group while a lower-priority batch's job samples on one of its size:
         that sampling stops at its next step boundary, checkpointed, and its job goes back to the
-        queue (uncharged); ``q`` then takes the group."""
+        queue (uncharged); ``q`` then takes the group. One preemption at a time."""
         if not q.batch.preempts or any(r.preempted for r in self._active.values()):
             return
         victims = [r for (seq, _), r in self._active.items()
                    if r.group.size == q.gpus and self._batch_of[seq].priority < q.batch.priority
-                   and r.cancel is None and r.call is not None and isinstance(r.call.message, SampleCall)]
+                   and r.stop is None and r.phase is Phase.SAMPLING]
         if victims:
             victim = min(victims, key=lambda r: self._batch_of[self._seq_of(r)].priority)
-            victim.preempted = True
+            victim.stop = Stop(StopKind.PREEMPT, "a higher-priority batch needs its group")
             self._stop_sampling(victim)
 
     def _seq_of(self, run: JobRun) -> int:
         return next(seq for (seq, _), r in self._active.items() if r is run)
 
-    def _stopped(self, batch: ServedBatch, run: JobRun) -> None:
-        """``run``'s sampling stopped at a step boundary (its checkpoint is recorded): cancelled, or
-        preempted and back in the queue, uncharged."""
-        self._leave(batch, run)
-        if run.cancel is not None:
-            batch.ledger.transition(run.job.id, JobEvent.CANCEL, reason=f"{run.cancel}: sampling stopped at step "
-                                                                        f"{run.stopped_at}")
-            batch.progress.job_ended(run.job.id, "cancelled", run.cancel)
-            batch.ended += 1
-            return
-        self._requeue(batch, run.job.id, f"preempted at step {run.stopped_at} by a higher-priority batch; it "
-                                         f"continues from its step checkpoint")
-        batch.progress.job_ended(run.job.id, "requeued", f"preempted at step {run.stopped_at}")
+    def _settle_stop(self, batch: ServedBatch, run: JobRun) -> bool:
+        """After a reply of a job being stopped: does the stop end the attempt here? A sampling that
+        stopped at a step boundary ends cancelled or, preempted, back in the queue uncharged; a job
+        cancelled before its sampling ends cancelled without going further; one past its GPU work
+        (encoding) finishes, and so does a sampling that returned its latents before the stop took
+        it (the stop is void for a preemption; a cancel ends the job at the next reply)."""
+        if run.stop is None:
+            return False
+        if run.phase is Phase.STOPPED:
+            self._leave(batch, run)
+            if run.cancelled:
+                self._end_cancelled(batch, run.job.id, f"{run.stop.reason}: sampling stopped at step {run.stopped_at}")
+            else:
+                self._requeue(batch, run.job.id, f"preempted at step {run.stopped_at} by a higher-priority batch; "
+                                                 f"it continues from its step checkpoint")
+                batch.progress.job_ended(run.job.id, "requeued", f"preempted at step {run.stopped_at}")
+            return True
+        if run.cancelled and run.decode_s is None:  # its GPU work not done: go no further
+            self._leave(batch, run)
+            self._end_cancelled(batch, run.job.id, run.stop.reason)
+            return True
+        if run.preempted:
+            run.stop = None  # it got past its sampling: nothing left to preempt
+        return False
+
+    def _end_cancelled(self, batch: ServedBatch, job_id: str, reason: str) -> None:
+        batch.ledger.transition(job_id, JobEvent.CANCEL, reason=reason)
+        batch.progress.job_ended(job_id, "cancelled", reason)
+        batch.ended += 1
 
     def upcoming(self, batch: ServedBatch) -> list[JobRecord]:
         """The batch's queued jobs, in the order they will start."""
@@ -167,7 +181,7 @@ class Scheduler:
         for call in self.ex.wait(calls, timeout_s=self.config.poll_s):
             self._on_ready(call)
         self._tear_down(watch.overdue(list(self._active.items()), lacks_gpus_for=self.ex.lacks_gpus_for))
-        if any(watch.sampling(r) for r in self._active.values()):
+        if any(r.sampling for r in self._active.values()):
             # A Ray call: only while a job samples.
             steps = watch.current_steps(list(self._active.items()), self.ex.progress())
             for seq, batch in self._batch_of.items():
@@ -250,6 +264,7 @@ class Scheduler:
     def _leave(self, batch: ServedBatch, run: JobRun) -> None:
         """The job no longer runs on its group; the group goes back to the pool once it holds no job."""
         del self._active[(batch.seq, run.job.id)]
+        run.move(Phase.ENDED)
         if not self.running_on(run.group):
             self.pool.release(run.group)
 
@@ -275,13 +290,13 @@ class Scheduler:
         if message.marks_stage and message.stage is not None:
             batch.ledger.set_stage(run.job.id, message.stage, StageState.RUNNING)
         batch.progress.stage(run.job.id, message.shown)
-        run.call = self._call(run, message)
-        if isinstance(message, SampleCall):
+        run.sent(message, self._call(run, message))
+        if run.sampling:
             watch.started_sampling(run)
-        if isinstance(message, SampleCall) and run.job.spec.checkpoint_every > 0:
-            run.side = self._call(run, FetchCheckpointCall(job_id=run.job.id, after_step=0))
-        if run.cancel is not None or run.preempted:  # asked before this call went out
-            self._stop_sampling(run)
+            if run.job.spec.checkpoint_every > 0:
+                run.side = self._call(run, FetchCheckpointCall(job_id=run.job.id, after_step=0))
+            if run.stop is not None:  # asked before this call went out
+                self._stop_sampling(run)
         return None
 
     def _call(self, run: JobRun, message: WorkerCall) -> Call:
@@ -315,7 +330,7 @@ class Scheduler:
             except Exception as e:  # a checkpoint not written costs only its minutes
                 batch.progress.say(f"{run.job.name}: step checkpoint not written: {type(e).__name__}: {e}")
         after = reply.value.step if isinstance(reply.value, CheckpointReply) else run.checkpoint_step
-        if run.call is not None and isinstance(run.call.message, SampleCall):
+        if run.sampling:
             run.side = self._call(run, FetchCheckpointCall(job_id=run.job.id, after_step=after))
 
     def _on_ready(self, call: Call) -> None:
@@ -325,7 +340,6 @@ class Scheduler:
         batch, run = found
         if call is run.side:
             return self._on_side_reply(batch, run, call)
-        run.call = None
         stage = call.message.stage
         assert stage is not None, f"{type(call.message).__name__} is not a job's call"
         try:
@@ -341,22 +355,15 @@ class Scheduler:
         except Exception as e:  # e.g. disk full, or the written video fails its check
             self._leave(batch, run)
             return self._failed(batch, run.job.id, self._driver_failure(batch, run.job.id, e))
-        if run.stopped_at is not None:
-            return self._stopped(batch, run)
-        if run.cancel is not None and not run.encoding:  # its GPU work not done: go no further
-            self._leave(batch, run)
-            batch.ledger.transition(run.job.id, JobEvent.CANCEL, reason=run.cancel)
-            batch.progress.job_ended(run.job.id, "cancelled", run.cancel)
-            batch.ended += 1
-            return None
-        self._advance(batch, run)
+        run.returned()
+        if not self._settle_stop(batch, run):
+            self._advance(batch, run)
 
     # ================================================================== failures
     def _tear_down(self, found: list[tuple[tuple[int, str], JobRun, Failure]]) -> None:
         """Each run the watch found overdue or hung: its group torn down, as a dead one."""
         for key, run, failure in found:
             if key in self._active:  # (not a job of a group torn down for an earlier one)
-                run.call = None
                 self._group_died(self._batch_of[key[0]], run, failure)
 
     def _group_died(self, batch: ServedBatch, run: JobRun, failure: Failure) -> None:
@@ -386,6 +393,7 @@ class Scheduler:
             self.pool.discard(run.group)
         for b, r in [(batch, run), *others]:
             del self._active[(b.seq, r.job.id)]
+            r.move(Phase.ENDED)
         batch.ledger.log(job.id, EventKind.GROUP_DIED, failure.message)
         self._carry_out(batch, job.id, failure, decision)
         # Every other job the torn-down group owned (one queued on its GPU lane, ones encoding)

@@ -34,7 +34,8 @@ from pan2render.runner.protocol.messages import (
     SampleReply,
     WorkerCall,
 )
-from pan2render.runner.serve.jobflow import BatchFlow, Done, JobFlow, JobRun, Redo, Status, Step, file_proof
+from pan2render.runner.serve.attempt import JobRun
+from pan2render.runner.serve.jobflow import BatchFlow, Done, JobFlow, Redo, Status, Step, file_proof
 
 # Prompts encoded in one encode_prompts call (the current job's and upcoming jobs'); each
 # embedding is 512 x 4096 float32 = 8 MB of reply.
@@ -107,7 +108,7 @@ class SamplingStep(Step):
         if value.latents is None:  # stopped at a step boundary: its state is what goes on from there
             assert value.stopped_at is not None and value.checkpoint is not None, "a stop brings its state"
             flow.write_step_checkpoint(run, value.checkpoint, step=value.stopped_at)
-            run.stopped_at = value.stopped_at
+            run.stopped_after(value.stopped_at)
             flow.ledger.set_stage(run.job.id, Stage.SAMPLING, StageState.PENDING)
             return
         rel = artifacts.latents_relpath(run.job.id)

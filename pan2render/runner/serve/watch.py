@@ -18,18 +18,12 @@ from pan2render.jobs.ledger import Ledger, Stage
 from pan2render.runner.cluster.executor import Executor
 from pan2render.runner.protocol.artifacts import SAMPLING_STEP_DOC
 from pan2render.runner.protocol.failures import ClusterLostError, Failure, FailureKind, classify_exception
-from pan2render.runner.protocol.messages import SampleCall
 from pan2render.runner.protocol.steps import StepReport
-from pan2render.runner.serve.jobflow import JobRun
+from pan2render.runner.serve.attempt import JobRun
 
 STEP_RECORD_EVERY_S = 5.0  # a running sampling's step goes to its ledger at most this often
 
 Key = TypeVar("Key")
-
-
-def sampling(run: JobRun) -> bool:
-    """Is ``run``'s call in flight its sampling?"""
-    return run.call is not None and isinstance(run.call.message, SampleCall)
 
 
 def current_steps(runs: Iterable[tuple[Key, JobRun]], reports: dict[str, StepReport]) -> dict[Key, StepReport]:
@@ -38,7 +32,7 @@ def current_steps(runs: Iterable[tuple[Key, JobRun]], reports: dict[str, StepRep
     arrived since its SampleCall went out (not one of a sampling the attempt redid)."""
     steps = {}
     for key, run in runs:
-        rep = reports.get(run.progress_key) if sampling(run) else None
+        rep = reports.get(run.progress_key) if run.sampling else None
         if rep is not None and rep.received_at >= run.sample_started_at:
             steps[key] = rep
     return steps
@@ -85,7 +79,7 @@ def hung(runs: Iterable[tuple[Key, JobRun]], steps: dict[Key, StepReport], *,
         return []
     now, found = time.time(), []
     for key, run in runs:
-        if not sampling(run):
+        if not run.sampling:
             continue
         if (report := steps.get(key)) is not None:
             run.last_step = report
