@@ -22,6 +22,7 @@ from pan2render.runner.protocol import artifacts
 from pan2render.runner.protocol.messages import EncodePromptsCall, SampleCall, WorkerCall
 from pan2render.runner.serve.driver import Driver, DriverConfig
 from pan2render.runner.worker import packing
+from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 from pan2render.runner.worker.render_worker import WorkerConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -114,8 +115,7 @@ def test_a_node_lost_under_a_group_is_not_charged_when_other_gpus_remain(tmp_pat
     tmp_path.mkdir(exist_ok=True)
     led = Ledger.open(tmp_path)
     led.add_jobs([job], retries=2)
-    ex = LosesOneNode(lost=1, back_after=3, gpus=2, config=WorkerConfig(pipeline_factory="pan2render.runner."
-                                                                                       "testing:load_fake_pipeline"))
+    ex = LosesOneNode(lost=1, back_after=3, gpus=2, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
     summary = Driver(out_dir=tmp_path, ledger=led, executor=ex,
                      config=DriverConfig(retries=2, progress=False, poll_s=0.01, cluster_wait_s=30)).run([job.job_id])
     record = led.job(job.job_id)

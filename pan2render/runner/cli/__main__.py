@@ -1,7 +1,7 @@
-"""``python -m pan2render.runner.cli.main``: the pan2-render command."""
+"""``python -m pan2render.runner.cli``: the pan2-render command."""
 
 import sys
 
-from pan2render.runner.cli.main.main import main
+from pan2render.runner.cli.main import main
 
 sys.exit(main())
