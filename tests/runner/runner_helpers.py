@@ -21,7 +21,8 @@ from pan2render.jobs.spec import JobSpec
 from pan2render.runner.cluster.executor import Call, Group
 from pan2render.runner.cluster.local_executor import LocalExecutor
 from pan2render.runner.farm.api import start_api
-from pan2render.runner.farm.service import Farm, FarmConfig, ensure_token
+from pan2render.runner.farm.config import FarmConfig
+from pan2render.runner.farm.service import Farm, ensure_token
 from pan2render.runner.protocol.messages import (
     CollectCall,
     DecodeCall,
@@ -31,7 +32,8 @@ from pan2render.runner.protocol.messages import (
     StopSamplingCall,
     WorkerCall,
 )
-from pan2render.runner.serve.driver import Driver, DriverConfig, RunSummary
+from pan2render.runner.serve.config import ServingConfig
+from pan2render.runner.serve.driver import Driver, RunSummary
 from pan2render.runner.serve.session import BatchRequest
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 from pan2render.runner.worker.render_worker import WorkerConfig
@@ -121,7 +123,7 @@ def render(out: Path, jobs: list[JobSpec], *, gpus: int = 1, retries: int = 2,
     ledger.add_jobs(jobs, retries=retries)
     ex = (executor or RecordingExecutor)(gpus=gpus, config=WorkerConfig(pipeline_factory=factory, faults=faults or {}))
     driver = Driver(out_dir=out, ledger=ledger, executor=ex,
-                    config=DriverConfig(retries=retries, progress=False, poll_s=0.01))
+                    config=ServingConfig(retries=retries, progress=False, poll_s=0.01))
     return driver.run([j.job_id for j in jobs]), ex, ledger
 
 
@@ -163,7 +165,7 @@ def serving_farm(tmp_path: Path, *, gpus: int = 1, faults: dict[str, Any] | None
     root = tmp_path / "farm"
     root.mkdir(exist_ok=True)
     ex = LocalExecutor(gpus=gpus, config=WorkerConfig(pipeline_factory=FAKE_FACTORY, faults=faults or {}))
-    farm = Farm(FarmConfig(root=root, poll_s=0.01, **config), ex, log=lambda text: None)
+    farm = Farm(farm_config(root, **config), ex, log=lambda text: None)
     token = ensure_token(root)
     api = start_api(farm, token=token, host="127.0.0.1", port=0)
     farm.url = api.url
@@ -192,3 +194,9 @@ def submit_file(farm: Farm, out: Path, doc: dict[str, Any], *, owner: str = "ann
         return batch_id
 
     return farm.ask(submit).result(timeout=60)
+
+
+def farm_config(root: Path, **settings: Any) -> FarmConfig:
+    """A farm's config for tests: quick passes; ``settings`` either the farm's own or serving ones."""
+    serving = {k: settings.pop(k) for k in list(settings) if k in ServingConfig.__dataclass_fields__}
+    return FarmConfig(root=root, poll_s=0.01, serving=ServingConfig(**serving), **settings)

@@ -28,7 +28,8 @@ from pan2render.runner.cluster.local_executor import LocalExecutor
 from pan2render.runner.protocol import artifacts
 from pan2render.runner.protocol.failures import ClusterLostError
 from pan2render.runner.protocol.messages import EncodePromptsCall, SampleCall, WorkerCall
-from pan2render.runner.serve.driver import Driver, DriverConfig
+from pan2render.runner.serve.config import ServingConfig
+from pan2render.runner.serve.driver import Driver
 from pan2render.runner.worker import packing
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 from pan2render.runner.worker.render_worker import WorkerConfig
@@ -273,7 +274,7 @@ def test_lost_cluster_requeues_without_charging_and_waits_bounded(tmp_path: Path
     ex = LosesItsGpus(victim="j1", back_after=3 if back else None, gpus=1,
                       config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
     driver = Driver(out_dir=out, ledger=led, executor=ex,
-                    config=DriverConfig(retries=2, progress=False, poll_s=0.01, cluster_wait_s=0.3))
+                    config=ServingConfig(retries=2, progress=False, poll_s=0.01, cluster_wait_s=0.3))
     ids = [s.job_id for s in specs]
     if back:
         summary = driver.run(ids)
@@ -293,7 +294,7 @@ def test_lost_cluster_requeues_without_charging_and_waits_bounded(tmp_path: Path
     if not back:  # the GPUs are back: resume finishes
         ex2 = LocalExecutor(gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
         summary = Driver(out_dir=out, ledger=led, executor=ex2,
-                         config=DriverConfig(progress=False, poll_s=0.01)).run(ids)
+                         config=ServingConfig(progress=False, poll_s=0.01)).run(ids)
         assert len(summary.done) == N_JOBS
     led.close()
 
@@ -505,7 +506,7 @@ def test_weights_changed_after_validation_fail_the_job_not_mislabel_it(
     led = Ledger.open(out)
     led.add_jobs([spec], retries=2)
     ex = LocalExecutor(gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
-    summary = Driver(out_dir=out, ledger=led, executor=ex, config=DriverConfig(progress=False)).run([spec.job_id])
+    summary = Driver(out_dir=out, ledger=led, executor=ex, config=ServingConfig(progress=False)).run([spec.job_id])
     job = led.job(spec.job_id)
     led.close()
     assert summary.failed == [spec.job_id] and job.attempts == 1

@@ -12,7 +12,8 @@ from pan2render.jobs.batch import load_batch
 from pan2render.jobs.ledger import FolderLock, Ledger
 from pan2render.runner.cli import main as cli
 from pan2render.runner.cluster.local_executor import LocalExecutor
-from pan2render.runner.serve.driver import Driver, DriverConfig
+from pan2render.runner.serve.config import ServingConfig
+from pan2render.runner.serve.driver import Driver
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 from pan2render.runner.worker.render_worker import WorkerConfig
 
@@ -24,7 +25,7 @@ def _render_locally(batch: Path, out: Path, *, faults: dict | None = None) -> No
     led = Ledger.open(out)
     led.add_jobs(specs, retries=0)
     ex = LocalExecutor(gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY, faults=faults or {}))
-    Driver(out_dir=out, ledger=led, executor=ex, config=DriverConfig(retries=0, progress=False)).run(
+    Driver(out_dir=out, ledger=led, executor=ex, config=ServingConfig(retries=0, progress=False)).run(
         [s.job_id for s in specs])
     led.close()
 

@@ -383,7 +383,8 @@ import json, sys
 from pathlib import Path
 from pan2render.jobs.ledger import Ledger
 from pan2render.jobs.spec import JobSpec
-from pan2render.runner.serve.driver import Driver, DriverConfig
+from pan2render.runner.serve.driver import Driver
+from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.cluster.local_executor import LocalExecutor
 from pan2render.runner.worker.render_worker import WorkerConfig
 out, specs, faults = Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
@@ -391,7 +392,7 @@ jobs = [JobSpec.from_dict(d) for d in specs]
 ledger = Ledger.open(out)
 ledger.add_jobs(jobs, retries=2)
 ex = LocalExecutor(gpus=1, config=WorkerConfig(pipeline_factory=sys.argv[4], faults=faults))
-Driver(out_dir=out, ledger=ledger, executor=ex, config=DriverConfig(progress=False, poll_s=0.01)).run(
+Driver(out_dir=out, ledger=ledger, executor=ex, config=ServingConfig(progress=False, poll_s=0.01)).run(
     [j.job_id for j in jobs])
 """
 

@@ -20,7 +20,8 @@ from pan2render.media.video import probe_mp4
 from pan2render.runner.cluster.executor import Call, Group, GroupDied
 from pan2render.runner.protocol import artifacts
 from pan2render.runner.protocol.messages import EncodePromptsCall, SampleCall, WorkerCall
-from pan2render.runner.serve.driver import Driver, DriverConfig
+from pan2render.runner.serve.config import ServingConfig
+from pan2render.runner.serve.driver import Driver
 from pan2render.runner.worker import packing
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 from pan2render.runner.worker.render_worker import WorkerConfig
@@ -117,7 +118,7 @@ def test_a_node_lost_under_a_group_is_not_charged_when_other_gpus_remain(tmp_pat
     led.add_jobs([job], retries=2)
     ex = LosesOneNode(lost=1, back_after=3, gpus=2, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
     summary = Driver(out_dir=tmp_path, ledger=led, executor=ex,
-                     config=DriverConfig(retries=2, progress=False, poll_s=0.01, cluster_wait_s=30)).run([job.job_id])
+                     config=ServingConfig(retries=2, progress=False, poll_s=0.01, cluster_wait_s=30)).run([job.job_id])
     record = led.job(job.job_id)
     print(record.state, record.attempts, record.retries_left, [(e.label, e.detail) for e in led.events(job.job_id)])
     assert summary.done == [job.job_id] and record.retries_left == 2  # the lost node was not the job's fault

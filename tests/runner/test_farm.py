@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from runner_helpers import RecordingExecutor, spec
+from runner_helpers import RecordingExecutor, farm_config, spec
 
 from pan2render.jobs.batch import Overrides
 from pan2render.jobs.ledger import JobState, Ledger
 from pan2render.jobs.spec import Batch, JobSpec
 from pan2render.runner.farm.api import start_api
 from pan2render.runner.farm.queue import BatchState, QueueError
-from pan2render.runner.farm.service import Farm, FarmConfig, FarmRequestError, ensure_token
+from pan2render.runner.farm.service import Farm, FarmRequestError, ensure_token
 from pan2render.runner.protocol.messages import LoadCall, SampleCall
 from pan2render.runner.serve.session import BatchRequest
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
@@ -35,7 +35,7 @@ def _farm(tmp_path: Path, *, gpus: int = 1, faults: dict[str, Any] | None = None
     root = tmp_path / "farm"
     root.mkdir(exist_ok=True)
     ex = RecordingExecutor(gpus=gpus, config=WorkerConfig(pipeline_factory=FAKE_FACTORY, faults=faults or {}))
-    return Farm(FarmConfig(root=root, poll_s=0.01, **config), ex, log=lambda text: None), ex
+    return Farm(farm_config(root, **config), ex, log=lambda text: None), ex
 
 
 def _request(out: Path, jobs: list[JobSpec]) -> BatchRequest:

@@ -22,7 +22,8 @@ from pan2render.runner.protocol.messages import (
     WorkerCall,
 )
 from pan2render.runner.serve.attempt import JobRun
-from pan2render.runner.serve.driver import Driver, DriverConfig
+from pan2render.runner.serve.config import ServingConfig
+from pan2render.runner.serve.driver import Driver
 from pan2render.runner.serve.jobflow import JobFlow, Step
 from pan2render.runner.serve.repair import repair
 from pan2render.runner.serve.steps import PAN2_FLOW
@@ -103,7 +104,7 @@ def _run(out: Path, jobs: list[JobSpec], *, retries: int = 0) -> tuple[Any, Reco
                         stages=FLOW.stages)
     ex = RecordingExecutor(gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY), worker_class=ThumbWorker)
     driver = Driver(out_dir=out, ledger=ledger, executor=ex, flow=FLOW,
-                    config=DriverConfig(retries=retries, progress=False, poll_s=0.01))
+                    config=ServingConfig(retries=retries, progress=False, poll_s=0.01))
     return driver.run([j.job_id for j in jobs]), ex, ledger
 
 
@@ -151,7 +152,7 @@ def test_a_ledger_runs_only_with_the_flow_it_was_recorded_with(tmp_path: Path) -
     led.record_batch({"path": None}, [spec("a")], retries=0)
     ex = RecordingExecutor(gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
     with pytest.raises(ValueError, match="records the stages"):
-        Driver(out_dir=tmp_path, ledger=led, executor=ex, flow=FLOW, config=DriverConfig(progress=False))
+        Driver(out_dir=tmp_path, ledger=led, executor=ex, flow=FLOW, config=ServingConfig(progress=False))
 
 
 def test_the_flow_restarts_after_the_latest_stage_that_checks_out(tmp_path: Path) -> None:

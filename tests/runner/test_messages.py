@@ -25,7 +25,7 @@ from pan2render.runner.protocol.messages import (
     Warmup,
     default_call_timeouts,
 )
-from pan2render.runner.serve.driver import DriverConfig
+from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 from pan2render.runner.worker.render_worker import RenderWorker, WorkerConfig
 
@@ -42,14 +42,14 @@ def test_each_job_call_names_its_stage_label_lane_and_deadline() -> None:
     # Beside the GPU lane: the encode's collect, a sampling's step checkpoint fetch and its stop.
     assert [c for c in JOB_CALLS if c.lane is Lane.IO] == [CollectCall, StopSamplingCall, FetchCheckpointCall]
     assert all(c.lane is Lane.SETUP and c.stage is None for c in SETUP_CALLS)
-    assert DriverConfig().call_timeouts_s == default_call_timeouts()
+    assert ServingConfig().call_timeouts_s == default_call_timeouts()
 
 
 def test_a_config_missing_a_calls_deadline_is_refused() -> None:
     timeouts = default_call_timeouts()
     del timeouts[SampleCall.timeout_key]
     with pytest.raises(ValueError, match="sample"):
-        DriverConfig(call_timeouts_s=timeouts)
+        ServingConfig(call_timeouts_s=timeouts)
 
 
 def test_an_unknown_call_comes_back_as_a_failure_not_an_exception() -> None:

@@ -11,7 +11,8 @@ from pan2render.jobs.ledger import Ledger, Stage
 from pan2render.jobs.spec import JobSpec
 from pan2render.runner.cluster.local_executor import LocalExecutor
 from pan2render.runner.protocol import outputs
-from pan2render.runner.serve.driver import Driver, DriverConfig
+from pan2render.runner.serve.config import ServingConfig
+from pan2render.runner.serve.driver import Driver
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 from pan2render.runner.worker.render_worker import WorkerConfig
 
@@ -29,7 +30,7 @@ def render(out: Path, jobs: list[JobSpec]) -> Ledger:
     ledger.add_jobs(jobs, retries=1)
     ex = LocalExecutor(gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
     summary = Driver(out_dir=out, ledger=ledger, executor=ex,
-                     config=DriverConfig(retries=1, progress=False, poll_s=0.01)).run([j.job_id for j in jobs])
+                     config=ServingConfig(retries=1, progress=False, poll_s=0.01)).run([j.job_id for j in jobs])
     assert summary.exit_code == 0, summary
     return ledger
 

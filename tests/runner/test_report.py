@@ -15,7 +15,8 @@ from pan2render.jobs.spec import JobSpec
 from pan2render.media.video import encode_mp4
 from pan2render.runner.cli import main as cli
 from pan2render.runner.cluster.local_executor import LocalExecutor
-from pan2render.runner.serve.driver import Driver, DriverConfig
+from pan2render.runner.serve.config import ServingConfig
+from pan2render.runner.serve.driver import Driver
 from pan2render.runner.views.job_status import job_statuses
 from pan2render.runner.views.report import ReportUpdater, write_report
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
@@ -34,7 +35,7 @@ def render(out: Path, jobs: list[JobSpec], *, faults: dict | None = None, on_job
     ledger = Ledger.open(out)
     ledger.add_jobs(jobs, retries=0)
     ex = LocalExecutor(gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY, faults=faults or {}))
-    Driver(out_dir=out, ledger=ledger, executor=ex, config=DriverConfig(retries=0, progress=False, poll_s=0.01),
+    Driver(out_dir=out, ledger=ledger, executor=ex, config=ServingConfig(retries=0, progress=False, poll_s=0.01),
            on_job_end=on_job_end).run([j.job_id for j in jobs])
     ledger.close()
 

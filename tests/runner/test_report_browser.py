@@ -18,7 +18,8 @@ from runner_helpers import CHROMIUM
 from pan2render.jobs.batch import load_batch
 from pan2render.jobs.ledger import Ledger
 from pan2render.runner.cluster.local_executor import LocalExecutor
-from pan2render.runner.serve.driver import Driver, DriverConfig
+from pan2render.runner.serve.config import ServingConfig
+from pan2render.runner.serve.driver import Driver
 from pan2render.runner.views.report import write_report
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 from pan2render.runner.worker.render_worker import WorkerConfig
@@ -66,7 +67,7 @@ def test_quickstart_report_videos_play_in_headless_chromium(tmp_path: Path) -> N
     ledger.add_jobs(specs, retries=0)
     ex = LocalExecutor(gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
     summary = Driver(out_dir=out, ledger=ledger, executor=ex,
-                     config=DriverConfig(retries=0, progress=False)).run([s.job_id for s in specs])
+                     config=ServingConfig(retries=0, progress=False)).run([s.job_id for s in specs])
     ledger.close()
     assert summary.exit_code == 0 and len(summary.done) == len(specs) == 6
 

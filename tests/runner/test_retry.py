@@ -32,7 +32,8 @@ from pan2render.runner.protocol.failures import (
     classify_group_death,
 )
 from pan2render.runner.protocol.messages import SampleCall, WorkerCall
-from pan2render.runner.serve.driver import Driver, DriverConfig
+from pan2render.runner.serve.config import ServingConfig
+from pan2render.runner.serve.driver import Driver
 from pan2render.runner.serve.retry import Action, OnGroup, RetryPolicy, keeps_group
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 from pan2render.runner.worker.render_worker import RenderWorker, WorkerConfig
@@ -260,7 +261,7 @@ def test_a_lost_cluster_requeues_uncharged_on_a_new_group(tmp_path: Path) -> Non
     led.add_jobs(jobs, retries=2)
     ex = _LosesItsGpus(gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
     summary = Driver(out_dir=tmp_path, ledger=led, executor=ex,
-                     config=DriverConfig(retries=2, progress=False, poll_s=0.01, cluster_wait_s=30)).run(
+                     config=ServingConfig(retries=2, progress=False, poll_s=0.01, cluster_wait_s=30)).run(
         [jobs[0].job_id])
     victim = led.job(jobs[0].job_id)
     groups = [gid for t, name, gid in ex.on_group if t is SampleCall]
@@ -287,7 +288,7 @@ def test_a_full_output_disk_requeues_uncharged_and_stops_the_batch(tmp_path: Pat
     ex = RecordingExecutor(gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
     with pytest.raises(BatchStopped):
         Driver(out_dir=tmp_path, ledger=led, executor=ex,
-               config=DriverConfig(retries=2, progress=False, poll_s=0.01)).run([j.job_id for j in jobs])
+               config=ServingConfig(retries=2, progress=False, poll_s=0.01)).run([j.job_id for j in jobs])
     victim = led.job(jobs[0].job_id)
     print(victim.state, victim.retries_left, [e.label for e in led.events(victim.id)])
     assert victim.state is JobState.PENDING and victim.retries_left == 2

@@ -21,7 +21,8 @@ from pan2render.runner.cluster.local_executor import LocalExecutor
 from pan2render.runner.protocol.artifacts import SAMPLING_STEP_DOC, STEP_CHECKPOINT_DOC
 from pan2render.runner.protocol.messages import Lane, WorkerCall
 from pan2render.runner.serve import watch
-from pan2render.runner.serve.driver import Driver, DriverConfig
+from pan2render.runner.serve.config import ServingConfig
+from pan2render.runner.serve.driver import Driver
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 from pan2render.runner.worker.render_worker import WorkerConfig
 
@@ -123,7 +124,7 @@ def test_the_scheduler_records_the_steps_the_workers_report(
 
     monkeypatch.setattr(Ledger, "set_document", spy)
     ex = _ThreadedExecutor(gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
-    Driver(out_dir=out, ledger=ledger, executor=ex, config=DriverConfig(retries=0, progress=False, poll_s=0.2)).run(
+    Driver(out_dir=out, ledger=ledger, executor=ex, config=ServingConfig(retries=0, progress=False, poll_s=0.2)).run(
         [s.job_id for s in specs])
     recorded = json.loads(ledger.document(specs[0].job_id, SAMPLING_STEP_DOC))
     ledger.close()

@@ -31,6 +31,14 @@ from pan2render.runner.cli.common import (
     print_error,
 )
 from pan2render.runner.farm.client import INFO_NAME, FarmClient, FarmError, default_root, find_farm
+from pan2render.runner.farm.config import FARM_SERVING_SETTINGS, FARM_SETTINGS, FarmConfig
+from pan2render.runner.serve.config import (
+    ServingConfig,
+    SettingError,
+    add_setting_args,
+    setting_flags,
+    settings_from_args,
+)
 
 START_TIMEOUT_S = 180.0  # Ray's start, the process's imports: seconds; a busy machine: more
 _STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ ")
@@ -49,15 +57,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     f.add_argument("--address", help="join this Ray cluster (as `run --address`); default: a local cluster of "
                                      "the farm's own, or the node kept up on this machine")
     f.add_argument("--cpu-gpus", type=int, metavar="N", help="declare N logical GPUs on a CPU-only machine")
-    f.add_argument("--host", default="127.0.0.1",
-                   help="address the API listens on (default 127.0.0.1: this machine only; see README, Farm)")
-    f.add_argument("--port", type=int, default=0, help="the API's port (default: a free one, in ROOT/farm.json)")
-    f.add_argument("--idle-release", type=float, default=600.0, metavar="S",
-                   help="seconds an idle GPU group keeps its GPUs and its loaded model (default 600)")
-    f.add_argument("--retries", type=int, default=2, metavar="N", help="retries per job (default 2)")
-    f.add_argument("--stall-timeout", type=float, default=600.0, metavar="S",
-                   help="seconds a sampling may go without finishing a step before its workers count as hung "
-                        "and are restarted, the job retried (default 600; 0: never)")
+    add_setting_args(f, FarmConfig, FARM_SETTINGS)
+    add_setting_args(f, ServingConfig, FARM_SERVING_SETTINGS)
     f.add_argument("--json", action="store_true", help="status: the farm's state as JSON")
     f.set_defaults(func=cmd_farm)
 
@@ -69,7 +70,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                    help="its jobs may stop a lower-priority batch's sampling at a step boundary to take its GPUs "
                         "(that job continues from its step checkpoint after)")
     s.add_argument("--wait", action="store_true", help="follow it as `run` would, with run's exit codes")
-    s.add_argument("--retries", type=int, default=2, metavar="N", help="retries per job (default 2)")
+    add_setting_args(s, ServingConfig, ["retries"])
     _root_arg(s)
     add_override_args(s)
     add_folder_args(s)
@@ -155,17 +156,16 @@ def _start(args: argparse.Namespace, root: Path) -> int:
     if args.cpu_gpus is not None and args.cpu_gpus < 1:
         print_error(f"error: --cpu-gpus {args.cpu_gpus}: must be >= 1")
         return EXIT_USAGE
-    if args.idle_release <= 0:
-        print_error(f"error: --idle-release {args.idle_release}: must be > 0 seconds")
-        return EXIT_USAGE
-    if not args.stall_timeout >= 0:
-        print_error(f"error: --stall-timeout {args.stall_timeout}: must be >= 0 seconds (0: no watchdog)")
+    try:
+        serving = settings_from_args(ServingConfig, args)
+        config = settings_from_args(FarmConfig, args, root=root, serving=serving)
+    except SettingError as e:
+        print_error(f"error: {e}")
         return EXIT_USAGE
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     (root / INFO_NAME).unlink(missing_ok=True)  # a killed farm's: the new one writes its own
-    cmd = [sys.executable, "-m", "pan2render.runner.farm", "--root", str(root), "--host", args.host,
-           "--port", str(args.port), "--idle-release", str(args.idle_release), "--retries", str(args.retries),
-           "--stall-timeout", str(args.stall_timeout)]
+    cmd = [sys.executable, "-m", "pan2render.runner.farm", "--root", str(root),
+           *setting_flags(config, FARM_SETTINGS), *setting_flags(serving, FARM_SERVING_SETTINGS)]
     if args.address:
         cmd += ["--address", args.address]
     if args.cpu_gpus is not None:
@@ -235,8 +235,8 @@ def format_status(snap: dict[str, Any]) -> str:
 def cmd_submit(args: argparse.Namespace) -> int:
     from pan2render.jobs.batch import Overrides
 
-    if args.retries < 0:
-        print_error(f"error: --retries {args.retries}: must be >= 0")
+    if (problem := _retries_problem(args.retries)) is not None:
+        print_error(f"error: {problem}")
         return EXIT_USAGE
     overrides = Overrides(sets=tuple(args.sets), sweeps=tuple(args.sweeps))
     batch = load_batch_or_report(args.batch, overrides, check_model=True)
@@ -249,6 +249,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return EXIT_ENVIRONMENT
     return submit(client, batch, overrides, out=args.out, priority=args.priority, retries=args.retries,
                   wait=args.wait, preempt=args.preempt, prune=args.prune)
+
+
+def _retries_problem(retries: int) -> str | None:
+    try:
+        ServingConfig(retries=retries)
+    except SettingError as e:
+        return str(e)
+    return None
 
 
 def submit(client: FarmClient, batch: Any, overrides: Any, *, out: Path, priority: int, retries: int,

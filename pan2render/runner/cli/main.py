@@ -53,6 +53,7 @@ from pan2render.runner.cli.reading import (
 )
 from pan2render.runner.cli.render import NODE_PORT, cmd_node, cmd_repair, cmd_resume, cmd_run
 from pan2render.runner.serve import errors
+from pan2render.runner.serve.config import RUN_SETTINGS, ServingConfig, add_setting_args
 
 # The entry point, and the exit codes it returns (the module docstring says what each means).
 __all__ = ["EXIT_CHECKPOINT", "EXIT_ENVIRONMENT", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "main"]
@@ -105,17 +106,7 @@ def _parser() -> argparse.ArgumentParser:
                                           "run's own (`local`: always that)")
         sp.add_argument("--cpu-gpus", type=int, metavar="N",
                         help="declare N logical GPUs on a CPU-only machine (groups of N run on CPU, gloo)")
-        sp.add_argument("--retries", type=int, default=2, metavar="N", help="retries per job (default 2)")
-        sp.add_argument("--group-start-timeout", type=float, default=300.0, metavar="S",
-                        help="seconds a GPU group may take to start (its placement group to be granted, its "
-                             "actors to join) before the job it was for is charged an attempt (default 300; "
-                             "raise it on a shared cluster whose GPUs are often held by others)")
-        sp.add_argument("--cluster-wait", type=float, default=300.0, metavar="S",
-                        help="seconds to wait for GPUs to come back after the cluster lost them (a node "
-                             "died) before the batch stops, its jobs pending and uncharged (default 300)")
-        sp.add_argument("--stall-timeout", type=float, default=600.0, metavar="S",
-                        help="seconds a sampling may go without finishing a step before its workers count as "
-                             "hung: they are restarted and the job retried (default 600; 0: never)")
+        add_setting_args(sp, ServingConfig, RUN_SETTINGS)
         sp.add_argument("--no-progress", action="store_true",
                         help="plain lines even on a terminal (one per job event, a summary each minute)")
 
@@ -188,7 +179,7 @@ def _parser() -> argparse.ArgumentParser:
     fix.add_argument("dir", type=Path)
     fix.add_argument("--batch", type=Path, help="the batch file, for jobs that left nothing on disk "
                                                 "and are not in the backup")
-    fix.add_argument("--retries", type=int, default=2, metavar="N", help="retry budget of rebuilt jobs")
+    add_setting_args(fix, ServingConfig, ["retries"])
     fix.set_defaults(func=cmd_repair)
 
     pr = sub.add_parser("presets", help="list the presets and their fields, or print one")

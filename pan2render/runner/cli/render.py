@@ -31,6 +31,7 @@ from pan2render.runner.cli.reading import print_plan
 from pan2render.runner.cluster.choose import LOCAL_ADDRESS
 from pan2render.runner.protocol import timeline
 from pan2render.runner.serve import errors
+from pan2render.runner.serve.config import ServingConfig, SettingError, settings_from_args
 from pan2render.runner.serve.progress import RunLog, RunProgress
 
 # The driver, the groups and the workers import torch (seconds); commands that read a batch or a
@@ -171,13 +172,11 @@ def _drive(args: argparse.Namespace, session: Any) -> int:
     prepared, Ray started or joined only when one of them needs rendering."""
     from pan2render.runner.cluster.choose import make_executor
     from pan2render.runner.cluster.ray_cluster import ClusterConnectError
-    from pan2render.runner.serve.driver import Driver, DriverConfig
+    from pan2render.runner.serve.driver import Driver
     from pan2render.runner.serve.session import warn_if_no_backup
 
     out, ledger, log, ids = session.out_dir, session.ledger, session.log, session.job_ids
-    config = DriverConfig(retries=args.retries, progress=not args.no_progress,
-                          group_start_timeout_s=args.group_start_timeout, cluster_wait_s=args.cluster_wait,
-                          stall_timeout_s=args.stall_timeout)
+    config = settings_from_args(ServingConfig, args, progress=not args.no_progress)
     if not ids:
         log.line(f"error: the ledger {ledger.path} holds no jobs; nothing was run")
         return EXIT_USAGE
@@ -267,23 +266,23 @@ def _print_summary(out: Path, s: RunSummary, log: RunLog) -> None:
         log.line(f"  failed: {jid}  (`{cmd('show', out, jid)}` has its traceback)")
 
 
+def _settings_problem(args: argparse.Namespace) -> str | None:
+    try:
+        settings_from_args(ServingConfig, args)
+    except SettingError as e:
+        return str(e)
+    return None
+
+
 def _check_cluster_args(args: argparse.Namespace) -> int | None:
     """Usage checks that need no cluster; all before anything is written."""
-    problem = None
-    if args.retries < 0:
-        problem = f"--retries {args.retries}: must be >= 0"
-    elif not args.group_start_timeout > 0:
-        problem = f"--group-start-timeout {args.group_start_timeout}: must be > 0 seconds"
-    elif not args.cluster_wait >= 0:
-        problem = f"--cluster-wait {args.cluster_wait}: must be >= 0 seconds"
-    elif not args.stall_timeout >= 0:
-        problem = f"--stall-timeout {args.stall_timeout}: must be >= 0 seconds (0: no watchdog)"
-    elif args.cpu_gpus is not None and args.cpu_gpus < 1:
+    problem = _settings_problem(args)
+    if problem is None and args.cpu_gpus is not None and args.cpu_gpus < 1:
         problem = f"--cpu-gpus {args.cpu_gpus}: must be >= 1"
-    elif args.cpu_gpus is not None and _address(args) not in (None, LOCAL_ADDRESS):
+    elif problem is None and args.cpu_gpus is not None and _address(args) not in (None, LOCAL_ADDRESS):
         given = "--address" if args.address else f"RAY_ADDRESS={os.environ['RAY_ADDRESS']} (set in the environment)"
         problem = f"--cpu-gpus declares GPUs of a LOCAL cluster; it cannot be used with {given}"
-    else:
+    elif problem is None:
         from pan2render.runner.cluster.ray_cluster import ray_client_missing
 
         problem = _address_problem(args) or ray_client_missing(_address(args))

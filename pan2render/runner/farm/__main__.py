@@ -18,8 +18,10 @@ from typing import Any
 from pan2render.jobs.ledger import FolderLock
 from pan2render.runner.cluster.choose import make_executor
 from pan2render.runner.farm.api import start_api
-from pan2render.runner.farm.service import INFO_NAME, LOG_NAME, Farm, FarmConfig, ensure_token
+from pan2render.runner.farm.config import FARM_SERVING_SETTINGS, FARM_SETTINGS, FarmConfig
+from pan2render.runner.farm.service import INFO_NAME, LOG_NAME, Farm, ensure_token
 from pan2render.runner.protocol.artifacts import write_atomic
+from pan2render.runner.serve.config import ServingConfig, add_setting_args, settings_from_args
 
 
 def write_info(root: Path, info: dict[str, Any]) -> None:
@@ -32,12 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", type=Path, required=True)
     p.add_argument("--address")
     p.add_argument("--cpu-gpus", type=int)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--idle-release", type=float, default=600.0)
-    p.add_argument("--device-fault-limit", type=int, default=3)
-    p.add_argument("--retries", type=int, default=2)
-    p.add_argument("--stall-timeout", type=float, default=600.0)
+    add_setting_args(p, FarmConfig, FARM_SETTINGS)
+    add_setting_args(p, ServingConfig, FARM_SERVING_SETTINGS)
     args = p.parse_args(argv)
     root: Path = args.root
     lock = FolderLock(root)
@@ -49,9 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         logf.flush()
 
     try:
-        config = FarmConfig(root=root, host=args.host, port=args.port, idle_release_s=args.idle_release,
-                            device_fault_limit=args.device_fault_limit, retries=args.retries,
-                            stall_timeout_s=args.stall_timeout)
+        config = settings_from_args(FarmConfig, args, root=root, serving=settings_from_args(ServingConfig, args))
         token = ensure_token(root)
         executor = make_executor(address=args.address, cpu_gpus=args.cpu_gpus, max_gpus=args.cpu_gpus or 1, say=log)
         farm = Farm(config, executor, log=log)

@@ -29,13 +29,14 @@ from typing import Any
 
 from pan2render.jobs.ledger import FolderLockedError, JobState, Ledger
 from pan2render.runner.cluster.executor import Executor
+from pan2render.runner.farm.config import FarmConfig
 from pan2render.runner.farm.queue import BatchEvent, BatchState, FarmQueue, QueuedBatch
 from pan2render.runner.serve import errors
 from pan2render.runner.serve.errors import UnrecordedWork
 from pan2render.runner.serve.jobflow import BatchFlow
 from pan2render.runner.serve.pool import GroupPool
 from pan2render.runner.serve.progress import RunningJob, RunProgress
-from pan2render.runner.serve.scheduler import DriverConfig, Scheduler, ServedBatch
+from pan2render.runner.serve.scheduler import Scheduler, ServedBatch
 from pan2render.runner.serve.session import BatchRequest, BatchSession, checkpoint_problems
 from pan2render.runner.serve.steps import PAN2_FLOW
 from pan2render.runner.views.report import ReportUpdater
@@ -45,27 +46,6 @@ TOKEN_NAME = "token"
 INFO_NAME = "farm.json"
 LOG_NAME = "farm.log"
 EVENTS_SHOWN = 50  # the queue's latest events in the snapshot (the web monitor's list)
-
-
-@dataclass(frozen=True)
-class FarmConfig:
-    root: Path
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: a free port, chosen at start and written to farm.json
-    idle_release_s: float = 600.0  # an idle group holds its GPUs (and its loaded model) this long
-    device_fault_limit: int = 3  # a group whose jobs fail with device faults this many times in a row is held out
-    poll_s: float = 0.1  # longest a pass waits for a reply before it looks at the API's requests again
-    retries: int = 2  # per job, as `run --retries`
-    group_start_timeout_s: float = 300.0
-    stall_timeout_s: float = 600.0  # as `run --stall-timeout`
-
-    def __post_init__(self) -> None:
-        if self.idle_release_s <= 0:
-            raise ValueError(f"idle_release_s={self.idle_release_s}: must be > 0 seconds")
-        if self.device_fault_limit < 1:
-            raise ValueError(f"device_fault_limit={self.device_fault_limit}: must be >= 1")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port={self.port}: must be a TCP port, 0-65535 (0: any free one)")
 
 
 class FarmRequestError(RuntimeError):
@@ -104,12 +84,8 @@ class Farm:
         self.ex = executor
         self.log = log
         self.queue = FarmQueue(self.root)
-        # A farm waits for lost GPUs to come back however long it takes (a lost GCS ends it: Ray
-        # cannot go on without one).
-        sched = DriverConfig(retries=config.retries, poll_s=config.poll_s, progress=False,
-                             group_start_timeout_s=config.group_start_timeout_s, cluster_wait_s=float("inf"),
-                             stall_timeout_s=config.stall_timeout_s)
-        pool = GroupPool(executor, total_gpus=executor.total_gpus(), start_timeout_s=config.group_start_timeout_s,
+        sched = config.scheduler_config()
+        pool = GroupPool(executor, total_gpus=executor.total_gpus(), start_timeout_s=sched.group_start_timeout_s,
                          fault_limit=config.device_fault_limit)
         self.scheduler = Scheduler(executor=executor, config=sched, pool=pool)
         self.served: dict[str, _Served] = {}
@@ -277,7 +253,7 @@ class Farm:
 
     def _serve(self, row: QueuedBatch, session: BatchSession, *, revive_cancelled: bool = True) -> None:
         try:
-            session.prepare(retries=self.config.retries, revive_cancelled=revive_cancelled)
+            session.prepare(retries=self.config.serving.retries, revive_cancelled=revive_cancelled)
             session.note_run(command="farm", gpus=self.scheduler.pool.total_gpus)
         except BaseException:
             session.close()

@@ -5,7 +5,7 @@ worker (``worker.py``) dispatches on its type and answers with a :class:`Reply` 
 the call's typed reply (rank 0's; other ranks send None so artifacts cross the object store once).
 Each call type says, once, everything the driver and the executor need to know about it: the
 ledger stage it belongs to, what progress shows while it runs, its lane on the worker, and its
-deadline (key and default of ``DriverConfig.call_timeouts_s``).
+deadline (key and default of ``ServingConfig.call_timeouts_s``).
 
 Messages stay small: artifacts (embeddings, latents, mp4s) travel as ``bytes``. A job's
 ``JobSpec`` travels once per attempt on a group, with the attempt's first call that needs it
@@ -85,7 +85,7 @@ class WorkerCall:
     # stage is not shown running for it.
     marks_stage: ClassVar[bool] = True
     shown: ClassVar[str] = ""  # what progress shows while the call runs
-    timeout_key: ClassVar[str] = ""  # its key in DriverConfig.call_timeouts_s ("" for set-up calls)
+    timeout_key: ClassVar[str] = ""  # its key in ServingConfig.call_timeouts_s ("" for set-up calls)
     default_timeout_s: ClassVar[float] = 0.0
 
 

@@ -15,12 +15,13 @@ from pan2render.runner.cluster.executor import Executor
 from pan2render.runner.cluster.ray_cluster import GcsLost
 from pan2render.runner.protocol import artifacts, outputs
 from pan2render.runner.protocol.failures import ClusterLostError
+from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.serve.jobflow import BatchFlow, JobFlow
 from pan2render.runner.serve.progress import RunLog, RunProgress
-from pan2render.runner.serve.scheduler import DriverConfig, Scheduler, ServedBatch
+from pan2render.runner.serve.scheduler import Scheduler, ServedBatch
 from pan2render.runner.serve.steps import PAN2_FLOW
 
-__all__ = ["Driver", "DriverConfig", "RunSummary", "prepare_jobs"]
+__all__ = ["Driver", "RunSummary", "prepare_jobs"]
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def prepare_jobs(*, out_dir: Path, ledger: Ledger, job_ids: list[str], retries: 
 class Driver:
     """The scheduler serving one batch until every job of it is done or failed (``pan2-render run``)."""
 
-    def __init__(self, *, out_dir: Path, ledger: Ledger, executor: Executor, config: DriverConfig,
+    def __init__(self, *, out_dir: Path, ledger: Ledger, executor: Executor, config: ServingConfig,
                  progress: RunProgress | None = None, on_job_end: Callable[[], None] | None = None,
                  flow: JobFlow = PAN2_FLOW):
         if progress is None:  # stderr only (the CLI passes one that also writes DIR/run.log)

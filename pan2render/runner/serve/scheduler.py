@@ -36,17 +36,18 @@ from pan2render.runner.protocol.messages import (
 from pan2render.runner.protocol.timeline import stamp
 from pan2render.runner.serve import watch
 from pan2render.runner.serve.attempt import JobRun, Phase, Stop, StopKind
+from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.serve.pool import GroupPool
 from pan2render.runner.serve.retry import Action, Decision, OnGroup, RetryPolicy
-from pan2render.runner.serve.serving import DriverConfig, JobQueue, QueuedJob, ServedBatch
+from pan2render.runner.serve.serving import JobQueue, QueuedJob, ServedBatch
 
-__all__ = ["DriverConfig", "Scheduler", "ServedBatch"]
+__all__ = ["Scheduler", "ServedBatch"]
 
 
 class Scheduler:
     """Runs the pending jobs of every served batch on groups from one pool."""
 
-    def __init__(self, *, executor: Executor, config: DriverConfig, pool: GroupPool | None = None):
+    def __init__(self, *, executor: Executor, config: ServingConfig, pool: GroupPool | None = None):
         self.ex = executor
         self.config = config
         self.pool = pool or GroupPool(executor, total_gpus=executor.total_gpus(),

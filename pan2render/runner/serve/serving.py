@@ -1,6 +1,6 @@
-"""What the scheduler serves, and how: :class:`DriverConfig` (retries, deadlines, waits),
-:class:`ServedBatch` (one batch's flow, progress and place in the queue) and :class:`QueuedJob`
-(a pending job) in a :class:`JobQueue` (their order)."""
+"""What the scheduler serves: :class:`ServedBatch` (one batch's flow, progress and place in the
+queue) and :class:`QueuedJob` (a pending job) in a :class:`JobQueue` (their order). How it serves
+them is ``config.py``'s."""
 
 from __future__ import annotations
 
@@ -9,43 +9,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from pan2render.jobs.ledger import JobRecord, Ledger
-from pan2render.runner.protocol.messages import JOB_CALLS, default_call_timeouts
 from pan2render.runner.serve.jobflow import BatchFlow
 from pan2render.runner.serve.progress import RunProgress
-
-
-@dataclass(frozen=True)
-class DriverConfig:
-    retries: int = 2  # retries per job after its first attempt (resume grants a fresh budget)
-    poll_s: float = 0.5  # longest the loop sleeps in ray.wait before checking deadlines/progress
-    group_start_timeout_s: float = 300.0
-    # Per-call deadlines, by each call type's timeout_key (defaults: messages.py); a call past its
-    # deadline is treated as a dead group.
-    call_timeouts_s: dict[str, float] = field(default_factory=default_call_timeouts)
-    progress: bool = True  # a live block on stderr when it is a terminal (else plain lines)
-    # How long the batch waits for GPUs to come back after the cluster lost the ones a job needs
-    # (a node died, its raylet or the GCS restarted) before it stops with a message.
-    cluster_wait_s: float = 300.0
-    # Times a job's artifact may be redone in one run because it failed its check (corrupt on
-    # disk, or freshly written and rejected) before the job fails with the check's reason.
-    max_redos: int = 2
-    # A sampling that reports no step for this long is hung (a worker stopped, a collective that
-    # never completes): its group is torn down and the job retried, charged. A step of a 720p
-    # sampling takes ~1.6 s on an H200; 0 turns the watchdog off.
-    stall_timeout_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        if self.retries < 0:
-            raise ValueError(f"retries={self.retries} must be >= 0 (0 = no retries)")
-        if self.cluster_wait_s < 0 or self.max_redos < 0 or self.stall_timeout_s < 0:
-            raise ValueError(f"cluster_wait_s={self.cluster_wait_s}, max_redos={self.max_redos} and "
-                             f"stall_timeout_s={self.stall_timeout_s} must be >= 0")
-        if self.poll_s <= 0:
-            raise ValueError(f"poll_s={self.poll_s} must be > 0")
-        missing = {c.timeout_key for c in JOB_CALLS} - set(self.call_timeouts_s)
-        if missing:
-            raise ValueError(f"call_timeouts_s lacks {sorted(missing)}")
-
 
 _served = itertools.count()
 
