@@ -31,12 +31,12 @@ from pan2render.runner.protocol.messages import (
     SampleCall,
     StopSamplingCall,
     WorkerCall,
+    WorkerConfig,
 )
 from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.serve.driver import Driver, RunSummary
 from pan2render.runner.serve.session import BatchRequest
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
-from pan2render.runner.worker.render_worker import WorkerConfig
 
 
 def sqlite_disk_full() -> sqlite3.OperationalError:

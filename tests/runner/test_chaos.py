@@ -27,12 +27,11 @@ from pan2render.runner.cluster.executor import Call, Group, GroupDied
 from pan2render.runner.cluster.local_executor import LocalExecutor
 from pan2render.runner.protocol import artifacts
 from pan2render.runner.protocol.failures import ClusterLostError
-from pan2render.runner.protocol.messages import EncodePromptsCall, SampleCall, WorkerCall
+from pan2render.runner.protocol.messages import EncodePromptsCall, SampleCall, WorkerCall, WorkerConfig
 from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.serve.driver import Driver
 from pan2render.runner.worker import packing
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
-from pan2render.runner.worker.render_worker import WorkerConfig
 
 pytestmark = pytest.mark.timeout(60)
 N_JOBS = 3

@@ -12,10 +12,10 @@ from pan2render.jobs.batch import load_batch
 from pan2render.jobs.ledger import FolderLock, Ledger
 from pan2render.runner.cli import main as cli
 from pan2render.runner.cluster.local_executor import LocalExecutor
+from pan2render.runner.protocol.messages import WorkerConfig
 from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.serve.driver import Driver
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
-from pan2render.runner.worker.render_worker import WorkerConfig
 
 
 def _render_locally(batch: Path, out: Path, *, faults: dict | None = None) -> None:

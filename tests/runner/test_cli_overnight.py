@@ -23,9 +23,9 @@ from pan2render.runner.cli import common as cli_common
 from pan2render.runner.cli import main as cli
 from pan2render.runner.cluster import choose
 from pan2render.runner.cluster.local_executor import LocalExecutor
+from pan2render.runner.protocol.messages import WorkerConfig
 from pan2render.runner.serve.progress import RUN_LOG_NAME
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
-from pan2render.runner.worker.render_worker import WorkerConfig
 
 
 @pytest.fixture

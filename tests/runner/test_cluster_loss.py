@@ -27,9 +27,8 @@ from pan2render.runner.cluster.local_executor import LocalExecutor
 from pan2render.runner.cluster.ray_cluster import GcsLost, GcsWatch
 from pan2render.runner.cluster.ray_executor import RayExecutor
 from pan2render.runner.protocol.failures import FailureKind
-from pan2render.runner.protocol.messages import SampleCall, WorkerCall
+from pan2render.runner.protocol.messages import SampleCall, WorkerCall, WorkerConfig
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
-from pan2render.runner.worker.render_worker import WorkerConfig
 
 pytestmark = pytest.mark.timeout(60)
 EXIT_ENVIRONMENT = 3

@@ -28,10 +28,10 @@ from pan2render.runner.protocol.messages import (
     LoadCall,
     SampleCall,
     WorkerCall,
+    WorkerConfig,
 )
 from pan2render.runner.serve.pool import GroupPool
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
-from pan2render.runner.worker.render_worker import WorkerConfig
 
 
 def file_id(path: Path) -> tuple[int, int]:
@@ -386,7 +386,7 @@ from pan2render.jobs.spec import JobSpec
 from pan2render.runner.serve.driver import Driver
 from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.cluster.local_executor import LocalExecutor
-from pan2render.runner.worker.render_worker import WorkerConfig
+from pan2render.runner.protocol.messages import WorkerConfig
 out, specs, faults = Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 jobs = [JobSpec.from_dict(d) for d in specs]
 ledger = Ledger.open(out)
@@ -465,7 +465,7 @@ _SHARED: dict[str, Any] = {}
 def shared_tiny_pipeline(model: str, device: str) -> Any:
     """A pipeline factory for the worker that loads the tiny model once per test process, so the
     test compares against the very pipeline the worker used."""
-    from pan2render.runner.worker.render_worker import load_pan2_pipeline
+    from pan2render.runner.worker.inputs import load_pan2_pipeline
 
     if model not in _SHARED:
         _SHARED[model] = load_pan2_pipeline(model, device)

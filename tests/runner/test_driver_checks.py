@@ -19,12 +19,11 @@ from pan2render.jobs.ledger import JobState, Ledger, Stage
 from pan2render.media.video import probe_mp4
 from pan2render.runner.cluster.executor import Call, Group, GroupDied
 from pan2render.runner.protocol import artifacts
-from pan2render.runner.protocol.messages import EncodePromptsCall, SampleCall, WorkerCall
+from pan2render.runner.protocol.messages import EncodePromptsCall, SampleCall, WorkerCall, WorkerConfig
 from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.serve.driver import Driver
 from pan2render.runner.worker import packing
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
-from pan2render.runner.worker.render_worker import WorkerConfig
 
 pytestmark = pytest.mark.timeout(60)
 

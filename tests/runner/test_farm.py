@@ -24,10 +24,9 @@ from pan2render.jobs.spec import Batch, JobSpec
 from pan2render.runner.farm.api import start_api
 from pan2render.runner.farm.queue import BatchState, QueueError
 from pan2render.runner.farm.service import Farm, FarmRequestError, ensure_token
-from pan2render.runner.protocol.messages import LoadCall, SampleCall
+from pan2render.runner.protocol.messages import LoadCall, SampleCall, WorkerConfig
 from pan2render.runner.serve.session import BatchRequest
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
-from pan2render.runner.worker.render_worker import WorkerConfig
 
 
 def _farm(tmp_path: Path, *, gpus: int = 1, faults: dict[str, Any] | None = None,

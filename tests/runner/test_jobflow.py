@@ -20,6 +20,7 @@ from pan2render.runner.protocol.messages import (
     LoadCall,
     SampleCall,
     WorkerCall,
+    WorkerConfig,
 )
 from pan2render.runner.serve.attempt import JobRun
 from pan2render.runner.serve.config import ServingConfig
@@ -28,7 +29,7 @@ from pan2render.runner.serve.jobflow import JobFlow, Step
 from pan2render.runner.serve.repair import repair
 from pan2render.runner.serve.steps import PAN2_FLOW
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
-from pan2render.runner.worker.render_worker import RenderWorker, WorkerConfig
+from pan2render.runner.worker.render_worker import RenderWorker
 
 THUMB = "thumbnail"
 

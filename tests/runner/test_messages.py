@@ -23,11 +23,12 @@ from pan2render.runner.protocol.messages import (
     SampleCall,
     StopSamplingCall,
     Warmup,
+    WorkerConfig,
     default_call_timeouts,
 )
 from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
-from pan2render.runner.worker.render_worker import RenderWorker, WorkerConfig
+from pan2render.runner.worker.render_worker import RenderWorker
 
 
 def test_the_worker_handles_every_call_type_and_nothing_else() -> None:

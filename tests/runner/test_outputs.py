@@ -11,10 +11,10 @@ from pan2render.jobs.ledger import Ledger, Stage
 from pan2render.jobs.spec import JobSpec
 from pan2render.runner.cluster.local_executor import LocalExecutor
 from pan2render.runner.protocol import outputs
+from pan2render.runner.protocol.messages import WorkerConfig
 from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.serve.driver import Driver
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
-from pan2render.runner.worker.render_worker import WorkerConfig
 
 
 def swept(name: str, *, guidance: float, seed: int) -> JobSpec:

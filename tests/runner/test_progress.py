@@ -9,12 +9,12 @@ import time
 from pathlib import Path
 
 from pan2render.jobs.batch import load_batch
-from pan2render.runner.protocol.messages import LoadCall, SampleCall
+from pan2render.runner.protocol.messages import LoadCall, SampleCall, WorkerConfig
 from pan2render.runner.protocol.steps import StepClock, StepReport
 from pan2render.runner.serve.progress import RunLog, RunProgress
 from pan2render.runner.worker import packing
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY, FakePipeline
-from pan2render.runner.worker.render_worker import RenderWorker, WorkerConfig
+from pan2render.runner.worker.render_worker import RenderWorker
 
 
 class _Clock:

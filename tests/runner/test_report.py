@@ -15,12 +15,12 @@ from pan2render.jobs.spec import JobSpec
 from pan2render.media.video import encode_mp4
 from pan2render.runner.cli import main as cli
 from pan2render.runner.cluster.local_executor import LocalExecutor
+from pan2render.runner.protocol.messages import WorkerConfig
 from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.serve.driver import Driver
 from pan2render.runner.views.job_status import job_statuses
 from pan2render.runner.views.report import ReportUpdater, write_report
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
-from pan2render.runner.worker.render_worker import WorkerConfig
 
 
 def job(name: str, *, steps: int = 2, **sweep: float) -> JobSpec:

@@ -18,11 +18,11 @@ from runner_helpers import CHROMIUM
 from pan2render.jobs.batch import load_batch
 from pan2render.jobs.ledger import Ledger
 from pan2render.runner.cluster.local_executor import LocalExecutor
+from pan2render.runner.protocol.messages import WorkerConfig
 from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.serve.driver import Driver
 from pan2render.runner.views.report import write_report
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
-from pan2render.runner.worker.render_worker import WorkerConfig
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "jobs" / "quickstart.yaml"
 HAVE_METADATA = 1

@@ -31,12 +31,12 @@ from pan2render.runner.protocol.failures import (
     classify_exception,
     classify_group_death,
 )
-from pan2render.runner.protocol.messages import SampleCall, WorkerCall
+from pan2render.runner.protocol.messages import SampleCall, WorkerCall, WorkerConfig
 from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.serve.driver import Driver
 from pan2render.runner.serve.retry import Action, OnGroup, RetryPolicy, keeps_group
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
-from pan2render.runner.worker.render_worker import RenderWorker, WorkerConfig
+from pan2render.runner.worker.render_worker import RenderWorker
 
 
 def _job(retries_left: int = 2) -> JobRecord:

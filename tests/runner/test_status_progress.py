@@ -19,12 +19,11 @@ from pan2render.runner.cli import main as cli
 from pan2render.runner.cluster.executor import Call, Group
 from pan2render.runner.cluster.local_executor import LocalExecutor
 from pan2render.runner.protocol.artifacts import SAMPLING_STEP_DOC, STEP_CHECKPOINT_DOC
-from pan2render.runner.protocol.messages import Lane, WorkerCall
+from pan2render.runner.protocol.messages import Lane, WorkerCall, WorkerConfig
 from pan2render.runner.serve import watch
 from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.serve.driver import Driver
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
-from pan2render.runner.worker.render_worker import WorkerConfig
 
 
 def _sampling_folder(tmp_path: Path) -> tuple[Path, str]:

@@ -14,13 +14,13 @@ from runner_helpers import spec
 from pan2render.jobs.ledger import Ledger
 from pan2render.runner.cluster.executor import Call, Group
 from pan2render.runner.protocol.artifacts import SAMPLING_STEP_DOC
-from pan2render.runner.protocol.messages import LoadCall, SampleCall
+from pan2render.runner.protocol.messages import LoadCall, SampleCall, WorkerConfig
 from pan2render.runner.protocol.steps import StepClock
 from pan2render.runner.serve.attempt import JobRun
 from pan2render.runner.serve.watch import StepRecorder, current_steps, hung, started_sampling
 from pan2render.runner.worker import packing
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY, FakePipeline
-from pan2render.runner.worker.render_worker import RenderWorker, WorkerConfig
+from pan2render.runner.worker.render_worker import RenderWorker
 
 
 def _sampling_run(ledger: Ledger, job_id: str) -> JobRun:

@@ -12,10 +12,10 @@ from pan2render.jobs.ledger import Stage
 from pan2render.jobs.spec import JobSpec
 from pan2render.media.video import probe_mp4
 from pan2render.runner.protocol.failures import FailureKind
-from pan2render.runner.protocol.messages import CollectCall, DecodeCall, WorkerCall
+from pan2render.runner.protocol.messages import CollectCall, DecodeCall, WorkerCall, WorkerConfig
 from pan2render.runner.worker import packing
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY, FakePipeline
-from pan2render.runner.worker.render_worker import RenderWorker, WorkerConfig
+from pan2render.runner.worker.render_worker import RenderWorker
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from pan2render.runner.protocol.messages import WorkerConfig
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
-from pan2render.runner.worker.render_worker import RenderWorker, WorkerConfig
+from pan2render.runner.worker.render_worker import RenderWorker
 
 pytestmark = pytest.mark.timeout(60)
 

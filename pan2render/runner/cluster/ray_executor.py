@@ -13,19 +13,16 @@ back and say so.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any
 
 from pan2render.runner.cluster.executor import Call, Group, GroupDied, GroupStartError, first_failure, next_group_number
-from pan2render.runner.cluster.node import NodeError, end_processes, process_tree, started_by
+from pan2render.runner.cluster.node import NodeError, end_processes, process_tree
+from pan2render.runner.cluster.ray_actors import RayProgress, RayWorkerProcess, interrupts_deferred, own_children
 from pan2render.runner.cluster.ray_cluster import (
     GCS_QUERY_TIMEOUT_S,
     RAY_CLIENT_SCHEME,
@@ -93,20 +90,20 @@ class RayExecutor:
             # A local cluster: no dashboard (slow to start, not needed), a modest object store
             # (artifacts are MBs: latents ~10 MB, an mp4 a few MB), worker logs shown here.
             # "local": a new cluster even where a node recorded on this machine is gone.
-            before = _children()
+            before = own_children()
             try:
-                with _interrupts_deferred():
+                with interrupts_deferred():
                     context = ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False,
                                        log_to_driver=True, object_store_memory=object_store_bytes,
                                        logging_level="WARNING")
             finally:  # the GCS, raylet, ... of the new node: this process's children since ray.init
-                self._node_roots = _children() - before
+                self._node_roots = own_children() - before
         elif self._owns_ray:
             probe_address(address)
             try:
                 # The node kept up here is joined as Ray's "auto" finds it, the one way Ray takes its
                 # token (token authentication, on by default) from ~/.ray without being told to.
-                with _interrupts_deferred():
+                with interrupts_deferred():
                     context = ray.init(address="auto" if local_node else address, log_to_driver=True,
                                        logging_level="WARNING")
             except (ConnectionError, RuntimeError) as e:
@@ -216,7 +213,7 @@ class RayExecutor:
         """One actor per bundle of the group's placement group, joined into a process group."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        progress = _RayProgress(self._progress_actor)
+        progress = RayProgress(self._progress_actor)
         group.handle["actors"] = [
             self._actor_cls.options(
                 num_cpus=0, num_gpus=1, name=None,
@@ -407,71 +404,6 @@ class RayExecutor:
         """The processes of the local node this run started, now: those ray.init started that are
         still our children (a pid reused since is not), and their descendants."""
         try:
-            return process_tree(self._node_roots & _children())
+            return process_tree(self._node_roots & own_children())
         except NodeError:  # no /proc: Ray's own shutdown is all there is
             return set()
-
-
-@contextlib.contextmanager
-def _interrupts_deferred() -> Iterator[None]:
-    """A Ctrl-C while ray.init runs takes effect once it returns (a second one at once). Ray
-    interrupted while it builds its core worker leaves one that no ray.shutdown() reaches, and
-    whose thread crashes the process at exit (SIGSEGV after the "interrupted" line). Where this is
-    not the main thread, signals are not ours to handle: nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: list[int] = []
-
-    def later(signum: int, _frame: object) -> None:
-        if pending:
-            raise KeyboardInterrupt
-        pending.append(signum)
-        print("interrupt: stopping once Ray has started (Ctrl-C again to stop now)", file=sys.stderr, flush=True)
-
-    previous = signal.signal(signal.SIGINT, later)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if pending:
-        raise KeyboardInterrupt
-
-
-def _children() -> set[int]:
-    """This process's children (none known where there is no /proc)."""
-    try:
-        return started_by(os.getpid())
-    except NodeError:
-        return set()
-
-
-class RayWorkerProcess:
-    """The Ray actor: a `RenderWorker` built in the actor's own process. The driver creates actors
-    of this class without importing the worker (torch), and the actor times that import, which the
-    first load reports (``LoadReply.worker``)."""
-
-    def __init__(self, **kwargs: Any):
-        t0 = time.perf_counter()
-        import ray  # in the actor: the GPUs Ray gave it (a fault hook names one)
-
-        from pan2render.runner.worker.render_worker import RenderWorker  # torch, in the actor's process
-
-        gpu_ids = tuple(int(g) for g in ray.get_gpu_ids())
-        self._worker = RenderWorker(**kwargs, imports_s=time.perf_counter() - t0, gpu_ids=gpu_ids)
-
-    def execute(self, call: WorkerCall, seq: int | None = None) -> Reply[Any]:
-        """`RenderWorker.execute` (the one entry point)."""
-        return self._worker.execute(call, seq)
-
-
-class _RayProgress:
-    """The workers' progress sink: step reports pushed fire-and-forget to the run's StepClock
-    actor, which stamps them as they arrive."""
-
-    def __init__(self, actor: Any):
-        self._actor = actor
-
-    def report(self, job_id: str, done: int, total: int, at: float | None = None) -> None:
-        self._actor.report.remote(job_id, done, total, at)
-

@@ -33,7 +33,7 @@ from pan2render.jobs.spec import JobSpec
 from pan2render.phases import Phase
 from pan2render.runner.protocol.failures import Failure
 
-DEFAULT_PIPELINE_FACTORY = "pan2render.runner.worker.render_worker:load_pan2_pipeline"
+DEFAULT_PIPELINE_FACTORY = "pan2render.runner.worker.inputs:load_pan2_pipeline"
 
 # Jobs of one group whose encode is not collected yet (the driver keeps to it). Each holds its
 # video's yuv420p planes in this worker's host memory until encoded (121 frames of 704x1248:

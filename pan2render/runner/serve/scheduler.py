@@ -26,7 +26,6 @@ from pan2render.jobs.ledger import EventKind, JobEvent, JobRecord, JobState, Sta
 from pan2render.runner.cluster.executor import Call, Executor, Group, GroupDied, GroupStartError
 from pan2render.runner.protocol.failures import BatchStopped, Failure, FailureKind, classify_exception
 from pan2render.runner.protocol.messages import (
-    MAX_ENCODES_IN_FLIGHT,
     CheckpointReply,
     FetchCheckpointCall,
     Lane,
@@ -39,6 +38,7 @@ from pan2render.runner.serve.attempt import JobRun, Phase, Stop, StopKind
 from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.serve.pool import GroupPool
 from pan2render.runner.serve.retry import Action, Decision, OnGroup, RetryPolicy
+from pan2render.runner.serve.running import Running
 from pan2render.runner.serve.serving import JobQueue, QueuedJob, ServedBatch
 
 __all__ = ["Scheduler", "ServedBatch"]
@@ -54,7 +54,7 @@ class Scheduler:
                                       start_timeout_s=config.group_start_timeout_s)
         self._max_group = executor.max_group_size()  # a group's GPUs must all be on one node
         self._queue = JobQueue()
-        self._active: dict[tuple[int, str], JobRun] = {}  # (batch seq, job id) -> its attempt
+        self._running = Running()
         self._batch_of: dict[int, ServedBatch] = {}
         self._policy = RetryPolicy()
         self._cluster = watch.ClusterWait(executor, wait_s=config.cluster_wait_s)
@@ -77,19 +77,19 @@ class Scheduler:
         return [q.job_id for q in self._queue.of(batch)]
 
     def running(self, batch: ServedBatch) -> list[JobRun]:
-        return [r for (seq, _), r in self._active.items() if seq == batch.seq]
+        return self._running.of(batch)
 
     @property
     def busy(self) -> bool:
         """Anything left to do: a job running, or one that may start."""
-        return bool(self._active) or any(q.batch.stop is None and not q.batch.paused for q in self._queue)
+        return bool(self._running) or any(q.batch.stop is None and not q.batch.paused for q in self._queue)
 
     def reorder(self) -> None:
         """After a batch's priority changed."""
         self._queue.reorder()
 
     def running_on(self, group: Group) -> list[JobRun]:
-        return [r for r in self._active.values() if r.group is group]
+        return [r for _, r in self._running.on(group)]
 
     # ================================================================== stops: cancel, preemption
     def cancel(self, batch: ServedBatch, job_ids: list[str] | None, *, reason: str) -> list[JobRun]:
@@ -120,18 +120,15 @@ class Scheduler:
         """``q`` waits for a group while a lower-priority batch's job samples on one of its size:
         that sampling stops at its next step boundary, checkpointed, and its job goes back to the
         queue (uncharged); ``q`` then takes the group. One preemption at a time."""
-        if not q.batch.preempts or any(r.preempted for r in self._active.values()):
+        if not q.batch.preempts or any(r.preempted for r in self._running.runs()):
             return
-        victims = [r for (seq, _), r in self._active.items()
-                   if r.group.size == q.gpus and self._batch_of[seq].priority < q.batch.priority
-                   and r.stop is None and r.phase is Phase.SAMPLING]
+        victims = [(b, r) for b, r in self._running
+                   if r.group.size == q.gpus and b.priority < q.batch.priority and r.stop is None
+                   and r.phase is Phase.SAMPLING]
         if victims:
-            victim = min(victims, key=lambda r: self._batch_of[self._seq_of(r)].priority)
+            _, victim = min(victims, key=lambda found: found[0].priority)
             victim.stop = Stop(StopKind.PREEMPT, "a higher-priority batch needs its group")
             self._stop_sampling(victim)
-
-    def _seq_of(self, run: JobRun) -> int:
-        return next(seq for (seq, _), r in self._active.items() if r is run)
 
     def _settle_stop(self, batch: ServedBatch, run: JobRun) -> bool:
         """After a reply of a job being stopped: does the stop end the attempt here? A sampling that
@@ -175,31 +172,29 @@ class Scheduler:
         if (note := self.pool.take_start_note()) is not None:  # a group waiting for GPUs, every few seconds
             for batch in self._batch_of.values():
                 batch.progress.say(note)
-        if not self._active:  # nothing running: a group is starting (or failed to)
+        if not self._running:  # nothing running: a group is starting (or failed to)
             self.pool.wait_for_start(self.config.poll_s)
             return
-        calls = [c for r in self._active.values() for c in (r.call, r.side) if c is not None]
-        for call in self.ex.wait(calls, timeout_s=self.config.poll_s):
+        for call in self.ex.wait(self._running.calls(), timeout_s=self.config.poll_s):
             self._on_ready(call)
-        self._tear_down(watch.overdue(list(self._active.items()), lacks_gpus_for=self.ex.lacks_gpus_for))
-        if any(r.sampling for r in self._active.values()):
+        self._tear_down(watch.overdue(self._running.keyed(), lacks_gpus_for=self.ex.lacks_gpus_for))
+        if any(r.sampling for r in self._running.runs()):
             # A Ray call: only while a job samples.
-            steps = watch.current_steps(list(self._active.items()), self.ex.progress())
+            steps = watch.current_steps(self._running.keyed(), self.ex.progress())
             for seq, batch in self._batch_of.items():
                 batch.progress.steps({job_id: rep for (s, job_id), rep in steps.items() if s == seq})
-            self._tear_down(watch.hung(list(self._active.items()), steps, limit_s=self.config.stall_timeout_s))
-            self._steps.record([(k, r, self._batch_of[k[0]].ledger) for k, r in self._active.items()], steps)
+            self._tear_down(watch.hung(self._running.keyed(), steps, limit_s=self.config.stall_timeout_s))
+            self._steps.record([(k, r, self._batch_of[k[0]].ledger) for k, r in self._running.keyed()], steps)
         for batch in self._batch_of.values():
             batch.progress.tick()
             batch.notify_job_end()
 
     def interrupt_all(self, reason: str, *, outcome: str = "interrupted", detail: str = "") -> None:
         """Every running job back to pending, uncharged (the run stops, or the cluster went)."""
-        for seq, job_id in list(self._active):
-            batch = self._batch_of[seq]
-            batch.ledger.transition(job_id, JobEvent.INTERRUPT, reason=reason)
-            batch.progress.job_ended(job_id, outcome, detail)
-        self._active.clear()
+        for batch, run in self._running:
+            self._running.end(batch, run)
+            batch.ledger.transition(run.job.id, JobEvent.INTERRUPT, reason=reason)
+            batch.progress.job_ended(run.job.id, outcome, detail)
 
     def close(self) -> None:
         self.pool.close()
@@ -214,7 +209,7 @@ class Scheduler:
         for q in list(self._queue):  # a copy: jobs are taken out as it walks them
             if q.batch.stop is not None or q.batch.paused:
                 continue
-            group = self._held_group(q.gpus, behind_decode=False, avoid=q.avoid)
+            group = self._running.held_group(q.gpus, behind_decode=False, avoid=q.avoid)
             try:
                 group = group or self.pool.try_acquire(q.gpus, model=q.model, adapters=q.adapters, avoid=q.avoid)
             except GroupStartError as e:
@@ -226,7 +221,7 @@ class Scheduler:
                 self._failed(q.batch, q.job_id, Failure(stage=q.batch.flow.next_stage(q.job_id), kind=kind,
                                                         error=str(e), cause=e))
                 continue
-            group = group or self._held_group(q.gpus, behind_decode=True, avoid=q.avoid)
+            group = group or self._running.held_group(q.gpus, behind_decode=True, avoid=q.avoid)
             if group is None:
                 self._preempt_for(q)
                 break
@@ -235,21 +230,8 @@ class Scheduler:
             q.batch.ledger.transition(q.job_id, JobEvent.START, reason=f"on group {group.id} ({group.size} GPU(s))")
             run = JobRun(job=q.batch.ledger.job(q.job_id), group=group)
             q.batch.progress.job_started(q.job_id, group=group.id, attempt=run.job.attempts)
-            self._active[(q.batch.seq, q.job_id)] = run
+            self._running.add(q.batch, run)
             self._advance(q.batch, run)
-
-    def _held_group(self, size: int, *, behind_decode: bool, avoid: frozenset[str] = frozenset()) -> Group | None:
-        """A group of ``size`` with active jobs that can take one more: its GPU lane is free (or,
-        with ``behind_decode``, runs only a decode) and its encodes, counting that decode's, stay
-        within MAX_ENCODES_IN_FLIGHT."""
-        held = {id(r.group): r.group for r in self._active.values() if r.group.size == size and r.group.id not in avoid}
-        for group in held.values():
-            jobs = self.running_on(group)
-            on_gpu = [r for r in jobs if not r.encoding]
-            free = not on_gpu or (behind_decode and len(on_gpu) == 1 and on_gpu[0].decoding)
-            if free and len(jobs) < MAX_ENCODES_IN_FLIGHT:
-                return group
-        return None
 
     def _say_placed(self, batch: ServedBatch, group: Group) -> None:
         """The run log's start-up line of a group the first time it takes a job (stamps: seconds
@@ -264,8 +246,7 @@ class Scheduler:
 
     def _leave(self, batch: ServedBatch, run: JobRun) -> None:
         """The job no longer runs on its group; the group goes back to the pool once it holds no job."""
-        del self._active[(batch.seq, run.job.id)]
-        run.move(Phase.ENDED)
+        self._running.end(batch, run)
         if not self.running_on(run.group):
             self.pool.release(run.group)
 
@@ -310,12 +291,6 @@ class Scheduler:
                        error=f"driver: {type(e).__name__}: {e}", traceback=traceback.format_exc(), cause=e)
 
     # ================================================================== results
-    def _find(self, call: Call) -> tuple[ServedBatch, JobRun] | None:
-        for (seq, _), run in self._active.items():
-            if run.call is call or run.side is call:
-                return self._batch_of[seq], run
-        return None
-
     def _on_side_reply(self, batch: ServedBatch, run: JobRun, call: Call) -> None:
         """A step checkpoint fetched beside the job's sampling: recorded, and the next one asked for
         while the sampling goes on. A fetch that failed is dropped (the sampling's own reply says
@@ -335,7 +310,7 @@ class Scheduler:
             run.side = self._call(run, FetchCheckpointCall(job_id=run.job.id, after_step=after))
 
     def _on_ready(self, call: Call) -> None:
-        found = self._find(call)
+        found = self._running.find(call)
         if found is None:
             return  # its job left when its group was torn down: the reply is void
         batch, run = found
@@ -364,7 +339,7 @@ class Scheduler:
     def _tear_down(self, found: list[tuple[tuple[int, str], JobRun, Failure]]) -> None:
         """Each run the watch found overdue or hung: its group torn down, as a dead one."""
         for key, run, failure in found:
-            if key in self._active:  # (not a job of a group torn down for an earlier one)
+            if key in self._running:  # (not a job of a group torn down for an earlier one)
                 self._group_died(self._batch_of[key[0]], run, failure)
 
     def _group_died(self, batch: ServedBatch, run: JobRun, failure: Failure) -> None:
@@ -383,8 +358,7 @@ class Scheduler:
         if not died:
             batch.ledger.log(job.id, EventKind.GROUP_DISCARDED,
                              f"group {run.group.id} after [{failure.kind.value}]: {failure.message}")
-        others = [(self._batch_of[seq], r) for (seq, _), r in self._active.items()
-                  if r.group is run.group and r is not run]
+        others = [(b, r) for b, r in self._running.on(run.group) if r is not run]
         if failure.kind is FailureKind.WORKER_DEATH:
             fresh = self.pool.device_fault(run.group)
             if fresh is None and run.group.faults >= (self.pool.fault_limit or 0) > 0:
@@ -393,8 +367,7 @@ class Scheduler:
         else:
             self.pool.discard(run.group)
         for b, r in [(batch, run), *others]:
-            del self._active[(b.seq, r.job.id)]
-            r.move(Phase.ENDED)
+            self._running.end(b, r)
         batch.ledger.log(job.id, EventKind.GROUP_DIED, failure.message)
         self._carry_out(batch, job.id, failure, decision)
         # Every other job the torn-down group owned (one queued on its GPU lane, ones encoding)
@@ -449,7 +422,7 @@ class Scheduler:
     def _cluster_ready(self) -> bool:
         """After the cluster lost GPUs: have enough come back for every queued job? (Raises
         ClusterLostError once they have been gone too long, no job running.)"""
-        back = self._cluster.back(need=max((q.gpus for q in self._queue), default=0), running=bool(self._active),
+        back = self._cluster.back(need=max((q.gpus for q in self._queue), default=0), running=bool(self._running),
                                   queued=len(self._queue), folders=[b.flow.out_dir for b in self._batch_of.values()])
         if back is None:
             return not self._cluster.lost

@@ -47,10 +47,7 @@ from pan2render.models.tiny import cache_root
 from pan2render.phases import phase, recording
 from pan2render.runner.protocol import artifacts, outputs, timeline
 from pan2render.runner.protocol.failures import DeviceError, Failure, FailureKind, JobInputError, classify_exception
-from pan2render.runner.protocol.messages import (  # the config and the lane sizes are importable from here too
-    DEFAULT_PIPELINE_FACTORY,
-    GPU_QUEUE_DEPTH,
-    IO_CONCURRENCY,
+from pan2render.runner.protocol.messages import (
     MAX_ENCODES_IN_FLIGHT,
     CheckpointReply,
     CollectCall,
@@ -78,38 +75,14 @@ from pan2render.runner.protocol.messages import (  # the config and the lane siz
 from pan2render.runner.worker import packing, scratch
 from pan2render.runner.worker.adapters import AdapterCache
 from pan2render.runner.worker.faults import FaultHooks
+from pan2render.runner.worker.inputs import decode_image
 from pan2render.runner.worker.sampling_control import SamplingControl
 from pan2render.runner.worker.versions import runtime_versions
 from pan2render.step_checkpoint import StepCheckpointError
 
-__all__ = ["DEFAULT_PIPELINE_FACTORY", "GPU_QUEUE_DEPTH", "IO_CONCURRENCY", "MAX_ENCODES_IN_FLIGHT", "RenderWorker",
-           "WorkerConfig", "load_pan2_pipeline"]
-
 
 class ProgressSink(Protocol):
     def report(self, job_id: str, done: int, total: int, at: float | None = None) -> None: ...
-
-
-def load_pan2_pipeline(model: str, device: str) -> Any:
-    with phase("imports"):
-        from pan2render.models import PAN2Pipeline, PAN2PipelineConfig  # heavy import
-
-    return PAN2Pipeline.from_pretrained(model, config=PAN2PipelineConfig(device=device))
-
-
-def _decode_image(data: bytes) -> Any:
-    """Image file bytes (PNG, JPEG, WebP, ...) -> uint8 numpy [H, W, 3], with PyAV (a dependency
-    already, unlike Pillow). The driver sends the bytes, so workers need no shared filesystem."""
-    import io
-
-    import av
-
-    try:
-        with av.open(io.BytesIO(data)) as container:
-            frame = next(container.decode(video=0))
-            return frame.to_ndarray(format="rgb24")
-    except (av.FFmpegError, StopIteration) as e:
-        raise JobInputError(f"the first-frame image ({len(data)} bytes) does not decode: {e}") from e
 
 
 # Specs a worker keeps (see RenderWorker._specs): far more than the jobs a group holds at once.
@@ -124,7 +97,7 @@ class RenderWorker:
     def __init__(self, *, rank: int, world_size: int, config: WorkerConfig,
                  progress: ProgressSink | None = None, die: Callable[[], None] | None = None,
                  imports_s: float = 0.0, gpu_ids: tuple[int, ...] = ()):
-        """``imports_s``: how long the process took to import this module (`ray_executor.RayWorkerProcess`
+        """``imports_s``: how long the process took to import this module (`ray_actors.RayWorkerProcess`
         measures it), reported with the first load. ``gpu_ids``: the cluster's numbers of the GPUs
         this worker was given (what the ``broken_gpu`` fault hook names)."""
         self.rank = rank
@@ -337,7 +310,7 @@ class RenderWorker:
         progress_key = call.progress_key or job_id
         js = self._spec(job_id, call.spec)
         self._adapters.set(pipe, call.adapters)
-        first_frame = None if call.image is None else _decode_image(call.image)  # uint8 [H, W, 3]
+        first_frame = None if call.image is None else decode_image(call.image)  # uint8 [H, W, 3]
         self._faults.at_stage(js, "sampling")
 
         def progress(done: int, total: int) -> None:
