@@ -5,13 +5,13 @@ Exit codes: 0 every job done, 1 some job failed, 2 invalid input or usage (nothi
 that cannot be loaded: one paragraph on the terminal, the traceback in DIR/_logs/), 4 (status only,
 views.status_code) not finished, 5 (validate only) the batch is valid but its checkpoint folder is
 missing or incomplete, so `run` would refuse it, 130 interrupted (Ctrl-C, SIGTERM or SIGHUP;
-finished stages kept, `resume` continues). The commands live in cli_render.py (run, resume,
-repair, node) and cli_views.py (the rest); what they share in cli_common.py.
+finished stages kept, `resume` continues). The commands live in cli/render.py (run, resume,
+repair, node), cli/reading.py (the rest) and cli/farm.py (the farm's); what they share in cli/common.py.
 Environment (for tests and debugging, not user settings):
     PAN2_RENDER_EXECUTOR  "local": run jobs in this process (LocalExecutor), no Ray; for tests of the
                           CLI's behaviour around the driver (ledger, disk, messages)
     PAN2_RENDER_PIPELINE  "module:callable(model, device)" that builds the pipeline in each worker
-    PAN2_RENDER_FAULTS    JSON test hooks for the workers (faults.py)
+    PAN2_RENDER_FAULTS    JSON test hooks for the workers (worker/faults.py)
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def make_executor(*, address: str | None, cpu_gpus: int | None, max_gpus: int,
     ``cpu_gpus`` logical GPUs on a CPU-only machine, ``max_gpus`` the largest group the batch
     needs; ``note``: where lines for the run log alone go (default ``say``). The test hooks of the
     environment (``PAN2_RENDER_EXECUTOR``, ``PAN2_RENDER_PIPELINE``, ``PAN2_RENDER_FAULTS``: see
-    ``cli.py``) are read here."""
+    ``cli/main.py``) are read here."""
     import json
 
     from pan2render.runner.protocol.messages import DEFAULT_PIPELINE_FACTORY

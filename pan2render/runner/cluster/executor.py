@@ -2,7 +2,7 @@
 
 An :class:`Executor` makes groups of N workers (one per GPU) and runs *collective calls* on them:
 ``call(group, message)`` runs ``RenderWorker.execute(message)`` on every rank (``message``: one of
-the typed calls of ``messages.py``) and ``result(call)`` returns rank 0's
+the typed calls of ``protocol/messages.py``) and ``result(call)`` returns rank 0's
 :class:`~pan2render.runner.protocol.messages.Reply` (or the first failing rank's), or raises
 :class:`GroupDied` when a worker process is gone. Two implementations:
 
@@ -27,7 +27,7 @@ from pan2render.runner.protocol.failures import FailureKind
 from pan2render.runner.protocol.messages import Lane, LoadReply, Reply, WorkerCall
 from pan2render.runner.protocol.steps import StepReport
 
-# The worker (``worker.py``) imports torch and, on its first load, the model code: seconds that the
+# The worker (``worker/render_worker.py``) imports torch and, on its first load, the model code: seconds that the
 # driver never needs. Only the processes that run workers import it: Ray's actors through
 # `RayWorkerProcess`, the in-process executor when it makes its first group.
 

@@ -131,7 +131,7 @@ class RayExecutor:
         # GCS queries run here, each with a deadline: one that would block (the GCS died after the
         # last probe) leaves its thread stuck instead of the driver's loop.
         self._gcs_queries = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="gcs-query")
-        # Two lanes per actor (worker.py): the default group runs the GPU lane with one thread per
+        # Two lanes per actor (worker/render_worker.py): the default group runs the GPU lane with one thread per
         # call the driver may queue (the worker orders them by seq), "io" runs the I/O lane.
         self._actor_cls = ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=GPU_QUEUE_DEPTH,
                                      concurrency_groups={"io": IO_CONCURRENCY})(RayWorkerProcess)

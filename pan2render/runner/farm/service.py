@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,13 +57,28 @@ class FarmRequestError(RuntimeError):
         self.status = status
 
 
-@dataclass
+@dataclass(eq=False)
 class _Served:
+    """A batch of the queue the farm serves. Its standing (priority, paused, preempting) is its
+    queue row's, which the farm replaces with the row the queue returns after each change."""
+
     row: QueuedBatch
     session: BatchSession
-    batch: ServedBatch
     report: ReportUpdater
     started: float
+    batch: ServedBatch = field(init=False)
+
+    @property
+    def priority(self) -> int:
+        return self.row.priority
+
+    @property
+    def paused(self) -> bool:
+        return self.row.state is BatchState.PAUSED
+
+    @property
+    def preempts(self) -> bool:
+        return self.row.preempt
 
 
 def ensure_token(root: Path) -> str:
@@ -154,7 +169,6 @@ class Farm:
         row = self.queue.transition(batch_id, BatchEvent.PAUSE if paused else BatchEvent.UNPAUSE,
                                     reason="paused by a client" if paused else "unpaused by a client")
         if (s := self.served.get(row.id)) is not None:
-            s.batch.paused = paused
             s.row = row
             s.session.log.line(f"farm: batch {row.id} {'paused: no new job of it starts' if paused else 'unpaused'}")
         return self.describe(row.id)
@@ -163,7 +177,6 @@ class Farm:
         row = self.queue.set_priority(batch_id, priority)
         if (s := self.served.get(row.id)) is not None:
             s.row = row
-            s.batch.priority = priority
             self.scheduler.reorder()
         return self.describe(row.id)
 
@@ -263,14 +276,14 @@ class Farm:
         holder: dict[str, ServedBatch] = {}
         flow = BatchFlow(out_dir=session.out_dir, ledger=session.ledger, flow=PAN2_FLOW, say=session.log.line,
                          upcoming=lambda: self.scheduler.upcoming(holder["batch"]), models_per_group=1)
-        batch = ServedBatch(flow=flow, progress=progress, priority=row.priority, on_job_end=report.request,
-                            paused=row.state is BatchState.PAUSED, preempts=row.preempt)
-        holder["batch"] = batch
+        served = _Served(row=row, session=session, report=report, started=time.monotonic())
+        served.batch = holder["batch"] = ServedBatch(flow=flow, progress=progress, standing=served,
+                                                     on_job_end=report.request)
         jobs = session.ledger.jobs(session.job_ids)
         progress.begin(total=len(jobs), done=sum(j.state is JobState.DONE for j in jobs),
                        failed=sum(j.state is JobState.FAILED for j in jobs))
-        self.served[row.id] = _Served(row=row, session=session, batch=batch, report=report, started=time.monotonic())
-        self.scheduler.serve(batch, session.job_ids)
+        self.served[row.id] = served
+        self.scheduler.serve(served.batch, session.job_ids)
 
     def _end_finished(self) -> None:
         for batch_id, s in list(self.served.items()):

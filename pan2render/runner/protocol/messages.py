@@ -1,7 +1,7 @@
 """The driver <-> worker protocol: one frozen dataclass per call, one per reply.
 
-The driver builds a call, the executor (``groups.py``) carries it to every rank of a group, and the
-worker (``worker.py``) dispatches on its type and answers with a :class:`Reply` whose ``value`` is
+The driver builds a call, the executor (``cluster/executor.py``) carries it to every rank of a group, and the
+worker (``worker/render_worker.py``) dispatches on its type and answers with a :class:`Reply` whose ``value`` is
 the call's typed reply (rank 0's; other ranks send None so artifacts cross the object store once).
 Each call type says, once, everything the driver and the executor need to know about it: the
 ledger stage it belongs to, what progress shows while it runs, its lane on the worker, and its
@@ -19,7 +19,7 @@ Messages stay small: artifacts (embeddings, latents, mp4s) travel as ``bytes``. 
     DecodeCall(model, job_id, spec, latents)    -> DecodeReply         hands the encode to a thread
     CollectCall(job_id)                         -> CollectReply        the checked mp4 (I/O lane)
 
-Which stage makes which call, and how its reply is recorded, is declared in ``jobflow.py``.
+Which stage makes which call, and how its reply is recorded, is declared in ``serve/jobflow.py`` and ``serve/steps.py``.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ GPU_QUEUE_DEPTH = 2
 @dataclass(frozen=True)
 class WorkerConfig:
     """What every worker of a run shares; built by the driver, sent to each actor. (Here, not in
-    worker.py, so that the driver builds it without importing the worker's torch.)"""
+    worker/render_worker.py, so that the driver builds it without importing the worker's torch.)"""
 
     pipeline_factory: str = DEFAULT_PIPELINE_FACTORY  # "module:callable(model, device) -> pipeline"
     threads: int | None = None  # torch intra-op threads on CPU (None: leave torch's default)
@@ -66,7 +66,7 @@ class WorkerConfig:
 
 
 class Lane(enum.Enum):
-    """Where a call runs on a worker (see worker.py)."""
+    """Where a call runs on a worker (see worker/render_worker.py)."""
 
     SETUP = "setup"  # forming the group: before any job, unordered
     GPU = "gpu"  # one call at a time, in the order the driver numbered them, on every rank

@@ -1,4 +1,4 @@
-"""``pan2-render run``'s scheduler: the one scheduler (``scheduler.py``) serving one batch in this
+"""``pan2-render run``'s scheduler: the one scheduler (``serve/scheduler.py``) serving one batch in this
 process until every job of it is done or failed, then ending with it. Before it starts,
 :func:`prepare_jobs` brings the batch's jobs to a runnable state.
 """

@@ -1,6 +1,6 @@
 """A job's stage flow, declared once: which worker call each stage makes, what it leaves on disk,
 how that is checked on resume and rebuilt by ``repair``, and how its reply is recorded. The
-stages every batch runs are declared in ``stages.py`` (:data:`~pan2render.runner.serve.steps.PAN2_FLOW`).
+stages every batch runs are declared in ``serve/steps.py`` (:data:`~pan2render.runner.serve.steps.PAN2_FLOW`).
 
 Before a job's first stage a group must hold its model (``LoadCall``, once per group and model:
 the group's work, charged to the job that asked for it when it fails).
@@ -40,11 +40,11 @@ from pan2render.runner.serve.retry import Action, Decision
 from pan2render.step_checkpoint import StepCheckpointError, read_checkpoint
 
 
-class Done(enum.Enum):
-    """A step's status: its result is there and checks out (DONE), or not made yet (TODO)."""
+class StepStatus(enum.Enum):
+    """Where a step stands: its result is there and checks out (DONE), or it is still to do."""
 
     DONE = "done"
-    TODO = "todo"
+    TO_DO = "to do"
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Redo:
     problem: str
 
 
-Status = Done | Redo
+Status = StepStatus | Redo
 
 
 # ---------------------------------------------------------------------- the steps
@@ -73,7 +73,7 @@ class Step:
     per_job_artifact: ClassVar[bool] = True
 
     def status(self, flow: BatchFlow, run: JobRun, rec: StageRecord) -> Status:
-        return Done.DONE if rec.state is StageState.DONE else Done.TODO
+        return StepStatus.DONE if rec.state is StageState.DONE else StepStatus.TO_DO
 
     def call(self, flow: BatchFlow, run: JobRun) -> WorkerCall:
         raise NotImplementedError
@@ -188,7 +188,7 @@ class BatchFlow:
         for i in reversed(range(len(steps))):
             rec = self.ledger.stages(run.job.id)[names[i]]
             status = steps[i].status(self, run, rec)
-            if status is Done.DONE:
+            if status is StepStatus.DONE:
                 start = i + 1
                 break
             if isinstance(status, Redo):

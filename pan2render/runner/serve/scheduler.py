@@ -6,12 +6,12 @@ A group owns up to two kinds of jobs at once: one on its GPU lane (plus the next
 a decode, so the GPU starts it the moment the decode ends) and up to ``MAX_ENCODES_IN_FLIGHT``
 encoding in the background. The loop never blocks on one call: it waits on all in-flight calls
 with a short timeout, and every call has its own deadline; a call past it counts as a dead group.
-What a failure costs the job and whether its group takes the next job is decided in ``retry.py``.
+What a failure costs the job and whether its group takes the next job is decided in ``serve/retry.py``.
 
 :class:`Scheduler` serves any number of batches (each a :class:`ServedBatch`: its flow, its
 progress, its priority); ``driver.Driver`` is the scheduler serving one batch until it is done, as
 ``pan2-render run`` does, and the farm (``farm/``) is the scheduler kept up. What it serves and how
-(the queue's order included) is ``serving.py``'s; what it watches (call deadlines, hung samplings,
+(the queue's order included) is ``serving.py``'s and ``config.py``'s; what it watches (call deadlines, hung samplings,
 their steps, a cluster that lost GPUs) is ``watch.py``'s. Pending jobs start strictly in queue
 order (priority, then when their batch was served, then their order in it): when the head job's
 group size is not free, later jobs wait too, so a 4-GPU job is never starved by a stream of 1-GPU
@@ -347,7 +347,7 @@ class Scheduler:
 
     def _call_failed(self, batch: ServedBatch, run: JobRun, failure: Failure, on_group: OnGroup, *,
                      died: bool = False) -> None:
-        """A call of ``run`` failed on its group: one decision (retry.py) says what becomes of the
+        """A call of ``run`` failed on its group: one decision (serve/retry.py) says what becomes of the
         job and whether the group takes the next job or is torn down."""
         job = batch.ledger.job(run.job.id)
         self._queue.failed_on(batch, job.id, run.group.id)
@@ -384,7 +384,7 @@ class Scheduler:
 
     def _failed(self, batch: ServedBatch, job_id: str, failure: Failure) -> None:
         """A failure of a job off any group (a driver write, a group that never formed, a job of a
-        group torn down for another): decided by retry.py, then carried out."""
+        group torn down for another): decided by serve/retry.py, then carried out."""
         self._carry_out(batch, job_id, failure, self._policy.decide(batch.ledger.job(job_id), failure))
 
     def _carry_out(self, batch: ServedBatch, job_id: str, failure: Failure, decision: Decision) -> None:

@@ -7,28 +7,51 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pan2render.jobs.ledger import JobRecord, Ledger
 from pan2render.runner.serve.jobflow import BatchFlow
 from pan2render.runner.serve.progress import RunProgress
+
+
+class Standing(Protocol):
+    """What a client may change of a batch while it is served, held in one place and read by the
+    scheduler: the farm's queue row (which persists it), or for `run` a fixed one."""
+
+    @property
+    def priority(self) -> int: ...  # higher first
+
+    @property
+    def paused(self) -> bool: ...  # no new job of it starts
+
+    @property
+    def preempts(self) -> bool:
+        """Its queued jobs may stop a lower-priority batch's sampling at a step boundary to take its
+        group (the stopped job continues from its step checkpoint later)."""
+
+
+@dataclass(frozen=True)
+class FixedStanding:
+    """A batch served by `run`: nothing changes it while it runs."""
+
+    priority: int = 0
+    paused: bool = False
+    preempts: bool = False
+
 
 _served = itertools.count()
 
 
 @dataclass(eq=False)
 class ServedBatch:
-    """One batch the scheduler serves: its flow (folder + ledger), its progress, its place in the
-    queue. ``on_job_end``: called from the loop after any of its jobs finished or failed (e.g. to
-    refresh the report); it must return quickly."""
+    """One batch the scheduler serves: its flow (folder + ledger), its progress, its standing (its
+    priority, whether it is paused). ``on_job_end``: called from the loop after any of its jobs
+    finished or failed (e.g. to refresh the report); it must return quickly."""
 
     flow: BatchFlow
     progress: RunProgress
-    priority: int = 0  # higher first
+    standing: Standing = field(default_factory=FixedStanding)
     on_job_end: Callable[[], None] | None = None
-    paused: bool = False  # no new job of it starts
-    # Its queued jobs may stop a lower-priority batch's sampling at a step boundary to take its
-    # group (the stopped job continues from its step checkpoint later).
-    preempts: bool = False
     seq: int = field(default_factory=lambda: next(_served))  # served earlier, first among equals
     stop: BaseException | None = None  # set on a full disk: start nothing more of it
     ended: int = 0  # jobs ended (done or failed) while served
@@ -37,6 +60,18 @@ class ServedBatch:
     @property
     def ledger(self) -> Ledger:
         return self.flow.ledger
+
+    @property
+    def priority(self) -> int:
+        return self.standing.priority
+
+    @property
+    def paused(self) -> bool:
+        return self.standing.paused
+
+    @property
+    def preempts(self) -> bool:
+        return self.standing.preempts
 
     def notify_job_end(self) -> None:
         if self.on_job_end is not None and self.ended != self._ended_seen:

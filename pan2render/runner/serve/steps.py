@@ -1,5 +1,5 @@
 """The stages every batch runs, in order (:data:`PAN2_FLOW`), each declared once as a `Step` of the
-flow (``jobflow.py`` says how a flow is run, resumed and repaired)::
+flow (``serve/jobflow.py`` says how a flow is run, resumed and repaired)::
 
     conditioning  EncodePromptsCall -> DIR/_cache/embeddings/<key>.safetensors (shared by prompt)
     sampling      SampleCall        -> DIR/<job>/latents.safetensors
@@ -35,7 +35,7 @@ from pan2render.runner.protocol.messages import (
     WorkerCall,
 )
 from pan2render.runner.serve.attempt import JobRun
-from pan2render.runner.serve.jobflow import BatchFlow, Done, JobFlow, Redo, Status, Step, file_proof
+from pan2render.runner.serve.jobflow import BatchFlow, JobFlow, Redo, Status, Step, StepStatus, file_proof
 
 # Prompts encoded in one encode_prompts call (the current job's and upcoming jobs'); each
 # embedding is 512 x 4096 float32 = 8 MB of reply.
@@ -55,10 +55,10 @@ class ConditioningStep(Step):
         if not problems:
             if rec.state is not StageState.DONE:  # cached by another job, or before a crash
                 record_conditioning(flow, run.job.id, run.job.spec, seconds=0.0)
-            return Done.DONE
+            return StepStatus.DONE
         if run.encode_texts:  # written by this attempt's own encode, and already rejected
             flow.count_redo(run.job.id, next(iter(problems.values())))
-        return Done.TODO
+        return StepStatus.TO_DO
 
     def call(self, flow: BatchFlow, run: JobRun) -> WorkerCall:
         missing = list(embedding_problems(flow, run.job.spec))
@@ -85,9 +85,9 @@ class SamplingStep(Step):
 
     def status(self, flow: BatchFlow, run: JobRun, rec: StageRecord) -> Status:
         if rec.state is not StageState.DONE:
-            return Done.TODO
+            return StepStatus.TO_DO
         problem = artifacts.check_latents(flow.out_dir, artifacts.recorded(rec), spec=run.job.spec)
-        return Done.DONE if problem is None else Redo(problem)
+        return StepStatus.DONE if problem is None else Redo(problem)
 
     def call(self, flow: BatchFlow, run: JobRun) -> WorkerCall:
         spec = run.job.spec
@@ -173,7 +173,7 @@ class DecodeStep(Step):
     per_job_artifact = False
 
     def status(self, flow: BatchFlow, run: JobRun, rec: StageRecord) -> Status:
-        return Done.DONE if run.decode_s is not None else Done.TODO
+        return StepStatus.DONE if run.decode_s is not None else StepStatus.TO_DO
 
     def call(self, flow: BatchFlow, run: JobRun) -> WorkerCall:
         rec = flow.ledger.stages(run.job.id)[Stage.SAMPLING]

@@ -1,10 +1,10 @@
 """The GPU worker: one per GPU (rank) of a group; the body of the Ray actor.
 
 The driver reaches it through ONE entry point, :meth:`RenderWorker.execute` ``(call, seq)``: the
-call is one of the typed messages of ``messages.py`` and the worker runs the handler registered
+call is one of the typed messages of ``protocol/messages.py`` and the worker runs the handler registered
 for its type (:attr:`RenderWorker.handlers`). ``execute`` never raises: every outcome comes back as
 a small :class:`~pan2render.runner.protocol.messages.Reply` carrying the rank, and for a failure its class
-(decided here, from the exception's type, by retry.py), the error and its traceback, so a
+(decided here, from the exception's type, by protocol/failures.py), the error and its traceback, so a
 Ray-level exception always means the actor itself died. Every rank of a group runs every call but
 the I/O lane's; rank 0's value is the reply, other ranks return None so artifacts cross the
 object store once.
@@ -181,7 +181,7 @@ class RenderWorker:
 
     def _device_fault(self, e: Exception) -> Exception:
         """``e``, or a DeviceError when the GPU no longer works after it. Torch names some device
-        faults by type (AcceleratorError, retry.py knows it); others arrive as a plain
+        faults by type (AcceleratorError, protocol/failures.py knows it); others arrive as a plain
         RuntimeError. A sticky fault (an illegal address, a device-side assert) fails every later
         call on the device, so a synchronize tells one that poisoned the device from one that did
         not, without reading the message."""
