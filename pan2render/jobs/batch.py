@@ -68,9 +68,7 @@ from pan2render.jobs.weights import folder_fingerprint
 from pan2render.lanes import lane_problems
 from pan2render.lora_plan import LoraFileError, detect_layout, dit_linears, plan_lora, read_header
 from pan2render.sampling import DEFAULT_NUM_TRAIN_TIMESTEPS, DMD, combination_problems, is_int, timesteps_problem
-from pan2render.tiny_dit import TINY_DIT_CONFIG
-
-TINY_MODEL = "tiny"
+from pan2render.tiny_dit import TINY_DIT_CONFIG, TINY_MODEL
 
 TOP_LEVEL_KEYS = ("model", "preset", "defaults", "jobs", "prompts_file", "sweep")
 SWEEP_KEYS = DEFAULTS_KEYS

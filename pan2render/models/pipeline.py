@@ -43,6 +43,7 @@ from ..lanes import (
 from ..phases import phase
 from ..sampling import DMD, SAMPLERS, WAN22, Geometry, combination_problems, is_int, timesteps_problem
 from ..step_checkpoint import StepCheckpointError
+from ..tiny_dit import TINY_MODEL
 from ..vae_plan import SHAPE_COVERING_LATENT_FRAMES
 from .calibration import calibration_for
 from .checkpoint import CheckpointError, instantiate, read_json, resolve_component
@@ -231,7 +232,7 @@ class PAN2Pipeline:
     def from_pretrained(cls, path: str | Path, config: PAN2PipelineConfig | None = None) -> "PAN2Pipeline":
         """Load a diffusers-layout checkpoint folder, or ``"tiny"`` for the embedded tiny model."""
         config = config or PAN2PipelineConfig()
-        if str(path) == "tiny":
+        if str(path) == TINY_MODEL:
             from .tiny import TINY_VERSION, tiny_checkpoint_path
 
             root = tiny_checkpoint_path()

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from pan2render.jobs.batch import TINY_MODEL, Overrides, list_presets, preset_text
+from pan2render.jobs.batch import Overrides, list_presets, preset_text
 from pan2render.jobs.ledger import LEDGER_NAME, JobState, Ledger
 from pan2render.jobs.spec import Batch
 from pan2render.runner.cli.common import (
@@ -22,6 +22,7 @@ from pan2render.runner.cli.common import (
     print_error,
 )
 from pan2render.runner.cluster.choose import LOCAL_ADDRESS
+from pan2render.tiny_dit import TINY_MODEL
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
