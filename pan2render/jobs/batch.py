@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import hashlib
 import importlib.resources
 import itertools
 import json
@@ -64,7 +63,7 @@ from pan2render.jobs.spec import (
     Scope,
     SourceLocation,
 )
-from pan2render.jobs.weights import folder_fingerprint
+from pan2render.jobs.weights import folder_fingerprint, sha256_file
 from pan2render.lanes import lane_problems
 from pan2render.lora_plan import LoraFileError, detect_layout, dit_linears, plan_lora, read_header
 from pan2render.sampling import DEFAULT_NUM_TRAIN_TIMESTEPS, DMD, combination_problems, is_int, timesteps_problem
@@ -1029,15 +1028,6 @@ def _parse_sweep(node: _Node | None, ctx: _Ctx) -> dict[str, list[Any]]:
                                           "must be distinct")
         sweep[key] = good
     return sweep
-
-
-def sha256_file(path: str | Path) -> str:
-    """Content hash of a file, read in 1 MiB blocks (images here, artifacts in the runner)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _sweep_check(key: str) -> Callable[[Any], Any]:
