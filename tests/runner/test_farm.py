@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from runner_helpers import RecordingExecutor, farm_config, spec
 
-from pan2render.jobs.batch import Overrides
 from pan2render.jobs.ledger import JobState, Ledger
+from pan2render.jobs.overrides import Overrides
 from pan2render.jobs.spec import Batch, JobSpec
 from pan2render.runner.farm.api import start_api
 from pan2render.runner.farm.queue import BatchState, QueueError

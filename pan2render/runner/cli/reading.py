@@ -9,8 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from pan2render.jobs.batch import Overrides, list_presets, preset_text
 from pan2render.jobs.ledger import LEDGER_NAME, JobState, Ledger
+from pan2render.jobs.overrides import Overrides
+from pan2render.jobs.presets import list_presets, preset_text
 from pan2render.jobs.spec import Batch
 from pan2render.runner.cli.common import (
     EXIT_CHECKPOINT,

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pan2render.jobs.batch import Overrides
 from pan2render.jobs.ledger import LEDGER_NAME, FolderLock, JobState
+from pan2render.jobs.overrides import Overrides
 from pan2render.runner.cli.common import (
     EXIT_ENVIRONMENT,
     EXIT_FAILED,

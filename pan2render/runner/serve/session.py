@@ -22,8 +22,8 @@ from typing import Any, TextIO
 from pan2render.checkpoint_files import checkpoint_problems as files_problems
 from pan2render.hints import command
 from pan2render.jobs import disk
-from pan2render.jobs.batch import Overrides
 from pan2render.jobs.ledger import BACKUP_NAME, LEDGER_NAME, EventKind, FolderLock, JobRecord, JobState, Ledger
+from pan2render.jobs.overrides import Overrides
 from pan2render.jobs.spec import Batch, JobSpec
 from pan2render.runner.serve import errors
 from pan2render.runner.serve.driver import prepare_jobs
