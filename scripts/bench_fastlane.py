@@ -45,7 +45,7 @@ from pan2render.jobs.presets import list_presets
 from pan2render.lanes import FAST_LANE_FIELDS
 from pan2render.models.dit import PAN2DiTConfig
 from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
-from pan2render.models.scheduler import SchedulerConfig
+from pan2render.models.samplers import SchedulerConfig
 from pan2render.models.step_cache import KeepResidual, ResidualSlot, ReuseResidual
 
 PRESET = "pan2-720p-fast"

@@ -52,7 +52,7 @@ from .dit_ops import ROUTED_OPS, TORCH_OPS
 from .lora import LoraWeights, MergedLoras, linear_shapes, read_lora
 from .precision import DiTPrecision
 from .sampler_state import CheckpointKey, SamplerState, StepHooks, capture_state, resume_state
-from .scheduler import FlowDMDScheduler, SchedulerConfig, make_scheduler
+from .samplers import FlowDMDSampler, FlowSampler, SchedulerConfig, make_sampler
 from .step_cache import RatioRecorder, fast_lane_velocity
 from .strategies import (
     Denoiser,
@@ -461,13 +461,13 @@ class PAN2Pipeline:
         if image is not None:
             first_frame = self.encode_image(image, height=req.height, width=req.width)
 
-        scheduler = make_scheduler(req.sampler, self.scheduler_config)
-        if isinstance(scheduler, FlowDMDScheduler):
+        sampler = make_sampler(req.sampler, self.scheduler_config)
+        if isinstance(sampler, FlowDMDSampler):
             # Its fresh noise continues the job's CPU generator: the same on every device and rank.
-            scheduler.set_dmd_timesteps(req.timesteps, generator=gen, flow_shift=req.flow_shift)
+            sampler.set_dmd_timesteps(req.timesteps, generator=gen, flow_shift=req.flow_shift)
         else:
-            scheduler.set_timesteps(req.steps, flow_shift=req.flow_shift)
-        timesteps = scheduler.timesteps
+            sampler.set_timesteps(req.steps, flow_shift=req.flow_shift)
+        timesteps = sampler.timesteps
         key = CheckpointKey(model_id=self.model_id, sampler=req.sampler, total_steps=len(timesteps),
                             latent_shape=shape, seed=req.seed, guidance=float(req.guidance))
         if resume_from is None:
@@ -479,12 +479,12 @@ class PAN2Pipeline:
             if not lanes.steps_exact:
                 raise StepCheckpointError("a step cache's kept residuals are not in a step checkpoint: "
                                           "a cached sampling starts from its first step")
-            latents = resume_state(resume_from, key=key, scheduler=scheduler, generator=gen, device=self.device)
+            latents = resume_state(resume_from, key=key, sampler=sampler, generator=gen, device=self.device)
             start = resume_from.step
         with self.precision.applied(lanes.precision):
             velocity = self._velocity(req, lanes, cond, uncond, conditioned=first_frame is not None, record=record)
-            return self._run_steps(scheduler, velocity, latents, first_frame, shape, progress, start=start,
-                                   hooks=hooks, capture=lambda lat: capture_state(key, lat, scheduler, gen))
+            return self._run_steps(sampler, velocity, latents, first_frame, shape, progress, start=start,
+                                   hooks=hooks, capture=lambda lat: capture_state(key, lat, sampler, gen))
 
     def _velocity(self, req: SampleRequest, lanes: FastLanes, cond: torch.Tensor, uncond: torch.Tensor | None, *,
                   conditioned: bool,
@@ -499,19 +499,19 @@ class PAN2Pipeline:
         plan = self._plan(lanes, steps=req.steps, guided=uncond is not None, conditioned=conditioned)
         return fast_lane_velocity(self.denoiser.branch_forwards(cond, uncond), plan, req.guidance)
 
-    def _run_steps(self, scheduler: Any, velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    def _run_steps(self, sampler: FlowSampler, velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                    latents: torch.Tensor, first_frame: torch.Tensor | None, shape: tuple[int, ...],
                    progress: ProgressFn | None, *, start: int, hooks: StepHooks,
                    capture: Callable[[torch.Tensor], SamplerState]) -> torch.Tensor:
         """The sampling loop from step ``start``: one velocity per timestep, the sampler's step, the
         first frame kept, the step-checkpoint hooks between two steps."""
-        timesteps = scheduler.timesteps
+        timesteps = sampler.timesteps
         hooks.start()
         for i in range(start, len(timesteps)):
             t = timesteps[i]
             timestep = self._timestep_for(t, shape, conditioned=first_frame is not None)
             noise_pred = velocity(latents.to(self.config.dtype), timestep)
-            latents = scheduler.step(noise_pred.float(), t, latents)
+            latents = sampler.step(noise_pred.float(), t, latents)
             if first_frame is not None:
                 # Re-impose the conditioning frame after every step, as the official Wan2.2 code does.
                 latents[:, :, :1] = first_frame

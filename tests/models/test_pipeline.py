@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pan2render.models import PAN2Pipeline, PAN2PipelineConfig, load_dit, load_vae
-from pan2render.models.scheduler import SchedulerConfig
+from pan2render.models.samplers import SchedulerConfig
 from pan2render.models.tiny import SCHEDULER_CONFIG, TINY_DIT_CONFIG, TINY_VAE_CONFIG
 
 
