@@ -46,9 +46,9 @@ from ..step_checkpoint import StepCheckpointError
 from ..tiny_dit import TINY_MODEL
 from ..vae_plan import SHAPE_COVERING_LATENT_FRAMES
 from .calibration import calibration_for
-from .checkpoint import CheckpointError, instantiate, read_json, resolve_component
 from .dit import PAN2DiT, PAN2DiTConfig
 from .dit_ops import ROUTED_OPS, TORCH_OPS
+from .loading import ModelFolderError, instantiate, read_json, resolve_component
 from .lora import LoraWeights, MergedLoras, linear_shapes, read_lora
 from .precision import DiTPrecision
 from .sampler_state import CheckpointKey, SamplerState, StepHooks, capture_state, resume_state
@@ -211,7 +211,7 @@ class PAN2Pipeline:
         self.model_id = model_id
         # Wan2.2 TI2V feeds per-token timesteps (first-frame tokens at 0 when an image conditions).
         self.expand_timesteps = expand_timesteps
-        # A step-distilled checkpoint's own DMD timesteps (see checkpoint_dmd_timesteps); a job's
+        # A step-distilled checkpoint's own DMD timesteps (see model_dmd_timesteps); a job's
         # timesteps win. With them the checkpoint's default sampler is dmd.
         self.default_timesteps = default_timesteps
         self.denoiser = default_denoiser(dit, config) if denoiser is None else denoiser
@@ -233,15 +233,15 @@ class PAN2Pipeline:
         """Load a diffusers-layout checkpoint folder, or ``"tiny"`` for the embedded tiny model."""
         config = config or PAN2PipelineConfig()
         if str(path) == TINY_MODEL:
-            from .tiny import TINY_VERSION, tiny_checkpoint_path
+            from .tiny import TINY_VERSION, tiny_model_folder
 
-            root = tiny_checkpoint_path()
+            root = tiny_model_folder()
             name = f"tiny-v{TINY_VERSION}"
         else:
             root = Path(path).expanduser().resolve()
             name = root.name
         if not root.is_dir():
-            raise CheckpointError(f"{root}: checkpoint folder does not exist")
+            raise ModelFolderError(f"{root}: checkpoint folder does not exist")
         index = read_json(root / "model_index.json")
         dit_config = _config_of(resolve_component(root, "transformer"), PAN2DiTConfig)
         # FlashAttention-4's import (seconds) runs on a thread while the weights are read below.
@@ -266,9 +266,9 @@ class PAN2Pipeline:
             scheduler_config = SchedulerConfig.from_dict(read_json(sched_file), source=str(sched_file)) \
                 if sched_file.is_file() else SchedulerConfig()
         except ValueError as e:
-            raise CheckpointError(str(e)) from e
-        default_timesteps = checkpoint_dmd_timesteps(root, scheduler_config.num_train_timesteps)
-        model_id = f"{name}-{_checkpoint_digest(root, default_timesteps)}"
+            raise ModelFolderError(str(e)) from e
+        default_timesteps = model_dmd_timesteps(root, scheduler_config.num_train_timesteps)
+        model_id = f"{name}-{_model_digest(root, default_timesteps)}"
         # FlashAttention-4's import may still be running: `warm_up` (or the first forward) waits.
         return cls(dit=dit, vae=vae, text_encoder=text, scheduler_config=scheduler_config, config=config,
                    model_id=model_id, expand_timesteps=bool(index.get("expand_timesteps", True)),
@@ -674,7 +674,7 @@ def _config_of(folder: Path, cls):
     try:
         return cls.from_dict(raw)
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{folder / 'config.json'}: {e}") from e
+        raise ModelFolderError(f"{folder / 'config.json'}: {e}") from e
 
 
 # Where a step-distilled checkpoint may list its DMD timesteps, in the order they are looked for:
@@ -684,7 +684,7 @@ DMD_TIMESTEPS_KEY = "dmd_denoising_steps"
 DMD_TIMESTEPS_FILES = ("model_index.json", "pipeline_config.json")
 
 
-def checkpoint_dmd_timesteps(root: Path, num_train_timesteps: int) -> tuple[int, ...] | None:
+def model_dmd_timesteps(root: Path, num_train_timesteps: int) -> tuple[int, ...] | None:
     """The checkpoint's own DMD timesteps (``dmd_denoising_steps``), or None when it lists none."""
     for name in DMD_TIMESTEPS_FILES:
         path = root / name
@@ -695,12 +695,12 @@ def checkpoint_dmd_timesteps(root: Path, num_train_timesteps: int) -> tuple[int,
             continue
         problem = timesteps_problem(value, num_train_timesteps=num_train_timesteps)
         if problem is not None:
-            raise CheckpointError(f"{path}: {DMD_TIMESTEPS_KEY} {problem}")
+            raise ModelFolderError(f"{path}: {DMD_TIMESTEPS_KEY} {problem}")
         return tuple(value)
     return None
 
 
-def _checkpoint_digest(root: Path, default_timesteps: tuple[int, ...] | None) -> str:
+def _model_digest(root: Path, default_timesteps: tuple[int, ...] | None) -> str:
     """A cheap, stable id of a checkpoint's weights: configs plus weight file names and sizes."""
     h = hashlib.sha256()
     if default_timesteps is not None:  # a checkpoint's own timesteps change its renders

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pan2render.models import PAN2Pipeline, PAN2PipelineConfig
-from pan2render.models.checkpoint import CheckpointError
+from pan2render.models.loading import ModelFolderError
 from pan2render.models.samplers import FlowDMDSampler, SchedulerConfig, make_sampler
 
 LATENT_SHAPE = (1, 4, 3, 5, 6)  # [B, C, T, H, W], a toy Wan latent
@@ -135,9 +135,9 @@ SIZE = dict(height=64, width=64, frames=5, seed=5)
 @pytest.fixture(scope="module")
 def tiny_root() -> Path:
     """The embedded tiny checkpoint in the default cache (built once, shared with the runner tests)."""
-    from pan2render.models.tiny import tiny_checkpoint_path
+    from pan2render.models.tiny import tiny_model_folder
 
-    return tiny_checkpoint_path()
+    return tiny_model_folder()
 
 
 @pytest.fixture(scope="module")
@@ -226,5 +226,5 @@ def test_checkpoint_timesteps_are_the_default_and_a_jobs_win(tiny: PAN2Pipeline,
     other = pipe.sample(prompt_embeds=embeds, sampler="dmd", timesteps=[1000, 757, 522], guidance=1.0, **SIZE)
     assert torch.equal(own, listed) and not torch.equal(own, other)
     (root / "model_index.json").write_text(json.dumps({**index, "dmd_denoising_steps": [600, 1000]}))
-    with pytest.raises(CheckpointError, match=r"model_index.json: dmd_denoising_steps .*not strictly decreasing"):
+    with pytest.raises(ModelFolderError, match=r"model_index.json: dmd_denoising_steps .*not strictly decreasing"):
         PAN2Pipeline.from_pretrained(root, PAN2PipelineConfig(device="cpu"))

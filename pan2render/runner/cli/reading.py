@@ -32,9 +32,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if batch is None:
         return EXIT_USAGE
     print_plan(batch, args.out, args)
-    from pan2render.runner.serve.session import checkpoint_problems
+    from pan2render.runner.serve.session import model_folder_problems
 
-    broken = checkpoint_problems(batch.jobs)
+    broken = model_folder_problems(batch.jobs)
     for model, problems in broken.items():
         print(f"checkpoint {model}: {len(problems)} problem(s); `run` will refuse it:")
         print("\n".join(f"  {p}" for p in problems))
