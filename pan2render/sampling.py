@@ -3,7 +3,7 @@
 
 One torch-free place shared by batch validation (``pan2render.jobs``), the sampling request
 (``pan2render.models.pipeline``), the model configs and the samplers themselves
-(``pan2render.models.scheduler``), so that a job the batch accepts is a job the pipeline runs, and
+(``pan2render.models.samplers``), so that a job the batch accepts is a job the pipeline runs, and
 the reverse.
 """
 
@@ -114,7 +114,7 @@ SIGMA_MAX_NUDGE = 1e-6
 
 def flow_sigma_values(*, num_steps: int, flow_shift: float, num_train_timesteps: int) -> list[float]:
     """The N shifted noise levels sigma_0 > ... > sigma_{N-1} of the flow-matching samplers (the
-    final 0 not included), in float64: what ``models.scheduler.flow_sigmas`` returns as a tensor.
+    final 0 not included), in float64: what ``models.samplers.flow_sigmas`` returns as a tensor.
 
     Mirrors numpy's linspace arithmetic (``i * step + start``, last point excluded) so that the
     int64 truncation of ``sigma * T`` gives diffusers' timesteps exactly.

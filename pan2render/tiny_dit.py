@@ -1,12 +1,16 @@
-"""The embedded tiny model's DiT config (``transformer/config.json``), torch-free.
+"""The embedded tiny model's name (``model: tiny``) and its DiT config (``transformer/config.json``),
+torch-free.
 
 Here rather than in ``pan2render.models.tiny`` because batch validation (``pan2render.jobs``, in a
-driver that never imports torch) checks a job's LoRAs against the DiT's layers before any model
-loads. ``pan2render.models.tiny`` builds the model from it; bump its ``TINY_VERSION`` when this
-changes.
+driver that never imports torch) knows the name and checks a job's LoRAs against the DiT's layers
+before any model loads. ``pan2render.models.tiny`` builds the model from the config; bump its
+``TINY_VERSION`` when the config changes.
 """
 
 from __future__ import annotations
+
+# What a batch's ``model`` says for the tiny model (instead of a model folder), everywhere it is read.
+TINY_MODEL = "tiny"
 
 # Same architecture as Wan2.2-TI2V-5B (48 latent channels, 16x spatial / 4x temporal VAE, patch
 # (1,2,2), Q/K RMSNorm across heads, 3-D RoPE), at toy widths.

@@ -384,7 +384,7 @@ def load_diffusers_transformer(ckpt: Path, *, dtype: Any, device: Any) -> Any:
     import torch
     from diffusers import WanTransformer3DModel
 
-    from pan2render.models.checkpoint import read_state_dict
+    from pan2render.models.loading import read_state_dict
 
     try:
         return WanTransformer3DModel.from_pretrained(str(ckpt), subfolder="transformer", torch_dtype=dtype)

@@ -57,7 +57,7 @@ from pan2render.kernels.attention import start_attention_import
 from pan2render.models.dit import PAN2DiT, PAN2DiTConfig
 from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
 from pan2render.models.sampler_state import SamplerState, SamplingPreempted, pack_sampler_state, unpack_sampler_state
-from pan2render.models.scheduler import SchedulerConfig
+from pan2render.models.samplers import SchedulerConfig
 from pan2render.models.strategies import SeparateGuidance, VelocityFn
 from pan2render.models.tiny import cache_root
 from pan2render.models.vae import WanVAE, WanVAEConfig
@@ -157,7 +157,7 @@ def copy_seconds(state: SamplerState, device: torch.device, reps: int = 5) -> di
     """The state's tensors copied device -> host, into pageable and into pinned memory (min of reps)."""
     if device.type != "cuda":
         return {}
-    on_device = [t.to(device) for t in (state.latents, *state.scheduler.tensors.values())]
+    on_device = [t.to(device) for t in (state.latents, *state.sampler.tensors.values())]
     pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in on_device]
     out = {}
     for name, copy in (("d2h_pageable_s", lambda: [t.cpu() for t in on_device]),

@@ -524,7 +524,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace, stack: contextlib.
     # 5. Full guided sample through PAN2Pipeline (random weights).
     if args.sample:
         from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
-        from pan2render.models.scheduler import SchedulerConfig
+        from pan2render.models.samplers import SchedulerConfig
 
         vae_stub = sample_only_vae(config)
         pipe = PAN2Pipeline(dit=ours, vae=vae_stub, text_encoder=None, scheduler_config=SchedulerConfig(),
@@ -545,7 +545,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace, stack: contextlib.
     ran = [b for b in backends if f"{b}_b1_s" in results]
     if args.compare_steps > 0 and len(ran) > 1:
         from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
-        from pan2render.models.scheduler import SchedulerConfig
+        from pan2render.models.samplers import SchedulerConfig
 
         vae_stub = sample_only_vae(config)
         pipe = PAN2Pipeline(dit=ours, vae=vae_stub, text_encoder=None, scheduler_config=SchedulerConfig(),

@@ -75,7 +75,8 @@ import av
 import numpy as np
 import torch
 
-from pan2render.media.video import COLOUR_TAGS, Yuv420Video, encode_mp4, fsync_file, probe_mp4
+from pan2render.durable import fsync_file
+from pan2render.media.video import COLOUR_TAGS, Yuv420Video, encode_mp4, probe_mp4
 from pan2render.media.x264 import DEFAULT_X264_PRESET, X264_TUNES
 from pan2render.media.yuv import rgb_to_yuv420
 from pan2render.runner.protocol.outputs import MP4_PARAMS_KEY

@@ -41,11 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_dit import TINY, log, rel_l2, sample_only_vae, sync, timed
 from bench_parallel import build_dit
 
-from pan2render.jobs.batch import list_presets
+from pan2render.jobs.presets import list_presets
 from pan2render.lanes import FAST_LANE_FIELDS
 from pan2render.models.dit import PAN2DiTConfig
 from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
-from pan2render.models.scheduler import SchedulerConfig
+from pan2render.models.samplers import SchedulerConfig
 from pan2render.models.step_cache import KeepResidual, ResidualSlot, ReuseResidual
 
 PRESET = "pan2-720p-fast"

@@ -55,7 +55,7 @@ def previous_read_state_dict(folder: Path, *, prefix: str = "diffusion_pytorch_m
     straight onto ``device`` from the memory-mapped file, cast at once."""
     from safetensors import safe_open
 
-    from pan2render.models.checkpoint import CheckpointError, safetensors_files
+    from pan2render.models.loading import ModelFolderError, safetensors_files
 
     tensors: dict[str, Any] = {}
     origin: dict[str, Path] = {}
@@ -64,14 +64,14 @@ def previous_read_state_dict(folder: Path, *, prefix: str = "diffusion_pytorch_m
             with safe_open(str(file), framework="pt", device=str(device)) as f:
                 for key in f.keys():
                     if key in tensors:
-                        raise CheckpointError(f"{file}: key '{key}' also appears in {origin[key]}")
+                        raise ModelFolderError(f"{file}: key '{key}' also appears in {origin[key]}")
                     t = f.get_tensor(key)
                     tensors[key] = t if cast is None else cast(key, t)
                     origin[key] = file
-        except CheckpointError:
+        except ModelFolderError:
             raise
         except Exception as e:
-            raise CheckpointError(f"{file}: cannot read safetensors file ({e})") from e
+            raise ModelFolderError(f"{file}: cannot read safetensors file ({e})") from e
     return tensors, origin
 
 
@@ -86,9 +86,9 @@ def previous_umt5_encoder(folder: Path, *, device: Any, dtype: Any) -> Any:
 
 def use_previous_readers() -> None:
     """Swap the baseline readers in where the library looks them up."""
-    from pan2render.models import checkpoint, text
+    from pan2render.models import loading, text
 
-    checkpoint.read_state_dict = previous_read_state_dict
+    loading.read_state_dict = previous_read_state_dict
     text.load_umt5_encoder = previous_umt5_encoder
 
 

@@ -292,7 +292,7 @@ def bench_sample(model: PAN2DiT, cond: torch.Tensor, uncond: torch.Tensor, rank:
     """A whole ``PAN2Pipeline.sample`` (UniPC, --sample-steps steps) on one GPU, then on the group
     through ``parallelize_pipeline`` exactly as the runner does it: the pipeline-level ratio."""
     from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
-    from pan2render.models.scheduler import SchedulerConfig
+    from pan2render.models.samplers import SchedulerConfig
 
     size = TINY if args.tiny else FULL
     # sample() reads only the VAE's z_dim (no image conditioning here): a tiny VAE with z_dim 48.

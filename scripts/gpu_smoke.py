@@ -44,7 +44,7 @@ def tiny_end_to_end() -> None:
 def full_size_decode() -> None:
     from pan2render.models import PAN2PipelineConfig
     from pan2render.models.pipeline import PAN2Pipeline
-    from pan2render.models.scheduler import SchedulerConfig
+    from pan2render.models.samplers import SchedulerConfig
     from pan2render.models.vae import WanVAE, WanVAEConfig
 
     with torch.device("cuda"):

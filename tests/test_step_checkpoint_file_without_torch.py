@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from pan2render.models.sampler_state import SamplerState, pack_sampler_state
-from pan2render.models.scheduler import StepState
+from pan2render.models.samplers import StepState
 from pan2render.step_checkpoint import CheckpointKey
 
 _CHECK_WITHOUT_TORCH = """
@@ -33,9 +33,9 @@ def test_the_driver_checks_a_step_checkpoint_without_torch(tmp_path: Path) -> No
     latents = torch.randn(key.latent_shape)
     state = SamplerState(key=key, latents=latents, schedule=torch.linspace(1, 0, 6),
                          generator=torch.Generator().manual_seed(3).get_state(),
-                         scheduler=StepState(step=2, tensors={"x0.0": latents * 2, "x0.1": latents * 3,
-                                                              "last_sample": latents + 1},
-                                             counters={"last_order": 2}))
+                         sampler=StepState(step=2, tensors={"x0.0": latents * 2, "x0.1": latents * 3,
+                                                            "last_sample": latents + 1},
+                                           counters={"last_order": 2}))
     path = tmp_path / "sampling.ckpt.safetensors"
     path.write_bytes(pack_sampler_state(state, spec_hash="f" * 64))
     blocker = "import sys; sys.modules['torch'] = None\n"  # any import of torch now fails

@@ -1,7 +1,8 @@
 """Batch specs: YAML parsing, validation, presets, sweep expansion and job ids (the ledger lives in
 ``pan2render.jobs.ledger``)."""
 
-from pan2render.jobs.batch import list_presets, load_batch
+from pan2render.jobs.batch import load_batch
+from pan2render.jobs.presets import list_presets
 from pan2render.jobs.spec import (
     ALLOWED_GPUS,
     Batch,

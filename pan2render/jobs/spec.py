@@ -45,7 +45,7 @@ class Scope(enum.Enum):
 
 
 class Kind(enum.Enum):
-    """The kind of value a batch gives a field; ``jobs.batch`` checks each kind one way."""
+    """The kind of value a batch gives a field; ``jobs.coerce`` checks each kind one way."""
 
     TEXT = "text"  # a string; line breaks allowed
     LINE = "line"  # a one-line string

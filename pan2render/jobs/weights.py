@@ -50,7 +50,9 @@ def _identity(st: os.stat_result) -> _Key:
     return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
 
 
-def sha256_of(path: Path) -> str:
+def sha256_file(path: str | Path) -> str:
+    """A file's sha256 (hex), in large reads: the one content hash of a file, for the weights here
+    and for the images, LoRAs and artifacts a batch names or writes."""
     h = hashlib.sha256()
     buf = bytearray(_READ)
     view = memoryview(buf)
@@ -99,7 +101,7 @@ def _hash_all(todo: list[tuple[Path, os.stat_result]]) -> dict[_Key, str]:
     started = time.time()
     todo = sorted(todo, key=lambda item: -item[1].st_size)
     with ThreadPoolExecutor(max_workers=min(_THREADS, len(todo))) as pool:
-        digests = dict(zip((_identity(st) for _, st in todo), pool.map(lambda item: sha256_of(item[0]), todo)))
+        digests = dict(zip((_identity(st) for _, st in todo), pool.map(lambda item: sha256_file(item[0]), todo)))
     fresh = {_identity(st): digests[_identity(st)] for path, st in todo
              if started - st.st_mtime_ns / 1e9 > RACY_S and _identity(path.stat()) == _identity(st)}
     _memo.update(fresh)

@@ -23,6 +23,7 @@ from typing import Any
 import av
 import numpy as np
 
+from pan2render.durable import fsync_dir, fsync_file
 from pan2render.media.x264 import DEFAULT_X264_PRESET, DEFAULT_X264_TUNE, X264_PRESETS, X264_TUNES
 
 # Frame rates are stored as exact rationals in the container; 1001 keeps NTSC-style rates
@@ -303,25 +304,3 @@ def _write_h264(video: Yuv420Video, path: Path, *, rate: Fraction, crf: int, pre
                 container.mux(packet)
     except (av.FFmpegError, OSError, ValueError) as exc:
         raise MediaError(f"libx264 encode to {path} failed: {type(exc).__name__}: {exc}") from exc
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(folder: Path) -> None:
-    # Makes the rename itself durable; some filesystems refuse fsync on a directory, harmlessly.
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -5,7 +5,7 @@ Public API (kept stable; tests outside the package call exactly this)::
     from pan2render.models import load_vae, load_dit, PAN2Pipeline, PAN2PipelineConfig
 """
 
-from .checkpoint import CheckpointError
+from .loading import ModelFolderError
 from .pipeline import PAN2Pipeline, PAN2PipelineConfig, load_dit, load_vae
 
-__all__ = ["CheckpointError", "PAN2Pipeline", "PAN2PipelineConfig", "load_dit", "load_vae"]
+__all__ = ["ModelFolderError", "PAN2Pipeline", "PAN2PipelineConfig", "load_dit", "load_vae"]

@@ -43,15 +43,16 @@ from ..lanes import (
 from ..phases import phase
 from ..sampling import DMD, SAMPLERS, WAN22, Geometry, combination_problems, is_int, timesteps_problem
 from ..step_checkpoint import StepCheckpointError
+from ..tiny_dit import TINY_MODEL
 from ..vae_plan import SHAPE_COVERING_LATENT_FRAMES
 from .calibration import calibration_for
-from .checkpoint import CheckpointError, instantiate, read_json, resolve_component
 from .dit import PAN2DiT, PAN2DiTConfig
 from .dit_ops import ROUTED_OPS, TORCH_OPS
+from .loading import ModelFolderError, instantiate, read_json, resolve_component
 from .lora import LoraWeights, MergedLoras, linear_shapes, read_lora
 from .precision import DiTPrecision
 from .sampler_state import CheckpointKey, SamplerState, StepHooks, capture_state, resume_state
-from .scheduler import FlowDMDScheduler, SchedulerConfig, make_scheduler
+from .samplers import FlowDMDSampler, FlowSampler, SchedulerConfig, make_sampler
 from .step_cache import RatioRecorder, fast_lane_velocity
 from .strategies import (
     Denoiser,
@@ -210,7 +211,7 @@ class PAN2Pipeline:
         self.model_id = model_id
         # Wan2.2 TI2V feeds per-token timesteps (first-frame tokens at 0 when an image conditions).
         self.expand_timesteps = expand_timesteps
-        # A step-distilled checkpoint's own DMD timesteps (see checkpoint_dmd_timesteps); a job's
+        # A step-distilled checkpoint's own DMD timesteps (see model_dmd_timesteps); a job's
         # timesteps win. With them the checkpoint's default sampler is dmd.
         self.default_timesteps = default_timesteps
         self.denoiser = default_denoiser(dit, config) if denoiser is None else denoiser
@@ -231,16 +232,16 @@ class PAN2Pipeline:
     def from_pretrained(cls, path: str | Path, config: PAN2PipelineConfig | None = None) -> "PAN2Pipeline":
         """Load a diffusers-layout checkpoint folder, or ``"tiny"`` for the embedded tiny model."""
         config = config or PAN2PipelineConfig()
-        if str(path) == "tiny":
-            from .tiny import TINY_VERSION, tiny_checkpoint_path
+        if str(path) == TINY_MODEL:
+            from .tiny import TINY_VERSION, tiny_model_folder
 
-            root = tiny_checkpoint_path()
+            root = tiny_model_folder()
             name = f"tiny-v{TINY_VERSION}"
         else:
             root = Path(path).expanduser().resolve()
             name = root.name
         if not root.is_dir():
-            raise CheckpointError(f"{root}: checkpoint folder does not exist")
+            raise ModelFolderError(f"{root}: checkpoint folder does not exist")
         index = read_json(root / "model_index.json")
         dit_config = _config_of(resolve_component(root, "transformer"), PAN2DiTConfig)
         # FlashAttention-4's import (seconds) runs on a thread while the weights are read below.
@@ -265,9 +266,9 @@ class PAN2Pipeline:
             scheduler_config = SchedulerConfig.from_dict(read_json(sched_file), source=str(sched_file)) \
                 if sched_file.is_file() else SchedulerConfig()
         except ValueError as e:
-            raise CheckpointError(str(e)) from e
-        default_timesteps = checkpoint_dmd_timesteps(root, scheduler_config.num_train_timesteps)
-        model_id = f"{name}-{_checkpoint_digest(root, default_timesteps)}"
+            raise ModelFolderError(str(e)) from e
+        default_timesteps = model_dmd_timesteps(root, scheduler_config.num_train_timesteps)
+        model_id = f"{name}-{_model_digest(root, default_timesteps)}"
         # FlashAttention-4's import may still be running: `warm_up` (or the first forward) waits.
         return cls(dit=dit, vae=vae, text_encoder=text, scheduler_config=scheduler_config, config=config,
                    model_id=model_id, expand_timesteps=bool(index.get("expand_timesteps", True)),
@@ -460,13 +461,13 @@ class PAN2Pipeline:
         if image is not None:
             first_frame = self.encode_image(image, height=req.height, width=req.width)
 
-        scheduler = make_scheduler(req.sampler, self.scheduler_config)
-        if isinstance(scheduler, FlowDMDScheduler):
+        sampler = make_sampler(req.sampler, self.scheduler_config)
+        if isinstance(sampler, FlowDMDSampler):
             # Its fresh noise continues the job's CPU generator: the same on every device and rank.
-            scheduler.set_dmd_timesteps(req.timesteps, generator=gen, flow_shift=req.flow_shift)
+            sampler.set_dmd_timesteps(req.timesteps, generator=gen, flow_shift=req.flow_shift)
         else:
-            scheduler.set_timesteps(req.steps, flow_shift=req.flow_shift)
-        timesteps = scheduler.timesteps
+            sampler.set_timesteps(req.steps, flow_shift=req.flow_shift)
+        timesteps = sampler.timesteps
         key = CheckpointKey(model_id=self.model_id, sampler=req.sampler, total_steps=len(timesteps),
                             latent_shape=shape, seed=req.seed, guidance=float(req.guidance))
         if resume_from is None:
@@ -478,12 +479,12 @@ class PAN2Pipeline:
             if not lanes.steps_exact:
                 raise StepCheckpointError("a step cache's kept residuals are not in a step checkpoint: "
                                           "a cached sampling starts from its first step")
-            latents = resume_state(resume_from, key=key, scheduler=scheduler, generator=gen, device=self.device)
+            latents = resume_state(resume_from, key=key, sampler=sampler, generator=gen, device=self.device)
             start = resume_from.step
         with self.precision.applied(lanes.precision):
             velocity = self._velocity(req, lanes, cond, uncond, conditioned=first_frame is not None, record=record)
-            return self._run_steps(scheduler, velocity, latents, first_frame, shape, progress, start=start,
-                                   hooks=hooks, capture=lambda lat: capture_state(key, lat, scheduler, gen))
+            return self._run_steps(sampler, velocity, latents, first_frame, shape, progress, start=start,
+                                   hooks=hooks, capture=lambda lat: capture_state(key, lat, sampler, gen))
 
     def _velocity(self, req: SampleRequest, lanes: FastLanes, cond: torch.Tensor, uncond: torch.Tensor | None, *,
                   conditioned: bool,
@@ -498,19 +499,19 @@ class PAN2Pipeline:
         plan = self._plan(lanes, steps=req.steps, guided=uncond is not None, conditioned=conditioned)
         return fast_lane_velocity(self.denoiser.branch_forwards(cond, uncond), plan, req.guidance)
 
-    def _run_steps(self, scheduler: Any, velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    def _run_steps(self, sampler: FlowSampler, velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                    latents: torch.Tensor, first_frame: torch.Tensor | None, shape: tuple[int, ...],
                    progress: ProgressFn | None, *, start: int, hooks: StepHooks,
                    capture: Callable[[torch.Tensor], SamplerState]) -> torch.Tensor:
         """The sampling loop from step ``start``: one velocity per timestep, the sampler's step, the
         first frame kept, the step-checkpoint hooks between two steps."""
-        timesteps = scheduler.timesteps
+        timesteps = sampler.timesteps
         hooks.start()
         for i in range(start, len(timesteps)):
             t = timesteps[i]
             timestep = self._timestep_for(t, shape, conditioned=first_frame is not None)
             noise_pred = velocity(latents.to(self.config.dtype), timestep)
-            latents = scheduler.step(noise_pred.float(), t, latents)
+            latents = sampler.step(noise_pred.float(), t, latents)
             if first_frame is not None:
                 # Re-impose the conditioning frame after every step, as the official Wan2.2 code does.
                 latents[:, :, :1] = first_frame
@@ -673,7 +674,7 @@ def _config_of(folder: Path, cls):
     try:
         return cls.from_dict(raw)
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{folder / 'config.json'}: {e}") from e
+        raise ModelFolderError(f"{folder / 'config.json'}: {e}") from e
 
 
 # Where a step-distilled checkpoint may list its DMD timesteps, in the order they are looked for:
@@ -683,7 +684,7 @@ DMD_TIMESTEPS_KEY = "dmd_denoising_steps"
 DMD_TIMESTEPS_FILES = ("model_index.json", "pipeline_config.json")
 
 
-def checkpoint_dmd_timesteps(root: Path, num_train_timesteps: int) -> tuple[int, ...] | None:
+def model_dmd_timesteps(root: Path, num_train_timesteps: int) -> tuple[int, ...] | None:
     """The checkpoint's own DMD timesteps (``dmd_denoising_steps``), or None when it lists none."""
     for name in DMD_TIMESTEPS_FILES:
         path = root / name
@@ -694,12 +695,12 @@ def checkpoint_dmd_timesteps(root: Path, num_train_timesteps: int) -> tuple[int,
             continue
         problem = timesteps_problem(value, num_train_timesteps=num_train_timesteps)
         if problem is not None:
-            raise CheckpointError(f"{path}: {DMD_TIMESTEPS_KEY} {problem}")
+            raise ModelFolderError(f"{path}: {DMD_TIMESTEPS_KEY} {problem}")
         return tuple(value)
     return None
 
 
-def _checkpoint_digest(root: Path, default_timesteps: tuple[int, ...] | None) -> str:
+def _model_digest(root: Path, default_timesteps: tuple[int, ...] | None) -> str:
     """A cheap, stable id of a checkpoint's weights: configs plus weight file names and sizes."""
     h = hashlib.sha256()
     if default_timesteps is not None:  # a checkpoint's own timesteps change its renders

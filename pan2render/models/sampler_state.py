@@ -32,7 +32,7 @@ from ..step_checkpoint import (
     read_checkpoint,
     step_problem,
 )
-from .scheduler import FlowScheduler, StepState
+from .samplers import FlowSampler, StepState
 
 __all__ = ["CheckpointKey", "SamplerState", "SamplingPreempted", "StepCheckpointError", "StepHooks", "capture_state",
            "pack_sampler_state", "resume_state", "unpack_sampler_state"]
@@ -46,17 +46,17 @@ class SamplerState:
     latents: Tensor  # float32 [1, C, T, h, w] after ``step`` steps (the first frame imposed, where given)
     schedule: Tensor  # float32 [N + 1]: the sigmas it runs over
     generator: Tensor  # uint8: the job's CPU noise generator, ``torch.Generator.get_state()``
-    scheduler: StepState  # the sampler's own state, its tensors float32 on the CPU
+    sampler: StepState  # the sampler's own state, its tensors float32 on the CPU
 
     @property
     def step(self) -> int:
         """Steps done; a sampling resumed from this state runs steps ``step`` .. N - 1."""
-        return self.scheduler.step
+        return self.sampler.step
 
     def nbytes(self) -> dict[str, int]:
         """Bytes of its tensors: ``latents``, ``sampler`` (the sampler's own and the generator) and
         ``total`` (the schedule too)."""
-        own = sum(t.nbytes for t in self.scheduler.tensors.values()) + self.generator.nbytes
+        own = sum(t.nbytes for t in self.sampler.tensors.values()) + self.generator.nbytes
         latents = self.latents.nbytes
         return {"latents": latents, "sampler": own, "total": latents + own + self.schedule.nbytes}
 
@@ -76,9 +76,9 @@ def pack_sampler_state(state: SamplerState, *, spec_hash: str = "") -> bytes:
 
     key = replace(state.key, spec_hash=spec_hash) if spec_hash else state.key
     tensors = {LATENTS: state.latents, SCHEDULE: state.schedule, GENERATOR: state.generator,
-               **{SAMPLER_PREFIX + name: t for name, t in state.scheduler.tensors.items()}}
+               **{SAMPLER_PREFIX + name: t for name, t in state.sampler.tensors.items()}}
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-    header = CheckpointHeader(key=key, step=state.step, counters=dict(state.scheduler.counters))
+    header = CheckpointHeader(key=key, step=state.step, counters=dict(state.sampler.counters))
     return save(tensors, metadata=metadata_for(header, {name: t.numpy() for name, t in tensors.items()}))
 
 
@@ -93,19 +93,19 @@ def unpack_sampler_state(data: bytes, *, spec_hash: str = "", model_id: str = ""
     own = {name[len(SAMPLER_PREFIX):]: t for name, t in tensors.items() if name.startswith(SAMPLER_PREFIX)}
     return SamplerState(key=header.key, latents=tensors[LATENTS], schedule=tensors[SCHEDULE],
                         generator=tensors[GENERATOR],
-                        scheduler=StepState(step=header.step, tensors=own, counters=header.counters))
+                        sampler=StepState(step=header.step, tensors=own, counters=header.counters))
 
 
 # ---------------------------------------------------------------------------------- in the sampling loop
-def capture_state(key: CheckpointKey, latents: Tensor, scheduler: FlowScheduler,
+def capture_state(key: CheckpointKey, latents: Tensor, sampler: FlowSampler,
                   generator: torch.Generator) -> SamplerState:
     """The state at this step boundary, copied to the CPU (the device -> host copy is the part of a
     checkpoint on the device's path; packing it is the caller's, and can run beside the next step)."""
-    own = scheduler.state()
-    return SamplerState(key=key, latents=_to_host(latents), schedule=scheduler.sigmas.clone(),
+    own = sampler.state()
+    return SamplerState(key=key, latents=_to_host(latents), schedule=sampler.sigmas.clone(),
                         generator=generator.get_state(),
-                        scheduler=StepState(step=own.step, tensors={k: _to_host(t) for k, t in own.tensors.items()},
-                                            counters=dict(own.counters)))
+                        sampler=StepState(step=own.step, tensors={k: _to_host(t) for k, t in own.tensors.items()},
+                                          counters=dict(own.counters)))
 
 
 def _to_host(t: Tensor) -> Tensor:
@@ -113,21 +113,21 @@ def _to_host(t: Tensor) -> Tensor:
     return t.detach().to("cpu", torch.float32, copy=True)
 
 
-def resume_state(state: SamplerState, *, key: CheckpointKey, scheduler: FlowScheduler,
+def resume_state(state: SamplerState, *, key: CheckpointKey, sampler: FlowSampler,
                  generator: torch.Generator, device: torch.device) -> Tensor:
-    """Set ``scheduler`` (just set up for the request ``key`` describes) and the job's ``generator``
+    """Set ``sampler`` (just set up for the request ``key`` describes) and the job's ``generator``
     to ``state``; returns its latents on ``device``. Raises `StepCheckpointError` when the state
     belongs to another request or schedule, or does not fit this sampler."""
     problem = key_problem(state.key, key) or step_problem(state.step, key.total_steps)
     if problem is None and tuple(state.latents.shape) != key.latent_shape:
         problem = f"damaged: latents of shape {list(state.latents.shape)} in a state for {list(key.latent_shape)}"
-    if problem is None and not torch.equal(state.schedule, scheduler.sigmas):
+    if problem is None and not torch.equal(state.schedule, sampler.sigmas):
         problem = "stale: it was sampled over another schedule (its flow_shift or timesteps differ)"
     if problem is not None:
         raise StepCheckpointError(f"cannot resume from this step checkpoint: {problem}")
     try:
         generator.set_state(state.generator)
-        scheduler.load_state(state.scheduler, device=device)
+        sampler.load_state(state.sampler, device=device)
     except (ValueError, RuntimeError) as e:
         raise StepCheckpointError(f"cannot resume from this step checkpoint: damaged: {e}") from e
     return state.latents.to(device, torch.float32, copy=True)

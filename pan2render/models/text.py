@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint_files import TEXT_ENCODER_DIR, TOKENIZER_DIR
-from .checkpoint import CheckpointError, read_json, safetensors_files
+from ..model_files import TEXT_ENCODER_DIR, TOKENIZER_DIR
+from .loading import ModelFolderError, read_json, safetensors_files
 from .tokenizer import PromptTokenizer, Tokenize, TransformersTokenizer, load_tokenizer
 from .umt5 import UMT5Config, UMT5Encoder, load_umt5_encoder
 
@@ -67,7 +67,7 @@ class TextEncoder:
         enc_dir, tok_dir = root / TEXT_ENCODER_DIR, root / TOKENIZER_DIR
         for d in (enc_dir, tok_dir):
             if not d.is_dir():
-                raise CheckpointError(f"{d}: folder is missing (the text encoder needs text_encoder/ and tokenizer/)")
+                raise ModelFolderError(f"{d}: folder is missing (the text encoder needs text_encoder/ and tokenizer/)")
         config = read_json(enc_dir / "config.json")
         safetensors_files(enc_dir, prefix="model")  # raises a clear error when weights are missing
         tokenizer = load_tokenizer(tok_dir)

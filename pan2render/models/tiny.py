@@ -107,8 +107,8 @@ def missing_tiny_files(root: Path) -> list[str]:
     return [name for name in TINY_FILES if not (root / name).is_file()]
 
 
-def tiny_checkpoint_path() -> Path:
-    """The tiny checkpoint folder, written on first use (atomically: build aside, check, rename).
+def tiny_model_folder() -> Path:
+    """The tiny model's folder, written on first use (atomically: build aside, check, rename).
 
     A folder found incomplete (e.g. written by an older version under a library that skipped some
     files) is moved aside and built again rather than failing every job that loads it."""
@@ -120,7 +120,7 @@ def tiny_checkpoint_path() -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".tiny-v{TINY_VERSION}-", dir=final.parent))
     try:
-        write_tiny_checkpoint(staging)
+        write_tiny_model(staging)
         missing = missing_tiny_files(staging)
         if missing:
             raise RuntimeError(f"writing the tiny checkpoint left out {missing} (in {staging})")
@@ -145,8 +145,8 @@ def _move_aside(folder: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def write_tiny_checkpoint(root: Path) -> None:
-    """Write the tiny model's checkpoint folder in the diffusers layout."""
+def write_tiny_model(root: Path) -> None:
+    """Write the tiny model's folder in the diffusers layout."""
     from .dit import PAN2DiT, PAN2DiTConfig
     from .vae import WanVAE, WanVAEConfig
 

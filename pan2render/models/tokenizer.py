@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .checkpoint import CheckpointError, read_json
+from .loading import ModelFolderError, read_json
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class TransformersTokenizer:
 def load_tokenizer(folder: str | Path) -> PromptTokenizer | TransformersTokenizer:
     """The tokenizer of a ``tokenizer/`` folder: ours where we reproduce transformers' reading of it
     (see the module's docstring), else transformers' AutoTokenizer with the reason logged. A folder
-    neither can read is a CheckpointError naming it."""
+    neither can read is a ModelFolderError naming it."""
     folder = Path(folder)
     try:
         return read_tokenizer(folder)
@@ -115,7 +115,7 @@ def load_tokenizer(folder: str | Path) -> PromptTokenizer | TransformersTokenize
         hf_logging.disable_progress_bar()
         return TransformersTokenizer(AutoTokenizer.from_pretrained(str(folder)))
     except Exception as e:
-        raise CheckpointError(f"{folder}: cannot load the tokenizer ({e})") from e
+        raise ModelFolderError(f"{folder}: cannot load the tokenizer ({e})") from e
 
 
 def read_tokenizer(folder: Path) -> PromptTokenizer:
@@ -146,7 +146,7 @@ def read_tokenizer(folder: Path) -> PromptTokenizer:
     except Unsupported:
         raise
     except Exception as e:
-        raise CheckpointError(f"{file}: cannot load the tokenizer ({e})") from e
+        raise ModelFolderError(f"{file}: cannot load the tokenizer ({e})") from e
 
     values = special_values(config, folder, t5=t5)
     added = {str(t.content): (i, t) for i, t in backend.get_added_tokens_decoder().items()}
@@ -162,8 +162,8 @@ def read_tokenizer(folder: Path) -> PromptTokenizer:
     if pad is None and padding is not None:
         pad = padding.get("pad_token")
     if pad is None:
-        raise CheckpointError(f"{folder}: the tokenizer has no pad token (tokenizer_config.json, "
-                              f"special_tokens_map.json and tokenizer.json name none)")
+        raise ModelFolderError(f"{folder}: the tokenizer has no pad token (tokenizer_config.json, "
+                               f"special_tokens_map.json and tokenizer.json name none)")
     pad_id = backend.token_to_id(pad)
     if pad_id is None:
         raise Unsupported(f"pad token {pad!r} is not in the vocabulary")
@@ -171,7 +171,7 @@ def read_tokenizer(folder: Path) -> PromptTokenizer:
     truncation_side = config.get("truncation_side") or (truncation or {}).get("direction") or "right"
     for name, side in (("padding_side", padding_side), ("truncation_side", truncation_side)):
         if side not in ("right", "left"):
-            raise CheckpointError(f"{config_file}: {name} {side!r} is neither 'right' nor 'left'")
+            raise ModelFolderError(f"{config_file}: {name} {side!r} is neither 'right' nor 'left'")
     if config.get("split_special_tokens"):
         backend.encode_special_tokens = True
     return PromptTokenizer(backend, pad_token=pad, pad_id=pad_id, padding_side=padding_side,

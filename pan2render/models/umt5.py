@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import CheckpointError, instantiate, read_json
+from .loading import ModelFolderError, instantiate, read_json
 
 # transformers keeps these in fp32 when a umT5 is loaded in fp16 (its ``_keep_in_fp32_modules``; T5
 # models' FFN outputs are known to overflow fp16). Under bf16 everything is bf16, as transformers
@@ -50,7 +50,7 @@ class UMT5Config:
     """The fields of a umT5 ``config.json`` the encoder's forward depends on.
 
     A field config.json leaves out takes transformers' default (``UMT5Config``), as transformers
-    would load the same file; a field of the wrong type or out of range is a CheckpointError naming
+    would load the same file; a field of the wrong type or out of range is a ModelFolderError naming
     the file and the field."""
 
     vocab_size: int = 250112
@@ -70,8 +70,8 @@ class UMT5Config:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, where: str | Path = "config.json") -> "UMT5Config":
-        def bad(name: str, why: str) -> CheckpointError:
-            return CheckpointError(f"{where}: field '{name}' {why}, found {data.get(name)!r}")
+        def bad(name: str, why: str) -> ModelFolderError:
+            return ModelFolderError(f"{where}: field '{name}' {why}, found {data.get(name)!r}")
 
         values: dict[str, Any] = {}
         for f in fields(cls):
@@ -286,12 +286,12 @@ def load_umt5_encoder(folder: str | Path, *, device: str | torch.device, dtype: 
       reads ``encoder.embed_tokens``), as transformers does.
 
     A key the model lacks, a missing key (which from_pretrained would initialise at random) or a
-    shape that does not fit is a CheckpointError naming the folder, as for our other models.
+    shape that does not fit is a ModelFolderError naming the folder, as for our other models.
     """
     folder = Path(folder)
     try:
         config = UMT5Config.from_file(folder / "config.json")
-    except CheckpointError as e:
-        raise CheckpointError(f"{folder}: cannot build the UMT5 encoder from its config.json ({e})") from e
+    except ModelFolderError as e:
+        raise ModelFolderError(f"{folder}: cannot build the UMT5 encoder from its config.json ({e})") from e
     return instantiate(lambda: UMT5Encoder(config), folder, device=device, dtype=dtype, prefix="model",
                        keep_in_fp32=KEEP_FP32_UNDER_FP16 if dtype == torch.float16 else ())

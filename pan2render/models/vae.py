@@ -4,8 +4,8 @@ Our own implementation of what diffusers 0.42.1 ships as ``AutoencoderKLWan`` wi
 (``diffusers/models/autoencoders/autoencoder_kl_wan.py``). With the same weights it gives the same
 ``encode`` means and ``decode`` videos (``tests/models/test_vae.py`` builds both from one random
 state dict), and its ``state_dict()`` keys are diffusers' keys, so a diffusers ``vae/`` checkpoint loads
-by a plain key match (checkpoint keys are permanent API). Checkpoint reading lives in
-``pan2render/models/checkpoint.py``, not here.
+by a plain key match (checkpoint keys are permanent API). Reading a model folder lives in
+``pan2render/models/loading.py``, not here.
 
 Geometry (released config): RGB ``[B, 3, F, H, W]`` is patchified 2x2 into 12 channels, the encoder
 halves H/W three times and T twice (causally: frame 0 alone, then chunks of 4 frames), giving

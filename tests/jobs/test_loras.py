@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from pan2render.jobs import load_batch
-from pan2render.jobs.batch import Overrides
+from pan2render.jobs.overrides import Overrides
 from pan2render.jobs.spec import BatchValidationError, JobSpec, LoraRef
 from pan2render.lora_plan import dit_linears
 from pan2render.tiny_dit import TINY_DIT_CONFIG

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pan2render.jobs import BatchValidationError, load_batch
-from pan2render.jobs.batch import Overrides
+from pan2render.jobs.overrides import Overrides
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -163,14 +163,14 @@ def test_a_request_is_checked_against_its_models_geometry() -> None:
 
 
 def test_batch_keys_and_defaults_come_from_the_schema(tmp_path: Path) -> None:
-    from pan2render.jobs import batch
+    from pan2render.jobs import coerce, presets, spec
 
-    assert batch.JOB_KEYS[:2] == ("prompt", "name")
-    assert set(batch._CHECKS) == set(batch.JOB_KEYS) | {"description"}
-    assert "image" in batch.DEFAULTS_KEYS and "image" not in batch.PRESET_KEYS
+    assert spec.JOB_KEYS[:2] == ("prompt", "name")
+    assert set(coerce._CHECKS) == set(spec.JOB_KEYS) | {"description"}
+    assert "image" in spec.DEFAULTS_KEYS and "image" not in presets.PRESET_KEYS
     # What a batch gets for a field it sets nowhere; the fields without a default come from the preset.
-    assert batch.BUILTIN_DEFAULTS.items() >= {"negative_prompt": "", "image": None, "seed": 0, "gpus": 1}.items()
-    assert set(batch.PRESET_REQUIRED) == {"steps", "guidance", "height", "width", "frames", "fps", "flow_shift",
+    assert spec.BUILTIN_DEFAULTS.items() >= {"negative_prompt": "", "image": None, "seed": 0, "gpus": 1}.items()
+    assert set(spec.PRESET_REQUIRED) == {"steps", "guidance", "height", "width", "frames", "fps", "flow_shift",
                                           "sampler", "crf"}
     (tmp_path / "b.yaml").write_text("model: tiny\npreset: tiny-preview\njobs:\n  - prompt: a kite\n")
     job = load_batch(tmp_path / "b.yaml").jobs[0]
@@ -209,7 +209,7 @@ def test_checkpoint_every_is_settable_anywhere_checked_and_not_hashed(tmp_path: 
     --set's (which wins) apply; a negative value names the field and what is allowed; the job id
     does not follow it (a resumed sampling gives the same latents)."""
     from pan2render.jobs import BatchValidationError
-    from pan2render.jobs.batch import Overrides
+    from pan2render.jobs.overrides import Overrides
 
     (tmp_path / "b.yaml").write_text(
         "model: tiny\npreset: tiny-preview\njobs:\n  - prompt: a kite\n  - prompt: a slow kite\n"

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from pan2render.models import PAN2Pipeline, PAN2PipelineConfig
-from pan2render.models.checkpoint import CheckpointError
-from pan2render.models.scheduler import FlowDMDScheduler, SchedulerConfig, make_scheduler
+from pan2render.models.loading import ModelFolderError
+from pan2render.models.samplers import FlowDMDSampler, SchedulerConfig, make_sampler
 
 LATENT_SHAPE = (1, 4, 3, 5, 6)  # [B, C, T, H, W], a toy Wan latent
 T = 1000
@@ -38,7 +38,7 @@ def test_oracle_velocity_gives_x0_after_any_number_of_steps(timesteps: list[int]
     """A model that knows x0 returns the velocity noise - x0 of the sample it is given (the noise
     in x = (1 - sigma) x0 + sigma noise is (x - (1 - sigma) x0) / sigma): the sampler must land on x0."""
     x0 = _x0()
-    sched = make_scheduler("dmd", SchedulerConfig(flow_shift=shift))
+    sched = make_sampler("dmd", SchedulerConfig(flow_shift=shift))
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(LATENT_SHAPE, generator=gen)
     sched.set_dmd_timesteps(timesteps, generator=gen)
@@ -61,7 +61,7 @@ def test_sampler_equals_the_formulas_step_by_step(timesteps: list[int], shift: f
     ours_gen, ref_gen = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     x = torch.randn(LATENT_SHAPE, generator=ours_gen)
     ref = torch.randn(LATENT_SHAPE, generator=ref_gen)
-    sched = make_scheduler("dmd", SchedulerConfig(flow_shift=shift))
+    sched = make_sampler("dmd", SchedulerConfig(flow_shift=shift))
     sched.set_dmd_timesteps(timesteps, generator=ours_gen)
     sigmas = [_sigma(t, shift) for t in timesteps]
     assert [float(t) for t in sched.timesteps] == pytest.approx([s * T for s in sigmas], rel=1e-6)
@@ -86,7 +86,7 @@ def test_warp_equals_fastvideos_nearest_entry_of_the_euler_table() -> None:
     warped = torch.cat([table.timesteps, torch.zeros(1)])[[T - t for t in timesteps]]
     nearest = (table.timesteps[None] - warped[:, None]).abs().argmin(dim=1)
     their_sigmas = table.sigmas[nearest]
-    sched = FlowDMDScheduler(SchedulerConfig(flow_shift=5.0))
+    sched = FlowDMDSampler(SchedulerConfig(flow_shift=5.0))
     sched.set_dmd_timesteps(timesteps, generator=torch.Generator())
     print("FastVideo warped timesteps", warped.tolist(), "ours", sched.timesteps.tolist())
     torch.testing.assert_close(sched.timesteps, warped.float(), rtol=1e-6, atol=0)
@@ -94,7 +94,7 @@ def test_warp_equals_fastvideos_nearest_entry_of_the_euler_table() -> None:
 
 
 def test_usage_errors_are_clear() -> None:
-    sched = FlowDMDScheduler(SchedulerConfig())
+    sched = FlowDMDSampler(SchedulerConfig())
     with pytest.raises(ValueError, match="set_dmd_timesteps"):
         sched.set_timesteps(3)
     for bad, fragment in (([], "is empty"), ([1000, 1000], "not strictly decreasing"), ([1001], "out of range"),
@@ -102,7 +102,7 @@ def test_usage_errors_are_clear() -> None:
         with pytest.raises(ValueError, match=fragment):
             sched.set_dmd_timesteps(bad, generator=torch.Generator())
     with pytest.raises(ValueError, match="out of range"):  # the checkpoint's own T bounds the list
-        FlowDMDScheduler(SchedulerConfig(num_train_timesteps=500)).set_dmd_timesteps([600], generator=torch.Generator())
+        FlowDMDSampler(SchedulerConfig(num_train_timesteps=500)).set_dmd_timesteps([600], generator=torch.Generator())
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="CPU"):
             sched.set_dmd_timesteps([1000], generator=torch.Generator(device="cuda"))
@@ -115,7 +115,7 @@ def test_cuda_matches_cpu_with_the_same_cpu_noise() -> None:
     def run(device: str) -> torch.Tensor:
         gen = torch.Generator().manual_seed(9)
         x = torch.randn(LATENT_SHAPE, generator=gen).to(device)
-        sched = make_scheduler("dmd", SchedulerConfig(flow_shift=5.0))
+        sched = make_sampler("dmd", SchedulerConfig(flow_shift=5.0))
         sched.set_dmd_timesteps([1000, 757, 522], generator=gen)
         for t in sched.timesteps:
             x = sched.step(torch.tanh(1.3 * x) * (0.6 + float(t) / T), t, x)
@@ -135,9 +135,9 @@ SIZE = dict(height=64, width=64, frames=5, seed=5)
 @pytest.fixture(scope="module")
 def tiny_root() -> Path:
     """The embedded tiny checkpoint in the default cache (built once, shared with the runner tests)."""
-    from pan2render.models.tiny import tiny_checkpoint_path
+    from pan2render.models.tiny import tiny_model_folder
 
-    return tiny_checkpoint_path()
+    return tiny_model_folder()
 
 
 @pytest.fixture(scope="module")
@@ -226,5 +226,5 @@ def test_checkpoint_timesteps_are_the_default_and_a_jobs_win(tiny: PAN2Pipeline,
     other = pipe.sample(prompt_embeds=embeds, sampler="dmd", timesteps=[1000, 757, 522], guidance=1.0, **SIZE)
     assert torch.equal(own, listed) and not torch.equal(own, other)
     (root / "model_index.json").write_text(json.dumps({**index, "dmd_denoising_steps": [600, 1000]}))
-    with pytest.raises(CheckpointError, match=r"model_index.json: dmd_denoising_steps .*not strictly decreasing"):
+    with pytest.raises(ModelFolderError, match=r"model_index.json: dmd_denoising_steps .*not strictly decreasing"):
         PAN2Pipeline.from_pretrained(root, PAN2PipelineConfig(device="cpu"))

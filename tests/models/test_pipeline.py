@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pan2render.models import PAN2Pipeline, PAN2PipelineConfig, load_dit, load_vae
-from pan2render.models.scheduler import SchedulerConfig
+from pan2render.models.samplers import SchedulerConfig
 from pan2render.models.tiny import SCHEDULER_CONFIG, TINY_DIT_CONFIG, TINY_VAE_CONFIG
 
 
@@ -120,9 +120,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> PAN2Pipeline:
 
 
 def test_tiny_model_renders_in_seconds(tiny: PAN2Pipeline) -> None:
-    from pan2render.models.tiny import tiny_checkpoint_path
+    from pan2render.models.tiny import tiny_model_folder
 
-    root = tiny_checkpoint_path()
+    root = tiny_model_folder()
     for part in ("model_index.json", "transformer/config.json", "vae/diffusion_pytorch_model.safetensors",
                  "text_encoder/config.json", "tokenizer/tokenizer.json", "scheduler/scheduler_config.json"):
         assert (root / part).is_file(), part

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pan2render.models import checkpoint
-from pan2render.models.checkpoint import CheckpointError, read_safetensors_header, read_state_dict, stream_safetensors
+from pan2render.models import loading
+from pan2render.models.loading import ModelFolderError, read_safetensors_header, read_state_dict, stream_safetensors
 
 NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
 
@@ -96,13 +96,13 @@ def test_file_written_by_safetensors_streams_too(tmp_path: Path) -> None:
 def _capture_buffers(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     """The device byte buffers stream_safetensors reads files into."""
     seen: list[torch.Tensor] = []
-    real = checkpoint.stream_file_bytes
+    real = loading.stream_file_bytes
 
     def spy(*args, **kwargs):
         seen.append(real(*args, **kwargs))
         return seen[-1]
 
-    monkeypatch.setattr(checkpoint, "stream_file_bytes", spy)
+    monkeypatch.setattr(loading, "stream_file_bytes", spy)
     return seen
 
 
@@ -141,7 +141,7 @@ def test_a_cast_file_leaves_nothing_viewing_its_buffer(mixed_file: Path, monkeyp
 
 def test_truncated_file_names_file_and_tensor(mixed_file: Path) -> None:
     mixed_file.write_bytes(mixed_file.read_bytes()[:-5])
-    with pytest.raises(CheckpointError) as err:
+    with pytest.raises(ModelFolderError) as err:
         stream_safetensors(mixed_file, "cpu", chunk_bytes=11)
     msg = str(err.value)
     assert str(mixed_file) in msg and "'block.1.bias'" in msg and "run past the end" in msg
@@ -149,7 +149,7 @@ def test_truncated_file_names_file_and_tensor(mixed_file: Path) -> None:
 
 def test_file_cut_inside_its_header(mixed_file: Path) -> None:
     mixed_file.write_bytes(mixed_file.read_bytes()[:40])
-    with pytest.raises(CheckpointError, match=r"mixed\.safetensors: .*header length of \d+ bytes does not fit"):
+    with pytest.raises(ModelFolderError, match=r"mixed\.safetensors: .*header length of \d+ bytes does not fit"):
         read_safetensors_header(mixed_file)
 
 
@@ -160,7 +160,7 @@ def test_header_pointing_past_the_end(tmp_path: Path) -> None:
         header["block.0.half"]["data_offsets"] = [o + 8 for o in header["block.0.half"]["data_offsets"]]
 
     write_safetensors(path, mixed_tensors()[:4], edit=shift)
-    with pytest.raises(CheckpointError) as err:
+    with pytest.raises(ModelFolderError) as err:
         stream_safetensors(path, "cpu")
     assert str(path) in str(err.value) and "'block.0.half'" in str(err.value) and "run past the end" in str(err.value)
 
@@ -182,7 +182,7 @@ W = "'block.0.weight'"
 def test_header_problems_name_file_and_tensor(tmp_path: Path, edit, message: str) -> None:
     path = tmp_path / "bad.safetensors"
     write_safetensors(path, mixed_tensors()[:4], edit=edit)
-    with pytest.raises(CheckpointError, match=rf"bad\.safetensors: cannot read safetensors file: .*{message}"):
+    with pytest.raises(ModelFolderError, match=rf"bad\.safetensors: cannot read safetensors file: .*{message}"):
         read_safetensors_header(path)
 
 
@@ -194,7 +194,7 @@ def test_a_key_twice_in_one_header(tmp_path: Path) -> None:
     entry = json.dumps({"dtype": "F32", "shape": [1], "data_offsets": [0, 4]})
     raw = ('{"a": ' + entry + ', "a": ' + entry + "}").encode()
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
-    with pytest.raises(CheckpointError, match=r"twice\.safetensors: .*key 'a' is listed twice"):
+    with pytest.raises(ModelFolderError, match=r"twice\.safetensors: .*key 'a' is listed twice"):
         read_safetensors_header(path)
 
 
@@ -202,13 +202,13 @@ def test_a_read_error_on_the_reader_thread_reaches_the_caller(mixed_file: Path) 
     header = read_safetensors_header(mixed_file)
     mixed_file.write_bytes(mixed_file.read_bytes()[:-30])  # shrinks after its header was read
     threads = threading.active_count()
-    with pytest.raises(CheckpointError, match=r"mixed\.safetensors: .*it ends at byte \d+, before the data"):
+    with pytest.raises(ModelFolderError, match=r"mixed\.safetensors: .*it ends at byte \d+, before the data"):
         stream_safetensors(mixed_file, "cpu", header=header, chunk_bytes=11, readers=2)
     assert threading.active_count() == threads  # the reader thread has ended
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("chunk_bytes", [11, checkpoint.STREAM_CHUNK_BYTES])
+@pytest.mark.parametrize("chunk_bytes", [11, loading.STREAM_CHUNK_BYTES])
 def test_streamed_file_on_cuda_equals_safetensors(mixed_file: Path, chunk_bytes: int) -> None:
     got = stream_safetensors(mixed_file, "cuda", chunk_bytes=chunk_bytes)
     assert all(t.device.type == "cuda" for t in got.values())
@@ -235,5 +235,5 @@ def test_cuda_state_dict_equals_cpu_state_dict_over_shards(tmp_path: Path) -> No
     assert origin["s1.w"].name.startswith("diffusion_pytorch_model-00002")
     second = tmp_path / "diffusion_pytorch_model-00002-of-00003.safetensors"
     save_file({**load_file(str(second)), "s0.norm": torch.zeros(1)}, str(second))
-    with pytest.raises(CheckpointError, match=r"00002-of-00003.safetensors: key 's0.norm' also appears in .*00001"):
+    with pytest.raises(ModelFolderError, match=r"00002-of-00003.safetensors: key 's0.norm' also appears in .*00001"):
         read_state_dict(tmp_path, device="cuda", cast=cast)

@@ -24,7 +24,7 @@ from pan2render.models.sampler_state import (
     pack_sampler_state,
     unpack_sampler_state,
 )
-from pan2render.models.scheduler import SchedulerConfig, make_scheduler
+from pan2render.models.samplers import SchedulerConfig, make_sampler
 from pan2render.step_checkpoint import checkpoint_problem
 
 SIZE = dict(height=64, width=64, frames=17)
@@ -205,7 +205,7 @@ def _velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 
 def _set_up(name: str, config: SchedulerConfig, generator: torch.Generator):
-    sched = make_scheduler(name, config)
+    sched = make_sampler(name, config)
     if name == "dmd":
         sched.set_dmd_timesteps([1000, 800, 600, 400, 200], generator=generator)
     else:
@@ -261,7 +261,7 @@ def test_load_state_refuses_a_state_that_does_not_fit() -> None:
         fresh().load_state(dataclasses.replace(state, counters={"last_order": 3}), device="cpu")
     with pytest.raises(ValueError, match="step 9 is not a boundary of this 7-step schedule"):
         fresh().load_state(dataclasses.replace(state, step=9), device="cpu")
-    with pytest.raises(ValueError, match="FlowEulerScheduler keeps no state between steps"):
+    with pytest.raises(ValueError, match="FlowEulerSampler keeps no state between steps"):
         fresh("euler").load_state(state, device="cpu")
     with pytest.raises(ValueError, match=r"order 1\) after 3 step\(s\) keeps \['last_sample', 'x0.0'\]"):
         fresh("unipc", SchedulerConfig(solver_order=1)).load_state(state, device="cpu")
@@ -302,9 +302,9 @@ def test_a_checkpoint_is_due_after_that_many_seconds_of_sampling_and_a_stop_is_a
 
 
 def _state_after(step: int) -> SamplerState:
-    from pan2render.models.scheduler import StepState
+    from pan2render.models.samplers import StepState
     from pan2render.step_checkpoint import CheckpointKey
 
     key = CheckpointKey(model_id="m", sampler="euler", total_steps=8, latent_shape=(1, 1), seed=0, guidance=1.0)
     return SamplerState(key=key, latents=torch.zeros(1, 1), schedule=torch.zeros(9), generator=torch.zeros(1),
-                        scheduler=StepState(step=step, tensors={}, counters={}))
+                        sampler=StepState(step=step, tensors={}, counters={}))

@@ -15,14 +15,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import pan2render
-from pan2render.models.checkpoint import CheckpointError
+from pan2render.models.loading import ModelFolderError
 from pan2render.models.text import TextEncoder, TransformersTokenizer, load_umt5_encoder
-from pan2render.models.tiny import tiny_checkpoint_path
+from pan2render.models.tiny import tiny_model_folder
 
 
 @pytest.fixture(scope="module")
 def tiny_text_encoder() -> Path:
-    return tiny_checkpoint_path() / "text_encoder"
+    return tiny_model_folder() / "text_encoder"
 
 
 def reference(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
@@ -111,7 +111,7 @@ def test_weights_that_do_not_fit_name_the_folder(tmp_path: Path, tiny_text_encod
     sd = load_file(str(folder / "model.safetensors"))
     change(sd)
     save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=rf"{folder}: weights do not fit the model config:\n(.|\n)*{message}"):
+    with pytest.raises(ModelFolderError, match=rf"{folder}: weights do not fit the model config:\n(.|\n)*{message}"):
         load_umt5_encoder(folder, device="cpu", dtype=torch.float32)
 
 
@@ -119,7 +119,7 @@ def test_a_config_that_is_not_json_names_the_folder(tmp_path: Path, tiny_text_en
     folder = tmp_path / "text_encoder"
     shutil.copytree(tiny_text_encoder, folder)
     (folder / "config.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match=rf"{folder}: cannot build the UMT5 encoder"):
+    with pytest.raises(ModelFolderError, match=rf"{folder}: cannot build the UMT5 encoder"):
         load_umt5_encoder(folder, device="cpu", dtype=torch.float32)
 
 
@@ -153,7 +153,7 @@ ENCODE_PROMPTS = [
 
 
 def test_encode_is_unchanged_from_the_transformers_path() -> None:
-    root = tiny_checkpoint_path()
+    root = tiny_model_folder()
     ours = TextEncoder.from_pretrained(root, device="cpu", dtype=torch.float32)
     theirs = transformers_text_encoder(root, ours)
     got, want = ours.encode(ENCODE_PROMPTS), theirs.encode(ENCODE_PROMPTS)
@@ -167,7 +167,7 @@ def test_encode_is_unchanged_from_the_transformers_path() -> None:
 def test_loading_and_encoding_do_not_import_transformers() -> None:
     """In a fresh process (the tiny checkpoint already written, which uses transformers): nor
     torch._dynamo, which nn.Embedding's random init on the meta device imports (~2 s)."""
-    root = tiny_checkpoint_path()
+    root = tiny_model_folder()
     code = (
         "import sys\n"
         "import torch\n"
@@ -189,7 +189,7 @@ def test_loading_and_encoding_do_not_import_transformers() -> None:
 
 @pytest.mark.gpu
 def test_cuda_text_encoder_encodes_as_the_cpu_one() -> None:
-    root = tiny_checkpoint_path()
+    root = tiny_model_folder()
     cpu = TextEncoder.from_pretrained(root, device="cpu", dtype=torch.float32)
     gpu = TextEncoder.from_pretrained(root, device="cuda", dtype=torch.float32)
     assert gpu.device.type == "cuda" and gpu.encoder_id == cpu.encoder_id
@@ -200,7 +200,7 @@ def test_cuda_text_encoder_encodes_as_the_cpu_one() -> None:
 
 @pytest.mark.gpu
 def test_cuda_text_encoder_encodes_as_the_transformers_path() -> None:
-    root = tiny_checkpoint_path()
+    root = tiny_model_folder()
     ours = TextEncoder.from_pretrained(root, device="cuda", dtype=torch.float32)
     theirs = transformers_text_encoder(root, ours, device="cuda", dtype=torch.float32)
     torch.testing.assert_close(ours.encode(ENCODE_PROMPTS), theirs.encode(ENCODE_PROMPTS), rtol=1e-4, atol=1e-5)
@@ -211,7 +211,7 @@ def test_cuda_bf16_text_encoder_is_as_accurate_as_the_transformers_path() -> Non
     """In bf16 the two paths may run different attention kernels on CUDA (ours: SDPA with the
     position bias as a float mask; transformers: its own matmuls), so they differ by rounding; what
     must hold is that ours is no further from the fp32 result than transformers' bf16 is."""
-    root = tiny_checkpoint_path()
+    root = tiny_model_folder()
     ref = TextEncoder.from_pretrained(root, device="cuda", dtype=torch.float32).encode(ENCODE_PROMPTS)
     ours = TextEncoder.from_pretrained(root, device="cuda", dtype=torch.bfloat16)
     theirs = transformers_text_encoder(root, ours, device="cuda", dtype=torch.bfloat16)
@@ -230,7 +230,7 @@ def test_encoder_id_is_computed_as_before(tmp_path: Path) -> None:
     import hashlib
     import json
 
-    root = tiny_checkpoint_path()
+    root = tiny_model_folder()
     folder = root / "text_encoder"
     digest = hashlib.sha256(json.dumps(json.loads((folder / "config.json").read_text()), sort_keys=True).encode())
     digest.update(f"model.safetensors:{(folder / 'model.safetensors').stat().st_size}".encode())

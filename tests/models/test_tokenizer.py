@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pan2render.models.checkpoint import CheckpointError
-from pan2render.models.tiny import tiny_checkpoint_path
+from pan2render.models.loading import ModelFolderError
+from pan2render.models.tiny import tiny_model_folder
 from pan2render.models.tokenizer import PromptTokenizer, TransformersTokenizer, load_tokenizer
 
 MAX = 512
@@ -119,7 +119,7 @@ def t5_like(folder: Path, *, tokenizer_class: str = "T5Tokenizer", config_style:
 
 
 def test_the_tiny_tokenizer_is_transformers() -> None:
-    assert_as_transformers(tiny_checkpoint_path() / "tokenizer")
+    assert_as_transformers(tiny_model_folder() / "tokenizer")
 
 
 @pytest.mark.parametrize("tokenizer_class", ["T5Tokenizer", "T5TokenizerFast", "PreTrainedTokenizerFast"])
@@ -206,7 +206,7 @@ def test_what_we_do_not_reproduce_is_left_to_transformers(tmp_path: Path, caplog
 def test_a_tokenizer_json_that_does_not_parse_names_the_file(tmp_path: Path) -> None:
     folder = t5_like(tmp_path / "tokenizer", tokenizer_class="PreTrainedTokenizerFast")
     (folder / "tokenizer.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match=rf"{folder / 'tokenizer.json'}: cannot load the tokenizer"):
+    with pytest.raises(ModelFolderError, match=rf"{folder / 'tokenizer.json'}: cannot load the tokenizer"):
         load_tokenizer(folder)
 
 
@@ -215,7 +215,7 @@ def test_no_pad_token_is_an_error_at_load(tmp_path: Path) -> None:
     config = json.loads((folder / "tokenizer_config.json").read_text())
     del config["pad_token"]
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=rf"{folder}: the tokenizer has no pad token"):
+    with pytest.raises(ModelFolderError, match=rf"{folder}: the tokenizer has no pad token"):
         load_tokenizer(folder)
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file, save_model
 
-from pan2render.models.checkpoint import CheckpointError
-from pan2render.models.tiny import tiny_checkpoint_path
+from pan2render.models.loading import ModelFolderError
+from pan2render.models.tiny import tiny_model_folder
 from pan2render.models.umt5 import UMT5Config, load_umt5_encoder, relative_position_buckets
 
 # Per dtype: the largest difference allowed, relative to the reference's largest magnitude.
@@ -82,7 +82,7 @@ def compare(folder: Path, dtype: torch.dtype, ids: torch.Tensor, mask: torch.Ten
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_tiny_encoder_matches_transformers(dtype: torch.dtype) -> None:
-    folder = tiny_checkpoint_path() / "text_encoder"
+    folder = tiny_model_folder() / "text_encoder"
     max_distance = json.loads((folder / "config.json").read_text())["relative_attention_max_distance"]
     ids, mask = prompts(259, 2 * max_distance + 16, (2 * max_distance + 16, max_distance - 5))
     compare(folder, dtype, ids, mask)
@@ -147,7 +147,7 @@ def test_a_config_we_cannot_compute_names_the_file_and_field(tmp_path: Path, cha
     folder = tmp_path / "text_encoder"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({**RANDOM_CONFIG, **change}))
-    with pytest.raises(CheckpointError, match=rf"{folder}: cannot build the UMT5 encoder from its config.json "
+    with pytest.raises(ModelFolderError, match=rf"{folder}: cannot build the UMT5 encoder from its config.json "
                                               rf"\({folder / 'config.json'}: field '{field}' "):
         load_umt5_encoder(folder, device="cpu", dtype=torch.float32)
 

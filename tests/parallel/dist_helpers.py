@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from pan2render.models import PAN2Pipeline, PAN2PipelineConfig
 from pan2render.models.dit import PAN2DiT, PAN2DiTConfig
-from pan2render.models.scheduler import SchedulerConfig
+from pan2render.models.samplers import SchedulerConfig
 from pan2render.models.tiny import SCHEDULER_CONFIG, TINY_VAE_CONFIG
 from pan2render.models.vae import WanVAE, WanVAEConfig
 

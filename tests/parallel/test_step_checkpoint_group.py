@@ -62,7 +62,7 @@ def _interrupt(rank: int, world: int, out: Path) -> None:
             else:
                 raise AssertionError(f"{name}: rank {rank} did not stop at boundary {k}")
             result[f"{name}/{k}/step"] = state.step
-            result[f"{name}/{k}/tensors"] = [state.latents, state.generator, *state.scheduler.tensors.values()]
+            result[f"{name}/{k}/tensors"] = [state.latents, state.generator, *state.sampler.tensors.values()]
             if rank == 0:
                 (out / f"{name}-{k}.ckpt").write_bytes(pack_sampler_state(state, spec_hash=SPEC))
     torch.save(result, out / f"rank{rank}.pt")

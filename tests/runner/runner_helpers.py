@@ -15,8 +15,9 @@ from typing import Any
 
 import yaml
 
-from pan2render.jobs.batch import Overrides, load_batch
+from pan2render.jobs.batch import load_batch
 from pan2render.jobs.ledger import JobState, Ledger, Stage, StageState
+from pan2render.jobs.overrides import Overrides
 from pan2render.jobs.spec import JobSpec
 from pan2render.runner.cluster.executor import Call, Group
 from pan2render.runner.cluster.local_executor import LocalExecutor

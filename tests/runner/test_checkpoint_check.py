@@ -40,9 +40,9 @@ def test_validate_says_when_the_checkpoint_is_missing_or_incomplete_with_exit_5(
 
 def test_validate_of_a_complete_checkpoint_folder_is_valid(tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    from pan2render.models.tiny import tiny_checkpoint_path
+    from pan2render.models.tiny import tiny_model_folder
 
-    batch = write_batch(tmp_path / "b.yaml", [{"name": "a", "prompt": "x"}], model=str(tiny_checkpoint_path()))
+    batch = write_batch(tmp_path / "b.yaml", [{"name": "a", "prompt": "x"}], model=str(tiny_model_folder()))
     assert cli.main(["validate", str(batch)]) == cli.EXIT_OK
     out = capsys.readouterr().out
     assert "its configs and weight files are there" in out and "problem" not in out

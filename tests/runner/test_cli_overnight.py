@@ -17,8 +17,9 @@ import pytest
 import yaml
 from runner_helpers import write_batch
 
-from pan2render.jobs.batch import Overrides, load_batch
+from pan2render.jobs.batch import load_batch
 from pan2render.jobs.ledger import EventKind, JobEvent, JobState, Ledger, Stage, StageState
+from pan2render.jobs.overrides import Overrides
 from pan2render.runner.cli import common as cli_common
 from pan2render.runner.cli import main as cli
 from pan2render.runner.cluster import choose

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from runner_helpers import RecordingExecutor, farm_config, spec
 
-from pan2render.jobs.batch import Overrides
 from pan2render.jobs.ledger import JobState, Ledger
+from pan2render.jobs.overrides import Overrides
 from pan2render.jobs.spec import Batch, JobSpec
 from pan2render.runner.farm.api import start_api
 from pan2render.runner.farm.queue import BatchState, QueueError
@@ -132,9 +132,9 @@ def test_an_idle_group_is_released_and_a_new_model_evicts_the_old(tmp_path: Path
     farm, ex = _farm(tmp_path, idle_release_s=0.3)
     farm.submit(_request(tmp_path / "a", [spec("a")]), owner="ann", priority=0)
     _serve_until_idle(farm)
-    from pan2render.models.tiny import tiny_checkpoint_path
+    from pan2render.models.tiny import tiny_model_folder
 
-    other_model = str(shutil.copytree(tiny_checkpoint_path(), tmp_path / "other-model"))  # (a folder of its own)
+    other_model = str(shutil.copytree(tiny_model_folder(), tmp_path / "other-model"))  # (a folder of its own)
     other = JobSpec(**{**spec("b").to_dict(), "model": other_model})
     farm.submit(_request(tmp_path / "b", [other]), owner="ann", priority=0)
     _serve_until_idle(farm)
@@ -245,10 +245,10 @@ def test_a_batch_whose_checkpoint_cannot_be_loaded_is_not_served(tmp_path: Path)
     """Refused before it is queued (422, nothing written); and a queued batch whose checkpoint broke
     since is not retried, nor continued when the farm starts again: every job would fail its load
     the same way, so none is started or charged."""
-    from pan2render.models.tiny import tiny_checkpoint_path
+    from pan2render.models.tiny import tiny_model_folder
 
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(tiny_checkpoint_path(), ckpt)
+    shutil.copytree(tiny_model_folder(), ckpt)
     (broken := tmp_path / "broken").mkdir()
     (broken / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
     farm, _ = _farm(tmp_path)

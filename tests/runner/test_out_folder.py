@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from runner_helpers import write_batch
 
-from pan2render.jobs.batch import preset_text
 from pan2render.jobs.ledger import JobState, Ledger
+from pan2render.jobs.presets import preset_text
 from pan2render.runner.cli import main as cli
 
 

@@ -13,7 +13,7 @@ from runner_helpers import spec
 
 from pan2render.jobs.ledger import Ledger
 from pan2render.models.sampler_state import SamplerState, pack_sampler_state
-from pan2render.models.scheduler import StepState
+from pan2render.models.samplers import StepState
 from pan2render.runner.cluster.executor import Group
 from pan2render.runner.protocol import artifacts
 from pan2render.runner.protocol.artifacts import STEP_CHECKPOINT_DOC
@@ -32,7 +32,7 @@ def _checkpoint(spec_hash: str, *, step: int, total: int = 10) -> bytes:
     latents = torch.full(key.latent_shape, float(step))
     state = SamplerState(key=key, latents=latents, schedule=torch.linspace(1, 0, total + 1),
                          generator=torch.Generator().manual_seed(0).get_state(),
-                         scheduler=StepState(step=step, tensors={}, counters={}))
+                         sampler=StepState(step=step, tensors={}, counters={}))
     return pack_sampler_state(state, spec_hash=spec_hash)
 
 

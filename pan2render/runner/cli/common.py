@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from pan2render.hints import command
-from pan2render.jobs.batch import Overrides
 from pan2render.jobs.ledger import Ledger
+from pan2render.jobs.overrides import Overrides
 from pan2render.jobs.spec import Batch, BatchValidationError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENVIRONMENT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130

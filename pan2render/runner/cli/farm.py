@@ -233,7 +233,7 @@ def format_status(snap: dict[str, Any]) -> str:
 
 # ====================================================================== submit / follow
 def cmd_submit(args: argparse.Namespace) -> int:
-    from pan2render.jobs.batch import Overrides
+    from pan2render.jobs.overrides import Overrides
 
     if (problem := _retries_problem(args.retries)) is not None:
         print_error(f"error: {problem}")

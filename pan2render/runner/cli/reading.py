@@ -9,8 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from pan2render.jobs.batch import TINY_MODEL, Overrides, list_presets, preset_text
 from pan2render.jobs.ledger import LEDGER_NAME, JobState, Ledger
+from pan2render.jobs.overrides import Overrides
+from pan2render.jobs.presets import list_presets, preset_text
 from pan2render.jobs.spec import Batch
 from pan2render.runner.cli.common import (
     EXIT_CHECKPOINT,
@@ -22,6 +23,7 @@ from pan2render.runner.cli.common import (
     print_error,
 )
 from pan2render.runner.cluster.choose import LOCAL_ADDRESS
+from pan2render.tiny_dit import TINY_MODEL
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -30,9 +32,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if batch is None:
         return EXIT_USAGE
     print_plan(batch, args.out, args)
-    from pan2render.runner.serve.session import checkpoint_problems
+    from pan2render.runner.serve.session import model_folder_problems
 
-    broken = checkpoint_problems(batch.jobs)
+    broken = model_folder_problems(batch.jobs)
     for model, problems in broken.items():
         print(f"checkpoint {model}: {len(problems)} problem(s); `run` will refuse it:")
         print("\n".join(f"  {p}" for p in problems))

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pan2render.jobs.batch import Overrides
 from pan2render.jobs.ledger import LEDGER_NAME, FolderLock, JobState
+from pan2render.jobs.overrides import Overrides
 from pan2render.runner.cli.common import (
     EXIT_ENVIRONMENT,
     EXIT_FAILED,
@@ -185,9 +185,9 @@ def _drive(args: argparse.Namespace, session: Any) -> int:
         # Every job done and its video intact: no workers needed, so Ray never starts.
         log.line(f"all {len(ids)} job(s) already done in {out}")
         return EXIT_OK
-    from pan2render.runner.serve.session import checkpoint_problems
+    from pan2render.runner.serve.session import model_folder_problems
 
-    if broken := checkpoint_problems([j.spec for j in jobs if j.state is not JobState.DONE]):
+    if broken := model_folder_problems([j.spec for j in jobs if j.state is not JobState.DONE]):
         # Every job would fail its load the same way: one message, no job started or charged.
         log.line(f"error: {errors.broken_checkpoints(broken, resume=cmd('resume', out))}")
         return EXIT_ENVIRONMENT

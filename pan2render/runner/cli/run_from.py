@@ -17,10 +17,13 @@ from typing import Any
 
 import yaml
 
-from pan2render.jobs.batch import LORA_SCALE_AXIS, TINY_MODEL, Overrides, list_presets
+from pan2render.jobs.coerce import LORA_SCALE_AXIS
 from pan2render.jobs.inputs import InputFileError, read_regular_file
+from pan2render.jobs.overrides import Overrides
+from pan2render.jobs.presets import list_presets
 from pan2render.jobs.spec import JOB_KEYS, Batch, JobSpec
 from pan2render.runner.protocol.outputs import MP4_PARAMS_KEY, PARAMS_NAME
+from pan2render.tiny_dit import TINY_MODEL
 
 VIDEO_NAME = "video.mp4"
 PARAMS_LIMIT = 16 << 20  # a params.json is a few kB; this bounds what is read of a wrong file

@@ -37,7 +37,7 @@ from pan2render.runner.serve.jobflow import BatchFlow
 from pan2render.runner.serve.pool import GroupPool
 from pan2render.runner.serve.progress import RunningJob, RunProgress
 from pan2render.runner.serve.scheduler import Scheduler, ServedBatch
-from pan2render.runner.serve.session import BatchRequest, BatchSession, checkpoint_problems
+from pan2render.runner.serve.session import BatchRequest, BatchSession, model_folder_problems
 from pan2render.runner.serve.steps import PAN2_FLOW
 from pan2render.runner.views.report import ReportUpdater
 
@@ -147,7 +147,7 @@ class Farm:
         if (other := self.queue.active_for(out)) is not None:
             raise FarmRequestError(f"{out} is already served by batch {other.id} on this farm; wait for it to end "
                                    f"or `pan2-render cancel {other.id}`, or choose another --out")
-        if broken := checkpoint_problems(request.batch.jobs):
+        if broken := model_folder_problems(request.batch.jobs):
             raise FarmRequestError(errors.broken_checkpoints(broken, resume=None), status=422)
         title = (f"submit {request.batch.path} {' '.join(request.overrides.flags())}".rstrip()
                  + f" (farm {self.root}, priority {priority}, owner {owner})")
@@ -262,7 +262,7 @@ class Farm:
             specs = [j.spec for j in ledger.jobs(row.job_ids) if j.state is not JobState.DONE]
         finally:
             ledger.close()
-        return checkpoint_problems(specs)
+        return model_folder_problems(specs)
 
     def _serve(self, row: QueuedBatch, session: BatchSession, *, revive_cancelled: bool = True) -> None:
         try:

@@ -21,12 +21,12 @@ from typing import Any
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from pan2render.durable import fsync_dir
 from pan2render.jobs import outdir
-from pan2render.jobs.batch import sha256_file
 from pan2render.jobs.disk import ensure_free
 from pan2render.jobs.ledger import StageRecord
 from pan2render.jobs.spec import JobSpec
-from pan2render.media.video import fsync_dir
+from pan2render.jobs.weights import sha256_file
 from pan2render.runner.protocol.failures import JobInputError
 from pan2render.sampling import WAN22
 

@@ -23,9 +23,9 @@ from typing import Any
 
 from safetensors import SafetensorError, safe_open
 
+from pan2render.durable import fsync_dir
 from pan2render.jobs.ledger import BACKUP_NAME, LEDGER_NAME, JobState, Ledger, LedgerError, Stage
 from pan2render.jobs.spec import Batch, JobSpec
-from pan2render.media.video import fsync_dir
 from pan2render.runner.protocol import artifacts
 from pan2render.runner.protocol.outputs import PARAMS_NAME
 from pan2render.runner.serve.jobflow import JobFlow

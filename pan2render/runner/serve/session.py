@@ -19,16 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from pan2render.checkpoint_files import checkpoint_problems as files_problems
 from pan2render.hints import command
 from pan2render.jobs import disk
-from pan2render.jobs.batch import TINY_MODEL, Overrides
 from pan2render.jobs.ledger import BACKUP_NAME, LEDGER_NAME, EventKind, FolderLock, JobRecord, JobState, Ledger
+from pan2render.jobs.overrides import Overrides
 from pan2render.jobs.spec import Batch, JobSpec
+from pan2render.model_files import folder_problems
 from pan2render.runner.serve import errors
 from pan2render.runner.serve.driver import prepare_jobs
 from pan2render.runner.serve.errors import UnrecordedWork
 from pan2render.runner.serve.progress import RUN_LOG_NAME, RunLog
+from pan2render.tiny_dit import TINY_MODEL
 
 
 @dataclass(frozen=True)
@@ -289,12 +290,12 @@ def warn_if_short_of_space(out: Path, jobs: list[JobRecord], log: RunLog) -> Non
                  f"continues once space is freed)")
 
 
-def checkpoint_problems(specs: list[JobSpec]) -> dict[str, list[str]]:
+def model_folder_problems(specs: list[JobSpec]) -> dict[str, list[str]]:
     """Checkpoint folder -> every reason its load would fail (from its files alone, no weights
     read), for the folders the jobs name that have any. Checked once per batch before any job
     starts: a broken folder would fail every job's load the same way."""
     models = sorted({s.model for s in specs if s.model != TINY_MODEL})
-    found = {m: files_problems(Path(m)) for m in models}
+    found = {m: folder_problems(Path(m)) for m in models}
     return {m: problems for m, problems in found.items() if problems}
 
 

@@ -29,12 +29,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
-from pan2render.jobs.batch import TINY_MODEL
 from pan2render.jobs.inputs import dit_tokens
 from pan2render.jobs.ledger import LEDGER_NAME, EventKind, JobState, Ledger, Stage
 from pan2render.jobs.spec import JobSpec
 from pan2render.lanes import guided_steps
 from pan2render.sampling import WAN22
+from pan2render.tiny_dit import TINY_MODEL
 
 CPU, CUDA = "cpu", "cuda"  # the device kinds a history sample and a run are matched on
 UNGUIDED_STEP_COST = 0.5  # an unguided step runs one forward where a guided one runs two

@@ -19,7 +19,7 @@ import torch
 
 from pan2render.lanes import CACHE_NONE, FastLanes, SamplingPlan, plan_sampling, published_calibration
 from pan2render.models.sampler_state import CheckpointKey, SamplerState, SamplingPreempted, StepCheckpointError
-from pan2render.models.scheduler import StepState
+from pan2render.models.samplers import StepState
 from pan2render.parallel import parallelize_pipeline
 from pan2render.phases import phase
 from pan2render.vae_plan import SHAPE_COVERING_LATENT_FRAMES
@@ -98,7 +98,7 @@ class FakePipeline:
             if due or stop:
                 state = SamplerState(key=key, latents=lat[None].clone(), schedule=torch.zeros(steps + 1),
                                      generator=torch.Generator().get_state(),
-                                     scheduler=StepState(step=step, tensors={}, counters={}))
+                                     sampler=StepState(step=step, tensors={}, counters={}))
                 if on_checkpoint is not None:
                     on_checkpoint(state)
                 last_checkpoint = time.monotonic()

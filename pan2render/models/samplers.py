@@ -15,13 +15,13 @@ The schedule of UniPC and Euler is diffusers' ``UniPCMultistepScheduler`` flow s
 with T = ``num_train_timesteps``. All of it is computed in float64 exactly as numpy does and then
 stored as float32, so the values equal diffusers' bit for bit.
 
-- ``FlowUniPCScheduler`` equals ``UniPCMultistepScheduler`` as Wan2.2 ships it
+- ``FlowUniPCSampler`` equals ``UniPCMultistepScheduler`` as Wan2.2 ships it
   (``prediction_type="flow_prediction"``, ``use_flow_sigmas=True``, ``solver_order=2``,
   ``solver_type="bh2"``, ``predict_x0=True``, ``lower_order_final=True``,
   ``final_sigmas_type="zero"``). Only that configuration is implemented (plus ``solver_order=1``
   and ``disable_corrector``, which cost nothing). Its ``timesteps`` are int64
   ``trunc(sigma_i * T)``, what diffusers feeds the DiT.
-- ``FlowEulerScheduler`` is ``x_{i+1} = x_i + (sigma_{i+1} - sigma_i) * v_i`` over the SAME
+- ``FlowEulerSampler`` is ``x_{i+1} = x_i + (sigma_{i+1} - sigma_i) * v_i`` over the SAME
   sigmas. diffusers' ``FlowMatchEulerDiscreteScheduler(shift=s)`` uses a different schedule
   (N points from 1 to its shifted sigma_min *inclusive*, and sigma_min is shifted twice), e.g.
   N=4, s=5: diffusers [1.0, 0.910, 0.717, 0.024] vs ours [1.0, 0.938, 0.834, 0.626]; so ours
@@ -32,7 +32,7 @@ Both keep their state (history, last sample) in float32 whatever the model dtype
 output is upcast before any arithmetic. (diffusers multiplies ``sigma * model_output`` in the
 model's dtype first; with a bf16 model we are slightly more precise than diffusers, by design.)
 
-- ``FlowDMDScheduler`` is the few-step sampler of step-distilled (DMD) checkpoints such as
+- ``FlowDMDSampler`` is the few-step sampler of step-distilled (DMD) checkpoints such as
   FastWan2.2-TI2V-5B, run as FastVideo runs it (``DmdStrategy`` in
   ``fastvideo/pipelines/stages/denoising_dmd_strategy.py`` with ``pred_noise_to_pred_video`` of
   ``fastvideo/models/utils.py``). The job lists integer timesteps t_0 > ... > t_{N-1} in [1, T];
@@ -274,7 +274,7 @@ class StepState:
     counters: dict[str, int]  # small ints (UniPC: the order of its last predictor)
 
 
-class FlowScheduler:
+class FlowSampler:
     """Shared schedule and step bookkeeping; subclasses implement ``_update``.
 
     Use per job: ``set_timesteps(n)``, then for each ``t`` in ``.timesteps`` in order:
@@ -400,7 +400,7 @@ class FlowScheduler:
         return i
 
 
-class FlowEulerScheduler(FlowScheduler):
+class FlowEulerSampler(FlowSampler):
     """Flow-matching Euler: ``x_{i+1} = x_i + (sigma_{i+1} - sigma_i) * v_i`` (see module doc)."""
 
     def _timesteps_from(self, sigmas64: torch.Tensor, num_train_timesteps: int) -> torch.Tensor:
@@ -412,7 +412,7 @@ class FlowEulerScheduler(FlowScheduler):
         return x + dt * v
 
 
-class FlowUniPCScheduler(FlowScheduler):
+class FlowUniPCSampler(FlowSampler):
     """UniPC (bh2, data prediction, order <= 2) over the flow schedule; equals diffusers' config.
 
     Per step i, with the model's velocity v_i at sample x_i (sigma_i):
@@ -532,7 +532,7 @@ def warped_sigmas(timesteps: Sequence[int], *, flow_shift: float, num_train_time
     return flow_shift * u / (1 + (flow_shift - 1) * u)
 
 
-class FlowDMDScheduler(FlowScheduler):
+class FlowDMDSampler(FlowSampler):
     """DMD few-step sampling over listed, warped timesteps (see the module doc).
 
     Per job: ``set_dmd_timesteps(timesteps, generator=...)``, then ``step`` as for the others.
@@ -578,15 +578,15 @@ class FlowDMDScheduler(FlowScheduler):
         return (1 - sigma_next) * x0 + sigma_next * noise
 
 
-_SCHEDULERS: dict[str, type[FlowScheduler]] = {
-    "unipc": FlowUniPCScheduler, "euler": FlowEulerScheduler, DMD: FlowDMDScheduler,
+_SAMPLERS: dict[str, type[FlowSampler]] = {
+    "unipc": FlowUniPCSampler, "euler": FlowEulerSampler, DMD: FlowDMDSampler,
 }
-assert tuple(_SCHEDULERS) == SAMPLERS, "every sampler a job may name has exactly one implementation"
+assert tuple(_SAMPLERS) == SAMPLERS, "every sampler a job may name has exactly one implementation"
 
 
-def make_scheduler(name: str, config: SchedulerConfig) -> FlowScheduler:
+def make_sampler(name: str, config: SchedulerConfig) -> FlowSampler:
     """A fresh sampler for one job: ``"unipc"`` (the default), ``"euler"`` or ``"dmd"``."""
-    cls = _SCHEDULERS.get(name)
+    cls = _SAMPLERS.get(name)
     if cls is None:
         raise ValueError(f"unknown sampler {name!r}: allowed {', '.join(SAMPLERS)}")
     return cls(config)

@@ -11,11 +11,11 @@ import warnings
 import pytest
 import torch
 
-from pan2render.models.scheduler import (
-    FlowUniPCScheduler,
+from pan2render.models.samplers import (
+    FlowUniPCSampler,
     SchedulerConfig,
     flow_sigmas,
-    make_scheduler,
+    make_sampler,
 )
 
 
@@ -89,7 +89,7 @@ def _reference(name: str, num_steps: int, shift: float):
 
 
 def _ours(name: str, num_steps: int, shift: float):
-    ours = make_scheduler(name, SchedulerConfig(flow_shift=shift))
+    ours = make_sampler(name, SchedulerConfig(flow_shift=shift))
     ours.set_timesteps(num_steps)
     return ours
 
@@ -147,7 +147,7 @@ def test_unipc_timesteps_equal_diffusers_for_every_step_count() -> None:
     mismatches = []
     for shift in (1.0, 3.0, 5.0):
         ref = _ref_unipc(shift)
-        ours = FlowUniPCScheduler(SchedulerConfig(flow_shift=shift))
+        ours = FlowUniPCSampler(SchedulerConfig(flow_shift=shift))
         for n in range(1, 121):
             ref.set_timesteps(n)
             ours.set_timesteps(n)
@@ -212,7 +212,7 @@ def test_published_wan22_config_end_to_end() -> None:
     assert cfg == SchedulerConfig(num_train_timesteps=1000, flow_shift=5.0, solver_order=2)
     ref = _diffusers().UniPCMultistepScheduler.from_config(WAN22_TI2V_5B_SCHEDULER_CONFIG)
     ref.set_timesteps(50)
-    ours = make_scheduler("unipc", cfg)
+    ours = make_sampler("unipc", cfg)
     ours.set_timesteps(50)
     x = _start(2)
     err = _rel_err(_run_ours(ours, x)[-1], _run_ref(ref, x)[-1])
@@ -225,7 +225,7 @@ def test_supported_variants_match_diffusers(overrides: dict) -> None:
     raw = {**WAN22_TI2V_5B_SCHEDULER_CONFIG, **overrides}
     ref = _diffusers().UniPCMultistepScheduler.from_config(raw)
     ref.set_timesteps(10)
-    ours = make_scheduler("unipc", SchedulerConfig.from_dict(raw))
+    ours = make_sampler("unipc", SchedulerConfig.from_dict(raw))
     ours.set_timesteps(10)
     x = _start(3)
     err = _rel_err(_run_ours(ours, x)[-1], _run_ref(ref, x)[-1])
@@ -265,9 +265,9 @@ def test_set_timesteps_resets_the_job(name: str) -> None:
 
 
 def test_flow_shift_override_equals_config_shift() -> None:
-    a = FlowUniPCScheduler(SchedulerConfig(flow_shift=5.0))
+    a = FlowUniPCSampler(SchedulerConfig(flow_shift=5.0))
     a.set_timesteps(10, flow_shift=3.0)
-    b = FlowUniPCScheduler(SchedulerConfig(flow_shift=3.0))
+    b = FlowUniPCSampler(SchedulerConfig(flow_shift=3.0))
     b.set_timesteps(10)
     assert torch.equal(a.timesteps, b.timesteps) and torch.equal(a.sigmas, b.sigmas)
     a.set_timesteps(10)  # the override lasts one job
@@ -361,7 +361,7 @@ FLOW_MATCH_EULER_CONFIG = {
 
 
 def test_flow_match_euler_config_loads_with_its_own_shift(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("INFO", logger="pan2render.models.scheduler"):
+    with caplog.at_level("INFO", logger="pan2render.models.samplers"):
         cfg = SchedulerConfig.from_dict(FLOW_MATCH_EULER_CONFIG, source="ckpt/scheduler/scheduler_config.json")
     print(cfg, caplog.text)
     assert cfg == SchedulerConfig(num_train_timesteps=1000, flow_shift=5.0, default_sampler="euler")
@@ -370,7 +370,7 @@ def test_flow_match_euler_config_loads_with_its_own_shift(caplog: pytest.LogCapt
     # The same sigmas as a UniPC config of the same shift: the shift is what the samplers read.
     for name in ("euler", "dmd"):
         wan = SchedulerConfig.from_dict(WAN22_TI2V_5B_SCHEDULER_CONFIG)
-        a, b = make_scheduler(name, cfg), make_scheduler(name, wan)
+        a, b = make_sampler(name, cfg), make_sampler(name, wan)
         for s in (a, b):
             if name == "dmd":
                 s.set_dmd_timesteps([1000, 757, 522], generator=torch.Generator())
@@ -401,7 +401,7 @@ def test_flow_match_euler_config_refuses_what_changes_the_math(key: str, value: 
 def test_unknown_and_newer_keys_are_logged_not_refused(caplog: pytest.LogCaptureFixture) -> None:
     newer = {**WAN22_TI2V_5B_SCHEDULER_CONFIG, "_diffusers_version": "0.99.0", "shift": 3.0,
              "a_key_from_a_newer_diffusers": 1, "use_flow_sigmas": True}
-    with caplog.at_level("INFO", logger="pan2render.models.scheduler"):
+    with caplog.at_level("INFO", logger="pan2render.models.samplers"):
         assert SchedulerConfig.from_dict(newer) == SchedulerConfig.from_dict(WAN22_TI2V_5B_SCHEDULER_CONFIG)
     print(caplog.text)
     assert "a_key_from_a_newer_diffusers" in caplog.text and "shift" in caplog.text
@@ -415,11 +415,11 @@ def test_inert_keys_are_accepted_with_any_value() -> None:
 
 def test_usage_errors_are_clear() -> None:
     with pytest.raises(ValueError, match="allowed") as info:
-        make_scheduler("ddim", SchedulerConfig())
+        make_sampler("ddim", SchedulerConfig())
     print(info.value)
     with pytest.raises(ValueError, match="solver_order=3"):
         SchedulerConfig(solver_order=3)
-    ours = FlowUniPCScheduler(SchedulerConfig())
+    ours = FlowUniPCSampler(SchedulerConfig())
     x = _start()
     with pytest.raises(RuntimeError, match="before set_timesteps"):
         ours.step(x, 999, x)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pan2render.models import CheckpointError, load_dit, load_vae
+from pan2render.models import ModelFolderError, load_dit, load_vae
 from pan2render.models.tiny import TINY_DIT_CONFIG, TINY_VAE_CONFIG
 
 
@@ -82,12 +82,12 @@ def test_vae_loads(tmp_path: Path) -> None:
 
 
 def test_missing_folder(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="does not exist"):
+    with pytest.raises(ModelFolderError, match="does not exist"):
         load_dit(tmp_path / "nope")
 
 
 def test_missing_component_folder(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match=r"no 'transformer/' folder"):
+    with pytest.raises(ModelFolderError, match=r"no 'transformer/' folder"):
         load_dit(tmp_path)
 
 
@@ -96,7 +96,7 @@ def test_missing_weights_names_pickles_it_refuses(tmp_path: Path) -> None:
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(TINY_DIT_CONFIG))
     (folder / "diffusion_pytorch_model.bin").write_bytes(b"not loaded")
-    with pytest.raises(CheckpointError) as err:
+    with pytest.raises(ModelFolderError) as err:
         load_dit(tmp_path)
     msg = str(err.value)
     assert "no diffusion_pytorch_model.safetensors" in msg and "pickle files are not loaded" in msg
@@ -105,7 +105,7 @@ def test_missing_weights_names_pickles_it_refuses(tmp_path: Path) -> None:
 def test_missing_shard_listed_by_index(tmp_path: Path, dit_state) -> None:
     _write(tmp_path / "transformer", TINY_DIT_CONFIG, dit_state, shards=2)
     (tmp_path / "transformer" / "diffusion_pytorch_model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="00002-of-00002.safetensors"):
+    with pytest.raises(ModelFolderError, match="00002-of-00002.safetensors"):
         load_dit(tmp_path)
 
 
@@ -115,7 +115,7 @@ def test_missing_and_unexpected_keys_are_listed(tmp_path: Path, dit_state) -> No
     sd.pop("blocks.1.ffn.net.2.bias")
     sd["blocks.7.extra.weight"] = torch.zeros(3)
     _write(tmp_path / "transformer", TINY_DIT_CONFIG, sd)
-    with pytest.raises(CheckpointError) as err:
+    with pytest.raises(ModelFolderError) as err:
         load_dit(tmp_path)
     msg = str(err.value)
     print(msg)
@@ -128,7 +128,7 @@ def test_shape_mismatch_names_key_expected_found(tmp_path: Path, dit_state) -> N
     sd = dict(dit_state)
     sd["proj_out.bias"] = torch.zeros(7)
     _write(tmp_path / "transformer", TINY_DIT_CONFIG, sd)
-    with pytest.raises(CheckpointError) as err:
+    with pytest.raises(ModelFolderError) as err:
         load_dit(tmp_path)
     want = list(dit_state["proj_out.bias"].shape)
     assert "shape mismatch for 'proj_out.bias'" in str(err.value)
@@ -138,7 +138,7 @@ def test_shape_mismatch_names_key_expected_found(tmp_path: Path, dit_state) -> N
 def test_unsupported_config_value(tmp_path: Path, dit_state) -> None:
     config = dict(TINY_DIT_CONFIG, qk_norm="layer_norm")
     _write(tmp_path / "transformer", config, dit_state)
-    with pytest.raises(CheckpointError) as err:
+    with pytest.raises(ModelFolderError) as err:
         load_dit(tmp_path)
     assert "config.json" in str(err.value) and "qk_norm" in str(err.value)
 
@@ -147,7 +147,7 @@ def test_invalid_json(tmp_path: Path) -> None:
     folder = tmp_path / "vae"
     folder.mkdir()
     (folder / "config.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match=r"config.json: not valid JSON"):
+    with pytest.raises(ModelFolderError, match=r"config.json: not valid JSON"):
         load_vae(tmp_path)
 
 
@@ -155,7 +155,7 @@ def test_truncated_safetensors(tmp_path: Path, dit_state) -> None:
     _write(tmp_path / "transformer", TINY_DIT_CONFIG, dit_state)
     weights = tmp_path / "transformer" / "diffusion_pytorch_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    with pytest.raises(CheckpointError, match="cannot read safetensors file"):
+    with pytest.raises(ModelFolderError, match="cannot read safetensors file"):
         load_dit(tmp_path)
 
 
@@ -169,5 +169,5 @@ def test_a_key_in_two_shards_names_both_files(tmp_path: Path, dit_state) -> None
 
     save_file({**load_file(second), key: dit_state[key]}, second)
     twice = rf"00002-of-00002.safetensors: key '{key}' also appears in .*00001-of-00002"
-    with pytest.raises(CheckpointError, match=twice):
+    with pytest.raises(ModelFolderError, match=twice):
         load_dit(tmp_path)

@@ -1,4 +1,5 @@
-"""What a diffusers-layout checkpoint folder must hold before its weights are read, torch-free.
+"""What a model folder (a diffusers-layout checkpoint) must hold before its weights are read,
+torch-free.
 
 The model loaders (``pan2render.models``) find a component's config and weight files through these
 functions; ``pan2-render validate`` and the runner's check before a batch starts (which never import
@@ -23,8 +24,8 @@ TEXT_ENCODER_DIR, TOKENIZER_DIR = "text_encoder", "tokenizer"
 SCHEDULER_CONFIG = "scheduler/scheduler_config.json"  # optional: the samplers' defaults without it
 
 
-class CheckpointError(ValueError):
-    """A checkpoint folder cannot be loaded; the message names the file and what is wrong."""
+class ModelFolderError(ValueError):
+    """A model folder cannot be loaded; the message names the file and what is wrong."""
 
 
 def resolve_component(path: str | Path, component: str) -> Path:
@@ -35,15 +36,15 @@ def resolve_component(path: str | Path, component: str) -> Path:
     """
     root = Path(path).expanduser()
     if not root.exists():
-        raise CheckpointError(f"{root}: checkpoint folder does not exist")
+        raise ModelFolderError(f"{root}: checkpoint folder does not exist")
     if not root.is_dir():
-        raise CheckpointError(f"{root}: expected a checkpoint folder, found a file")
+        raise ModelFolderError(f"{root}: expected a checkpoint folder, found a file")
     sub = root / component
     if sub.is_dir():
         return sub
     if (root / "config.json").is_file():
         return root
-    raise CheckpointError(
+    raise ModelFolderError(
         f"{root}: no '{component}/' folder and no config.json here; expected a diffusers-layout "
         f"checkpoint (model_index.json, {component}/config.json, {component}/*.safetensors)"
     )
@@ -51,13 +52,13 @@ def resolve_component(path: str | Path, component: str) -> Path:
 
 def read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise CheckpointError(f"{path}: file is missing")
+        raise ModelFolderError(f"{path}: file is missing")
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+        raise ModelFolderError(f"{path}: not valid JSON ({e})") from e
     if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, found {type(data).__name__}")
+        raise ModelFolderError(f"{path}: expected a JSON object, found {type(data).__name__}")
     return data
 
 
@@ -68,20 +69,20 @@ def safetensors_files(folder: Path, prefix: str = WEIGHTS_NAME) -> list[Path]:
     if index.is_file():
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index}: has no 'weight_map' mapping keys to shard files")
+            raise ModelFolderError(f"{index}: has no 'weight_map' mapping keys to shard files")
         names = sorted(set(weight_map.values()))
         missing = [n for n in names if not (folder / n).is_file()]
         if missing:
-            raise CheckpointError(f"{index}: lists shard file(s) that are missing: {', '.join(missing)}")
+            raise ModelFolderError(f"{index}: lists shard file(s) that are missing: {', '.join(missing)}")
         return [folder / n for n in names]
     if single.is_file():
         return [single]
     pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt*"))
     hint = f" (found {', '.join(pickles)}: pickle files are not loaded; convert them to safetensors)" if pickles else ""
-    raise CheckpointError(f"{folder}: no {prefix}.safetensors and no {prefix}.safetensors.index.json{hint}")
+    raise ModelFolderError(f"{folder}: no {prefix}.safetensors and no {prefix}.safetensors.index.json{hint}")
 
 
-def checkpoint_problems(root: Path) -> list[str]:
+def folder_problems(root: Path) -> list[str]:
     """Every reason loading ``root`` would fail that its files show (each naming the file), without
     reading a weight: [] when the folder, its configs and its weight files are all there."""
     if not root.is_dir():
@@ -92,7 +93,7 @@ def checkpoint_problems(root: Path) -> list[str]:
     def check(step: Any) -> None:
         try:
             step()
-        except CheckpointError as e:
+        except ModelFolderError as e:
             problems.append(str(e))
 
     check(lambda: read_json(root / "model_index.json"))
@@ -100,11 +101,11 @@ def checkpoint_problems(root: Path) -> list[str]:
         def component_files(component: str = component, prefix: str = prefix) -> None:
             folder = root / component if component == TEXT_ENCODER_DIR else resolve_component(root, component)
             if not folder.is_dir():
-                raise CheckpointError(f"{folder}: folder is missing")
+                raise ModelFolderError(f"{folder}: folder is missing")
             read_json(folder / "config.json")
             empty = [f.name for f in safetensors_files(folder, prefix) if f.stat().st_size == 0]
             if empty:
-                raise CheckpointError(f"{folder}: weight file(s) of 0 bytes: {', '.join(empty)}")
+                raise ModelFolderError(f"{folder}: weight file(s) of 0 bytes: {', '.join(empty)}")
         check(component_files)
     tokenizer = root / TOKENIZER_DIR
     if not tokenizer.is_dir() or not any(tokenizer.iterdir()):

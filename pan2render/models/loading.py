@@ -1,6 +1,6 @@
-"""Checkpoint loading for the diffusers layout: ``config.json`` + safetensors, sharded or not.
+"""Loading a model folder in the diffusers layout: ``config.json`` + safetensors, sharded or not.
 
-A checkpoint folder (e.g. any Wan2.2-TI2V-5B-Diffusers download) looks like::
+A model folder, or checkpoint (e.g. any Wan2.2-TI2V-5B-Diffusers download) looks like::
 
     model_index.json
     transformer/config.json + diffusion_pytorch_model[-0000i-of-0000n].safetensors (+ .index.json)
@@ -38,9 +38,9 @@ from safetensors import safe_open
 from torch import nn
 
 # The folder layout (torch-free, shared with batch validation); re-exported for the loaders.
-from ..checkpoint_files import (  # noqa: F401
+from ..model_files import (  # noqa: F401
     WEIGHTS_NAME,
-    CheckpointError,
+    ModelFolderError,
     read_json,
     resolve_component,
     safetensors_files,
@@ -113,10 +113,10 @@ def read_state_dict(
                     for key in keys:
                         t = f.get_tensor(key)
                         new[key] = t if cast is None else cast(key, t)
-        except CheckpointError:
+        except ModelFolderError:
             raise
         except Exception as e:  # safetensors raises its own error types for truncated headers etc.
-            raise CheckpointError(f"{file}: cannot read safetensors file ({e})") from e
+            raise ModelFolderError(f"{file}: cannot read safetensors file ({e})") from e
         tensors.update(new)
         origin.update(dict.fromkeys(new, file))
     return tensors, origin
@@ -125,7 +125,7 @@ def read_state_dict(
 def _check_new_keys(file: Path, keys: list[str], origin: dict[str, Path]) -> None:
     for key in keys:
         if key in origin:
-            raise CheckpointError(f"{file}: key '{key}' also appears in {origin[key]}")
+            raise ModelFolderError(f"{file}: key '{key}' also appears in {origin[key]}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -161,12 +161,12 @@ def read_safetensors_header(file: str | Path) -> SafetensorsHeader:
 
     Checked, as safetensors checks them: every dtype is known, each tensor's byte length is its
     element count times its element size, and the tensors' byte ranges tile the data section from
-    its first byte to the file's last. Any problem raises CheckpointError naming the file (and the
+    its first byte to the file's last. Any problem raises ModelFolderError naming the file (and the
     tensor's key where one is at fault)."""
     file = Path(file)
 
-    def bad(problem: str) -> CheckpointError:
-        return CheckpointError(f"{file}: cannot read safetensors file: {problem}")
+    def bad(problem: str) -> ModelFolderError:
+        return ModelFolderError(f"{file}: cannot read safetensors file: {problem}")
 
     try:
         size = file.stat().st_size
@@ -179,7 +179,7 @@ def read_safetensors_header(file: str | Path) -> SafetensorsHeader:
                 raise bad(f"a header length of {header_bytes} bytes does not fit in the file ({size} bytes)")
             raw = f.read(header_bytes)
     except OSError as e:
-        raise CheckpointError(f"{file}: cannot read safetensors file ({e})") from e
+        raise ModelFolderError(f"{file}: cannot read safetensors file ({e})") from e
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_pairs)
     except ValueError as e:  # bad UTF-8, bad JSON, a key listed twice
@@ -212,7 +212,7 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _tensor_info(key: str, entry: Any, data_bytes: int, bad: Callable[[str], CheckpointError]) -> TensorInfo:
+def _tensor_info(key: str, entry: Any, data_bytes: int, bad: Callable[[str], ModelFolderError]) -> TensorInfo:
     if not isinstance(entry, dict):
         raise bad(f"tensor '{key}': expected an object with dtype, shape and data_offsets, found {entry!r}")
     name = entry.get("dtype")
@@ -324,8 +324,8 @@ def _pread_exactly(fd: int, view: memoryview, file: str | Path, at: int) -> None
     while got < len(view):
         n = os.preadv(fd, [view[got:]], at + got)
         if not n:
-            raise CheckpointError(f"{file}: cannot read safetensors file: it ends at byte {at + got}, before the "
-                                  f"data its header lists (was it cut short while being read?)")
+            raise ModelFolderError(f"{file}: cannot read safetensors file: it ends at byte {at + got}, before the "
+                                   f"data its header lists (was it cut short while being read?)")
         got += n
 
 
@@ -374,7 +374,7 @@ def _listed(keys: list[str]) -> str:
 
 def check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], *, where: Path,
                      origin: dict[str, Path] | None = None) -> None:
-    """Raise CheckpointError listing missing / unexpected keys and shape mismatches."""
+    """Raise ModelFolderError listing missing / unexpected keys and shape mismatches."""
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(expected))
@@ -389,7 +389,7 @@ def check_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], *, w
             src = origin.get(key, where) if origin else where
             problems.append(f"shape mismatch for '{key}' in {src}: expected {list(want)}, found {list(got)}")
     if problems:
-        raise CheckpointError(f"{where}: weights do not fit the model config:\n  " + "\n  ".join(problems))
+        raise ModelFolderError(f"{where}: weights do not fit the model config:\n  " + "\n  ".join(problems))
 
 
 def instantiate(
@@ -416,7 +416,7 @@ def instantiate(
 
     Our models keep no buffers outside the checkpoint (RoPE tables are computed per call), which is
     checked here: a module that grew one would be left on the meta device. A missing or unexpected
-    key, or a shape that does not fit, is a CheckpointError naming the folder.
+    key, or a shape that does not fit, is a ModelFolderError naming the folder.
     """
     device = torch.device(device)
     with torch.device("meta"):
@@ -440,8 +440,8 @@ def instantiate(
             setattr(model.get_submodule(owner), attr, shared)
     stale = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if stale:
-        raise CheckpointError(f"{folder}: the model has tensors its checkpoint does not fill "
-                              f"(non-persistent buffers?): {', '.join(stale)}")
+        raise ModelFolderError(f"{folder}: the model has tensors its checkpoint does not fill "
+                               f"(non-persistent buffers?): {', '.join(stale)}")
     return model.eval().requires_grad_(False)
 
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 from dist_helpers import run_group
 
-from pan2render.models.tiny import TINY_FILES, missing_tiny_files, tiny_checkpoint_path, write_tiny_checkpoint
+from pan2render.models.tiny import TINY_FILES, missing_tiny_files, tiny_model_folder, write_tiny_model
 
 
 def _write_on_each_rank(rank: int, world: int, out: Path) -> None:
     root = out / f"rank{rank}-checkpoint"
-    write_tiny_checkpoint(root)
+    write_tiny_model(root)
     torch.save({"missing": missing_tiny_files(root)}, out / f"rank{rank}.pt")
 
 
@@ -28,9 +28,9 @@ def test_every_rank_of_a_group_writes_a_complete_checkpoint(tmp_path: Path) -> N
 
 def test_an_incomplete_cached_checkpoint_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAN2_RENDER_CACHE", str(tmp_path))
-    root = tiny_checkpoint_path()
+    root = tiny_model_folder()
     assert missing_tiny_files(root) == [] and len(TINY_FILES) == 10
     (root / "text_encoder" / "config.json").unlink()  # e.g. written by a version with the bug above
-    again = tiny_checkpoint_path()
+    again = tiny_model_folder()
     assert again == root and missing_tiny_files(again) == []
     assert not [p for p in os.listdir(root.parent) if p.startswith(".")]  # nothing left aside

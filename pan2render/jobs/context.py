@@ -1,0 +1,40 @@
+"""What one batch load carries from step to step, and a job entry before it is resolved."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pan2render.jobs.spec import Problem, SourceLocation
+
+
+@dataclass
+class RawJob:
+    """One job entry before resolution: its own validated fields and where it was written."""
+
+    fields: dict[str, Any]
+    location: SourceLocation
+    label: str  # "jobs[2]" or "prompts_file[5]" for messages
+    base_dir: Path  # relative image paths resolve against this folder
+    lines: dict[str, int]  # field -> line it is written on, for messages
+
+
+@dataclass
+class LoadContext:
+    """One load of a batch: where its messages point, which files it checks, every problem found so
+    far (all are reported at once), and the files it names, each checked and hashed once."""
+
+    display: str  # the batch path as the user gave it, for messages
+    base_dir: Path  # absolute folder of the batch file
+    check_files: bool
+    check_model: bool = True
+    problems: list[Problem] = field(default_factory=list)
+    image_hashes: dict[str, str] = field(default_factory=dict)  # per load: an edited image re-hashes
+    # Every LoRA file named, with where it was first named and by which field: checked once, after
+    # the model is known (`check_lora_files`), and hashed once.
+    lora_sources: dict[str, tuple[SourceLocation, str]] = field(default_factory=dict)
+    lora_hashes: dict[str, str] = field(default_factory=dict)
+
+    def problem(self, line: int, fld: str, message: str, display: str | None = None) -> None:
+        self.problems.append(Problem(SourceLocation(display or self.display, line), fld, message))

@@ -1,0 +1,170 @@
+"""Raw jobs -> ``JobSpec``s: a name for each job without one, every job under every sweep
+combination (built-in default < preset < defaults < job < --set < sweep value), and the checks
+only a resolved job allows: its sampler settings together, the cost of its video, and two jobs
+that would render the same video."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+from typing import Any
+
+from pan2render.jobs.coerce import LORA_SCALE_AXIS
+from pan2render.jobs.context import LoadContext, RawJob
+from pan2render.jobs.inputs import LIMITS, dit_tokens
+from pan2render.jobs.references import image_hash, lora_hash
+from pan2render.jobs.spec import BUILTIN_DEFAULTS, JOB_KEYS, JobSpec, LoraRef, Problem, SourceLocation
+from pan2render.lanes import lane_problems
+from pan2render.sampling import DMD, combination_problems
+
+
+def _sweep_label(key: str, value: Any) -> Any:
+    """What a job's id, status and report show for one sweep value: adapters by file stem and scale
+    (``style@0.5+detail@1``, ``none``), other values as they are."""
+    if key == "loras":
+        return "+".join(r.label for r in value) or "none"
+    return value
+
+
+def _apply_lora_scales(merged: dict[str, Any], combo: dict[str, Any], raw: RawJob, ctx: LoadContext) -> bool:
+    """Put each swept adapter scale (``loras[i].scale``) into the job's adapters; False (a problem
+    noted once per job) when the job has no adapter ``i``."""
+    for key, scale in combo.items():
+        match = LORA_SCALE_AXIS.fullmatch(key)
+        if match is None:
+            continue
+        i, loras = int(match[1]), merged["loras"]
+        if i >= len(loras):
+            problem = Problem(SourceLocation(raw.location.file, raw.lines.get("loras", raw.location.line)),
+                              f"{raw.label}.loras", f"the sweep varies {key} but this job has {len(loras)} "
+                              f"adapter(s); give it loras[{i}] (in the job or the defaults) or drop the axis")
+            if problem not in ctx.problems:
+                ctx.problems.append(problem)
+            return False
+        merged["loras"] = (*loras[:i], LoraRef(loras[i].path, scale), *loras[i + 1:])
+    return True
+
+
+def _derived_name(prompt: str) -> str:
+    words = re.findall(r"[a-z0-9]+", prompt.lower())[:6]
+    return "-".join(words)[:48].strip("-") or "job"
+
+
+def name_jobs(raw_jobs: list[RawJob], ctx: LoadContext) -> None:
+    """Check given names are unique; name the rest after their prompt, unique in file order."""
+    seen: dict[str, SourceLocation] = {}
+    for raw in raw_jobs:
+        name = raw.fields.get("name")
+        if name is None:
+            continue
+        line = raw.lines.get("name", raw.location.line)
+        if name in seen:
+            ctx.problem(line, raw.label + ".name",
+                        f"duplicate job name {name!r} (first used at {seen[name]}); job names must be unique",
+                        raw.location.file)
+        else:
+            seen[name] = SourceLocation(raw.location.file, line)
+    taken = set(seen)
+    for raw in raw_jobs:
+        if "name" in raw.fields or "prompt" not in raw.fields:
+            continue
+        base = _derived_name(raw.fields["prompt"])
+        name, n = base, 1
+        while name in taken:
+            n += 1
+            name = f"{base}-{n}"
+        taken.add(name)
+        raw.fields["name"] = name
+
+
+def expand_jobs(raw_jobs: list[RawJob], *, model: str, weights: str | None, preset_name: str, preset: dict[str, Any],
+                defaults: dict[str, Any], sets: dict[str, Any], sweep: dict[str, list[Any]],
+                ctx: LoadContext) -> list[JobSpec]:
+    """Resolve every job under every sweep combination:
+    built-in < preset < defaults < job < --set < sweep (from the file or --sweep)."""
+    keys = list(sweep)
+    combos = [dict(zip(keys, values)) for values in itertools.product(*(sweep[k] for k in keys))]
+    jobs: list[JobSpec] = []
+    for raw in raw_jobs:
+        for combo in combos:  # [{}] when there is no sweep
+            merged = {**BUILTIN_DEFAULTS, **preset, **defaults, **raw.fields, **sets, **combo}
+            if not _apply_lora_scales(merged, combo, raw, ctx):
+                continue
+            if "image" in combo and combo["image"] is not None:
+                merged["image"] = str((ctx.base_dir / Path(combo["image"]).expanduser()).resolve())
+            image = merged["image"]
+            image_sha = None if image is None else image_hash(image, ctx)
+            if not _check_sampling(merged, raw, {**defaults, **raw.fields, **combo}, ctx):
+                continue
+            jobs.append(JobSpec(
+                **{k: merged[k] for k in JOB_KEYS if k != "image"}, image=image, image_sha256=image_sha,
+                lora_digests=tuple((lora_hash(r.path, ctx), r.scale) for r in merged["loras"]),
+                model=model, preset=preset_name, weights=weights,
+                sweep={k: _sweep_label(k, v) for k, v in combo.items()}, source=raw.location,
+            ))
+    return jobs
+
+
+def check_cost(jobs: list[JobSpec], ctx: LoadContext) -> None:
+    """One job's video must fit what the DiT and the VAE can hold (see InputLimits.dit_tokens)."""
+    seen: set[tuple[str, int, int, int]] = set()
+    for job in jobs:
+        assert job.source is not None
+        key = (str(job.source), job.frames, job.height, job.width)
+        tokens = dit_tokens(frames=job.frames, height=job.height, width=job.width)
+        if tokens <= LIMITS.dit_tokens or key in seen:
+            continue
+        seen.add(key)
+        ctx.problem(job.source.line, "frames x height x width",
+                    f"job {_describe(job)} asks for {job.frames} frames of {job.width}x{job.height} = "
+                    f"{tokens:,} DiT tokens; allowed: at most {LIMITS.dit_tokens:,} tokens (e.g. 241 frames at "
+                    "1088x1920): the DiT attends over all of them at once and the VAE decodes every pixel, so "
+                    "more runs a GPU out of memory; lower frames, width or height", job.source.file)
+
+
+def _check_sampling(merged: dict[str, Any], raw: RawJob, explicit: dict[str, Any], ctx: LoadContext) -> bool:
+    """The sampler/timesteps/guidance rules of one resolved job; with dmd timesteps, ``steps`` becomes
+    their number (an explicit, different ``steps`` is a problem). False if the job is invalid."""
+    problems = combination_problems(sampler=merged["sampler"], timesteps=merged["timesteps"],
+                                    guidance=merged["guidance"])
+    problems += lane_problems(sampler=merged["sampler"], cache=merged["cache"])
+    if merged["sampler"] == DMD and merged["timesteps"] is not None:
+        count = len(merged["timesteps"])
+        if "steps" in explicit and explicit["steps"] != count:
+            problems.append(("steps", f"got {explicit['steps']} but the job lists {count} timesteps; with "
+                                      "sampler dmd the step count is the number of timesteps: drop steps"))
+        merged["steps"] = count
+    for fld, message in problems:
+        problem = Problem(SourceLocation(raw.location.file, raw.lines.get(fld, raw.location.line)),
+                          f"{raw.label}.{fld}", message)
+        if problem not in ctx.problems:  # once per job, not once per sweep combination
+            ctx.problems.append(problem)
+    return not problems
+
+
+def _describe(job: JobSpec) -> str:
+    sweep = "".join(f" {k}={v}" for k, v in job.sweep.items())
+    return f"{job.name!r}{' with' + sweep if sweep else ''}"
+
+
+def check_unique(jobs: list[JobSpec], ctx: LoadContext) -> None:
+    """Two resolved jobs that would render the same video (or share an id) are a mistake."""
+    by_render: dict[tuple[str, int], JobSpec] = {}
+    by_id: dict[str, JobSpec] = {}
+    for job in jobs:
+        assert job.source is not None
+        key = (job.spec_hash, job.gpus)
+        if key in by_render:
+            first = by_render[key]
+            ctx.problem(job.source.line, "jobs",
+                        f"job {_describe(job)} resolves to exactly the same render as job {_describe(first)} "
+                        f"({first.source}); remove one or change its prompt, seed or settings",
+                        job.source.file)
+            continue
+        by_render[key] = job
+        if job.job_id in by_id:
+            other = by_id[job.job_id].source
+            ctx.problem(job.source.line, "jobs", f"job id {job.job_id!r} is used twice (also {other}); "
+                                                 "rename one of the jobs", job.source.file)
+        by_id[job.job_id] = job

@@ -1,0 +1,139 @@
+"""The files a batch names besides itself: its model folder, first-frame images and LoRA adapters.
+
+Each path resolves against the folder of the file that names it (the batch, a prompts file, or the
+working folder for a flag). When the load checks files, each must be there and of a kind and size
+we read; a LoRA is checked once the model is known, its keys and shapes against the DiT's layers.
+Images and adapters are hashed into the job ids, each file once per load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pan2render.jobs.coerce import BadValue, as_path, type_name
+from pan2render.jobs.context import LoadContext, RawJob
+from pan2render.jobs.inputs import LIMITS, InputFileError, image_size, read_regular_file
+from pan2render.jobs.spec import LoraRef, Problem, SourceLocation
+from pan2render.jobs.weights import sha256_file
+from pan2render.jobs.yaml_reader import Node
+from pan2render.lora_plan import LoraFileError, detect_layout, dit_linears, plan_lora, read_header
+from pan2render.tiny_dit import TINY_DIT_CONFIG, TINY_MODEL
+
+
+def parse_model(node: Node | None, ctx: LoadContext) -> str:
+    """The batch's ``model``: ``tiny``, or a model folder made absolute (checked for a
+    ``model_index.json`` when the load checks the model); ``tiny`` with the problem noted when the
+    value cannot be used."""
+    allowed = ("'tiny' (the embedded toy model) or a checkpoint folder in the diffusers layout (a path of at "
+               f"most {LIMITS.path_chars:,} characters)")
+    if node is None:
+        ctx.problem(1, "model", f"missing; allowed: {allowed}")
+        return TINY_MODEL
+    if not isinstance(node.value, str) or not node.value.strip():
+        ctx.problem(node.line, "model", f"got {node.value!r} ({type_name(node.value)}); allowed: {allowed}")
+        return TINY_MODEL
+    if node.value == TINY_MODEL:
+        return TINY_MODEL
+    try:
+        value = as_path(node.value, allowed)
+    except BadValue as exc:
+        ctx.problem(node.line, "model", str(exc))
+        return TINY_MODEL
+    folder = (ctx.base_dir / Path(value).expanduser()).resolve()
+    if ctx.check_files and ctx.check_model:
+        if not folder.is_dir():
+            ctx.problem(node.line, "model", f"checkpoint folder {str(folder)!r} does not exist; allowed: {allowed}")
+        elif not (folder / "model_index.json").is_file():
+            ctx.problem(node.line, "model", f"{str(folder)!r} has no model_index.json, so it is not a "
+                                            f"diffusers checkpoint folder; allowed: {allowed}")
+    return str(folder)
+
+
+def resolve_loras(refs: tuple[LoraRef, ...], base_dir: Path, ctx: LoadContext, where: SourceLocation,
+                  fld: str) -> tuple[LoraRef, ...]:
+    """The adapters with absolute paths (against the file that named them), each noted for
+    `check_lora_files` where it was first named."""
+    out = []
+    for ref in refs:
+        path = str((base_dir / Path(ref.path).expanduser()).resolve())
+        ctx.lora_sources.setdefault(path, (where, fld))
+        out.append(LoraRef(path, ref.scale))
+    return tuple(out)
+
+
+def _model_linears(model: str, ctx: LoadContext) -> dict[str, tuple[int, int]] | None:
+    """The DiT's linear layers (name -> (out, in)) from its config.json, to check LoRAs against;
+    None when the checkpoint is not to be read (a dry run) or has no readable config."""
+    if model == TINY_MODEL:
+        return dit_linears(TINY_DIT_CONFIG)
+    if not (ctx.check_files and ctx.check_model):
+        return None
+    folder = Path(model) / "transformer"
+    config = folder / "config.json" if folder.is_dir() else Path(model) / "config.json"
+    try:
+        return dit_linears(json.loads(config.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError):
+        return None  # the model's own load reports it, with the file
+
+
+def check_lora_files(model: str, ctx: LoadContext) -> None:
+    """Every LoRA named anywhere: a safetensors file within the limits, in a layout we read, whose
+    keys and shapes fit the batch's DiT; each problem at the place that first named the file."""
+    if not ctx.check_files:
+        return
+    linears = _model_linears(model, ctx)
+    for path, (where, fld) in ctx.lora_sources.items():
+        try:
+            header = read_header(path, limit=LIMITS.lora_bytes)
+            if linears is None:
+                detect_layout(list(header.tensors), path)
+            else:
+                plan_lora(header, linears, name=path)
+        except LoraFileError as exc:
+            ctx.problems.append(Problem(where, fld, str(exc)))
+
+
+def lora_hash(path: str, ctx: LoadContext) -> str | None:
+    """The adapter file's sha256, hashed once per load; None when there is no such file."""
+    if path not in ctx.lora_hashes and Path(path).is_file():
+        ctx.lora_hashes[path] = sha256_file(path)
+    return ctx.lora_hashes.get(path)
+
+
+def image_hash(path: str, ctx: LoadContext) -> str | None:
+    """The image file's sha256, hashed once per load; None when there is no such file."""
+    if path not in ctx.image_hashes and Path(path).is_file():
+        ctx.image_hashes[path] = sha256_file(path)
+    return ctx.image_hashes.get(path)
+
+
+def resolve_image(raw: RawJob, ctx: LoadContext) -> None:
+    """Make ``image`` absolute (against the file that named it) and check it exists."""
+    image = raw.fields.get("image")
+    if image is None:
+        return
+    path = (raw.base_dir / Path(image).expanduser()).resolve()
+    raw.fields["image"] = str(path)
+    problem = image_problem(path) if ctx.check_files else None
+    if problem:
+        ctx.problem(raw.lines.get("image", raw.location.line), raw.label + ".image", problem, raw.location.file)
+
+
+def image_problem(path: Path, *, relative_to: str = "the file that names it") -> str | None:
+    """None if ``path`` is a PNG/JPEG/WebP file within the size and pixel limits, else why not."""
+    allowed = (f"a PNG, JPEG or WebP file of at most {LIMITS.image_bytes >> 20} MiB and "
+               f"{LIMITS.image_pixels:,} pixels, relative to {relative_to}")
+    try:
+        data = read_regular_file(path, limit=LIMITS.image_bytes)
+        width, height = image_size(data)
+    except FileNotFoundError:
+        return f"image {str(path)!r} does not exist; allowed: {allowed}"
+    except InputFileError as exc:
+        return f"image {str(path)!r} {exc}; allowed: {allowed}"
+    except OSError as exc:
+        return f"cannot read image {str(path)!r}: {exc.strerror}; allowed: {allowed}"
+    if width * height > LIMITS.image_pixels:
+        return (f"image {str(path)!r} is {width}x{height} = {width * height:,} pixels (decoding it needs "
+                f"{width * height * 3 / 2**30:.1f} GiB); allowed: {allowed}")
+    return None
