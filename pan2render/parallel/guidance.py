@@ -13,10 +13,10 @@ smaller, less efficient cuDNN call); on 2 H200s a guided step reached 1.83-1.86x
 way. Splitting the branches instead leaves each half the work of one whole forward at M ranks
 (M = 1 for a group of 2: the plain model, no exchange inside the forward) plus one exchange of the
 velocity (~10 MB in bf16 at 704x1248x121) per step. Measured on 2 H200s in one run
-(docs/performance.md, sequence-parallel groups): one GPU 1.678 s per guided step, Ulysses over
-both 0.911 s (1.843x), split 0.859 s (1.953x). Memory: a rank holds the activations of one
-branch over 1/M of the tokens, as much as one GPU running that branch alone when M = 1 (11.37 GiB
-per rank there, weights included, vs 10.81 with Ulysses and 11.54 on one GPU).
+(docs/performance-history.md, sequence-parallel groups, third session): one GPU 1.678 s per
+guided step, Ulysses over both 0.911 s (1.843x), split 0.859 s (1.953x). Memory: a rank holds the
+activations of one branch over 1/M of the tokens, as much as one GPU running that branch alone
+when M = 1 (11.37 GiB per rank there, weights included, vs 10.81 with Ulysses and 11.54 on one GPU).
 
 Unguided steps (guidance 1) have one pass and keep Ulysses over the whole group.
 
