@@ -49,6 +49,8 @@ from typing import Any
 from pan2render.hints import command
 from pan2render.jobs import store
 from pan2render.jobs.disk import is_disk_full
+from pan2render.jobs.lifecycle import IllegalTransition as IllegalTransition  # next_job_state raises it
+from pan2render.jobs.lifecycle import Lifecycle
 from pan2render.jobs.outdir import open_file
 from pan2render.jobs.spec import JobSpec
 
@@ -207,19 +209,11 @@ JOB_TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = {
 }
 
 
-class IllegalTransition(RuntimeError):
-    pass
+JOB_LIFECYCLE: Lifecycle[JobState, JobEvent] = Lifecycle("job", JOB_TRANSITIONS)
 
 
 def next_job_state(state: JobState, event: JobEvent) -> JobState:
-    try:
-        return JOB_TRANSITIONS[(state, event)]
-    except KeyError:
-        allowed = sorted(e.value for (s, e) in JOB_TRANSITIONS if s == state)
-        raise IllegalTransition(
-            f"job state {state.value!r} has no transition {event.value!r}; allowed from "
-            f"{state.value!r}: {allowed or 'none (terminal)'}"
-        ) from None
+    return JOB_LIFECYCLE.next(state, event)
 
 
 @dataclass(frozen=True)
