@@ -50,7 +50,7 @@ from pan2render.hints import command
 from pan2render.jobs import store
 from pan2render.jobs.disk import is_disk_full
 from pan2render.jobs.lifecycle import IllegalTransition as IllegalTransition  # next_job_state raises it
-from pan2render.jobs.lifecycle import Lifecycle
+from pan2render.jobs.lifecycle import Lifecycle, Transition, transition_table
 from pan2render.jobs.outdir import open_file
 from pan2render.jobs.spec import JobSpec
 
@@ -182,33 +182,23 @@ class Event:
         return self.transition == (JobState.PENDING, JobState.RUNNING)
 
 
-class JobEvent(str, enum.Enum):
-    START = "start"
-    FINISH = "finish"
-    RETRY = "retry"
-    FAIL = "fail"
-    INTERRUPT = "interrupt"
-    REVIVE = "revive"
-    INVALIDATE = "invalidate"
-    CANCEL = "cancel"
+class JobEvent(Transition):
+    """An event of a job's lifecycle: the states it leaves, the state it enters. Anything not
+    declared is an illegal transition and raises."""
+
+    START = "start", {JobState.PENDING}, JobState.RUNNING
+    FINISH = "finish", {JobState.RUNNING}, JobState.DONE
+    RETRY = "retry", {JobState.RUNNING}, JobState.PENDING
+    FAIL = "fail", {JobState.RUNNING, JobState.PENDING}, JobState.FAILED  # pending: needs more GPUs than there are
+    INTERRUPT = "interrupt", {JobState.RUNNING}, JobState.PENDING
+    REVIVE = "revive", {JobState.FAILED, JobState.CANCELLED}, JobState.PENDING
+    INVALIDATE = "invalidate", {JobState.DONE}, JobState.PENDING  # its video is gone or corrupt
+    # Running: its sampling stopped at a step boundary.
+    CANCEL = "cancel", {JobState.PENDING, JobState.RUNNING}, JobState.CANCELLED
 
 
-# (from, event) -> to. Anything not listed is an illegal transition and raises.
-JOB_TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = {
-    (JobState.PENDING, JobEvent.START): JobState.RUNNING,
-    (JobState.RUNNING, JobEvent.FINISH): JobState.DONE,
-    (JobState.RUNNING, JobEvent.RETRY): JobState.PENDING,
-    (JobState.RUNNING, JobEvent.FAIL): JobState.FAILED,
-    (JobState.PENDING, JobEvent.FAIL): JobState.FAILED,  # e.g. needs more GPUs than the cluster has
-    (JobState.RUNNING, JobEvent.INTERRUPT): JobState.PENDING,
-    (JobState.FAILED, JobEvent.REVIVE): JobState.PENDING,
-    (JobState.DONE, JobEvent.INVALIDATE): JobState.PENDING,  # its video is gone or corrupt
-    (JobState.PENDING, JobEvent.CANCEL): JobState.CANCELLED,
-    (JobState.RUNNING, JobEvent.CANCEL): JobState.CANCELLED,  # its sampling stopped at a step boundary
-    (JobState.CANCELLED, JobEvent.REVIVE): JobState.PENDING,
-}
-
-
+# (from, event) -> to, as the events declare it.
+JOB_TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = transition_table(JobEvent)
 JOB_LIFECYCLE: Lifecycle[JobState, JobEvent] = Lifecycle("job", JOB_TRANSITIONS)
 
 

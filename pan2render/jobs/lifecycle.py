@@ -2,20 +2,43 @@
 ``(state, event) -> next state``. Anything the table does not list is illegal and raises
 :class:`IllegalTransition`, naming the state, the event and what that state allows.
 
-A job's (``jobs/ledger.py``, :data:`JOB_TRANSITIONS`) and a farm batch's
-(``runner/farm/queue.py``, :data:`BATCH_TRANSITIONS`) are declared this way; their modules hold
-the table, this one applies it.
+Each event declares its rule where it is named (:class:`Transition`: the states it leaves, the
+one it enters), and the table is derived from them (:func:`transition_table`), so a new event is
+one line. A job's (``jobs/ledger.py``, :data:`JOB_TRANSITIONS`) and a farm batch's
+(``runner/farm/queue.py``, :data:`BATCH_TRANSITIONS`) are declared this way.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 S = TypeVar("S", bound=enum.Enum)
 E = TypeVar("E", bound=enum.Enum)
+T = TypeVar("T", bound="Transition")
+
+
+class Transition(str, enum.Enum):
+    """An event of a lifecycle, each member declaring the states it leaves and the one it enters:
+    ``START = "start", {State.PENDING}, State.RUNNING``. A member's value is the string alone: it
+    is stored, compared and printed as a plain ``(str, Enum)`` member is."""
+
+    sources: frozenset[enum.Enum]  # the states it leaves
+    target: enum.Enum  # the state it enters
+
+    def __new__(cls, value: str, sources: Iterable[enum.Enum], target: enum.Enum) -> Transition:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.sources = frozenset(sources)
+        member.target = target
+        return member
+
+
+def transition_table(events: Iterable[T]) -> dict[tuple[Any, T], Any]:
+    """``(from, event) -> to`` for each event and each state it leaves, in the events' order."""
+    return {(s, e): e.target for e in events for s in sorted(e.sources, key=lambda s: str(s.value))}
 
 
 class IllegalTransition(RuntimeError):

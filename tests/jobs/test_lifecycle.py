@@ -6,7 +6,7 @@ import enum
 
 import pytest
 
-from pan2render.jobs.lifecycle import IllegalTransition, Lifecycle
+from pan2render.jobs.lifecycle import IllegalTransition, Lifecycle, Transition, transition_table
 
 
 class Door(str, enum.Enum):
@@ -15,20 +15,23 @@ class Door(str, enum.Enum):
     GONE = "gone"
 
 
-class Push(str, enum.Enum):
-    OPEN = "open"
-    SHUT = "shut"
-    LOCK = "lock"
-    BURN = "burn"
+class Push(Transition):
+    OPEN = "open", {Door.SHUT}, Door.OPEN
+    SHUT = "shut", {Door.OPEN}, Door.SHUT
+    LOCK = "lock", (), Door.SHUT  # declared, allowed from nowhere
+    BURN = "burn", {Door.OPEN, Door.SHUT}, Door.GONE
 
 
-DOOR = Lifecycle("door", {(Door.SHUT, Push.OPEN): Door.OPEN, (Door.OPEN, Push.SHUT): Door.SHUT,
-                          (Door.SHUT, Push.BURN): Door.GONE, (Door.OPEN, Push.BURN): Door.GONE})
+DOOR = Lifecycle("door", transition_table(Push))
 
 
-def test_a_listed_event_moves_the_state() -> None:
+def test_the_table_is_what_each_event_declares() -> None:
+    assert DOOR.transitions == {(Door.SHUT, Push.OPEN): Door.OPEN, (Door.OPEN, Push.SHUT): Door.SHUT,
+                                (Door.OPEN, Push.BURN): Door.GONE, (Door.SHUT, Push.BURN): Door.GONE}
     assert DOOR.next(Door.SHUT, Push.OPEN) is Door.OPEN
     assert DOOR.next(Door.OPEN, Push.BURN) is Door.GONE
+    # A member is its string, as a plain (str, Enum) member: stored, looked up and compared by it.
+    assert Push("burn") is Push.BURN and Push.BURN == "burn" and Push.BURN.value == "burn"
 
 
 def test_an_unlisted_event_names_the_state_the_event_and_what_is_allowed() -> None:
