@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pan2render.jobs.lifecycle import IllegalTransition, Lifecycle, Transition, transition_table
+
 QUEUE_NAME = "farm.sqlite"
 
 
@@ -40,34 +42,46 @@ class BatchState(str, enum.Enum):
 
     @property
     def ended(self) -> bool:
-        return self not in (BatchState.ACTIVE, BatchState.PAUSED)
+        return self not in _NOT_ENDED
 
 
-class BatchEvent(str, enum.Enum):
-    PAUSE = "pause"
-    UNPAUSE = "unpause"
-    CANCEL = "cancel"
-    END_DONE = "done"
-    END_FAILED = "failed"
-    STOP = "stop"
-    RETRY = "retry"
+_NOT_ENDED = {BatchState.ACTIVE, BatchState.PAUSED}
 
 
-BATCH_TRANSITIONS: dict[tuple[BatchState, BatchEvent], BatchState] = {
-    (BatchState.ACTIVE, BatchEvent.PAUSE): BatchState.PAUSED,
-    (BatchState.PAUSED, BatchEvent.UNPAUSE): BatchState.ACTIVE,
-    (BatchState.ACTIVE, BatchEvent.CANCEL): BatchState.CANCELLED,
-    (BatchState.PAUSED, BatchEvent.CANCEL): BatchState.CANCELLED,
-    (BatchState.ACTIVE, BatchEvent.END_DONE): BatchState.DONE,
-    (BatchState.ACTIVE, BatchEvent.END_FAILED): BatchState.FAILED,
+class BatchEvent(Transition):
+    """An event of a batch's lifecycle: the states it leaves, the state it enters."""
+
+    PAUSE = "pause", {BatchState.ACTIVE}, BatchState.PAUSED
+    UNPAUSE = "unpause", {BatchState.PAUSED}, BatchState.ACTIVE
+    CANCEL = "cancel", _NOT_ENDED, BatchState.CANCELLED
     # Paused while its last jobs ran: nothing is left to hold back once they end.
-    (BatchState.PAUSED, BatchEvent.END_DONE): BatchState.DONE,
-    (BatchState.PAUSED, BatchEvent.END_FAILED): BatchState.FAILED,
-    (BatchState.ACTIVE, BatchEvent.STOP): BatchState.STOPPED,
-    (BatchState.PAUSED, BatchEvent.STOP): BatchState.STOPPED,
-    **{(s, BatchEvent.RETRY): BatchState.ACTIVE
-       for s in (BatchState.FAILED, BatchState.CANCELLED, BatchState.STOPPED, BatchState.DONE)},
-}
+    END_DONE = "done", _NOT_ENDED, BatchState.DONE
+    END_FAILED = "failed", _NOT_ENDED, BatchState.FAILED
+    STOP = "stop", _NOT_ENDED, BatchState.STOPPED
+    RETRY = "retry", set(BatchState) - _NOT_ENDED, BatchState.ACTIVE
+
+
+BATCH_TRANSITIONS: dict[tuple[BatchState, BatchEvent], BatchState] = transition_table(BatchEvent)
+BATCH_LIFECYCLE: Lifecycle[BatchState, BatchEvent] = Lifecycle("batch", BATCH_TRANSITIONS)
+
+
+class QueueEventKind(str, enum.Enum):
+    """What an event of the queue records (the ``events.kind`` column). A transition is stored as
+    its :class:`BatchEvent`'s value, so those kinds take their spelling from there."""
+
+    SUBMITTED = "submitted"
+    PAUSE = BatchEvent.PAUSE.value
+    UNPAUSE = BatchEvent.UNPAUSE.value
+    CANCEL = BatchEvent.CANCEL.value
+    END_DONE = BatchEvent.END_DONE.value
+    END_FAILED = BatchEvent.END_FAILED.value
+    STOP = BatchEvent.STOP.value
+    RETRY = BatchEvent.RETRY.value
+    PRIORITY = "priority"
+
+    @classmethod
+    def of(cls, event: BatchEvent) -> QueueEventKind:
+        return cls(event.value)
 
 
 class QueueError(RuntimeError):
@@ -157,38 +171,39 @@ class FarmQueue:
                             (out_dir, batch_path, owner, priority, BatchState.ACTIVE.value, json.dumps(job_ids),
                              now, now, "submitted", int(preempt)))
             seq = int(cur.lastrowid or 0)
-            self._event(c, f"b{seq}", "submitted", f"{len(job_ids)} job(s) into {out_dir} by {owner}, "
-                                                   f"priority {priority}" + (", preempting" if preempt else ""))
+            self._event(c, f"b{seq}", QueueEventKind.SUBMITTED, f"{len(job_ids)} job(s) into {out_dir} by {owner}, "
+                        f"priority {priority}" + (", preempting" if preempt else ""))
         return self.get(f"b{seq}")
 
     def transition(self, batch_id: str, event: BatchEvent, *, reason: str) -> QueuedBatch:
         b = self.get(batch_id)
-        new = BATCH_TRANSITIONS.get((b.state, event))
-        if new is None:
-            allowed = sorted(e.value for (s, e) in BATCH_TRANSITIONS if s is b.state)
+        try:
+            new = BATCH_LIFECYCLE.next(b.state, event)
+        except IllegalTransition as e:
+            allowed = [a.value for a in e.allowed]
             raise QueueError(f"batch {b.id} is {b.state.value}: it cannot be {_past(event)} "
-                             f"(from {b.state.value}: {', '.join(allowed) or 'nothing'})")
+                             f"(from {b.state.value}: {', '.join(allowed) or 'nothing'})") from None
         with self._tx() as c:
             c.execute("UPDATE batches SET state = ?, updated_at = ?, reason = ? WHERE seq = ?",
                       (new.value, time.time(), reason, b.seq))
-            self._event(c, b.id, event.value, reason)
+            self._event(c, b.id, QueueEventKind.of(event), reason)
         return self.get(b.id)
 
     def set_priority(self, batch_id: str, priority: int) -> QueuedBatch:
         b = self.get(batch_id)
         with self._tx() as c:
             c.execute("UPDATE batches SET priority = ?, updated_at = ? WHERE seq = ?", (priority, time.time(), b.seq))
-            self._event(c, b.id, "priority", f"{b.priority} -> {priority}")
+            self._event(c, b.id, QueueEventKind.PRIORITY, f"{b.priority} -> {priority}")
         return self.get(b.id)
 
-    def log(self, batch_id: str | None, kind: str, detail: str) -> None:
+    def log(self, batch_id: str | None, kind: QueueEventKind, detail: str) -> None:
         with self._tx() as c:
             self._event(c, batch_id, kind, detail)
 
     @staticmethod
-    def _event(c: sqlite3.Connection, batch_id: str | None, kind: str, detail: str) -> None:
+    def _event(c: sqlite3.Connection, batch_id: str | None, kind: QueueEventKind, detail: str) -> None:
         c.execute("INSERT INTO events (at, batch, kind, detail) VALUES (?, ?, ?, ?)",
-                  (time.time(), batch_id, kind, detail))
+                  (time.time(), batch_id, kind.value, detail))
 
 
 def _past(event: BatchEvent) -> str:
