@@ -13,12 +13,20 @@ Batch lifecycle (:data:`BATCH_TRANSITIONS`)::
     active/paused --end--> done | failed (every job ended; failed: some job failed)
     active --stop--> stopped             (its folder refused a write: disk full, permission)
     failed/cancelled/stopped/done --retry--> active   (failed, cancelled and interrupted jobs again)
+
+The file takes the ledger's care (``jobs/store.py``): a symlink at its name is refused, it is
+checked on open (a damaged one raises :class:`QueueFileError`, naming the file and `farm repair`),
+and after each change it is copied whole to ``ROOT/farm.sqlite.bak`` (a small file: a copy costs
+about what the change's own fsyncs do). ``pan2-render farm repair`` (:func:`repair`) puts that
+copy back; without a usable copy it starts an empty queue, and each batch's folder and ledger,
+which are its truth, let ``submit`` serve it again with nothing done redone.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -27,9 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pan2render.hints import command
+from pan2render.jobs import store
 from pan2render.jobs.lifecycle import IllegalTransition, Lifecycle, Transition, transition_table
+from pan2render.jobs.outdir import UnsafePathError
 
 QUEUE_NAME = "farm.sqlite"
+BACKUP_NAME = "farm.sqlite.bak"
 
 
 class BatchState(str, enum.Enum):
@@ -78,6 +90,7 @@ class QueueEventKind(str, enum.Enum):
     STOP = BatchEvent.STOP.value
     RETRY = BatchEvent.RETRY.value
     PRIORITY = "priority"
+    REPAIRED = "repaired"  # `farm repair` put the backup back, or started an empty queue
 
     @classmethod
     def of(cls, event: BatchEvent) -> QueueEventKind:
@@ -86,6 +99,13 @@ class QueueEventKind(str, enum.Enum):
 
 class QueueError(RuntimeError):
     """A request the queue refuses (an unknown batch, a transition its state does not allow)."""
+
+
+class QueueFileError(store.StoreError):
+    """``farm.sqlite`` cannot be used (damaged, not a queue, unreadable, not writable, or gone while
+    its backup is there); the message names the file, what is wrong and what to do."""
+
+    noun = "farm queue"
 
 
 @dataclass(frozen=True)
@@ -116,27 +136,51 @@ CREATE TABLE IF NOT EXISTS events (
 """
 
 
+def _repair_hint(path: Path) -> str:
+    return (f"`{command('farm', 'repair', '--root', path.parent)}` puts back its backup {BACKUP_NAME}, or "
+            f"starts an empty queue without a usable one (the damaged file is kept beside it)")
+
+
+# An existing farm.sqlite without tables is damage, not a fresh queue: the farm creates it whole.
+_QUEUE = store.Schema(script=_SCHEMA, tables=("batches", "events"), error=QueueFileError, repair=_repair_hint)
+
+
 class FarmQueue:
     def __init__(self, root: Path):
+        """Open ``ROOT/farm.sqlite`` (created if absent; the farm holds ROOT's lock). Raises
+        QueueFileError if it is damaged, or gone while its backup is there (starting an empty queue
+        would drop every batch it served); UnsafePathError if it or its journal is a symlink."""
         self.path = Path(root) / QUEUE_NAME
-        self._conn = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=False)
-        self._conn.execute("PRAGMA journal_mode=DELETE")
-        self._conn.execute("PRAGMA synchronous=FULL")
-        self._conn.executescript(_SCHEMA)
+        self.backup_error: str | None = None  # why the last backup failed, until one succeeds
+        copy = self.path.with_name(BACKUP_NAME)
+        if not self.path.exists() and copy.exists():
+            raise QueueFileError(self.path, f"is missing, while its backup {copy} is there (this farm served "
+                                            f"batches)", _repair_hint(self.path))
+        # Any thread: the Farm that opens it may be served from another thread (the tests do).
+        self._conn = store.open_writer(self.path, _QUEUE, empty_ok=False, check_same_thread=False)
+        self._backup_quietly()  # the file just passed its check: a good copy, and one there from the start
 
     def close(self) -> None:
         self._conn.close()
 
+    def backup(self) -> Path:
+        """Copy the queue whole to ``farm.sqlite.bak`` (a temp name, then a rename)."""
+        return store.backup(self._conn, self.path.with_name(BACKUP_NAME))
+
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        self._conn.execute("BEGIN IMMEDIATE")
+        """One change, then a backup: the copy is never more than a failed backup behind."""
+        with store.transaction(self._conn) as c:
+            yield c
+        self._backup_quietly()
+
+    def _backup_quietly(self) -> None:
+        """A failed backup (a full disk) never fails the change it follows; the next one tries again."""
         try:
-            yield self._conn
-            self._conn.execute("COMMIT")
-        except BaseException:
-            if self._conn.in_transaction:
-                self._conn.execute("ROLLBACK")
-            raise
+            self.backup()
+            self.backup_error = None
+        except (OSError, sqlite3.Error) as e:
+            self.backup_error = f"{type(e).__name__}: {e}"
 
     # ------------------------------------------------------------------ reading
     def batches(self, *, include_ended: bool = True) -> list[QueuedBatch]:
@@ -204,6 +248,46 @@ class FarmQueue:
     def _event(c: sqlite3.Connection, batch_id: str | None, kind: QueueEventKind, detail: str) -> None:
         c.execute("INSERT INTO events (at, batch, kind, detail) VALUES (?, ?, ?, ?)",
                   (time.time(), batch_id, kind.value, detail))
+
+
+def repair(root: Path) -> str:
+    """``pan2-render farm repair``: put a damaged or missing ``farm.sqlite`` back from its backup,
+    or, without a usable backup, start an empty queue. The caller holds ROOT's lock (no farm runs).
+    The damaged file and its journal are moved aside, never deleted. Returns what was done."""
+    path, copy = Path(root) / QUEUE_NAME, Path(root) / BACKUP_NAME
+    problem = _problem(path)
+    if problem is None:
+        return f"the farm queue {path} is healthy; nothing was changed"
+    copy_problem = _problem(copy)
+    if copy_problem is None:
+        aside = store.restore(copy, path, _QUEUE)  # a failure here (a full disk) raises: nothing is lost
+        done = f"put back from its backup {copy.name}"
+    else:
+        aside = store.move_aside(path) + store.move_aside(copy)  # (the copy: the new queue's backup replaces it)
+        store.create_whole(path, _QUEUE)
+        done = (f"started empty, as its backup {copy.name} {copy_problem}. Each batch's folder and ledger "
+                f"still hold its jobs: `{command('submit', 'BATCH', '--out', 'DIR')}` serves it again from "
+                f"there, redoing nothing done (give its --priority again; a paused batch, pause it again)")
+    queue = FarmQueue(path.parent)
+    try:
+        queue.log(None, QueueEventKind.REPAIRED, f"{QUEUE_NAME} {problem}: {done}")
+    finally:
+        queue.close()
+    kept = f"; kept as they were: {', '.join(p.name for p in aside)}" if aside else ""
+    return f"the farm queue {path} {problem}: {done}{kept}"
+
+
+def _problem(path: Path) -> str | None:
+    """What is wrong with a queue file, as a phrase ("is damaged (...)"); None: nothing."""
+    if not os.path.lexists(path):
+        return "is missing"
+    try:
+        store.open_reader(path, _QUEUE).close()
+    except QueueFileError as e:
+        return e.problem
+    except UnsafePathError:
+        return "is a symbolic link"
+    return None
 
 
 def _past(event: BatchEvent) -> str:
