@@ -4,11 +4,9 @@ The driver is the only writer (it holds ``DIR/.lock`` through :class:`FolderLock
 ``report`` only read. Every change is one transaction, made right after the ``os.replace`` of the
 artifact it records, so a crash leaves either the old row or the new one.
 
-Journal mode: the classic rollback journal (``journal_mode=DELETE``, ``synchronous=FULL``), not WAL.
-There is one writer and occasional readers, so WAL's concurrency buys nothing, while WAL needs
-shared memory (``-shm``) that breaks on network filesystems, where render output folders often
-live, and leaves ``-wal``/``-shm`` files beside the ledger. Readers wait up to 10 s on a write
-(``busy_timeout``), and writes are a few rows each.
+The file is opened, checked, changed and copied by ``jobs/store.py``, as the farm's queue is: the
+classic rollback journal, not WAL (store.py says why), symlinks refused, readers waiting up to 10 s
+on a write (writes are a few rows each).
 
 Job lifecycle (an explicit state machine, :data:`JOB_TRANSITIONS`)::
 
@@ -42,15 +40,18 @@ import os
 import socket
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from pan2render.hints import command
-from pan2render.jobs.disk import is_disk_full, sqlite_error_name
-from pan2render.jobs.outdir import create_new, open_file, refuse_link
+from pan2render.jobs import store
+from pan2render.jobs.disk import is_disk_full
+from pan2render.jobs.lifecycle import IllegalTransition as IllegalTransition  # next_job_state raises it
+from pan2render.jobs.lifecycle import Lifecycle, Transition, transition_table
+from pan2render.jobs.outdir import open_file
 from pan2render.jobs.spec import JobSpec
 
 LEDGER_NAME = "ledger.sqlite"
@@ -62,14 +63,11 @@ _TABLES = ("meta", "jobs", "stages", "events")
 _JOB_ROWS = (("jobs", "id"), ("stages", "job_id"), ("documents", "job_id"))
 
 
-class LedgerError(RuntimeError):
+class LedgerError(store.StoreError):
     """The ledger cannot be used (damaged, not a ledger, unreadable, holds no batch); the message
     names the file, what is wrong and what to do."""
 
-    def __init__(self, path: Path, problem: str, remedy: str):
-        self.path = path
-        self.problem = problem
-        super().__init__(f"the ledger {path} {problem}; {remedy}")
+    noun = "ledger"
 
 
 def _repair_hint(path: Path) -> str:
@@ -184,46 +182,28 @@ class Event:
         return self.transition == (JobState.PENDING, JobState.RUNNING)
 
 
-class JobEvent(str, enum.Enum):
-    START = "start"
-    FINISH = "finish"
-    RETRY = "retry"
-    FAIL = "fail"
-    INTERRUPT = "interrupt"
-    REVIVE = "revive"
-    INVALIDATE = "invalidate"
-    CANCEL = "cancel"
+class JobEvent(Transition):
+    """An event of a job's lifecycle: the states it leaves, the state it enters. Anything not
+    declared is an illegal transition and raises."""
+
+    START = "start", {JobState.PENDING}, JobState.RUNNING
+    FINISH = "finish", {JobState.RUNNING}, JobState.DONE
+    RETRY = "retry", {JobState.RUNNING}, JobState.PENDING
+    FAIL = "fail", {JobState.RUNNING, JobState.PENDING}, JobState.FAILED  # pending: needs more GPUs than there are
+    INTERRUPT = "interrupt", {JobState.RUNNING}, JobState.PENDING
+    REVIVE = "revive", {JobState.FAILED, JobState.CANCELLED}, JobState.PENDING
+    INVALIDATE = "invalidate", {JobState.DONE}, JobState.PENDING  # its video is gone or corrupt
+    # Running: its sampling stopped at a step boundary.
+    CANCEL = "cancel", {JobState.PENDING, JobState.RUNNING}, JobState.CANCELLED
 
 
-# (from, event) -> to. Anything not listed is an illegal transition and raises.
-JOB_TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = {
-    (JobState.PENDING, JobEvent.START): JobState.RUNNING,
-    (JobState.RUNNING, JobEvent.FINISH): JobState.DONE,
-    (JobState.RUNNING, JobEvent.RETRY): JobState.PENDING,
-    (JobState.RUNNING, JobEvent.FAIL): JobState.FAILED,
-    (JobState.PENDING, JobEvent.FAIL): JobState.FAILED,  # e.g. needs more GPUs than the cluster has
-    (JobState.RUNNING, JobEvent.INTERRUPT): JobState.PENDING,
-    (JobState.FAILED, JobEvent.REVIVE): JobState.PENDING,
-    (JobState.DONE, JobEvent.INVALIDATE): JobState.PENDING,  # its video is gone or corrupt
-    (JobState.PENDING, JobEvent.CANCEL): JobState.CANCELLED,
-    (JobState.RUNNING, JobEvent.CANCEL): JobState.CANCELLED,  # its sampling stopped at a step boundary
-    (JobState.CANCELLED, JobEvent.REVIVE): JobState.PENDING,
-}
-
-
-class IllegalTransition(RuntimeError):
-    pass
+# (from, event) -> to, as the events declare it.
+JOB_TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = transition_table(JobEvent)
+JOB_LIFECYCLE: Lifecycle[JobState, JobEvent] = Lifecycle("job", JOB_TRANSITIONS)
 
 
 def next_job_state(state: JobState, event: JobEvent) -> JobState:
-    try:
-        return JOB_TRANSITIONS[(state, event)]
-    except KeyError:
-        allowed = sorted(e.value for (s, e) in JOB_TRANSITIONS if s == state)
-        raise IllegalTransition(
-            f"job state {state.value!r} has no transition {event.value!r}; allowed from "
-            f"{state.value!r}: {allowed or 'none (terminal)'}"
-        ) from None
+    return JOB_LIFECYCLE.next(state, event)
 
 
 @dataclass(frozen=True)
@@ -279,6 +259,17 @@ CREATE TABLE IF NOT EXISTS events (
 """
 
 
+def _empty_remedy(path: Path) -> str:
+    return (_repair_hint(path) + "; if the batch never ran, start it with "
+            f"`{command('run', 'BATCH', '--out', path.parent)}`")
+
+
+_LEDGER = store.Schema(
+    script=_SCHEMA + f"INSERT OR IGNORE INTO meta VALUES ('schema_version', '{SCHEMA_VERSION}');",
+    tables=_TABLES, error=LedgerError, repair=_repair_hint,
+    empty="is empty (no batch was ever recorded in it, or it was emptied)", empty_remedy=_empty_remedy)
+
+
 class Ledger:
     """One output folder's ledger. Open with :meth:`open` (writer) or :meth:`open_readonly`."""
 
@@ -310,18 +301,7 @@ class Ledger:
     def open_file(cls, path: Path) -> "Ledger":
         """Open (creating if absent) a ledger file for writing; raises LedgerError if damaged, and
         UnsafePathError if it or its journal is a symlink (SQLite would write through it)."""
-        _refuse_links(path)
-        if not path.exists():
-            _create_whole(path)
-        with _opening(path) as conn:
-            conn.execute("PRAGMA journal_mode=DELETE")
-            conn.execute("PRAGMA synchronous=FULL")
-            _check_integrity(conn, path, fresh_ok=True)
-            conn.executescript(_SCHEMA)
-            ledger = cls(conn, path=path)
-            with ledger._tx():
-                conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-        return ledger
+        return cls(store.open_writer(path, _LEDGER), path=path)
 
     @classmethod
     def open_readonly(cls, out_dir: str | Path) -> "Ledger":
@@ -336,14 +316,7 @@ class Ledger:
     @classmethod
     def open_file_readonly(cls, path: Path) -> "Ledger":
         """Open an existing ledger file (the ledger or its backup) for reading only."""
-        # Not `mode=ro`: a read-only connection cannot roll back the hot journal a killed driver
-        # may leave, so `status` would fail until the next `resume`. query_only forbids writes.
-        # That roll-back writes, so links are refused here too.
-        _refuse_links(path)
-        with _opening(path) as conn:
-            conn.execute("PRAGMA query_only=ON")
-            _check_integrity(conn, path, fresh_ok=False)
-        return cls(conn, path=path)
+        return cls(store.open_reader(path, _LEDGER), path=path)
 
     def has_batch(self) -> bool:
         """Was a batch recorded? (record_batch writes its jobs in one transaction: any job is proof.)"""
@@ -353,17 +326,7 @@ class Ledger:
         """Copy the ledger to ``ledger.sqlite.bak`` with SQLite's online backup API (a consistent
         snapshot even mid-transaction elsewhere), via a temp name and a rename: the previous copy
         stays whole until the new one is."""
-        dest = self.path.with_name(BACKUP_NAME)
-
-        def fill(tmp: Path) -> None:
-            target = sqlite3.connect(tmp)
-            try:
-                self._conn.backup(target)
-            finally:
-                target.close()
-
-        _write_whole(dest, fill, tmp=self.path.with_name(f".{BACKUP_NAME}.tmp-{os.getpid()}"))
-        return dest
+        return store.backup(self._conn, self.path.with_name(BACKUP_NAME))
 
     def backup_job(self, job_id: str) -> None:
         """Bring the backup up to date with one job's rows (the job, its stages, its documents) in
@@ -371,24 +334,23 @@ class Ledger:
         every job made a batch's backups quadratic in its length. A backup that is absent or not a
         ledger is made whole instead."""
         dest = self.path.with_name(BACKUP_NAME)
-        _refuse_links(dest)
+        store.refuse_links(dest)
         if not dest.is_file() or dest.stat().st_size == 0:
             self.backup()
             return
         rows = {table: self._conn.execute(f"SELECT * FROM {table} WHERE {key} = ?", (job_id,)).fetchall()
                 for table, key in _JOB_ROWS}
         try:
-            target = sqlite3.connect(dest, timeout=10.0, isolation_level=None)
+            target = sqlite3.connect(dest, timeout=store.BUSY_TIMEOUT_S, isolation_level=None)
         except sqlite3.Error:
             self.backup()
             return
         try:
             target.execute("PRAGMA synchronous=FULL")
-            target.execute("BEGIN IMMEDIATE")
-            for table, found in rows.items():
-                for row in found:
-                    target.execute(f"INSERT OR REPLACE INTO {table} VALUES ({', '.join('?' * len(row))})", row)
-            target.execute("COMMIT")
+            with store.transaction(target):
+                for table, found in rows.items():
+                    for row in found:
+                        target.execute(f"INSERT OR REPLACE INTO {table} VALUES ({', '.join('?' * len(row))})", row)
             return
         except sqlite3.DatabaseError as e:
             if is_disk_full(e):
@@ -413,18 +375,8 @@ class Ledger:
     def close(self) -> None:
         self._conn.close()
 
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        self._conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield self._conn
-            self._conn.execute("COMMIT")
-        except BaseException:
-            # SQLite rolls back by itself on some errors (SQLITE_FULL, SQLITE_IOERR); a second
-            # ROLLBACK would raise "no transaction is active" over the error that matters.
-            if self._conn.in_transaction:
-                self._conn.execute("ROLLBACK")
-            raise
+    def _tx(self) -> AbstractContextManager[sqlite3.Connection]:
+        return store.transaction(self._conn)
 
     # ---------------------------------------------------------------- meta
     def set_meta(self, key: str, value: Any) -> None:
@@ -674,97 +626,6 @@ class Ledger:
         """``kind``: an EventKind, or the stored forms of a transition and a reset (see EventKind)."""
         c.execute("INSERT INTO events (at, job_id, kind, detail) VALUES (?, ?, ?, ?)",
                   (time.time(), job_id, kind.value if isinstance(kind, EventKind) else kind, detail))
-
-
-@contextmanager
-def _opening(path: Path) -> Iterator[sqlite3.Connection]:
-    """A connection to ``path`` for the block that sets it up: closed if that fails, with a
-    sqlite3 error raised as the LedgerError it means."""
-    try:
-        conn = sqlite3.connect(path, timeout=10.0, isolation_level=None)
-    except sqlite3.Error as e:
-        _raise_as_ledger_error(path, e)
-    try:
-        yield conn
-    except sqlite3.Error as e:
-        conn.close()
-        _raise_as_ledger_error(path, e)
-    except BaseException:
-        conn.close()
-        raise
-
-
-def _create_whole(path: Path) -> None:
-    """Create the ledger under a temp name and rename it into place: a reader (``status`` while
-    ``run`` starts) sees no ledger or one with its whole schema, never a file without tables, which
-    would read as a damaged or empty ledger. Writers hold the folder lock, so nothing races the
-    rename."""
-
-    def fill(tmp: Path) -> None:
-        with _opening(tmp) as conn:
-            try:
-                conn.execute("PRAGMA journal_mode=DELETE")
-                conn.executescript(_SCHEMA)
-                conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            finally:
-                conn.close()
-
-    _write_whole(path, fill, tmp=path.with_name(f".{path.name}.new-{os.getpid()}"))
-
-
-def _write_whole(dest: Path, fill: Callable[[Path], None], *, tmp: Path) -> None:
-    """``fill(tmp)`` writes a database file; it is made durable and renamed to ``dest``, so
-    ``dest`` is always either what it was or the whole new file. A failure leaves no temp file."""
-    refuse_link(dest)
-    try:
-        os.close(create_new(tmp))  # the temp name is predictable: never a link planted there
-        fill(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _check_integrity(conn: sqlite3.Connection, path: Path, *, fresh_ok: bool) -> None:
-    """Raise LedgerError unless ``conn`` is a readable ledger (or, if ``fresh_ok``, an empty file
-    about to become one). Cheap: quick_check reads each page once; a ledger is a few MB at most."""
-    (verdict,) = conn.execute("PRAGMA quick_check").fetchone()
-    if verdict != "ok":
-        raise LedgerError(path, f"is damaged (SQLite's check: {verdict})", _repair_hint(path))
-    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    if not tables and fresh_ok:
-        return
-    if not tables:
-        raise LedgerError(path, "is empty (no batch was ever recorded in it, or it was emptied)",
-                          _repair_hint(path) + "; if the batch never ran, start it with "
-                          f"`{command('run', 'BATCH', '--out', path.parent)}`")
-    missing = [t for t in _TABLES if t not in tables]
-    if missing:
-        raise LedgerError(path, f"lacks the table(s) {', '.join(missing)}: it is not a pan2-render ledger "
-                                "or it is damaged", _repair_hint(path))
-
-
-def _refuse_links(path: Path) -> None:
-    """The ledger and the journal SQLite writes beside it, both opened by SQLite by name."""
-    refuse_link(path)
-    refuse_link(path.with_name(path.name + "-journal"))
-
-
-def _raise_as_ledger_error(path: Path, e: sqlite3.Error) -> NoReturn:
-    """Raise a sqlite3 error met on opening as the LedgerError it means (a full disk stays itself:
-    the CLI's disk-full handling names the folder and what to free)."""
-    text = str(e)
-    code = sqlite_error_name(e)
-    if code in ("SQLITE_FULL", "SQLITE_BUSY", "SQLITE_LOCKED"):  # not damage: a full disk, or a writer mid-change
-        raise e
-    if code in ("SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM"):
-        raise LedgerError(path, f"cannot be written ({text}): the file or its folder is read-only, or "
-                                 "belongs to another user",
-                           f"give this user write access to {path} and to {path.parent} (SQLite writes a "
-                           "journal beside the ledger), then run the command again") from e
-    raise LedgerError(path, f"cannot be read ({text})", _repair_hint(path)) from e
 
 
 def _job_record(r: tuple[Any, ...]) -> JobRecord:

@@ -1,4 +1,4 @@
-"""The farm's commands: ``farm start|stop|status``, ``submit``, ``queue``, ``pause``, ``unpause``,
+"""The farm's commands: ``farm start|stop|status|repair``, ``submit``, ``queue``, ``pause``, ``unpause``,
 ``cancel``, ``priority``, ``retry``; and ``run``'s hand-over to a farm that is running.
 
 Validation happens here, on the client, exactly as ``run`` validates (exit 2, file:line, nothing
@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pan2render.hints import command
 from pan2render.runner.cli.common import (
     EXIT_ENVIRONMENT,
     EXIT_FAILED,
@@ -52,7 +53,8 @@ def _root_arg(sp: argparse.ArgumentParser) -> None:
 def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
     f = sub.add_parser("farm", help="a render farm that stays up: one queue of batches, warm GPU groups")
-    f.add_argument("action", choices=("start", "stop", "status"))
+    f.add_argument("action", choices=("start", "stop", "status", "repair"),
+                   help="repair: put a damaged farm.sqlite back from its backup (the farm stopped)")
     _root_arg(f)
     f.add_argument("--address", help="join this Ray cluster (as `run --address`); default: a local cluster of "
                                      "the farm's own, or the node kept up on this machine")
@@ -124,6 +126,8 @@ def cmd_farm(args: argparse.Namespace) -> int:
     root: Path = (args.root or default_root()).absolute()
     if args.action == "start":
         return _start(args, root)
+    if args.action == "repair":
+        return _repair(root)
     client = find_farm(root)
     if args.action == "stop":
         if client is None:
@@ -188,6 +192,22 @@ def _start(args: argparse.Namespace, root: Path) -> int:
     print_error(f"error: the farm (pid {proc.pid}) did not answer within {START_TIMEOUT_S:.0f} s; "
                 f"see {root / 'farm.log'}")
     return EXIT_ENVIRONMENT
+
+
+def _repair(root: Path) -> int:
+    from pan2render.jobs.ledger import FolderLock, FolderLockedError
+    from pan2render.runner.farm.queue import repair
+
+    if not root.is_dir():
+        print_error(f"error: {root} is not a folder; no farm queue to repair")
+        return EXIT_USAGE
+    try:
+        with FolderLock(root):  # the farm holds it while it runs: its queue is not ours to replace
+            print(repair(root))
+    except FolderLockedError:
+        print_error(f"error: a farm runs at {root}; stop it first (`{command('farm', 'stop', '--root', root)}`)")
+        return EXIT_ENVIRONMENT
+    return EXIT_OK
 
 
 def _pid(root: Path) -> int | None:

@@ -13,12 +13,20 @@ Batch lifecycle (:data:`BATCH_TRANSITIONS`)::
     active/paused --end--> done | failed (every job ended; failed: some job failed)
     active --stop--> stopped             (its folder refused a write: disk full, permission)
     failed/cancelled/stopped/done --retry--> active   (failed, cancelled and interrupted jobs again)
+
+The file takes the ledger's care (``jobs/store.py``): a symlink at its name is refused, it is
+checked on open (a damaged one raises :class:`QueueFileError`, naming the file and `farm repair`),
+and after each change it is copied whole to ``ROOT/farm.sqlite.bak`` (a small file: a copy costs
+about what the change's own fsyncs do). ``pan2-render farm repair`` (:func:`repair`) puts that
+copy back; without a usable copy it starts an empty queue, and each batch's folder and ledger,
+which are its truth, let ``submit`` serve it again with nothing done redone.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -27,7 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pan2render.hints import command
+from pan2render.jobs import store
+from pan2render.jobs.lifecycle import IllegalTransition, Lifecycle, Transition, transition_table
+from pan2render.jobs.outdir import UnsafePathError
+
 QUEUE_NAME = "farm.sqlite"
+BACKUP_NAME = "farm.sqlite.bak"
 
 
 class BatchState(str, enum.Enum):
@@ -40,38 +54,58 @@ class BatchState(str, enum.Enum):
 
     @property
     def ended(self) -> bool:
-        return self not in (BatchState.ACTIVE, BatchState.PAUSED)
+        return self not in _NOT_ENDED
 
 
-class BatchEvent(str, enum.Enum):
-    PAUSE = "pause"
-    UNPAUSE = "unpause"
-    CANCEL = "cancel"
-    END_DONE = "done"
-    END_FAILED = "failed"
-    STOP = "stop"
-    RETRY = "retry"
+_NOT_ENDED = {BatchState.ACTIVE, BatchState.PAUSED}
 
 
-BATCH_TRANSITIONS: dict[tuple[BatchState, BatchEvent], BatchState] = {
-    (BatchState.ACTIVE, BatchEvent.PAUSE): BatchState.PAUSED,
-    (BatchState.PAUSED, BatchEvent.UNPAUSE): BatchState.ACTIVE,
-    (BatchState.ACTIVE, BatchEvent.CANCEL): BatchState.CANCELLED,
-    (BatchState.PAUSED, BatchEvent.CANCEL): BatchState.CANCELLED,
-    (BatchState.ACTIVE, BatchEvent.END_DONE): BatchState.DONE,
-    (BatchState.ACTIVE, BatchEvent.END_FAILED): BatchState.FAILED,
+class BatchEvent(Transition):
+    """An event of a batch's lifecycle: the states it leaves, the state it enters."""
+
+    PAUSE = "pause", {BatchState.ACTIVE}, BatchState.PAUSED
+    UNPAUSE = "unpause", {BatchState.PAUSED}, BatchState.ACTIVE
+    CANCEL = "cancel", _NOT_ENDED, BatchState.CANCELLED
     # Paused while its last jobs ran: nothing is left to hold back once they end.
-    (BatchState.PAUSED, BatchEvent.END_DONE): BatchState.DONE,
-    (BatchState.PAUSED, BatchEvent.END_FAILED): BatchState.FAILED,
-    (BatchState.ACTIVE, BatchEvent.STOP): BatchState.STOPPED,
-    (BatchState.PAUSED, BatchEvent.STOP): BatchState.STOPPED,
-    **{(s, BatchEvent.RETRY): BatchState.ACTIVE
-       for s in (BatchState.FAILED, BatchState.CANCELLED, BatchState.STOPPED, BatchState.DONE)},
-}
+    END_DONE = "done", _NOT_ENDED, BatchState.DONE
+    END_FAILED = "failed", _NOT_ENDED, BatchState.FAILED
+    STOP = "stop", _NOT_ENDED, BatchState.STOPPED
+    RETRY = "retry", set(BatchState) - _NOT_ENDED, BatchState.ACTIVE
+
+
+BATCH_TRANSITIONS: dict[tuple[BatchState, BatchEvent], BatchState] = transition_table(BatchEvent)
+BATCH_LIFECYCLE: Lifecycle[BatchState, BatchEvent] = Lifecycle("batch", BATCH_TRANSITIONS)
+
+
+class QueueEventKind(str, enum.Enum):
+    """What an event of the queue records (the ``events.kind`` column). A transition is stored as
+    its :class:`BatchEvent`'s value, so those kinds take their spelling from there."""
+
+    SUBMITTED = "submitted"
+    PAUSE = BatchEvent.PAUSE.value
+    UNPAUSE = BatchEvent.UNPAUSE.value
+    CANCEL = BatchEvent.CANCEL.value
+    END_DONE = BatchEvent.END_DONE.value
+    END_FAILED = BatchEvent.END_FAILED.value
+    STOP = BatchEvent.STOP.value
+    RETRY = BatchEvent.RETRY.value
+    PRIORITY = "priority"
+    REPAIRED = "repaired"  # `farm repair` put the backup back, or started an empty queue
+
+    @classmethod
+    def of(cls, event: BatchEvent) -> QueueEventKind:
+        return cls(event.value)
 
 
 class QueueError(RuntimeError):
     """A request the queue refuses (an unknown batch, a transition its state does not allow)."""
+
+
+class QueueFileError(store.StoreError):
+    """``farm.sqlite`` cannot be used (damaged, not a queue, unreadable, not writable, or gone while
+    its backup is there); the message names the file, what is wrong and what to do."""
+
+    noun = "farm queue"
 
 
 @dataclass(frozen=True)
@@ -102,27 +136,51 @@ CREATE TABLE IF NOT EXISTS events (
 """
 
 
+def _repair_hint(path: Path) -> str:
+    return (f"`{command('farm', 'repair', '--root', path.parent)}` puts back its backup {BACKUP_NAME}, or "
+            f"starts an empty queue without a usable one (the damaged file is kept beside it)")
+
+
+# An existing farm.sqlite without tables is damage, not a fresh queue: the farm creates it whole.
+_QUEUE = store.Schema(script=_SCHEMA, tables=("batches", "events"), error=QueueFileError, repair=_repair_hint)
+
+
 class FarmQueue:
     def __init__(self, root: Path):
+        """Open ``ROOT/farm.sqlite`` (created if absent; the farm holds ROOT's lock). Raises
+        QueueFileError if it is damaged, or gone while its backup is there (starting an empty queue
+        would drop every batch it served); UnsafePathError if it or its journal is a symlink."""
         self.path = Path(root) / QUEUE_NAME
-        self._conn = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=False)
-        self._conn.execute("PRAGMA journal_mode=DELETE")
-        self._conn.execute("PRAGMA synchronous=FULL")
-        self._conn.executescript(_SCHEMA)
+        self.backup_error: str | None = None  # why the last backup failed, until one succeeds
+        copy = self.path.with_name(BACKUP_NAME)
+        if not self.path.exists() and copy.exists():
+            raise QueueFileError(self.path, f"is missing, while its backup {copy} is there (this farm served "
+                                            f"batches)", _repair_hint(self.path))
+        # Any thread: the Farm that opens it may be served from another thread (the tests do).
+        self._conn = store.open_writer(self.path, _QUEUE, empty_ok=False, check_same_thread=False)
+        self._backup_quietly()  # the file just passed its check: a good copy, and one there from the start
 
     def close(self) -> None:
         self._conn.close()
 
+    def backup(self) -> Path:
+        """Copy the queue whole to ``farm.sqlite.bak`` (a temp name, then a rename)."""
+        return store.backup(self._conn, self.path.with_name(BACKUP_NAME))
+
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        self._conn.execute("BEGIN IMMEDIATE")
+        """One change, then a backup: the copy is never more than a failed backup behind."""
+        with store.transaction(self._conn) as c:
+            yield c
+        self._backup_quietly()
+
+    def _backup_quietly(self) -> None:
+        """A failed backup (a full disk) never fails the change it follows; the next one tries again."""
         try:
-            yield self._conn
-            self._conn.execute("COMMIT")
-        except BaseException:
-            if self._conn.in_transaction:
-                self._conn.execute("ROLLBACK")
-            raise
+            self.backup()
+            self.backup_error = None
+        except (OSError, sqlite3.Error) as e:
+            self.backup_error = f"{type(e).__name__}: {e}"
 
     # ------------------------------------------------------------------ reading
     def batches(self, *, include_ended: bool = True) -> list[QueuedBatch]:
@@ -157,38 +215,79 @@ class FarmQueue:
                             (out_dir, batch_path, owner, priority, BatchState.ACTIVE.value, json.dumps(job_ids),
                              now, now, "submitted", int(preempt)))
             seq = int(cur.lastrowid or 0)
-            self._event(c, f"b{seq}", "submitted", f"{len(job_ids)} job(s) into {out_dir} by {owner}, "
-                                                   f"priority {priority}" + (", preempting" if preempt else ""))
+            self._event(c, f"b{seq}", QueueEventKind.SUBMITTED, f"{len(job_ids)} job(s) into {out_dir} by {owner}, "
+                        f"priority {priority}" + (", preempting" if preempt else ""))
         return self.get(f"b{seq}")
 
     def transition(self, batch_id: str, event: BatchEvent, *, reason: str) -> QueuedBatch:
         b = self.get(batch_id)
-        new = BATCH_TRANSITIONS.get((b.state, event))
-        if new is None:
-            allowed = sorted(e.value for (s, e) in BATCH_TRANSITIONS if s is b.state)
+        try:
+            new = BATCH_LIFECYCLE.next(b.state, event)
+        except IllegalTransition as e:
+            allowed = [a.value for a in e.allowed]
             raise QueueError(f"batch {b.id} is {b.state.value}: it cannot be {_past(event)} "
-                             f"(from {b.state.value}: {', '.join(allowed) or 'nothing'})")
+                             f"(from {b.state.value}: {', '.join(allowed) or 'nothing'})") from None
         with self._tx() as c:
             c.execute("UPDATE batches SET state = ?, updated_at = ?, reason = ? WHERE seq = ?",
                       (new.value, time.time(), reason, b.seq))
-            self._event(c, b.id, event.value, reason)
+            self._event(c, b.id, QueueEventKind.of(event), reason)
         return self.get(b.id)
 
     def set_priority(self, batch_id: str, priority: int) -> QueuedBatch:
         b = self.get(batch_id)
         with self._tx() as c:
             c.execute("UPDATE batches SET priority = ?, updated_at = ? WHERE seq = ?", (priority, time.time(), b.seq))
-            self._event(c, b.id, "priority", f"{b.priority} -> {priority}")
+            self._event(c, b.id, QueueEventKind.PRIORITY, f"{b.priority} -> {priority}")
         return self.get(b.id)
 
-    def log(self, batch_id: str | None, kind: str, detail: str) -> None:
+    def log(self, batch_id: str | None, kind: QueueEventKind, detail: str) -> None:
         with self._tx() as c:
             self._event(c, batch_id, kind, detail)
 
     @staticmethod
-    def _event(c: sqlite3.Connection, batch_id: str | None, kind: str, detail: str) -> None:
+    def _event(c: sqlite3.Connection, batch_id: str | None, kind: QueueEventKind, detail: str) -> None:
         c.execute("INSERT INTO events (at, batch, kind, detail) VALUES (?, ?, ?, ?)",
-                  (time.time(), batch_id, kind, detail))
+                  (time.time(), batch_id, kind.value, detail))
+
+
+def repair(root: Path) -> str:
+    """``pan2-render farm repair``: put a damaged or missing ``farm.sqlite`` back from its backup,
+    or, without a usable backup, start an empty queue. The caller holds ROOT's lock (no farm runs).
+    The damaged file and its journal are moved aside, never deleted. Returns what was done."""
+    path, copy = Path(root) / QUEUE_NAME, Path(root) / BACKUP_NAME
+    problem = _problem(path)
+    if problem is None:
+        return f"the farm queue {path} is healthy; nothing was changed"
+    copy_problem = _problem(copy)
+    if copy_problem is None:
+        aside = store.restore(copy, path, _QUEUE)  # a failure here (a full disk) raises: nothing is lost
+        done = f"put back from its backup {copy.name}"
+    else:
+        aside = store.move_aside(path) + store.move_aside(copy)  # (the copy: the new queue's backup replaces it)
+        store.create_whole(path, _QUEUE)
+        done = (f"started empty, as its backup {copy.name} {copy_problem}. Each batch's folder and ledger "
+                f"still hold its jobs: `{command('submit', 'BATCH', '--out', 'DIR')}` serves it again from "
+                f"there, redoing nothing done (give its --priority again; a paused batch, pause it again)")
+    queue = FarmQueue(path.parent)
+    try:
+        queue.log(None, QueueEventKind.REPAIRED, f"{QUEUE_NAME} {problem}: {done}")
+    finally:
+        queue.close()
+    kept = f"; kept as they were: {', '.join(p.name for p in aside)}" if aside else ""
+    return f"the farm queue {path} {problem}: {done}{kept}"
+
+
+def _problem(path: Path) -> str | None:
+    """What is wrong with a queue file, as a phrase ("is damaged (...)"); None: nothing."""
+    if not os.path.lexists(path):
+        return "is missing"
+    try:
+        store.open_reader(path, _QUEUE).close()
+    except QueueFileError as e:
+        return e.problem
+    except UnsafePathError:
+        return "is a symbolic link"
+    return None
 
 
 def _past(event: BatchEvent) -> str:
