@@ -32,7 +32,7 @@ run: $(RUN_STAMP)
 test: $(TEST_STAMP)
 	@echo ">> linting (ruff, pyproject.toml [tool.ruff]), then the test suite (about 12-15 minutes on 2 cores); each line ends with tests run / total"
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 clean:
 	rm -rf $(VENV) renders .pytest_cache

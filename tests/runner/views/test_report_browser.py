@@ -24,7 +24,7 @@ from pan2render.runner.serve.driver import Driver
 from pan2render.runner.views.report import write_report
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 
-QUICKSTART = Path(__file__).resolve().parents[2] / "jobs" / "quickstart.yaml"
+QUICKSTART = Path(__file__).resolve().parents[3] / "jobs" / "quickstart.yaml"
 HAVE_METADATA = 1
 
 # Appended to a copy of the page (the report itself has no script): asks every <video> to load,

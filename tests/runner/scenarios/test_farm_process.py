@@ -30,7 +30,7 @@ from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "pan2render.runner.cli"]
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 without the token and holds no data, every read and action needs the token, a cross-site POST is
 refused with it, only a served batch's own files come back, the stream sends the snapshot, and a
 batch's view is the report's layout with each failed job's traceback.
-tests/runner/test_farm_monitor_browser.py drives the page itself in Chromium."""
+tests/runner/farm/test_monitor_browser.py drives the page itself in Chromium."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The farm's scheduler, queue and API in this process (the in-process executor, the fake pipeline):
 order by priority then submission, pause, cancel, retry, idle release, eviction for another model,
 a group held out of service after its device faults, two clients at once, the token.
-tests/runner/test_farm_process.py runs the farm as `farm start` does, on Ray, and kills it."""
+tests/runner/scenarios/test_farm_process.py runs the farm as `farm start` does, on Ray, and kills it."""
 
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ def _scrollback(tmp_path: Path, mode: str) -> list[str]:
     script.write_text(SCRIPT)
     marker = tmp_path / f"finished-{mode}"
     socket = f"pan2-test-{os.getpid()}-{mode}"
-    env_path = os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])
+    env_path = os.pathsep.join([str(Path(__file__).resolve().parents[3]), os.environ.get("PYTHONPATH", "")])
     command = f"PYTHONPATH={env_path} {sys.executable} {script} {mode} {marker}; sleep 60"
     tmux = ["tmux", "-L", socket, "-f", os.devnull]
     subprocess.run([*tmux, "new-session", "-d", "-x", "80", "-y", "40", command], check=True)

@@ -1,7 +1,7 @@
 """The driver's scheduling, stages, retries and resume, on the in-process executor (no Ray).
 
 The in-process executor implements the same narrow interface as the Ray one, so these tests cover
-every decision the driver makes in a fraction of a second each; tests/runner/test_ray_*.py run the
+every decision the driver makes in a fraction of a second each; tests/runner/scenarios/test_ray_*.py run the
 same paths through real Ray actors.
 """
 

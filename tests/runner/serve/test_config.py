@@ -101,7 +101,7 @@ def test_run_refuses_a_bad_setting_before_writing(tmp_path: Path) -> None:
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, "-m", "pan2render.runner.cli", "run", "jobs/quickstart.yaml", "--out",
                            str(out), "--stall-timeout", "-5"], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).parents[2])
+                          cwd=Path(__file__).parents[3])
     assert done.returncode == 2, done.stderr
     assert "--stall-timeout -5.0: must be >= 0 seconds" in done.stderr
     assert not out.exists()
