@@ -197,6 +197,27 @@ class JobEvent(Transition):
     CANCEL = "cancel", {JobState.PENDING, JobState.RUNNING}, JobState.CANCELLED
 
 
+class StageEvent(Transition):
+    """What happens to a job's stage row, declared as a job's events are: the states it leaves, the
+    one it enters. A stage is set back to pending, with every later stage, only by a reset (its
+    input is redone: ``Ledger.reset_stages``), which logs why."""
+
+    # Its call went out; from running too: an attempt interrupted (its group lost, the run
+    # stopped) left the row running, and the next attempt starts it again.
+    START = "start", {StageState.PENDING, StageState.FAILED, StageState.RUNNING}, StageState.RUNNING
+    # Its result recorded; from pending or failed too: a result another job's call made (the
+    # prompts encoded ahead of their jobs).
+    FINISH = "finish", {StageState.RUNNING, StageState.PENDING, StageState.FAILED}, StageState.DONE
+    # Charged a failure: its call failed, or the driver failed it before its call went out, or
+    # again after an earlier failure of the same stage (a group that never formed for its retry).
+    FAIL = "fail", {StageState.RUNNING, StageState.PENDING, StageState.FAILED}, StageState.FAILED
+    STOP = "stop", {StageState.RUNNING}, StageState.PENDING  # a sampling stopped at a step boundary
+
+
+STAGE_TRANSITIONS: dict[tuple[StageState, StageEvent], StageState] = transition_table(StageEvent)
+STAGE_LIFECYCLE: Lifecycle[StageState, StageEvent] = Lifecycle("stage", STAGE_TRANSITIONS)
+
+
 # (from, event) -> to, as the events declare it.
 JOB_TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = transition_table(JobEvent)
 JOB_LIFECYCLE: Lifecycle[JobState, JobEvent] = Lifecycle("job", JOB_TRANSITIONS)
@@ -530,20 +551,21 @@ class Ledger:
         recs = [StageRecord(r[0], _stage_key(r[1]), StageState(r[2]), *r[3:]) for r in rows]
         return {r.stage: r for r in sorted(recs, key=lambda r: order.get(stage_name(r.stage), len(order)))}
 
-    def set_stage(self, job_id: str, stage: Stage | str, state: StageState, *, artifact: str | None = None,
+    def set_stage(self, job_id: str, stage: Stage | str, event: StageEvent, *, artifact: str | None = None,
                   sha256: str | None = None, size: int | None = None, seconds: float | None = None,
                   error: str | None = None, traceback: str | None = None) -> None:
+        """Move a stage row by ``event`` (STAGE_TRANSITIONS; anything else raises IllegalTransition)."""
         with self._tx() as c:
-            self._set_stage(c, job_id, stage, state, artifact=artifact, sha256=sha256, size=size,
-                            seconds=seconds, error=error, traceback=traceback)
+            self._move_stage(c, job_id, stage, event, artifact=artifact, sha256=sha256, size=size,
+                             seconds=seconds, error=error, traceback=traceback)
 
-    def set_stages(self, job_id: str, updates: list[tuple[Stage | str, StageState, dict[str, Any]]], *,
+    def set_stages(self, job_id: str, updates: list[tuple[Stage | str, StageEvent, dict[str, Any]]], *,
                    documents: dict[str, str] | None = None) -> None:
         """Several stage rows in one transaction (decode + encode finish together), with the text of
         the small files written beside the artifact (``documents``: name -> text)."""
         with self._tx() as c:
-            for stage, state, fields in updates:
-                self._set_stage(c, job_id, stage, state, **fields)
+            for stage, event, fields in updates:
+                self._move_stage(c, job_id, stage, event, **fields)
             for name, body in (documents or {}).items():
                 self._set_document(c, job_id, name, body)
 
@@ -584,6 +606,13 @@ class Ledger:
                 (StageState.PENDING.value, time.time(), job_id, *later),
             )
             self._event(c, job_id, f"reset:{stage_name(from_stage)}", reason)  # EventKind.RESET
+
+    def _move_stage(self, c: sqlite3.Connection, job_id: str, stage: Stage | str, event: StageEvent,
+                    **fields: Any) -> None:
+        row = c.execute("SELECT state FROM stages WHERE job_id = ? AND stage = ?",
+                        (job_id, stage_name(stage))).fetchone()
+        assert row is not None, f"no stage row {job_id}/{stage_name(stage)}"
+        self._set_stage(c, job_id, stage, STAGE_LIFECYCLE.next(StageState(row[0]), event), **fields)
 
     def _set_stage(self, c: sqlite3.Connection, job_id: str, stage: Stage | str, state: StageState, *,
                    artifact: str | None = None, sha256: str | None = None, size: int | None = None,

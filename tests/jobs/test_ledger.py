@@ -19,6 +19,7 @@ from pan2render.jobs.ledger import (
     JobState,
     Ledger,
     Stage,
+    StageEvent,
     StageState,
     next_job_state,
 )
@@ -54,7 +55,7 @@ def test_jobs_stages_and_events_persist(tmp_path: Path) -> None:
 
     jid = _spec("a").job_id
     led.transition(jid, JobEvent.START, reason="test")
-    led.set_stage(jid, Stage.SAMPLING, StageState.FAILED, error="boom", traceback="tb")
+    led.set_stage(jid, Stage.SAMPLING, StageEvent.FAIL, error="boom", traceback="tb")
     led.transition(jid, JobEvent.RETRY, reason="test", error="boom", error_stage=Stage.SAMPLING)
     led.close()
 
@@ -92,7 +93,7 @@ def test_retry_without_budget_is_a_bug(tmp_path: Path) -> None:
 
 _HOLD = textwrap.dedent("""
     import sys, time
-    from pan2render.jobs.ledger import FolderLock
+    from pan2render.jobs.ledger import FolderLock, StageEvent
     lock = FolderLock(sys.argv[1]); lock.acquire()
     print("held", flush=True)
     time.sleep(60)
@@ -165,3 +166,21 @@ def test_a_new_ledger_appears_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     Ledger.open(tmp_path).close()
     assert renamed == [str(target)]
     assert [p.name for p in tmp_path.iterdir()] == ["ledger.sqlite"]
+
+
+def test_stage_rows_move_only_through_the_declared_table(tmp_path: Path) -> None:
+    """A done stage is not started, failed or stopped again (only a reset, which logs why, takes it
+    back); a stage never started cannot be stopped."""
+    led = Ledger.open(tmp_path)
+    jid = led.add_jobs([_spec("s")], retries=1)[0][0]
+    led.set_stage(jid, Stage.SAMPLING, StageEvent.START)
+    led.set_stage(jid, Stage.SAMPLING, StageEvent.FINISH, artifact="a", sha256="x", size=1)
+    for event in (StageEvent.START, StageEvent.FAIL, StageEvent.STOP, StageEvent.FINISH):
+        with pytest.raises(IllegalTransition, match="stage state 'done'"):
+            led.set_stage(jid, Stage.SAMPLING, event)
+    assert led.stages(jid)[Stage.SAMPLING].artifact == "a"  # the refused moves wrote nothing
+    with pytest.raises(IllegalTransition, match="stage state 'pending' has no transition 'stop'"):
+        led.set_stage(jid, Stage.DECODE, StageEvent.STOP)
+    led.reset_stages(jid, Stage.SAMPLING, reason="its latents were lost")
+    assert led.stages(jid)[Stage.SAMPLING].state is StageState.PENDING
+    led.set_stage(jid, Stage.SAMPLING, StageEvent.START)

@@ -28,7 +28,17 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from pan2render.jobs import outdir
-from pan2render.jobs.ledger import EventKind, JobEvent, JobRecord, Ledger, Stage, StageRecord, StageState, stage_name
+from pan2render.jobs.ledger import (
+    EventKind,
+    JobEvent,
+    JobRecord,
+    Ledger,
+    Stage,
+    StageEvent,
+    StageRecord,
+    StageState,
+    stage_name,
+)
 from pan2render.jobs.spec import JobSpec
 from pan2render.phases import describe as describe_phases
 from pan2render.runner.protocol import artifacts
@@ -215,7 +225,7 @@ class BatchFlow:
         """A job that can never run here (it needs more GPUs than a node has): failed at its first
         stage, never started."""
         first = self.flow.stages[0]
-        self.ledger.set_stage(job_id, first, StageState.FAILED, error=reason)
+        self.ledger.set_stage(job_id, first, StageEvent.FAIL, error=reason)
         self.ledger.transition(job_id, JobEvent.FAIL, error=reason, error_stage=first, reason=reason)
 
     def next_stage(self, job_id: str) -> str:
@@ -231,7 +241,7 @@ class BatchFlow:
         if decision.action is Action.REQUEUE:
             self.ledger.transition(job_id, JobEvent.INTERRUPT, reason=f"{decision.reason}: {failure.message}")
             return
-        self.ledger.set_stage(job_id, failure.stage, StageState.FAILED, error=failure.message,
+        self.ledger.set_stage(job_id, failure.stage, StageEvent.FAIL, error=failure.message,
                               traceback=failure.traceback)
         stage = stage_name(failure.stage)
         if decision.action is Action.RETRY:

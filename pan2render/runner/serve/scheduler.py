@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import traceback
 
-from pan2render.jobs.ledger import EventKind, JobEvent, JobRecord, JobState, Stage, StageState, stage_name
+from pan2render.jobs.ledger import EventKind, JobEvent, JobRecord, JobState, Stage, StageEvent, stage_name
 from pan2render.runner.cluster.executor import Call, Executor, Group, GroupDied, GroupStartError
 from pan2render.runner.protocol.failures import BatchStopped, Failure, FailureKind, classify_exception
 from pan2render.runner.protocol.messages import (
@@ -270,7 +270,7 @@ class Scheduler:
             batch.ended += 1
             return None
         if message.marks_stage and message.stage is not None:
-            batch.ledger.set_stage(run.job.id, message.stage, StageState.RUNNING)
+            batch.ledger.set_stage(run.job.id, message.stage, StageEvent.START)
         batch.progress.stage(run.job.id, message.shown)
         run.sent(message, self._call(run, message))
         if run.sampling:

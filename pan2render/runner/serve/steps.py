@@ -17,7 +17,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from pan2render.jobs.ledger import EventKind, Stage, StageRecord, StageState, stage_name
+from pan2render.jobs.ledger import EventKind, Stage, StageEvent, StageRecord, StageState, stage_name
 from pan2render.jobs.spec import JobSpec
 from pan2render.jobs.weights import folder_fingerprint
 from pan2render.runner.protocol import artifacts, outputs
@@ -56,8 +56,11 @@ class ConditioningStep(Step):
             if rec.state is not StageState.DONE:  # cached by another job, or before a crash
                 record_conditioning(flow, run.job.id, run.job.spec, seconds=0.0)
             return StepStatus.DONE
+        problem = next(iter(problems.values()))
+        if rec.state is StageState.DONE:  # recorded, but its embedding no longer checks out
+            return Redo(problem)
         if run.encode_texts:  # written by this attempt's own encode, and already rejected
-            flow.count_redo(run.job.id, next(iter(problems.values())))
+            flow.count_redo(run.job.id, problem)
         return StepStatus.TO_DO
 
     def call(self, flow: BatchFlow, run: JobRun) -> WorkerCall:
@@ -109,11 +112,11 @@ class SamplingStep(Step):
             assert value.stopped_at is not None and value.checkpoint is not None, "a stop brings its state"
             flow.write_step_checkpoint(run, value.checkpoint, step=value.stopped_at)
             run.stopped_after(value.stopped_at)
-            flow.ledger.set_stage(run.job.id, Stage.SAMPLING, StageState.PENDING)
+            flow.ledger.set_stage(run.job.id, Stage.SAMPLING, StageEvent.STOP)
             return
         rel = artifacts.latents_relpath(run.job.id)
         artifacts.write_artifact(flow.out_dir, rel, value.latents)
-        flow.ledger.set_stage(run.job.id, Stage.SAMPLING, StageState.DONE, artifact=rel,
+        flow.ledger.set_stage(run.job.id, Stage.SAMPLING, StageEvent.FINISH, artifact=rel,
                               sha256=artifacts.sha256_bytes(value.latents), size=len(value.latents),
                               seconds=seconds)
         flow.drop_step_checkpoint(run.job.id, None)  # done with: the latents are the sampling's result
@@ -182,7 +185,7 @@ class DecodeStep(Step):
 
     def record(self, flow: BatchFlow, run: JobRun, value: DecodeReply, seconds: float) -> None:
         run.decode_s = value.decode_s
-        flow.ledger.set_stage(run.job.id, Stage.ENCODE, StageState.RUNNING)
+        flow.ledger.set_stage(run.job.id, Stage.ENCODE, StageEvent.START)
 
 
 class CollectStep(Step):
@@ -214,8 +217,8 @@ class CollectStep(Step):
         if problem:
             raise RuntimeError(f"the written video does not check out: {problem}")
         flow.ledger.set_stages(jid, [
-            (Stage.DECODE, StageState.DONE, {"seconds": run.decode_s}),
-            (Stage.ENCODE, StageState.DONE, {"artifact": rel, "sha256": rec.sha256, "size": rec.size,
+            (Stage.DECODE, StageEvent.FINISH, {"seconds": run.decode_s}),
+            (Stage.ENCODE, StageEvent.FINISH, {"artifact": rel, "sha256": rec.sha256, "size": rec.size,
                                              "seconds": value.encode_s + value.check_s}),
         ], documents={outputs.PARAMS_NAME: params})
         flow.ledger.log(jid, EventKind.ENCODE, f"libx264 {value.encode_s:.2f} s, decode-back check "
@@ -250,7 +253,7 @@ def record_conditioning(flow: BatchFlow, job_id: str, spec: JobSpec, *, seconds:
     key = artifacts.embedding_key(prompt=spec.prompt, text_encoder_id=flow.text_encoder_id(spec.model))
     rel = artifacts.embedding_relpath(key)
     data = (flow.out_dir / rel).read_bytes()
-    flow.ledger.set_stage(job_id, Stage.CONDITIONING, StageState.DONE, artifact=rel,
+    flow.ledger.set_stage(job_id, Stage.CONDITIONING, StageEvent.FINISH, artifact=rel,
                           sha256=artifacts.sha256_bytes(data), size=len(data), seconds=seconds)
 
 def upcoming_texts(flow: BatchFlow, model: str) -> list[str]:

@@ -20,7 +20,7 @@ import pytest
 from runner_helpers import sqlite_disk_full, write_batch
 
 from pan2render.jobs import disk
-from pan2render.jobs.ledger import BACKUP_NAME, LEDGER_NAME, JobState, Ledger, Stage, StageState
+from pan2render.jobs.ledger import BACKUP_NAME, LEDGER_NAME, JobState, Ledger, Stage, StageEvent
 from pan2render.media.video import encode_mp4, probe_mp4
 from pan2render.runner.cli import main as cli
 from pan2render.runner.cluster.executor import Call, Group, GroupDied
@@ -403,7 +403,8 @@ def test_a_valid_mp4_with_too_few_frames_never_counts_as_done(tmp_path: Path,
     led = Ledger.open(out)
     (job,) = led.jobs()
     data = video.read_bytes()
-    led.set_stage(job.id, Stage.ENCODE, StageState.DONE, artifact=str(video.relative_to(out)),
+    led.reset_stages(job.id, Stage.ENCODE, reason="test: the short video recorded as if it were the job's")
+    led.set_stage(job.id, Stage.ENCODE, StageEvent.FINISH, artifact=str(video.relative_to(out)),
                   sha256=artifacts.sha256_bytes(data), size=len(data))
     led.close()
     assert _cli(capsys, "resume", str(out))[0] == 0
@@ -921,7 +922,8 @@ def test_latents_of_the_wrong_shape_are_sampled_again_not_failed_at_decode(
     data = packing.pack_latents(torch.zeros(48, 1, 1, 1), spec_hash=job.spec_hash, seed=job.spec.seed,
                                steps=job.spec.steps, model_id="fake", spec=json.loads(json.dumps(job.spec.to_dict())))
     j1.write_bytes(data)  # this job's hash, whole, finite: only its shape is wrong
-    led.set_stage(job.id, Stage.SAMPLING, StageState.DONE, artifact=str(j1.relative_to(out)),
+    led.reset_stages(job.id, Stage.SAMPLING, reason="test: other latents recorded as the job's")
+    led.set_stage(job.id, Stage.SAMPLING, StageEvent.FINISH, artifact=str(j1.relative_to(out)),
                   sha256=artifacts.sha256_bytes(data), size=len(data))
     led.close()
     assert _cli(capsys, "resume", str(out))[0] == 0

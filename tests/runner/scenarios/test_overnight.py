@@ -18,7 +18,7 @@ import yaml
 from runner_helpers import write_batch
 
 from pan2render.jobs.batch import load_batch
-from pan2render.jobs.ledger import EventKind, JobEvent, JobState, Ledger, Stage, StageState
+from pan2render.jobs.ledger import EventKind, JobEvent, JobState, Ledger, Stage, StageEvent
 from pan2render.jobs.overrides import Overrides
 from pan2render.runner.cli import common as cli_common
 from pan2render.runner.cli import main as cli
@@ -105,7 +105,7 @@ def _history(folder: Path, batch: Path) -> None:
         led.transition(s.job_id, JobEvent.START, reason="test")
         for stage, secs in [(Stage.CONDITIONING, 2.0), (Stage.SAMPLING, 5.0 * s.steps), (Stage.DECODE, 10.0),
                             (Stage.ENCODE, 3.0)]:
-            led.set_stage(s.job_id, stage, StageState.DONE, seconds=secs)
+            led.set_stage(s.job_id, stage, StageEvent.FINISH, seconds=secs)
         led.transition(s.job_id, JobEvent.FINISH, reason="test")
     led.close()
 

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import pytest
 from runner_helpers import RecordingExecutor, spec
 
-from pan2render.jobs.ledger import LEDGER_NAME, JobEvent, JobState, Ledger, StageState
+from pan2render.jobs.ledger import LEDGER_NAME, JobEvent, JobState, Ledger, StageEvent, StageState
 from pan2render.jobs.spec import JobSpec
 from pan2render.runner.protocol import artifacts
 from pan2render.runner.protocol.messages import (
@@ -84,7 +84,7 @@ class ThumbStep(Step):
     def record(self, flow: Any, run: JobRun, value: ThumbReply, seconds: float) -> None:
         rel = _relpath(run.job.id)
         artifacts.write_artifact(flow.out_dir, rel, value.text)
-        flow.ledger.set_stage(run.job.id, THUMB, StageState.DONE, artifact=rel,
+        flow.ledger.set_stage(run.job.id, THUMB, StageEvent.FINISH, artifact=rel,
                               sha256=artifacts.sha256_bytes(value.text), size=len(value.text), seconds=seconds)
 
     def proof(self, out_dir: Path, spec: JobSpec) -> dict[str, Any] | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pan2render.jobs.ledger import JobEvent, Ledger, Stage, StageState
+from pan2render.jobs.ledger import JobEvent, Ledger, Stage, StageEvent
 from pan2render.jobs.spec import JobSpec
 from pan2render.media.video import encode_mp4
 from pan2render.runner.cli import main as cli
@@ -194,11 +194,11 @@ def test_report_of_500_jobs_is_written_in_under_5_s(tmp_path: Path) -> None:
         if i < 400:
             (out / spec.job_id).mkdir()
             shutil.copyfile(sample, out / spec.job_id / "video.mp4")
-            ledger.set_stage(spec.job_id, Stage.ENCODE, StageState.DONE, artifact=f"{spec.job_id}/video.mp4",
+            ledger.set_stage(spec.job_id, Stage.ENCODE, StageEvent.FINISH, artifact=f"{spec.job_id}/video.mp4",
                              sha256=f"{i:064x}", size=size, seconds=0.5)
             ledger.transition(spec.job_id, JobEvent.FINISH, reason="test")
         elif i < 450:
-            ledger.set_stage(spec.job_id, Stage.SAMPLING, StageState.FAILED, error="boom",
+            ledger.set_stage(spec.job_id, Stage.SAMPLING, StageEvent.FAIL, error="boom",
                              traceback="Traceback (most recent call last):\n  boom")
             ledger.transition(spec.job_id, JobEvent.FAIL, error="boom", error_stage=Stage.SAMPLING, reason="test")
         else:

@@ -14,7 +14,7 @@ import pytest
 from runner_helpers import write_batch
 
 from pan2render.jobs.batch import load_batch
-from pan2render.jobs.ledger import FolderLock, JobEvent, Ledger, Stage, StageState
+from pan2render.jobs.ledger import FolderLock, JobEvent, Ledger, Stage, StageEvent
 from pan2render.runner.cli import main as cli
 from pan2render.runner.cluster.executor import Call, Group
 from pan2render.runner.cluster.local_executor import LocalExecutor
@@ -40,8 +40,8 @@ def _sampling_folder(tmp_path: Path) -> tuple[Path, str]:
                               "flags": ["--set", "steps=50"], "gpus": 1}])
     job = specs[1].job_id
     ledger.transition(job, JobEvent.START, reason="test")
-    ledger.set_stage(job, Stage.CONDITIONING, StageState.DONE, seconds=0.1)
-    ledger.set_stage(job, Stage.SAMPLING, StageState.RUNNING)
+    ledger.set_stage(job, Stage.CONDITIONING, StageEvent.FINISH, seconds=0.1)
+    ledger.set_stage(job, Stage.SAMPLING, StageEvent.START)
     ledger.set_document(job, SAMPLING_STEP_DOC, json.dumps({"step": 37, "steps": 50, "rate": 1.5, "at": time.time()}))
     ledger.set_document(job, STEP_CHECKPOINT_DOC, json.dumps(
         {"artifact": f"{job}/sampling.ckpt.safetensors", "sha256": "0" * 64, "size": 1, "step": 30, "total": 50}))
