@@ -59,17 +59,21 @@ TOP_LEVEL_KEYS = ("model", "preset", "defaults", "jobs", "prompts_file", "sweep"
 
 def load_batch(path: str | Path, *, check_files: bool = True, check_model: bool = True,
                overrides: Overrides | None = None, say: Callable[[str], None] | None = None,
-               text: str | None = None) -> Batch:
+               text: str | None = None, roots: tuple[Path, ...] | None = None,
+               flags_dir: Path | None = None) -> Batch:
     """Parse, validate and resolve a batch file; raise BatchValidationError listing every problem.
 
     ``check_model=False`` plans without the checkpoint (dry runs); ``overrides`` are the
     command line's ``--set``/``--sweep``, validated like the file and reported by flag. ``say``
     is told when the checkpoint's weights have to be hashed (a line, before the wait). ``text``:
     the batch's YAML when it is not read from ``path`` (a batch made from a render's own record,
-    ``run --from``), which then only names it and anchors relative paths."""
+    ``run --from``; a batch a client sent to a farm), which then only names it and anchors relative
+    paths. ``roots``: the only folders the files the batch names may lie in (a farm's, for a
+    client's batch; None: anywhere); ``flags_dir``: what ``--set``/``--sweep`` paths are relative to
+    (default: the working folder)."""
     batch_path = Path(path)
     ctx = LoadContext(display=str(path), base_dir=batch_path.absolute().parent, check_files=check_files,
-                      check_model=check_model)
+                      check_model=check_model, roots=roots, flags_dir=flags_dir or Path.cwd())
     if text is None:
         text = read_text(batch_path, ctx.display, ctx.problems, what="batch file", limit=LIMITS.batch_bytes)
     root = None if text is None else YamlReader(ctx.display, ctx.problems).read(text)
@@ -180,6 +184,9 @@ def _parse_prompts_file(node: Node | None, ctx: LoadContext) -> list[RawJob]:
         ctx.problem(node.line, "prompts_file", str(exc))
         return []
     path = (ctx.base_dir / Path(name).expanduser()).resolve()
+    if (outside := ctx.outside_roots(path)) is not None:
+        ctx.problem(node.line, "prompts_file", outside)
+        return []
     text = read_text(path, ctx.display, ctx.problems, what="prompts file", limit=LIMITS.prompts_file_bytes,
                      location=SourceLocation(ctx.display, node.line), fld="prompts_file")
     if text is None:
@@ -267,7 +274,8 @@ def _parse_sweep(node: Node | None, ctx: LoadContext) -> dict[str, list[Any]]:
                 good[-1] = resolve_loras(good[-1], ctx.base_dir, ctx, SourceLocation(ctx.display, item.line),
                                          f"{fld}[{i}]")
             image = (ctx.base_dir / Path(good[-1]).expanduser()).resolve() if key == "image" else None
-            problem = image_problem(image) if image is not None and ctx.check_files else None
+            problem = None if image is None else ctx.outside_roots(image) or (
+                image_problem(image) if ctx.check_files else None)
             if problem:
                 ctx.problem(item.line, f"{fld}[{i}]", problem)
         repeated = sorted({repr(v) for v in good if good.count(v) > 1})

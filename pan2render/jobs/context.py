@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,20 @@ class LoadContext:
     # the model is known (`check_lora_files`), and hashed once.
     lora_sources: dict[str, tuple[SourceLocation, str]] = field(default_factory=dict)
     lora_hashes: dict[str, str] = field(default_factory=dict)
+    # The folders a load may read from (None: any). A farm loading a batch a client sent reads only
+    # inside the roots it allows: every file the batch names is checked before it is read.
+    roots: tuple[Path, ...] | None = None
+    flags_dir: Path = field(default_factory=Path.cwd)  # what --set/--sweep paths are relative to
+
+    def outside_roots(self, path: Path) -> str | None:
+        """Why ``path`` may not be read by this load (None: it may), links followed."""
+        if self.roots is None:
+            return None
+        real = Path(os.path.realpath(path))
+        if any(real.is_relative_to(root) for root in self.roots):
+            return None
+        return (f"{str(path)!r} lies outside the folders this farm reads from ({', '.join(map(str, self.roots))}); "
+                f"allowed: a path inside one of them (the farm's --inputs-root)")
 
     def problem(self, line: int, fld: str, message: str, display: str | None = None) -> None:
         self.problems.append(Problem(SourceLocation(display or self.display, line), fld, message))

@@ -488,38 +488,52 @@ class Ledger:
                    error_stage: Stage | str | None = None, retries: int | None = None) -> JobState:
         """Apply one lifecycle event (see :data:`JOB_TRANSITIONS`) and log it with its reason."""
         with self._tx() as c:
-            job = _job_record(c.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone())
-            new = next_job_state(job.state, event)
-            attempts = job.attempts + (1 if event is JobEvent.START else 0)
-            retries_left = job.retries_left
-            if event is JobEvent.RETRY:
-                assert retries_left > 0, f"retry of {job_id} with no budget left"
-                retries_left -= 1
-            if event is JobEvent.REVIVE:
-                assert retries is not None
-                retries_left = retries
-            keep_error = event in (JobEvent.RETRY, JobEvent.FAIL)
-            c.execute(
-                "UPDATE jobs SET state = ?, attempts = ?, retries_left = ?, error = ?, error_stage = ?,"
-                " updated_at = ? WHERE id = ?",
-                (new.value, attempts, retries_left, error if keep_error else None,
-                 stage_name(error_stage) if (keep_error and error_stage) else None, time.time(), job_id),
-            )
-            if event is not JobEvent.START and event is not JobEvent.FINISH:
-                # A stage left "running" (by a dead driver or worker, or decode when encode failed)
-                # did not finish: back to pending. The stage that failed is already "failed".
-                c.execute("UPDATE stages SET state = ? WHERE job_id = ? AND state = ?",
-                          (StageState.PENDING.value, job_id, StageState.RUNNING.value))
-            self._event(c, job_id, f"{job.state.value}->{new.value}", reason)  # EventKind.TRANSITION
-            if keep_error and error_stage is not None:
-                # The failed stage's row keeps only its latest traceback; this attempt's is kept
-                # with its events so `show` can list every attempt's.
-                row = c.execute("SELECT traceback FROM stages WHERE job_id = ? AND stage = ?",
-                                (job_id, stage_name(error_stage))).fetchone()
-                if row and row[0]:
-                    self._event(c, job_id, EventKind.TRACEBACK, row[0])
+            new = self._transition(c, job_id, event, reason=reason, error=error, error_stage=error_stage,
+                                   retries=retries)
         if event is JobEvent.FINISH:
             self.backup_quietly(job_id)  # a safe point: a damaged ledger then loses at most this job
+        return new
+
+    def transition_many(self, job_ids: Iterable[str], event: JobEvent, *, reason: str) -> None:
+        """One event for many jobs, in one transaction (a batch cancelled: all its queued jobs, or none)."""
+        assert event not in (JobEvent.REVIVE, JobEvent.RETRY, JobEvent.FINISH), event
+        with self._tx() as c:
+            for job_id in job_ids:
+                self._transition(c, job_id, event, reason=reason)
+
+    def _transition(self, c: sqlite3.Connection, job_id: str, event: JobEvent, *, reason: str,
+                    error: str | None = None, error_stage: Stage | str | None = None,
+                    retries: int | None = None) -> JobState:
+        job = _job_record(c.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone())
+        new = next_job_state(job.state, event)
+        attempts = job.attempts + (1 if event is JobEvent.START else 0)
+        retries_left = job.retries_left
+        if event is JobEvent.RETRY:
+            assert retries_left > 0, f"retry of {job_id} with no budget left"
+            retries_left -= 1
+        if event is JobEvent.REVIVE:
+            assert retries is not None
+            retries_left = retries
+        keep_error = event in (JobEvent.RETRY, JobEvent.FAIL)
+        c.execute(
+            "UPDATE jobs SET state = ?, attempts = ?, retries_left = ?, error = ?, error_stage = ?,"
+            " updated_at = ? WHERE id = ?",
+            (new.value, attempts, retries_left, error if keep_error else None,
+             stage_name(error_stage) if (keep_error and error_stage) else None, time.time(), job_id),
+        )
+        if event is not JobEvent.START and event is not JobEvent.FINISH:
+            # A stage left "running" (by a dead driver or worker, or decode when encode failed)
+            # did not finish: back to pending. The stage that failed is already "failed".
+            c.execute("UPDATE stages SET state = ? WHERE job_id = ? AND state = ?",
+                      (StageState.PENDING.value, job_id, StageState.RUNNING.value))
+        self._event(c, job_id, f"{job.state.value}->{new.value}", reason)  # EventKind.TRANSITION
+        if keep_error and error_stage is not None:
+            # The failed stage's row keeps only its latest traceback; this attempt's is kept
+            # with its events so `show` can list every attempt's.
+            row = c.execute("SELECT traceback FROM stages WHERE job_id = ? AND stage = ?",
+                            (job_id, stage_name(error_stage))).fetchone()
+            if row and row[0]:
+                self._event(c, job_id, EventKind.TRACEBACK, row[0])
         return new
 
     def restore_job(self, spec: JobSpec, *, state: JobState, attempts: int, retries: int,
@@ -584,6 +598,16 @@ class Ledger:
     def set_document(self, job_id: str, name: str, body: str) -> None:
         with self._tx() as c:
             self._set_document(c, job_id, name, body)
+
+    def set_documents(self, job_ids: Iterable[str], name: str, body: str) -> None:
+        """The same document for many jobs, in one transaction."""
+        with self._tx() as c:
+            for job_id in job_ids:
+                self._set_document(c, job_id, name, body)
+
+    def with_document(self, name: str) -> dict[str, str]:
+        """Job id -> the text of its document ``name``, for every job that has one."""
+        return dict(self._conn.execute("SELECT job_id, body FROM documents WHERE name = ?", (name,)).fetchall())
 
     def delete_document(self, job_id: str, name: str) -> None:
         with self._tx() as c:

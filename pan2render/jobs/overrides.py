@@ -99,8 +99,9 @@ class FlagValues:
                 key, sep, text = item.partition("=")
                 key = key.strip()
                 # Flags have no file: their problems are located by the flag as typed (line 0).
-                fctx = LoadContext(display=flag, base_dir=Path.cwd(), check_files=ctx.check_files,
-                                   check_model=ctx.check_model, problems=ctx.problems, lora_sources=ctx.lora_sources)
+                fctx = LoadContext(display=flag, base_dir=ctx.flags_dir, check_files=ctx.check_files,
+                                   check_model=ctx.check_model, problems=ctx.problems, lora_sources=ctx.lora_sources,
+                                   roots=ctx.roots)
                 if not sep or not key:
                     example = "steps=4" if kind == "--set" else "seed=0,1,2"
                     fctx.problem(0, "(flag)", f"must look like key=value, e.g. {kind} {example}")
@@ -174,7 +175,8 @@ def _flag_path(key: str, value: Any, fctx: LoadContext) -> Any:
     if key != "image":
         return value
     path = (fctx.base_dir / Path(value).expanduser()).resolve()
-    problem = image_problem(path, relative_to="the folder the command runs in") if fctx.check_files else None
+    problem = fctx.outside_roots(path) or (image_problem(path, relative_to="the folder the command runs in")
+                                           if fctx.check_files else None)
     if problem:
         raise BadValue(problem)
     return str(path)

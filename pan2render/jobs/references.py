@@ -41,7 +41,9 @@ def parse_model(node: Node | None, ctx: LoadContext) -> str:
         ctx.problem(node.line, "model", str(exc))
         return TINY_MODEL
     folder = (ctx.base_dir / Path(value).expanduser()).resolve()
-    if ctx.check_files and ctx.check_model:
+    if (outside := ctx.outside_roots(folder)) is not None:
+        ctx.problem(node.line, "model", outside)
+    elif ctx.check_files and ctx.check_model:
         if not folder.is_dir():
             ctx.problem(node.line, "model", f"checkpoint folder {str(folder)!r} does not exist; allowed: {allowed}")
         elif not (folder / "model_index.json").is_file():
@@ -57,6 +59,9 @@ def resolve_loras(refs: tuple[LoraRef, ...], base_dir: Path, ctx: LoadContext, w
     out = []
     for ref in refs:
         path = str((base_dir / Path(ref.path).expanduser()).resolve())
+        if (outside := ctx.outside_roots(Path(path))) is not None:
+            ctx.problems.append(Problem(where, fld, outside))
+            continue
         ctx.lora_sources.setdefault(path, (where, fld))
         out.append(LoraRef(path, ref.scale))
     return tuple(out)
@@ -115,7 +120,7 @@ def resolve_image(raw: RawJob, ctx: LoadContext) -> None:
         return
     path = (raw.base_dir / Path(image).expanduser()).resolve()
     raw.fields["image"] = str(path)
-    problem = image_problem(path) if ctx.check_files else None
+    problem = ctx.outside_roots(path) or (image_problem(path) if ctx.check_files else None)
     if problem:
         ctx.problem(raw.lines.get("image", raw.location.line), raw.label + ".image", problem, raw.location.file)
 

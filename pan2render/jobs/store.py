@@ -107,13 +107,13 @@ def open_writer(path: Path, schema: Schema, *, empty_ok: bool = True,
     return conn
 
 
-def open_reader(path: Path, schema: Schema) -> sqlite3.Connection:
+def open_reader(path: Path, schema: Schema, *, check_same_thread: bool = True) -> sqlite3.Connection:
     """A connection that only reads an existing file (the file itself or its backup)."""
     # Not `mode=ro`: a read-only connection cannot roll back the hot journal a killed writer may
     # leave, so a reader would fail until the next writer. query_only forbids writes; that roll
     # back writes, so links are refused here too.
     refuse_links(path)
-    with _opening(path, schema) as conn:
+    with _opening(path, schema, check_same_thread=check_same_thread) as conn:
         conn.execute("PRAGMA query_only=ON")
         check_integrity(conn, path, schema, empty_ok=False)
     return conn

@@ -206,6 +206,32 @@ def middle_frame_png(path: str | os.PathLike[str], *, max_side: int) -> bytes:
     raise MediaError(f"{p} ended before its middle frame {middle}; re-encode it")
 
 
+def contact_strip_png(path: str | os.PathLike[str], *, tiles: int, max_side: int) -> bytes:
+    """PNG bytes of ``tiles`` frames of an mp4, evenly spaced from its first to its last, each
+    scaled so its longer side is at most ``max_side``, side by side in one row."""
+    p = Path(path)
+    try:
+        with av.open(str(p), mode="r") as container:
+            stream = container.streams.video[0]
+            stream.thread_type = "NONE"
+            count = int(stream.frames or 0) or probe_mp4(p).frames
+            wanted = {round(i * (count - 1) / max(1, tiles - 1)) for i in range(tiles)}
+            picked = []
+            for i, frame in enumerate(container.decode(stream)):
+                if i in wanted:
+                    scale = min(1.0, max_side / max(frame.width, frame.height))
+                    small = frame.reformat(width=max(2, round(frame.width * scale)),
+                                           height=max(2, round(frame.height * scale)), format="rgb24")
+                    picked.append(small.to_ndarray())
+                if i >= max(wanted):
+                    break
+    except (av.FFmpegError, OSError, ValueError, IndexError) as exc:
+        raise MediaError(f"cannot read frames of {p}: {exc}") from exc
+    if not picked:
+        raise MediaError(f"{p} holds no frame")
+    return png_bytes(np.concatenate(picked, axis=1))
+
+
 def image_png(path: str | os.PathLike[str], *, max_side: int) -> bytes:
     """PNG bytes of a still image (PNG, JPEG, WebP: a job's first frame), scaled down so its longer
     side is at most ``max_side`` (never up)."""

@@ -23,7 +23,10 @@ from pan2render.runner.cluster.executor import Call, Group
 from pan2render.runner.cluster.local_executor import LocalExecutor
 from pan2render.runner.farm.api import start_api
 from pan2render.runner.farm.config import FarmConfig
-from pan2render.runner.farm.service import Farm, ensure_token
+from pan2render.runner.farm.folder import ensure_token
+from pan2render.runner.farm.intake import Roots
+from pan2render.runner.farm.service import Farm
+from pan2render.runner.farm.users import Users
 from pan2render.runner.protocol.messages import (
     CollectCall,
     DecodeCall,
@@ -168,7 +171,8 @@ def serving_farm(tmp_path: Path, *, gpus: int = 1, faults: dict[str, Any] | None
     ex = LocalExecutor(gpus=gpus, config=WorkerConfig(pipeline_factory=FAKE_FACTORY, faults=faults or {}))
     farm = Farm(farm_config(root, **config), ex, log=lambda text: None)
     token = ensure_token(root)
-    api = start_api(farm, token=token, host="127.0.0.1", port=0)
+    api = start_api(farm, users=Users(root, admin_token=token), roots=Roots.of([tmp_path], [tmp_path]),
+                    host="127.0.0.1", port=0, say=lambda text: None)
     farm.url = api.url
     loop = threading.Thread(target=farm.run, name="farm-main", daemon=True)
     loop.start()
@@ -189,9 +193,9 @@ def submit_file(farm: Farm, out: Path, doc: dict[str, Any], *, owner: str = "ann
     request = BatchRequest(out_dir=out, batch=load_batch(path), overrides=Overrides())
 
     def submit() -> str:
-        batch_id = farm.submit(request, owner=owner, priority=priority)["id"]
+        batch_id = farm.actions.submit(request, owner=owner, priority=priority)["id"]
         if paused:
-            farm.pause(batch_id, paused=True)
+            farm.actions.pause(batch_id, paused=True)
         return batch_id
 
     return farm.ask(submit).result(timeout=60)

@@ -129,6 +129,8 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("resume", help="finish every unfinished or failed job of an output folder")
     s.add_argument("dir", type=Path)
+    s.add_argument("--cancelled", action="store_true",
+                   help="render the jobs a client cancelled too (default: a cancelled job stays cancelled)")
     cluster_args(s)
     s.set_defaults(func=cmd_resume)
 
@@ -193,9 +195,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="declare N logical GPUs on a CPU-only machine (default: the CUDA GPUs found, else 1)")
     nd.add_argument("--port", type=int, default=NODE_PORT, help=f"the node's GCS port (default {NODE_PORT})")
     nd.set_defaults(func=cmd_node)
-    from pan2render.runner.cli.farm import add_commands  # it imports this module
+    from pan2render.runner.cli import batches, farm  # (the farm's commands: pan2render.client)
 
-    add_commands(sub)
+    farm.add_commands(sub)
+    batches.add_commands(sub)
     return p
 
 

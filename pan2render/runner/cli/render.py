@@ -113,9 +113,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         print_plan(batch, out, args)
         print(f"dry run: nothing written to {out}")
         return EXIT_OK
-    from pan2render.runner.cli.farm import hand_to_farm
+    from pan2render.runner.cli.batches import hand_to_farm
 
-    if (code := hand_to_farm(args, batch, overrides)) is not None:
+    if (code := hand_to_farm(args, batch)) is not None:
         return code
     from pan2render.runner.serve.session import BatchRequest, BatchSession
 
@@ -181,7 +181,9 @@ def _drive(args: argparse.Namespace, session: Any) -> int:
         log.line(f"error: the ledger {ledger.path} holds no jobs; nothing was run")
         return EXIT_USAGE
     jobs = ledger.jobs(ids)
-    if session.prepare(retries=args.retries):
+    # `run` renders its batch, jobs cancelled before included; `resume` leaves a cancel as it is
+    # unless asked (--cancelled).
+    if session.prepare(retries=args.retries, revive_cancelled=getattr(args, "cancelled", True)):
         # Every job done and its video intact: no workers needed, so Ray never starts.
         log.line(f"all {len(ids)} job(s) already done in {out}")
         return EXIT_OK

@@ -27,17 +27,20 @@ import stat
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from aiohttp import web
+from aiohttp import ClientConnectionResetError, web
 
 from pan2render.jobs import outdir
 from pan2render.jobs.ledger import Ledger
-from pan2render.runner.farm.queue import QueueError
-from pan2render.runner.farm.service import Farm
+from pan2render.runner.farm.http import ApiError, route
 from pan2render.runner.protocol.artifacts import VIDEO_NAME
 from pan2render.runner.protocol.outputs import PARAMS_NAME
+
+if TYPE_CHECKING:
+    from pan2render.runner.farm.api import Reads
+    from pan2render.runner.farm.service import Farm
 from pan2render.runner.views.posters import POSTER_DIR
 from pan2render.runner.views.report import Grid, batch_view, report_path
 
@@ -102,40 +105,44 @@ def _loopback_name(host: str) -> bool:
 
 @web.middleware
 async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Cross-site POSTs refused before anything else looks at them."""
-    if request.method == "POST" and (why := cross_site_refusal(request)) is not None:
-        return web.json_response({"error": why}, status=403)
+    """Cross-site changes (POST, DELETE) refused before anything else looks at them."""
+    if request.method not in ("GET", "HEAD") and (why := cross_site_refusal(request)) is not None:
+        raise ApiError(403, why)
     return await handler(request)
 
 
-async def _secure(request: web.Request, response: web.StreamResponse) -> None:
+async def secure(request: web.Request, response: web.StreamResponse) -> None:
     """The browser's security headers on every answer (errors and streams included)."""
     for name, value in SECURITY_HEADERS.items():
         response.headers.setdefault(name, value)
 
 
-def _not_found(message: str) -> web.HTTPNotFound:
-    return web.HTTPNotFound(text=json.dumps({"error": message}), content_type="application/json")
+def _not_found(message: str) -> ApiError:
+    return ApiError(404, message)
 
 
-def add_routes(app: web.Application, farm: Farm, *, ask_timeout_s: float) -> None:
-    """The monitor's routes on the farm's API (``api.make_app``); ``ask_timeout_s``: the longest a
-    read waits for the farm's main thread."""
-    closing = asyncio.Event()
+class MonitorApi:
+    """The monitor's routes on the farm's API (``api.make_app``)."""
 
-    async def on_shutdown(_: web.Application) -> None:
-        closing.set()  # open streams end, so the API stops without waiting for browsers
+    def __init__(self, farm: Farm, reads: Reads, app: web.Application):
+        self.farm = farm
+        self.reads = reads
+        self.closing = asyncio.Event()
+        app.on_shutdown.append(self._on_shutdown)
 
-    app.on_shutdown.append(on_shutdown)
-    app.on_response_prepare.append(_secure)
+    async def _on_shutdown(self, _: web.Application) -> None:
+        self.closing.set()  # open streams end, so the API stops without waiting for browsers
 
-    async def page(request: web.Request) -> web.Response:
+    @route("GET", "/")
+    async def page(self, request: web.Request) -> web.Response:
         return web.Response(body=_static(PAGE), content_type="text/html", charset="utf-8")
 
-    async def no_icon(request: web.Request) -> web.Response:
+    @route("GET", "/favicon.ico")
+    async def no_icon(self, request: web.Request) -> web.Response:
         return web.Response(status=204)
 
-    async def static(request: web.Request) -> web.Response:
+    @route("GET", "/static/{name}")
+    async def static(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
         if name not in STATIC:
             raise _not_found(f"no file {name!r} here")
@@ -145,31 +152,37 @@ def add_routes(app: web.Application, farm: Farm, *, ask_timeout_s: float) -> Non
     # cannot send a header, and the token then would have to ride in the URL (where proxies and
     # logs keep it) or in a cookie (which every cross-site request carries). With fetch the stream
     # is authenticated exactly as every other request; the page parses the events and reconnects.
-    async def stream(request: web.Request) -> web.StreamResponse:
+    @route("GET", "/api/stream")
+    async def stream(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Accel-Buffering": "no"})
         await response.prepare(request)
         sent, quiet = "", 0.0
-        while not closing.is_set():
-            snap = farm.snapshot()  # ({} until the farm's first pass has published one)
-            data = json.dumps(snap) if snap else sent
-            if data != sent:
-                await response.write(f"event: snapshot\ndata: {data}\n\n".encode())
-                sent, quiet = data, 0.0
-            elif quiet >= KEEPALIVE_S:
-                await response.write(b": still here\n\n")
-                quiet = 0.0
-            try:
-                await asyncio.wait_for(closing.wait(), STREAM_POLL_S)
-            except asyncio.TimeoutError:
-                quiet += STREAM_POLL_S
+        try:
+            while not self.closing.is_set():
+                snap = self.farm.snapshot()  # ({} until the farm's first pass has published one)
+                data = json.dumps(snap) if snap else sent
+                if data != sent:
+                    await response.write(f"event: snapshot\ndata: {data}\n\n".encode())
+                    sent, quiet = data, 0.0
+                elif quiet >= KEEPALIVE_S:
+                    await response.write(b": still here\n\n")
+                    quiet = 0.0
+                try:
+                    await asyncio.wait_for(self.closing.wait(), STREAM_POLL_S)
+                except asyncio.TimeoutError:
+                    quiet += STREAM_POLL_S
+        except (ConnectionResetError, ClientConnectionResetError):
+            pass  # the tab was closed: a stream ends so, it is no error
         return response
 
-    async def view(request: web.Request) -> web.Response:
-        batch = await _served_batch(farm, request.match_info["id"], ask_timeout_s)
+    @route("GET", "/api/batches/{id}/view")
+    async def view(self, request: web.Request) -> web.Response:
+        batch = await self._batch(request.match_info["id"])
         return web.json_response(await asyncio.get_running_loop().run_in_executor(None, _view, batch))
 
-    async def file(request: web.Request) -> web.StreamResponse:
-        batch = await _served_batch(farm, request.match_info["id"], ask_timeout_s)
+    @route("GET", "/api/batches/{id}/files/{path:.+}")
+    async def file(self, request: web.Request) -> web.StreamResponse:
+        batch = await self._batch(request.match_info["id"])
         rel = request.match_info["path"]
         if not _SERVED_FILES.fullmatch(rel):
             raise _not_found(f"{rel!r}: the monitor serves a job's {VIDEO_NAME} and {PARAMS_NAME} and the report's "
@@ -188,27 +201,14 @@ def add_routes(app: web.Application, farm: Farm, *, ask_timeout_s: float) -> Non
         await response.write_eof()
         return response
 
-    app.add_routes([
-        web.get("/", page),
-        web.get("/favicon.ico", no_icon),
-        web.get("/static/{name}", static),
-        web.get("/api/stream", stream),
-        web.get("/api/batches/{id}/view", view),
-        web.get("/api/batches/{id}/files/{path:.+}", file),
-    ])
+    async def _batch(self, batch_id: str) -> dict[str, Any]:
+        """The batch as the farm's queue has it (only a batch of the farm's queue has files here)."""
+        row = await self.reads.batch(batch_id)
+        return {"id": row.id, "out_dir": row.out_dir, "owner": row.owner, "state": row.state.value}
 
 
 def _static(name: str) -> bytes:
     return resources.files("pan2render.runner.farm").joinpath("static", name).read_bytes()
-
-
-async def _served_batch(farm: Farm, batch_id: str, timeout_s: float) -> dict[str, Any]:
-    """The batch as the farm's queue has it now (asked of its main thread, as every read of the
-    queue is): only a batch of the farm's queue has files here."""
-    try:
-        return await asyncio.wait_for(asyncio.wrap_future(farm.ask(lambda: farm.describe(batch_id))), timeout_s)
-    except QueueError as e:
-        raise _not_found(str(e)) from None
 
 
 def _open_inside(out_dir: Path, rel: str) -> tuple[int, int]:

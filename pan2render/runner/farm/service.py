@@ -2,23 +2,23 @@
 
 One process holds the Ray driver, the GPU groups (kept loaded between batches, released after an
 idle time or when another model or group size needs the GPUs), the durable queue and the HTTP API.
-Its main thread runs the scheduler; the API (``api.py``) runs on a thread of its own and hands every
-request that changes something to the main thread (:meth:`Farm.ask`), which is so the only writer
-of the queue and of every served batch's ledger. Reads come from a snapshot the main thread
-publishes after each pass.
+Its main thread runs the scheduler and is the only writer of the queue and of every served batch's
+ledger; the API (``api.py``) runs on a thread of its own, reads a snapshot the main thread
+publishes after each pass, and puts every request that changes something in line for the main
+thread (``requests.py``), which carries it out (``actions.py``).
 
 What survives what: each batch's folder and ledger are its truth (the jobs, their stages, their
 artifacts), the queue says which folders the farm serves and how. A farm killed at any moment
 (SIGKILL included) restarts from the two: ``farm start`` again serves every batch not ended from its
 ledger, and nothing done is redone. The GPU workers are the farm's Ray actors, so they end with it.
+A write to the queue that the disk refuses is reported (the log, ``farm status``, the monitor) and
+tried again on the next pass; the farm keeps answering reads meanwhile.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
-import queue as queue_mod
-import secrets
 import socket
 import threading
 import time
@@ -27,34 +27,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pan2render.jobs.ledger import FolderLockedError, JobState, Ledger
+from pan2render.jobs import disk
+from pan2render.jobs.ledger import JobState, Ledger
 from pan2render.runner.cluster.executor import Executor
+from pan2render.runner.farm.actions import Actions, FarmRequestError
 from pan2render.runner.farm.config import FarmConfig
-from pan2render.runner.farm.queue import BatchEvent, BatchState, FarmQueue, QueuedBatch
+from pan2render.runner.farm.folder import LOG_NAME, VIDEOS_DIR
+from pan2render.runner.farm.queue import BatchEvent, BatchState, FarmQueue, QueuedBatch, QueueError
+from pan2render.runner.farm.requests import Requests
+from pan2render.runner.farm.users import ADMIN
 from pan2render.runner.serve import errors
-from pan2render.runner.serve.errors import UnrecordedWork
 from pan2render.runner.serve.jobflow import BatchFlow
 from pan2render.runner.serve.pool import GroupPool
 from pan2render.runner.serve.progress import RunningJob, RunProgress
 from pan2render.runner.serve.scheduler import Scheduler, ServedBatch
-from pan2render.runner.serve.session import BatchRequest, BatchSession, model_folder_problems
+from pan2render.runner.serve.session import BatchSession, model_folder_problems
 from pan2render.runner.serve.steps import PAN2_FLOW
 from pan2render.runner.views.report import ReportUpdater
 
 PUBLISH_EVERY_S = 0.5  # the snapshot's age at most (each publish reads every served batch's ledger)
-TOKEN_NAME = "token"
-INFO_NAME = "farm.json"
-LOG_NAME = "farm.log"
 EVENTS_SHOWN = 50  # the queue's latest events in the snapshot (the web monitor's list)
-
-
-class FarmRequestError(RuntimeError):
-    """A client's request the farm refuses (the reason is sent back as is, with the HTTP status:
-    409 a conflict with the farm's state, 422 a batch that cannot be rendered as things stand)."""
-
-    def __init__(self, message: str, *, status: int = 409):
-        super().__init__(message)
-        self.status = status
+ENDED_SHOWN = 50  # ended batches in the snapshot, newest last (`queue --all` reads the queue itself)
 
 
 @dataclass(eq=False)
@@ -81,21 +74,11 @@ class _Served:
         return self.row.preempt
 
 
-def ensure_token(root: Path) -> str:
-    """The farm's token (``ROOT/token``, readable by its owner only), made on first use."""
-    path = root / TOKEN_NAME
-    if not path.exists():
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32) + "\n")
-    os.chmod(path, 0o600, follow_symlinks=False)
-    return path.read_text().strip()
-
-
 class Farm:
     def __init__(self, config: FarmConfig, executor: Executor, *, log: Callable[[str], None]):
         self.config = config
         self.root = Path(config.root)
+        self.videos_root = self.root / VIDEOS_DIR
         self.ex = executor
         self.log = log
         self.queue = FarmQueue(self.root)
@@ -104,7 +87,9 @@ class Farm:
                          fault_limit=config.device_fault_limit)
         self.scheduler = Scheduler(executor=executor, config=sched, pool=pool)
         self.served: dict[str, _Served] = {}
-        self._requests: queue_mod.Queue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = queue_mod.Queue()
+        self.requests = Requests()
+        self.actions = Actions(self)
+        self.write_error: str | None = None  # the queue's last refused write, until one succeeds
         self._snapshot: dict[str, Any] = {}
         self._snapshot_lock = threading.Lock()
         self._stopping = threading.Event()
@@ -113,12 +98,11 @@ class Farm:
         self.url = ""
 
     # ================================================================== requests from the API
-    def ask(self, request: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-        """Run ``request`` on the main thread (the one writer); its result or error comes back in
-        the future. Called from the API's thread."""
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._requests.put((request, fut))
-        return fut
+    def ask(self, run: Callable[[], Any], *, action: str = "a request", user: str = ADMIN
+            ) -> concurrent.futures.Future[Any]:
+        """Run ``run`` on the main thread (the one writer); its result or error comes back in the
+        future. Called from any other thread."""
+        return self.requests.put(action, user, run).future
 
     def snapshot(self) -> dict[str, Any]:
         with self._snapshot_lock:
@@ -127,99 +111,14 @@ class Farm:
     def stop(self) -> None:
         self._stopping.set()
 
-    def _run_requests(self) -> None:
-        while True:
-            try:
-                request, fut = self._requests.get_nowait()
-            except queue_mod.Empty:
-                return
-            try:
-                fut.set_result(request())
-            except Exception as e:  # every refusal goes back to the client
-                fut.set_exception(e)
-
-    # ================================================================== what a client can ask
-    def submit(self, request: BatchRequest, *, owner: str, priority: int, preempt: bool = False) -> dict[str, Any]:
-        """Record the batch in its folder's ledger, queue it, serve it. ``preempt``: its jobs may stop
-        a lower-priority batch's sampling at a step boundary to take its group (that job continues
-        from its step checkpoint after)."""
-        out = str(request.out_dir)
-        if (other := self.queue.active_for(out)) is not None:
-            raise FarmRequestError(f"{out} is already served by batch {other.id} on this farm; wait for it to end "
-                                   f"or `pan2-render cancel {other.id}`, or choose another --out")
-        if broken := model_folder_problems(request.batch.jobs):
-            raise FarmRequestError(errors.broken_checkpoints(broken, resume=None), status=422)
-        title = (f"submit {request.batch.path} {' '.join(request.overrides.flags())}".rstrip()
-                 + f" (farm {self.root}, priority {priority}, owner {owner})")
-        try:
-            session = BatchSession.record(request, stream=None, title=title)
-        except (FolderLockedError, UnrecordedWork) as e:
-            raise FarmRequestError(str(e)) from e
-        try:
-            row = self.queue.add(out_dir=out, batch_path=request.batch.path, owner=owner, priority=priority,
-                                 job_ids=session.job_ids, preempt=preempt)
-        except BaseException:
-            session.close()
-            raise
-        self.log(f"{row.id}: submitted by {owner}: {len(row.job_ids)} job(s) into {out}, priority {priority}")
-        self._serve(row, session)
-        return self.describe(row.id)
-
-    def pause(self, batch_id: str, *, paused: bool) -> dict[str, Any]:
-        row = self.queue.transition(batch_id, BatchEvent.PAUSE if paused else BatchEvent.UNPAUSE,
-                                    reason="paused by a client" if paused else "unpaused by a client")
-        if (s := self.served.get(row.id)) is not None:
-            s.row = row
-            s.session.log.line(f"farm: batch {row.id} {'paused: no new job of it starts' if paused else 'unpaused'}")
-        return self.describe(row.id)
-
-    def set_priority(self, batch_id: str, priority: int) -> dict[str, Any]:
-        row = self.queue.set_priority(batch_id, priority)
-        if (s := self.served.get(row.id)) is not None:
-            s.row = row
-            self.scheduler.reorder()
-        return self.describe(row.id)
-
-    def cancel(self, batch_id: str, *, job: str | None = None) -> dict[str, Any]:
-        """The batch (or one of its jobs, by id, unique id prefix or name): queued jobs are cancelled
-        now, a sampling in progress stops at its next step, a job past its sampling finishes."""
-        row = self.queue.get(batch_id)
-        s = self.served.get(row.id)
-        if job is None:
-            row = self.queue.transition(row.id, BatchEvent.CANCEL, reason="cancelled by a client")
-            if s is None:
-                return self.describe(row.id)
-            s.row = row
-            stopped = self.scheduler.cancel(s.batch, None, reason="the batch was cancelled")
-        else:
-            if s is None:
-                raise FarmRequestError(f"batch {row.id} is {row.state.value}: none of its jobs runs or waits")
-            from pan2render.runner.views.status import JobNotFound, find_job
-
-            try:
-                target = find_job(s.session.ledger, job)
-            except JobNotFound as e:
-                raise FarmRequestError(str(e)) from e
-            stopped = self.scheduler.cancel(s.batch, [target.id], reason="cancelled by a client")
-        s.session.log.line(f"farm: cancel of {'batch ' + row.id if job is None else 'job ' + job}: "
-                           f"{len(stopped)} sampling(s) stop at their next step")
-        return self.describe(row.id)
-
-    def retry(self, batch_id: str) -> dict[str, Any]:
-        """An ended batch back in the queue: its failed, cancelled and interrupted jobs run again."""
-        row = self.queue.get(batch_id)
-        if row.id in self.served:
-            raise FarmRequestError(f"batch {row.id} is {row.state.value}: it is being served; retry it once it ends")
-        if broken := self._broken_checkpoints(row):
-            raise FarmRequestError(errors.broken_checkpoints(broken, resume=None), status=422)
-        session = BatchSession.reopen(Path(row.out_dir), stream=None, job_ids=row.job_ids,
-                                      title=f"farm: retry of batch {row.id} ({{batch}})")
-        row = self.queue.transition(row.id, BatchEvent.RETRY, reason="retried by a client")
-        self._serve(row, session)
-        return self.describe(row.id)
-
     def describe(self, batch_id: str) -> dict[str, Any]:
-        row = self.queue.get(batch_id)
+        try:
+            row = self.queue.get(batch_id)
+        except QueueError as e:
+            raise FarmRequestError(str(e), status=404) from None
+        return self._described(row)
+
+    def _described(self, row: QueuedBatch) -> dict[str, Any]:
         s = self.served.get(row.id)
         counts = s.session.counts() if s is not None else _ledger_counts(Path(row.out_dir), row.job_ids)
         running = [r.job.id for r in self.scheduler.running(s.batch)] if s is not None else []
@@ -228,13 +127,14 @@ class Farm:
                 "submitted_at": row.submitted_at, "updated_at": row.updated_at, "counts": counts,
                 "running": running, "queued": len(self.scheduler.pending(s.batch)) if s is not None else 0,
                 "eta_s": s.batch.progress.eta_seconds() if s is not None else None,
-                "exit_code": exit_code(row.state, counts)}
+                "exit_code": exit_code(row.state, counts), "video_id": row.video_id, "hidden": row.hidden}
 
     # ================================================================== serving batches
     def resume_unfinished(self) -> None:
-        """At start: every batch of the queue that has not ended is served again from its ledger."""
+        """At start: every batch of the queue that has not ended is served again from its ledger
+        (a cancelling one too: its jobs a client cancelled are cancelled then, and it ends)."""
         for row in self.queue.batches(include_ended=False):
-            if broken := self._broken_checkpoints(row):
+            if broken := self.broken_model_folders(row):
                 why = errors.broken_checkpoints(broken, resume=None)
                 self.queue.transition(row.id, BatchEvent.STOP, reason=why)
                 self.log(f"{row.id}: not continued: {why}")
@@ -248,11 +148,11 @@ class Farm:
                 self.log(f"{row.id}: not continued: {type(e).__name__}: {e}")
                 continue
             self.log(f"{row.id}: continued from its ledger ({row.out_dir})")
-            self._serve(row, session, revive_cancelled=False)
+            self.serve(row, session, revive_cancelled=False)
 
     @staticmethod
-    def _broken_checkpoints(row: QueuedBatch) -> dict[str, list[str]]:
-        """The checkpoint folders the batch's unfinished jobs name that cannot be loaded (checked
+    def broken_model_folders(row: QueuedBatch) -> dict[str, list[str]]:
+        """The model folders the batch's unfinished jobs name that cannot be loaded (checked
         before a batch is served again: each of its jobs would fail its load the same way)."""
         try:
             ledger = Ledger.open_readonly(Path(row.out_dir))
@@ -264,7 +164,9 @@ class Farm:
             ledger.close()
         return model_folder_problems(specs)
 
-    def _serve(self, row: QueuedBatch, session: BatchSession, *, revive_cancelled: bool = True) -> None:
+    def serve(self, row: QueuedBatch, session: BatchSession, *, revive_cancelled: bool) -> None:
+        """Serve a batch held by ``session``: its jobs prepared (``revive_cancelled``: a cancelled
+        job renders again, as when the batch is submitted again or retried), then queued."""
         try:
             session.prepare(retries=self.config.serving.retries, revive_cancelled=revive_cancelled)
             session.note_run(command="farm", gpus=self.scheduler.pool.total_gpus)
@@ -286,28 +188,49 @@ class Farm:
         self.scheduler.serve(served.batch, session.job_ids)
 
     def _end_finished(self) -> None:
+        """Close each served batch with nothing left to run: stopped if its folder refused a write,
+        else failed if a job failed, cancelled if one was cancelled (or the batch was, its jobs
+        not all done), done if every job is."""
         for batch_id, s in list(self.served.items()):
             if self.scheduler.running(s.batch):
                 continue
-            if s.batch.stop is None and self.scheduler.pending(s.batch) and s.row.state is not BatchState.CANCELLED:
+            cancelling = s.row.state is BatchState.CANCELLING
+            if s.batch.stop is None and self.scheduler.pending(s.batch) and not cancelling:
                 continue
             counts = s.session.counts()
+            done, failed, cancelled = (counts[st.value] for st in (JobState.DONE, JobState.FAILED, JobState.CANCELLED))
             if s.batch.stop is not None:
                 event, why = BatchEvent.STOP, f"its folder refused a write: {s.batch.stop}"
-            elif s.row.state is BatchState.CANCELLED:
-                event, why = None, "cancelled"
-            elif counts[JobState.DONE.value] < counts["total"]:
+            elif failed:
                 event = BatchEvent.END_FAILED
-                why = ", ".join(f"{counts[s.value]} job(s) {s.value}" for s in (JobState.FAILED, JobState.CANCELLED)
-                                if counts[s.value])
+                why = f"{failed} job(s) failed" + (f", {cancelled} cancelled" if cancelled else "")
+            elif cancelled or (cancelling and done < counts["total"]):
+                event, why = BatchEvent.END_CANCELLED, f"{cancelled} job(s) cancelled, {done} done"
             else:
                 event, why = BatchEvent.END_DONE, "every job done"
-            self._close(batch_id, s, event, why, counts)
+            if self._write(self.queue.transition, batch_id, event, reason=why):
+                self._close(batch_id, s, why, counts)
 
-    def _close(self, batch_id: str, s: _Served, event: BatchEvent | None, why: str, counts: dict[str, int]) -> None:
+    def _write(self, change: Callable[..., object], *args: Any, **kwargs: Any) -> bool:
+        """A change of the queue the loop makes; a refused write (a full disk) is reported, once,
+        and left for the next pass instead of stopping the farm."""
+        try:
+            change(*args, **kwargs)
+        except Exception as e:
+            if not disk.is_disk_full(e):
+                raise
+            if self.write_error is None:
+                self.log(f"the queue could not be written ({e}); the farm goes on answering and tries again "
+                         f"each pass: free space in {self.root}")
+            self.write_error = f"{type(e).__name__}: {e}"
+            return False
+        if self.write_error is not None:
+            self.log("the queue is written again")
+            self.write_error = None
+        return True
+
+    def _close(self, batch_id: str, s: _Served, why: str, counts: dict[str, int]) -> None:
         del self.served[batch_id]
-        if event is not None:
-            s.row = self.queue.transition(batch_id, event, reason=why)
         s.batch.progress.close()
         path = s.report.close()
         log = s.session.log
@@ -339,11 +262,11 @@ class Farm:
     def step(self) -> None:
         """One pass: the API's requests, the scheduler's pass (or a short wait when idle), ended
         batches closed, idle groups released, the snapshot published."""
-        self._run_requests()
+        self.requests.run_waiting(refused=(FarmRequestError,))
         if self.scheduler.busy:
             self.scheduler.tick()
         else:
-            self._idle_wait()
+            self.requests.wait(self.config.poll_s)
         self._end_finished()
         for group in self.scheduler.pool.release_idle(self.config.idle_release_s):
             self.log(f"group {group.id} released after {self.config.idle_release_s:.0f} s idle")
@@ -354,21 +277,14 @@ class Farm:
         """Running jobs back to pending (uncharged), every batch's folder released, the groups ended."""
         self.scheduler.interrupt_all("the farm stopped", outcome="interrupted")
         for batch_id, s in list(self.served.items()):
-            self._close(batch_id, s, None, "the farm stopped; it continues when the farm starts again",
-                        s.session.counts())
+            self._close(batch_id, s, "the farm stopped; it continues when the farm starts again", s.session.counts())
         self.scheduler.close()
         self.queue.close()
 
-    def _idle_wait(self) -> None:
-        """Nothing to run: wait for a request (or the poll interval), without spinning."""
-        try:
-            request, fut = self._requests.get(timeout=self.config.poll_s)
-        except queue_mod.Empty:
-            return
-        self._requests.put((request, fut))
-
     def _publish(self) -> None:
-        batches = [self.describe(b.id) for b in self.queue.batches()[-200:]]
+        rows = self.queue.batches(include_hidden=False)
+        ended = [r for r in rows if r.state.ended][-ENDED_SHOWN:]
+        batches = [self._described(r) for r in rows if not r.state.ended or r in ended]
         groups = [{"id": g.id, "gpus": g.size, "models": sorted(g.loads), "state": state, "since": since,
                    "jobs": [r.job.id for r in self.scheduler.running_on(g)], "faults": g.faults}
                   for g, state, since in self.scheduler.pool.describe()]
@@ -377,6 +293,7 @@ class Farm:
                 "groups": groups, "batches": batches,
                 "queue_depth": sum(len(self.scheduler.pending(s.batch)) for s in self.served.values()),
                 "log": str(self.root / LOG_NAME), "idle_release_s": self.config.idle_release_s,
+                "write_error": self.write_error,
                 "running": [_running_row(batch_id, s.batch.progress, r) for batch_id, s in self.served.items()
                             for r in s.batch.progress.running()],
                 "events": self.queue.events(limit=EVENTS_SHOWN)}
@@ -404,8 +321,6 @@ def exit_code(state: BatchState, counts: dict[str, int]) -> int | None:
 
 
 def _ledger_counts(out_dir: Path, job_ids: list[str]) -> dict[str, int]:
-    from pan2render.jobs.ledger import Ledger
-
     try:
         led = Ledger.open_readonly(out_dir)
     except Exception:  # a folder gone or damaged since: counts unknown

@@ -38,6 +38,9 @@ STEP_CHECKPOINT_DOC = "step-checkpoint"
 # The ledger document with a running sampling's latest step, as the scheduler last recorded it
 # ({"step", "steps", "rate", "at"}), so that `status` (another process) can show it.
 SAMPLING_STEP_DOC = "sampling-step"
+# The ledger document of a running job a client cancelled (the reason), written before the cancel
+# is answered: a driver killed before the job stops cancels it when it starts again.
+CANCEL_DOC = "cancel-requested"
 STEP_CHECKPOINT_NAME = "sampling.ckpt.safetensors"  # a sampling's newest step checkpoint, until it ends
 
 class NonFiniteError(JobInputError, FloatingPointError):

@@ -134,6 +134,11 @@ class JobRun:
         return self.stop is not None and self.stop.kind is StopKind.CANCEL
 
     @property
+    def cancel_reason(self) -> str | None:
+        """Why a client cancelled it, if one did."""
+        return self.stop.reason if self.stop is not None and self.stop.kind is StopKind.CANCEL else None
+
+    @property
     def preempted(self) -> bool:
         return self.stop is not None and self.stop.kind is StopKind.PREEMPT
 

@@ -10,18 +10,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pan2render.jobs.ledger import EventKind, JobEvent, JobState, Ledger, Stage
+from pan2render.jobs.ledger import JobState, Ledger
 from pan2render.runner.cluster.executor import Executor
 from pan2render.runner.cluster.ray_cluster import GcsLost
-from pan2render.runner.protocol import artifacts, outputs
 from pan2render.runner.protocol.failures import ClusterLostError
 from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.serve.jobflow import BatchFlow, JobFlow
 from pan2render.runner.serve.progress import RunLog, RunProgress
 from pan2render.runner.serve.scheduler import Scheduler, ServedBatch
+from pan2render.runner.serve.session import prepare_jobs
 from pan2render.runner.serve.steps import PAN2_FLOW
 
-__all__ = ["Driver", "RunSummary", "prepare_jobs"]
+__all__ = ["Driver", "RunSummary"]
 
 
 @dataclass(frozen=True)
@@ -34,35 +34,6 @@ class RunSummary:
     @property
     def exit_code(self) -> int:
         return 1 if self.failed else 0
-
-
-def prepare_jobs(*, out_dir: Path, ledger: Ledger, job_ids: list[str], retries: int,
-                 say: Callable[[str], None], revive_cancelled: bool = True) -> None:
-    """Bring the named jobs to a runnable state (idempotent; needs no workers): interrupted ones
-    back to pending, failed ones (and cancelled ones, unless ``revive_cancelled`` is False: a
-    farm continuing its batches after a restart keeps a cancel) revived with a fresh retry budget,
-    done ones whose video no longer checks out (missing, size/sha256 mismatch, does not decode)
-    invalidated back to decode."""
-    for job in ledger.jobs(job_ids):
-        if job.state is JobState.RUNNING:
-            ledger.transition(job.id, JobEvent.INTERRUPT, reason="the previous driver stopped while this job ran")
-        elif job.state is JobState.FAILED or (job.state is JobState.CANCELLED and revive_cancelled):
-            ledger.transition(job.id, JobEvent.REVIVE, retries=retries,
-                              reason=f"resumed: a {job.state.value} job gets a fresh retry budget")
-        elif job.state is JobState.DONE:
-            rec = ledger.stages(job.id)[Stage.ENCODE]
-            problem = artifacts.check_video(out_dir, artifacts.recorded(rec), frames=job.spec.frames,
-                                            width=job.spec.width, height=job.spec.height)
-            if problem:
-                # Stages first: a crash between the two writes leaves a done job whose video is
-                # checked again next time, never a pending job whose encode stage claims done.
-                ledger.reset_stages(job.id, Stage.DECODE, reason=problem)
-                ledger.transition(job.id, JobEvent.INVALIDATE, reason=problem)
-                say(f"{job.name}: {problem}; encoding it again")
-            elif fixed := outputs.restore_params(out_dir, ledger, job):
-                ledger.log(job.id, EventKind.PARAMS_REWRITTEN, fixed)
-                say(f"{job.name}: {fixed}; rewritten")
-
 
 
 class Driver:

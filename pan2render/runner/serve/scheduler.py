@@ -3,19 +3,13 @@ busy. What a job does next, and how a reply or a failure is recorded, is the sta
 (``jobflow.py``); the scheduler decides only which job runs on which group, and when.
 
 A group owns up to two kinds of jobs at once: one on its GPU lane (plus the next one queued behind
-a decode, so the GPU starts it the moment the decode ends) and up to ``MAX_ENCODES_IN_FLIGHT``
-encoding in the background. The loop never blocks on one call: it waits on all in-flight calls
-with a short timeout, and every call has its own deadline; a call past it counts as a dead group.
-What a failure costs the job and whether its group takes the next job is decided in ``serve/retry.py``.
-
-:class:`Scheduler` serves any number of batches (each a :class:`ServedBatch`: its flow, its
-progress, its priority); ``driver.Driver`` is the scheduler serving one batch until it is done, as
-``pan2-render run`` does, and the farm (``farm/``) is the scheduler kept up. What it serves and how
-(the queue's order included) is ``serving.py``'s and ``config.py``'s; what it watches (call deadlines, hung samplings,
-their steps, a cluster that lost GPUs) is ``watch.py``'s. Pending jobs start strictly in queue
+a decode) and up to ``MAX_ENCODES_IN_FLIGHT`` encoding in the background. The loop never blocks on
+one call: it waits on all in-flight calls with a short timeout, and every call has its own deadline.
+What a failure costs is ``retry.py``'s; what it serves and how, ``serving.py``'s and ``config.py``'s;
+what it watches (deadlines, hung samplings, lost GPUs), ``watch.py``'s. ``driver.Driver`` is it
+serving one batch (`run`), the farm (``farm/``) is it kept up. Pending jobs start strictly in queue
 order (priority, then when their batch was served, then their order in it): when the head job's
-group size is not free, later jobs wait too, so a 4-GPU job is never starved by a stream of 1-GPU
-jobs taking every GPU that frees up (the pool tears idle groups down for it).
+group size is not free, later jobs wait too, so a 4-GPU job is never starved by 1-GPU jobs.
 """
 
 from __future__ import annotations
@@ -24,6 +18,7 @@ import traceback
 
 from pan2render.jobs.ledger import EventKind, JobEvent, JobRecord, JobState, Stage, StageEvent, stage_name
 from pan2render.runner.cluster.executor import Call, Executor, Group, GroupDied, GroupStartError
+from pan2render.runner.protocol.artifacts import CANCEL_DOC
 from pan2render.runner.protocol.failures import BatchStopped, Failure, FailureKind, classify_exception
 from pan2render.runner.protocol.messages import (
     CheckpointReply,
@@ -95,17 +90,23 @@ class Scheduler:
     def cancel(self, batch: ServedBatch, job_ids: list[str] | None, *, reason: str) -> list[JobRun]:
         """Cancel the batch's jobs (``job_ids``; None: all): a queued one now, a sampling one at its
         next step boundary (returned), one still before its sampling when its call in flight
-        returns, one past its sampling once its video is made."""
+        returns, one past its sampling once its video is made. Durable when it returns: the queued
+        jobs are cancelled in the ledger (one transaction), the running ones marked there to be
+        cancelled (``CANCEL_DOC``), so a driver killed before they stop cancels them at its next start."""
         wanted = None if job_ids is None else set(job_ids)
-        for q in [q for q in self._queue.of(batch) if wanted is None or q.job_id in wanted]:
+        queued = [q for q in self._queue.of(batch) if wanted is None or q.job_id in wanted]
+        runs = [r for r in self.running(batch) if (wanted is None or r.job.id in wanted) and not r.cancelled]
+        batch.ledger.transition_many([q.job_id for q in queued], JobEvent.CANCEL, reason=reason)
+        batch.ledger.set_documents([r.job.id for r in runs], CANCEL_DOC, reason)
+        for q in queued:
             self._queue.remove(q)
-            self._end_cancelled(batch, q.job_id, reason)
+            batch.progress.job_ended(q.job_id, "cancelled", reason)
+            batch.ended += 1
         stopped = []
-        for run in self.running(batch):
-            if wanted is None or run.job.id in wanted:
-                run.stop = Stop(StopKind.CANCEL, reason)
-                if self._stop_sampling(run):
-                    stopped.append(run)
+        for run in runs:
+            run.stop = Stop(StopKind.CANCEL, reason)
+            if self._stop_sampling(run):
+                stopped.append(run)
         return stopped
 
     def _stop_sampling(self, run: JobRun) -> bool:
@@ -157,6 +158,7 @@ class Scheduler:
 
     def _end_cancelled(self, batch: ServedBatch, job_id: str, reason: str) -> None:
         batch.ledger.transition(job_id, JobEvent.CANCEL, reason=reason)
+        batch.ledger.delete_document(job_id, CANCEL_DOC)  # (after: a crash between leaves it to prepare_jobs)
         batch.progress.job_ended(job_id, "cancelled", reason)
         batch.ended += 1
 
@@ -354,7 +356,7 @@ class Scheduler:
         decision = self._policy.decide(job, failure, on_group=on_group)
         if decision.keep_group:
             self._leave(batch, run)  # only this job's call failed; the group goes on
-            return self._carry_out(batch, job.id, failure, decision)
+            return self._carry_out(batch, job.id, failure, decision, cancel=run.cancel_reason)
         if not died:
             batch.ledger.log(job.id, EventKind.GROUP_DISCARDED,
                              f"group {run.group.id} after [{failure.kind.value}]: {failure.message}")
@@ -369,7 +371,7 @@ class Scheduler:
         for b, r in [(batch, run), *others]:
             self._running.end(b, r)
         batch.ledger.log(job.id, EventKind.GROUP_DIED, failure.message)
-        self._carry_out(batch, job.id, failure, decision)
+        self._carry_out(batch, job.id, failure, decision, cancel=run.cancel_reason)
         # Every other job the torn-down group owned (one queued on its GPU lane, ones encoding)
         # fails where it stood, as a worker death (as cluster-lost when this failure was: they
         # were on the same lost node); each goes back from its last durable stage.
@@ -380,17 +382,22 @@ class Scheduler:
             b.ledger.log(r.job.id, EventKind.GROUP_DIED, msg)
             stage = r.call.message.stage if r.call is not None else b.flow.next_stage(r.job.id)
             self._failed(b, r.job.id, Failure(stage=stage or Stage.CONDITIONING, error=msg,
-                                              kind=FailureKind.CLUSTER_LOST if lost else FailureKind.WORKER_DEATH))
+                                              kind=FailureKind.CLUSTER_LOST if lost else FailureKind.WORKER_DEATH),
+                         cancel=r.cancel_reason)
 
-    def _failed(self, batch: ServedBatch, job_id: str, failure: Failure) -> None:
+    def _failed(self, batch: ServedBatch, job_id: str, failure: Failure, *, cancel: str | None = None) -> None:
         """A failure of a job off any group (a driver write, a group that never formed, a job of a
         group torn down for another): decided by serve/retry.py, then carried out."""
-        self._carry_out(batch, job_id, failure, self._policy.decide(batch.ledger.job(job_id), failure))
+        self._carry_out(batch, job_id, failure, self._policy.decide(batch.ledger.job(job_id), failure), cancel=cancel)
 
-    def _carry_out(self, batch: ServedBatch, job_id: str, failure: Failure, decision: Decision) -> None:
-        """The flow records the decision in the ledger; here the job is queued again or ends."""
+    def _carry_out(self, batch: ServedBatch, job_id: str, failure: Failure, decision: Decision, *,
+                   cancel: str | None = None) -> None:
+        """The flow records the decision in the ledger; here the job is queued again or ends. A job
+        a client cancelled (``cancel``: why) is not queued again: it ends cancelled."""
         first = failure.message.splitlines()[0][:200] if failure.message else ""
         line = f"{stage_name(failure.stage)}: [{failure.kind.value}] {first}"
+        if cancel is not None and decision.action is not Action.FAIL:
+            return self._end_cancelled(batch, job_id, f"{cancel} (its {line} meanwhile)")
         if decision.action is Action.REQUEUE:
             if decision.stop_batch and batch.stop is None:
                 batch.stop = BatchStopped(failure.cause or RuntimeError(failure.message))
@@ -438,4 +445,3 @@ class Scheduler:
         batch.flow.fail_unrunnable(job.id, msg)
         batch.progress.job_ended(job.id, "FAILED", msg)
         batch.ended += 1
-

@@ -15,18 +15,31 @@ import os
 import re
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from pan2render.hints import command
 from pan2render.jobs import disk
-from pan2render.jobs.ledger import BACKUP_NAME, LEDGER_NAME, EventKind, FolderLock, JobRecord, JobState, Ledger
+from pan2render.jobs.ledger import (
+    BACKUP_NAME,
+    LEDGER_NAME,
+    TERMINAL_JOB_STATES,
+    EventKind,
+    FolderLock,
+    JobEvent,
+    JobRecord,
+    JobState,
+    Ledger,
+    Stage,
+)
 from pan2render.jobs.overrides import Overrides
 from pan2render.jobs.spec import Batch, JobSpec
 from pan2render.model_files import folder_problems
+from pan2render.runner.protocol import artifacts, outputs
+from pan2render.runner.protocol.artifacts import CANCEL_DOC
 from pan2render.runner.serve import errors
-from pan2render.runner.serve.driver import prepare_jobs
 from pan2render.runner.serve.errors import UnrecordedWork
 from pan2render.runner.serve.progress import RUN_LOG_NAME, RunLog
 from pan2render.tiny_dit import TINY_MODEL
@@ -59,6 +72,43 @@ class BatchRequest:
                    retries=int(d.get("retries", 2)), prune=bool(d.get("prune", False)))
 
 
+def prepare_jobs(*, out_dir: Path, ledger: Ledger, job_ids: list[str], retries: int,
+                 say: Callable[[str], None], revive_cancelled: bool = False) -> None:
+    """Bring the named jobs to a runnable state (idempotent; needs no workers): a job a client
+    cancelled while it ran (its cancel recorded, the driver stopped before the job did) cancelled,
+    interrupted ones back to pending, failed ones (and cancelled ones when ``revive_cancelled``:
+    the batch is run again, or retried, by whoever cancelled it) revived with a fresh retry budget,
+    done ones whose video no longer checks out (missing, size/sha256 mismatch, does not decode)
+    invalidated back to decode."""
+    asked = ledger.with_document(CANCEL_DOC)
+    for job in ledger.jobs(job_ids):
+        if job.id in asked:
+            if job.state not in TERMINAL_JOB_STATES:
+                ledger.transition(job.id, JobEvent.CANCEL, reason=f"{asked[job.id]} (the cancel was recorded before "
+                                                                  f"the previous driver stopped)")
+                job = ledger.job(job.id)
+            ledger.delete_document(job.id, CANCEL_DOC)
+        if job.state is JobState.RUNNING:
+            ledger.transition(job.id, JobEvent.INTERRUPT, reason="the previous driver stopped while this job ran")
+        elif job.state is JobState.FAILED or (job.state is JobState.CANCELLED and revive_cancelled):
+            ledger.transition(job.id, JobEvent.REVIVE, retries=retries,
+                              reason=f"resumed: a {job.state.value} job gets a fresh retry budget")
+        elif job.state is JobState.DONE:
+            rec = ledger.stages(job.id)[Stage.ENCODE]
+            problem = artifacts.check_video(out_dir, artifacts.recorded(rec), frames=job.spec.frames,
+                                            width=job.spec.width, height=job.spec.height)
+            if problem:
+                # Stages first: a crash between the two writes leaves a done job whose video is
+                # checked again next time, never a pending job whose encode stage claims done.
+                ledger.reset_stages(job.id, Stage.DECODE, reason=problem)
+                ledger.transition(job.id, JobEvent.INVALIDATE, reason=problem)
+                say(f"{job.name}: {problem}; encoding it again")
+            elif fixed := outputs.restore_params(out_dir, ledger, job):
+                ledger.log(job.id, EventKind.PARAMS_REWRITTEN, fixed)
+                say(f"{job.name}: {fixed}; rewritten")
+
+
+
 class BatchSession:
     """One output folder held for serving its batch: the lock, the ledger, the run log. Close it
     (or use it as a context manager) when the batch is served; the lock is released last."""
@@ -71,6 +121,7 @@ class BatchSession:
         self.log = log
         self.job_ids = job_ids
         self.flags = flags
+        self.added: list[str] = []  # the jobs `record` added to the ledger
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -104,6 +155,7 @@ class BatchSession:
                     batch.jobs, retries=request.retries)
             except Exception as e:
                 raise errors.NothingRecorded(e) from e
+            session.added = added
             log.line(title)
             keep_batch_copy(out, ledger, batch, overrides.flags(), log)
             warn_if_no_backup(ledger, log)
@@ -144,12 +196,21 @@ class BatchSession:
         return session
 
     # ------------------------------------------------------------------ serving
-    def prepare(self, *, retries: int, revive_cancelled: bool = True) -> bool:
-        """Bring the jobs to a runnable state (see driver.prepare_jobs); True when every one has
+    def prepare(self, *, retries: int, revive_cancelled: bool = False) -> bool:
+        """Bring the jobs to a runnable state (see prepare_jobs); True when every one has
         ended (done with its video intact, or cancelled and kept so), so no worker is needed."""
         prepare_jobs(out_dir=self.out_dir, ledger=self.ledger, job_ids=self.job_ids, retries=retries,
                      say=self.log.line, revive_cancelled=revive_cancelled)
         return all(j.state in (JobState.DONE, JobState.CANCELLED) for j in self.ledger.jobs(self.job_ids))
+
+    def unrecord(self) -> None:
+        """Take back what ``record`` added (its jobs), when what was to follow it failed (the farm
+        could not queue the batch): best effort, as the disk that refused that may refuse this."""
+        try:
+            if self.added:
+                self.ledger.drop_jobs(self.added, reason="the batch could not be queued; nothing of it was kept")
+        except Exception as e:  # the answer says the batch was refused; the log says what stayed
+            self.log.line(f"warning: the jobs just recorded could not be taken back ({type(e).__name__}: {e})")
 
     def note_run(self, *, command: str, gpus: int) -> None:
         """The ledger's list of runs (`status` shows the last: who serves the folder, with which flags)."""

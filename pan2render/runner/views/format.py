@@ -18,3 +18,14 @@ def duration(seconds: float) -> str:
     if s < 3600:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print on a terminal: control and bidi characters shown as escapes (\\x1b,
+    \\u202e), so a name cannot move the cursor, recolour the screen or reorder what follows it."""
+    return "".join(c if c.isprintable() and not _bidi(c) else (f"\\x{ord(c):02x}" if ord(c) < 0x100 else
+                                                                f"\\u{ord(c):04x}") for c in text)
+
+
+def _bidi(c: str) -> bool:
+    return c in "\u061c\u200e\u200f" or "\u202a" <= c <= "\u202e" or "\u2066" <= c <= "\u2069"

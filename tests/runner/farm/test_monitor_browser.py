@@ -98,7 +98,11 @@ def test_the_monitor_follows_the_farm_and_acts_on_it(tmp_path: Path, page: Any,
                                ".map(r => r.dataset.batch); return rows.indexOf(a) < rows.indexOf(b); }",
                                arg=[last, failing], timeout=WAIT_MS)
         assert _order(page)[0] == last  # priority 5: first of all, above the running batches too
-        farm.ask(lambda: [farm.pause(b, paused=False) for b in (failing, last)]).result(timeout=30)  # both at once
+        def unpause_both() -> None:  # in one request: both at once
+            for b in (failing, last):
+                farm.actions.pause(b, paused=False)
+
+        farm.ask(unpause_both).result(timeout=30)
 
         for batch, counts in [(sweep, "4 / 0 / 4"), (last, "1 / 0 / 1"), (failing, "1 / 1 / 2")]:
             _wait_text(page, f"#batch-{batch} td.counts", counts)

@@ -116,7 +116,7 @@ def test_the_backup_follows_every_change(tmp_path: Path) -> None:
     q.set_priority("b1", 3)
     assert _rows(tmp_path, BACKUP_NAME) == [("/r/a", "ann", 3, "active")]
     q.transition("b1", BatchEvent.CANCEL, reason="by a client")
-    assert _rows(tmp_path, BACKUP_NAME) == _rows(tmp_path) == [("/r/a", "ann", 3, "cancelled")]
+    assert _rows(tmp_path, BACKUP_NAME) == _rows(tmp_path) == [("/r/a", "ann", 3, "cancelling")]
     q.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == [QUEUE_NAME, BACKUP_NAME]  # no temp, no journal
 

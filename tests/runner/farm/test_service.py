@@ -21,9 +21,13 @@ from runner_helpers import RecordingExecutor, farm_config, spec
 from pan2render.jobs.ledger import JobState, Ledger
 from pan2render.jobs.overrides import Overrides
 from pan2render.jobs.spec import Batch, JobSpec
+from pan2render.runner.farm.actions import FarmRequestError
 from pan2render.runner.farm.api import start_api
-from pan2render.runner.farm.queue import BatchState, QueueError
-from pan2render.runner.farm.service import Farm, FarmRequestError, ensure_token
+from pan2render.runner.farm.folder import ensure_token
+from pan2render.runner.farm.intake import Roots
+from pan2render.runner.farm.queue import BatchState
+from pan2render.runner.farm.service import Farm
+from pan2render.runner.farm.users import Users
 from pan2render.runner.protocol.messages import LoadCall, SampleCall, WorkerConfig
 from pan2render.runner.serve.session import BatchRequest
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
@@ -59,9 +63,9 @@ def _started(out: Path) -> list[tuple[float, str]]:
 
 def test_jobs_run_by_priority_then_submission(tmp_path: Path) -> None:
     farm, ex = _farm(tmp_path)
-    low = farm.submit(_request(tmp_path / "low", [spec("l1"), spec("l2")]), owner="ann", priority=0)
-    first = farm.submit(_request(tmp_path / "first", [spec("f1")]), owner="bob", priority=5)
-    second = farm.submit(_request(tmp_path / "second", [spec("s1")]), owner="cy", priority=5)
+    low = farm.actions.submit(_request(tmp_path / "low", [spec("l1"), spec("l2")]), owner="ann", priority=0)
+    first = farm.actions.submit(_request(tmp_path / "first", [spec("f1")]), owner="bob", priority=5)
+    second = farm.actions.submit(_request(tmp_path / "second", [spec("s1")]), owner="cy", priority=5)
     _serve_until_idle(farm)
     order = [name for _, name in ex.calls if name is not None and _ == SampleCall]
     print("sampling order:", order)
@@ -73,14 +77,14 @@ def test_jobs_run_by_priority_then_submission(tmp_path: Path) -> None:
 
 def test_pause_holds_a_batch_and_unpause_lets_it_finish(tmp_path: Path) -> None:
     farm, _ = _farm(tmp_path)
-    b = farm.submit(_request(tmp_path / "out", [spec("a"), spec("b")]), owner="ann", priority=0)
-    farm.pause(b["id"], paused=True)
+    b = farm.actions.submit(_request(tmp_path / "out", [spec("a"), spec("b")]), owner="ann", priority=0)
+    farm.actions.pause(b["id"], paused=True)
     for _ in range(20):
         farm.step()
     assert farm.describe(b["id"])["counts"]["done"] == 0 and not _started(tmp_path / "out")
-    with pytest.raises(QueueError, match="paused: it cannot be paused"):
-        farm.pause(b["id"], paused=True)
-    farm.pause(b["id"], paused=False)
+    with pytest.raises(FarmRequestError, match="paused: it cannot be paused"):
+        farm.actions.pause(b["id"], paused=True)
+    farm.actions.pause(b["id"], paused=False)
     _serve_until_idle(farm)
     d = farm.describe(b["id"])
     assert d["state"] == "done" and d["counts"]["done"] == 2 and d["exit_code"] == 0
@@ -90,16 +94,16 @@ def test_pause_holds_a_batch_and_unpause_lets_it_finish(tmp_path: Path) -> None:
 def test_a_cancelled_batch_writes_nothing_more_and_retry_finishes_it(tmp_path: Path) -> None:
     farm, _ = _farm(tmp_path)
     out = tmp_path / "out"
-    b = farm.submit(_request(out, [spec("a"), spec("b")]), owner="ann", priority=0)
-    farm.cancel(b["id"])
+    b = farm.actions.submit(_request(out, [spec("a"), spec("b")]), owner="ann", priority=0)
+    farm.actions.cancel(b["id"])
     _serve_until_idle(farm)
     d = farm.describe(b["id"])
     print(d)
     assert d["state"] == "cancelled" and d["counts"]["cancelled"] == 2 and d["exit_code"] == 1
     assert not list(out.glob("*/video.mp4")) and not _started(out)
     with pytest.raises(FarmRequestError, match="none of its jobs runs or waits"):
-        farm.cancel(b["id"], job="a")
-    farm.retry(b["id"])
+        farm.actions.cancel(b["id"], job="a")
+    farm.actions.retry(b["id"])
     _serve_until_idle(farm)
     assert farm.describe(b["id"])["counts"]["done"] == 2 and len(list(out.glob("*/video.mp4"))) == 2
     farm.close()
@@ -107,11 +111,11 @@ def test_a_cancelled_batch_writes_nothing_more_and_retry_finishes_it(tmp_path: P
 
 def test_one_job_is_cancelled_and_the_others_run(tmp_path: Path) -> None:
     farm, _ = _farm(tmp_path)
-    b = farm.submit(_request(tmp_path / "out", [spec("a"), spec("b"), spec("c")]), owner="ann", priority=0)
-    farm.cancel(b["id"], job="b")
+    b = farm.actions.submit(_request(tmp_path / "out", [spec("a"), spec("b"), spec("c")]), owner="ann", priority=0)
+    farm.actions.cancel(b["id"], job="b")
     _serve_until_idle(farm)
     d = farm.describe(b["id"])
-    assert (d["counts"]["done"], d["counts"]["cancelled"], d["state"], d["exit_code"]) == (2, 1, "failed", 1)
+    assert (d["counts"]["done"], d["counts"]["cancelled"], d["state"], d["exit_code"]) == (2, 1, "cancelled", 1)
     led = Ledger.open_readonly(tmp_path / "out")
     assert {j.name: j.state for j in led.jobs()} == {"a": JobState.DONE, "b": JobState.CANCELLED, "c": JobState.DONE}
     led.close()
@@ -121,22 +125,22 @@ def test_one_job_is_cancelled_and_the_others_run(tmp_path: Path) -> None:
 def test_a_folder_served_by_the_farm_is_not_taken_twice(tmp_path: Path) -> None:
     farm, _ = _farm(tmp_path)
     out = tmp_path / "out"
-    b = farm.submit(_request(out, [spec("a")]), owner="ann", priority=0)
-    farm.pause(b["id"], paused=True)
+    b = farm.actions.submit(_request(out, [spec("a")]), owner="ann", priority=0)
+    farm.actions.pause(b["id"], paused=True)
     with pytest.raises(FarmRequestError, match=f"already served by batch {b['id']}"):
-        farm.submit(_request(out, [spec("z")]), owner="bob", priority=0)
+        farm.actions.submit(_request(out, [spec("z")]), owner="bob", priority=0)
     farm.close()
 
 
 def test_an_idle_group_is_released_and_a_new_model_evicts_the_old(tmp_path: Path) -> None:
     farm, ex = _farm(tmp_path, idle_release_s=0.3)
-    farm.submit(_request(tmp_path / "a", [spec("a")]), owner="ann", priority=0)
+    farm.actions.submit(_request(tmp_path / "a", [spec("a")]), owner="ann", priority=0)
     _serve_until_idle(farm)
     from pan2render.models.tiny import tiny_model_folder
 
     other_model = str(shutil.copytree(tiny_model_folder(), tmp_path / "other-model"))  # (a folder of its own)
     other = JobSpec(**{**spec("b").to_dict(), "model": other_model})
-    farm.submit(_request(tmp_path / "b", [other]), owner="ann", priority=0)
+    farm.actions.submit(_request(tmp_path / "b", [other]), owner="ann", priority=0)
     _serve_until_idle(farm)
     loads = [m for m in ex.messages if isinstance(m, LoadCall)]
     print("loads:", loads)
@@ -154,7 +158,7 @@ def test_an_idle_group_is_released_and_a_new_model_evicts_the_old(tmp_path: Path
 def test_a_broken_gpu_is_held_out_of_service_and_its_jobs_done_elsewhere(tmp_path: Path) -> None:
     farm, ex = _farm(tmp_path, gpus=2, faults={"broken_gpu": {"gpu": 0}}, device_fault_limit=3)
     jobs = [spec(f"j{i}", seed=i) for i in range(6)]
-    b = farm.submit(_request(tmp_path / "out", jobs), owner="ann", priority=0)
+    b = farm.actions.submit(_request(tmp_path / "out", jobs), owner="ann", priority=0)
     _serve_until_idle(farm)
     d = farm.describe(b["id"])
     held = [(g.id, state, g.faults) for g, state, _ in farm.scheduler.pool.describe() if state == "out of service"]
@@ -172,7 +176,7 @@ def test_two_clients_submitting_at_once_are_both_queued(tmp_path: Path) -> None:
     results: dict[str, Any] = {}
 
     def client(name: str) -> None:
-        results[name] = farm.ask(lambda: farm.submit(_request(tmp_path / name, [spec(name)]), owner=name,
+        results[name] = farm.ask(lambda: farm.actions.submit(_request(tmp_path / name, [spec(name)]), owner=name,
                                                      priority=0)).result(timeout=30)
 
     clients = [threading.Thread(target=client, args=(n,)) for n in ("one", "two")]
@@ -193,7 +197,8 @@ def test_a_request_without_the_token_is_refused(tmp_path: Path) -> None:
     farm, _ = _farm(tmp_path)
     token = ensure_token(farm.root)
     assert oct((farm.root / "token").stat().st_mode & 0o777) == "0o600"
-    api = start_api(farm, token=token, host="127.0.0.1", port=0)
+    api = start_api(farm, users=Users(farm.root, admin_token=token), roots=Roots.of([tmp_path], [tmp_path]),
+                    host="127.0.0.1", port=0, say=lambda text: None)
     farm._publish()
     try:
         def get(path: str, headers: dict[str, str]) -> tuple[int, Any]:
@@ -223,7 +228,7 @@ def test_a_farm_started_again_continues_its_batches_from_their_ledgers(tmp_path:
     what the last one left, and redoes nothing done."""
     farm, _ = _farm(tmp_path)
     out = tmp_path / "out"
-    b = farm.submit(_request(out, [spec("a"), spec("b"), spec("c")]), owner="ann", priority=0)
+    b = farm.actions.submit(_request(out, [spec("a"), spec("b"), spec("c")]), owner="ann", priority=0)
     while farm.describe(b["id"])["counts"]["done"] < 1:
         farm.step()
     farm.close()  # (a kill is the process-level test's: here, the state it leaves on disk)
@@ -253,24 +258,24 @@ def test_a_batch_whose_checkpoint_cannot_be_loaded_is_not_served(tmp_path: Path)
     (broken / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
     farm, _ = _farm(tmp_path)
     with pytest.raises(FarmRequestError, match="the checkpoint cannot be loaded") as refused:
-        farm.submit(_request(tmp_path / "never", [dataclasses.replace(spec("a"), model=str(broken))]),
+        farm.actions.submit(_request(tmp_path / "never", [dataclasses.replace(spec("a"), model=str(broken))]),
                     owner="ann", priority=0)
     assert refused.value.status == 422
     assert "transformer" in str(refused.value) and "submit it again" in str(refused.value)
     assert not (tmp_path / "never").exists() and not farm.queue.batches(include_ended=True)
 
     jobs = [dataclasses.replace(spec(n), model=str(ckpt)) for n in ("a", "b")]
-    cancelled = farm.submit(_request(tmp_path / "out", jobs), owner="ann", priority=0)
-    farm.cancel(cancelled["id"])
+    cancelled = farm.actions.submit(_request(tmp_path / "out", jobs), owner="ann", priority=0)
+    farm.actions.cancel(cancelled["id"])
     _serve_until_idle(farm)
-    left = farm.submit(_request(tmp_path / "left", [dataclasses.replace(spec("c"), model=str(ckpt))]),
+    left = farm.actions.submit(_request(tmp_path / "left", [dataclasses.replace(spec("c"), model=str(ckpt))]),
                        owner="bob", priority=0)
     farm.close()  # before a step: its job is queued, the batch active
     shutil.rmtree(ckpt / "transformer")
 
     again, ex = _farm(tmp_path)
     with pytest.raises(FarmRequestError, match="transformer") as refused:
-        again.retry(cancelled["id"])
+        again.actions.retry(cancelled["id"])
     assert refused.value.status == 422 and again.describe(cancelled["id"])["state"] == "cancelled"
     again.resume_unfinished()
     row = again.queue.get(left["id"])
@@ -287,10 +292,10 @@ def test_a_batch_whose_checkpoint_cannot_be_loaded_is_not_served(tmp_path: Path)
 def test_a_batch_paused_while_its_last_job_runs_ends_when_that_job_ends(tmp_path: Path) -> None:
     """Pause stops new jobs; the running one finishes, and then nothing of the batch is left."""
     farm, _ = _farm(tmp_path, faults={"slow": {"job": "a", "stage": "encode", "seconds": 0.5}})
-    b = farm.submit(_request(tmp_path / "out", [spec("a")]), owner="ann", priority=0)
+    b = farm.actions.submit(_request(tmp_path / "out", [spec("a")]), owner="ann", priority=0)
     while not farm.describe(b["id"])["running"]:
         farm.step()
-    farm.pause(b["id"], paused=True)  # (the encode runs on the worker's I/O thread meanwhile)
+    farm.actions.pause(b["id"], paused=True)  # (the encode runs on the worker's I/O thread meanwhile)
     _serve_until_idle(farm)
     d = farm.describe(b["id"])
     assert (d["state"], d["counts"]["done"], d["exit_code"]) == ("done", 1, 0)
