@@ -8,7 +8,8 @@ worker out of memory hours later:
   frame's pixels, the files' sizes, YAML alias expansion and the number of jobs.
 - :func:`read_regular_file` reads a named file only if it is a regular file under a size limit
   (a FIFO would block forever, ``/dev/zero`` never ends, a folder is not a file).
-- :func:`control_chars` finds NUL and other control characters, which no path or prompt needs.
+- :func:`control_chars` finds NUL and other control characters, which no path or prompt needs;
+  :func:`bidi_controls` the bidirectional controls, which make a name show as another.
 - :func:`image_size` reads a PNG, JPEG or WebP header for its pixel size without decoding it.
 """
 
@@ -19,6 +20,7 @@ import os
 import re
 import stat
 import struct
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,6 +154,24 @@ def control_chars(text: str, *, newlines: bool) -> list[tuple[int, str]]:
     return [(m.start(), m.group()) for m in pattern.finditer(text)]
 
 
+# Unicode's bidirectional formatting characters (UAX #9): the marks (U+061C, U+200E, U+200F), the
+# embeddings and overrides (U+202A..U+202E) and the isolates (U+2066..U+2069). Unseen themselves,
+# they reorder the text around them wherever it is shown: a job named U+202E + "gnp.exe" shows as
+# "exe.png" in the monitor, the report and a terminal. No name, prompt or path needs one.
+_BIDI = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+BIDI_CONTROLS = "U+061C, U+200E, U+200F, U+202A..U+202E, U+2066..U+2069"
+
+
+def bidi_controls(text: str) -> list[tuple[int, str]]:
+    """(index, character) of each bidirectional control in ``text`` (:data:`BIDI_CONTROLS`)."""
+    return [(m.start(), m.group()) for m in _BIDI.finditer(text)]
+
+
+def escape_bidi(text: str) -> str:
+    """``text`` with each bidirectional control written as its ``\\uXXXX`` escape, to be shown."""
+    return _BIDI.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
 def join_surrogate_pairs(text: str) -> str:
     """``text`` with each high+low surrogate pair made the one character it stands for (YAML reads
     the escapes ``\\ud83e\\udd8a`` as two code points, JSON as one); lone halves are left as they are."""
@@ -193,8 +213,10 @@ def nesting_depth(value: object) -> int:
 
 
 def describe_char(c: str) -> str:
+    """``U+202E (RIGHT-TO-LEFT OVERRIDE)``: the code point, and its name where it has one."""
     names = {"\x00": "NUL", "\t": "tab", "\n": "line feed", "\r": "carriage return", "\x7f": "DEL"}
-    return f"U+{ord(c):04X}" + (f" ({names[c]})" if c in names else "")
+    name = names.get(c) or unicodedata.name(c, "")
+    return f"U+{ord(c):04X}" + (f" ({name})" if name else "")
 
 
 def image_size(data: bytes) -> tuple[int, int]:

@@ -204,6 +204,66 @@ def test_a_lone_surrogate_is_refused_at_validation(tmp_path: Path, where: str,
         assert "negative_prompt" in err and "holds a lone surrogate U+DCFF" in err
 
 
+RLO = "\u202e"  # RIGHT-TO-LEFT OVERRIDE: RLO + "gnp.exe" shows as "exe.png"
+
+
+@pytest.mark.parametrize("where", ["yaml-raw", "yaml-escape", "negative_prompt", "image", "jsonl", "txt", "set",
+                                   "sweep"])
+def test_a_bidirectional_control_is_refused_with_its_field(tmp_path: Path, where: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A job named RLO + "gnp.exe" showed as "exe.png" in the monitor and the report."""
+    if where == "yaml-raw":
+        err = _run(tmp_path, HEADER + f"jobs:\n  - prompt: a fox\n    name: {RLO}gnp.exe\n", capsys)
+        expected = "batch.yaml:5: jobs[0].name: holds the bidirectional control U+202E (RIGHT-TO-LEFT OVERRIDE)"
+    elif where == "yaml-escape":
+        err = _run(tmp_path, HEADER + 'jobs:\n  - prompt: "a \\u2066fox"\n', capsys)
+        expected = "batch.yaml:4: jobs[0].prompt: holds the bidirectional control U+2066 (LEFT-TO-RIGHT ISOLATE)"
+    elif where == "negative_prompt":
+        err = _run(tmp_path, HEADER + 'defaults:\n  negative_prompt: "blur\\u202b"\njobs: [a fox]\n', capsys)
+        expected = "batch.yaml:4: defaults.negative_prompt: holds the bidirectional control U+202B"
+    elif where == "image":
+        err = _run(tmp_path, HEADER + f"jobs:\n  - prompt: a fox\n    image: {RLO}gnp.png\n", capsys)
+        expected = "batch.yaml:5: jobs[0].image: holds the bidirectional control U+202E"
+    elif where == "jsonl":
+        (tmp_path / "rows.jsonl").write_text('{"prompt": "fine"}\n{"prompt": "a fox", "name": "x\\u200fy"}\n')
+        err = _run(tmp_path, HEADER + "prompts_file: rows.jsonl\n", capsys)
+        expected = "rows.jsonl:2: prompts_file[1].name: holds the bidirectional control U+200F (RIGHT-TO-LEFT MARK)"
+    elif where == "txt":
+        (tmp_path / "prompts.txt").write_text("a calm lake\nA red \u061cfox\n", encoding="utf-8")
+        err = _run(tmp_path, HEADER + "prompts_file: prompts.txt\n", capsys)
+        expected = "prompts.txt:2: prompts_file[1].prompt: holds the bidirectional control U+061C (ARABIC LETTER MARK)"
+    else:
+        flag = f"negative_prompt={RLO}gnp.exe" if where == "set" else f"negative_prompt=ok,x{RLO}"
+        err = _flag_run(tmp_path, [f"--{where}", flag], capsys)
+        expected = "holds the bidirectional control U+202E (RIGHT-TO-LEFT OVERRIDE)"
+        assert "\\u202e" in err  # the flag, as the message locates it, is shown escaped
+    assert expected in err and "allowed:" in err
+    assert RLO not in err  # nothing in the message is reordered
+
+
+@pytest.mark.parametrize("char", ["\u061c", "\u200e", "\u200f", *map(chr, range(0x202A, 0x202F)),
+                                  *map(chr, range(0x2066, 0x206A))])
+def test_every_bidirectional_control_is_refused(tmp_path: Path, char: str) -> None:
+    from pan2render.jobs.batch import load_batch
+    from pan2render.jobs.spec import BatchValidationError
+
+    batch = tmp_path / "batch.yaml"
+    batch.write_text(HEADER + f'jobs:\n  - prompt: "a \\u{ord(char):04x} fox"\n')
+    with pytest.raises(BatchValidationError, match=f"U\\+{ord(char):04X}"):
+        load_batch(batch)
+
+
+def test_text_in_right_to_left_scripts_is_accepted(tmp_path: Path) -> None:
+    """Negative control: Arabic and Hebrew letters are bidirectional text, not controls."""
+    from pan2render.jobs.batch import load_batch
+
+    cat, arabic_cat = "\u05d7\u05ea\u05d5\u05dc", "\u0642\u0637"
+    batch = tmp_path / "batch.yaml"
+    batch.write_text(HEADER + f"jobs:\n  - prompt: {arabic_cat} {cat}\n    name: {cat}\n", encoding="utf-8")
+    (job,) = load_batch(batch).jobs
+    assert job.name == cat
+
+
 def test_a_surrogate_pair_written_as_two_escapes_is_one_character(tmp_path: Path) -> None:
     from pan2render.jobs.batch import load_batch
 
