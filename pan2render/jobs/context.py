@@ -30,11 +30,13 @@ class LoadContext:
     check_files: bool
     check_model: bool = True
     problems: list[Problem] = field(default_factory=list)
-    image_hashes: dict[str, str] = field(default_factory=dict)  # per load: an edited image re-hashes
+    # Per load (an edited image re-hashes): each image's problem (None: none) and sha256 (None: unreadable).
+    image_problems: dict[str, str | None] = field(default_factory=dict)
+    image_hashes: dict[str, str | None] = field(default_factory=dict)
     # Every LoRA file named, with where it was first named and by which field: checked once, after
     # the model is known (`check_lora_files`), and hashed once.
     lora_sources: dict[str, tuple[SourceLocation, str]] = field(default_factory=dict)
-    lora_hashes: dict[str, str] = field(default_factory=dict)
+    lora_hashes: dict[str, str | None] = field(default_factory=dict)
 
     def problem(self, line: int, fld: str, message: str, display: str | None = None) -> None:
         self.problems.append(Problem(SourceLocation(display or self.display, line), fld, message))

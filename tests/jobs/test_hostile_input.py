@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import struct
 import textwrap
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -132,6 +133,58 @@ def test_image_must_be_a_small_regular_image_file(tmp_path: Path, kind: str,
     expected = {"huge-pixels": "is 16000x16000 = 256,000,000 pixels (decoding it needs 0.7 GiB)",
                 "fifo": "is a FIFO", "not-an-image": "is not a PNG, JPEG or WebP image"}[kind]
     assert "batch.yaml:5: jobs[0].image:" in err and expected in err
+
+
+def _load_within(seconds: float, batch: Path) -> str:
+    """What `load_batch` says of ``batch`` (its problems, or "ok"), failing the test if it has not
+    returned within ``seconds``: a validation that blocks on a file fails instead of hanging."""
+    from pan2render.jobs.batch import load_batch
+    from pan2render.jobs.spec import BatchValidationError
+
+    said: list[str] = []
+
+    def load() -> None:
+        try:
+            load_batch(batch)
+            said.append("ok")
+        except BatchValidationError as exc:
+            said.append(str(exc))
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"validation still blocked after {seconds} s"
+    print(said[0])
+    return said[0]
+
+
+@pytest.mark.parametrize("kind", ["batch", "prompts_file", "image", "sweep-image", "lora", "model-config"])
+def test_a_fifo_anywhere_a_batch_names_a_file_is_refused_without_blocking(tmp_path: Path, kind: str) -> None:
+    """Nobody ever writes to these FIFOs: a read that waited for a writer would wait forever."""
+    fifo = tmp_path / {"batch": "batch.yaml", "prompts_file": "prompts.txt", "image": "first.png",
+                       "sweep-image": "first.png", "lora": "style.safetensors",
+                       "model-config": "ckpt/transformer/config.json"}[kind]
+    fifo.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(fifo)
+    batch = tmp_path / "batch.yaml"
+    if kind == "model-config":  # read to check LoRAs against the DiT's layers
+        (tmp_path / "ckpt" / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
+        batch.write_text("model: ckpt\npreset: tiny-preview\njobs: [a fox]\n")
+    elif kind != "batch":
+        batch.write_text(HEADER + {
+            "prompts_file": "prompts_file: prompts.txt\n",
+            "image": "jobs:\n  - prompt: a fox\n    image: first.png\n",
+            "sweep-image": "jobs: [a fox]\nsweep:\n  image: [first.png]\n",
+            "lora": "jobs:\n  - prompt: a fox\n    loras: [style.safetensors]\n"}[kind])
+    try:
+        said = _load_within(10, batch)
+    finally:  # let a reader stuck on the FIFO go: a writer that opens and closes gives it end-of-file
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # nobody reading it
+            pass
+    if kind != "model-config":  # the model's own check reports that one, before a run starts
+        assert f"{fifo}' is a FIFO (named pipe); allowed: a regular file" in said
 
 
 @pytest.mark.parametrize("line, fragment", [
