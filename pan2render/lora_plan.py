@@ -36,7 +36,7 @@ import os
 import re
 import stat
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -173,15 +173,25 @@ def wan_module_names(num_layers: int) -> dict[str, str]:
 # Reading a header
 
 
-def read_header(path: str | Path, *, display: str | None = None, limit: int | None = None) -> Header:
+def read_header(path: str | Path, *, display: str | None = None, limit: int | None = None,
+                read_first: Callable[[int], bytes] | None = None) -> Header:
     """The safetensors header of ``path``: LoraFileError for a pickle, anything not safetensors, a
-    file that is no regular file (a FIFO would block) or is over ``limit`` bytes."""
+    file that is no regular file (a FIFO would block) or is over ``limit`` bytes.
+
+    ``read_first(n)`` gives the file's first ``n`` bytes (fewer where it is shorter) in place of this
+    module's own reads: batch validation passes ``jobs.inputs``' reader, which also gives up on a
+    read that stalls; what it raises passes through."""
     path = Path(path)
     name = display or str(path)
     if path.suffix.lower() in PICKLE_SUFFIXES:
         raise LoraFileError(f"LoRA {name!r}: {path.suffix} files are pickles, which can run code when loaded and "
                             f"are never read; allowed: a .safetensors file (convert it with safetensors' "
                             f"save_file)")
+    return _header_from(read_first or (lambda n: _read_first(path, n, name=name, limit=limit)), name)
+
+
+def _read_first(path: Path, n: int, *, name: str, limit: int | None) -> bytes:
+    """The first ``n`` bytes of ``path``, opened without waiting and only if it is a regular file."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         try:
@@ -190,34 +200,38 @@ def read_header(path: str | Path, *, display: str | None = None, limit: int | No
                 raise LoraFileError(f"LoRA {name!r} is not a regular file; allowed: a .safetensors file")
             if limit is not None and st.st_size > limit:
                 raise LoraFileError(f"LoRA {name!r} is {st.st_size:,} bytes; allowed: at most {limit:,} bytes")
-            size = _header_size(os.pread(fd, 8, 0), name, file_bytes=st.st_size)
-            raw = os.pread(fd, size, 8)
+            return os.pread(fd, n, 0)
         finally:
             os.close(fd)
     except FileNotFoundError as e:
         raise LoraFileError(f"LoRA {name!r} does not exist") from e
     except OSError as e:
         raise LoraFileError(f"LoRA {name!r} cannot be read: {e.strerror or e}") from e
-    return _parse_header(raw, name)
 
 
 def header_of_bytes(data: bytes, *, display: str) -> Header:
     """`read_header` for a file's bytes (what a worker receives)."""
-    size = _header_size(data[:8], display, file_bytes=len(data))
-    return _parse_header(data[8:8 + size], display)
+    return _header_from(lambda n: data[:n], display)
 
 
-def _header_size(head: bytes, name: str, *, file_bytes: int) -> int:
+def _header_from(read_first: Callable[[int], bytes], name: str) -> Header:
+    """The header of the file whose first ``n`` bytes ``read_first(n)`` gives: an 8-byte size, then
+    that many bytes of JSON."""
+    head = read_first(8)
     if head[:2] == b"PK" or head[:1] == b"\x80":
         raise LoraFileError(f"LoRA {name!r} is a pickle (torch.save) file, which can run code when loaded and is "
                             f"never read; allowed: a .safetensors file")
     if len(head) < 8:
-        raise LoraFileError(f"LoRA {name!r} is {file_bytes} bytes, too short to be a safetensors file")
+        raise LoraFileError(f"LoRA {name!r} is {len(head)} bytes, too short to be a safetensors file")
     (size,) = struct.unpack("<Q", head)
-    if size > MAX_HEADER_BYTES or 8 + size > file_bytes:
+    if size > MAX_HEADER_BYTES:
         raise LoraFileError(f"LoRA {name!r} is not a safetensors file (its first 8 bytes give a header of {size} "
-                            f"bytes in a file of {file_bytes}); allowed: a .safetensors file")
-    return size
+                            f"bytes, past {MAX_HEADER_BYTES:,}); allowed: a .safetensors file")
+    raw = read_first(8 + size)[8:]
+    if len(raw) < size:
+        raise LoraFileError(f"LoRA {name!r} is not a safetensors file (its first 8 bytes give a header of {size} "
+                            f"bytes in a file of {8 + len(raw)}); allowed: a .safetensors file")
+    return _parse_header(raw, name)
 
 
 def _parse_header(raw: bytes, name: str) -> Header:

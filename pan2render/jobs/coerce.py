@@ -14,7 +14,15 @@ import math
 import re
 from typing import Any, Callable
 
-from pan2render.jobs.inputs import LIMITS, control_chars, describe_char, join_surrogate_pairs, lone_surrogate
+from pan2render.jobs.inputs import (
+    BIDI_CONTROLS,
+    LIMITS,
+    bidi_controls,
+    control_chars,
+    describe_char,
+    join_surrogate_pairs,
+    lone_surrogate,
+)
 from pan2render.jobs.spec import DEFAULTS_KEYS, RULES, Kind, LoraRef, Problem, Rule, Scope, SourceLocation
 from pan2render.jobs.yaml_reader import Node
 from pan2render.sampling import DEFAULT_NUM_TRAIN_TIMESTEPS, is_int, timesteps_problem
@@ -71,6 +79,12 @@ def as_str(value: Any, allowed: str, *, non_empty: bool, newlines: bool = False,
         where, char = bad[0]
         raise BadValue(f"holds the control character {describe_char(char)} at position {where}; allowed: {allowed} "
                        f"without control characters{' (tabs and line breaks are fine)' if newlines else ''}")
+    bidi = bidi_controls(value)
+    if bidi:
+        where, char = bidi[0]
+        raise BadValue(f"holds the bidirectional control {describe_char(char)} at position {where}, which changes "
+                       f"how the text around it is shown (a name can show as another); allowed: {allowed} without "
+                       f"bidirectional controls ({BIDI_CONTROLS})")
     return value
 
 

@@ -6,21 +6,29 @@ worker out of memory hours later:
 
 - :class:`InputLimits` bounds one job's cost (frames x height x width as DiT tokens, steps), a first
   frame's pixels, the files' sizes, YAML alias expansion and the number of jobs.
-- :func:`read_regular_file` reads a named file only if it is a regular file under a size limit
-  (a FIFO would block forever, ``/dev/zero`` never ends, a folder is not a file).
-- :func:`control_chars` finds NUL and other control characters, which no path or prompt needs.
+- :func:`read_regular_file` (and :func:`sha256_regular_file`) is how every file a batch names is
+  read: only if it is a regular file under a size limit (a FIFO would block forever, ``/dev/zero``
+  never ends, a folder is not a file), and never longer than :data:`READ_STALL_S` without a byte.
+- :func:`control_chars` finds NUL and other control characters, which no path or prompt needs;
+  :func:`bidi_controls` the bidirectional controls, which make a name show as another.
 - :func:`image_size` reads a PNG, JPEG or WebP header for its pixel size without decoding it.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import re
 import stat
 import struct
+import threading
+import time
+import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from pan2render.sampling import WAN22
 
@@ -51,6 +59,7 @@ class InputLimits:
     loras: int = 8  # adapters stacked on one job
     lora_scale: float = 100.0  # |scale| of one adapter (ComfyUI's LoraLoader range)
     prompts_file_bytes: int = 16 << 20
+    model_config_bytes: int = 1 << 20  # a model's config.json, read to check LoRAs against (a DiT's is ~1 KB)
     # YAML aliases share nodes; expanded, a few lines can stand for billions of values.
     yaml_aliases: int = 1000
     yaml_values: int = 100_000
@@ -89,40 +98,109 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def read_regular_file(path: Path, *, limit: int) -> bytes:
-    """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes.
+# How long a read of a file a batch names may go without a byte before it is refused. A disk answers
+# in milliseconds and a busy network filesystem in seconds; one whose server is gone (a `hard` NFS
+# mount) blocks the reading thread for good, and nothing can interrupt it.
+READ_STALL_S = 30.0
+_CHUNK = 1 << 20  # bytes per read
+T = TypeVar("T")
 
-    Opened non-blocking so that a FIFO is refused instead of waiting for a writer; the size is
-    checked on the open descriptor and the read stops at ``limit`` + 1 bytes whatever the file does
-    meanwhile. Files of /proc and /sys call themselves regular but are made up as they are read
-    (``/proc/self/environ`` is the process environment): refused by their filesystem, and by
-    reading more than their size says. Raises InputFileError (or FileNotFoundError /
-    PermissionError / OSError)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InputFileError(f"is {_kind(st.st_mode)}; allowed: a regular file")
-        if st.st_dev in _pseudo_filesystems():
+
+def read_regular_file(path: str | Path, *, limit: int, first: int | None = None) -> bytes:
+    """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes (with ``first``,
+    only its first ``first`` bytes, fewer where it is shorter).
+
+    Every read of a file a batch names goes through here or :func:`sha256_regular_file`: the batch
+    file, presets and prompts files, images, LoRAs and the model's config, at validation and when
+    the driver sends a job's image and adapters to its workers. Raises InputFileError (or
+    FileNotFoundError / PermissionError / OSError): see :func:`_read` for what is refused."""
+    chunks: list[bytes] = []
+    _read(Path(path), limit=limit, first=first, sink=chunks.append)
+    return b"".join(chunks)
+
+
+def sha256_regular_file(path: str | Path, *, limit: int) -> str:
+    """The sha256 (hex) of ``path`` under :func:`read_regular_file`'s rules, without holding it."""
+    digest = hashlib.sha256()
+    _read(Path(path), limit=limit, first=None, sink=digest.update)
+    return digest.hexdigest()
+
+
+def _read(path: Path, *, limit: int, first: int | None, sink: Callable[[bytes], object]) -> None:
+    """Feed ``sink`` the file's bytes, on a thread given up after READ_STALL_S without one.
+
+    Refused, each with InputFileError saying what the file is instead: anything but a regular file
+    (a FIFO would block until a writer comes, ``/dev/zero`` never ends, a folder is not a file), a
+    file over ``limit`` bytes (checked on the open descriptor; the read stops at ``limit`` + 1 bytes
+    whatever the file does meanwhile), /proc and /sys files (regular by their mode but made up as
+    they are read: ``/proc/self/environ`` is the process environment; refused by their filesystem,
+    and by holding more than their size says), and a read that stalls (:data:`READ_STALL_S`).
+
+    A symlink is followed, as a path through it is: the paths a batch names are resolved at
+    validation, and a link reaches nothing its target's path would not. The kind is checked on the
+    path before it is opened (opening a device can act: a tape rewinds, a watchdog arms) and again on
+    what was opened, non-blocking (the path may have been swapped for a FIFO in between)."""
+
+    def read(progress: Callable[[], None]) -> None:
+        _check(os.stat(path), limit)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            _check(st, limit)
+            want = limit + 1 if first is None else min(first, limit + 1)
+            total = 0
+            while total < want:
+                block = os.read(fd, min(want - total, _CHUNK))
+                progress()
+                if not block:
+                    break
+                sink(block)
+                total += len(block)
+        finally:
+            os.close(fd)
+        if first is None and total > limit:
+            raise InputFileError(f"grew past {limit:,} bytes while being read; allowed: at most {limit:,} bytes")
+        if first is None and total > st.st_size:
             raise InputFileError(_PSEUDO)
-        if st.st_size > limit:
-            raise InputFileError(f"is {st.st_size:,} bytes; allowed: at most {limit:,} bytes")
-        chunks: list[bytes] = []
-        left = limit + 1
-        while left > 0:
-            block = os.read(fd, min(left, 1 << 20))
-            if not block:
-                break
-            chunks.append(block)
-            left -= len(block)
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
-    if len(data) > limit:
-        raise InputFileError(f"grew past {limit:,} bytes while being read; allowed: at most {limit:,} bytes")
-    if len(data) > st.st_size:
+
+    stall_bounded(read)
+
+
+def _check(st: os.stat_result, limit: int) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise InputFileError(f"is {_kind(st.st_mode)}; allowed: a regular file")
+    if st.st_dev in _pseudo_filesystems():
         raise InputFileError(_PSEUDO)
-    return data
+    if st.st_size > limit:
+        raise InputFileError(f"is {st.st_size:,} bytes; allowed: at most {limit:,} bytes")
+
+
+def stall_bounded(work: Callable[[Callable[[], None]], T], *, stall_s: float = READ_STALL_S) -> T:
+    """``work(progress)`` run on a thread of its own: its result (or what it raised), or
+    InputFileError once ``stall_s`` pass without ``work`` calling ``progress``. A thread stuck in a
+    read cannot be stopped: it is left behind (a daemon, which does not hold up the process's exit),
+    holding its file open until the read returns, if ever."""
+    last = [time.monotonic()]
+    outcome: list[tuple[bool, Any]] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome.append((True, work(lambda: last.__setitem__(0, time.monotonic()))))
+        except BaseException as exc:  # raised again in the caller
+            outcome.append((False, exc))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="pan2-render input read", daemon=True).start()
+    while not done.wait(max(0.0, last[0] + stall_s - time.monotonic())):
+        if time.monotonic() - last[0] >= stall_s:
+            raise InputFileError(f"gave no data for {stall_s:g} s (a network filesystem that does not answer?); "
+                                 "allowed: a file that can be read")
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 _PSEUDO = ("is a file the kernel makes up as it is read (its size is not its content: a /proc or /sys "
@@ -150,6 +228,24 @@ def control_chars(text: str, *, newlines: bool) -> list[tuple[int, str]]:
     """(index, character) of each control character in ``text``; tab/LF/CR pass if ``newlines``."""
     pattern = _CONTROL if newlines else _CONTROL_OR_NEWLINE
     return [(m.start(), m.group()) for m in pattern.finditer(text)]
+
+
+# Unicode's bidirectional formatting characters (UAX #9): the marks (U+061C, U+200E, U+200F), the
+# embeddings and overrides (U+202A..U+202E) and the isolates (U+2066..U+2069). Unseen themselves,
+# they reorder the text around them wherever it is shown: a job named U+202E + "gnp.exe" shows as
+# "exe.png" in the monitor, the report and a terminal. No name, prompt or path needs one.
+_BIDI = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+BIDI_CONTROLS = "U+061C, U+200E, U+200F, U+202A..U+202E, U+2066..U+2069"
+
+
+def bidi_controls(text: str) -> list[tuple[int, str]]:
+    """(index, character) of each bidirectional control in ``text`` (:data:`BIDI_CONTROLS`)."""
+    return [(m.start(), m.group()) for m in _BIDI.finditer(text)]
+
+
+def escape_bidi(text: str) -> str:
+    """``text`` with each bidirectional control written as its ``\\uXXXX`` escape, to be shown."""
+    return _BIDI.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def join_surrogate_pairs(text: str) -> str:
@@ -193,8 +289,10 @@ def nesting_depth(value: object) -> int:
 
 
 def describe_char(c: str) -> str:
+    """``U+202E (RIGHT-TO-LEFT OVERRIDE)``: the code point, and its name where it has one."""
     names = {"\x00": "NUL", "\t": "tab", "\n": "line feed", "\r": "carriage return", "\x7f": "DEL"}
-    return f"U+{ord(c):04X}" + (f" ({names[c]})" if c in names else "")
+    name = names.get(c) or unicodedata.name(c, "")
+    return f"U+{ord(c):04X}" + (f" ({name})" if name else "")
 
 
 def image_size(data: bytes) -> tuple[int, int]:

@@ -24,6 +24,7 @@ from pan2render.jobs.coerce import (
     sweep_check,
 )
 from pan2render.jobs.context import LoadContext
+from pan2render.jobs.inputs import escape_bidi
 from pan2render.jobs.presets import parse_preset
 from pan2render.jobs.references import image_problem, parse_model, resolve_loras
 from pan2render.jobs.spec import DEFAULTS_KEYS, SourceLocation
@@ -94,8 +95,9 @@ class FlagValues:
         given: dict[str, str] = {}  # key -> the flag that gave it first
         for kind, items, allowed in (("--set", overrides.sets, SET_KEYS), ("--sweep", overrides.sweeps, SWEEP_KEYS)):
             for item in items:
-                # As typed, for messages; bytes that were not UTF-8 (lone surrogates) shown escaped.
-                flag = f"{kind} {item}".encode("utf-8", "backslashreplace").decode("utf-8")
+                # As typed, for messages; bytes that were not UTF-8 (lone surrogates) and
+                # bidirectional controls (which would reorder the message) shown escaped.
+                flag = escape_bidi(f"{kind} {item}".encode("utf-8", "backslashreplace").decode("utf-8"))
                 key, sep, text = item.partition("=")
                 key = key.strip()
                 # Flags have no file: their problems are located by the flag as typed (line 0).

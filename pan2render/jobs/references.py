@@ -3,19 +3,20 @@
 Each path resolves against the folder of the file that names it (the batch, a prompts file, or the
 working folder for a flag). When the load checks files, each must be there and of a kind and size
 we read; a LoRA is checked once the model is known, its keys and shapes against the DiT's layers.
-Images and adapters are hashed into the job ids, each file once per load.
+Images and adapters are hashed into the job ids, each file once per load. Every file is read
+through ``jobs.inputs`` (regular files within the limits, a stalled read refused).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from pan2render.jobs.coerce import BadValue, as_path, type_name
 from pan2render.jobs.context import LoadContext, RawJob
-from pan2render.jobs.inputs import LIMITS, InputFileError, image_size, read_regular_file
+from pan2render.jobs.inputs import LIMITS, InputFileError, image_size, read_regular_file, sha256_regular_file
 from pan2render.jobs.spec import LoraRef, Problem, SourceLocation
-from pan2render.jobs.weights import sha256_file
 from pan2render.jobs.yaml_reader import Node
 from pan2render.lora_plan import LoraFileError, detect_layout, dit_linears, plan_lora, read_header
 from pan2render.tiny_dit import TINY_DIT_CONFIG, TINY_MODEL
@@ -77,8 +78,8 @@ def _model_linears(model: str, ctx: LoadContext) -> dict[str, tuple[int, int]] |
     folder = Path(model) / "transformer"
     config = folder / "config.json" if folder.is_dir() else Path(model) / "config.json"
     try:
-        return dit_linears(json.loads(config.read_text(encoding="utf-8")))
-    except (OSError, ValueError, TypeError):
+        return dit_linears(json.loads(read_regular_file(config, limit=LIMITS.model_config_bytes)))
+    except (OSError, InputFileError, ValueError, TypeError):
         return None  # the model's own load reports it, with the file
 
 
@@ -90,37 +91,64 @@ def check_lora_files(model: str, ctx: LoadContext) -> None:
     linears = _model_linears(model, ctx)
     for path, (where, fld) in ctx.lora_sources.items():
         try:
-            header = read_header(path, limit=LIMITS.lora_bytes)
+            header = read_header(path, read_first=_lora_reader(path))
             if linears is None:
                 detect_layout(list(header.tensors), path)
             else:
                 plan_lora(header, linears, name=path)
         except LoraFileError as exc:
             ctx.problems.append(Problem(where, fld, str(exc)))
+        except FileNotFoundError:
+            ctx.problems.append(Problem(where, fld, f"LoRA {path!r} does not exist"))
+        except (InputFileError, OSError) as exc:
+            why = str(exc) if isinstance(exc, InputFileError) else f"cannot be read: {exc.strerror or exc}"
+            ctx.problems.append(Problem(where, fld, f"LoRA {path!r} {why}"))
+
+
+def _lora_reader(path: str) -> Callable[[int], bytes]:
+    """``n`` -> the adapter's first ``n`` bytes, for `read_header`."""
+    return lambda n: read_regular_file(path, limit=LIMITS.lora_bytes, first=n)
 
 
 def lora_hash(path: str, ctx: LoadContext) -> str | None:
-    """The adapter file's sha256, hashed once per load; None when there is no such file."""
-    if path not in ctx.lora_hashes and Path(path).is_file():
-        ctx.lora_hashes[path] = sha256_file(path)
-    return ctx.lora_hashes.get(path)
+    """The adapter file's sha256, hashed once per load; None when it cannot be read (the check of
+    the file says why)."""
+    if path not in ctx.lora_hashes:
+        ctx.lora_hashes[path] = _hash(path, limit=LIMITS.lora_bytes)
+    return ctx.lora_hashes[path]
 
 
 def image_hash(path: str, ctx: LoadContext) -> str | None:
-    """The image file's sha256, hashed once per load; None when there is no such file."""
-    if path not in ctx.image_hashes and Path(path).is_file():
-        ctx.image_hashes[path] = sha256_file(path)
-    return ctx.image_hashes.get(path)
+    """The image file's sha256, hashed once per load; None when it cannot be read (the check of
+    the file says why)."""
+    if path not in ctx.image_hashes:
+        ctx.image_hashes[path] = _hash(path, limit=LIMITS.image_bytes)
+    return ctx.image_hashes[path]
+
+
+def _hash(path: str, *, limit: int) -> str | None:
+    try:
+        return sha256_regular_file(path, limit=limit)
+    except (OSError, InputFileError):
+        return None
 
 
 def resolve_image(raw: RawJob, ctx: LoadContext) -> None:
-    """Make ``image`` absolute (against the file that named it) and check it exists."""
+    """Make ``image`` absolute (against the file that named it) and check it, once per load."""
     image = raw.fields.get("image")
     if image is None:
         return
     path = (raw.base_dir / Path(image).expanduser()).resolve()
     raw.fields["image"] = str(path)
+<<<<<<< HEAD
     problem = ctx.outside_roots(path) or (image_problem(path) if ctx.check_files else None)
+=======
+    if not ctx.check_files:
+        return
+    if str(path) not in ctx.image_problems:
+        ctx.image_problems[str(path)] = image_problem(path)
+    problem = ctx.image_problems[str(path)]
+>>>>>>> inputs
     if problem:
         ctx.problem(raw.lines.get("image", raw.location.line), raw.label + ".image", problem, raw.location.file)
 

@@ -8,10 +8,13 @@ folder's digest is the digest of those. File mtimes are not part of the identity
 checkpoint keeps its jobs).
 
 Hashing a 20 GB checkpoint takes as long as reading it, so each file's digest is cached by the
-file's identity, (device, inode, size, mtime_ns), in memory and in ``$PAN2_RENDER_CACHE``: a re-run
-of an unchanged folder costs one stat per file. A file rewritten gets a new mtime, a file replaced
-a new inode. A digest taken within :data:`RACY_S` of the file's mtime is not kept: a write in the
-same timestamp tick as the hash would leave the identity unchanged.
+file's identity, (device, inode, size, mtime_ns, ctime_ns), in memory and in ``$PAN2_RENDER_CACHE``:
+a re-run of an unchanged folder costs one stat per file. A file rewritten gets a new mtime, a file
+replaced a new inode; a file edited in place whose old mtime is then put back (``os.utime``,
+``touch -d``, ``rsync -t``) keeps both, but not its ctime, which no call can set (a chmod or a
+rename changes it too: the file is hashed once more). A digest taken within :data:`RACY_S` of the
+file's last change (mtime or ctime) is not kept: a write in the same timestamp tick as the hash
+would leave the identity unchanged.
 """
 
 from __future__ import annotations
@@ -41,13 +44,15 @@ class FileFingerprint:
     sha256: str
 
 
-_Key = str  # "dev:inode:size:mtime_ns"
+# "dev:inode:size:mtime_ns:ctime_ns". A cache written before ctime was part of it holds keys of four
+# parts, which match no file now: each is a miss, hashed again, and ages out past CACHE_ENTRIES.
+_Key = str
 _memo: dict[_Key, str] = {}
 _loaded: set[Path] = set()  # cache files read into _memo by this process
 
 
 def _identity(st: os.stat_result) -> _Key:
-    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
 def sha256_file(path: str | Path) -> str:
@@ -96,14 +101,15 @@ def _files(folder: Path) -> dict[str, tuple[Path, os.stat_result]]:
 
 def _hash_all(todo: list[tuple[Path, os.stat_result]]) -> dict[_Key, str]:
     """The files' digests (hashed largest first, in parallel), remembered in the memo and the
-    cache file, except those of files modified within RACY_S of the hash's start or while it ran:
+    cache file, except those of files changed within RACY_S of the hash's start or while it ran:
     those count for this call only."""
     started = time.time()
     todo = sorted(todo, key=lambda item: -item[1].st_size)
     with ThreadPoolExecutor(max_workers=min(_THREADS, len(todo))) as pool:
         digests = dict(zip((_identity(st) for _, st in todo), pool.map(lambda item: sha256_file(item[0]), todo)))
     fresh = {_identity(st): digests[_identity(st)] for path, st in todo
-             if started - st.st_mtime_ns / 1e9 > RACY_S and _identity(path.stat()) == _identity(st)}
+             if started - max(st.st_mtime_ns, st.st_ctime_ns) / 1e9 > RACY_S
+             and _identity(path.stat()) == _identity(st)}
     _memo.update(fresh)
     if fresh:
         _save_cache(fresh)

@@ -8,6 +8,7 @@ one, never a half-written mp4 under the final name.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import struct
@@ -232,14 +233,15 @@ def contact_strip_png(path: str | os.PathLike[str], *, tiles: int, max_side: int
     return png_bytes(np.concatenate(picked, axis=1))
 
 
-def image_png(path: str | os.PathLike[str], *, max_side: int) -> bytes:
-    """PNG bytes of a still image (PNG, JPEG, WebP: a job's first frame), scaled down so its longer
-    side is at most ``max_side`` (never up)."""
+def image_png(data: bytes, *, max_side: int, name: str) -> bytes:
+    """PNG bytes of a still image given as its file's bytes (PNG, JPEG, WebP: a job's first frame,
+    read by the caller under the input limits; ``name`` for messages), scaled down so its longer side
+    is at most ``max_side`` (never up)."""
     try:
-        with av.open(str(path), mode="r") as container:
+        with av.open(io.BytesIO(data), mode="r") as container:
             return _scaled_png(next(container.decode(video=0)), max_side)
     except (av.FFmpegError, OSError, ValueError, IndexError, StopIteration) as exc:
-        raise MediaError(f"cannot read the image {path}: {exc}") from exc
+        raise MediaError(f"cannot read the image {name}: {exc}") from exc
 
 
 def _scaled_png(frame: Any, max_side: int) -> bytes:

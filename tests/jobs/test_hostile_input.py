@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import struct
 import textwrap
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -134,6 +135,58 @@ def test_image_must_be_a_small_regular_image_file(tmp_path: Path, kind: str,
     assert "batch.yaml:5: jobs[0].image:" in err and expected in err
 
 
+def _load_within(seconds: float, batch: Path) -> str:
+    """What `load_batch` says of ``batch`` (its problems, or "ok"), failing the test if it has not
+    returned within ``seconds``: a validation that blocks on a file fails instead of hanging."""
+    from pan2render.jobs.batch import load_batch
+    from pan2render.jobs.spec import BatchValidationError
+
+    said: list[str] = []
+
+    def load() -> None:
+        try:
+            load_batch(batch)
+            said.append("ok")
+        except BatchValidationError as exc:
+            said.append(str(exc))
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"validation still blocked after {seconds} s"
+    print(said[0])
+    return said[0]
+
+
+@pytest.mark.parametrize("kind", ["batch", "prompts_file", "image", "sweep-image", "lora", "model-config"])
+def test_a_fifo_anywhere_a_batch_names_a_file_is_refused_without_blocking(tmp_path: Path, kind: str) -> None:
+    """Nobody ever writes to these FIFOs: a read that waited for a writer would wait forever."""
+    fifo = tmp_path / {"batch": "batch.yaml", "prompts_file": "prompts.txt", "image": "first.png",
+                       "sweep-image": "first.png", "lora": "style.safetensors",
+                       "model-config": "ckpt/transformer/config.json"}[kind]
+    fifo.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(fifo)
+    batch = tmp_path / "batch.yaml"
+    if kind == "model-config":  # read to check LoRAs against the DiT's layers
+        (tmp_path / "ckpt" / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
+        batch.write_text("model: ckpt\npreset: tiny-preview\njobs: [a fox]\n")
+    elif kind != "batch":
+        batch.write_text(HEADER + {
+            "prompts_file": "prompts_file: prompts.txt\n",
+            "image": "jobs:\n  - prompt: a fox\n    image: first.png\n",
+            "sweep-image": "jobs: [a fox]\nsweep:\n  image: [first.png]\n",
+            "lora": "jobs:\n  - prompt: a fox\n    loras: [style.safetensors]\n"}[kind])
+    try:
+        said = _load_within(10, batch)
+    finally:  # let a reader stuck on the FIFO go: a writer that opens and closes gives it end-of-file
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # nobody reading it
+            pass
+    if kind != "model-config":  # the model's own check reports that one, before a run starts
+        assert f"{fifo}' is a FIFO (named pipe); allowed: a regular file" in said
+
+
 @pytest.mark.parametrize("line, fragment", [
     ("steps: 1000000000", "jobs[0].steps: got 1000000000; allowed: an integer from 1 to 1000"),
     ("width: 32768", "jobs[0].width: got 32768; allowed: a positive multiple of 32 (VAE 16x times DiT patch 2) "
@@ -202,6 +255,66 @@ def test_a_lone_surrogate_is_refused_at_validation(tmp_path: Path, where: str,
         flag = ["--set", "negative_prompt=bad\udcff"] if where == "set" else ["--sweep", "negative_prompt=ok,x\udcff"]
         err = _flag_run(tmp_path, flag, capsys)
         assert "negative_prompt" in err and "holds a lone surrogate U+DCFF" in err
+
+
+RLO = "\u202e"  # RIGHT-TO-LEFT OVERRIDE: RLO + "gnp.exe" shows as "exe.png"
+
+
+@pytest.mark.parametrize("where", ["yaml-raw", "yaml-escape", "negative_prompt", "image", "jsonl", "txt", "set",
+                                   "sweep"])
+def test_a_bidirectional_control_is_refused_with_its_field(tmp_path: Path, where: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A job named RLO + "gnp.exe" showed as "exe.png" in the monitor and the report."""
+    if where == "yaml-raw":
+        err = _run(tmp_path, HEADER + f"jobs:\n  - prompt: a fox\n    name: {RLO}gnp.exe\n", capsys)
+        expected = "batch.yaml:5: jobs[0].name: holds the bidirectional control U+202E (RIGHT-TO-LEFT OVERRIDE)"
+    elif where == "yaml-escape":
+        err = _run(tmp_path, HEADER + 'jobs:\n  - prompt: "a \\u2066fox"\n', capsys)
+        expected = "batch.yaml:4: jobs[0].prompt: holds the bidirectional control U+2066 (LEFT-TO-RIGHT ISOLATE)"
+    elif where == "negative_prompt":
+        err = _run(tmp_path, HEADER + 'defaults:\n  negative_prompt: "blur\\u202b"\njobs: [a fox]\n', capsys)
+        expected = "batch.yaml:4: defaults.negative_prompt: holds the bidirectional control U+202B"
+    elif where == "image":
+        err = _run(tmp_path, HEADER + f"jobs:\n  - prompt: a fox\n    image: {RLO}gnp.png\n", capsys)
+        expected = "batch.yaml:5: jobs[0].image: holds the bidirectional control U+202E"
+    elif where == "jsonl":
+        (tmp_path / "rows.jsonl").write_text('{"prompt": "fine"}\n{"prompt": "a fox", "name": "x\\u200fy"}\n')
+        err = _run(tmp_path, HEADER + "prompts_file: rows.jsonl\n", capsys)
+        expected = "rows.jsonl:2: prompts_file[1].name: holds the bidirectional control U+200F (RIGHT-TO-LEFT MARK)"
+    elif where == "txt":
+        (tmp_path / "prompts.txt").write_text("a calm lake\nA red \u061cfox\n", encoding="utf-8")
+        err = _run(tmp_path, HEADER + "prompts_file: prompts.txt\n", capsys)
+        expected = "prompts.txt:2: prompts_file[1].prompt: holds the bidirectional control U+061C (ARABIC LETTER MARK)"
+    else:
+        flag = f"negative_prompt={RLO}gnp.exe" if where == "set" else f"negative_prompt=ok,x{RLO}"
+        err = _flag_run(tmp_path, [f"--{where}", flag], capsys)
+        expected = "holds the bidirectional control U+202E (RIGHT-TO-LEFT OVERRIDE)"
+        assert "\\u202e" in err  # the flag, as the message locates it, is shown escaped
+    assert expected in err and "allowed:" in err
+    assert RLO not in err  # nothing in the message is reordered
+
+
+@pytest.mark.parametrize("char", ["\u061c", "\u200e", "\u200f", *map(chr, range(0x202A, 0x202F)),
+                                  *map(chr, range(0x2066, 0x206A))])
+def test_every_bidirectional_control_is_refused(tmp_path: Path, char: str) -> None:
+    from pan2render.jobs.batch import load_batch
+    from pan2render.jobs.spec import BatchValidationError
+
+    batch = tmp_path / "batch.yaml"
+    batch.write_text(HEADER + f'jobs:\n  - prompt: "a \\u{ord(char):04x} fox"\n')
+    with pytest.raises(BatchValidationError, match=f"U\\+{ord(char):04X}"):
+        load_batch(batch)
+
+
+def test_text_in_right_to_left_scripts_is_accepted(tmp_path: Path) -> None:
+    """Negative control: Arabic and Hebrew letters are bidirectional text, not controls."""
+    from pan2render.jobs.batch import load_batch
+
+    cat, arabic_cat = "\u05d7\u05ea\u05d5\u05dc", "\u0642\u0637"
+    batch = tmp_path / "batch.yaml"
+    batch.write_text(HEADER + f"jobs:\n  - prompt: {arabic_cat} {cat}\n    name: {cat}\n", encoding="utf-8")
+    (job,) = load_batch(batch).jobs
+    assert job.name == cat
 
 
 def test_a_surrogate_pair_written_as_two_escapes_is_one_character(tmp_path: Path) -> None:

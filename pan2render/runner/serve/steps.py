@@ -17,6 +17,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from pan2render.jobs.inputs import LIMITS, InputFileError, read_regular_file
 from pan2render.jobs.ledger import EventKind, Stage, StageEvent, StageRecord, StageState, stage_name
 from pan2render.jobs.spec import JobSpec
 from pan2render.jobs.weights import folder_fingerprint
@@ -131,15 +132,17 @@ class SamplingStep(Step):
 
 def _image_bytes(spec: JobSpec) -> bytes | None:
     """The first-frame image's bytes (workers need no shared disk), checked against the digest
-    the job id was made with."""
+    the job id was made with. Read as validation reads it (``jobs.inputs``): the path may name a
+    FIFO or a device by now, or a network filesystem that no longer answers, and the scheduler's
+    loop must not wait on it."""
     if spec.image is None:
         return None
     try:
-        image = Path(spec.image).read_bytes()
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
-        # The input is gone or unreadable; retrying reads the same path.
-        raise JobInputError(f"image {spec.image} cannot be read ({type(e).__name__}: {e.strerror or e}); "
-                            f"restore it or run the batch again with another image") from e
+        image = read_regular_file(spec.image, limit=LIMITS.image_bytes)
+    except (InputFileError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
+        # The input is gone, unreadable or no longer a file we read; retrying reads the same path.
+        raise JobInputError(f"image {spec.image} {_unreadable(e)}; restore it or run the batch again with "
+                            f"another image") from e
     if spec.image_sha256 and artifacts.sha256_bytes(image) != spec.image_sha256:
         # The spec hash covers the image's content; rendering a changed file under the old id
         # would mislabel the video.
@@ -156,15 +159,22 @@ def _adapters(spec: JobSpec, *, held: frozenset[str]) -> tuple[Adapter, ...]:
         data = None
         if sha not in held:
             try:
-                data = Path(ref.path).read_bytes()
-            except OSError as e:
-                raise JobInputError(f"LoRA {ref.path} cannot be read ({type(e).__name__}: {e.strerror or e}); "
-                                    f"restore it or run the batch again without it") from e
+                data = read_regular_file(ref.path, limit=LIMITS.lora_bytes)
+            except (InputFileError, OSError) as e:
+                raise JobInputError(f"LoRA {ref.path} {_unreadable(e)}; restore it or run the batch again "
+                                    f"without it") from e
             if artifacts.sha256_bytes(data) != sha:
                 raise JobInputError(f"LoRA {ref.path} changed since the batch was validated (sha256 differs); run "
                                     f"the batch again: its jobs get new ids")
         out.append(Adapter(sha256=str(sha), scale=scale, name=Path(ref.path).name, data=data))
     return tuple(out)
+
+
+def _unreadable(e: Exception) -> str:
+    """Why a named file was not read: what it is instead, or the system's error."""
+    if isinstance(e, InputFileError):
+        return str(e)
+    return f"cannot be read ({type(e).__name__}: {getattr(e, 'strerror', None) or e})"
 
 
 class DecodeStep(Step):

@@ -4,12 +4,14 @@ when lost."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from pan2render.jobs import outdir
+from pan2render.jobs.inputs import LIMITS, InputFileError, read_regular_file
 from pan2render.jobs.ledger import JobRecord
 
 POSTER_DIR = "_report"
@@ -51,10 +53,17 @@ def input_thumbnail(out_dir: Path, job: JobRecord, say: Callable[[str], None], *
     rel = f"{POSTER_DIR}/{job.id}.input.{spec.image_sha256[:12]}.png"
     if (out_dir / rel).is_file():
         return rel
-    if not make or not Path(spec.image).is_file():
-        return None  # moved or deleted since: the tile names its path
+    if not make:
+        return None
     try:
-        data = image_png(spec.image, max_side=INPUT_MAX_SIDE)
+        # Read as validation reads it: by now the path may name a FIFO, a device or a stalled mount.
+        image = read_regular_file(spec.image, limit=LIMITS.image_bytes)
+    except (OSError, InputFileError):
+        return None  # moved, deleted or no longer a file we read since: the tile names its path
+    if hashlib.sha256(image).hexdigest() != spec.image_sha256:
+        return None  # changed since: not the image the job started from
+    try:
+        data = image_png(image, max_side=INPUT_MAX_SIDE, name=spec.image)
     except MediaError as e:
         say(f"report: {job.id}: no thumbnail of its image: {e}")
         return None

@@ -214,6 +214,46 @@ def test_a_job_whose_lora_is_gone_or_changed_fails_at_once_with_the_reason(tmp_p
     assert all(led.job(j.job_id).attempts == 1 for j in (gone, changed))
 
 
+@pytest.mark.parametrize("what", ["image", "lora"])
+def test_a_job_whose_input_became_a_fifo_fails_at_once_and_the_driver_goes_on(tmp_path: Path, what: str) -> None:
+    """Validated as a regular file, the path names a FIFO by the time the job samples. Nobody ever
+    writes to it: a driver that read it as a file would wait forever, and every job with it."""
+    import dataclasses
+
+    import numpy as np
+
+    from pan2render.jobs.spec import LoraRef
+    from pan2render.media.video import png_bytes
+
+    fifo = tmp_path / ("first.png" if what == "image" else "style.safetensors")
+    if what == "image":
+        fifo.write_bytes(png_bytes(np.full((20, 30, 3), 200, np.uint8)))
+        job = spec("swapped", image=fifo)  # its id made with the image's digest
+        fifo.unlink()
+    else:
+        job = dataclasses.replace(spec("swapped"), loras=(LoraRef(str(fifo), 1.0),), lora_digests=(("0" * 64, 1.0),))
+    os.mkfifo(fifo)
+    plain = spec("plain")
+    rendered: list[Any] = []
+
+    def run() -> None:
+        summary, _, led = render(tmp_path / "out", [job, plain])
+        rendered.append((summary.done, led.job(job.job_id)))  # read here: the ledger is this thread's
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    blocked = thread.is_alive()
+    if blocked:  # let the stuck read go (a writer that opens and closes gives it end-of-file)
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert not blocked, "the driver is blocked reading the FIFO"
+    done, failed = rendered[0]
+    print("done:", done, "| error:", failed.error)
+    assert done == [plain.job_id]
+    assert f"{fifo} is a FIFO (named pipe); allowed: a regular file" in (failed.error or "")
+    assert failed.attempts == 1  # an input error: not retried
+
+
 def _damage(path: Path, how: str) -> None:
     data = path.read_bytes()
     if how == "truncate":
