@@ -37,8 +37,7 @@ class LoadContext:
     # Every LoRA file named, with where it was first named and by which field: checked once, after
     # the model is known (`check_lora_files`), and hashed once.
     lora_sources: dict[str, tuple[SourceLocation, str]] = field(default_factory=dict)
-<<<<<<< HEAD
-    lora_hashes: dict[str, str] = field(default_factory=dict)
+    lora_hashes: dict[str, str | None] = field(default_factory=dict)
     # The folders a load may read from (None: any). A farm loading a batch a client sent reads only
     # inside the roots it allows: every file the batch names is checked before it is read.
     roots: tuple[Path, ...] | None = None
@@ -53,9 +52,6 @@ class LoadContext:
             return None
         return (f"{str(path)!r} lies outside the folders this farm reads from ({', '.join(map(str, self.roots))}); "
                 f"allowed: a path inside one of them (the farm's --inputs-root)")
-=======
-    lora_hashes: dict[str, str | None] = field(default_factory=dict)
->>>>>>> inputs
 
     def problem(self, line: int, fld: str, message: str, display: str | None = None) -> None:
         self.problems.append(Problem(SourceLocation(display or self.display, line), fld, message))

@@ -140,15 +140,13 @@ def resolve_image(raw: RawJob, ctx: LoadContext) -> None:
         return
     path = (raw.base_dir / Path(image).expanduser()).resolve()
     raw.fields["image"] = str(path)
-<<<<<<< HEAD
-    problem = ctx.outside_roots(path) or (image_problem(path) if ctx.check_files else None)
-=======
-    if not ctx.check_files:
+    problem = ctx.outside_roots(path)
+    if problem is None and not ctx.check_files:
         return
-    if str(path) not in ctx.image_problems:
-        ctx.image_problems[str(path)] = image_problem(path)
-    problem = ctx.image_problems[str(path)]
->>>>>>> inputs
+    if problem is None:
+        if str(path) not in ctx.image_problems:
+            ctx.image_problems[str(path)] = image_problem(path)
+        problem = ctx.image_problems[str(path)]
     if problem:
         ctx.problem(raw.lines.get("image", raw.location.line), raw.label + ".image", problem, raw.location.file)
 
