@@ -69,6 +69,11 @@ def make_executor(*, address: str | None, cpu_gpus: int | None, max_gpus: int,
         from pan2render.runner.cluster.local_executor import LocalExecutor
 
         return LocalExecutor(gpus=cpu_gpus or max_gpus, config=config)
+    from pan2render.runner.cluster.ray_cluster import ask_loopback_only
+
+    if address in (None, LOCAL_ADDRESS):  # a local cluster may start: before Ray is imported, which reads it
+        ask_loopback_only()  # (a run joining the node kept up here takes that node's address still)
+
     import ray  # ~1 s; only a run that renders gets here
 
     from pan2render.runner.cluster.ray_cluster import ray_banner_to, running_local_node

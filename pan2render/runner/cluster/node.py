@@ -20,7 +20,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pan2render.cache import cache_root
-from pan2render.runner.cluster.ray_cluster import node_start_command, running_local_node
+from pan2render.runner.cluster.ray_cluster import (
+    RAY_SINGLE_MACHINE_ENV,
+    node_start_command,
+    running_local_node,
+)
 
 RECORD_NAME = "ray-node.json"
 GRACE_S = 15.0  # Ray's GCS and raylet drain for several seconds after a SIGTERM
@@ -73,8 +77,11 @@ def running() -> NodeRecord | None:
 
 # ---------------------------------------------------------------------------------------- start
 def start(*, gpus: int, port: int, env: dict[str, str]) -> NodeRecord:
-    """Start the node (`ray start --head`, groups.node_start_command) and record it. NodeError
-    when one of ours or another Ray node already runs here, or Ray fails to start."""
+    """Start the node (`ray start --head`, ray_cluster.node_start_command) and record it. NodeError
+    when one of ours or another Ray node already runs here, or Ray fails to start.
+
+    Unlike a run's local cluster, this node is one other machines may join (`ray start --address`
+    on them, with its token): it listens on this machine's address, as `ray start` does."""
     if (ours := running()) is not None:
         raise NodeAlreadyUp(ours)
     other, _ = running_local_node()
@@ -82,6 +89,7 @@ def start(*, gpus: int, port: int, env: dict[str, str]) -> NodeRecord:
         raise NodeError(f"a Ray node is already running on this machine (GCS at {other}), one that "
                         f"`pan2-render node start` did not start: runs here join it already. To have one of "
                         f"pan2-render's own instead, stop that one first (with `ray stop` if it is yours)")
+    env = {k: v for k, v in env.items() if k != RAY_SINGLE_MACHINE_ENV}  # a run's switch, not the node's
     done = subprocess.run(node_start_command(gpus=gpus, port=port), env=env, capture_output=True, text=True,
                           check=False)
     if done.returncode != 0:

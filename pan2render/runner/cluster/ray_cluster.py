@@ -80,6 +80,43 @@ def running_local_node() -> tuple[str | None, str | None]:
 
 
 
+# ------------------------------------------------------------- a local cluster: this machine's alone
+# Ray's switch between a cluster of one machine and one that other machines may join, read once
+# when `ray` is imported (ray._private.ray_constants). At 0 (Ray's default on macOS and Windows) a
+# new node takes the loopback address as its IP, and every process of the node listens there alone:
+# GCS, raylet, agents, workers, the driver's own core worker. At 1 (the default on Linux) they listen
+# on the host's address or every interface. A run joining a cluster is not affected: it takes the
+# address of the node it joins.
+RAY_SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def ask_loopback_only() -> None:
+    """A local cluster started by this process listens on the loopback address alone. Before `ray`
+    is imported (Ray reads the switch then); checked by :func:`check_loopback` once the node is up."""
+    os.environ[RAY_SINGLE_MACHINE_ENV] = "0"
+
+
+class ExposedClusterError(RuntimeError):
+    """A local cluster came up on an address other machines can reach."""
+
+
+def check_loopback(node_ip: str) -> None:
+    """ExposedClusterError unless ``node_ip``, the address of the local node just started, is a
+    loopback one."""
+    import ipaddress
+
+    try:
+        loopback = ipaddress.ip_address(node_ip).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ExposedClusterError(
+            f"the local Ray cluster came up on {node_ip}, an address other machines can reach, not on "
+            f"127.0.0.1: Ray was imported in this process before pan2-render could ask for a cluster of this "
+            f"machine alone. Set {RAY_SINGLE_MACHINE_ENV}=0 in the environment before Ray is imported, or "
+            f"join a cluster with --address")
+
+
 # Where Ray logs which token authentication a cluster got, as a WARNING at every ray.init: a
 # logger name (logging is how a library's messages are routed), not an import of Ray's module.
 RAY_TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"

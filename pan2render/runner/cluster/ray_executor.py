@@ -29,6 +29,8 @@ from pan2render.runner.cluster.ray_cluster import (
     ClusterConnectError,
     GcsLost,
     GcsWatch,
+    ask_loopback_only,
+    check_loopback,
     gcs_lost_after_s,
     parse_gcs_address,
     probe_address,
@@ -62,6 +64,8 @@ class RayExecutor:
     def __init__(self, *, address: str | None, gpus: int | None, cpus: int | None,
                  config: WorkerConfig, object_store_bytes: int = 1 << 30, local_node: bool = False):
         """``local_node``: ``address`` is the node kept up on this machine (`running_local_node`)."""
+        if address is None:
+            ask_loopback_only()  # before Ray is imported here (make_executor asks before it imports Ray)
         import ray  # importing ray costs ~1 s; unit tests with LocalExecutor skip it
 
         self._ray = ray
@@ -89,7 +93,8 @@ class RayExecutor:
         if self._owns_ray and address is None:
             # A local cluster: no dashboard (slow to start, not needed), a modest object store
             # (artifacts are MBs: latents ~10 MB, an mp4 a few MB), worker logs shown here.
-            # "local": a new cluster even where a node recorded on this machine is gone.
+            # "local": a new cluster even where a node recorded on this machine is gone. It listens
+            # on the loopback address alone (ask_loopback_only).
             before = own_children()
             try:
                 with interrupts_deferred():
@@ -98,6 +103,7 @@ class RayExecutor:
                                        logging_level="WARNING")
             finally:  # the GCS, raylet, ... of the new node: this process's children since ray.init
                 self._node_roots = own_children() - before
+            check_loopback(context.address_info["node_ip_address"])
         elif self._owns_ray:
             probe_address(address)
             try:

@@ -1,6 +1,7 @@
 """A run that joins a cluster says whose it is: the node `node start` keeps up, or a `ray start` by
 this user or another one (the owner of the socket its GCS listens on), or one started elsewhere;
-Ray's token-authentication banner goes to the run log."""
+Ray's token-authentication banner goes to the run log; a local cluster on an address other
+machines reach is refused."""
 
 from __future__ import annotations
 
@@ -56,3 +57,12 @@ def test_rays_token_authentication_banner_goes_to_the_run_log_not_the_terminal(
         logger.removeHandler(handler)
     assert noted == ["Ray: Token authentication is enabled for this Ray cluster."]
     assert "Token authentication" not in capsys.readouterr().err
+
+
+def test_a_local_cluster_on_an_address_other_machines_reach_is_refused() -> None:
+    from pan2render.runner.cluster.ray_cluster import RAY_SINGLE_MACHINE_ENV, ExposedClusterError, check_loopback
+
+    check_loopback("127.0.0.1")
+    check_loopback("::1")
+    with pytest.raises(ExposedClusterError, match=f"came up on 192.0.2.2.*{RAY_SINGLE_MACHINE_ENV}=0"):
+        check_loopback("192.0.2.2")
