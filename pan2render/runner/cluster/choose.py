@@ -69,10 +69,12 @@ def make_executor(*, address: str | None, cpu_gpus: int | None, max_gpus: int,
         from pan2render.runner.cluster.local_executor import LocalExecutor
 
         return LocalExecutor(gpus=cpu_gpus or max_gpus, config=config)
-    from pan2render.runner.cluster.ray_cluster import ask_loopback_only
+    from pan2render.runner.cluster.ray_cluster import ask_loopback_only, keep_ray_token_private
 
     if address in (None, LOCAL_ADDRESS):  # a local cluster may start: before Ray is imported, which reads it
         ask_loopback_only()  # (a run joining the node kept up here takes that node's address still)
+    if token_note := keep_ray_token_private():
+        say(token_note)
 
     import ray  # ~1 s; only a run that renders gets here
 
@@ -99,6 +101,9 @@ def make_executor(*, address: str | None, cpu_gpus: int | None, max_gpus: int,
         say(why)
     cpus = os.cpu_count() or 1
     threads = None if cuda and cpu_gpus is None else max(1, cpus // gpus)
-    return RayExecutor(address=None, gpus=gpus, cpus=cpus,
-                       config=WorkerConfig(pipeline_factory=factory, faults=faults, threads=threads))
+    executor = RayExecutor(address=None, gpus=gpus, cpus=cpus,
+                           config=WorkerConfig(pipeline_factory=factory, faults=faults, threads=threads))
+    if token_note := keep_ray_token_private():  # Ray wrote it meanwhile (another Ray starting)
+        say(token_note)
+    return executor
 

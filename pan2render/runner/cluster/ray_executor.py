@@ -34,6 +34,7 @@ from pan2render.runner.cluster.ray_cluster import (
     gcs_lost_after_s,
     parse_gcs_address,
     probe_address,
+    write_ray_token_if_missing,
 )
 from pan2render.runner.protocol.failures import FailureKind, classify_group_death
 from pan2render.runner.protocol.messages import (
@@ -94,7 +95,8 @@ class RayExecutor:
             # A local cluster: no dashboard (slow to start, not needed), a modest object store
             # (artifacts are MBs: latents ~10 MB, an mp4 a few MB), worker logs shown here.
             # "local": a new cluster even where a node recorded on this machine is gone. It listens
-            # on the loopback address alone (ask_loopback_only).
+            # on the loopback address alone (ask_loopback_only) and its token file is its owner's.
+            write_ray_token_if_missing()
             before = own_children()
             try:
                 with interrupts_deferred():
