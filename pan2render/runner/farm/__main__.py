@@ -17,6 +17,7 @@ from typing import Any
 
 from pan2render.jobs.ledger import FolderLock
 from pan2render.runner.cluster.choose import make_executor
+from pan2render.runner.cluster.leftovers import RECORD_NAME as CLUSTER_RECORD_NAME
 from pan2render.runner.farm.api import start_api
 from pan2render.runner.farm.config import FARM_SERVING_SETTINGS, FARM_SETTINGS, FarmConfig
 from pan2render.runner.farm.service import INFO_NAME, LOG_NAME, Farm, ensure_token
@@ -49,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = settings_from_args(FarmConfig, args, root=root, serving=settings_from_args(ServingConfig, args))
         token = ensure_token(root)
-        executor = make_executor(address=args.address, cpu_gpus=args.cpu_gpus, max_gpus=args.cpu_gpus or 1, say=log)
+        # ROOT/ray-cluster.json: the processes of the farm's local Ray cluster, which the next farm
+        # started here ends should this one be killed (its Ray agents outlive it by minutes).
+        executor = make_executor(address=args.address, cpu_gpus=args.cpu_gpus, max_gpus=args.cpu_gpus or 1, say=log,
+                                 cluster_record=root / CLUSTER_RECORD_NAME)
         farm = Farm(config, executor, log=log)
         api = start_api(farm, token=token, host=config.host, port=config.port)
         farm.url = api.url
