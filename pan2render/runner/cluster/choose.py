@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pan2render.runner.cluster.executor import Executor
@@ -49,11 +50,15 @@ def local_gpus(cpu_gpus: int | None, *, max_gpus: int) -> tuple[int, int, str | 
 
 
 def make_executor(*, address: str | None, cpu_gpus: int | None, max_gpus: int,
-                  say: Callable[[str], None], note: Callable[[str], None] | None = None) -> Executor:
+                  say: Callable[[str], None], note: Callable[[str], None] | None = None,
+                  cluster_record: Path | None = None) -> Executor:
     """The executor for a run: ``address`` (a cluster to join, ``local`` for a cluster of the
     run's own, None for the node kept up on this machine if one runs, else a local cluster),
     ``cpu_gpus`` logical GPUs on a CPU-only machine, ``max_gpus`` the largest group the batch
-    needs; ``note``: where lines for the run log alone go (default ``say``). The test hooks of the
+    needs; ``note``: where lines for the run log alone go (default ``say``); ``cluster_record``:
+    where a local cluster started here records its processes, for the next start to end should
+    this process be killed (the farm's folder; None: the runs' records, `cluster/leftovers.py`).
+    What killed runs and farms left of their local clusters is ended first. The test hooks of the
     environment (``PAN2_RENDER_EXECUTOR``, ``PAN2_RENDER_PIPELINE``, ``PAN2_RENDER_FAULTS``: see
     ``cli/main.py``) are read here."""
     import json
@@ -69,6 +74,16 @@ def make_executor(*, address: str | None, cpu_gpus: int | None, max_gpus: int,
         from pan2render.runner.cluster.local_executor import LocalExecutor
 
         return LocalExecutor(gpus=cpu_gpus or max_gpus, config=config)
+    from pan2render.runner.cluster.leftovers import end_leftovers, records_to_check, run_record_path
+    from pan2render.runner.cluster.ray_cluster import ask_loopback_only, keep_ray_token_private
+
+    for line in end_leftovers(records_to_check(cluster_record)):
+        say(line)
+    if address in (None, LOCAL_ADDRESS):  # a local cluster may start: before Ray is imported, which reads it
+        ask_loopback_only()  # (a run joining the node kept up here takes that node's address still)
+    if token_note := keep_ray_token_private():
+        say(token_note)
+
     import ray  # ~1 s; only a run that renders gets here
 
     from pan2render.runner.cluster.ray_cluster import ray_banner_to, running_local_node
@@ -94,6 +109,10 @@ def make_executor(*, address: str | None, cpu_gpus: int | None, max_gpus: int,
         say(why)
     cpus = os.cpu_count() or 1
     threads = None if cuda and cpu_gpus is None else max(1, cpus // gpus)
-    return RayExecutor(address=None, gpus=gpus, cpus=cpus,
-                       config=WorkerConfig(pipeline_factory=factory, faults=faults, threads=threads))
+    executor = RayExecutor(address=None, gpus=gpus, cpus=cpus,
+                           config=WorkerConfig(pipeline_factory=factory, faults=faults, threads=threads),
+                           record=cluster_record or run_record_path())
+    if token_note := keep_ray_token_private():  # Ray wrote it meanwhile (another Ray starting)
+        say(token_note)
+    return executor
 

@@ -16,11 +16,18 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pan2render.cache import cache_root
-from pan2render.runner.cluster.ray_cluster import node_start_command, running_local_node
+from pan2render.runner.cluster.ray_cluster import (
+    RAY_SINGLE_MACHINE_ENV,
+    keep_ray_token_private,
+    node_start_command,
+    running_local_node,
+    write_ray_token_if_missing,
+)
 
 RECORD_NAME = "ray-node.json"
 GRACE_S = 15.0  # Ray's GCS and raylet drain for several seconds after a SIGTERM
@@ -72,9 +79,13 @@ def running() -> NodeRecord | None:
 
 
 # ---------------------------------------------------------------------------------------- start
-def start(*, gpus: int, port: int, env: dict[str, str]) -> NodeRecord:
-    """Start the node (`ray start --head`, groups.node_start_command) and record it. NodeError
-    when one of ours or another Ray node already runs here, or Ray fails to start."""
+def start(*, gpus: int, port: int, env: dict[str, str], say: Callable[[str], None] | None = None) -> NodeRecord:
+    """Start the node (`ray start --head`, ray_cluster.node_start_command) and record it. NodeError
+    when one of ours or another Ray node already runs here, or Ray fails to start. ``say``: where a
+    line goes when Ray's token file had to be made readable by its owner alone.
+
+    Unlike a run's local cluster, this node is one other machines may join (`ray start --address`
+    on them, with its token): it listens on this machine's address, as `ray start` does."""
     if (ours := running()) is not None:
         raise NodeAlreadyUp(ours)
     other, _ = running_local_node()
@@ -82,8 +93,15 @@ def start(*, gpus: int, port: int, env: dict[str, str]) -> NodeRecord:
         raise NodeError(f"a Ray node is already running on this machine (GCS at {other}), one that "
                         f"`pan2-render node start` did not start: runs here join it already. To have one of "
                         f"pan2-render's own instead, stop that one first (with `ray stop` if it is yours)")
+    write_ray_token_if_missing()  # which `ray start --head` would write with the umask's mode
+    notes = [keep_ray_token_private()]
+    env = {k: v for k, v in env.items() if k != RAY_SINGLE_MACHINE_ENV}  # a run's switch, not the node's
     done = subprocess.run(node_start_command(gpus=gpus, port=port), env=env, capture_output=True, text=True,
                           check=False)
+    notes.append(keep_ray_token_private())
+    for line in filter(None, notes):
+        if say is not None:
+            say(line)
     if done.returncode != 0:
         raise NodeError(f"`ray start` failed (exit {done.returncode}): {_last_error(done.stdout + done.stderr)} "
                         f"(a port in use: --port)")

@@ -80,6 +80,103 @@ def running_local_node() -> tuple[str | None, str | None]:
 
 
 
+# ------------------------------------------------------------- a local cluster: this machine's alone
+# Ray's switch between a cluster of one machine and one that other machines may join, read once
+# when `ray` is imported (ray._private.ray_constants). At 0 (Ray's default on macOS and Windows) a
+# new node takes the loopback address as its IP, and every process of the node listens there alone:
+# GCS, raylet, agents, workers, the driver's own core worker. At 1 (the default on Linux) they listen
+# on the host's address or every interface. A run joining a cluster is not affected: it takes the
+# address of the node it joins.
+RAY_SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def ask_loopback_only() -> None:
+    """A local cluster started by this process listens on the loopback address alone. Before `ray`
+    is imported (Ray reads the switch then); checked by :func:`check_loopback` once the node is up."""
+    os.environ[RAY_SINGLE_MACHINE_ENV] = "0"
+
+
+class ExposedClusterError(RuntimeError):
+    """A local cluster came up on an address other machines can reach."""
+
+
+def check_loopback(node_ip: str) -> None:
+    """ExposedClusterError unless ``node_ip``, the address of the local node just started, is a
+    loopback one."""
+    import ipaddress
+
+    try:
+        loopback = ipaddress.ip_address(node_ip).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ExposedClusterError(
+            f"the local Ray cluster came up on {node_ip}, an address other machines can reach, not on "
+            f"127.0.0.1: Ray was imported in this process before pan2-render could ask for a cluster of this "
+            f"machine alone. Set {RAY_SINGLE_MACHINE_ENV}=0 in the environment before Ray is imported, or "
+            f"join a cluster with --address")
+
+
+# Where Ray keeps the token of its token authentication (on by default for a cluster ray.init or
+# `ray start --head` starts, as in Ray 2.60), unless RAY_AUTH_TOKEN holds the token or
+# RAY_AUTH_TOKEN_PATH names another file. Ray writes it with the process's umask (0644: any user of
+# the machine can read it when the home folder can be read), and whoever holds the token may join
+# the cluster and run code as its user.
+RAY_TOKEN_PATH = Path(".ray") / "auth_token"
+RAY_TOKEN_HEX_BYTES = 32  # 256 random bits, as Ray's own generator draws
+
+
+def ray_token_file() -> Path | None:
+    """The token file a Ray started here reads (and writes when it is missing); None where Ray does
+    not use ours: token authentication turned off (RAY_AUTH_MODE other than `token`), or the token
+    given through RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH (the user's own choice of file)."""
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode is not None and mode.lower() != "token":
+        return None
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return None
+    return Path.home() / RAY_TOKEN_PATH
+
+
+def write_ray_token_if_missing() -> None:
+    """Before a local cluster starts (Ray would write the token file with the umask's mode): the
+    file written here first, readable by its owner from the start, with a new token."""
+    import secrets
+
+    path = ray_token_file()
+    if path is None or path.exists():
+        return
+    if not path.parent.exists():
+        path.parent.mkdir(parents=True, mode=0o700)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:  # written meanwhile (another run starting): Ray reads that one
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(RAY_TOKEN_HEX_BYTES))
+
+
+def keep_ray_token_private() -> str | None:
+    """Ray's token file, readable by its owner alone: made so (chmod 600) where group or others
+    could read it. A line for the user when it changed the file (or could not), else None."""
+    import stat
+
+    path = ray_token_file()
+    try:
+        st = path.stat() if path is not None else None
+    except FileNotFoundError:
+        st = None
+    if st is None or not st.st_mode & 0o077:
+        return None
+    mode = f"{stat.S_IMODE(st.st_mode):o}"
+    if st.st_uid != os.getuid():
+        return (f"Ray's token file {path} belongs to uid {st.st_uid}, not to you, and may be read by others "
+                f"(mode {mode}): whoever reads it may join your Ray clusters")
+    os.chmod(path, 0o600)
+    return (f"Ray's token file {path} could be read by others (mode {mode}); it is now readable by you "
+            f"alone (600): whoever holds it may join your Ray clusters and run code as you")
+
+
 # Where Ray logs which token authentication a cluster got, as a WARNING at every ray.init: a
 # logger name (logging is how a library's messages are routed), not an import of Ray's module.
 RAY_TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"

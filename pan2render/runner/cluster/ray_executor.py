@@ -13,14 +13,17 @@ back and say so.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 from pan2render.runner.cluster.executor import Call, Group, GroupDied, GroupStartError, first_failure, next_group_number
+from pan2render.runner.cluster.leftovers import forget, record_cluster
 from pan2render.runner.cluster.node import NodeError, end_processes, process_tree
 from pan2render.runner.cluster.ray_actors import RayProgress, RayWorkerProcess, interrupts_deferred, own_children
 from pan2render.runner.cluster.ray_cluster import (
@@ -29,9 +32,12 @@ from pan2render.runner.cluster.ray_cluster import (
     ClusterConnectError,
     GcsLost,
     GcsWatch,
+    ask_loopback_only,
+    check_loopback,
     gcs_lost_after_s,
     parse_gcs_address,
     probe_address,
+    write_ray_token_if_missing,
 )
 from pan2render.runner.protocol.failures import FailureKind, classify_group_death
 from pan2render.runner.protocol.messages import (
@@ -60,8 +66,13 @@ class RayExecutor:
     starts_in_background = True
 
     def __init__(self, *, address: str | None, gpus: int | None, cpus: int | None,
-                 config: WorkerConfig, object_store_bytes: int = 1 << 30, local_node: bool = False):
-        """``local_node``: ``address`` is the node kept up on this machine (`running_local_node`)."""
+                 config: WorkerConfig, object_store_bytes: int = 1 << 30, local_node: bool = False,
+                 record: Path | None = None):
+        """``local_node``: ``address`` is the node kept up on this machine (`running_local_node`);
+        ``record``: where a local cluster started here records its processes (`cluster/leftovers.py`),
+        dropped when it ends."""
+        if address is None:
+            ask_loopback_only()  # before Ray is imported here (make_executor asks before it imports Ray)
         import ray  # importing ray costs ~1 s; unit tests with LocalExecutor skip it
 
         self._ray = ray
@@ -70,9 +81,10 @@ class RayExecutor:
         # cluster as it is and leave it running at shutdown.
         self._owns_ray = not ray.is_initialized()
         self._node_roots: set[int] = set()  # the processes ray.init started here for a local cluster
+        self._record: Path | None = None  # where they are recorded, once they are
         try:
             self._start(address=address, gpus=gpus, cpus=cpus, object_store_bytes=object_store_bytes,
-                        local_node=local_node)
+                        local_node=local_node, record=record)
         except BaseException:
             # Interrupted (Ctrl-C, a stop signal, or Ray's own SIGTERM handler's SystemExit) or
             # failed while starting or joining Ray: what was started ends with the run.
@@ -80,7 +92,7 @@ class RayExecutor:
             raise
 
     def _start(self, *, address: str | None, gpus: int | None, cpus: int | None, object_store_bytes: int,
-               local_node: bool) -> None:
+               local_node: bool, record: Path | None) -> None:
         ray = self._ray
         # Where Ray keeps the workers' own logs (this node's session folder), when we started or
         # joined Ray here; a Ray client (ray://) keeps them on the cluster's nodes.
@@ -89,7 +101,9 @@ class RayExecutor:
         if self._owns_ray and address is None:
             # A local cluster: no dashboard (slow to start, not needed), a modest object store
             # (artifacts are MBs: latents ~10 MB, an mp4 a few MB), worker logs shown here.
-            # "local": a new cluster even where a node recorded on this machine is gone.
+            # "local": a new cluster even where a node recorded on this machine is gone. It listens
+            # on the loopback address alone (ask_loopback_only) and its token file is its owner's.
+            write_ray_token_if_missing()
             before = own_children()
             try:
                 with interrupts_deferred():
@@ -98,6 +112,16 @@ class RayExecutor:
                                        logging_level="WARNING")
             finally:  # the GCS, raylet, ... of the new node: this process's children since ray.init
                 self._node_roots = own_children() - before
+            check_loopback(context.address_info["node_ip_address"])
+            if record is not None:  # for the next start to end, should this process be killed
+                self._record = record
+                try:
+                    record_cluster(record, session_dir=context.address_info["session_dir"],
+                                   pids=self._node_processes())
+                except OSError as e:  # the run goes on; only a kill would leave its agents running
+                    print(f"warning: the local Ray cluster's processes could not be recorded in {record} ({e}): "
+                          f"should this process be killed, its Ray agents would run on for minutes",
+                          file=sys.stderr, flush=True)
         elif self._owns_ray:
             probe_address(address)
             try:
@@ -399,6 +423,7 @@ class RayExecutor:
             self._ray.shutdown()
         finally:
             end_processes(ours, grace_s=NODE_LEFTOVERS_GRACE_S)
+            forget(self._record)
 
     def _node_processes(self) -> set[int]:
         """The processes of the local node this run started, now: those ray.init started that are

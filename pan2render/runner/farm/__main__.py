@@ -19,6 +19,7 @@ from typing import TextIO
 from pan2render.jobs.ledger import FolderLock, FolderLockedError
 from pan2render.model_files import folder_problems
 from pan2render.runner.cluster.choose import make_executor
+from pan2render.runner.cluster.leftovers import RECORD_NAME as CLUSTER_RECORD_NAME
 from pan2render.runner.farm.api import start_api
 from pan2render.runner.farm.config import (
     FARM_SERVING_SETTINGS,
@@ -72,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         if broken := {path: found for _, path in config.models if (found := folder_problems(Path(path)))}:
             raise SettingError(errors.broken_checkpoints(broken, resume=None))
         token = ensure_token(root)
-        executor = make_executor(address=args.address, cpu_gpus=args.cpu_gpus, max_gpus=args.cpu_gpus or 1, say=log)
+        # ROOT/ray-cluster.json: the processes of the farm's local Ray cluster, which the next farm
+        # started here ends should this one be killed (its Ray agents outlive it by minutes).
+        executor = make_executor(address=args.address, cpu_gpus=args.cpu_gpus, max_gpus=args.cpu_gpus or 1, say=log,
+                                 cluster_record=root / CLUSTER_RECORD_NAME)
         farm = Farm(config, executor, log=log)
         roots = Roots.of(list(config.inputs_roots), list(config.outputs_roots))
         api = start_api(farm, users=Users(root, admin_token=token), roots=roots, host=config.host, port=config.port,

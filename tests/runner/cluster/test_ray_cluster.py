@@ -1,6 +1,7 @@
 """A run that joins a cluster says whose it is: the node `node start` keeps up, or a `ray start` by
 this user or another one (the owner of the socket its GCS listens on), or one started elsewhere;
-Ray's token-authentication banner goes to the run log."""
+Ray's token-authentication banner goes to the run log; the token file a local cluster uses is its
+owner's alone, and a local cluster on an address other machines reach is refused."""
 
 from __future__ import annotations
 
@@ -56,3 +57,63 @@ def test_rays_token_authentication_banner_goes_to_the_run_log_not_the_terminal(
         logger.removeHandler(handler)
     assert noted == ["Ray: Token authentication is enabled for this Ray cluster."]
     assert "Token authentication" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------ a local cluster's token
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A HOME of the test's own, where Ray keeps its token (.ray/auth_token), token mode as Ray's default."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path
+
+
+def test_a_missing_token_is_written_readable_by_its_owner_alone(home: Path) -> None:
+    from pan2render.runner.cluster.ray_cluster import write_ray_token_if_missing
+
+    write_ray_token_if_missing()
+    token = home / ".ray" / "auth_token"
+    assert oct(token.stat().st_mode & 0o777) == "0o600"
+    assert len(token.read_text()) == 64 and int(token.read_text(), 16) > 0  # 256 bits, as Ray draws them
+    before = token.read_text()
+    write_ray_token_if_missing()
+    assert token.read_text() == before  # one there is Ray's: never replaced
+
+
+def test_a_token_others_can_read_is_made_private_and_said(home: Path) -> None:
+    from pan2render.runner.cluster.ray_cluster import keep_ray_token_private
+
+    token = home / ".ray" / "auth_token"
+    token.parent.mkdir()
+    token.write_text("t" * 64)
+    token.chmod(0o644)  # as Ray writes it
+    note = keep_ray_token_private()
+    assert oct(token.stat().st_mode & 0o777) == "0o600"
+    assert note is not None and "mode 644" in note and str(token) in note
+    assert keep_ray_token_private() is None  # nothing more to say
+
+
+@pytest.mark.parametrize("env", [{"RAY_AUTH_MODE": "disabled"}, {"RAY_AUTH_TOKEN_PATH": "/elsewhere"},
+                                 {"RAY_AUTH_TOKEN": "t" * 64}], ids=["auth off", "token path", "token in env"])
+def test_the_token_file_is_left_alone_where_ray_does_not_use_it(
+        home: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    from pan2render.runner.cluster.ray_cluster import keep_ray_token_private, write_ray_token_if_missing
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    token = home / ".ray" / "auth_token"
+    token.parent.mkdir()
+    token.write_text("t" * 64)
+    token.chmod(0o644)
+    write_ray_token_if_missing()
+    assert keep_ray_token_private() is None and oct(token.stat().st_mode & 0o777) == "0o644"
+
+
+def test_a_local_cluster_on_an_address_other_machines_reach_is_refused() -> None:
+    from pan2render.runner.cluster.ray_cluster import RAY_SINGLE_MACHINE_ENV, ExposedClusterError, check_loopback
+
+    check_loopback("127.0.0.1")
+    check_loopback("::1")
+    with pytest.raises(ExposedClusterError, match=f"came up on 192.0.2.2.*{RAY_SINGLE_MACHINE_ENV}=0"):
+        check_loopback("192.0.2.2")
