@@ -78,8 +78,8 @@ def test_a_farm_serves_one_batch_on_two_nodes_and_a_lost_node_costs_no_attempt(
     c, env = cluster
     nodes = [c.add_node(num_cpus=1, num_gpus=1) for _ in range(2)]
     c.wait_for_nodes()
-    start = subprocess.run([*CLI, "farm", "start", "--address", c.address], env=env, capture_output=True,
-                           text=True, timeout=180)
+    start = subprocess.run([*CLI, "farm", "start", "--address", c.address, "--inputs-root", str(tmp_path),
+                            "--outputs-root", str(tmp_path)], env=env, capture_output=True, text=True, timeout=180)
     print(start.stdout, start.stderr[-2000:])
     assert start.returncode == 0
     batch = write_batch(tmp_path / "b.yaml", [{"name": f"j{i}", "prompt": f"clip {i}"} for i in range(6)],
