@@ -164,7 +164,7 @@ class FarmClient:
             try:
                 got = self.get(f"/api/batches/{_q(batch_id)}/log?offset={offset}")
             except FarmError as e:
-                if e.status == 0 and out_dir is not None:
+                if e.status == 0 and out_dir is not None:  # lost: what the farm had not sent yet
                     for line in _log_from(out_dir / "run.log", offset):
                         say(line)
                 raise

@@ -128,8 +128,12 @@ def follow(client: FarmClient, batch_id: str, *, offset: int = 0, out_dir: Path 
                     f"stops it, `pan2-render queue` shows it)")
         return EXIT_INTERRUPTED
     except FarmError as e:
-        print_error(f"error: lost the farm while following batch {batch_id}: {e}; the lines above are its run.log "
-                    f"to the end (`pan2-render farm start` continues the batch, `pan2-render status` shows it)")
+        if e.status:
+            print_error(f"error: the farm refused to show batch {batch_id}'s log: {e}")
+        else:
+            print_error(f"error: lost the farm while following batch {batch_id}: {e}; the lines above are its "
+                        f"run.log to the end (`pan2-render farm start` continues the batch, `pan2-render status` "
+                        f"shows it)")
         return EXIT_ENVIRONMENT
 
 

@@ -52,7 +52,7 @@ from pan2render.runner.farm.http import (
     user_of,
 )
 from pan2render.runner.farm.queue import FarmQueue, QueuedBatch, QueueError
-from pan2render.runner.farm.service import Farm
+from pan2render.runner.farm.service import Farm, described_from_ledger
 from pan2render.runner.farm.users import MAX_TOKEN_LENGTH, Users
 from pan2render.runner.serve.progress import RUN_LOG_NAME
 
@@ -132,7 +132,9 @@ class FarmApi:
         if request.query.get("all") in ("1", "true", "yes"):
             rows = await self.reads.run(FarmQueue.batches)
             shown = {b["id"]: b for b in self.farm.snapshot().get("batches", [])}
-            return web.json_response([shown.get(r.id) or _row_summary(r) for r in rows])
+            loop = asyncio.get_running_loop()
+            return web.json_response([shown.get(r.id) or await loop.run_in_executor(None, described_from_ledger, r)
+                                      for r in rows])
         return web.json_response(self.farm.snapshot().get("batches", []))
 
     @route("GET", "/api/batches/{id}")
@@ -143,7 +145,7 @@ class FarmApi:
         """A batch as the latest snapshot shows it, or (an ended one no longer in it) from the queue."""
         row = await self.reads.batch(batch_id)
         found = next((b for b in self.farm.snapshot().get("batches", []) if b["id"] == row.id), None)
-        return found or await asyncio.get_running_loop().run_in_executor(None, self.farm.described_quietly, row)
+        return found or await asyncio.get_running_loop().run_in_executor(None, described_from_ledger, row)
 
     @route("GET", "/api/batches/{id}/log")
     async def log(self, request: web.Request) -> web.Response:
@@ -231,13 +233,6 @@ class FarmApi:
             raise ApiError(403, "only the farm's admin (its own token) may stop it")
         self.farm.stop()
         return web.json_response({"stopping": True})
-
-
-def _row_summary(row: QueuedBatch) -> dict[str, Any]:
-    return {"id": row.id, "out_dir": row.out_dir, "batch": row.batch_path, "owner": row.owner,
-            "priority": row.priority, "state": row.state.value, "reason": row.reason, "video_id": row.video_id,
-            "submitted_at": row.submitted_at, "updated_at": row.updated_at, "hidden": row.hidden,
-            "exit_code": None if not row.state.ended else (3 if row.state.value == "stopped" else None)}
 
 
 def read_log_chunk(path: Path, offset: int) -> bytes:

@@ -119,15 +119,13 @@ class Farm:
         return self._described(row)
 
     def _described(self, row: QueuedBatch) -> dict[str, Any]:
+        """On the main thread: a batch with what the farm knows of it while it serves it."""
         s = self.served.get(row.id)
-        counts = s.session.counts() if s is not None else _ledger_counts(Path(row.out_dir), row.job_ids)
-        running = [r.job.id for r in self.scheduler.running(s.batch)] if s is not None else []
-        return {"id": row.id, "out_dir": row.out_dir, "batch": row.batch_path, "owner": row.owner,
-                "priority": row.priority, "preempt": row.preempt, "state": row.state.value, "reason": row.reason,
-                "submitted_at": row.submitted_at, "updated_at": row.updated_at, "counts": counts,
-                "running": running, "queued": len(self.scheduler.pending(s.batch)) if s is not None else 0,
-                "eta_s": s.batch.progress.eta_seconds() if s is not None else None,
-                "exit_code": exit_code(row.state, counts), "video_id": row.video_id, "hidden": row.hidden}
+        if s is None:
+            return described_from_ledger(row)
+        return _description(row, s.session.counts()) | {
+            "running": [r.job.id for r in self.scheduler.running(s.batch)],
+            "queued": len(self.scheduler.pending(s.batch)), "eta_s": s.batch.progress.eta_seconds()}
 
     # ================================================================== serving batches
     def resume_unfinished(self) -> None:
@@ -318,6 +316,19 @@ def exit_code(state: BatchState, counts: dict[str, int]) -> int | None:
     if state is BatchState.STOPPED:
         return 3
     return 0 if counts.get(JobState.DONE.value, 0) == counts.get("total", 0) else 1
+
+
+def described_from_ledger(row: QueuedBatch) -> dict[str, Any]:
+    """A batch as its queue row and its ledger (read-only) say, from any thread."""
+    return _description(row, _ledger_counts(Path(row.out_dir), row.job_ids))
+
+
+def _description(row: QueuedBatch, counts: dict[str, int]) -> dict[str, Any]:
+    return {"id": row.id, "out_dir": row.out_dir, "batch": row.batch_path, "owner": row.owner,
+            "priority": row.priority, "preempt": row.preempt, "state": row.state.value, "reason": row.reason,
+            "submitted_at": row.submitted_at, "updated_at": row.updated_at, "counts": counts, "running": [],
+            "queued": 0, "eta_s": None, "exit_code": exit_code(row.state, counts), "video_id": row.video_id,
+            "hidden": row.hidden}
 
 
 def _ledger_counts(out_dir: Path, job_ids: list[str]) -> dict[str, int]:
