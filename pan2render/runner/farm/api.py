@@ -23,6 +23,7 @@ each pass and from the queue and the ledgers, read-only, off the event loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import os
 import secrets
@@ -75,14 +76,16 @@ class Reads:
         self._queue: FarmQueue | None = None
         self._lock = threading.Lock()
 
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(None, self._locked, fn, *args)
+    async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(queue, *args, **kwargs)`` on an executor thread, with the read-only queue."""
+        return await asyncio.get_running_loop().run_in_executor(None, functools.partial(self._locked, fn, *args,
+                                                                                        **kwargs))
 
-    def _locked(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def _locked(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             if self._queue is None:
                 self._queue = FarmQueue(self._farm.root, readonly=True)
-            return fn(self._queue, *args)
+            return fn(self._queue, *args, **kwargs)
 
     async def batch(self, batch_id: str) -> QueuedBatch:
         try:

@@ -142,8 +142,8 @@ class VideosApi:
         after = q.get("after")
         if after is not None and not ID.fullmatch(after):
             raise ApiError(400, f"after {after[:40]!r}: a video id", param="after")
-        rows, more = await self.reads.run(FarmQueue.videos, None if user.admin else user.name, after, limit,
-                                          order == "desc")
+        rows, more = await self.reads.run(FarmQueue.videos, owner=None if user.admin else user.name, after=after,
+                                          limit=limit, newest_first=order == "desc")
         data = [await self._video(r) for r in rows]
         return web.json_response({"object": "list", "data": data, "has_more": more,
                                   "first_id": data[0]["id"] if data else None,
