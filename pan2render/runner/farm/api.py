@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import ipaddress
+import logging
 import os
 import secrets
 import socket
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from pan2render.runner.farm import intake, monitor, videos
 from pan2render.runner.farm.actions import FarmRequestError, check_priority
@@ -288,7 +290,8 @@ def make_app(farm: Farm, *, users: Users, roots: intake.Roots) -> web.Applicatio
         request[USER] = user
         return await handler(request)
 
-    app = web.Application(middlewares=[answer_errors, monitor.guard, authenticate], client_max_size=64 << 20)
+    app = web.Application(middlewares=[answer_errors, monitor.guard, authenticate], client_max_size=80 << 20,
+                          handler_args={"max_field_size": HEADER_MAX, "max_line_size": HEADER_MAX})
     app.on_response_prepare.append(monitor.secure)
     app.on_cleanup.append(lambda _: asyncio.get_running_loop().run_in_executor(None, reads.close))
     for routes in (FarmApi(farm, reads, roots), videos.VideosApi(farm, reads, roots),
@@ -305,7 +308,10 @@ def start_api(farm: Farm, *, users: Users, roots: intake.Roots, host: str, port:
               say: Callable[[str], None] = print) -> RunningApi:
     """Serve the API on a thread of its own; returns once it listens (``port`` 0: a free one)."""
     loop = asyncio.new_event_loop()
+    # Headers up to 64 KiB reach the API (an oversized token gets its 401 there); a request its parser
+    # refuses anyway is answered 400 by aiohttp without a traceback in the farm's log.
     runner = web.AppRunner(make_app(farm, users=users, roots=roots), access_log=None)
+    logging.getLogger("aiohttp.server").addFilter(_no_bad_requests)
     ready = threading.Event()
     where: dict[str, Any] = {}
 
@@ -346,6 +352,14 @@ def start_api(farm: Farm, *, users: Users, roots: intake.Roots, host: str, port:
         thread.join(timeout=10)
 
     return RunningApi(url=url, stop=stop)
+
+
+HEADER_MAX = 64 << 10
+
+
+def _no_bad_requests(record: logging.LogRecord) -> bool:
+    """aiohttp logs each request its parser refuses with a traceback: anyone could fill the log."""
+    return not (record.exc_info and isinstance(record.exc_info[1], HttpProcessingError))
 
 
 def client_host(host: str) -> str:

@@ -65,23 +65,32 @@ class Requests:
         with self._lock:
             return self._kept.get(request_id)
 
-    def run_waiting(self, refused: tuple[type[BaseException], ...]) -> None:
-        """On the main thread: every request in line, in order. An exception of ``refused`` is the
-        request's answer (sent back to the client); any other is the farm's bug, also sent back,
-        and neither ever stops the farm's loop."""
+    def run_waiting(self, refused: tuple[type[BaseException], ...], *,
+                    before_answers: Callable[[], None] = lambda: None) -> int:
+        """On the main thread: every request in line, in order; how many ran. An exception of
+        ``refused`` is the request's answer (sent back to the client); any other is the farm's bug,
+        also sent back, and neither ever stops the farm's loop. ``before_answers`` runs once they
+        ran and before any is answered (the farm publishes its snapshot: a client's next read shows
+        what it changed)."""
+        done: list[tuple[Request, Any, BaseException | None]] = []
         while True:
             try:
                 req = self._line.get_nowait()
             except queue.Empty:
-                return
+                break
             try:
                 value = req.run()
             except Exception as e:  # sent back to the client whoever waits for it; the farm goes on
                 req.state, req.answer = "refused", str(e) if isinstance(e, refused) else f"{type(e).__name__}: {e}"
-                _settle(req.future, error=e)
+                done.append((req, None, e))
             else:
                 req.state, req.answer = "applied", value
-                _settle(req.future, value=value)
+                done.append((req, value, None))
+        if done:
+            before_answers()
+        for req, value, error in done:
+            _settle(req.future, value=value, error=error)
+        return len(done)
 
     def wait(self, timeout_s: float) -> None:
         """Block until a request is put in line or ``timeout_s`` passed: the idle farm's wait."""

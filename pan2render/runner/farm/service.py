@@ -260,7 +260,8 @@ class Farm:
     def step(self) -> None:
         """One pass: the API's requests, the scheduler's pass (or a short wait when idle), ended
         batches closed, idle groups released, the snapshot published."""
-        self.requests.run_waiting(refused=(FarmRequestError,))
+        # What a client just changed shows in its next read: the snapshot is published before it is answered.
+        self.requests.run_waiting(refused=(FarmRequestError,), before_answers=self._publish)
         if self.scheduler.busy:
             self.scheduler.tick()
         else:
