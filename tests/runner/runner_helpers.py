@@ -163,13 +163,13 @@ CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "
 
 @contextmanager
 def serving_farm(tmp_path: Path, *, gpus: int = 1, faults: dict[str, Any] | None = None,
-                 pipeline: str = FAKE_FACTORY, users: dict[str, str] | None = None,
+                 pipeline: str = FAKE_FACTORY, users: dict[str, str] | None = None, root: Path | None = None,
                  **config: Any) -> Iterator[tuple[Farm, str, str]]:
     """A farm in this process (the fake pipeline; ``pipeline``: another factory, e.g. the tiny
     model's, DEFAULT_PIPELINE_FACTORY) with its API on a free port and its main loop on a thread, as
     in its own process, reading and writing inside ``tmp_path``: yields (farm, url, admin token);
     stopped on exit. ``users``: a dict filled with a token per name it holds."""
-    root = tmp_path / "farm"
+    root = root or tmp_path / "farm"
     root.mkdir(exist_ok=True, mode=0o700)
     for name in users or {}:
         users[name] = Users(root).add(name)  # type: ignore[index]
@@ -177,7 +177,7 @@ def serving_farm(tmp_path: Path, *, gpus: int = 1, faults: dict[str, Any] | None
     farm = Farm(farm_config(root, **config), ex, log=print)  # (pytest shows it when a test fails)
     token = ensure_token(root)
     api = start_api(farm, users=Users(root, admin_token=token), roots=Roots.of([tmp_path], [tmp_path]),
-                    host="127.0.0.1", port=0, say=lambda text: None)
+                    host=farm.config.host, port=0, say=lambda text: None)
     farm.url = api.url
     loop = threading.Thread(target=farm.run, name="farm-main", daemon=True)
     loop.start()

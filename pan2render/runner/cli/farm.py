@@ -114,14 +114,20 @@ def _start(args: argparse.Namespace, root: Path) -> int:
         cmd += ["--address", args.address]
     if args.cpu_gpus is not None:
         cmd += ["--cpu-gpus", str(args.cpu_gpus)]
-    fd = os.open(root / LOG_NAME, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fd = os.open(root / LOG_NAME, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        print_error(f"error: {root / LOG_NAME} cannot be the farm's log ({e.strerror}: a link, or not a regular "
+                    f"file?): remove it, the farm makes its own")
+        return EXIT_USAGE
     with os.fdopen(fd, "ab") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if (client := find_farm(root, timeout_s=1.0)) is not None:
-            if proc.poll() == EXIT_ALREADY_RUNNING:  # another start won the folder and now answers
-                print(f"a farm already runs at {root}: {client.url}")
+            if (read_info(root) or {}).get("pid") != proc.pid:  # another start won the folder and answers
+                proc.wait(timeout=60)  # (ours ends at once: it found the folder held)
+                print(f"a farm already runs at {root}: {client.url} (started at the same time)")
                 return EXIT_OK
             print(f"farm up at {client.url} (pid {proc.pid}); folder {root}, log {root / LOG_NAME}, admin token in "
                   f"{root / TOKEN_NAME}\nreads batches' files from {', '.join(map(str, config.inputs_roots))}; "

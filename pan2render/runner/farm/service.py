@@ -251,6 +251,7 @@ class Farm:
         """Serve until asked to stop (``farm stop``, SIGTERM); then every running job goes back to
         pending in its ledger, uncharged, as `run` does on a stop."""
         self.resume_unfinished()
+        self._publish()
         try:
             while not self._stopping.is_set():
                 self.step()
