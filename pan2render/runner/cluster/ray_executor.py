@@ -278,7 +278,7 @@ class RayExecutor:
         if r0.failure is not None:
             raise RuntimeError(f"rank 0 rendezvous failed: {r0.failure.error}\n{r0.failure.traceback}")
         where = r0.value
-        join = InitGroupCall(master_addr=where.addr, master_port=where.port, backend=where.backend)
+        join = InitGroupCall(init_method=where.init_method, backend=where.backend)
         replies = self._ray.get([a.execute.remote(join) for a in actors], timeout=timeout_s)
         bad = first_failure(replies)
         if bad.failure is not None:

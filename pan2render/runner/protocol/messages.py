@@ -92,25 +92,23 @@ class WorkerCall:
 # ---------------------------------------------------------------------- group set-up
 @dataclass(frozen=True)
 class RendezvousCall(WorkerCall):
-    """Rank 0 picks the process group's rendezvous address on its own node."""
+    """Rank 0 picks where the process group's ranks meet, on its own node."""
 
     lane: ClassVar[Lane] = Lane.SETUP
 
 
 @dataclass(frozen=True)
 class RendezvousReply:
-    addr: str
-    port: int
+    init_method: str  # torch.distributed's: a file on rank 0's node, which the group's ranks share
     backend: str  # "nccl" on GPUs, "gloo" on CPU
 
 
 @dataclass(frozen=True)
 class InitGroupCall(WorkerCall):
-    """Every rank joins the torch.distributed group at rank 0's address."""
+    """Every rank joins the torch.distributed group where rank 0 said."""
 
     lane: ClassVar[Lane] = Lane.SETUP
-    master_addr: str
-    master_port: int
+    init_method: str
     backend: str
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 import threading
 import time
 import traceback
@@ -196,23 +195,18 @@ class RenderWorker:
 
     # ------------------------------------------------------------------ group set-up
     def _rendezvous(self, call: RendezvousCall) -> RendezvousReply:
-        """Rank 0 picks the rendezvous address on its own node (so no port is guessed remotely)."""
-        import ray  # only meaningful inside a Ray actor
-
-        ip = ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return RendezvousReply(addr=ip, port=port, backend="nccl" if self.device == "cuda" else "gloo")
+        """Rank 0 picks where the group's ranks meet: a file of its own on its node (a group's ranks
+        share a node), so the rendezvous opens no port anyone on the network could reach."""
+        return RendezvousReply(init_method=f"file://{scratch.group_store()}",
+                               backend="nccl" if self.device == "cuda" else "gloo")
 
     def _init_group(self, call: InitGroupCall) -> InitGroupReply:
         import torch.distributed as dist
 
         if self.device == "cuda":
             torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU as device 0
-        dist.init_process_group(backend=call.backend, init_method=f"tcp://{call.master_addr}:{call.master_port}",
-                                rank=self.rank, world_size=self.world_size,
-                                timeout=timedelta(seconds=self.config.dist_timeout_s))
+        dist.init_process_group(backend=call.backend, init_method=call.init_method, rank=self.rank,
+                                world_size=self.world_size, timeout=timedelta(seconds=self.config.dist_timeout_s))
         # A first collective proves every rank joined before any job is placed on the group.
         probe = torch.ones(1, device=self.device)
         dist.all_reduce(probe)

@@ -1,4 +1,5 @@
-"""The worker's scratch space for encodes, which a killed worker cannot leave behind for good.
+"""The worker's scratch space (encodes, a group's rendezvous file), which a killed worker cannot
+leave behind for good.
 
 An encode writes its mp4 to a temp file, decodes it back to check it, and hands the bytes to the
 driver. A worker killed meanwhile (out of memory, a node drained, SIGKILL) runs no clean-up, so
@@ -60,6 +61,18 @@ def encode_folder() -> Iterator[Path]:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def group_store() -> Path:
+    """A fresh file name for a process group's rendezvous (torch.distributed's FileStore), in a
+    folder of this worker process's that only its user may enter: the group's ranks are on one node
+    and run as one user, so they meet there, with no port opened for anyone else to reach."""
+    root = _root()
+    parent = None
+    if root is not None:
+        parent = root / _own_name()
+        parent.mkdir(mode=0o700, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="group-", dir=parent)) / "store"
 
 
 def sweep_dead() -> list[Path]:

@@ -67,7 +67,7 @@ def test_an_unknown_call_comes_back_as_a_failure_not_an_exception() -> None:
     LoadCall(model="tiny", warmup=Warmup(height=32, width=48, frames=9, guidance=2.5)),
     SampleCall(model="tiny", job_id="a-12345678", spec=None, prompt_embeds=b"\x00" * 64,
                negative_embeds=b"\x01" * 64, image=None),
-    InitGroupCall(master_addr="10.0.0.1", master_port=29500, backend="gloo"),
+    InitGroupCall(init_method="file:///tmp/group-x/store", backend="gloo"),
     Reply(rank=0, value=CollectReply(mp4=b"mp4", encode_s=1.0, check_s=0.5), seconds=1.5),
     Reply(rank=1, failure=Failure(stage=Stage.SAMPLING, kind=FailureKind.INPUT, error="JobInputError: x",
                                   traceback="tb", rank=1)),
