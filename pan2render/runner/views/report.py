@@ -36,6 +36,7 @@ from pan2render.runner.protocol import artifacts as st
 from pan2render.runner.protocol import outputs
 from pan2render.runner.views import posters
 from pan2render.runner.views.compare import comparisons
+from pan2render.runner.views.format import printable
 from pan2render.runner.views.job_status import job_status, superseded
 
 REPORT_NAME = "index.html"
@@ -326,12 +327,23 @@ def report_context(out_dir: Path, *, say: Callable[[str], None] = print) -> dict
     }
 
 
+def _shown(value: Any) -> Any:
+    """A value as a template writes it: text with its control and bidi characters as escapes; markup
+    already made (a macro's output) as it is."""
+    import markupsafe
+
+    return printable(value, lines=True) if isinstance(value, str) and not isinstance(value, markupsafe.Markup) \
+        else value
+
+
 def render_html(context: dict[str, Any]) -> str:
     import jinja2
 
+    # Every value shown is escaped, its control and bidi characters as visible escapes too.
     env = jinja2.Environment(loader=jinja2.PackageLoader("pan2render.runner.views", "templates"),
                              autoescape=True, undefined=jinja2.StrictUndefined,
-                             trim_blocks=True, lstrip_blocks=True)
+                             trim_blocks=True, lstrip_blocks=True,
+                             finalize=_shown)
     return env.get_template("report.html").render(**context)
 
 

@@ -67,6 +67,13 @@ class Refused extends Error {
 function $(id) { return document.getElementById(id); }
 
 // An element from properties and children; a string child becomes a text node.
+// Text from a ledger or the queue is shown as text (never markup), and its control and bidi
+// characters as escapes: a name cannot reorder what follows it ("gnp.exe" shown as "exe.png").
+const UNSHOWN = /[\u0000-\u001f\u007f-\u009f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g;
+function shown(v) {
+  return typeof v === "string" ? v.replace(UNSHOWN, c => "\\u" + c.charCodeAt(0).toString(16).padStart(4, "0")) : v;
+}
+
 function el(tag, props = {}, ...kids) {
   const n = document.createElement(tag);
   for (const [k, v] of Object.entries(props)) {
@@ -74,11 +81,11 @@ function el(tag, props = {}, ...kids) {
     if (k === "class") n.className = v;
     else if (k === "dataset") Object.assign(n.dataset, v);
     else if (k === "style") Object.assign(n.style, v);  // CSSOM, which the CSP allows (a style attribute it does not)
-    else if (k.includes("-")) n.setAttribute(k, v);  // aria-*: names fixed here, values text
+    else if (k.includes("-")) n.setAttribute(k, shown(v));  // aria-*: names fixed here, values text
     else if (k.startsWith("on")) n.addEventListener(k.slice(2), v);
-    else n[k] = v;
+    else n[k] = shown(v);
   }
-  for (const kid of kids.flat()) if (kid !== null && kid !== undefined && kid !== false) n.append(kid);
+  for (const kid of kids.flat()) if (kid !== null && kid !== undefined && kid !== false) n.append(shown(kid));
   return n;
 }
 
@@ -87,7 +94,7 @@ function el(tag, props = {}, ...kids) {
 function setCell(node, key, build) {
   if (node._key === key) return;
   node._key = key;
-  node.replaceChildren(...[build()].flat().filter(x => x !== null && x !== undefined));
+  node.replaceChildren(...[build()].flat().filter(x => x !== null && x !== undefined).map(shown));
 }
 
 function duration(s) {  // as the CLI prints it: 42s, 3m05s, 2h10m
