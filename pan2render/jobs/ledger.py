@@ -558,12 +558,24 @@ class Ledger:
     # ---------------------------------------------------------------- stages
     def stages(self, job_id: str) -> dict[Stage | str, StageRecord]:
         """The job's stage rows in the ledger's order, keyed by :class:`Stage` (or a flow's own name)."""
+        return self._stage_maps(" WHERE job_id = ?", (job_id,)).get(job_id, {})
+
+    def all_stages(self) -> dict[str, dict[Stage | str, StageRecord]]:
+        """Every job's stage rows (job id -> what :meth:`stages` gives), in one query: what a view
+        of the whole folder reads (status, the report, the estimates' history), where one query
+        per job cost more than the rows."""
+        return self._stage_maps("", ())
+
+    def _stage_maps(self, where: str, params: tuple[Any, ...]) -> dict[str, dict[Stage | str, StageRecord]]:
         rows = self._conn.execute(
-            "SELECT job_id, stage, state, artifact, sha256, size, seconds, error, traceback"
-            " FROM stages WHERE job_id = ?", (job_id,)).fetchall()
+            "SELECT job_id, stage, state, artifact, sha256, size, seconds, error, traceback FROM stages" + where,
+            params).fetchall()
         order = {name: i for i, name in enumerate(self.stage_names)}
-        recs = [StageRecord(r[0], _stage_key(r[1]), StageState(r[2]), *r[3:]) for r in rows]
-        return {r.stage: r for r in sorted(recs, key=lambda r: order.get(stage_name(r.stage), len(order)))}
+        by_job: dict[str, list[StageRecord]] = {}
+        for r in rows:
+            by_job.setdefault(r[0], []).append(StageRecord(r[0], _stage_key(r[1]), StageState(r[2]), *r[3:]))
+        return {job_id: {r.stage: r for r in sorted(recs, key=lambda r: order.get(stage_name(r.stage), len(order)))}
+                for job_id, recs in by_job.items()}
 
     def set_stage(self, job_id: str, stage: Stage | str, event: StageEvent, *, artifact: str | None = None,
                   sha256: str | None = None, size: int | None = None, seconds: float | None = None,

@@ -186,10 +186,12 @@ class History:
         if device is None:  # no group ever loaded there, or on both kinds: nothing to match on
             return 0
         n = 0
-        for job in ledger.jobs():
+        jobs = ledger.jobs()
+        stages = ledger.all_stages()  # after the jobs: a job recorded since has its rows too
+        for job in jobs:
             if job.state is not JobState.DONE:
                 continue
-            st = ledger.stages(job.id)
+            st = stages.get(job.id, {})
             secs = [st[s].seconds for s in (Stage.CONDITIONING, Stage.SAMPLING, Stage.DECODE, Stage.ENCODE)]
             if any(v is None for v in secs):
                 continue

@@ -276,7 +276,8 @@ def batch_view(out_dir: Path, *, say: Callable[[str], None] = print) -> BatchVie
     ledger = Ledger.open_readonly(out_dir)
     try:
         jobs = ledger.jobs()
-        stages = {j.id: ledger.stages(j.id) for j in jobs}
+        found = ledger.all_stages()
+        stages = {j.id: found.get(j.id, {}) for j in jobs}
     finally:
         ledger.close()
     return _batch_view(out_dir, jobs, stages, say=say, make_posters=False, lanes=False)
@@ -297,7 +298,8 @@ def report_context(out_dir: Path, *, say: Callable[[str], None] = print) -> dict
     ledger = Ledger.open_readonly(out_dir)
     try:
         jobs = ledger.jobs()
-        stages = {j.id: ledger.stages(j.id) for j in jobs}
+        found = ledger.all_stages()
+        stages = {j.id: found.get(j.id, {}) for j in jobs}
         events = ledger.events()
         batch = ledger.get_meta("batch", {}) or {}
         batch_files = ledger.get_meta("batches", []) or []
