@@ -484,6 +484,13 @@ class Ledger:
             raise KeyError(f"job {job_id!r} is not in the ledger {self.path}")
         return _job_record(row)
 
+    def job_states(self, ids: Iterable[str] | None = None) -> dict[str, JobState]:
+        """Job id -> state (of ``ids``, default every job), in the ledger's order, without reading
+        the specs: what a count or a check of a whole batch needs, at a fraction of :meth:`jobs`."""
+        rows = self._conn.execute("SELECT id, state FROM jobs ORDER BY position").fetchall()
+        wanted = None if ids is None else set(ids)
+        return {job_id: JobState(state) for job_id, state in rows if wanted is None or job_id in wanted}
+
     def transition(self, job_id: str, event: JobEvent, *, reason: str, error: str | None = None,
                    error_stage: Stage | str | None = None, retries: int | None = None) -> JobState:
         """Apply one lifecycle event (see :data:`JOB_TRANSITIONS`) and log it with its reason."""
@@ -677,6 +684,13 @@ class Ledger:
     def log(self, job_id: str | None, kind: EventKind, detail: str) -> None:
         with self._tx() as c:
             self._event(c, job_id, kind, detail)
+
+    def log_many(self, events: Iterable[tuple[str | None, EventKind, str]]) -> None:
+        """Several events (job id, kind, detail) in one transaction: one sync of the file for a
+        batch's worth of them, where one each cost a sync per job."""
+        with self._tx() as c:
+            for job_id, kind, detail in events:
+                self._event(c, job_id, kind, detail)
 
     def events(self, job_id: str | None = None) -> list[Event]:
         if job_id is None:
