@@ -12,6 +12,7 @@ new field is one declaration here (plus what the pipeline does with it).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import functools
@@ -354,7 +355,10 @@ class JobSpec:
         return {_rule_of(f).to_encoder: getattr(self, f.name) for f in ENCODER_FIELDS}
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        """What ``dataclasses.asdict`` gives (adapters as dicts, tuples as tuples, copies of the
+        containers), ``source`` as ``{file, line}``; built field by field: asdict deep-copies every
+        string and number too, which made it most of the cost of recording or reporting a batch."""
+        d = {f.name: _plain(getattr(self, f.name)) for f in FIELDS}
         d["source"] = None if self.source is None else {"file": self.source.file, "line": self.source.line}
         return d
 
@@ -444,6 +448,21 @@ class Batch:
     # the ledger so a later change can be explained file by file; empty for the tiny model.
     weights_files: dict[str, Any] = field(default_factory=dict)
     text: str | None = None  # the batch file as read (the output folder keeps a copy)
+
+
+def _plain(value: Any) -> Any:
+    """A field's value as ``dataclasses.asdict`` turns it: a dataclass into a dict, a tuple, list or
+    dict into a new one of its items turned so; a string, number, bool or None is itself (what
+    asdict's deep copy returns for them), anything else a deep copy."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if type(value) in (tuple, list):
+        return type(value)(_plain(v) for v in value)
+    if type(value) is dict:
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    return copy.deepcopy(value)
 
 
 def _slug(text: str) -> str:
