@@ -19,13 +19,15 @@ from typing import Any
 SLACK = 1.15
 
 
-def trace_events(fn: Callable[[], object]) -> int:
-    """Trace events (calls, lines, returns) of ``fn()`` on this thread."""
+def trace_events(fn: Callable[[], object], *, within: str | None = None) -> int:
+    """Trace events (calls, lines, returns) of ``fn()`` on this thread; ``within``: only those of
+    code in files whose path ends so (one module's own work, apart from what it calls)."""
     count = 0
 
     def tracer(frame: FrameType, event: str, arg: Any) -> Any:
         nonlocal count
-        count += 1
+        if within is None or frame.f_code.co_filename.endswith(within):
+            count += 1
         return tracer
 
     old = sys.gettrace()
@@ -37,23 +39,26 @@ def trace_events(fn: Callable[[], object]) -> int:
     return count
 
 
-def counts_at(make: Callable[[int], Callable[[], object]], n: int) -> tuple[int, int]:
+def counts_at(make: Callable[[int], Callable[[], object]], n: int, *, within: str | None = None) -> tuple[int, int]:
     """The counts of ``make(n)()`` and ``make(4 * n)()``; ``make(size)`` prepares the inputs (not
     counted) and returns the work to count. A first run at ``n`` warms what is done once per
     process (imports, compiled patterns), out of both counts."""
     make(n)()
-    return trace_events(make(n)), trace_events(make(4 * n))
+    return trace_events(make(n), within=within), trace_events(make(4 * n), within=within)
 
 
-def grows_linearly(small: int, large: int) -> bool:
-    """Does a count of ``small`` at n and ``large`` at 4n grow at most linearly (with SLACK)?"""
-    return large <= 4 * small * SLACK
+def grows_linearly(small: int, large: int, *, slack: float = SLACK) -> bool:
+    """Does a count of ``small`` at n and ``large`` at 4n grow at most linearly (with ``slack``)?"""
+    return large <= 4 * small * slack
 
 
-def assert_linear(make: Callable[[int], Callable[[], object]], n: int, what: str) -> None:
-    small, large = counts_at(make, n)
-    assert grows_linearly(small, large), (
-        f"{what}: {small:,} trace events at {n} jobs, {large:,} at {4 * n} ({large / small:.1f}x for 4x the jobs): "
+def assert_linear(make: Callable[[int], Callable[[], object]], n: int, what: str, *,
+                  within: str | None = None, slack: float = SLACK) -> None:
+    """``slack`` 1: none (work of a constant part and a part per job is at most 4x at 4x the jobs;
+    where no sort's comparisons are counted, n log n parts included, that is exact)."""
+    small, large = counts_at(make, n, within=within)
+    assert grows_linearly(small, large, slack=slack), (
+        f"{what}: {small:,} trace events at {n} jobs, {large:,} at {4 * n} ({large / small:.2f}x for 4x the jobs): "
         f"it grows faster than the jobs")
 
 

@@ -19,6 +19,7 @@ from pan2render.jobs.batch import load_batch
 from pan2render.jobs.ledger import EventKind, FolderLock, JobEvent, Ledger
 from pan2render.jobs.spec import JobSpec
 from pan2render.runner.views.estimates import CPU, History, JobSize, Sample, StageTimes, plan
+from pan2render.runner.views.report import batch_view
 from pan2render.runner.views.status import format_status
 from pan2render.tiny_dit import TINY_MODEL
 
@@ -109,3 +110,28 @@ def test_status_of_a_served_folder_grows_linearly_in_its_jobs(tmp_path: Path) ->
     assert_linear(make, 50, "status of a served folder")
     text = make(6)()
     assert "ETA ~" in text and "2 pending, 4 running" in text
+
+
+def test_the_reports_grids_grow_linearly_in_their_rows(tmp_path: Path) -> None:
+    """A sweep over seed and steps: one grid, a row per seed, a column per step count (each row
+    header spanned the rows after it that share its value, counted row by row)."""
+    folders = itertools.count()
+
+    def make(n: int) -> Callable[[], object]:
+        out = tmp_path / f"out{next(folders)}"
+        out.mkdir()
+        jobs = [dataclasses.replace(job, steps=steps, sweep={"seed": job.seed, "steps": steps})
+                for job in _jobs(tmp_path, n // 2) for steps in (4, 8)]
+        ledger = Ledger.open(out)
+        try:
+            ledger.record_batch({"path": "b.yaml"}, jobs, retries=1)
+        finally:
+            ledger.close()
+        return lambda: batch_view(out, say=lambda line: None)
+
+    # Counted in the report's own code, without slack: the specs' and the ledger's work per job
+    # outweighs the spans' work per pair of rows at sizes a test runs.
+    assert_linear(make, 50, "the report's grids", within="views/report.py", slack=1.0)
+    grid = make(6)().grids[0]  # type: ignore[attr-defined]
+    assert (grid.row_axes, grid.col_axis, grid.col_values) == (["seed"], "steps", ["4", "8"])
+    assert [[h.text for h in r.headers] for r in grid.rows] == [["0"], ["1"], ["2"]]
