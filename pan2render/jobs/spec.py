@@ -310,15 +310,16 @@ class JobSpec:
     # Cached: a spec is frozen, and a batch of 20,000 jobs asks each for its id many times over.
     @functools.cached_property
     def spec_hash(self) -> str:
-        """sha256 over the render-affecting fields, as canonical JSON."""
-        payload = {f.name: getattr(self, f.name) for f in PIXEL_FIELDS
-                   if (_rule_of(f).in_first_ids or getattr(self, f.name) != _before_field(f)) and not self._inert(f)}
+        """sha256 over the render-affecting fields, as canonical JSON: each one hashed since the
+        first ids or set away from its value before it existed, and not made inert by another."""
+        payload = {}
+        for name, always, before, inert_when in HASHING:
+            value = getattr(self, name)
+            if (always or value != before) and not (inert_when is not None
+                                                    and getattr(self, inert_when[0]) == inert_when[1]):
+                payload[name] = value
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
-
-    def _inert(self, f: dataclasses.Field[Any]) -> bool:
-        when = _rule_of(f).inert_when
-        return when is not None and getattr(self, when[0]) == when[1]
 
     @functools.cached_property
     def job_id(self) -> str:
@@ -382,6 +383,9 @@ RULES: dict[str, Rule] = {f.name: _rule_of(f) for f in FIELDS}
 # Fields that change the rendered video, hence the job id.
 PIXEL_FIELDS = tuple(f for f in FIELDS if _rule_of(f).pixels)
 RENDER_FIELDS = tuple(f.name for f in PIXEL_FIELDS)
+# How each pixel field counts in the job id (JobSpec.spec_hash), read from its rule once rather
+# than for every job: (name, hashed whatever its value, its value before it existed, inert_when).
+HASHING = tuple((f.name, _rule_of(f).in_first_ids, _before_field(f), _rule_of(f).inert_when) for f in PIXEL_FIELDS)
 SAMPLER_FIELDS = tuple(f for f in FIELDS if _rule_of(f).to_sampler)
 ENCODER_FIELDS = tuple(f for f in FIELDS if _rule_of(f).to_encoder)
 
