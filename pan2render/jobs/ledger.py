@@ -567,20 +567,22 @@ class Ledger:
         """The job's stage rows in the ledger's order, keyed by :class:`Stage` (or a flow's own name)."""
         return self._stage_maps(" WHERE job_id = ?", (job_id,)).get(job_id, {})
 
-    def all_stages(self) -> dict[str, dict[Stage | str, StageRecord]]:
-        """Every job's stage rows (job id -> what :meth:`stages` gives), in one query: what a view
-        of the whole folder reads (status, the report, the estimates' history), where one query
-        per job cost more than the rows."""
-        return self._stage_maps("", ())
+    def all_stages(self, ids: Iterable[str] | None = None) -> dict[str, dict[Stage | str, StageRecord]]:
+        """Every job's stage rows (of ``ids``, default every job; job id -> what :meth:`stages`
+        gives), in one query: what a view of the whole folder reads (status, the report, the
+        estimates' history), where one query per job cost more than the rows."""
+        return self._stage_maps("", (), wanted=None if ids is None else set(ids))
 
-    def _stage_maps(self, where: str, params: tuple[Any, ...]) -> dict[str, dict[Stage | str, StageRecord]]:
+    def _stage_maps(self, where: str, params: tuple[Any, ...], *,
+                    wanted: set[str] | None = None) -> dict[str, dict[Stage | str, StageRecord]]:
         rows = self._conn.execute(
             "SELECT job_id, stage, state, artifact, sha256, size, seconds, error, traceback FROM stages" + where,
             params).fetchall()
         order = {name: i for i, name in enumerate(self.stage_names)}
         by_job: dict[str, list[StageRecord]] = {}
         for r in rows:
-            by_job.setdefault(r[0], []).append(StageRecord(r[0], _stage_key(r[1]), StageState(r[2]), *r[3:]))
+            if wanted is None or r[0] in wanted:
+                by_job.setdefault(r[0], []).append(StageRecord(r[0], _stage_key(r[1]), StageState(r[2]), *r[3:]))
         return {job_id: {r.stage: r for r in sorted(recs, key=lambda r: order.get(stage_name(r.stage), len(order)))}
                 for job_id, recs in by_job.items()}
 

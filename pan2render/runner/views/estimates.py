@@ -186,10 +186,12 @@ class History:
         if device is None:  # no group ever loaded there, or on both kinds: nothing to match on
             return 0
         n = 0
-        jobs = ledger.jobs()
-        stages = ledger.all_stages()  # after the jobs: a job recorded since has its rows too
-        for job in jobs:
-            if job.state is not JobState.DONE:
+        # Only the done jobs' specs and stage rows are read (the jobs first: a job recorded in
+        # between has its rows too).
+        done = ledger.jobs([job_id for job_id, state in ledger.job_states().items() if state is JobState.DONE])
+        stages = ledger.all_stages([job.id for job in done])
+        for job in done:
+            if job.state is not JobState.DONE:  # invalidated between the two reads (a resume's check)
                 continue
             st = stages.get(job.id, {})
             secs = [st[s].seconds for s in (Stage.CONDITIONING, Stage.SAMPLING, Stage.DECODE, Stage.ENCODE)]
