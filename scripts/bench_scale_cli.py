@@ -14,8 +14,8 @@ over ``seed``) into a temp folder and times, in this process, one after the othe
   done (stage seconds, a group load on the CPU, a video file each), 8 running, the folder's lock
   held, so the ETA is planned from its history;
 - ``re-serve``: what a farm does for a batch when it starts again (``Farm.resume_unfinished``):
-  ``BatchSession.reopen``, ``prepare`` (8 interrupted jobs back to pending, 1% failed ones revived),
-  and ``Scheduler.serve`` queueing every pending job.
+  its model folders checked, ``BatchSession.reopen``, ``prepare`` (8 interrupted jobs back to
+  pending, 1% failed ones revived), and ``Scheduler.serve`` queueing every pending job.
 
 A measurement past ``--limit`` seconds is stopped (SIGALRM) and shown as ``>LIMIT``; with
 ``--repeat N`` each size is measured N times and the quickest kept. Figures: docs/performance.md,
@@ -41,14 +41,14 @@ from pathlib import Path
 from typing import Any
 
 from pan2render.jobs.batch import load_batch
-from pan2render.jobs.ledger import LEDGER_NAME, FolderLock
+from pan2render.jobs.ledger import LEDGER_NAME, FolderLock, JobState, Ledger
 from pan2render.jobs.overrides import Overrides
 from pan2render.runner.cli.main import main as cli
 from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.serve.jobflow import BatchFlow
 from pan2render.runner.serve.progress import RunProgress
 from pan2render.runner.serve.scheduler import Scheduler, ServedBatch
-from pan2render.runner.serve.session import BatchRequest, BatchSession
+from pan2render.runner.serve.session import BatchRequest, BatchSession, model_folder_problems
 from pan2render.runner.serve.steps import PAN2_FLOW
 
 PATHS = ("validate", "dry-run", "record", "status", "re-serve")
@@ -175,7 +175,13 @@ def record(batch_path: Path, out: Path) -> None:
 
 
 def reserve(out: Path) -> None:
-    """What ``Farm.resume_unfinished`` and ``Farm._serve`` do for one batch."""
+    """What ``Farm.resume_unfinished`` and ``Farm.serve`` do for one batch: its model folders
+    checked (``Farm.broken_model_folders``), the session reopened, prepared and served."""
+    ledger = Ledger.open_readonly(out)
+    try:
+        model_folder_problems([j.spec for j in ledger.jobs() if j.state is not JobState.DONE])
+    finally:
+        ledger.close()
     session = BatchSession.reopen(out, stream=None, title="bench re-serve ({batch})")
     try:
         session.prepare(retries=2, revive_cancelled=False)
