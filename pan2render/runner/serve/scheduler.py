@@ -15,6 +15,7 @@ group size is not free, later jobs wait too, so a 4-GPU job is never starved by 
 from __future__ import annotations
 
 import traceback
+from collections.abc import Iterator
 
 from pan2render.jobs.ledger import EventKind, JobEvent, JobRecord, JobState, Stage, StageEvent, stage_name
 from pan2render.runner.cluster.executor import Call, Executor, Group, GroupDied, GroupStartError
@@ -162,9 +163,11 @@ class Scheduler:
         batch.progress.job_ended(job_id, "cancelled", reason)
         batch.ended += 1
 
-    def upcoming(self, batch: ServedBatch) -> list[JobRecord]:
-        """The batch's queued jobs, in the order they will start."""
-        return batch.ledger.jobs(self.pending(batch))
+    def upcoming(self, batch: ServedBatch) -> Iterator[JobRecord]:
+        """The batch's queued jobs, in the order they will start, each read from the ledger as it is
+        reached: the prompts encoded ahead look at the first few, and reading the whole queue on
+        every conditioning call was quadratic in the batch."""
+        return (batch.ledger.job(job_id) for job_id in self.pending(batch))
 
     # ================================================================== the loop
     def tick(self) -> None:

@@ -45,11 +45,13 @@ def superseded(jobs: list[JobRecord]) -> dict[str, str]:
     return {j.id: newest[j.spec.version_key] for j in jobs if newest[j.spec.version_key] != j.id}
 
 
-def job_statuses(out_dir: Path, ledger: Ledger) -> list[JobStatus]:
-    jobs = ledger.jobs()
+def job_statuses(out_dir: Path, ledger: Ledger, jobs: list[JobRecord] | None = None) -> list[JobStatus]:
+    """Every job's row (``jobs``: the ledger's jobs when the caller read them already)."""
+    jobs = ledger.jobs() if jobs is None else jobs
     newer = superseded(jobs)
     live = FolderLock.holder(out_dir) is not None
-    return [job_status(out_dir, job, ledger.stages(job.id), newer.get(job.id), live=live) for job in jobs]
+    stages = ledger.all_stages()
+    return [job_status(out_dir, job, stages.get(job.id, {}), newer.get(job.id), live=live) for job in jobs]
 
 
 def job_status(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], newer: str | None, *,

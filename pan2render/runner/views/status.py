@@ -168,8 +168,9 @@ def holder(out_dir: Path) -> dict[str, Any] | None:
 
 def format_status(out_dir: Path, ledger: Ledger) -> tuple[str, int]:
     """The status table and status's exit code (:func:`status_code`)."""
-    statuses = job_statuses(out_dir, ledger)
-    jobs = {j.id: j for j in ledger.jobs()}
+    records = ledger.jobs()
+    statuses = job_statuses(out_dir, ledger, records)
+    jobs = {j.id: j for j in records}
     keys = sweep_keys([j.spec for j in jobs.values()])
     rows = []
     for r in statuses:
@@ -187,8 +188,9 @@ def format_status(out_dir: Path, ledger: Ledger) -> tuple[str, int]:
 def status_document(out_dir: Path, ledger: Ledger) -> tuple[dict[str, Any], int]:
     """``status --json``: the folder's run (state, elapsed, ETA, flags), the batch files run there,
     counts, and every job with its swept values and progress; and status's exit code."""
-    statuses = job_statuses(out_dir, ledger)
-    jobs = {j.id: j for j in ledger.jobs()}
+    records = ledger.jobs()
+    statuses = job_statuses(out_dir, ledger, records)
+    jobs = {j.id: j for j in records}
     run = _run_state(out_dir, ledger, jobs)
     counts = {s: sum(r.state == s for r in statuses) for s in [*(s.value for s in JobState), INTERRUPTED]}
     code = status_code(statuses)
