@@ -241,6 +241,11 @@ class JobSpec:
         "seconds of sampling between step checkpoints, which a stopped or preempted sampling resumes from",
         pixels=False, scope=Scope.PRESET, kind=Kind.FLOAT, min=0,
         allowed="a number of seconds >= {min:g} ({min:g} turns step checkpoints off)"), 60.0)
+    # Not in the job id either: a preview only reads the sampling (the same latents with or without).
+    preview_every: float = _rule(Rule(
+        "seconds of sampling between live previews (a small picture of the predicted frames in the "
+        "job's folder and the farm's monitor)", pixels=False, scope=Scope.PRESET, kind=Kind.FLOAT, min=0,
+        allowed="a number of seconds >= {min:g} ({min:g} turns previews off)"), 5.0)
     crf: int = _rule(Rule(
         "libx264 quality of the mp4", pixels=True, in_first_ids=True, scope=Scope.PRESET, kind=Kind.INT,
         min=0, max=51, to_encoder="crf",

@@ -73,6 +73,8 @@ class Tile:
     input_path: str | None = None  # that image's own path
     prompt: str = ""
     seconds: dict[str, float | None] = field(default_factory=dict)  # per stage, as the ledger recorded them
+    preview: str | None = None  # a job without its video (running, interrupted, ...): its live preview
+    preview_step: str | None = None  # "12/30": the step that preview shows
 
 
 @dataclass
@@ -153,7 +155,9 @@ def _tile(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], *, la
                 params=params if (out_dir / params).is_file() else None, width=width, height=height,
                 error=job.error, traceback=tb, superseded_by=newer,
                 input_image=posters.input_thumbnail(out_dir, job, say, make=make_poster), input_path=job.spec.image,
-                prompt=job.spec.prompt, seconds=status.seconds)
+                prompt=job.spec.prompt, seconds=status.seconds,
+                preview=st.preview_relpath(job.id) if status.preview and not video else None,
+                preview_step=f"{status.preview['step']}/{status.preview['steps']}" if status.preview else None)
 
 
 def _grid(name: str, jobs: list[JobRecord], tiles: dict[str, Tile], batch_varying: list[str],

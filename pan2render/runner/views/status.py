@@ -20,6 +20,7 @@ from pan2render.runner.views.job_status import (
     JobStatus,
     counts_lines,
     job_statuses,
+    preview_of,
     shown_error,
     shown_state,
 )
@@ -128,6 +129,8 @@ def format_show(out_dir: Path, ledger: Ledger, job: JobRecord) -> str:
     at = next((stage_name(s) for s, r in ledger.stages(job.id).items() if r.state is not StageState.DONE), None)
     if at is not None and (progress := job_progress(ledger, job.id, job.state.value, at)) is not None:
         lines.append(f"progress {stage_text(at, progress)}")
+    if job.state is not JobState.DONE and (preview := preview_of(out_dir, job.id)) is not None:
+        lines.append(f"preview  {preview['path']} (step {preview['step']}/{preview['steps']})")
     spec = job.spec.to_dict()
     source = spec.pop("source")
     lines.append("spec" + (f" (from {source['file']}:{source['line']})" if source else "") + ":")
