@@ -78,6 +78,7 @@ class FarmCollector:
         self._read: dict[str, tuple[Any, ...]] = {}  # folder -> its rows when its ledger was last read
         self._rows: list[QueuedBatch] = []
         self._read_at = float("-inf")
+        self._families: list[Metric] = []
         self._requests: Counter[tuple[str, str]] = Counter()
         self._requests_lock = threading.Lock()
 
@@ -86,20 +87,13 @@ class FarmCollector:
             self._requests[(route, str(status))] += 1
 
     def collect(self) -> Iterator[Metric]:
-        now = time.time()
         with self._lock:
             if time.monotonic() - self._read_at >= REFRESH_S:
                 self._refresh()
                 self._read_at = time.monotonic()
-            rows, folders = list(self._rows), dict(self._folders)
-            counts = LedgerCounts()
-            for tally in folders.values():
-                counts.add(tally.counts(now))
-        yield from ledger_families(counts, now=now)
-        owners = sorted({r.owner for r in rows})  # (every state of each owner, zero or not)
-        batches = Counter((r.state.value, r.owner) for r in rows)
-        yield gauge(BATCHES, {(s.value, o): batches.get((s.value, o), 0) for s in BatchState for o in owners})
-        yield gauge(QUEUE_DEPTH, _waiting(rows, folders, owners))
+                self._families = self._from_records(time.time())
+            families = self._families
+        yield from families
         snap = self.farm.snapshot()
         loading = {r["group"] for r in snap.get("running", []) if r.get("stage") == LOADING}
         yield gauge(GROUPS, group_states((g["state"], g["id"] in loading) for g in snap.get("groups", [])))
@@ -107,6 +101,18 @@ class FarmCollector:
         yield gauge(START_TIME, self.farm.started_at)
         with self._requests_lock:
             yield counter(API_REQUESTS, dict(self._requests))
+
+    def _from_records(self, now: float) -> list[Metric]:
+        """The families the queue and the ledgers give, built once per refresh (a scrape between two
+        refreshes costs their text alone, however many folders the farm holds)."""
+        counts = LedgerCounts()
+        for tally in self._folders.values():
+            counts.add(tally.counts(now))
+        owners = sorted({r.owner for r in self._rows})  # (every state of each owner, zero or not)
+        batches = Counter((r.state.value, r.owner) for r in self._rows)
+        return [*ledger_families(counts, now=now),
+                gauge(BATCHES, {(s.value, o): batches.get((s.value, o), 0) for s in BatchState for o in owners}),
+                gauge(QUEUE_DEPTH, _waiting(self._rows, self._folders, owners))]
 
     def _refresh(self) -> None:
         """The queue's rows, and the ledger of each folder whose rows changed or whose batches have
