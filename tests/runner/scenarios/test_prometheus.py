@@ -142,6 +142,13 @@ def one(prometheus_url: str, promql: str) -> float | None:
     return next(iter(found.values())) if len(found) == 1 else None
 
 
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every query of docs/grafana-farm.json, its variables set to "any"."""
+    doc = json.loads((Path(__file__).resolve().parents[3] / "docs" / "grafana-farm.json").read_text())
+    return [(p["title"], t["expr"].replace("$job", ".+").replace("$instance", ".+"))
+            for p in doc["panels"] for t in p["targets"]]
+
+
 def ledger_counts(out: Path) -> dict[JobState, int]:
     led = Ledger.open_readonly(out)
     try:
@@ -172,7 +179,12 @@ def test_prometheus_finds_the_ledgers_counts_before_and_after_a_kill(
     groups = {dict(k)["state"]: v for k, v in query(prom, "pan2render_gpu_groups").items()}
     assert groups == {"loading": 0, "busy": 0, "idle": 1, "held_out": 0}  # the group stays warm, idle
     assert one(prom, 'up{job="pan2render"}') == 1
+    for title, promql in dashboard_queries():  # the dashboard's every query is PromQL Prometheus runs, on series there
+        until(lambda q=promql: query(prom, q), f"{title}: {promql} to find a series (rates need two scrapes)")
     before_kill = one(prom, "pan2render_start_time_seconds")
+    # The scrapes the farm counted (each after its answer): past 1, a count started again is seen to drop.
+    until(lambda: (one(prom, 'pan2render_api_requests_total{route="/metrics",status="200"}') or 0) >= 3,
+          "Prometheus to see the farm count its scrapes")
 
     _kill(farm_pid(farm_env))  # SIGKILL: nothing of the farm runs its clean-up
     farm = start_farm(farm_env, tmp_path, port)
