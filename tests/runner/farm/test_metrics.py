@@ -114,6 +114,13 @@ def test_the_exposition_parses_and_its_counts_are_the_ledgers(tmp_path: Path) ->
     assert SECRET not in text and "secret" not in text  # no prompt text, ever
 
 
+def test_the_readme_names_every_family_with_its_type() -> None:
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    for f in DECLARED:
+        name = f"pan2render_{f.name}" + ("_total" if f.kind == "counter" else "")
+        assert f"| `{name}` | {f.kind} |" in readme, name
+
+
 def test_a_retry_is_counted_with_its_class(tmp_path: Path) -> None:
     flaky = {"fail": {"job": "flaky", "stage": "decode", "raise": "RuntimeError"}}
     with serving_farm(tmp_path, faults=flaky) as (farm, url, token):
