@@ -287,6 +287,25 @@ def test_ready_until_the_cluster_or_the_queue_or_every_gpu_fails(tmp_path: Path)
     farm.close()
 
 
+def test_a_ray_clusters_gcs_that_refuses_connections_is_unreachable() -> None:
+    """The Ray executor's answer from a probe of its GCS's port (nothing of Ray asked, nothing blocks)."""
+    from pan2render.runner.cluster.ray_cluster import GcsWatch
+    from pan2render.runner.cluster.ray_executor import RayExecutor
+
+    with socket.socket() as gcs:
+        gcs.bind(("127.0.0.1", 0))
+        gcs.listen()
+        ex = object.__new__(RayExecutor)  # no cluster: only its GCS's address
+        ex.cluster = "the Ray cluster at its GCS"
+        ex._gcs = GcsWatch(f"127.0.0.1:{gcs.getsockname()[1]}", period_s=60)
+        try:
+            assert ex.unreachable() is None
+            gcs.close()  # the head node gone
+            assert ex.unreachable() == "the Ray cluster at its GCS: its GCS refuses connections"
+        finally:
+            ex._gcs.stop()
+
+
 def test_readyz_answers_503_with_its_reasons(tmp_path: Path) -> None:
     with serving_farm(tmp_path) as (farm, url, token):
         until(lambda: get(f"{url}/readyz")[0] == 200, "the farm to be ready")
