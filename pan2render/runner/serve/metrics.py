@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import getpass
+import os
 import threading
 import time
 from collections import Counter, deque
@@ -174,14 +175,13 @@ class LedgerCounts:
 
 class FolderTally:
     """One output folder's ledger, read for the jobs ``job_ids``: the jobs' rows re-read whole at
-    each :meth:`refresh`, the events after the last one read. A folder that cannot be read keeps
-    the counts of its last good read (``problem`` says why)."""
+    each :meth:`refresh`, the events after the last one read. A folder that cannot be read (gone,
+    damaged) keeps the counts of its last good read."""
 
     def __init__(self, out_dir: Path, job_ids: Iterable[str]):
         self.out_dir = Path(out_dir)
         self.job_ids = frozenset(job_ids)
         self.states: dict[str, JobState] = {}
-        self.problem: str | None = None
         self._seq = 0
         self._events = LedgerCounts()  # what the events said so far
         self._rows = LedgerCounts()  # what the rows said at the last refresh
@@ -197,10 +197,8 @@ class FolderTally:
                 jobs = {t.id: t for t in ledger.tallies() if t.id in self.job_ids}
             finally:
                 ledger.close()
-        except Exception as e:  # gone or damaged since: its last counts stand
-            self.problem = f"{type(e).__name__}: {e}"
+        except Exception:  # gone or damaged since: its last counts stand
             return
-        self.problem = None
         for seq, e in events:
             self._seq = seq
             if e.job_id in self.job_ids:
@@ -302,7 +300,7 @@ class RunCollector:
     def __init__(self, out_dir: Path, job_ids: Iterable[str], *, started_at: float):
         self.folder = FolderTally(out_dir, job_ids)
         self.started_at = started_at
-        self.owner = getpass.getuser()
+        self.owner = _user()
         self.progress: RunProgress | None = None  # set once the run's progress exists
         self.gpus = 0
         self._lock = threading.Lock()
@@ -325,6 +323,13 @@ class RunCollector:
         yield gauge(GROUPS, group_states(("busy", loading) for loading in groups.values()))
         yield gauge(GPUS, self.gpus)
         yield gauge(START_TIME, self.started_at)
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # a uid without a name (a container's)
+        return str(os.getuid())
 
 
 def serve_run_metrics(port: int, collector: RunCollector) -> Callable[[], None]:
