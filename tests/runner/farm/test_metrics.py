@@ -231,7 +231,7 @@ def test_elsewhere_the_metrics_token_opens_the_three_routes_and_nothing_else(tmp
             assert get(url + path, token=metrics_token)[0] == 401  # and nothing else
 
 
-def test_a_metrics_token_file_others_may_read_is_refused(tmp_path: Path) -> None:
+def test_a_metrics_token_file_others_may_read_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     good = _token_file(tmp_path / "ok", "t0ken")
     assert read_metrics_token(good) == "t0ken"
     for path, why in ((_token_file(tmp_path / "open", "t0ken", 0o644), "chmod 600"),
@@ -243,6 +243,11 @@ def test_a_metrics_token_file_others_may_read_is_refused(tmp_path: Path) -> None
     (tmp_path / "link").symlink_to(good)
     with pytest.raises(SettingError, match="a link is refused"):
         read_metrics_token(tmp_path / "link")
+    from pan2render.runner.cli import main as cli
+
+    assert cli.main(["farm", "start", "--root", str(tmp_path / "root"), "--metrics-token-file",
+                     str(tmp_path / "open")]) == 2  # said by `farm start`, before any farm process
+    assert "may be read by others (mode 644)" in capsys.readouterr().err and not (tmp_path / "root").exists()
     farm = _farm(tmp_path, metrics_token_file=tmp_path / "open")
     try:
         with pytest.raises(SettingError, match="chmod 600"):  # the farm's API does not start with it
