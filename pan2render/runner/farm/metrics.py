@@ -26,14 +26,14 @@ import stat
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client.core import Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.registry import CollectorRegistry
+from prometheus_client.registry import Collector
 
 from pan2render.jobs.ledger import JobState
 from pan2render.runner.farm import monitor
@@ -78,7 +78,7 @@ class FarmCollector:
         self._read: dict[str, tuple[Any, ...]] = {}  # folder -> its rows when its ledger was last read
         self._rows: list[QueuedBatch] = []
         self._read_at = float("-inf")
-        self._families: list[Metric] = []
+        self._records_text = b""
         self._requests: Counter[tuple[str, str]] = Counter()
         self._requests_lock = threading.Lock()
 
@@ -86,25 +86,29 @@ class FarmCollector:
         with self._requests_lock:
             self._requests[(route, str(status))] += 1
 
-    def collect(self) -> Iterator[Metric]:
+    def exposition(self) -> bytes:
+        """Every family in Prometheus's text format: the records' as written at the last refresh (at
+        most REFRESH_S old), what the loop holds and the API's counts as they are now."""
         with self._lock:
             if time.monotonic() - self._read_at >= REFRESH_S:
                 self._refresh()
                 self._read_at = time.monotonic()
-                self._families = self._from_records(time.time())
-            families = self._families
-        yield from families
+                self._records_text = generate_latest(_Families(self._from_records(time.time())))
+            records = self._records_text
+        return records + generate_latest(_Families(self._live()))
+
+    def _live(self) -> list[Metric]:
         snap = self.farm.snapshot()
         loading = {r["group"] for r in snap.get("running", []) if r.get("stage") == LOADING}
-        yield gauge(GROUPS, group_states((g["state"], g["id"] in loading) for g in snap.get("groups", [])))
-        yield gauge(GPUS, snap.get("gpus", 0))
-        yield gauge(START_TIME, self.farm.started_at)
         with self._requests_lock:
-            yield counter(API_REQUESTS, dict(self._requests))
+            requests = dict(self._requests)
+        return [gauge(GROUPS, group_states((g["state"], g["id"] in loading) for g in snap.get("groups", []))),
+                gauge(GPUS, snap.get("gpus", 0)), gauge(START_TIME, self.farm.started_at),
+                counter(API_REQUESTS, requests)]
 
     def _from_records(self, now: float) -> list[Metric]:
-        """The families the queue and the ledgers give, built once per refresh (a scrape between two
-        refreshes costs their text alone, however many folders the farm holds)."""
+        """The families the queue and the ledgers give, made once per refresh: a scrape between two
+        refreshes costs the few live families alone, however many folders the farm holds."""
         counts = LedgerCounts()
         for tally in self._folders.values():
             counts.add(tally.counts(now))
@@ -141,6 +145,16 @@ class FarmCollector:
             if self._queue is not None:
                 self._queue.close()
                 self._queue = None
+
+
+class _Families(Collector):
+    """Families already made, for prometheus_client's writer."""
+
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
 
 
 def _waiting(rows: Iterable[QueuedBatch], folders: dict[str, FolderTally],
@@ -198,8 +212,6 @@ class MetricsApi:
         self._token = None if path is None else read_metrics_token(path).encode()
         self._open = _loopback_host(farm.config.host)
         self.collector = FarmCollector(farm)
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(self.collector)
 
     def open_to(self, request: web.Request) -> bool:
         """May ``request`` read one of these routes without a user's token? With the metrics
@@ -221,7 +233,7 @@ class MetricsApi:
 
     @route("GET", "/metrics")
     async def metrics(self, request: web.Request) -> web.Response:
-        body = await asyncio.get_running_loop().run_in_executor(None, generate_latest, self.registry)
+        body = await asyncio.get_running_loop().run_in_executor(None, self.collector.exposition)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     @route("GET", "/healthz")

@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import CollectorRegistry
 from runner_helpers import farm_config, serving_farm, spec, submit_file, write_batch
 
 from pan2render.jobs.ledger import EventKind, JobEvent, Ledger, Stage, StageEvent
@@ -167,11 +166,9 @@ def _farm(tmp_path: Path, executor: LocalExecutor | None = None, **config: Any) 
 
 
 def _scrape(farm: Farm) -> dict[str, Metric]:
-    registry = CollectorRegistry(auto_describe=False)
     collector = FarmCollector(farm)
-    registry.register(collector)
     try:
-        return {f.name: f for f in registry.collect()}
+        return families(collector.exposition().decode())
     finally:
         collector.close()
 
