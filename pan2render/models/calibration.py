@@ -21,8 +21,8 @@ from ..lanes import Branch, Calibration, published_calibration
 from .dit import PAN2DiTConfig
 from .tiny import cache_root
 
-__all__ = ["CalibrationMissing", "calibration_for", "calibration_path", "calibrate", "store_calibration",
-           "stored_calibration"]
+__all__ = ["CalibrationMissing", "calibration_for", "calibration_path", "calibrate", "model_file",
+           "store_calibration", "stored_calibration"]
 
 CALIBRATION_FORMAT = 1
 
@@ -35,11 +35,17 @@ def _kind(conditioned: bool) -> str:
     return "image" if conditioned else "text"
 
 
-def calibration_path(model_id: str) -> Path:
-    """Where ``model_id``'s calibrations live (a pipeline's ``model_id``: name and weight digest)."""
+def model_file(folder: str, model_id: str) -> Path:
+    """``<cache>/<folder>/<model id>.json``: what a calibration keeps of a model, beside its id (a
+    pipeline's ``model_id``: name and weight digest)."""
     if not model_id or "/" in model_id or model_id.startswith("."):
         raise ValueError(f"model id {model_id!r} cannot name a calibration file")
-    return cache_root() / "magcache" / f"{model_id}.json"
+    return cache_root() / folder / f"{model_id}.json"
+
+
+def calibration_path(model_id: str) -> Path:
+    """Where ``model_id``'s MagCache calibrations live."""
+    return model_file("magcache", model_id)
 
 
 def stored_calibration(model_id: str, *, conditioned: bool) -> Calibration | None:

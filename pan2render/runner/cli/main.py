@@ -170,8 +170,9 @@ def _parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--json", action="store_true")
     cmp_.set_defaults(func=cmd_compare)
 
-    cal = sub.add_parser("calibrate", help="measure MagCache's magnitude ratios on MODEL with one exact job and "
-                                           "keep them beside its model id (cache magcache then uses them)")
+    cal = sub.add_parser("calibrate", help="measure MagCache's magnitude ratios on MODEL with one exact job, fit "
+                                           "its previews' latent -> RGB map on the same job, and keep both beside "
+                                           "its model id (cache magcache and live previews then use them)")
     cal.add_argument("model", help='"tiny" or a checkpoint folder')
     cal.add_argument("--preset", default="pan2-720p", help="the job's size, steps, guidance (default pan2-720p)")
     cal.add_argument("--prompt", default="A red fox trots through fresh snow at dawn, cinematic, detailed.")

@@ -165,6 +165,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     from pan2render.models.calibration import calibrate, store_calibration
     from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
+    from pan2render.models.preview import FitSamples, calibrate_rgb_map, store_rgb_map
 
     try:
         preset = list_presets()[args.preset]
@@ -174,11 +175,19 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     pipe = PAN2Pipeline.from_pretrained(args.model, PAN2PipelineConfig(device=args.device))
     image = None if args.image is None else np.asarray(Image.open(args.image).convert("RGB"))
     job = {k: preset[k] for k in ("height", "width", "frames", "steps", "guidance", "flow_shift", "sampler")}
+    # The same exact job fits the previews' latent -> RGB map: its x0 at a few boundaries, whole,
+    # decoded by the model's own VAE (`pan2render.models.preview`).
+    x0s = FitSamples(steps=job["steps"])
     cal = calibrate(pipe, prompt=args.prompt, negative_prompt=preset.get("negative_prompt", ""), image=image,
-                    seed=args.seed, **job)
+                    seed=args.seed, preview_every_s=1e-9, on_preview=x0s, preview_frames=job["frames"], **job)
     path = store_calibration(pipe.model_id, cal, conditioned=image is not None)
     print(f"{pipe.model_id}: {cal.steps} steps, cond ratios {min(cal.cond[1:]):.4f}..{max(cal.cond[1:]):.4f}"
           + (f", uncond {min(cal.uncond[1:]):.4f}..{max(cal.uncond[1:]):.4f}" if cal.uncond else "") + f" -> {path}")
+    rgb_map, quality = calibrate_rgb_map(pipe, x0s.x0s)
+    path = store_rgb_map(pipe.model_id, rgb_map, quality=quality)
+    print(f"{pipe.model_id}: previews' latent -> RGB map fitted on {len(x0s.x0s)} decodes, PSNR "
+          f"{quality['psnr_db']:.1f} dB at the latent grid (a grey picture: {quality['grey_psnr_db']:.1f} dB) "
+          f"-> {path}")
     return EXIT_OK
 
 

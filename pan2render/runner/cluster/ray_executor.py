@@ -13,6 +13,7 @@ back and say so.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -32,9 +33,9 @@ from pan2render.runner.cluster.ray_cluster import (
     ClusterConnectError,
     GcsLost,
     GcsWatch,
-    ask_loopback_only,
     check_loopback,
     gcs_lost_after_s,
+    loopback_only,
     parse_gcs_address,
     probe_address,
     write_ray_token_if_missing,
@@ -71,9 +72,8 @@ class RayExecutor:
         """``local_node``: ``address`` is the node kept up on this machine (`running_local_node`);
         ``record``: where a local cluster started here records its processes (`cluster/leftovers.py`),
         dropped when it ends."""
-        if address is None:
-            ask_loopback_only()  # before Ray is imported here (make_executor asks before it imports Ray)
-        import ray  # importing ray costs ~1 s; unit tests with LocalExecutor skip it
+        with loopback_only() if address is None else contextlib.nullcontext():
+            import ray  # importing ray costs ~1 s; unit tests with LocalExecutor skip it
 
         self._ray = ray
         self._config = config
@@ -102,7 +102,7 @@ class RayExecutor:
             # A local cluster: no dashboard (slow to start, not needed), a modest object store
             # (artifacts are MBs: latents ~10 MB, an mp4 a few MB), worker logs shown here.
             # "local": a new cluster even where a node recorded on this machine is gone. It listens
-            # on the loopback address alone (ask_loopback_only) and its token file is its owner's.
+            # on the loopback address alone (loopback_only) and its token file is its owner's.
             write_ray_token_if_missing()
             before = own_children()
             try:

@@ -243,6 +243,10 @@ class BatchFlow:
 
     def finish(self, run: JobRun) -> None:
         self.ledger.transition(run.job.id, JobEvent.FINISH, reason="video.mp4 written and checked")
+        # A done job's live preview goes: its video (and the report's poster of it) shows what it
+        # is, and a picture of an earlier step left beside them would pass for the result. A job
+        # that ends otherwise keeps its last preview, the last look at it (status, the report).
+        (self.out_dir / artifacts.preview_relpath(run.job.id)).unlink(missing_ok=True)
 
     def fail_unrunnable(self, job_id: str, reason: str) -> None:
         """A job that can never run here (it needs more GPUs than a node has): failed at its first

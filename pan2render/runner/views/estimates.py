@@ -186,10 +186,14 @@ class History:
         if device is None:  # no group ever loaded there, or on both kinds: nothing to match on
             return 0
         n = 0
-        for job in ledger.jobs():
-            if job.state is not JobState.DONE:
+        # Only the done jobs' specs and stage rows are read (the jobs first: a job recorded in
+        # between has its rows too).
+        done = ledger.jobs([job_id for job_id, state in ledger.job_states().items() if state is JobState.DONE])
+        stages = ledger.all_stages([job.id for job in done])
+        for job in done:
+            if job.state is not JobState.DONE:  # invalidated between the two reads (a resume's check)
                 continue
-            st = ledger.stages(job.id)
+            st = stages.get(job.id, {})
             secs = [st[s].seconds for s in (Stage.CONDITIONING, Stage.SAMPLING, Stage.DECODE, Stage.ENCODE)]
             if any(v is None for v in secs):
                 continue
@@ -364,7 +368,8 @@ def plan(jobs: list[JobSpec], *, gpus: int, history: History, device: str = CUDA
     """Estimate ``jobs`` (those still to render) on ``gpus`` GPUs of ``device`` kind (``cpu``:
     logical GPUs on a CPU), placed in order; with ``group_starts``, plus one group start per group
     size (False: the groups are up already)."""
-    estimates = [_estimate(job, history, device) for job in jobs]
+    fitted = {model: history.cost(model, device) for model in {job.model for job in jobs}}  # once per model
+    estimates = [_estimate(job, fitted[job.model], device) for job in jobs]
     free_at = [0.0] * max(gpus, 1)
     last_encode = 0.0
     for e in estimates:
@@ -384,17 +389,19 @@ def plan(jobs: list[JobSpec], *, gpus: int, history: History, device: str = CUDA
     known = [e for e in estimates if e.times is not None]
     wall = max(free_at) + last_encode + starts if known else 0.0
     total = sum(e.gpu_seconds for e in estimates)
-    guessed = [e for e in known if e.source == "reference"]
-    low = sum(e.gpu_seconds * (e.spread[0] if e in guessed else 1.0) for e in known)
-    high = sum(e.gpu_seconds * (e.spread[1] if e in guessed else 1.0) for e in known)
+    # A guess counts with its reference's range, a measured estimate as it is (by its source: a
+    # membership test in the list of guesses compared whole JobSpecs, quadratic in the jobs).
+    low = sum(e.gpu_seconds * (e.spread[0] if e.source == "reference" else 1.0) for e in known)
+    high = sum(e.gpu_seconds * (e.spread[1] if e.source == "reference" else 1.0) for e in known)
     spread = (low / total, high / total) if total else (1.0, 1.0)
     return Plan(estimates=estimates, gpus=gpus, device=device, gpu_seconds=total, wall_seconds=wall,
                 history=history, spread=spread)
 
 
-def _estimate(job: JobSpec, history: History, device: str) -> JobEstimate:
+def _estimate(job: JobSpec, measured: CostModel | None, device: str) -> JobEstimate:
+    """``measured``: the cost model fitted to this machine's runs of the job's model, if any."""
     size = JobSize.of(job)
-    if (measured := history.cost(job.model, device)) is not None:
+    if measured is not None:
         return JobEstimate(job=job, times=measured.times(size), source="history")
     if (ref := reference_for(job.model, device)) is not None:
         return JobEstimate(job=job, times=ref.cost.times(size), source="reference", spread=ref.spread)

@@ -20,11 +20,12 @@ def duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
-def printable(text: str) -> str:
-    """``text`` safe to print on a terminal: control and bidi characters shown as escapes (\\x1b,
-    \\u202e), so a name cannot move the cursor, recolour the screen or reorder what follows it."""
-    return "".join(c if c.isprintable() and not _bidi(c) else (f"\\x{ord(c):02x}" if ord(c) < 0x100 else
-                                                                f"\\u{ord(c):04x}") for c in text)
+def printable(text: str, *, lines: bool = False) -> str:
+    """``text`` safe to show: control and bidi characters as escapes (\\x1b, \\u202e), so a name
+    cannot move the cursor, recolour a terminal or reorder what follows it; ``lines``: line feeds
+    and tabs kept (a traceback)."""
+    return "".join(c if (c.isprintable() and not _bidi(c)) or (lines and c in "\n\t") else
+                   (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}") for c in text)
 
 
 def _bidi(c: str) -> bool:

@@ -222,3 +222,28 @@ def test_the_log_route_reads_no_link_and_no_fifo(tmp_path: Path) -> None:
         code, body = send(f"{url}/api/batches/{b['id']}/log", token=token)
         assert code == 404 and time.monotonic() - started < 10
         assert send(f"{url}/api/status", token=token)[0] == 200
+
+
+def test_a_flood_of_requests_and_slow_connections_leave_the_farm_answering(tmp_path: Path) -> None:
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    with serving_farm(tmp_path) as (farm, url, token):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        slow = []
+        for _ in range(300):  # connections that send half a request and then nothing
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(b"GET /api/status HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            slow.append(s)
+        try:
+            def one(i: int) -> int:
+                return send(f"{url}/api/status", token=token if i % 2 else "wrong")[0]
+
+            with ThreadPoolExecutor(max_workers=16) as pool:
+                codes = list(pool.map(one, range(2000)))
+            assert sorted(set(codes)) == [200, 401] and codes.count(200) == 1000
+            code, b = post_batch(url, token, tmp_path, BATCH, "out")  # and it still takes work
+            assert code == 201
+        finally:
+            for s in slow:
+                s.close()

@@ -242,3 +242,13 @@ def test_text_from_the_batch_is_escaped_in_the_page(tmp_path: Path) -> None:
     print(text[text.find("<main") if "<main" in text else 0:][:1500])
     assert page.scripts == 0 and "<img" not in text and "onerror=alert(2)&gt;" in text
     assert text.count("&lt;script&gt;alert(1)&lt;/script&gt;") >= 3  # a name, a prompt, an error
+
+
+def test_bidi_and_control_characters_of_an_old_ledger_show_as_escapes(tmp_path: Path) -> None:
+    """Validation refuses them now; a ledger written before may hold them: the page shows each as an
+    escape, so "gnp<RLO>exe" cannot read as "exe.png" and no control reaches the browser."""
+    jobs = [job("gnp\u202eexe.png"), job("colour\x1b[31m")]
+    render(tmp_path, jobs)
+    text = write_report(tmp_path).read_text()
+    assert "\u202e" not in text and "\x1b" not in text
+    assert "gnp\\u202eexe.png" in text and "colour\\x1b[31m" in text

@@ -16,6 +16,7 @@ const state = {
   viewKey: "",  // what the view was fetched for (a change fetches it again)
   fetching: false,
   blobs: new Map(),  // file path -> object URL (videos and posters, fetched with the token)
+  previews: new Map(),  // job id -> {path, url}: its newest live preview's object URL (older ones revoked)
 };
 
 // ---------------------------------------------------------------- the token
@@ -67,6 +68,13 @@ class Refused extends Error {
 function $(id) { return document.getElementById(id); }
 
 // An element from properties and children; a string child becomes a text node.
+// Text from a ledger or the queue is shown as text (never markup), and its control and bidi
+// characters as escapes: a name cannot reorder what follows it ("gnp.exe" shown as "exe.png").
+const UNSHOWN = /[\u0000-\u001f\u007f-\u009f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g;
+function shown(v) {
+  return typeof v === "string" ? v.replace(UNSHOWN, c => "\\u" + c.charCodeAt(0).toString(16).padStart(4, "0")) : v;
+}
+
 function el(tag, props = {}, ...kids) {
   const n = document.createElement(tag);
   for (const [k, v] of Object.entries(props)) {
@@ -74,11 +82,11 @@ function el(tag, props = {}, ...kids) {
     if (k === "class") n.className = v;
     else if (k === "dataset") Object.assign(n.dataset, v);
     else if (k === "style") Object.assign(n.style, v);  // CSSOM, which the CSP allows (a style attribute it does not)
-    else if (k.includes("-")) n.setAttribute(k, v);  // aria-*: names fixed here, values text
+    else if (k.includes("-")) n.setAttribute(k, shown(v));  // aria-*: names fixed here, values text
     else if (k.startsWith("on")) n.addEventListener(k.slice(2), v);
-    else n[k] = v;
+    else n[k] = shown(v);
   }
-  for (const kid of kids.flat()) if (kid !== null && kid !== undefined && kid !== false) n.append(kid);
+  for (const kid of kids.flat()) if (kid !== null && kid !== undefined && kid !== false) n.append(shown(kid));
   return n;
 }
 
@@ -87,7 +95,7 @@ function el(tag, props = {}, ...kids) {
 function setCell(node, key, build) {
   if (node._key === key) return;
   node._key = key;
-  node.replaceChildren(...[build()].flat().filter(x => x !== null && x !== undefined));
+  node.replaceChildren(...[build()].flat().filter(x => x !== null && x !== undefined).map(shown));
 }
 
 function duration(s) {  // as the CLI prints it: 42s, 3m05s, 2h10m
@@ -360,7 +368,8 @@ function updateJobRow(row, job, b, live) {
   now.textContent = liveText(job, live);
   setCell(secs, JSON.stringify(job.seconds), () => stageSeconds(job.seconds));
   attempts.textContent = String(job.attempts);
-  setCell(media, JSON.stringify([job.video, job.poster]), () => mediaOf(b.id, job));
+  const preview = (live.get(job.id) || {}).preview || null;
+  setCell(media, JSON.stringify([job.video, job.poster, preview && preview.url]), () => mediaOf(b.id, job, preview));
   const cancellable = ["pending", "running"].includes(shown) && ["active", "paused"].includes(b.state);
   setCell(actions, String(cancellable), () => cancellable
     ? el("button", {type: "button", dataset: {action: "cancel-job"},
@@ -393,8 +402,29 @@ async function blobUrl(batch, path) {
   return state.blobs.get(key);
 }
 
-function mediaOf(batch, job) {
-  if (!job.video) return null;
+// A running job's newest live preview: a strip of a few of its predicted frames, replaced as the
+// snapshot names a newer one (the step rides in the URL's query, so each is fetched once).
+function previewUrl(job, path) {
+  const had = state.previews.get(job);
+  if (had && had.path === path) return had.url;
+  const url = api(path).then(r => r.blob()).then(blob => URL.createObjectURL(blob));
+  state.previews.set(job, {path, url});
+  if (had) had.url.then(old => setTimeout(() => URL.revokeObjectURL(old), 10000), () => {});
+  return url;
+}
+
+function previewImg(job, preview) {
+  const img = el("img", {class: "preview", alt: `live preview of ${job.name}`, dataset: {step: String(preview.step)},
+                         title: `live preview: the frames predicted at step ${preview.step} of ${preview.steps}`});
+  previewUrl(job.id, preview.url).then(url => { img.src = url; }, () => img.remove());
+  return img;
+}
+
+function mediaOf(batch, job, preview) {
+  if (!job.video) {
+    return preview ? el("div", {class: "media"}, previewImg(job, preview),
+                        el("span", {class: "muted"}, `preview at step ${preview.step}/${preview.steps}`)) : null;
+  }
   const box = el("div", {class: "media"});
   const play = el("button", {type: "button", class: "play", dataset: {action: "play"}, title: "play " + job.name,
                              onclick: async () => {
@@ -420,7 +450,8 @@ function mediaOf(batch, job) {
 // ---------------------------------------------------------------- a swept batch's grids
 function renderGrids(view, live) {
   const byId = new Map(view.jobs.map(j => [j.id, j]));
-  const key = JSON.stringify([view.grids, view.jobs.map(j => [j.id, stateOf(j, live), liveText(j, live), j.poster])]);
+  const key = JSON.stringify([view.grids, view.jobs.map(j => [j.id, stateOf(j, live), liveText(j, live), j.poster,
+                                                            ((live.get(j.id) || {}).preview || {}).url])]);
   setCell($("grids"), key, () => view.grids.map(g => gridTable(g, byId, live, view.batch.id)));
 }
 
@@ -444,10 +475,13 @@ function gridCell(job, live, batch) {
   if (!job) return null;
   const shown = stateOf(job, live);
   const figure = el("figure", {class: "cell " + shown, dataset: {job: job.id}, title: job.name + " " + job.label});
+  const preview = (live.get(job.id) || {}).preview;
   if (job.poster) {
     const img = el("img", {alt: job.name, width: job.width, height: job.height});
     blobUrl(batch, job.poster).then(url => { img.src = url; }, () => img.remove());
     figure.append(img);
+  } else if (preview) {
+    figure.append(previewImg(job, preview));
   } else {
     const scale = Math.min(1, CELL_PX / job.width);
     figure.append(el("div", {class: "placeholder",
