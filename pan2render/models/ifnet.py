@@ -132,20 +132,21 @@ class FlowBlock(nn.Module):
         return out[:, :4] * scale, out[:, 4:5], out[:, 5:]
 
 
-def _base_grid(height: int, width: int, device: torch.device) -> Tensor:
-    """Each pixel's own position in grid_sample's coordinates (-1 .. 1 corner to corner): [1, H, W, 2]."""
-    ys = torch.linspace(-1.0, 1.0, height, device=device)
-    xs = torch.linspace(-1.0, 1.0, width, device=device)
-    return torch.stack(torch.meshgrid(xs, ys, indexing="xy"), dim=-1).unsqueeze(0)
+class _Grid:
+    """What warping at one frame size needs, made once per pass: each pixel's own position in
+    grid_sample's coordinates (-1 .. 1 corner to corner) [1, H, W, 2], and a pixel's size in them."""
 
+    def __init__(self, height: int, width: int, device: torch.device) -> None:
+        ys = torch.linspace(-1.0, 1.0, height, device=device)
+        xs = torch.linspace(-1.0, 1.0, width, device=device)
+        self.base = torch.stack(torch.meshgrid(xs, ys, indexing="xy"), dim=-1).unsqueeze(0)
+        self.per_pixel = torch.tensor([2.0 / (width - 1), 2.0 / (height - 1)], device=device)
 
-def _warp(image: Tensor, flow: Tensor, grid: Tensor) -> Tensor:
-    """``image`` [N, C, H, W] sampled at each pixel + ``flow`` [N, 2, H, W] (x, y in pixels):
-    bilinear, edges extended. All float32."""
-    height, width = image.shape[-2:]
-    per_pixel = flow.new_tensor([2.0 / (width - 1), 2.0 / (height - 1)])
-    where = grid + flow.permute(0, 2, 3, 1) * per_pixel  # [N, H, W, 2]
-    return F.grid_sample(image, where, mode="bilinear", padding_mode="border", align_corners=True)
+    def warp(self, image: Tensor, flow: Tensor) -> Tensor:
+        """``image`` [N, C, H, W] sampled at each pixel + ``flow`` [N, 2, H, W] (x, y in pixels):
+        bilinear, edges extended. All float32."""
+        where = self.base + flow.permute(0, 2, 3, 1) * self.per_pixel  # [N, H, W, 2]
+        return F.grid_sample(image, where, mode="bilinear", padding_mode="border", align_corners=True)
 
 
 class IFNet(nn.Module):
@@ -181,7 +182,7 @@ class IFNet(nn.Module):
         whose `features` are given (computed once per frame when a frame serves several pairs)."""
         n, _, height, width = img0.shape
         t = timestep.to(device=img0.device, dtype=torch.float32).view(n, 1, 1, 1).expand(n, 1, height, width)
-        grid = _base_grid(height, width, img0.device)
+        grid = _Grid(height, width, img0.device)
         flow = mask = carried = None
         warped0, warped1 = img0, img1
         for block, down in zip(self.blocks, _BLOCK_DOWNSCALE):
@@ -189,11 +190,11 @@ class IFNet(nn.Module):
             if flow is None:
                 flow, mask, carried = block(torch.cat((img0, img1, feat0, feat1, t), 1), None, block_scale)
             else:
-                wf0, wf1 = _warp(feat0, flow[:, :2], grid), _warp(feat1, flow[:, 2:4], grid)
+                wf0, wf1 = grid.warp(feat0, flow[:, :2]), grid.warp(feat1, flow[:, 2:4])
                 x = torch.cat((warped0, warped1, wf0, wf1, t, mask, carried), 1)
                 update, mask, carried = block(x, flow, block_scale)
                 flow = flow + update
-            warped0, warped1 = _warp(img0, flow[:, :2], grid), _warp(img1, flow[:, 2:4], grid)
+            warped0, warped1 = grid.warp(img0, flow[:, :2]), grid.warp(img1, flow[:, 2:4])
         weight0 = torch.sigmoid(mask)
         return warped0 * weight0 + warped1 * (1 - weight0)
 
