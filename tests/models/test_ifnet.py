@@ -3,14 +3,11 @@ the interpolation of a video, and the weights files it loads or refuses."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import pickle
 import re
 import runpy
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -29,8 +26,9 @@ from pan2render.models.ifnet import (
     load_ifnet,
 )
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "make_random_ifnet.py"
-_make = runpy.run_path(str(SCRIPT))
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+_make = runpy.run_path(str(SCRIPTS / "make_random_ifnet.py"))
+_ccvfi = runpy.run_path(str(SCRIPTS / "ccvfi_ifnet.py"))
 random_ifnet_state = _make["random_ifnet_state"]
 save_random_ifnet = _make["save_random_ifnet"]
 
@@ -59,40 +57,14 @@ def _frames(height: int, width: int, *, seed: int) -> tuple[torch.Tensor, torch.
 # Parity with ccvfi
 
 
-def _ccvfi_ifnet() -> type[torch.nn.Module]:
-    """ccvfi's IFNet class (its one RIFE model's architecture, v4.26.heavy).
-
-    ccvfi's package __init__ imports its model wrappers, which import torchvision for image I/O
-    (not a declared dependency; a CPU-only torch has no matching torchvision wheel on PyPI). The
-    architecture itself needs only torch, so without torchvision its module is imported beneath an
-    empty package shell, and sys.modules is left as it was."""
-    spec = importlib.util.find_spec("ccvfi")
-    if spec is None:
-        pytest.skip("ccvfi is not installed: the reference RIFE IFNet (pip install -e '.[test]')")
-    try:
-        from ccvfi.arch.ifnet_arch import IFNet as Reference
-
-        return Reference
-    except ModuleNotFoundError as e:
-        if e.name != "torchvision":
-            raise
-    before = {k: v for k, v in sys.modules.items() if k == "ccvfi" or k.startswith("ccvfi.")}
-    shell = types.ModuleType("ccvfi")
-    shell.__path__ = list(spec.submodule_search_locations or [])
-    sys.modules["ccvfi"] = shell
-    try:
-        return importlib.import_module("ccvfi.arch.ifnet_arch").IFNet
-    finally:
-        for k in [k for k in sys.modules if k == "ccvfi" or k.startswith("ccvfi.")]:
-            del sys.modules[k]
-        sys.modules.update(before)
-
-
 @pytest.fixture(scope="module")
 def both() -> tuple[IFNet, torch.nn.Module]:
     """Ours and ccvfi's, from one random state dict."""
+    reference_class = _ccvfi["ccvfi_ifnet_class"]()
+    if reference_class is None:
+        pytest.skip(_ccvfi["MISSING"])
     state = random_ifnet_state(seed=0)
-    reference = _ccvfi_ifnet()().eval()
+    reference = reference_class().eval()
     reference.load_state_dict(state, strict=True)
     ours = IFNet().eval()
     ours.load_state_dict(state, strict=True)
