@@ -250,9 +250,8 @@ def _write_bad(kind: str, path: Path) -> Path:
     elif kind == "integer tensor":
         state["encode.cnn1.bias"] = torch.zeros(16, dtype=torch.int64)
         save_file(state, str(path))
-    elif kind == "unknown widths":
-        state = random_ifnet_state(seed=0)
-        state["block0.conv0.1.0.weight"] = torch.zeros(100, 96, 3, 3)
+    elif kind == "v4.25.lite":  # its finest block is 24 wide (and its scales differ): refused, not misread
+        state["block4.conv0.1.0.weight"] = torch.zeros(24, 16, 3, 3)
         torch.save(state, path)
     elif kind == "a list":
         torch.save([torch.zeros(1)], path)
@@ -284,7 +283,7 @@ BAD = {
     "wrong shape": (r"'block1\.lastconv\.0\.bias' is \[51\], expected \[52\]", "rife.safetensors"),
     "unexpected key": (r"1 unexpected key\(s\) 'refine\.conv\.weight'", "rife.pth"),
     "integer tensor": (r"not floating point: 'encode\.cnn1\.bias' \(I64\)", "rife.safetensors"),
-    "unknown widths": (r"flow blocks 100/128/96/64/32 wide are no RIFE variant", "rife.pth"),
+    "v4.25.lite": (r"flow blocks 192/128/96/64/24 wide are no RIFE variant", "rife.pth"),
     "a list": (r"holds a list, not a state dict", "rife.pth"),
     "code": (r"not a plain state dict: torch\.load\(weights_only=True\) refused it", "rife.pkl"),
     "text": (r"neither a safetensors file nor a torch state dict \(it starts b'these ar", "rife.safetensors"),
