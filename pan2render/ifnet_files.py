@@ -24,6 +24,7 @@ block's width); `VARIANTS` lists the ones accepted. They all run the same forwar
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import struct
@@ -42,6 +43,9 @@ KEY_PREFIXES = ("module.",)
 TRAINING_ONLY = ("teacher.", "caltime.")
 # The float dtypes a weight may be stored as (safetensors' names; torch files: any floating dtype).
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# Bytes per element of each dtype a safetensors header may name.
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+               "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
 
 SAFETENSORS = "safetensors"
 TORCH = "torch state dict"
@@ -263,10 +267,13 @@ def _read_first(path: Path, n: int, *, name: str) -> bytes:
 
 
 def safetensors_entries(path: Path, *, name: str | None = None) -> dict[str, TensorEntry]:
-    """The tensors a safetensors file's header lists, without reading their data."""
+    """The tensors a safetensors file's header lists, without reading their data; their byte
+    ranges are checked to fill the data section exactly, as safetensors checks them when it loads,
+    so that a truncated download fails the check, not only the load."""
     name = name or str(path)
     try:
         with open(path, "rb") as f:
+            file_size = os.fstat(f.fileno()).st_size
             (size,) = struct.unpack("<Q", f.read(8))
             if size > MAX_HEADER_BYTES:
                 raise IFNetWeightsError(f"IFNet weights file {name!r}: a safetensors header of {size:,} bytes is past "
@@ -284,13 +291,30 @@ def safetensors_entries(path: Path, *, name: str | None = None) -> dict[str, Ten
     if not isinstance(header, dict):
         raise IFNetWeightsError(f"IFNet weights file {name!r}: its safetensors header is not a JSON object")
     header.pop("__metadata__", None)
-    entries = {}
+    entries, ranges = {}, []
     for key, entry in header.items():
         shape = entry.get("shape") if isinstance(entry, dict) else None
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-            raise IFNetWeightsError(f"IFNet weights file {name!r}: tensor {key!r} has no valid shape in the header")
-        dtype = str(entry.get("dtype"))
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        dtype = str(entry.get("dtype")) if isinstance(entry, dict) else ""
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+                and isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and dtype in DTYPE_BYTES):
+            raise IFNetWeightsError(f"IFNet weights file {name!r}: tensor {key!r} has no valid dtype, shape and "
+                                    f"data_offsets in the header")
+        if offsets[1] - offsets[0] != math.prod(shape) * DTYPE_BYTES[dtype]:
+            raise IFNetWeightsError(f"IFNet weights file {name!r}: tensor {key!r} spans {offsets[1] - offsets[0]} "
+                                    f"bytes, its {dtype} {shape} needs {math.prod(shape) * DTYPE_BYTES[dtype]}")
         entries[key] = TensorEntry(dtype, tuple(shape), dtype in FLOAT_DTYPES)
+        ranges.append((offsets[0], offsets[1]))
+    data = file_size - 8 - size
+    end = 0
+    for start, stop in sorted(ranges):
+        if start != end:
+            break
+        end = stop
+    if end != data:
+        raise IFNetWeightsError(f"IFNet weights file {name!r}: its tensors' byte ranges do not fill its "
+                                f"{data:,} bytes of data (they reach {end:,}): a truncated or damaged file")
     return entries
 
 

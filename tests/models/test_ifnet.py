@@ -213,7 +213,12 @@ def test_safetensors_and_torch_files_load_the_same_network(tmp_path: Path) -> No
     assert {p.dtype for p in b.parameters()} == {torch.bfloat16}
     for key, value in _params(a).items():
         assert torch.equal(value.to(torch.bfloat16), _params(b)[key]), key
-    assert torch.equal(_params(a)["block3.lastconv.0.weight"], random_ifnet_state(seed=7)["block3.lastconv.0.weight"])
+    state = random_ifnet_state(seed=7)
+    assert torch.equal(_params(a)["block3.lastconv.0.weight"], state["block3.lastconv.0.weight"])
+    legacy = tmp_path / "old-flownet.pkl"  # torch.save's format before the zip archive (older releases)
+    torch.save(state, legacy, _use_new_zipfile_serialization=False)
+    assert check_ifnet_weights(legacy) is None
+    assert torch.equal(_params(load_ifnet(legacy))["block0.convblock.7.beta"], state["block0.convblock.7.beta"])
 
 
 def test_published_training_only_tensors_are_left_unread(tmp_path: Path) -> None:
@@ -253,6 +258,9 @@ def _write_bad(kind: str, path: Path) -> Path:
     elif kind == "v4.25.lite":  # its finest block is 24 wide (and its scales differ): refused, not misread
         state["block4.conv0.1.0.weight"] = torch.zeros(24, 16, 3, 3)
         torch.save(state, path)
+    elif kind == "truncated":
+        save_file(state, str(path))
+        path.write_bytes(path.read_bytes()[:-1000])
     elif kind == "a list":
         torch.save([torch.zeros(1)], path)
     elif kind == "code":
@@ -284,6 +292,7 @@ BAD = {
     "unexpected key": (r"1 unexpected key\(s\) 'refine\.conv\.weight'", "rife.pth"),
     "integer tensor": (r"not floating point: 'encode\.cnn1\.bias' \(I64\)", "rife.safetensors"),
     "v4.25.lite": (r"flow blocks 192/128/96/64/24 wide are no RIFE variant", "rife.pth"),
+    "truncated": (r"byte ranges do not fill its [\d,]+ bytes of data", "rife.safetensors"),
     "a list": (r"holds a list, not a state dict", "rife.pth"),
     "code": (r"not a plain state dict: torch\.load\(weights_only=True\) refused it", "rife.pkl"),
     "text": (r"neither a safetensors file nor a torch state dict \(it starts b'these ar", "rife.safetensors"),
