@@ -90,6 +90,14 @@ def variant_name(config: IFNetConfig) -> str | None:
     return next((name for name, c in VARIANTS.items() if c == config), None)
 
 
+def block_inputs(config: IFNetConfig, index: int) -> int:
+    """Input channels of flow block ``index``. Block 0 sees both frames, both encodings and the
+    timestep; the others the two warped frames, both warped encodings, the timestep, the mask logit
+    and the 8 features carried from the block before, then the 4 flow channels so far."""
+    both = 3 + 3 + 2 * config.encoder_channels + 1
+    return both if index == 0 else both + 1 + 8 + 4
+
+
 def ifnet_shapes(config: IFNetConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of an IFNet built from ``config``: state-dict key -> shape.
 
@@ -109,10 +117,7 @@ def ifnet_shapes(config: IFNetConfig) -> dict[str, tuple[int, ...]]:
     conv("encode.cnn2", w, w)
     transposed("encode.cnn3", w, e)
     for i, c in enumerate(config.block_channels):
-        # Block 0 sees both frames, both encodings and the timestep; the others also the warped
-        # frames' mask logit, the 8 carried features and the 4 flow channels so far.
-        inputs = 3 + 3 + 2 * e + 1 if i == 0 else 3 + 3 + 2 * e + 1 + 1 + 8 + 4
-        conv(f"block{i}.conv0.0.0", c // 2, inputs)
+        conv(f"block{i}.conv0.0.0", c // 2, block_inputs(config, i))
         conv(f"block{i}.conv0.1.0", c, c // 2)
         for j in range(RESIDUAL_CONVS):
             conv(f"block{i}.convblock.{j}.conv", c, c)

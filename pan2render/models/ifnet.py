@@ -49,6 +49,7 @@ from ..ifnet_files import (
     SAFETENSORS,
     IFNetConfig,
     IFNetWeightsError,
+    block_inputs,
     check_ifnet_weights,
     load_torch_state,
     plan_ifnet,
@@ -156,11 +157,9 @@ class IFNet(nn.Module):
     def __init__(self, config: IFNetConfig | None = None) -> None:
         super().__init__()
         self.config = config = config or IFNetConfig()
-        e = config.encoder_channels
         for i, width in enumerate(config.block_channels):
-            inputs = 3 + 3 + 2 * e + 1 if i == 0 else 3 + 3 + 2 * e + 1 + 1 + 8 + 4  # see ifnet_files.ifnet_shapes
-            self.add_module(f"block{i}", FlowBlock(inputs, width))
-        self.encode = FrameEncoder(e)
+            self.add_module(f"block{i}", FlowBlock(block_inputs(config, i), width))
+        self.encode = FrameEncoder(config.encoder_channels)
 
     @property
     def blocks(self) -> tuple[FlowBlock, ...]:
@@ -181,7 +180,7 @@ class IFNet(nn.Module):
         """The frame at ``timestep`` [N] (each in (0, 1)) between aligned float32 frames [N, 3, H, W]
         whose `features` are given (computed once per frame when a frame serves several pairs)."""
         n, _, height, width = img0.shape
-        t = timestep.to(device=img0.device, dtype=torch.float32).view(n, 1, 1, 1).expand(n, 1, height, width)
+        t = timestep.to(device=img0.device, dtype=torch.float32).reshape(n, 1, 1, 1).expand(n, 1, height, width)
         grid = _Grid(height, width, img0.device)
         flow = mask = carried = None
         warped0, warped1 = img0, img1
