@@ -72,6 +72,16 @@ def write_batch(path: Path, jobs: list[dict], *, defaults: dict | None = None,
     return path
 
 
+def until(check: Callable[[], Any], what: str, timeout_s: float = 60.0, *, poll_s: float = 0.1) -> Any:
+    """Poll ``check`` until it gives something true, and return that; ``timeout_s`` passing first
+    fails the test, naming ``what`` was awaited."""
+    deadline = time.monotonic() + timeout_s
+    while not (got := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll_s)
+    return got
+
+
 def wait_while_running(run: subprocess.Popen, ready: Callable[[], bool], *, within_s: float, what: str,
                        poll_s: float = 0.1) -> None:
     """Poll until ``ready()``; the run ending first, or ``within_s`` passing, fails the test."""

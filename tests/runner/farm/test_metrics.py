@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
-from runner_helpers import farm_config, serving_farm, spec, submit_file, write_batch
+from runner_helpers import farm_config, serving_farm, spec, submit_file, until, write_batch
 
 from pan2render.jobs.ledger import EventKind, JobEvent, Ledger, Stage, StageEvent
 from pan2render.jobs.overrides import Overrides
@@ -63,13 +63,6 @@ def value(found: dict[str, Metric], sample: str, **labels: str) -> float:
     """The value of the sample named ``sample`` with exactly these labels (0 when absent)."""
     return next((s.value for f in found.values() for s in f.samples if s.name == sample and s.labels == labels), 0.0)
 
-
-def until(check: Any, what: str, timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (got := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return got
 
 
 def batch_state(url: str, token: str, batch_id: str) -> dict[str, Any]:
