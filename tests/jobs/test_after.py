@@ -132,7 +132,8 @@ def test_a_swept_name_stands_for_every_job_of_its_sweep_and_one_combination_is_r
         """)
     (problem,) = _problems(bad)
     assert problem.field == "jobs[1].after"
-    assert "'fox-seed1' looks like one sweep combination of job 'fox', whose sweep (seed) makes 2 jobs" in problem.message
+    assert ("'fox-seed1' looks like one sweep combination of job 'fox', whose sweep (seed) makes 2 jobs"
+            in problem.message)
     assert "write 'fox'" in problem.message
 
 

@@ -329,6 +329,7 @@ function links(b, view) {
 
 function liveText(job, live) {
   const r = live.get(job.id);
+  if (!r && job.after) return "after: " + job.after.join(", ");  // a pending job waiting for the jobs it runs after
   if (!r) return {done: "", pending: "waiting", cancelled: ""}[job.state] ?? (job.stage || "");
   if (r.step !== null && r.total) {
     return `${r.stage} ${r.step}/${r.total}` + (r.rate ? ` · ${r.rate.toFixed(2)} step/s` : "");
