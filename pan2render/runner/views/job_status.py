@@ -33,7 +33,8 @@ class JobStatus:
     id: str
     name: str
     state: str  # a JobState's value, or INTERRUPTED
-    stage: str | None  # done: "encode"; failed: the failing stage; else the first unfinished stage
+    # done: "encode"; failed: the failing stage (None: it never ran); else the first unfinished stage
+    stage: str | None
     attempts: int
     error: str | None
     video: str | None  # absolute path of a finished video, else None
@@ -90,8 +91,9 @@ def preview_of(out_dir: Path, job_id: str) -> dict[str, Any] | None:
 
 
 def _stage_of(job: JobRecord, stages: dict[Stage | str, StageRecord]) -> str | None:
-    """The stage a job stands at: the failed one, else its first stage not done, else its last."""
-    if job.state is JobState.FAILED and job.error_stage:
+    """The stage a job stands at: the failed one, else its first stage not done, else its last. A
+    failed job that failed no stage never ran (a job it runs after failed): None."""
+    if job.state is JobState.FAILED:
         return job.error_stage
     for s, r in stages.items():
         if r.state is not StageState.DONE:

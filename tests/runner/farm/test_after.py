@@ -25,6 +25,8 @@ from pan2render.media.video import png_bytes
 from pan2render.runner.farm.service import Farm
 from pan2render.runner.protocol.messages import SampleCall, WorkerConfig
 from pan2render.runner.serve.session import BatchRequest
+from pan2render.runner.views.report import batch_view
+from pan2render.runner.views.status import status_document
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 
 
@@ -84,6 +86,11 @@ def test_a_failed_dependency_fails_the_jobs_after_it_and_retry_runs_them_in_orde
     assert jobs["b"].error == f"dependency a failed: sampling: {jobs['a'].error}"
     assert jobs["b"].attempts == 0 and all(r.state is StageState.PENDING for r in led.stages(jobs["b"].id).values())
     assert "b" not in [name for _, name in ex.calls]
+    # Shown as failed at no stage (it never ran), with that reason, in status and the monitor's view.
+    rows = {r["name"]: r for r in status_document(out, led)[0]["jobs"]}
+    tile = next(t for t in batch_view(out).tiles.values() if t.name == "b")
+    assert (rows["b"]["state"], rows["b"]["stage"], rows["b"]["error"]) == ("failed", None, jobs["b"].error)
+    assert (tile.state, tile.stage, tile.error) == ("failed", None, jobs["b"].error)
     led.close()
 
     (tmp_path / "moved.png").rename(image)

@@ -53,7 +53,7 @@ def test_run_fails_the_jobs_after_a_failed_one_and_resume_runs_them_in_order(
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["jobs"]}
     print(json.dumps(rows["b"], indent=1))
     assert rows["a"]["state"] == "failed" and rows["c"]["state"] == "done"
-    assert rows["b"]["state"] == "failed" and rows["b"]["attempts"] == 0
+    assert rows["b"]["state"] == "failed" and rows["b"]["attempts"] == 0 and rows["b"]["stage"] is None
     assert rows["b"]["error"] == f"dependency a failed: sampling: {rows['a']['error']}"
     assert "injected failure in sampling of job a" in rows["b"]["error"]
 

@@ -380,7 +380,7 @@ function updateJobRow(row, job, b, live) {
 function errorRow(job, row) {
   row = row || el("tr", {class: "error-row", dataset: {errorOf: job.id}}, el("td", {colSpan: 7}));
   setCell(row.cells[0], JSON.stringify([job.stage, job.error, job.traceback]), () => [
-    el("p", {class: "error"}, `${job.stage || "?"}: ${(job.error || "").split("\n")[0]}`),
+    el("p", {class: "error"}, (job.stage ? job.stage + ": " : "") + (job.error || "").split("\n")[0]),
     job.traceback ? el("details", {class: "traceback"}, el("summary", {}, "traceback"), el("pre", {}, job.traceback)) : null]);
   return row;
 }
