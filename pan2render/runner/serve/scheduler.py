@@ -70,7 +70,7 @@ class Scheduler:
                 self._queue.remove(q)
                 self._fail_unrunnable(batch, job, stuck.get(job.id))
             elif job.state in (JobState.FAILED, JobState.CANCELLED):  # not revived: the jobs after it cannot run
-                self._end_after(batch, job.id, job.state, job.error or "before this run")
+                self._end_after(batch, job.id, job.state, job.error or "in an earlier run")
 
     def pending(self, batch: ServedBatch) -> list[str]:
         return [q.job_id for q in self._queue.of(batch)]

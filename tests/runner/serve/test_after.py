@@ -10,11 +10,14 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
-from runner_helpers import render, spec
+from runner_helpers import RecordingExecutor, render, spec
 
-from pan2render.jobs.ledger import Event, JobState, Ledger, StageState
+from pan2render.jobs.ledger import Event, JobEvent, JobState, Ledger, StageState
 from pan2render.media.video import png_bytes
-from pan2render.runner.protocol.messages import SampleCall
+from pan2render.runner.protocol.messages import SampleCall, WorkerConfig
+from pan2render.runner.serve.config import ServingConfig
+from pan2render.runner.serve.driver import Driver
+from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 
 
 def _after(job: str, *names: str, **kw: object) -> object:
@@ -89,3 +92,29 @@ def test_a_failed_dependency_fails_the_jobs_after_it_without_work_and_a_rerun_br
     assert again.index(("d", "start")) > again.index(("b", "done"))
     assert ("c", "start") not in again  # done before: not rendered again
     assert [job for kind, job in ex.calls if kind is SampleCall] == ["a", "b", "d"]
+
+
+def test_jobs_after_one_cancelled_before_the_run_are_cancelled_and_a_cycle_of_two_batches_fails_at_once(
+        tmp_path: Path) -> None:
+    """What a folder can hold that one batch cannot: a job cancelled in an earlier run (`resume`
+    without --cancelled keeps it so), and a cycle made by two batches recorded into the folder (each
+    checked alone). The jobs after the cancelled one are cancelled, the cycle's jobs fail at once,
+    the rest render, and the run ends."""
+    out = tmp_path / "out"
+    out.mkdir()
+    ledger = Ledger.open(out)
+    jobs = [spec("a"), _after("b", "a"), _after("x", "y"), _after("y", "x"), spec("c")]
+    ledger.add_jobs(jobs, retries=1)  # (as two batches would leave it; no batch check here)
+    ledger.transition(jobs[0].job_id, JobEvent.CANCEL, reason="cancelled by a client")
+    ex = RecordingExecutor(gpus=2, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
+    driver = Driver(out_dir=out, ledger=ledger, executor=ex, config=ServingConfig(progress=False, poll_s=0.01))
+    summary = driver.run([j.job_id for j in jobs])
+    got = {j.name: j for j in ledger.jobs()}
+    print({n: (j.state.value, j.error) for n, j in got.items()})
+    assert summary.exit_code == 1 and got["c"].state is JobState.DONE
+    assert got["b"].state is JobState.CANCELLED
+    assert [e.detail for e in ledger.events(got["b"].id) if e.label == "pending->cancelled"] == [
+        "dependency a was cancelled: in an earlier run"]
+    assert got["x"].state is got["y"].state is JobState.FAILED
+    assert "its `after` jobs wait for each other in a cycle (x -> y -> x): none can start" in got["x"].error
+    assert {job for _, job in ex.calls} - {None} == {"c"}  # no call for any other job
