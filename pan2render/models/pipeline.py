@@ -322,11 +322,12 @@ class PAN2Pipeline:
         return torch.device(self.config.device)
 
     @property
-    def preview_map(self) -> RgbMap | None:
+    def preview_map(self) -> RgbMap:
         """The latent -> RGB map this model's previews use (`pan2render.models.preview.rgb_map_for`):
-        the one ``pan2-render calibrate`` fitted for it, else the published Wan2.2 one where its
-        VAE has that VAE's channels; None: none applies."""
-        return rgb_map_for(self.model_id, self.vae.config.z_dim)
+        the one ``pan2-render calibrate`` fitted for it, else one fitted on its VAE alone the first
+        time it is asked for (a few small decodes, then kept on disk). Read again each time, so that
+        a warm worker takes up a map ``calibrate`` fitted since."""
+        return rgb_map_for(self)
 
     @property
     def attention_backend(self) -> str:

@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
         add_setting_args(sp, ServingConfig, RUN_SETTINGS)
         sp.add_argument("--no-progress", action="store_true",
                         help="plain lines even on a terminal (one per job event, a summary each minute)")
+        sp.add_argument("--metrics-port", type=int, default=0, metavar="N",
+                        help="serve this batch's pan2render_* metrics for Prometheus on 127.0.0.1:N while it renders "
+                             "(default 0: off; README, Farm: metrics)")
 
     r = sub.add_parser("run", help="render a batch into an output folder")
     r.add_argument("batch", type=Path, nargs="?")

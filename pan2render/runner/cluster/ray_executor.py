@@ -203,6 +203,13 @@ class RayExecutor:
                 f"connections for {down:.0f} s, so the head node or its GCS process died, and with it "
                 f"this run's workers")
 
+    def unreachable(self) -> str | None:
+        """A TCP probe of the GCS, which needs nothing of Ray (so it never blocks on a cluster gone);
+        a Ray client (no GCS address) answers while its connection is up."""
+        if self._gcs is not None:
+            return None if self._gcs.probe() else f"{self.cluster}: its GCS refuses connections"
+        return None if self._ray.is_initialized() else f"{self.cluster}: Ray is not connected"
+
     def create_group(self, size: int, *, timeout_s: float, on_wait: Callable[[str], None] | None = None) -> Group:
         ray = self._ray
         from ray.util.placement_group import (

@@ -109,6 +109,12 @@ class Farm:
         with self._snapshot_lock:
             return self._snapshot
 
+    @property
+    def snapshot_age_s(self) -> float:
+        """Seconds since the main thread published its snapshot (at most PUBLISH_EVERY_S and a pass
+        while its loop turns; infinite before the first): from any thread."""
+        return time.monotonic() - self._published
+
     def stop(self) -> None:
         self._stopping.set()
 

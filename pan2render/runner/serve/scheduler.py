@@ -24,7 +24,7 @@ from pan2render.runner.protocol.failures import BatchStopped, Failure, FailureKi
 from pan2render.runner.protocol.messages import Lane, StopSamplingCall, WorkerCall
 from pan2render.runner.protocol.timeline import stamp
 from pan2render.runner.serve import watch
-from pan2render.runner.serve.attempt import JobRun, Phase, Stop, StopKind
+from pan2render.runner.serve.attempt import PREEMPTED_AT, JobRun, Phase, Stop, StopKind
 from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.serve.pool import GroupPool
 from pan2render.runner.serve.retry import Action, Decision, OnGroup, RetryPolicy
@@ -150,7 +150,7 @@ class Scheduler:
             if run.cancelled:
                 self._end_cancelled(batch, run.job.id, f"{run.stop.reason}: sampling stopped at step {run.stopped_at}")
             else:
-                self._requeue(batch, run.job.id, f"preempted at step {run.stopped_at} by a higher-priority batch; "
+                self._requeue(batch, run.job.id, f"{PREEMPTED_AT} {run.stopped_at} by a higher-priority batch; "
                                                  f"it continues from its step checkpoint")
                 batch.progress.job_ended(run.job.id, "requeued", f"preempted at step {run.stopped_at}")
             return True
