@@ -1,7 +1,7 @@
 """`after` through the CLI on real Ray actors (2 CPUs, 2 logical GPUs, the fake pipeline): `run`
 keeps the order and fails the jobs after a failed dependency without running them, `status` says
 so, and `resume` brings them back and runs them in order. The order is read from the ledger's
-events. (The scheduler's own tests, on the in-process executor: tests/runner/serve/test_after.py.)"""
+events. (The scheduler's own tests, on the in-process executor: tests/runner/serve/test_waits.py.)"""
 
 from __future__ import annotations
 
