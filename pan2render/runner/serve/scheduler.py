@@ -445,6 +445,6 @@ class Scheduler:
         for dependent, event, why in batch.waits.ended(job_id, state, reason,
                                                         waiting=lambda j: self._queue.find(batch, j) is not None):
             self._queue.remove(self._queue.find(batch, dependent))  # type: ignore[arg-type]
-            batch.ledger.transition(dependent, event, reason=why, error=why if event is JobEvent.FAIL else None)
+            batch.flow.end_unstarted(dependent, event, why)
             batch.progress.job_ended(dependent, "FAILED" if event is JobEvent.FAIL else "cancelled", why)
             batch.ended += 1

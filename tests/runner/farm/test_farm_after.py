@@ -24,6 +24,7 @@ from pan2render.jobs.spec import Batch, JobSpec
 from pan2render.media.video import png_bytes
 from pan2render.runner.farm.service import Farm
 from pan2render.runner.protocol.messages import SampleCall, WorkerConfig
+from pan2render.runner.serve.metrics import FolderTally
 from pan2render.runner.serve.session import BatchRequest
 from pan2render.runner.views.report import batch_view
 from pan2render.runner.views.status import status_document
@@ -91,6 +92,12 @@ def test_a_failed_dependency_fails_the_jobs_after_it_and_retry_runs_them_in_orde
     tile = next(t for t in batch_view(out).tiles.values() if t.name == "b")
     assert (rows["b"]["state"], rows["b"]["stage"], rows["b"]["error"]) == ("failed", None, jobs["b"].error)
     assert (tile.state, tile.stage, tile.error) == ("failed", None, jobs["b"].error)
+    # Its ledger reason names its failure class, as the farm's metrics count it: dependency.
+    ended = [e.detail for e in led.events(jobs["b"].id) if e.label == "pending->failed"]
+    assert ended == [f"not started [dependency]: {jobs['b'].error}"]
+    tally = FolderTally(out, [j.id for j in jobs.values()])
+    tally.refresh()
+    assert tally.counts(time.time()).failed == {"input": 1, "dependency": 1}
     led.close()
 
     (tmp_path / "moved.png").rename(image)
