@@ -274,6 +274,17 @@ class JobRecord:
     updated_at: float
 
 
+def superseded(jobs: Iterable[JobRecord]) -> dict[str, str]:
+    """Old id -> newest id, for every job that has a newer version among ``jobs``: the same name and
+    sweep values under another spec hash (the batch was edited and run again into the folder).
+    Newest = added to the ledger last."""
+    jobs = list(jobs)
+    newest: dict[str, str] = {}
+    for job in sorted(jobs, key=lambda j: j.position):
+        newest[job.spec.version_key] = job.id
+    return {j.id: newest[j.spec.version_key] for j in jobs if newest[j.spec.version_key] != j.id}
+
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS jobs (

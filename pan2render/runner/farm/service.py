@@ -130,9 +130,10 @@ class Farm:
         s = self.served.get(row.id)
         if s is None:
             return described_from_ledger(row)
+        queued = self.scheduler.pending(s.batch)
         return _description(row, s.session.counts()) | {
-            "running": [r.job.id for r in self.scheduler.running(s.batch)],
-            "queued": len(self.scheduler.pending(s.batch)), "eta_s": s.batch.progress.eta_seconds()}
+            "running": [r.job.id for r in self.scheduler.running(s.batch)], "queued": len(queued),
+            "waiting": sum(s.batch.waits.waits(job_id) for job_id in queued), "eta_s": s.batch.progress.eta_seconds()}
 
     # ================================================================== serving batches
     def resume_unfinished(self) -> None:
@@ -347,8 +348,8 @@ def _description(row: QueuedBatch, counts: dict[str, int]) -> dict[str, Any]:
     return {"id": row.id, "out_dir": row.out_dir, "batch": row.batch_path, "owner": row.owner,
             "priority": row.priority, "preempt": row.preempt, "state": row.state.value, "reason": row.reason,
             "submitted_at": row.submitted_at, "updated_at": row.updated_at, "counts": counts, "running": [],
-            "queued": 0, "eta_s": None, "exit_code": exit_code(row.state, counts), "video_id": row.video_id,
-            "hidden": row.hidden}
+            "queued": 0, "waiting": 0, "eta_s": None, "exit_code": exit_code(row.state, counts),
+            "video_id": row.video_id, "hidden": row.hidden}
 
 
 def _ledger_counts(out_dir: Path, job_ids: list[str]) -> dict[str, int]:

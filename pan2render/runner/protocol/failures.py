@@ -16,6 +16,8 @@ The classes (what each costs a job is the policy's):
 |                | its GCS stopped answering                                                         |
 | storage        | the output folder refused a driver write: disk full, quota, read-only filesystem, |
 |                | permission denied                                                                 |
+| dependency     | a job it runs after (``after``) failed: it never started (the scheduler's record, |
+|                | not something raised)                                                             |
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class FailureKind(str, enum.Enum):
     UNKNOWN = "unknown"
     CLUSTER_LOST = "cluster-lost"
     STORAGE = "storage"
+    DEPENDENCY = "dependency"
 
 
 # ---------------------------------------------------------------------- our exception types

@@ -107,7 +107,7 @@ def file_proof(out_dir: Path, relpath: str) -> tuple[artifacts.Recorded, dict[st
 
 
 # ---------------------------------------------------------------------- what the ledger's reasons say
-_FAILED = re.compile(r"\S+ failed \[([a-z-]+)\]")
+_FAILED = re.compile(r"(?:\S+ failed|not started) \[([a-z-]+)\]")
 _LOAD_SECONDS = re.compile(r", (\d+(?:\.\d+)?) s \(weights ")  # in the detail BatchFlow.record_load writes
 
 
@@ -116,8 +116,14 @@ def failed_reason(stage: str, kind: FailureKind) -> str:
     return f"{stage} failed [{kind.value}]"
 
 
+def unstarted_reason(kind: FailureKind) -> str:
+    """How the reason of a job that failed without starting begins (``end_unstarted``)."""
+    return f"not started [{kind.value}]"
+
+
 def failure_class(reason: str) -> str | None:
-    """The failure class a reason :func:`failed_reason` began names (None: another reason)."""
+    """The failure class a reason :func:`failed_reason` or :func:`unstarted_reason` began names
+    (None: another reason)."""
     found = _FAILED.match(reason)
     return found.group(1) if found else None
 
@@ -254,6 +260,16 @@ class BatchFlow:
         first = self.flow.stages[0]
         self.ledger.set_stage(job_id, first, StageEvent.FAIL, error=reason)
         self.ledger.transition(job_id, JobEvent.FAIL, error=reason, error_stage=first, reason=reason)
+
+    def end_unstarted(self, job_id: str, event: JobEvent, why: str) -> None:
+        """A queued job ends without having started, as a job it runs after did (``event``: fail or
+        cancel), with ``why``. Failed, its reason names the class (dependency), as the flow's other
+        failures name theirs; no stage row is touched: none ran."""
+        if event is JobEvent.FAIL:
+            self.ledger.transition(job_id, event, error=why,
+                                   reason=f"{unstarted_reason(FailureKind.DEPENDENCY)}: {why}")
+        else:
+            self.ledger.transition(job_id, event, reason=why)
 
     def next_stage(self, job_id: str) -> str:
         """The first stage of the job that is not done (the one a failure now belongs to)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pan2render.hints import command
+from pan2render.jobs.after import waiting_for
 from pan2render.jobs.ledger import Event, EventKind, FolderLock, JobRecord, JobState, Ledger, StageState, stage_name
 from pan2render.jobs.spec import JobSpec
 from pan2render.runner.views.estimates import CPU, CUDA, History, JobEstimate, Plan, ledger_device, plan
@@ -126,6 +127,9 @@ def format_show(out_dir: Path, ledger: Ledger, job: JobRecord) -> str:
              f"folder   {out_dir.absolute() / job.id}"]
     if job.error:
         lines.append(f"error    {job.error}")
+    if job.state is JobState.PENDING and (waits := waiting_for(ledger.jobs()).get(job.id)):
+        each = "each" if len(waits) > 1 else "that"
+        lines.append(f"waits    after: {', '.join(waits)} (it starts once every job of {each} name is done)")
     at = next((stage_name(s) for s, r in ledger.stages(job.id).items() if r.state is not StageState.DONE), None)
     if at is not None and (progress := job_progress(ledger, job.id, job.state.value, at)) is not None:
         lines.append(f"progress {stage_text(at, progress)}")
@@ -181,6 +185,8 @@ def format_status(out_dir: Path, ledger: Ledger) -> tuple[str, int]:
         secs = sum(v for v in r.seconds.values() if v)
         video = os.path.relpath(r.video, out_dir.absolute()) if r.video else ""
         stage = stage_text(r.stage, job_progress(ledger, r.id, r.state, r.stage)) if r.stage else "-"
+        if r.after:  # a pending job that cannot start yet: what it waits for
+            stage = f"after: {', '.join(r.after)}"
         rows.append([shown_state(r), stage, str(r.attempts), r.id, *(_value(spec.sweep.get(k, "")) for k in keys),
                      f"{secs:.1f}" if secs else "-", video, shown_error(r, 80)])
     text = table(["state", "stage", "att", "id", *keys, "seconds", "video", "error"], rows)
