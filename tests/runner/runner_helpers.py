@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
+import signal
 import sqlite3
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -80,6 +83,25 @@ def until(check: Callable[[], Any], what: str, timeout_s: float = 60.0, *, poll_
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(poll_s)
     return got
+
+
+def stop_farm(env: dict[str, str], *marks: str | Path) -> None:
+    """End what a test started of a farm: `farm stop` of the farm ``env`` names, then SIGKILL to any
+    live process whose command line still names one of ``marks`` (the test's own folders), so that
+    a stop that did not end it, or a start that raced it, leaves nothing running."""
+    subprocess.run([sys.executable, "-m", "pan2render.runner.cli", "farm", "stop"], env=env,
+                   capture_output=True, timeout=120, check=False)
+    wanted = [str(m).encode() for m in marks]
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(pid) != os.getpid() and any(m in cmd for m in wanted):
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def wait_while_running(run: subprocess.Popen, ready: Callable[[], bool], *, within_s: float, what: str,

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from runner_helpers import until
+from runner_helpers import stop_farm, until
 
 from pan2render.client import FarmClient, find_farm
 from pan2render.jobs.ledger import JobState, Ledger
@@ -43,17 +43,7 @@ def env(tmp_path: Path) -> Iterator[dict[str, str]]:
     try:
         yield e
     finally:
-        subprocess.run([*CLI, "farm", "stop"], env=e, capture_output=True, timeout=120, check=False)
-        for pid in filter(str.isdigit, os.listdir("/proc")):  # only what names this test's folders
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if ray_tmp.encode() in cmd or str(tmp_path).encode() in cmd:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        stop_farm(e, ray_tmp, tmp_path)
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from runner_helpers import write_batch
+from runner_helpers import stop_farm, write_batch
 
 from pan2render.jobs.ledger import JobState, Ledger
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
@@ -48,17 +48,7 @@ def farm_env(tmp_path: Path):
     try:
         yield env
     finally:
-        subprocess.run([*CLI, "farm", "stop"], env=env, capture_output=True, timeout=120, check=False)
-        for pid in filter(str.isdigit, os.listdir("/proc")):  # only what names this test's folders
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if ray_tmp.encode() in cmd or str(root).encode() in cmd:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        stop_farm(env, ray_tmp, root)
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
