@@ -28,7 +28,7 @@ from pan2render.tiny_dit import TINY_MODEL
 
 def cmd_validate(args: argparse.Namespace) -> int:
     overrides = Overrides(sets=tuple(args.sets), sweeps=tuple(args.sweeps))
-    batch = load_batch_or_report(args.batch, overrides, check_model=False)
+    batch = load_batch_or_report(args.batch, overrides, check_model=True)
     if batch is None:
         return EXIT_USAGE
     print_plan(batch, args.out, args)
@@ -53,11 +53,7 @@ def print_plan(batch: Batch, out: Path | None, args: argparse.Namespace) -> None
     from pan2render.runner.views.estimates import CPU, CUDA, History, history_folders, plan
     from pan2render.runner.views.status import format_estimate, format_plan
 
-    done: set[str] = set()
-    if out is not None and (out / LEDGER_NAME).is_file():
-        ledger = Ledger.open_readonly(out)
-        done = {j.id for j in ledger.jobs() if j.state is JobState.DONE}
-        ledger.close()
+    done = done_ids(out)
     todo = [j for j in batch.jobs if j.job_id not in done]
     max_gpus = max((j.gpus for j in batch.jobs), default=1)
     from pan2render.runner.cluster.choose import local_gpus
@@ -72,6 +68,17 @@ def print_plan(batch: Batch, out: Path | None, args: argparse.Namespace) -> None
     print(format_plan(batch.jobs, done=done, the_plan=the_plan))
     print(f"{len(todo)} job(s) to render, {len(batch.jobs) - len(todo)} done already")
     print(format_estimate(the_plan, gpus_note=note))
+
+
+def done_ids(out: Path | None) -> set[str]:
+    """The ids of the jobs done in ``out``'s ledger (none without one)."""
+    if out is None or not (out / LEDGER_NAME).is_file():
+        return set()
+    ledger = Ledger.open_readonly(out)
+    try:
+        return {j.id for j in ledger.jobs() if j.state is JobState.DONE}
+    finally:
+        ledger.close()
 
 
 def _is_output_folder(folder: Path) -> bool:

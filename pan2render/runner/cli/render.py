@@ -27,7 +27,7 @@ from pan2render.runner.cli.common import (
     print_error,
     stopped_by,
 )
-from pan2render.runner.cli.reading import print_plan
+from pan2render.runner.cli.reading import done_ids, print_plan
 from pan2render.runner.cluster.choose import LOCAL_ADDRESS
 from pan2render.runner.protocol import timeline
 from pan2render.runner.serve import errors
@@ -113,6 +113,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         print_plan(batch, out, args)
         print(f"dry run: nothing written to {out}")
         return EXIT_OK
+    from pan2render.runner.serve.session import model_folder_problems
+
+    if model_folder_problems(batch.jobs) and (broken := model_folder_problems(_not_done(batch.jobs, out))):
+        # As the farm refuses it (submit): exit 3, nothing recorded. `validate` says so with exit 5.
+        print_error(f"error: {errors.broken_checkpoints(broken, resume=None, recorded=False)}")
+        return EXIT_ENVIRONMENT
     from pan2render.runner.cli.batches import hand_to_farm
 
     if (code := hand_to_farm(args, batch)) is not None:
@@ -129,6 +135,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_ENVIRONMENT
     with session:
         return _drive(args, session)
+
+
+def _not_done(jobs: list[Any], out: Path) -> list[Any]:
+    """The jobs ``out``'s ledger does not hold done (all of them where it cannot be read: the run
+    that follows says why)."""
+    try:
+        done = done_ids(out)
+    except Exception:
+        return jobs
+    return [j for j in jobs if j.job_id not in done]
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
