@@ -312,7 +312,10 @@ class RenderWorker:
                 self._progress.report(progress_key, done, total, time.time())
             self._faults.at_step(js, done)
 
-        plan = pipe.sampling_plan(conditioned=first_frame is not None, **js.sample_args())
+        try:  # a model without a calibration: refused the same on any worker (validation refuses it first)
+            plan = pipe.sampling_plan(conditioned=first_frame is not None, **js.sample_args())
+        except CalibrationMissing as e:
+            raise JobInputError(str(e)) from e
         resume, refused = self._resume_state(js, pipe, call.resume, cached=not plan.lanes.steps_exact)
         stop = self._samplings.begin(job_id)
         try:
