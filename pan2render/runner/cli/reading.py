@@ -166,6 +166,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# The preset `calibrate` runs when none is given: one the model renders (the tiny model's own; a
+# checkpoint's at the size MagCache's published ratios were measured at).
+CALIBRATE_PRESETS = {TINY_MODEL: "tiny-preview"}
+CALIBRATE_PRESET = "pan2-720p"
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import numpy as np
     from PIL import Image
@@ -173,16 +179,25 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from pan2render.models.calibration import calibrate, store_calibration
     from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
 
+    name = args.preset or CALIBRATE_PRESETS.get(args.model, CALIBRATE_PRESET)
     try:
-        preset = list_presets()[args.preset]
+        preset = list_presets()[name]
     except KeyError:
-        print_error(f"pan2-render calibrate: no preset {args.preset!r}; `pan2-render presets` lists them")
+        print_error(f"pan2-render calibrate: no preset {name!r}; `pan2-render presets` lists them")
         return EXIT_USAGE
+    job = {k: preset[k] for k in ("height", "width", "frames", "steps", "guidance", "flow_shift", "sampler")}
+    print(f"calibrate {args.model}: one exact job of preset {name} ({job['width']}x{job['height']}, {job['frames']} "
+          f"frames, {job['steps']} steps, guidance {job['guidance']}{', with --image' if args.image else ''}); "
+          f"loading the model", flush=True)
     pipe = PAN2Pipeline.from_pretrained(args.model, PAN2PipelineConfig(device=args.device))
     image = None if args.image is None else np.asarray(Image.open(args.image).convert("RGB"))
-    job = {k: preset[k] for k in ("height", "width", "frames", "steps", "guidance", "flow_shift", "sampler")}
+    started = time.monotonic()
+
+    def progress(done: int, total: int) -> None:
+        print(f"  step {done}/{total}, {time.monotonic() - started:.1f} s", flush=True)
+
     cal = calibrate(pipe, prompt=args.prompt, negative_prompt=preset.get("negative_prompt", ""), image=image,
-                    seed=args.seed, **job)
+                    seed=args.seed, progress=progress, **job)
     path = store_calibration(pipe.model_id, cal, conditioned=image is not None)
     print(f"{pipe.model_id}: {cal.steps} steps, cond ratios {min(cal.cond[1:]):.4f}..{max(cal.cond[1:]):.4f}"
           + (f", uncond {min(cal.uncond[1:]):.4f}..{max(cal.uncond[1:]):.4f}" if cal.uncond else "") + f" -> {path}")
