@@ -223,6 +223,11 @@ def job_progress(ledger: Ledger, job_id: str, state: str, stage: str | None) -> 
         rec = json.loads(doc)
         out["checkpoint_step"] = rec["step"]
         out.setdefault("steps", rec["total"])
+        # A checkpoint is recorded as its step is reached, the step at most every 5 s: a sampling
+        # is at least where its checkpoint is (one it does not continue from is dropped before it
+        # starts, BatchFlow.step_checkpoint), never behind it.
+        if "step" in out and out["step"] < rec["step"]:
+            out["step"] = rec["step"]
     return out or None
 
 

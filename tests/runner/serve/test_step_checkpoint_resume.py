@@ -5,6 +5,7 @@ ledger one checkpoint behind the file; the newer file is as good a place to cont
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -84,3 +85,19 @@ def test_a_damaged_or_foreign_checkpoint_is_dropped_and_the_sampling_starts_over
     path.write_bytes(_checkpoint("e" * 64, step=5))  # another job's (another spec hash)
     assert flow.step_checkpoint(run) is None and "belongs to spec_hash 'eeeeeeeeeeee'" in said[-1]
     assert not path.exists()
+
+
+def test_a_cached_jobs_checkpoint_is_dropped_before_its_sampling_starts(tmp_path: Path) -> None:
+    """A step cache's residuals are not in a checkpoint: the sampling starts from step 0, so the
+    checkpoint goes before it starts (not in the sampling's reply, minutes later, while `status`
+    showed the restarted sampling behind it)."""
+    flow, run, said = _set_up(tmp_path)
+    cached = dataclasses.replace(run.job.spec, cache="magcache")
+    flow.ledger.add_jobs([cached], retries=2)
+    run = JobRun(job=flow.ledger.job(cached.job_id), group=run.group)
+    flow.write_step_checkpoint(run, _checkpoint(cached.spec_hash, step=3), step=3)
+    run.checkpoint_step = 0  # (a new attempt)
+    assert flow.step_checkpoint(run) is None
+    assert flow.ledger.document(run.job.id, STEP_CHECKPOINT_DOC) is None
+    assert not (flow.out_dir / artifacts.step_checkpoint_relpath(run.job.id)).exists()
+    assert "a step cache's kept residuals are not in a step checkpoint" in said[-1]

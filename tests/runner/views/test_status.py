@@ -86,6 +86,31 @@ def test_status_and_show_say_the_step_of_a_running_sampling_and_its_checkpoint(
     assert row.startswith("interrupted  sampling (checkpoint at 30)")
 
 
+def test_the_step_shown_is_never_behind_its_step_checkpoint(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """The step is recorded at most every 5 s, a checkpoint as its step is reached: a step read
+    behind the checkpoint is the checkpoint's (the sampling is at least there), in the table and
+    the JSON alike; never `sampling 15/50 (checkpoint at 30)`."""
+    out, job = _sampling_folder(tmp_path)
+    ledger = Ledger.open(out)
+    ledger.set_document(job, SAMPLING_STEP_DOC, json.dumps({"step": 15, "steps": 50, "rate": 1.5, "at": time.time()}))
+    ledger.close()
+    lock = FolderLock(out)
+    lock.acquire()
+    try:
+        cli.main(["status", str(out)])
+        text = capsys.readouterr().out
+        cli.main(["status", str(out), "--json"])
+        doc = json.loads(capsys.readouterr().out)
+    finally:
+        lock.release()
+    row = next(line for line in text.splitlines() if job in line)
+    print(row)
+    assert row.startswith("running  sampling 30/50 (checkpoint at 30)")
+    progress = next(j["progress"] for j in doc["jobs"] if j["id"] == job)
+    assert progress["step"] == 30 and progress["checkpoint_step"] == 30
+
+
 class _ThreadedExecutor(LocalExecutor):
     """The in-process executor with its GPU lane on a thread of its own, as a Ray actor's runs
     beside the driver: the scheduler's loop goes on while a sampling runs."""
