@@ -229,7 +229,10 @@ def _drive(args: argparse.Namespace, session: Any) -> int:
         if executor.worker_logs:
             log.line(f"Ray's worker logs: {executor.worker_logs}")
         session.note_run(command=args.command, gpus=executor.total_gpus())
-        progress = RunProgress(log=log, live=config.progress and log.is_terminal)
+        from pan2render.runner.views.eta import BatchEta
+
+        eta = BatchEta(out, ids, gpus=executor.total_gpus())
+        progress = RunProgress(log=log, live=config.progress and log.is_terminal, eta=lambda: eta.seconds(ledger))
         summary = _run_with_report(out, log, lambda on_job_end: Driver(
             out_dir=out, ledger=ledger, executor=executor, config=config, progress=progress,
             on_job_end=on_job_end).run(ids, prepared=True))

@@ -13,7 +13,8 @@ from typing import Any
 from pan2render.hints import command
 from pan2render.jobs.ledger import Event, EventKind, FolderLock, JobRecord, JobState, Ledger, StageState, stage_name
 from pan2render.jobs.spec import JobSpec
-from pan2render.runner.views.estimates import CPU, CUDA, History, JobEstimate, Plan, ledger_device, plan
+from pan2render.runner.views.estimates import JobEstimate, Plan
+from pan2render.runner.views.eta import BatchEta
 from pan2render.runner.views.format import duration, table
 from pan2render.runner.views.job_status import (
     INTERRUPTED,
@@ -266,12 +267,6 @@ def batches_kept(ledger: Ledger) -> str | None:
     return f"batch files run here (copies): {'; '.join(copies)}" if copies else None
 
 
-def _this_machine_device() -> str:
-    from pan2render.runner.cluster.devices import cuda_gpu_count
-
-    return CUDA if cuda_gpu_count() else CPU
-
-
 @dataclass(frozen=True)
 class _RunState:
     """The folder's last run, as status shows it."""
@@ -292,12 +287,8 @@ def _run_state(out_dir: Path, ledger: Ledger, jobs: dict[str, JobRecord]) -> _Ru
     started = float(last["started"])
     events = ledger.events()
     end = time.time() if live is not None else (events[-1].at if events else started)
-    eta = None
-    left = [j.spec for j in jobs.values() if j.state not in (JobState.DONE, JobState.FAILED)]
-    if live is not None and left:
-        # The live run's groups are up already: no start-up in its ETA.
-        eta = plan(left, gpus=int(last.get("gpus") or 1), history=History.from_folders([out_dir]),
-                   device=ledger_device(ledger) or _this_machine_device(), group_starts=False)
+    # The batch's one ETA, as the run (or farm) serving it computes it (views/eta.py).
+    eta = None if live is None else BatchEta(out_dir, None, gpus=int(last.get("gpus") or 1)).plan(ledger)
     return _RunState(started=started, elapsed_s=end - started, flags=list(last.get("flags", [])), live=live, eta=eta)
 
 
