@@ -76,6 +76,7 @@ from pan2render.runner.worker.adapters import AdapterCache
 from pan2render.runner.worker.faults import FaultHooks
 from pan2render.runner.worker.inputs import decode_image
 from pan2render.runner.worker.sampling_control import SamplingControl
+from pan2render.runner.worker.threads import CPU_DECODE_THREADS, intra_op_threads
 from pan2render.runner.worker.versions import runtime_versions
 from pan2render.step_checkpoint import StepCheckpointError
 
@@ -389,7 +390,8 @@ class RenderWorker:
         decode runs, and what the load's warm-up runs, so that none of it runs first in a job."""
         from pan2render.media.yuv import rgb_to_yuv420
 
-        frames = pipe.decode(latents, on_device=True)  # uint8 [F, H, W, 3]
+        with intra_op_threads(CPU_DECODE_THREADS if self.device == "cpu" else None):  # (threads.py: why)
+            frames = pipe.decode(latents, on_device=True)  # uint8 [F, H, W, 3]
         if self.rank != 0:
             return None
         if want is not None and tuple(frames.shape) != want:
