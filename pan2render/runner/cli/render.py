@@ -162,7 +162,29 @@ def cmd_resume(args: argparse.Namespace) -> int:
         if not holds_a_batch(out, "nothing was resumed"):  # checked read-only: an empty file stays so
             return EXIT_USAGE
     with BatchSession.reopen(out, stream=sys.stderr, title=f"resume {out}: batch {{batch}}") as session:
+        _reuse_cpu_gpus(args, session)
         return _drive(args, session)
+
+
+def _reuse_cpu_gpus(args: argparse.Namespace, session: Any) -> None:
+    """`resume` without --cpu-gpus, on a cluster of its own: the logical GPUs of the folder's last
+    run (a batch of 2-GPU jobs run with --cpu-gpus 2 must not resume on 1), said so. A run before
+    the count was recorded, on a machine without CUDA, ran on logical GPUs: its GPU count."""
+    if args.cpu_gpus is not None or _address(args) not in (None, LOCAL_ADDRESS):
+        return
+    runs = session.ledger.get_meta("runs", []) or []
+    if not runs:
+        return
+    last = runs[-1]
+    n = last.get("cpu_gpus")
+    if n is None and "cpu_gpus" not in last and last.get("gpus"):
+        from pan2render.runner.cluster.devices import cuda_gpu_count
+
+        n = None if cuda_gpu_count() else int(last["gpus"])
+    if n:
+        args.cpu_gpus = int(n)
+        session.log.line(f"resume: the last run in {session.out_dir} ({last.get('command', 'run')}) had {n} logical "
+                         f"GPU(s): resuming on as many (--cpu-gpus {n}; give --cpu-gpus N for another count)")
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
@@ -228,7 +250,7 @@ def _drive(args: argparse.Namespace, session: Any) -> int:
         install_stop_handlers()
         if executor.worker_logs:
             log.line(f"Ray's worker logs: {executor.worker_logs}")
-        session.note_run(command=args.command, gpus=executor.total_gpus())
+        session.note_run(command=args.command, gpus=executor.total_gpus(), cpu_gpus=args.cpu_gpus)
         from pan2render.runner.views.eta import BatchEta
 
         eta = BatchEta(out, ids, gpus=executor.total_gpus())
