@@ -202,7 +202,8 @@ def status_document(out_dir: Path, ledger: Ledger) -> tuple[dict[str, Any], int]
             "pid": (run.live or {}).get("pid"), "host": (run.live or {}).get("host"),
             "started_at": run.started, "elapsed_s": round(run.elapsed_s, 3),
             "eta_s": None if run.eta is None else round(run.eta.wall_seconds, 3),
-            "eta_from": None if run.eta is None else run.eta.sources(), "flags": run.flags},
+            "eta_from": None if run.eta is None else run.eta.sources(), "flags": run.flags,
+            "command": run.command},
         "counts": {**counts, "total": len(statuses), "superseded": sum(r.superseded_by is not None for r in statuses)},
         "exit_code": code,
         "jobs": [{**r.to_json(), "sweep": jobs[r.id].spec.sweep,
@@ -242,6 +243,7 @@ def stage_text(stage: str, progress: dict[str, Any] | None) -> str:
 
 
 EXIT_DONE, EXIT_FAILED, EXIT_UNFINISHED = 0, 1, 4
+FARM = "farm"  # the runs meta's command of a batch a farm served (runner/farm/service.py notes it)
 
 
 def status_code(statuses: list[JobStatus]) -> int:
@@ -276,6 +278,7 @@ class _RunState:
     flags: list[str]
     live: dict[str, Any] | None  # the holder's line (pid, host) while a run holds the folder
     eta: Plan | None  # while a run holds it and jobs are left
+    command: str = "run"  # what served it: run, resume, or farm (a farm's queue)
 
 
 def _run_state(out_dir: Path, ledger: Ledger, jobs: dict[str, JobRecord]) -> _RunState | None:
@@ -289,7 +292,8 @@ def _run_state(out_dir: Path, ledger: Ledger, jobs: dict[str, JobRecord]) -> _Ru
     end = time.time() if live is not None else (events[-1].at if events else started)
     # The batch's one ETA, as the run (or farm) serving it computes it (views/eta.py).
     eta = None if live is None else BatchEta(out_dir, None, gpus=int(last.get("gpus") or 1)).plan(ledger)
-    return _RunState(started=started, elapsed_s=end - started, flags=list(last.get("flags", [])), live=live, eta=eta)
+    return _RunState(started=started, elapsed_s=end - started, flags=list(last.get("flags", [])), live=live, eta=eta,
+                     command=str(last.get("command") or "run"))
 
 
 def _run_line(out_dir: Path, ledger: Ledger, jobs: dict[str, JobRecord], statuses: list[JobStatus]) -> str:
@@ -305,7 +309,11 @@ def _run_line(out_dir: Path, ledger: Ledger, jobs: dict[str, JobRecord], statuse
         f"running (pid {live.get('pid', '?')} on {live.get('host', '?')})" if live else "running"
     line = f"{head}\n{state}; last run started {_when(run.started)}, elapsed {duration(run.elapsed_s)}"
     interrupted = sum(r.state == INTERRUPTED for r in statuses)
-    if interrupted:
+    if interrupted and run.command == FARM:
+        line += (f"; {interrupted} job(s) interrupted (the farm serving the batch stopped while they ran): "
+                 f"`{command('farm', 'start')}` (with that farm's --root) continues the batch from its queue; "
+                 f"`{command('resume', out_dir)}` would render it here, outside the farm")
+    elif interrupted:
         line += (f"; {interrupted} job(s) interrupted (the run stopped while they ran): "
                  f"`{command('resume', out_dir)}` continues")
     if run.eta is not None:

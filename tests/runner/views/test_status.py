@@ -111,6 +111,24 @@ def test_the_step_shown_is_never_behind_its_step_checkpoint(tmp_path: Path,
     assert progress["step"] == 30 and progress["checkpoint_step"] == 30
 
 
+def test_an_interrupted_farm_batch_is_continued_by_farm_start(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A batch a farm served, the farm killed: `farm start` continues it from the farm's queue (the
+    folder's last run says so); `resume DIR` is how a `run`'s folder goes on."""
+    out, job = _sampling_folder(tmp_path)
+    for command, says, not_said in (("run", "`pan2-render resume", "farm start"),
+                                    ("farm", "`pan2-render farm start` (with that farm's --root) continues", None)):
+        ledger = Ledger.open(out)
+        ledger.set_meta("runs", [{**ledger.get_meta("runs")[-1], "command": command}])
+        ledger.close()
+        assert cli.main(["status", str(out)]) == 4
+        head = capsys.readouterr().out.split("\n")[1]
+        assert "1 job(s) interrupted" in head and says in head, head
+        assert not_said is None or not_said not in head
+        assert cli.main(["status", str(out), "--json"]) == 4
+        assert json.loads(capsys.readouterr().out)["run"]["command"] == command
+
+
 class _ThreadedExecutor(LocalExecutor):
     """The in-process executor with its GPU lane on a thread of its own, as a Ray actor's runs
     beside the driver: the scheduler's loop goes on while a sampling runs."""
