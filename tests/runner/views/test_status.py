@@ -129,6 +129,31 @@ def test_an_interrupted_farm_batch_is_continued_by_farm_start(tmp_path: Path,
         assert json.loads(capsys.readouterr().out)["run"]["command"] == command
 
 
+def test_a_batch_with_a_failed_job_exits_1_even_while_others_are_unfinished(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's exit codes: 1 some job failed, 4 not finished with none failed. A failed job
+    decides, whatever else is pending or running: a script waiting on `status` learns of the failure
+    at once, not when the last job ends."""
+    out, job = _sampling_folder(tmp_path)  # one running, two pending
+    ledger = Ledger.open(out)
+    pending = next(j.id for j in ledger.jobs() if j.id != job)
+    ledger.transition(pending, JobEvent.START, reason="test")
+    ledger.transition(pending, JobEvent.FAIL, reason="test", error="ValueError: boom")
+    ledger.close()
+    lock = FolderLock(out)
+    lock.acquire()
+    try:
+        assert cli.main(["status", str(out)]) == 1
+        capsys.readouterr()
+        assert cli.main(["status", str(out), "--json"]) == 1
+        doc = json.loads(capsys.readouterr().out)
+    finally:
+        lock.release()
+    assert doc["exit_code"] == 1 and (doc["counts"]["failed"], doc["counts"]["pending"], doc["counts"]["running"]) \
+        == (1, 1, 1)
+    assert cli.main(["status", str(out)]) == 1  # the run gone too (its job interrupted): still 1
+
+
 class _ThreadedExecutor(LocalExecutor):
     """The in-process executor with its GPU lane on a thread of its own, as a Ray actor's runs
     beside the driver: the scheduler's loop goes on while a sampling runs."""
