@@ -35,7 +35,7 @@ from pan2render.sampling import is_int
 from pan2render.tiny_dit import TINY_DIT_CONFIG, TINY_MODEL, TINY_NAME, tiny_folder
 
 __all__ = ["CalibrationMissing", "PUBLISHED_DIT_CONFIG", "calibration_for", "calibration_path",
-           "folder_model_id", "model_calibration_problem", "published_applies", "store_calibration",
+           "folder_model_id", "model_calibration_problem", "model_file", "published_applies", "store_calibration",
            "stored_calibration"]
 
 CALIBRATION_FORMAT = 1
@@ -59,11 +59,17 @@ def _kind_words(conditioned: bool) -> str:
     return "image-conditioned" if conditioned else "text-only"
 
 
-def calibration_path(model_id: str) -> Path:
-    """Where ``model_id``'s calibrations live (a pipeline's ``model_id``: name and weight digest)."""
+def model_file(folder: str, model_id: str) -> Path:
+    """``<cache>/<folder>/<model id>.json``: what a calibration keeps of a model, beside its id (a
+    pipeline's ``model_id``: name and weight digest)."""
     if not model_id or "/" in model_id or model_id.startswith("."):
         raise ValueError(f"model id {model_id!r} cannot name a calibration file")
-    return cache_root() / "magcache" / f"{model_id}.json"
+    return cache_root() / folder / f"{model_id}.json"
+
+
+def calibration_path(model_id: str) -> Path:
+    """Where ``model_id``'s MagCache calibrations live."""
+    return model_file("magcache", model_id)
 
 
 def stored_calibration(model_id: str, *, conditioned: bool) -> Calibration | None:

@@ -40,6 +40,7 @@ from pan2render.jobs.coerce import (
     as_path,
     coerce_fields,
     did_you_mean,
+    repeated,
     sweep_check,
     type_name,
 )
@@ -278,9 +279,8 @@ def _parse_sweep(node: Node | None, ctx: LoadContext) -> dict[str, list[Any]]:
                 image_problem(image) if ctx.check_files else None)
             if problem:
                 ctx.problem(item.line, f"{fld}[{i}]", problem)
-        repeated = sorted({repr(v) for v in good if good.count(v) > 1})
-        if repeated:
-            ctx.problem(values.line, fld, f"values {', '.join(repeated)} appear more than once; each sweep value "
+        if twice := repeated(good):
+            ctx.problem(values.line, fld, f"values {', '.join(twice)} appear more than once; each sweep value "
                                           "must be distinct")
         sweep[key] = good
     return sweep

@@ -8,6 +8,7 @@ valid value); an unknown key gets a did-you-mean, from the close spellings or fr
 
 from __future__ import annotations
 
+import collections
 import difflib
 import functools
 import math
@@ -237,6 +238,14 @@ def coerce_fields(mapping: dict[str, Node], allowed_keys: tuple[str, ...], prefi
         except BadValue as exc:
             problems.append(Problem(where, prefix + key, str(exc)))
     return out
+
+
+def repeated(values: list[Any]) -> list[str]:
+    """The values given more than once in one sweep axis, as written in its message (sorted reprs).
+    Counted once (every checked sweep value is hashable): a count per value was quadratic in a
+    long axis."""
+    counts = collections.Counter(values)
+    return sorted({repr(v) for v in values if counts[v] > 1})
 
 
 def sweep_check(key: str) -> Callable[[Any], Any]:

@@ -42,6 +42,9 @@ class LoadContext:
     # inside the roots it allows: every file the batch names is checked before it is read.
     roots: tuple[Path, ...] | None = None
     flags_dir: Path = field(default_factory=Path.cwd)  # what --set/--sweep paths are relative to
+    # The problems noted through `note_once`: a set, so that a batch of many jobs, each with its
+    # own problem, is not checked against every problem noted before (quadratic in the jobs).
+    _noted_once: set[Problem] = field(default_factory=set, init=False, repr=False)
 
     def outside_roots(self, path: Path) -> str | None:
         """Why ``path`` may not be read by this load (None: it may), links followed."""
@@ -55,3 +58,10 @@ class LoadContext:
 
     def problem(self, line: int, fld: str, message: str, display: str | None = None) -> None:
         self.problems.append(Problem(SourceLocation(display or self.display, line), fld, message))
+
+    def note_once(self, problem: Problem) -> None:
+        """Note ``problem`` unless it was noted through here already (a job's problem found again
+        under each of its sweep combinations is listed once)."""
+        if problem not in self._noted_once:
+            self._noted_once.add(problem)
+            self.problems.append(problem)

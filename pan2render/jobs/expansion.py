@@ -40,8 +40,7 @@ def _apply_lora_scales(merged: dict[str, Any], combo: dict[str, Any], raw: RawJo
             problem = Problem(SourceLocation(raw.location.file, raw.lines.get("loras", raw.location.line)),
                               f"{raw.label}.loras", f"the sweep varies {key} but this job has {len(loras)} "
                               f"adapter(s); give it loras[{i}] (in the job or the defaults) or drop the axis")
-            if problem not in ctx.problems:
-                ctx.problems.append(problem)
+            ctx.note_once(problem)
             return False
         merged["loras"] = (*loras[:i], LoraRef(loras[i].path, scale), *loras[i + 1:])
     return True
@@ -67,15 +66,20 @@ def name_jobs(raw_jobs: list[RawJob], ctx: LoadContext) -> None:
         else:
             seen[name] = SourceLocation(raw.location.file, line)
     taken = set(seen)
+    # base -> the suffix its last job got: names only get taken, so every lower one still is. Many
+    # jobs of one prompt then cost one probe each, not one per job before them.
+    last: dict[str, int] = {}
     for raw in raw_jobs:
         if "name" in raw.fields or "prompt" not in raw.fields:
             continue
         base = _derived_name(raw.fields["prompt"])
-        name, n = base, 1
+        n = last.get(base, 1)
+        name = base if n == 1 else f"{base}-{n}"
         while name in taken:
             n += 1
             name = f"{base}-{n}"
         taken.add(name)
+        last[base] = n
         raw.fields["name"] = name
 
 
@@ -159,8 +163,7 @@ def _check_sampling(merged: dict[str, Any], raw: RawJob, explicit: dict[str, Any
     for fld, message in problems:
         problem = Problem(SourceLocation(raw.location.file, raw.lines.get(fld, raw.location.line)),
                           f"{raw.label}.{fld}", message)
-        if problem not in ctx.problems:  # once per job, not once per sweep combination
-            ctx.problems.append(problem)
+        ctx.note_once(problem)  # once per job, not once per sweep combination
     return not problems
 
 

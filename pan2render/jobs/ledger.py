@@ -142,6 +142,7 @@ class EventKind(str, enum.Enum):
     GROUP_DISCARDED = "group-discarded"
     GROUP_DIED = "group-died"
     CHECKPOINT_DROPPED = "checkpoint-dropped"
+    CHECKPOINT_RESUMED = "checkpoint-resumed"  # a sampling continues from the job's step checkpoint
     DROPPED = "dropped"  # a job removed from the ledger (`run --prune`); its id leads the detail
     OTHER = "other"  # a kind this version does not know (a newer version wrote it)
 
@@ -225,6 +226,23 @@ JOB_LIFECYCLE: Lifecycle[JobState, JobEvent] = Lifecycle("job", JOB_TRANSITIONS)
 
 def next_job_state(state: JobState, event: JobEvent) -> JobState:
     return JOB_LIFECYCLE.next(state, event)
+
+
+@dataclass(frozen=True)
+class JobTally:
+    """What counts and timings need of one job (:meth:`Ledger.tallies`): its state, its error, the
+    spec fields that size it, and the seconds of each of its stages recorded done."""
+
+    id: str
+    state: JobState
+    error: str | None
+    model: str
+    width: int
+    height: int
+    frames: int
+    fps: float
+    steps: int
+    stage_seconds: dict[str, float]
 
 
 @dataclass(frozen=True)
@@ -484,6 +502,13 @@ class Ledger:
             raise KeyError(f"job {job_id!r} is not in the ledger {self.path}")
         return _job_record(row)
 
+    def job_states(self, ids: Iterable[str] | None = None) -> dict[str, JobState]:
+        """Job id -> state (of ``ids``, default every job), in the ledger's order, without reading
+        the specs: what a count or a check of a whole batch needs, at a fraction of :meth:`jobs`."""
+        rows = self._conn.execute("SELECT id, state FROM jobs ORDER BY position").fetchall()
+        wanted = None if ids is None else set(ids)
+        return {job_id: JobState(state) for job_id, state in rows if wanted is None or job_id in wanted}
+
     def transition(self, job_id: str, event: JobEvent, *, reason: str, error: str | None = None,
                    error_stage: Stage | str | None = None, retries: int | None = None) -> JobState:
         """Apply one lifecycle event (see :data:`JOB_TRANSITIONS`) and log it with its reason."""
@@ -558,12 +583,26 @@ class Ledger:
     # ---------------------------------------------------------------- stages
     def stages(self, job_id: str) -> dict[Stage | str, StageRecord]:
         """The job's stage rows in the ledger's order, keyed by :class:`Stage` (or a flow's own name)."""
+        return self._stage_maps(" WHERE job_id = ?", (job_id,)).get(job_id, {})
+
+    def all_stages(self, ids: Iterable[str] | None = None) -> dict[str, dict[Stage | str, StageRecord]]:
+        """Every job's stage rows (of ``ids``, default every job; job id -> what :meth:`stages`
+        gives), in one query: what a view of the whole folder reads (status, the report, the
+        estimates' history), where one query per job cost more than the rows."""
+        return self._stage_maps("", (), wanted=None if ids is None else set(ids))
+
+    def _stage_maps(self, where: str, params: tuple[Any, ...], *,
+                    wanted: set[str] | None = None) -> dict[str, dict[Stage | str, StageRecord]]:
         rows = self._conn.execute(
-            "SELECT job_id, stage, state, artifact, sha256, size, seconds, error, traceback"
-            " FROM stages WHERE job_id = ?", (job_id,)).fetchall()
+            "SELECT job_id, stage, state, artifact, sha256, size, seconds, error, traceback FROM stages" + where,
+            params).fetchall()
         order = {name: i for i, name in enumerate(self.stage_names)}
-        recs = [StageRecord(r[0], _stage_key(r[1]), StageState(r[2]), *r[3:]) for r in rows]
-        return {r.stage: r for r in sorted(recs, key=lambda r: order.get(stage_name(r.stage), len(order)))}
+        by_job: dict[str, list[StageRecord]] = {}
+        for r in rows:
+            if wanted is None or r[0] in wanted:
+                by_job.setdefault(r[0], []).append(StageRecord(r[0], _stage_key(r[1]), StageState(r[2]), *r[3:]))
+        return {job_id: {r.stage: r for r in sorted(recs, key=lambda r: order.get(stage_name(r.stage), len(order)))}
+                for job_id, recs in by_job.items()}
 
     def set_stage(self, job_id: str, stage: Stage | str, event: StageEvent, *, artifact: str | None = None,
                   sha256: str | None = None, size: int | None = None, seconds: float | None = None,
@@ -661,10 +700,42 @@ class Ledger:
                 self._event(c, None, EventKind.DROPPED, f"{job_id}: {reason}")
         self.backup_quietly()
 
+    # ---------------------------------------------------------------- tallies
+    def tallies(self) -> list[JobTally]:
+        """Every job as counts and timings need it, in two queries and without building its
+        JobSpec (a reader that follows thousands of jobs, as the farm's metrics do, reads them often)."""
+        seconds: dict[str, dict[str, float]] = {}
+        for job_id, stage, secs in self._conn.execute(
+                "SELECT job_id, stage, seconds FROM stages WHERE state = ? AND seconds IS NOT NULL",
+                (StageState.DONE.value,)):
+            seconds.setdefault(job_id, {})[stage] = float(secs)
+        rows = self._conn.execute(
+            "SELECT id, state, error, json_extract(spec_json, '$.model'), json_extract(spec_json, '$.width'),"
+            " json_extract(spec_json, '$.height'), json_extract(spec_json, '$.frames'),"
+            " json_extract(spec_json, '$.fps'), json_extract(spec_json, '$.steps') FROM jobs ORDER BY position")
+        return [JobTally(id=jid, state=JobState(state), error=error, model=str(model), width=int(w or 0),
+                         height=int(h or 0), frames=int(frames or 0), fps=float(fps or 0.0), steps=int(steps or 0),
+                         stage_seconds=seconds.get(jid, {}))
+                for jid, state, error, model, w, h, frames, fps, steps in rows]
+
     # ---------------------------------------------------------------- events
+    def events_after(self, seq: int) -> list[tuple[int, Event]]:
+        """The events after the one numbered ``seq`` (0: every one), oldest first, each with its
+        number: events are only ever appended, so a reader that follows the ledger reads each once."""
+        rows = self._conn.execute("SELECT seq, at, job_id, kind, detail FROM events WHERE seq > ? ORDER BY seq",
+                                  (seq,)).fetchall()
+        return [(n, Event.from_row(at, job_id, kind, detail)) for n, at, job_id, kind, detail in rows]
+
     def log(self, job_id: str | None, kind: EventKind, detail: str) -> None:
         with self._tx() as c:
             self._event(c, job_id, kind, detail)
+
+    def log_many(self, events: Iterable[tuple[str | None, EventKind, str]]) -> None:
+        """Several events (job id, kind, detail) in one transaction: one sync of the file for a
+        batch's worth of them, where one each cost a sync per job."""
+        with self._tx() as c:
+            for job_id, kind, detail in events:
+                self._event(c, job_id, kind, detail)
 
     def events(self, job_id: str | None = None) -> list[Event]:
         if job_id is None:

@@ -21,6 +21,7 @@ from pan2render.jobs.coerce import (
     as_str,
     coerce_fields,
     did_you_mean,
+    repeated,
     sweep_check,
 )
 from pan2render.jobs.context import LoadContext
@@ -150,9 +151,8 @@ class FlagValues:
                 values.append(_flag_path(key, sweep_check(key)(_flag_scalar(part.strip())), fctx))
             except BadValue as exc:
                 fctx.problem(0, f"{key}[{i}]", str(exc))
-        repeated = sorted({repr(v) for v in values if values.count(v) > 1})
-        if repeated:
-            fctx.problem(0, key, f"values {', '.join(repeated)} appear more than once; each sweep value must "
+        if twice := repeated(values):
+            fctx.problem(0, key, f"values {', '.join(twice)} appear more than once; each sweep value must "
                                  "be distinct")
         self.axes[key] = values
 

@@ -12,6 +12,7 @@ new field is one declaration here (plus what the pipeline does with it).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import functools
@@ -240,6 +241,11 @@ class JobSpec:
         "seconds of sampling between step checkpoints, which a stopped or preempted sampling resumes from",
         pixels=False, scope=Scope.PRESET, kind=Kind.FLOAT, min=0,
         allowed="a number of seconds >= {min:g} ({min:g} turns step checkpoints off)"), 60.0)
+    # Not in the job id either: a preview only reads the sampling (the same latents with or without).
+    preview_every: float = _rule(Rule(
+        "seconds of sampling between live previews (a small picture of the predicted frames in the "
+        "job's folder and the farm's monitor)", pixels=False, scope=Scope.PRESET, kind=Kind.FLOAT, min=0,
+        allowed="a number of seconds >= {min:g} ({min:g} turns previews off)"), 5.0)
     crf: int = _rule(Rule(
         "libx264 quality of the mp4", pixels=True, in_first_ids=True, scope=Scope.PRESET, kind=Kind.INT,
         min=0, max=51, to_encoder="crf",
@@ -309,15 +315,16 @@ class JobSpec:
     # Cached: a spec is frozen, and a batch of 20,000 jobs asks each for its id many times over.
     @functools.cached_property
     def spec_hash(self) -> str:
-        """sha256 over the render-affecting fields, as canonical JSON."""
-        payload = {f.name: getattr(self, f.name) for f in PIXEL_FIELDS
-                   if (_rule_of(f).in_first_ids or getattr(self, f.name) != _before_field(f)) and not self._inert(f)}
+        """sha256 over the render-affecting fields, as canonical JSON: each one hashed since the
+        first ids or set away from its value before it existed, and not made inert by another."""
+        payload = {}
+        for name, always, before, inert_when in HASHING:
+            value = getattr(self, name)
+            if (always or value != before) and not (inert_when is not None
+                                                    and getattr(self, inert_when[0]) == inert_when[1]):
+                payload[name] = value
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(blob.encode()).hexdigest()
-
-    def _inert(self, f: dataclasses.Field[Any]) -> bool:
-        when = _rule_of(f).inert_when
-        return when is not None and getattr(self, when[0]) == when[1]
 
     @functools.cached_property
     def job_id(self) -> str:
@@ -354,7 +361,10 @@ class JobSpec:
         return {_rule_of(f).to_encoder: getattr(self, f.name) for f in ENCODER_FIELDS}
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        """What ``dataclasses.asdict`` gives (adapters as dicts, tuples as tuples, copies of the
+        containers), ``source`` as ``{file, line}``; built field by field: asdict deep-copies every
+        string and number too, which made it most of the cost of recording or reporting a batch."""
+        d = {f.name: _plain(getattr(self, f.name)) for f in FIELDS}
         d["source"] = None if self.source is None else {"file": self.source.file, "line": self.source.line}
         return d
 
@@ -378,6 +388,9 @@ RULES: dict[str, Rule] = {f.name: _rule_of(f) for f in FIELDS}
 # Fields that change the rendered video, hence the job id.
 PIXEL_FIELDS = tuple(f for f in FIELDS if _rule_of(f).pixels)
 RENDER_FIELDS = tuple(f.name for f in PIXEL_FIELDS)
+# How each pixel field counts in the job id (JobSpec.spec_hash), read from its rule once rather
+# than for every job: (name, hashed whatever its value, its value before it existed, inert_when).
+HASHING = tuple((f.name, _rule_of(f).in_first_ids, _before_field(f), _rule_of(f).inert_when) for f in PIXEL_FIELDS)
 SAMPLER_FIELDS = tuple(f for f in FIELDS if _rule_of(f).to_sampler)
 ENCODER_FIELDS = tuple(f for f in FIELDS if _rule_of(f).to_encoder)
 
@@ -444,6 +457,21 @@ class Batch:
     # the ledger so a later change can be explained file by file; empty for the tiny model.
     weights_files: dict[str, Any] = field(default_factory=dict)
     text: str | None = None  # the batch file as read (the output folder keeps a copy)
+
+
+def _plain(value: Any) -> Any:
+    """A field's value as ``dataclasses.asdict`` turns it: a dataclass into a dict, a tuple, list or
+    dict into a new one of its items turned so; a string, number, bool or None is itself (what
+    asdict's deep copy returns for them), anything else a deep copy."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if type(value) in (tuple, list):
+        return type(value)(_plain(v) for v in value)
+    if type(value) is dict:
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    return copy.deepcopy(value)
 
 
 def _slug(text: str) -> str:

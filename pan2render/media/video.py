@@ -277,6 +277,33 @@ def png_bytes(rgb: np.ndarray) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b"")
 
 
+def webp_strip(tiles: list[np.ndarray], *, height: int, quality: int = 80) -> bytes:
+    """Lossy WebP bytes (libwebp) of uint8 ``[h, w, 3]`` tiles side by side in one row, each scaled
+    (bilinear) to ``height`` pixels tall, its aspect kept: a live preview's strip."""
+    if not tiles or any(t.dtype != np.uint8 or t.ndim != 3 or t.shape[2] != 3 for t in tiles):
+        raise MediaError("webp_strip needs uint8 [h, w, 3] tiles")
+    scaled = []
+    for tile in tiles:
+        width = max(2, round(tile.shape[1] * height / tile.shape[0]))
+        frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(tile), format="rgb24")
+        scaled.append(frame.reformat(width=width, height=height, format="rgb24",
+                                     interpolation="BILINEAR").to_ndarray())
+    strip = np.concatenate(scaled, axis=1)  # [height, sum of widths, 3]
+    buf = io.BytesIO()
+    try:
+        with av.open(buf, mode="w", format="webp") as container:
+            stream = container.add_stream("libwebp", rate=1)
+            stream.width, stream.height, stream.pix_fmt = strip.shape[1], strip.shape[0], "yuv420p"
+            stream.options = {"quality": str(quality)}
+            for packet in stream.encode(av.VideoFrame.from_ndarray(strip, format="rgb24")):
+                container.mux(packet)
+            for packet in stream.encode(None):
+                container.mux(packet)
+    except (av.FFmpegError, OSError, ValueError) as exc:
+        raise MediaError(f"libwebp encode of a {strip.shape[1]}x{strip.shape[0]} strip failed: {exc}") from exc
+    return buf.getvalue()
+
+
 def _as_uint8_video(frames: Any) -> np.ndarray:
     if hasattr(frames, "detach"):  # torch.Tensor, without importing torch here
         frames = frames.detach().cpu().numpy()

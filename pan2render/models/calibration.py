@@ -14,13 +14,14 @@ from ..calibration_store import (
     CalibrationMissing,
     calibration_for,
     calibration_path,
+    model_file,
     store_calibration,
     stored_calibration,
 )
 from ..lanes import Branch, Calibration
 
-__all__ = ["CalibrationMissing", "calibration_for", "calibration_path", "calibrate", "store_calibration",
-           "stored_calibration"]
+__all__ = ["CalibrationMissing", "calibration_for", "calibration_path", "calibrate", "model_file",
+           "store_calibration", "stored_calibration"]
 
 
 def calibrate(pipe: Any, **sample_args: Any) -> Calibration:

@@ -53,8 +53,9 @@ from .dit_ops import ROUTED_OPS, TORCH_OPS
 from .loading import ModelFolderError, instantiate, read_json, resolve_component
 from .lora import LoraWeights, MergedLoras, linear_shapes, read_lora
 from .precision import DiTPrecision
+from .preview import PREVIEW_FRAMES, PreviewHook, PreviewLatents, RgbMap, rgb_map_for
 from .sampler_state import CheckpointKey, SamplerState, StepHooks, capture_state, resume_state
-from .samplers import FlowDMDSampler, FlowSampler, SchedulerConfig, make_sampler
+from .samplers import FlowDMDSampler, FlowSampler, SchedulerConfig, clean_estimate, make_sampler
 from .step_cache import RatioRecorder, fast_lane_velocity
 from .strategies import (
     Denoiser,
@@ -322,6 +323,14 @@ class PAN2Pipeline:
         return torch.device(self.config.device)
 
     @property
+    def preview_map(self) -> RgbMap:
+        """The latent -> RGB map this model's previews use (`pan2render.models.preview.rgb_map_for`):
+        the one ``pan2-render calibrate`` fitted for it, else one fitted on its VAE alone the first
+        time it is asked for (a few small decodes, then kept on disk). Read again each time, so that
+        a warm worker takes up a map ``calibrate`` fitted since."""
+        return rgb_map_for(self)
+
+    @property
     def attention_backend(self) -> str:
         """The DiT's attention backend in words (for the load reply and the group's layout line)."""
         return describe_attention(self.device, self.config.dtype, self.dit.config.attention_head_dim)
@@ -403,6 +412,9 @@ class PAN2Pipeline:
         checkpoint_every_s: float = 0.0,
         on_checkpoint: Callable[[SamplerState], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        preview_every_s: float = 0.0,
+        on_preview: Callable[[PreviewLatents], None] | None = None,
+        preview_frames: int = PREVIEW_FRAMES,
         record: RatioRecorder | None = None,
     ) -> torch.Tensor:
         """Sample latents: float32 CPU ``[48, T, h, w]`` in the normalised latent space.
@@ -426,6 +438,12 @@ class PAN2Pipeline:
         sampling continues after its step and returns what the uninterrupted one would have. A
         step cache keeps block residuals the state does not hold: with ``cache`` set, resuming is
         refused (the caller samples from the start).
+
+        Previews (`pan2render.models.preview`), off by default and free when off: ``on_preview``
+        gets the clean latents the model predicts (x0) for ``preview_frames`` latent frames, on the
+        CPU, between two steps once ``preview_every_s`` seconds of sampling have passed since the
+        last (0: never). They only read the sampling's tensors: its latents are the same bits with
+        previews on or off. In a group, give it on one rank (every rank holds the same latents).
         """
         lanes = FastLanes(cache=cache, cache_threshold=cache_threshold, cache_max_skips=cache_max_skips,
                           cache_retention=cache_retention, guidance_until=guidance_until, precision=precision)
@@ -449,6 +467,7 @@ class PAN2Pipeline:
 
         hooks = StepHooks(checkpoint_every_s=checkpoint_every_s, on_checkpoint=on_checkpoint,
                           should_stop=should_stop)
+        previews = PreviewHook(every_s=preview_every_s, on_preview=on_preview, frames=preview_frames)
 
         z_dim = self.vae.config.z_dim
         shape = (1, z_dim, req.latent_frames, req.height // 16, req.width // 16)
@@ -485,7 +504,8 @@ class PAN2Pipeline:
         with self.precision.applied(lanes.precision):
             velocity = self._velocity(req, lanes, cond, uncond, conditioned=first_frame is not None, record=record)
             return self._run_steps(sampler, velocity, latents, first_frame, shape, progress, start=start,
-                                   hooks=hooks, capture=lambda lat: capture_state(key, lat, sampler, gen))
+                                   hooks=hooks, capture=lambda lat: capture_state(key, lat, sampler, gen),
+                                   previews=previews)
 
     def _velocity(self, req: SampleRequest, lanes: FastLanes, cond: torch.Tensor, uncond: torch.Tensor | None, *,
                   conditioned: bool,
@@ -503,14 +523,17 @@ class PAN2Pipeline:
     def _run_steps(self, sampler: FlowSampler, velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                    latents: torch.Tensor, first_frame: torch.Tensor | None, shape: tuple[int, ...],
                    progress: ProgressFn | None, *, start: int, hooks: StepHooks,
-                   capture: Callable[[torch.Tensor], SamplerState]) -> torch.Tensor:
+                   capture: Callable[[torch.Tensor], SamplerState], previews: PreviewHook) -> torch.Tensor:
         """The sampling loop from step ``start``: one velocity per timestep, the sampler's step, the
-        first frame kept, the step-checkpoint hooks between two steps."""
+        first frame kept, the step-checkpoint and preview hooks between two steps."""
         timesteps = sampler.timesteps
         hooks.start()
+        previews.start()
         for i in range(start, len(timesteps)):
             t = timesteps[i]
             timestep = self._timestep_for(t, shape, conditioned=first_frame is not None)
+            # x_i, kept for a preview (the step returns a new tensor; nothing writes into this one)
+            before = latents if previews.active else None
             noise_pred = velocity(latents.to(self.config.dtype), timestep)
             latents = sampler.step(noise_pred.float(), t, latents)
             if first_frame is not None:
@@ -522,6 +545,10 @@ class PAN2Pipeline:
                     f"try a lower guidance or another seed")
             if progress is not None:
                 progress(i + 1, len(timesteps))
+            if previews.active and i + 1 < len(timesteps):
+                previews.at_boundary(step=i + 1, total_steps=len(timesteps), latent_frames=shape[2],
+                                     estimate=functools.partial(_x0_frames, before, noise_pred,
+                                                                sampler.sigmas[i].item(), first_frame))
             if hooks.active and i + 1 < len(timesteps):
                 hooks.at_boundary(functools.partial(capture, latents), self.denoiser.any_rank)
         return latents[0].float().cpu()
@@ -640,6 +667,18 @@ class PAN2Pipeline:
         if frames is None or on_device:
             return frames
         return frames.cpu()  # the one device -> host copy
+
+
+def _x0_frames(x: torch.Tensor, v: torch.Tensor, sigma: float, first_frame: torch.Tensor | None,
+               frames: tuple[int, ...]) -> torch.Tensor:
+    """The clean estimate of a step (``x`` its input latents ``[1, C, T, h, w]``, ``v`` its velocity)
+    for ``frames`` alone: ``[C, len(frames), h, w]`` float32 on their device, the conditioning frame
+    (where given) as it is. The sampler's own arithmetic on a slice: nothing it holds is written."""
+    index = torch.tensor(frames, device=x.device)
+    x0 = clean_estimate(x[0].index_select(1, index).float(), v[0].index_select(1, index).float(), sigma)
+    if first_frame is not None and frames[0] == 0:
+        x0[:, 0] = first_frame[0, :, 0]
+    return x0
 
 
 @contextlib.contextmanager

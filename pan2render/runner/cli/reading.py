@@ -178,6 +178,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     from pan2render.models.calibration import calibrate, store_calibration
     from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
+    from pan2render.models.preview import FitSamples, calibrate_rgb_map, store_rgb_map
 
     name = args.preset or CALIBRATE_PRESETS.get(args.model, CALIBRATE_PRESET)
     try:
@@ -196,11 +197,21 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     def progress(done: int, total: int) -> None:
         print(f"  step {done}/{total}, {time.monotonic() - started:.1f} s", flush=True)
 
+    # The same exact job fits the previews' latent -> RGB map: its x0 at a few boundaries, whole,
+    # decoded by the model's own VAE (`pan2render.models.preview`).
+    x0s = FitSamples(steps=job["steps"])
     cal = calibrate(pipe, prompt=args.prompt, negative_prompt=preset.get("negative_prompt", ""), image=image,
-                    seed=args.seed, progress=progress, **job)
+                    seed=args.seed, progress=progress, preview_every_s=1e-9, on_preview=x0s,
+                    preview_frames=job["frames"], **job)
     path = store_calibration(pipe.model_id, cal, conditioned=image is not None)
     print(f"{pipe.model_id}: {cal.steps} steps, cond ratios {min(cal.cond[1:]):.4f}..{max(cal.cond[1:]):.4f}"
           + (f", uncond {min(cal.uncond[1:]):.4f}..{max(cal.uncond[1:]):.4f}" if cal.uncond else "") + f" -> {path}")
+    print(f"fitting the previews' latent -> RGB map on {len(x0s.x0s)} decodes", flush=True)
+    rgb_map, quality = calibrate_rgb_map(pipe, x0s.x0s)
+    path = store_rgb_map(pipe.model_id, rgb_map, quality=quality)
+    print(f"{pipe.model_id}: previews' latent -> RGB map fitted on {len(x0s.x0s)} decodes, PSNR "
+          f"{quality['psnr_db']:.1f} dB at the latent grid (a grey picture: {quality['grey_psnr_db']:.1f} dB) "
+          f"-> {path}")
     return EXIT_OK
 
 

@@ -38,6 +38,7 @@ from pan2render.runner.serve.progress import RunLog, RunProgress
 # ledger (--version, presets, validate, show) do without them, so they are imported on use.
 if TYPE_CHECKING:
     from pan2render.runner.serve.driver import RunSummary
+    from pan2render.runner.serve.metrics import RunCollector
 
 
 NODE_PORT = 6379  # Ray's default head port: `--address auto` and `ray status` find it as usual
@@ -207,12 +208,8 @@ def cmd_repair(args: argparse.Namespace) -> int:
 
 def _drive(args: argparse.Namespace, session: Any) -> int:
     """Serve the session's batch in this process (the scheduler serving one batch): its jobs
-    prepared, Ray started or joined only when one of them needs rendering."""
-    from pan2render.runner.cluster.choose import make_executor
-    from pan2render.runner.cluster.ray_cluster import ClusterConnectError
-    from pan2render.runner.serve.driver import Driver
-    from pan2render.runner.serve.session import warn_if_no_backup
-
+    prepared, Ray started or joined only when one of them needs rendering; ``--metrics-port``: its
+    metrics served meanwhile."""
     out, ledger, log, ids = session.out_dir, session.ledger, session.log, session.job_ids
     config = settings_from_args(ServingConfig, args, progress=not args.no_progress)
     if not ids:
@@ -231,6 +228,34 @@ def _drive(args: argparse.Namespace, session: Any) -> int:
         # Every job would fail its load the same way: one message, no job started or charged.
         log.line(f"error: {errors.broken_checkpoints(broken, resume=cmd('resume', out))}")
         return EXIT_ENVIRONMENT
+    metrics = None
+    if args.metrics_port:
+        from pan2render.runner.serve.metrics import RunCollector, serve_run_metrics
+
+        metrics = RunCollector(out, ids, started_at=timeline.process_started_at())
+        try:
+            stop_metrics = serve_run_metrics(args.metrics_port, metrics)
+        except OSError as e:
+            log.line(f"error: --metrics-port {args.metrics_port}: 127.0.0.1:{args.metrics_port} cannot be served "
+                     f"({e.strerror}); choose another port (nothing was rendered: `{cmd('resume', out)}` starts it)")
+            return EXIT_USAGE
+        log.line(f"metrics: http://127.0.0.1:{args.metrics_port}/metrics")
+    try:
+        return _render(args, session, config, jobs, metrics)
+    finally:
+        if metrics is not None:
+            stop_metrics()
+
+
+def _render(args: argparse.Namespace, session: Any, config: ServingConfig, jobs: list[Any],
+            metrics: RunCollector | None) -> int:
+    """Start Ray (or join it) and run the driver over the session's prepared batch."""
+    from pan2render.runner.cluster.choose import make_executor
+    from pan2render.runner.cluster.ray_cluster import ClusterConnectError
+    from pan2render.runner.serve.driver import Driver
+    from pan2render.runner.serve.session import warn_if_no_backup
+
+    out, ledger, log, ids = session.out_dir, session.ledger, session.log, session.job_ids
     asked = time.time()
     try:
         executor = make_executor(address=_address(args), cpu_gpus=args.cpu_gpus,
@@ -255,6 +280,8 @@ def _drive(args: argparse.Namespace, session: Any) -> int:
 
         eta = BatchEta(out, ids, gpus=executor.total_gpus())
         progress = RunProgress(log=log, live=config.progress and log.is_terminal, eta=lambda: eta.seconds(ledger))
+        if metrics is not None:
+            metrics.progress, metrics.gpus = progress, executor.total_gpus()
         summary = _run_with_report(out, log, lambda on_job_end: Driver(
             out_dir=out, ledger=ledger, executor=executor, config=config, progress=progress,
             on_job_end=on_job_end).run(ids, prepared=True))
@@ -322,6 +349,8 @@ def _check_cluster_args(args: argparse.Namespace) -> int | None:
     problem = _settings_problem(args)
     if problem is None and args.cpu_gpus is not None and args.cpu_gpus < 1:
         problem = f"--cpu-gpus {args.cpu_gpus}: must be >= 1"
+    elif problem is None and not 0 <= args.metrics_port <= 65535:
+        problem = f"--metrics-port {args.metrics_port}: must be a TCP port, 1-65535 (0: no metrics)"
     elif problem is None and args.cpu_gpus is not None and _address(args) not in (None, LOCAL_ADDRESS):
         given = "--address" if args.address else f"RAY_ADDRESS={os.environ['RAY_ADDRESS']} (set in the environment)"
         problem = f"--cpu-gpus declares GPUs of a LOCAL cluster; it cannot be used with {given}"

@@ -3,6 +3,7 @@ or a local cluster of the run's own (or, for tests, the in-process executor)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -76,16 +77,16 @@ def make_executor(*, address: str | None, cpu_gpus: int | None, max_gpus: int,
 
         return LocalExecutor(gpus=cpu_gpus or max_gpus, config=config)
     from pan2render.runner.cluster.leftovers import end_leftovers, records_to_check, run_record_path
-    from pan2render.runner.cluster.ray_cluster import ask_loopback_only, keep_ray_token_private
+    from pan2render.runner.cluster.ray_cluster import keep_ray_token_private, loopback_only
 
     for line in end_leftovers(records_to_check(cluster_record)):
         say(line)
-    if address in (None, LOCAL_ADDRESS):  # a local cluster may start: before Ray is imported, which reads it
-        ask_loopback_only()  # (a run joining the node kept up here takes that node's address still)
     if token_note := keep_ray_token_private():
         say(token_note)
-
-    import ray  # ~1 s; only a run that renders gets here
+    # A local cluster may start: Ray reads the switch when it is imported (a run joining the node
+    # kept up here takes that node's address still).
+    with loopback_only() if address in (None, LOCAL_ADDRESS) else contextlib.nullcontext():
+        import ray  # ~1 s; only a run that renders gets here
 
     from pan2render.runner.cluster.ray_cluster import ray_banner_to, running_local_node
     from pan2render.runner.cluster.ray_executor import RayExecutor

@@ -36,6 +36,7 @@ from pan2render.runner.farm.folder import LOG_NAME, VIDEOS_DIR
 from pan2render.runner.farm.queue import BatchEvent, BatchState, FarmQueue, QueuedBatch, QueueError
 from pan2render.runner.farm.requests import Requests
 from pan2render.runner.farm.users import ADMIN
+from pan2render.runner.protocol.artifacts import preview_relpath
 from pan2render.runner.serve import errors
 from pan2render.runner.serve.jobflow import BatchFlow
 from pan2render.runner.serve.pool import GroupPool
@@ -108,6 +109,12 @@ class Farm:
     def snapshot(self) -> dict[str, Any]:
         with self._snapshot_lock:
             return self._snapshot
+
+    @property
+    def snapshot_age_s(self) -> float:
+        """Seconds since the main thread published its snapshot (at most PUBLISH_EVERY_S and a pass
+        while its loop turns; infinite before the first): from any thread."""
+        return time.monotonic() - self._published
 
     def stop(self) -> None:
         self._stopping.set()
@@ -310,7 +317,18 @@ def _running_row(batch_id: str, progress: RunProgress, r: RunningJob) -> dict[st
     steps = r.steps
     return {"job": r.job_id, "batch": batch_id, "group": r.group, "stage": r.stage,
             "stage_s": progress.stage_seconds(r), "step": steps.done if steps else None,
-            "total": steps.total if steps else None, "rate": steps.rate if steps else None}
+            "total": steps.total if steps else None, "rate": steps.rate if steps else None,
+            "preview": _preview(batch_id, r)}
+
+
+def _preview(batch_id: str, r: RunningJob) -> dict[str, Any] | None:
+    """A running job's newest preview: its step, and where the monitor's files route serves it (the
+    step in the query, so that a browser fetches each new picture)."""
+    if r.preview is None:
+        return None
+    step, total = r.preview
+    return {"step": step, "steps": total,
+            "url": f"/api/batches/{batch_id}/files/{preview_relpath(r.job_id)}?step={step}"}
 
 
 def exit_code(state: BatchState, counts: dict[str, int]) -> int | None:

@@ -81,8 +81,13 @@ class VideosApi:
         req, summary = await loop.run_in_executor(None, self._batch, params, image, folder, video_id)
         from pan2render.runner.farm.api import apply
 
-        await apply(self.farm, request, f"create {video_id}",
-                    lambda: self.farm.actions.submit(req, owner=user.name, video_id=video_id, video=summary))
+        try:
+            await apply(self.farm, request, f"create {video_id}",
+                        lambda: self.farm.actions.submit(req, owner=user.name, video_id=video_id, video=summary))
+        except ApiError as e:
+            if e.status != 503:  # refused: nothing of it stays (a 503'd request is still in line)
+                shutil.rmtree(folder, ignore_errors=True)
+            raise
         return await self._answer(video_id, user, status=200)
 
     def _batch(self, params: dict[str, Any], image: tuple[str, bytes] | None, folder: Path,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,7 @@ from pan2render.jobs.spec import JobSpec
 from pan2render.lanes import FastLanes
 from pan2render.phases import describe as describe_phases
 from pan2render.runner.protocol import artifacts
-from pan2render.runner.protocol.failures import ArtifactCheckError, Failure
+from pan2render.runner.protocol.failures import ArtifactCheckError, Failure, FailureKind
 from pan2render.runner.protocol.messages import CheckpointReply, LoadCall, LoadReply, Warmup, WorkerCall
 from pan2render.runner.protocol.timeline import stamp
 from pan2render.runner.serve.attempt import JobRun
@@ -104,6 +105,28 @@ def file_proof(out_dir: Path, relpath: str) -> tuple[artifacts.Recorded, dict[st
     data = path.read_bytes()
     rec = artifacts.Recorded(relpath, artifacts.sha256_bytes(data), len(data))
     return rec, {"artifact": relpath, "sha256": rec.sha256, "size": rec.size}
+
+
+# ---------------------------------------------------------------------- what the ledger's reasons say
+_FAILED = re.compile(r"\S+ failed \[([a-z-]+)\]")
+_LOAD_SECONDS = re.compile(r", (\d+(?:\.\d+)?) s \(weights ")  # in the detail BatchFlow.record_load writes
+
+
+def failed_reason(stage: str, kind: FailureKind) -> str:
+    """How the reason of a retry or a failure the flow records begins (``record_failure``)."""
+    return f"{stage} failed [{kind.value}]"
+
+
+def failure_class(reason: str) -> str | None:
+    """The failure class a reason :func:`failed_reason` began names (None: another reason)."""
+    found = _FAILED.match(reason)
+    return found.group(1) if found else None
+
+
+def load_seconds(detail: str) -> float | None:
+    """The seconds a group's load took, from the detail of its GROUP_LOAD event."""
+    found = _LOAD_SECONDS.search(detail)
+    return float(found.group(1)) if found else None
 
 
 # ---------------------------------------------------------------------- the flow
@@ -221,6 +244,10 @@ class BatchFlow:
 
     def finish(self, run: JobRun) -> None:
         self.ledger.transition(run.job.id, JobEvent.FINISH, reason="video.mp4 written and checked")
+        # A done job's live preview goes: its video (and the report's poster of it) shows what it
+        # is, and a picture of an earlier step left beside them would pass for the result. A job
+        # that ends otherwise keeps its last preview, the last look at it (status, the report).
+        (self.out_dir / artifacts.preview_relpath(run.job.id)).unlink(missing_ok=True)
 
     def fail_unrunnable(self, job_id: str, reason: str) -> None:
         """A job that can never run here (it needs more GPUs than a node has): failed at its first
@@ -244,16 +271,14 @@ class BatchFlow:
             return
         self.ledger.set_stage(job_id, failure.stage, StageEvent.FAIL, error=failure.message,
                               traceback=failure.traceback)
-        stage = stage_name(failure.stage)
+        failed = failed_reason(stage_name(failure.stage), failure.kind)
         if decision.action is Action.RETRY:
             self.ledger.transition(job_id, JobEvent.RETRY, error=failure.message, error_stage=failure.stage,
-                                   reason=f"{stage} failed [{failure.kind.value}], {decision.reason}: "
-                                          f"{failure.message}")
+                                   reason=f"{failed}, {decision.reason}: {failure.message}")
         else:
             self.ledger.transition(job_id, JobEvent.FAIL, error_stage=failure.stage,
                                    error=f"{failure.message} [{failure.kind.value}: {decision.reason}]",
-                                   reason=f"{stage} failed [{failure.kind.value}] ({decision.reason}): "
-                                          f"{failure.message}")
+                                   reason=f"{failed} ({decision.reason}): {failure.message}")
 
     def count_redo(self, job_id: str, problem: str) -> None:
         """A check rejected one of the job's artifacts, which is about to be redone: allowed
@@ -299,8 +324,9 @@ class BatchFlow:
             self.drop_step_checkpoint(run.job.id, f"its step checkpoint is refused ({problem}); sampling from step 0")
             return None
         run.checkpoint_step = header.step
-        self.say(f"{run.job.name}: continuing its sampling from the step checkpoint at step "
-                 f"{header.step}/{header.key.total_steps}")
+        said = f"continuing its sampling from the step checkpoint at step {header.step}/{header.key.total_steps}"
+        self.ledger.log(run.job.id, EventKind.CHECKPOINT_RESUMED, said)
+        self.say(f"{run.job.name}: {said}")
         return data
 
     def record_step_checkpoint(self, run: JobRun, reply: CheckpointReply) -> None:

@@ -158,7 +158,7 @@ class RunningJob:
     stage: str
     stage_since: float  # RunProgress.clock's time the stage began
     steps: StepReport | None = None  # while sampling: its latest steps
-
+    preview: tuple[int, int] | None = None  # (step, steps) of its newest preview written this attempt
 
 
 # The batch's ETA is planned again at each job's start, stage and end (what changes it in the
@@ -229,6 +229,12 @@ class RunProgress:
             r = self._running.get(job_id)
             if r is not None and r.stage == "sampling":
                 r.steps = rep
+
+    def preview(self, job_id: str, *, step: int, total: int) -> None:
+        """The job's newest preview (``DIR/<job>/preview.webp``) now shows the x0 of step ``step``."""
+        r = self._running.get(job_id)
+        if r is not None:
+            r.preview = (step, total)
 
     def job_ended(self, job_id: str, outcome: str, detail: str = "") -> None:
         """``outcome``: done, retry, FAILED, requeued (not charged: the environment failed) or

@@ -51,10 +51,11 @@ class Running:
 
     def find(self, call: Call) -> tuple[ServedBatch, JobRun] | None:
         """The attempt ``call`` (its call or its side call) belongs to; None when it left."""
-        return next(((b, r) for b, r in self._runs.values() if call is r.call or call is r.side), None)
+        return next(((b, r) for b, r in self._runs.values()
+                     if call is r.call or any(call is side for side in r.sides)), None)
 
     def calls(self) -> list[Call]:
-        return [c for _, r in self._runs.values() for c in (r.call, r.side) if c is not None]
+        return [c for _, r in self._runs.values() for c in (r.call, *r.sides) if c is not None]
 
     def held_group(self, size: int, *, behind_decode: bool, avoid: frozenset[str] = frozenset()) -> Group | None:
         """A group of ``size`` with attempts that can take one more: its GPU lane is free (or, with

@@ -15,26 +15,22 @@ group size is not free, later jobs wait too, so a 4-GPU job is never starved by 
 from __future__ import annotations
 
 import traceback
+from collections.abc import Iterator
 
 from pan2render.jobs.ledger import EventKind, JobEvent, JobRecord, JobState, Stage, StageEvent, stage_name
 from pan2render.runner.cluster.executor import Call, Executor, Group, GroupDied, GroupStartError
 from pan2render.runner.protocol.artifacts import CANCEL_DOC
 from pan2render.runner.protocol.failures import BatchStopped, Failure, FailureKind, classify_exception
-from pan2render.runner.protocol.messages import (
-    CheckpointReply,
-    FetchCheckpointCall,
-    Lane,
-    StopSamplingCall,
-    WorkerCall,
-)
+from pan2render.runner.protocol.messages import Lane, StopSamplingCall, WorkerCall
 from pan2render.runner.protocol.timeline import stamp
 from pan2render.runner.serve import watch
-from pan2render.runner.serve.attempt import JobRun, Phase, Stop, StopKind
+from pan2render.runner.serve.attempt import PREEMPTED_AT, JobRun, Phase, Stop, StopKind
 from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.serve.pool import GroupPool
 from pan2render.runner.serve.retry import Action, Decision, OnGroup, RetryPolicy
 from pan2render.runner.serve.running import Running
 from pan2render.runner.serve.serving import JobQueue, QueuedJob, ServedBatch
+from pan2render.runner.serve.sides import SideFetches
 
 __all__ = ["Scheduler", "ServedBatch"]
 
@@ -55,6 +51,7 @@ class Scheduler:
         self._cluster = watch.ClusterWait(executor, wait_s=config.cluster_wait_s)
         self._groups_seen: set[str] = set()  # groups whose placement the run log has told
         self._steps = watch.StepRecorder()
+        self._sides = SideFetches(executor, self._call)
 
     # ================================================================== what it serves
     def serve(self, batch: ServedBatch, job_ids: list[str]) -> None:
@@ -144,7 +141,7 @@ class Scheduler:
             if run.cancelled:
                 self._end_cancelled(batch, run.job.id, f"{run.stop.reason}: sampling stopped at step {run.stopped_at}")
             else:
-                self._requeue(batch, run.job.id, f"preempted at step {run.stopped_at} by a higher-priority batch; "
+                self._requeue(batch, run.job.id, f"{PREEMPTED_AT} {run.stopped_at} by a higher-priority batch; "
                                                  f"it continues from its step checkpoint")
                 batch.progress.job_ended(run.job.id, "requeued", f"preempted at step {run.stopped_at}")
             return True
@@ -162,9 +159,11 @@ class Scheduler:
         batch.progress.job_ended(job_id, "cancelled", reason)
         batch.ended += 1
 
-    def upcoming(self, batch: ServedBatch) -> list[JobRecord]:
-        """The batch's queued jobs, in the order they will start."""
-        return batch.ledger.jobs(self.pending(batch))
+    def upcoming(self, batch: ServedBatch) -> Iterator[JobRecord]:
+        """The batch's queued jobs, in the order they will start, each read from the ledger as it is
+        reached: the prompts encoded ahead look at the first few, and reading the whole queue on
+        every conditioning call was quadratic in the batch."""
+        return (batch.ledger.job(job_id) for job_id in self.pending(batch))
 
     # ================================================================== the loop
     def tick(self) -> None:
@@ -277,8 +276,7 @@ class Scheduler:
         run.sent(message, self._call(run, message))
         if run.sampling:
             watch.started_sampling(run)
-            if run.job.spec.checkpoint_every > 0:
-                run.side = self._call(run, FetchCheckpointCall(job_id=run.job.id, after_step=0))
+            self._sides.start(run)  # its step checkpoint's and preview's fetches, beside it
             if run.stop is not None:  # asked before this call went out
                 self._stop_sampling(run)
         return None
@@ -293,31 +291,13 @@ class Scheduler:
                        error=f"driver: {type(e).__name__}: {e}", traceback=traceback.format_exc(), cause=e)
 
     # ================================================================== results
-    def _on_side_reply(self, batch: ServedBatch, run: JobRun, call: Call) -> None:
-        """A step checkpoint fetched beside the job's sampling: recorded, and the next one asked for
-        while the sampling goes on. A fetch that failed is dropped (the sampling's own reply says
-        what became of the group)."""
-        run.side = None
-        try:
-            reply = self.ex.result(call)
-        except GroupDied:
-            return
-        if reply.failure is None and isinstance(reply.value, CheckpointReply):
-            try:
-                batch.flow.record_step_checkpoint(run, reply.value)
-            except Exception as e:  # a checkpoint not written costs only its minutes
-                batch.progress.say(f"{run.job.name}: step checkpoint not written: {type(e).__name__}: {e}")
-        after = reply.value.step if isinstance(reply.value, CheckpointReply) else run.checkpoint_step
-        if run.sampling:
-            run.side = self._call(run, FetchCheckpointCall(job_id=run.job.id, after_step=after))
-
     def _on_ready(self, call: Call) -> None:
         found = self._running.find(call)
         if found is None:
             return  # its job left when its group was torn down: the reply is void
         batch, run = found
-        if call is run.side:
-            return self._on_side_reply(batch, run, call)
+        if call is not run.call:  # a fetch beside its sampling (sides.py)
+            return self._sides.on_reply(batch, run, call)
         stage = call.message.stage
         assert stage is not None, f"{type(call.message).__name__} is not a job's call"
         try:

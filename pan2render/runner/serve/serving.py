@@ -95,34 +95,52 @@ class QueuedJob:
 class JobQueue:
     """The scheduler's pending jobs in the order they start: priority (higher first), then when
     their batch was served, then each job's turn. It remembers the groups each job failed on in
-    this run, so that it is offered other groups first when it comes back."""
+    this run, so that it is offered other groups first when it comes back.
+
+    Its cost grows with the jobs, not their square: a batch's 20,000 jobs are queued one ``add``
+    at a time (re-sorting the queue on each add was quadratic), so the order is sorted once, when
+    next read; a removal leaves its entry in that order until more than half of it is gone."""
 
     def __init__(self) -> None:
-        self._jobs: list[QueuedJob] = []
+        self._jobs: dict[QueuedJob, None] = {}  # the queued jobs (a QueuedJob hashes by identity)
+        self._order: list[QueuedJob] | None = []  # the jobs in start order, and some removed; None: to sort
+        self._removed = 0  # entries of _order no longer queued
         self._turns = itertools.count()
         self._failed_on: dict[tuple[int, str], set[str]] = {}  # (batch seq, job id) -> group ids
 
     def add(self, batch: ServedBatch, job: JobRecord) -> None:
-        self._jobs.append(QueuedJob(batch, job.id, job.spec.gpus, job.spec.model,
-                                    frozenset(sha for sha, _ in job.spec.lora_digests if sha), next(self._turns),
-                                    frozenset(self._failed_on.get((batch.seq, job.id), ()))))
-        self.reorder()
+        q = QueuedJob(batch, job.id, job.spec.gpus, job.spec.model,
+                      frozenset(sha for sha, _ in job.spec.lora_digests if sha), next(self._turns),
+                      frozenset(self._failed_on.get((batch.seq, job.id), ())))
+        self._jobs[q] = None
+        self._order = None
 
     def reorder(self) -> None:
         """After a batch's priority changed."""
-        self._jobs.sort(key=lambda q: (-q.batch.priority, q.batch.seq, q.order))
+        self._order = None
+
+    def _ordered(self) -> list[QueuedJob]:
+        if self._order is None:
+            self._order = sorted(self._jobs, key=lambda q: (-q.batch.priority, q.batch.seq, q.order))
+            self._removed = 0
+        return self._order
 
     def failed_on(self, batch: ServedBatch, job_id: str, group_id: str) -> None:
         self._failed_on.setdefault((batch.seq, job_id), set()).add(group_id)
 
     def of(self, batch: ServedBatch) -> list[QueuedJob]:
-        return [q for q in self._jobs if q.batch is batch]
+        return [q for q in self if q.batch is batch]
 
     def remove(self, q: QueuedJob) -> None:
-        self._jobs.remove(q)
+        del self._jobs[q]
+        if self._order is not None:
+            self._removed += 1
+            if self._removed > len(self._jobs):
+                self._order = [job for job in self._order if job in self._jobs]
+                self._removed = 0
 
     def __iter__(self) -> Iterator[QueuedJob]:
-        return iter(self._jobs)
+        return (q for q in self._ordered() if q in self._jobs)
 
     def __len__(self) -> int:
         return len(self._jobs)

@@ -29,7 +29,6 @@ from pan2render.jobs.ledger import (
     EventKind,
     FolderLock,
     JobEvent,
-    JobRecord,
     JobState,
     Ledger,
     Stage,
@@ -159,11 +158,13 @@ class BatchSession:
             log.line(title)
             keep_batch_copy(out, ledger, batch, overrides.flags(), log)
             warn_if_no_backup(ledger, log)
-            n_old = note_superseded(ledger, batch, set(added), previous.get("weights_files") or {}, log)
+            new = set(added)
+            n_old = note_superseded(ledger, batch, new, previous.get("weights_files") or {}, log)
             if request.prune:
                 prune_jobs(ledger, keep={j.job_id for j in batch.jobs}, log=log)
-            warn_if_short_of_space(out, ledger.jobs(added), log)
-            n_done = sum(j.state is JobState.DONE for j in ledger.jobs(present))
+            # The batch's own specs are the ones just recorded for its new jobs.
+            warn_if_short_of_space(out, [s for s in batch.jobs if s.job_id in new], log)
+            n_done = sum(state is JobState.DONE for state in ledger.job_states(present).values())
             log.line(f"{out}: {len(added)} new job(s)" + (f" ({n_old} superseding an older version)" if n_old else "")
                      + f", {len(present)} already in the ledger ({n_done} done, skipped unless their video is "
                      f"corrupt); log: {out / RUN_LOG_NAME}")
@@ -188,11 +189,12 @@ class BatchSession:
         batch = ledger.get_meta("batch", {}) or {}
         # The recorded specs are the batch as run, --set/--sweep applied: serving them repeats them.
         flags = Overrides.from_json(batch.get("overrides")).flags()
-        ids = job_ids if job_ids is not None else [j.id for j in ledger.jobs()]
+        jobs = ledger.jobs(job_ids)  # (every job when None)
+        ids = job_ids if job_ids is not None else [j.id for j in jobs]
         session = cls(out_dir, lock=lock, ledger=ledger, log=log, job_ids=ids, flags=flags)
         described = f"{batch.get('path', '?')} {' '.join(flags)}".strip()
         log.line(title.format(batch=described))
-        warn_if_short_of_space(out_dir, [j for j in ledger.jobs(ids) if j.state is not JobState.DONE], log)
+        warn_if_short_of_space(out_dir, [j.spec for j in jobs if j.state is not JobState.DONE], log)
         return session
 
     # ------------------------------------------------------------------ serving
@@ -201,7 +203,7 @@ class BatchSession:
         ended (done with its video intact, or cancelled and kept so), so no worker is needed."""
         prepare_jobs(out_dir=self.out_dir, ledger=self.ledger, job_ids=self.job_ids, retries=retries,
                      say=self.log.line, revive_cancelled=revive_cancelled)
-        return all(j.state in (JobState.DONE, JobState.CANCELLED) for j in self.ledger.jobs(self.job_ids))
+        return all(s in (JobState.DONE, JobState.CANCELLED) for s in self.ledger.job_states(self.job_ids).values())
 
     def unrecord(self) -> None:
         """Take back what ``record`` added (its jobs), when what was to follow it failed (the farm
@@ -220,8 +222,8 @@ class BatchSession:
             "flags": self.flags, "gpus": gpus, "cpu_gpus": cpu_gpus}])
 
     def counts(self) -> dict[str, int]:
-        jobs = self.ledger.jobs(self.job_ids)
-        return {state.value: sum(j.state is state for j in jobs) for state in JobState} | {"total": len(jobs)}
+        states = list(self.ledger.job_states(self.job_ids).values())  # (the farm publishes them twice a second)
+        return {state.value: states.count(state) for state in JobState} | {"total": len(states)}
 
     def close(self) -> None:
         try:
@@ -241,17 +243,15 @@ def note_superseded(ledger: Ledger, batch: Batch, added: set[str], old_files: di
     """Each new job that is a new version of one the folder holds (the same name and sweep values,
     another id: the batch was edited, or the checkpoint replaced in place) is named, with what
     changed, in the ledger and here. Returns how many."""
-    old = {j.spec.version_key: j for j in ledger.jobs() if j.id not in added}  # the newest version of each
-    n = 0
-    for spec in batch.jobs:
-        prev = old.get(spec.version_key)
-        if spec.job_id not in added or prev is None:
-            continue
-        why = _what_changed(spec, prev.spec, old_files, batch.weights_files)
-        ledger.log(prev.id, EventKind.SUPERSEDED, f"by {spec.job_id}: {why}")
-        if n < SUPERSEDED_SHOWN:
-            log.line(f"{prev.id} is superseded by {spec.job_id}: {why}")
-        n += 1
+    # The newest version of each; only the jobs recorded before are read (none in a new folder).
+    old = {j.spec.version_key: j for j in ledger.jobs([i for i in ledger.job_states() if i not in added])}
+    found = [(prev.id, spec.job_id, _what_changed(spec, prev.spec, old_files, batch.weights_files))
+             for spec in batch.jobs if spec.job_id in added and (prev := old.get(spec.version_key)) is not None]
+    if found:  # in one transaction: a batch edited and run again supersedes every job of it
+        ledger.log_many([(prev, EventKind.SUPERSEDED, f"by {new}: {why}") for prev, new, why in found])
+    for prev, new, why in found[:SUPERSEDED_SHOWN]:
+        log.line(f"{prev} is superseded by {new}: {why}")
+    n = len(found)
     if n > SUPERSEDED_SHOWN:
         log.line(f"... and {n - SUPERSEDED_SHOWN} more superseded job(s) (`{command('status', ledger.path.parent)}` "
                  f"marks each)")
@@ -339,12 +339,12 @@ def warn_if_no_backup(ledger: Ledger, log: RunLog) -> None:
                  f"have only the job folders to rebuild it from")
 
 
-def warn_if_short_of_space(out: Path, jobs: list[JobRecord], log: RunLog) -> None:
+def warn_if_short_of_space(out: Path, jobs: list[JobSpec], log: RunLog) -> None:
     """Before starting: warn (only) when the unfinished jobs' artifacts may not fit. An estimate:
     each write is checked against its real size, and a full disk stops the batch cleanly."""
     from pan2render.runner.protocol.artifacts import estimated_bytes
 
-    need = sum(estimated_bytes(j.spec) for j in jobs)
+    need = sum(estimated_bytes(spec) for spec in jobs)
     free = disk.free_bytes(out)
     if need + disk.HEADROOM_BYTES > free:
         log.line(f"warning: {len(jobs)} job(s) need about {need / 2**30:.2f} GiB in {out} but only "

@@ -191,13 +191,19 @@ class History:
     def _add(self, ledger: Ledger) -> int:
         # Each job's device as its params.json says (a farm's batch runs on groups loaded for
         # another batch: no group-load event in its own ledger), else the folder's groups'.
-        devices, folder = job_devices(ledger), ledger_device(ledger)
+        folder = ledger_device(ledger)
+        devices = job_devices(ledger) if folder is None else {}  # (each job's params.json: only when needed)
         n = 0
-        for job in ledger.jobs():
+        # Only the done jobs' specs and stage rows are read (the jobs first: a job recorded in
+        # between has its rows too).
+        done = ledger.jobs([job_id for job_id, state in ledger.job_states().items() if state is JobState.DONE])
+        stages = ledger.all_stages([job.id for job in done])
+        for job in done:
             device = devices.get(job.id, folder)
-            if job.state is not JobState.DONE or device is None:  # nothing to match it on
+            # (a job invalidated between the two reads, a resume's check; a job with no device to match on)
+            if job.state is not JobState.DONE or device is None:
                 continue
-            st = ledger.stages(job.id)
+            st = stages.get(job.id, {})
             secs = [st[s].seconds for s in (Stage.CONDITIONING, Stage.SAMPLING, Stage.DECODE, Stage.ENCODE)]
             if any(v is None for v in secs):
                 continue
@@ -388,7 +394,8 @@ def plan(jobs: list[JobSpec], *, gpus: int, history: History, device: str = CUDA
     logical GPUs on a CPU), placed in order; with ``group_starts``, plus one group start per group
     size (False: the groups are up already). ``started``: job id -> the fraction of each stage done
     (a running job: only what is left of it is counted)."""
-    estimates = [_estimate(job, history, device) for job in jobs]
+    fitted = {model: history.cost(model, device) for model in {job.model for job in jobs}}  # once per model
+    estimates = [_estimate(job, fitted[job.model], device) for job in jobs]
     if started:
         estimates = [replace(e, times=e.times.left(started[e.job.job_id]))
                      if e.times is not None and e.job.job_id in started else e for e in estimates]
@@ -411,17 +418,19 @@ def plan(jobs: list[JobSpec], *, gpus: int, history: History, device: str = CUDA
     known = [e for e in estimates if e.times is not None]
     wall = max(free_at) + last_encode + starts if known else 0.0
     total = sum(e.gpu_seconds for e in estimates)
-    guessed = [e for e in known if e.source == "reference"]
-    low = sum(e.gpu_seconds * (e.spread[0] if e in guessed else 1.0) for e in known)
-    high = sum(e.gpu_seconds * (e.spread[1] if e in guessed else 1.0) for e in known)
+    # A guess counts with its reference's range, a measured estimate as it is (by its source: a
+    # membership test in the list of guesses compared whole JobSpecs, quadratic in the jobs).
+    low = sum(e.gpu_seconds * (e.spread[0] if e.source == "reference" else 1.0) for e in known)
+    high = sum(e.gpu_seconds * (e.spread[1] if e.source == "reference" else 1.0) for e in known)
     spread = (low / total, high / total) if total else (1.0, 1.0)
     return Plan(estimates=estimates, gpus=gpus, device=device, gpu_seconds=total, wall_seconds=wall,
                 history=history, spread=spread)
 
 
-def _estimate(job: JobSpec, history: History, device: str) -> JobEstimate:
+def _estimate(job: JobSpec, measured: CostModel | None, device: str) -> JobEstimate:
+    """``measured``: the cost model fitted to this machine's runs of the job's model, if any."""
     size = JobSize.of(job)
-    if (measured := history.cost(job.model, device)) is not None:
+    if measured is not None:
         return JobEstimate(job=job, times=measured.times(size), source="history")
     if (ref := reference_for(job.model, device)) is not None:
         return JobEstimate(job=job, times=ref.cost.times(size), source="reference", spread=ref.spread)

@@ -58,9 +58,10 @@ class BatchEta:
         self.out_dir, self.job_ids, self.gpus = out_dir, job_ids, gpus
         self._history: tuple[int, History] | None = None
 
-    def plan(self, ledger: Ledger) -> Plan | None:
-        """The plan of the jobs left (None: none left)."""
-        jobs = ledger.jobs()
+    def plan(self, ledger: Ledger, jobs: list[JobRecord] | None = None) -> Plan | None:
+        """The plan of the jobs left (None: none left); ``jobs``: the ledger's, where the caller read
+        them already (`status`)."""
+        jobs = ledger.jobs() if jobs is None else jobs
         wanted = None if self.job_ids is None else set(self.job_ids)
         old = superseded(jobs)  # (a version the batch was edited away from is not rendered)
         left = [j for j in jobs if j.state in LEFT and j.id not in old and (wanted is None or j.id in wanted)]

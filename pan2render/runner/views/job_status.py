@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pan2render.jobs.ledger import FolderLock, JobRecord, JobState, Ledger, Stage, StageRecord, StageState, stage_name
+from pan2render.preview_file import read_preview
 from pan2render.runner.protocol import artifacts as st
 
 # The state shown for a job the ledger calls running when no run holds the folder: its run was
@@ -28,11 +29,14 @@ class JobStatus:
     seconds: dict[str, float | None]  # per stage
     superseded_by: str | None = None  # id of the newer version of this job (same name and sweep)
     problem: str | None = None  # a done job whose video is missing or not the recorded size
+    # A job not done whose sampling left a live preview: {"path" (absolute), "step", "steps"}
+    preview: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "name": self.name, "state": self.state, "stage": self.stage,
                 "attempts": self.attempts, "error": self.error, "video": self.video,
-                "seconds": self.seconds, "superseded_by": self.superseded_by, "problem": self.problem}
+                "seconds": self.seconds, "superseded_by": self.superseded_by, "problem": self.problem,
+                "preview": self.preview}
 
 
 def superseded(jobs: list[JobRecord]) -> dict[str, str]:
@@ -45,11 +49,13 @@ def superseded(jobs: list[JobRecord]) -> dict[str, str]:
     return {j.id: newest[j.spec.version_key] for j in jobs if newest[j.spec.version_key] != j.id}
 
 
-def job_statuses(out_dir: Path, ledger: Ledger) -> list[JobStatus]:
-    jobs = ledger.jobs()
+def job_statuses(out_dir: Path, ledger: Ledger, jobs: list[JobRecord] | None = None) -> list[JobStatus]:
+    """Every job's row (``jobs``: the ledger's jobs when the caller read them already)."""
+    jobs = ledger.jobs() if jobs is None else jobs
     newer = superseded(jobs)
     live = FolderLock.holder(out_dir) is not None
-    return [job_status(out_dir, job, ledger.stages(job.id), newer.get(job.id), live=live) for job in jobs]
+    stages = ledger.all_stages()
+    return [job_status(out_dir, job, stages.get(job.id, {}), newer.get(job.id), live=live) for job in jobs]
 
 
 def job_status(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], newer: str | None, *,
@@ -65,7 +71,16 @@ def job_status(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], 
     return JobStatus(id=job.id, name=job.name, state=state, stage=_stage_of(job, stages),
                      attempts=job.attempts, error=job.error, video=video,
                      seconds={stage_name(s): r.seconds for s, r in stages.items()}, superseded_by=newer,
-                     problem=problem)
+                     problem=problem, preview=None if job.state is JobState.DONE else preview_of(out_dir, job.id))
+
+
+def preview_of(out_dir: Path, job_id: str) -> dict[str, Any] | None:
+    """The job's live preview, where its sampling left one (a regular file with its note)."""
+    path = out_dir / st.preview_relpath(job_id)
+    note = read_preview(path)
+    if note is None:
+        return None
+    return {"path": str(path.absolute()), "step": note.step, "steps": note.total_steps}
 
 
 def _stage_of(job: JobRecord, stages: dict[Stage | str, StageRecord]) -> str | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import os
 import threading
 import time
@@ -72,6 +73,8 @@ class Tile:
     input_path: str | None = None  # that image's own path
     prompt: str = ""
     seconds: dict[str, float | None] = field(default_factory=dict)  # per stage, as the ledger recorded them
+    preview: str | None = None  # a job without its video (running, interrupted, ...): its live preview
+    preview_step: str | None = None  # "12/30": the step that preview shows
 
 
 @dataclass
@@ -119,11 +122,12 @@ def _compared(job: JobRecord) -> dict[str, str]:
     return {k: _fmt(v) for k, v in job.spec.to_dict().items() if k not in _NOT_COMPARED}
 
 
-def _varying(jobs: list[JobRecord]) -> tuple[dict[str, str], list[str]]:
-    """(fields with one value across ``jobs`` -> that value, names of the fields that differ)."""
+def _varying(jobs: list[JobRecord], compared: dict[str, dict[str, str]]) -> tuple[dict[str, str], list[str]]:
+    """(fields with one value across ``jobs`` -> that value, names of the fields that differ);
+    ``compared``: each job's fields as :func:`_compared` gives them, by id."""
     values: dict[str, set[str]] = {}
     for job in jobs:
-        for k, v in _compared(job).items():
+        for k, v in compared[job.id].items():
             values.setdefault(k, set()).add(v)
     shared = {k: next(iter(v)) for k, v in values.items() if len(v) == 1}
     return shared, [k for k, v in values.items() if len(v) > 1]
@@ -151,14 +155,16 @@ def _tile(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], *, la
                 params=params if (out_dir / params).is_file() else None, width=width, height=height,
                 error=job.error, traceback=tb, superseded_by=newer,
                 input_image=posters.input_thumbnail(out_dir, job, say, make=make_poster), input_path=job.spec.image,
-                prompt=job.spec.prompt, seconds=status.seconds)
+                prompt=job.spec.prompt, seconds=status.seconds,
+                preview=st.preview_relpath(job.id) if status.preview and not video else None,
+                preview_step=f"{status.preview['step']}/{status.preview['steps']}" if status.preview else None)
 
 
 def _grid(name: str, jobs: list[JobRecord], tiles: dict[str, Tile], batch_varying: list[str],
-          newer: dict[str, str]) -> Grid:
+          newer: dict[str, str], compared: dict[str, dict[str, str]]) -> Grid:
     current = [j for j in jobs if j.id not in newer]
     axes = sorted({k for j in jobs for k in j.spec.sweep})
-    shared, _ = _varying(current)
+    shared, _ = _varying(current, compared)
     fixed = [(k, shared[k]) for k in batch_varying if k in shared and k not in axes and k != "prompt"]
     prompts = sorted({j.spec.prompt for j in current})
     values = {a: sorted({j.spec.sweep.get(a) for j in jobs}, key=_sort_key) for a in axes}
@@ -170,13 +176,15 @@ def _grid(name: str, jobs: list[JobRecord], tiles: dict[str, Tile], batch_varyin
         key = json.dumps([_fmt(job.spec.sweep.get(a)) for a in axes])
         by_cell.setdefault(key, []).append(tiles[job.id])
     row_values = list(itertools.product(*(values[a] for a in row_axes)))
+    # The rows are every combination of the row axes' values, in order: the rows sharing a prefix
+    # of ``depth + 1`` values are contiguous, as many as the axes after it make.
+    spans = [math.prod(len(values[a]) for a in row_axes[depth + 1:]) for depth in range(len(row_axes))]
     for r, combo in enumerate(row_values):
         headers = []
         for depth in range(len(row_axes)):
             # A nested header starts where its prefix changes and spans the rows that share it.
             if r == 0 or row_values[r - 1][:depth + 1] != combo[:depth + 1]:
-                span = sum(1 for c in row_values[r:] if c[:depth + 1] == combo[:depth + 1])
-                headers.append(HeaderCell(_fmt(combo[depth]), span))
+                headers.append(HeaderCell(_fmt(combo[depth]), spans[depth]))
         cells = []
         for v in values[col_axis] if col_axis else [None]:
             key = json.dumps([_fmt(x) for x in (*combo, v)] if col_axis else [])
@@ -247,7 +255,8 @@ def _batch_view(out_dir: Path, jobs: list[JobRecord], stages: dict[str, dict[Sta
     each fast-lane video's quality against its exact job's."""
     newer = superseded(jobs)
     current = [j for j in jobs if j.id not in newer]
-    shared, varying = _varying(current)
+    compared = {j.id: _compared(j) for j in jobs}  # (each spec's dict once: they are read four times)
+    shared, varying = _varying(current, compared)
     swept = any(j.spec.sweep for j in jobs)
     by_name: dict[str, list[JobRecord]] = {}
     for job in jobs:
@@ -256,15 +265,15 @@ def _batch_view(out_dir: Path, jobs: list[JobRecord], stages: dict[str, dict[Sta
     tiles: dict[str, Tile] = {}
     for group in by_name.values():
         # A tile's label: what varies inside its table when grids are shown, else across the batch.
-        inner = _varying([j for j in group if j.id not in newer])[1] if swept else varying
+        inner = _varying([j for j in group if j.id not in newer], compared)[1] if swept else varying
         shown = [k for k in inner if k != "prompt"]
         for job in group:
-            label = ", ".join(f"{k} {_compared(job)[k]}" for k in shown)
+            label = ", ".join(f"{k} {compared[job.id][k]}" for k in shown)
             tiles[job.id] = _tile(out_dir, job, stages[job.id], label=label, newer=newer.get(job.id), say=say,
                                   make_poster=make_posters)
     if lanes:
         tiles = _with_lanes(out_dir, tiles)
-    grids = [_grid(name, group, tiles, varying, newer) for name, group in by_name.items()] if swept else []
+    grids = [_grid(name, group, tiles, varying, newer, compared) for name, group in by_name.items()] if swept else []
     gallery = [] if swept else [tiles[j.id] for j in sorted(jobs, key=lambda j: (j.id in newer, j.position))]
     return BatchView(tiles=tiles, grids=grids, gallery=gallery, shared=shared, current=current,
                      n_superseded=len(newer))
@@ -277,7 +286,8 @@ def batch_view(out_dir: Path, *, say: Callable[[str], None] = print) -> BatchVie
     ledger = Ledger.open_readonly(out_dir)
     try:
         jobs = ledger.jobs()
-        stages = {j.id: ledger.stages(j.id) for j in jobs}
+        found = ledger.all_stages()
+        stages = {j.id: found.get(j.id, {}) for j in jobs}
     finally:
         ledger.close()
     return _batch_view(out_dir, jobs, stages, say=say, make_posters=False, lanes=False)
@@ -298,7 +308,8 @@ def report_context(out_dir: Path, *, say: Callable[[str], None] = print) -> dict
     ledger = Ledger.open_readonly(out_dir)
     try:
         jobs = ledger.jobs()
-        stages = {j.id: ledger.stages(j.id) for j in jobs}
+        found = ledger.all_stages()
+        stages = {j.id: found.get(j.id, {}) for j in jobs}
         events = ledger.events()
         batch = ledger.get_meta("batch", {}) or {}
         batch_files = ledger.get_meta("batches", []) or []

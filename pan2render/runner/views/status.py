@@ -21,6 +21,7 @@ from pan2render.runner.views.job_status import (
     JobStatus,
     counts_lines,
     job_statuses,
+    preview_of,
     shown_error,
     shown_state,
 )
@@ -129,6 +130,8 @@ def format_show(out_dir: Path, ledger: Ledger, job: JobRecord) -> str:
     at = next((stage_name(s) for s, r in ledger.stages(job.id).items() if r.state is not StageState.DONE), None)
     if at is not None and (progress := job_progress(ledger, job.id, job.state.value, at)) is not None:
         lines.append(f"progress {stage_text(at, progress)}")
+    if job.state is not JobState.DONE and (preview := preview_of(out_dir, job.id)) is not None:
+        lines.append(f"preview  {preview['path']} (step {preview['step']}/{preview['steps']})")
     spec = job.spec.to_dict()
     source = spec.pop("source")
     lines.append("spec" + (f" (from {source['file']}:{source['line']})" if source else "") + ":")
@@ -169,8 +172,9 @@ def holder(out_dir: Path) -> dict[str, Any] | None:
 
 def format_status(out_dir: Path, ledger: Ledger) -> tuple[str, int]:
     """The status table and status's exit code (:func:`status_code`)."""
-    statuses = job_statuses(out_dir, ledger)
-    jobs = {j.id: j for j in ledger.jobs()}
+    records = ledger.jobs()
+    statuses = job_statuses(out_dir, ledger, records)
+    jobs = {j.id: j for j in records}
     keys = sweep_keys([j.spec for j in jobs.values()])
     rows = []
     for r in statuses:
@@ -188,8 +192,9 @@ def format_status(out_dir: Path, ledger: Ledger) -> tuple[str, int]:
 def status_document(out_dir: Path, ledger: Ledger) -> tuple[dict[str, Any], int]:
     """``status --json``: the folder's run (state, elapsed, ETA, flags), the batch files run there,
     counts, and every job with its swept values and progress; and status's exit code."""
-    statuses = job_statuses(out_dir, ledger)
-    jobs = {j.id: j for j in ledger.jobs()}
+    records = ledger.jobs()
+    statuses = job_statuses(out_dir, ledger, records)
+    jobs = {j.id: j for j in records}
     run = _run_state(out_dir, ledger, jobs)
     counts = {s: sum(r.state == s for r in statuses) for s in [*(s.value for s in JobState), INTERRUPTED]}
     code = status_code(statuses)
@@ -291,7 +296,8 @@ def _run_state(out_dir: Path, ledger: Ledger, jobs: dict[str, JobRecord]) -> _Ru
     events = ledger.events()
     end = time.time() if live is not None else (events[-1].at if events else started)
     # The batch's one ETA, as the run (or farm) serving it computes it (views/eta.py).
-    eta = None if live is None else BatchEta(out_dir, None, gpus=int(last.get("gpus") or 1)).plan(ledger)
+    eta = None if live is None else BatchEta(out_dir, None, gpus=int(last.get("gpus") or 1)).plan(
+        ledger, list(jobs.values()))
     return _RunState(started=started, elapsed_s=end - started, flags=list(last.get("flags", [])), live=live, eta=eta,
                      command=str(last.get("command") or "run"))
 

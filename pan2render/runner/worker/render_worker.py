@@ -56,11 +56,13 @@ from pan2render.runner.protocol.messages import (
     EncodePromptsCall,
     EncodePromptsReply,
     FetchCheckpointCall,
+    FetchPreviewCall,
     InitGroupCall,
     InitGroupReply,
     Lane,
     LoadCall,
     LoadReply,
+    PreviewReply,
     RendezvousCall,
     RendezvousReply,
     Reply,
@@ -319,6 +321,8 @@ class RenderWorker:
             raise JobInputError(str(e)) from e
         resume, refused = self._resume_state(js, pipe, call.resume, cached=not plan.lanes.steps_exact)
         stop = self._samplings.begin(job_id)
+        # Previews: rank 0 hands the predicted latents over; the I/O lane makes the picture.
+        rgb_map = pipe.preview_map if self.rank == 0 and js.preview_every > 0 else None
         try:
             lat = pipe.sample(
                 prompt_embeds=packing.unpack_embedding(call.prompt_embeds),
@@ -327,7 +331,9 @@ class RenderWorker:
                 # Periodic checkpoints need a state the cache does not fully hold (the residuals).
                 checkpoint_every_s=js.checkpoint_every if plan.lanes.steps_exact else 0.0,
                 on_checkpoint=(lambda state: self._samplings.keep(job_id, state)) if self.rank == 0 else None,
-                should_stop=stop.is_set, **js.sample_args(),
+                should_stop=stop.is_set, preview_every_s=js.preview_every if rgb_map is not None else 0.0,
+                on_preview=(lambda p: self._samplings.keep_preview(job_id, p, rgb_map)) if rgb_map else None,
+                **js.sample_args(),
             )  # float32 [48, T, h, w]
         except SamplingPreempted as e:  # a stop at a step boundary: where, and how to go on from there
             data = pack_sampler_state(e.state, spec_hash=js.spec_hash) if self.rank == 0 else None
@@ -361,6 +367,9 @@ class RenderWorker:
         js = self._specs.get(call.job_id)
         return self._samplings.fetch(call.job_id, after_step=call.after_step, wait_s=call.wait_s,
                                      spec_hash=js.spec_hash if js is not None else "")
+
+    def _fetch_preview(self, call: FetchPreviewCall) -> PreviewReply | None:
+        return self._samplings.fetch_preview(call.job_id, after_step=call.after_step, wait_s=call.wait_s)
 
     def _decode(self, call: DecodeCall) -> DecodeReply | None:
         """Decode on the device, convert to yuv420p there, copy to the host once and hand the planes
@@ -438,4 +447,5 @@ RenderWorker.handlers = {
     CollectCall: RenderWorker._collect,
     StopSamplingCall: RenderWorker._stop_sampling,
     FetchCheckpointCall: RenderWorker._fetch_checkpoint,
+    FetchPreviewCall: RenderWorker._fetch_preview,
 }
