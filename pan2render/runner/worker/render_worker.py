@@ -39,7 +39,6 @@ import torch
 
 from pan2render.jobs.ledger import Stage
 from pan2render.jobs.spec import JobSpec
-from pan2render.models.calibration import CalibrationMissing
 from pan2render.models.precision import PrecisionUnavailable
 from pan2render.models.sampler_state import SamplingPreempted, pack_sampler_state, unpack_sampler_state
 from pan2render.models.tiny import cache_root
@@ -315,10 +314,8 @@ class RenderWorker:
                 self._progress.report(progress_key, done, total, time.time())
             self._faults.at_step(js, done)
 
-        try:  # a model without a calibration: refused the same on any worker (validation refuses it first)
-            plan = pipe.sampling_plan(conditioned=first_frame is not None, **js.sample_args())
-        except CalibrationMissing as e:
-            raise JobInputError(str(e)) from e
+        # (a model without a calibration raises CalibrationMissing here: the job's input, failures.py)
+        plan = pipe.sampling_plan(conditioned=first_frame is not None, **js.sample_args())
         resume, refused = self._resume_state(js, pipe, call.resume, cached=not plan.lanes.steps_exact)
         stop = self._samplings.begin(job_id)
         # Previews: rank 0 hands the predicted latents over; the I/O lane makes the picture.
@@ -339,7 +336,7 @@ class RenderWorker:
             data = pack_sampler_state(e.state, spec_hash=js.spec_hash) if self.rank == 0 else None
             return SampleReply(latents=None, stopped_at=e.state.step, checkpoint=data,
                                adapters_held=self._adapters.held(), resume_refused=refused)
-        except (PrecisionUnavailable, CalibrationMissing) as e:  # the same on any worker of this kind
+        except PrecisionUnavailable as e:  # the same on any worker of this kind
             raise JobInputError(str(e)) from e
         finally:
             self._samplings.end(job_id)

@@ -113,4 +113,4 @@ def test_a_calibration_gone_since_validation_fails_the_sampling_as_deterministic
                                  negative_embeds=embeds), 0)
     print(reply.failure)
     assert not reply.ok and reply.failure.kind is FailureKind.INPUT
-    assert reply.failure.error.startswith("JobInputError: run `pan2-render calibrate tiny` once")  # the fix first
+    assert reply.failure.error.startswith("CalibrationMissing: run `pan2-render calibrate tiny` once")  # fix first
