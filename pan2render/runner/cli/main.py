@@ -174,7 +174,8 @@ def _parser() -> argparse.ArgumentParser:
                                            "its previews' latent -> RGB map on the same job, and keep both beside "
                                            "its model id (cache magcache and live previews then use them)")
     cal.add_argument("model", help='"tiny" or a checkpoint folder')
-    cal.add_argument("--preset", default="pan2-720p", help="the job's size, steps, guidance (default pan2-720p)")
+    cal.add_argument("--preset", help="the job's size, steps, guidance (default: tiny-preview for the tiny model, "
+                                      "else pan2-720p)")
     cal.add_argument("--prompt", default="A red fox trots through fresh snow at dawn, cinematic, detailed.")
     cal.add_argument("--image", type=Path, help="calibrate image-conditioned jobs (a first frame) instead")
     cal.add_argument("--seed", type=int, default=0)

@@ -27,7 +27,7 @@ from pan2render.runner.cli.common import (
     print_error,
     stopped_by,
 )
-from pan2render.runner.cli.reading import print_plan
+from pan2render.runner.cli.reading import done_ids, print_plan
 from pan2render.runner.cluster.choose import LOCAL_ADDRESS
 from pan2render.runner.protocol import timeline
 from pan2render.runner.serve import errors
@@ -114,6 +114,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         print_plan(batch, out, args)
         print(f"dry run: nothing written to {out}")
         return EXIT_OK
+    from pan2render.runner.serve.session import model_folder_problems
+
+    if model_folder_problems(batch.jobs) and (broken := model_folder_problems(_not_done(batch.jobs, out))):
+        # As the farm refuses it (submit): exit 3, nothing recorded. `validate` says so with exit 5.
+        print_error(f"error: {errors.broken_checkpoints(broken, resume=None, recorded=False)}")
+        return EXIT_ENVIRONMENT
     from pan2render.runner.cli.batches import hand_to_farm
 
     if (code := hand_to_farm(args, batch)) is not None:
@@ -132,6 +138,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _drive(args, session)
 
 
+def _not_done(jobs: list[Any], out: Path) -> list[Any]:
+    """The jobs ``out``'s ledger does not hold done (all of them where it cannot be read: the run
+    that follows says why)."""
+    try:
+        done = done_ids(out)
+    except Exception:
+        return jobs
+    return [j for j in jobs if j.job_id not in done]
+
+
 def cmd_resume(args: argparse.Namespace) -> int:
     if (err := _check_cluster_args(args)) is not None:
         return err
@@ -147,7 +163,29 @@ def cmd_resume(args: argparse.Namespace) -> int:
         if not holds_a_batch(out, "nothing was resumed"):  # checked read-only: an empty file stays so
             return EXIT_USAGE
     with BatchSession.reopen(out, stream=sys.stderr, title=f"resume {out}: batch {{batch}}") as session:
+        _reuse_cpu_gpus(args, session)
         return _drive(args, session)
+
+
+def _reuse_cpu_gpus(args: argparse.Namespace, session: Any) -> None:
+    """`resume` without --cpu-gpus, on a cluster of its own: the logical GPUs of the folder's last
+    run (a batch of 2-GPU jobs run with --cpu-gpus 2 must not resume on 1), said so. A run before
+    the count was recorded, on a machine without CUDA, ran on logical GPUs: its GPU count."""
+    if args.cpu_gpus is not None or _address(args) not in (None, LOCAL_ADDRESS):
+        return
+    runs = session.ledger.get_meta("runs", []) or []
+    if not runs:
+        return
+    last = runs[-1]
+    n = last.get("cpu_gpus")
+    if n is None and "cpu_gpus" not in last and last.get("gpus"):
+        from pan2render.runner.cluster.devices import cuda_gpu_count
+
+        n = None if cuda_gpu_count() else int(last["gpus"])
+    if n:
+        args.cpu_gpus = int(n)
+        session.log.line(f"resume: the last run in {session.out_dir} ({last.get('command', 'run')}) had {n} logical "
+                         f"GPU(s): resuming on as many (--cpu-gpus {n}; give --cpu-gpus N for another count)")
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
@@ -237,8 +275,11 @@ def _render(args: argparse.Namespace, session: Any, config: ServingConfig, jobs:
         install_stop_handlers()
         if executor.worker_logs:
             log.line(f"Ray's worker logs: {executor.worker_logs}")
-        session.note_run(command=args.command, gpus=executor.total_gpus())
-        progress = RunProgress(log=log, live=config.progress and log.is_terminal)
+        session.note_run(command=args.command, gpus=executor.total_gpus(), cpu_gpus=args.cpu_gpus)
+        from pan2render.runner.views.eta import BatchEta
+
+        eta = BatchEta(out, ids, gpus=executor.total_gpus())
+        progress = RunProgress(log=log, live=config.progress and log.is_terminal, eta=lambda: eta.seconds(ledger))
         if metrics is not None:
             metrics.progress, metrics.gpus = progress, executor.total_gpus()
         summary = _run_with_report(out, log, lambda on_job_end: Driver(

@@ -68,10 +68,12 @@ class RayExecutor:
 
     def __init__(self, *, address: str | None, gpus: int | None, cpus: int | None,
                  config: WorkerConfig, object_store_bytes: int = 1 << 30, local_node: bool = False,
-                 record: Path | None = None):
+                 record: Path | None = None, started_by: str = "run"):
         """``local_node``: ``address`` is the node kept up on this machine (`running_local_node`);
         ``record``: where a local cluster started here records its processes (`cluster/leftovers.py`),
-        dropped when it ends."""
+        dropped when it ends; ``started_by``: what starts a local cluster here, as it is named ("the
+        local Ray cluster this farm started")."""
+        self._started_by = started_by
         with loopback_only() if address is None else contextlib.nullcontext():
             import ray  # importing ray costs ~1 s; unit tests with LocalExecutor skip it
 
@@ -150,7 +152,7 @@ class RayExecutor:
             self.gcs_address = gcs_address
             self.cluster = (f"the Ray node running on this machine (GCS at {gcs_address})" if local_node
                             else f"the Ray cluster at {gcs_address}" if address is not None or not self._owns_ray
-                            else f"the local Ray cluster this run started (GCS at {gcs_address})")
+                            else f"the local Ray cluster this {self._started_by} started (GCS at {gcs_address})")
         self._gcs_lost_after_s = gcs_lost_after_s()
         # GCS queries run here, each with a deadline: one that would block (the GCS died after the
         # last probe) leaves its thread stuck instead of the driver's loop.

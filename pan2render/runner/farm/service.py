@@ -44,6 +44,7 @@ from pan2render.runner.serve.progress import RunningJob, RunProgress
 from pan2render.runner.serve.scheduler import Scheduler, ServedBatch
 from pan2render.runner.serve.session import BatchSession, model_folder_problems
 from pan2render.runner.serve.steps import PAN2_FLOW
+from pan2render.runner.views.eta import BatchEta
 from pan2render.runner.views.report import ReportUpdater
 
 PUBLISH_EVERY_S = 0.5  # the snapshot's age at most (each publish reads every served batch's ledger)
@@ -180,7 +181,8 @@ class Farm:
             session.close()
             raise
         report = ReportUpdater(session.out_dir, say=session.log.line)
-        progress = RunProgress(log=session.log, live=False)
+        eta = BatchEta(session.out_dir, session.job_ids, gpus=self.scheduler.pool.total_gpus)
+        progress = RunProgress(log=session.log, live=False, eta=lambda: eta.seconds(session.ledger))
         holder: dict[str, ServedBatch] = {}
         flow = BatchFlow(out_dir=session.out_dir, ledger=session.ledger, flow=PAN2_FLOW, say=session.log.line,
                          upcoming=lambda: self.scheduler.upcoming(holder["batch"]), models_per_group=1)

@@ -41,6 +41,7 @@ from pan2render.jobs.ledger import (
     stage_name,
 )
 from pan2render.jobs.spec import JobSpec
+from pan2render.lanes import FastLanes
 from pan2render.phases import describe as describe_phases
 from pan2render.runner.protocol import artifacts
 from pan2render.runner.protocol.failures import ArtifactCheckError, Failure, FailureKind
@@ -320,6 +321,13 @@ class BatchFlow:
         rel = artifacts.step_checkpoint_relpath(run.job.id)
         path = self.out_dir / rel
         if self.ledger.document(run.job.id, artifacts.STEP_CHECKPOINT_DOC) is None and not path.is_file():
+            return None
+        if not FastLanes.of(run.job.spec.sample_args()).steps_exact:
+            # The worker would refuse it too, but only in its reply, once the sampling has run:
+            # until then `status` would show the restarted sampling behind a checkpoint it does not
+            # continue from (sampling 15/500 (checkpoint at 314)).
+            self.drop_step_checkpoint(run.job.id, "a step cache's kept residuals are not in a step checkpoint: "
+                                                  "sampling from step 0")
             return None
         try:
             fd = outdir.open_file(path, os.O_RDONLY)  # (never through a link planted at its name)
