@@ -112,7 +112,9 @@ def main() -> None:
     w, h, f = (int(x) for x in args.size.split("x"))
     work = Path(tempfile.mkdtemp(prefix="bench-metrics-"))
     env = {**os.environ, "PAN2_RENDER_FARM": str(work / "farm"), "PAN2_RENDER_CACHE": str(work / "cache"),
-           "PAN2_RENDER_EXECUTOR": "local", "PYTHONPATH": str(REPO)}
+           "PAN2_RENDER_EXECUTOR": "local",
+           # the checkout first, and what the caller's PYTHONPATH holds (a GPU host's unpacked wheels) after it
+           "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     if args.pipeline == "fake":
         env |= {"PAN2_RENDER_PIPELINE": FAKE_FACTORY, "PAN2_FAKE_STEP_SECONDS": str(args.step_seconds)}
     started = subprocess.run([*CLI, "farm", "start", "--inputs-root", str(work), "--outputs-root", str(work)],
