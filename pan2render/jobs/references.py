@@ -105,6 +105,52 @@ def check_lora_files(model: str, ctx: LoadContext) -> None:
             ctx.problems.append(Problem(where, fld, f"LoRA {path!r} {why}"))
 
 
+def resolve_interpolation_weights(value: str, base_dir: Path, ctx: LoadContext, where: SourceLocation,
+                                  fld: str) -> str:
+    """The interpolation weights' path made absolute (against the file that named it), noted for
+    `check_interpolation_files` where it was first named."""
+    path = (base_dir / Path(value).expanduser()).resolve()
+    if (outside := ctx.outside_roots(path)) is not None:
+        ctx.problems.append(Problem(where, fld, outside))
+    ctx.interpolation_sources.setdefault(str(path), (where, fld))
+    return str(path)
+
+
+def check_interpolation_files(ctx: LoadContext) -> None:
+    """Every interpolation weights file named anywhere: a regular file within its limit that the
+    interpolation model loads (its own check, without building the model); each problem at the
+    place that first named the file."""
+    if not ctx.check_files:
+        return
+    for path, (where, fld) in ctx.interpolation_sources.items():
+        if ctx.outside_roots(Path(path)) is not None:
+            continue  # said where it was named
+        problem = None
+        if interpolation_hash(path, ctx) is None:
+            try:
+                sha256_regular_file(path, limit=LIMITS.interpolation_weights_bytes)
+            except FileNotFoundError:
+                problem = "does not exist"
+            except (InputFileError, OSError) as exc:
+                problem = str(exc) if isinstance(exc, InputFileError) else f"cannot be read: {exc.strerror or exc}"
+        else:
+            # torch and the model's module, only for a batch that names such a file: reading a
+            # batch without one stays free of them.
+            from pan2render.models.ifnet import check_ifnet_weights
+
+            problem = check_ifnet_weights(Path(path))
+        if problem is not None:
+            ctx.problems.append(Problem(where, fld, f"interpolation weights {path!r}: {problem}; allowed: "
+                                                    "a RIFE IFNet weights file"))
+
+
+def interpolation_hash(path: str, ctx: LoadContext) -> str | None:
+    """The weights file's sha256, hashed once per load; None when it cannot be read."""
+    if path not in ctx.interpolation_hashes:
+        ctx.interpolation_hashes[path] = _hash(path, limit=LIMITS.interpolation_weights_bytes)
+    return ctx.interpolation_hashes[path]
+
+
 def _lora_reader(path: str) -> Callable[[int], bytes]:
     """``n`` -> the adapter's first ``n`` bytes, for `read_header`."""
     return lambda n: read_regular_file(path, limit=LIMITS.lora_bytes, first=n)

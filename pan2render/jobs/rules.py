@@ -32,6 +32,7 @@ class Kind(enum.Enum):
     CHOICE = "choice"  # one of ``choices``
     TIMESTEPS = "timesteps"  # a DMD timestep list (pan2render.sampling.timesteps_problem)
     LORAS = "loras"  # a list of LoRA adapters, each a path (relative to the file) and a scale
+    PROMPTS = "prompts"  # a list of texts, one per chained segment
 
 
 FIELD_DEFAULT: Any = type("FieldDefault", (), {"__repr__": lambda self: "FIELD_DEFAULT"})()

@@ -30,6 +30,7 @@ from pan2render.media.x264 import DEFAULT_X264_PRESET, DEFAULT_X264_TUNE, X264_P
 from pan2render.sampling import DEFAULT_NUM_TRAIN_TIMESTEPS, DMD, SAMPLERS, WAN22
 
 ALLOWED_GPUS = (1, 2, 4, 8)
+INTERPOLATION_FACTORS = (1, 2, 4)  # `interpolate`: 1 is off
 # Seeds are stored in the SQLite ledger (signed 64-bit INTEGER) and fed to torch.Generator.
 MAX_SEED = 2**63 - 1
 # The mp4's frame rate: what players and libx264 handle (a tiny rate passed validation and then
@@ -206,6 +207,28 @@ class JobSpec:
         pixels=False, scope=Scope.DEFAULTS, kind=Kind.LORAS,
         allowed=f"a list of at most {LIMITS.loras} .safetensors files (relative to this file), each a path or "
                 f"{{{{path, scale}}}} with a scale in -{LIMITS.lora_scale:g}..{LIMITS.lora_scale:g} (default 1.0)"), ())
+    # A longer, smoother video (pan2render.long_video): chained segments and frame interpolation.
+    # Left at 1 they change nothing, and are not hashed: every job before them keeps its id.
+    segments: int = _rule(Rule(
+        "clips rendered one after another, each conditioned on the previous one's last frame (colour-matched "
+        "to the first) and joined without repeating it", pixels=True, scope=Scope.PRESET, kind=Kind.INT, min=1,
+        max=LIMITS.segments, allowed="an integer from {min:g} to {max:g} (the video has segments x frames - "
+                                     "(segments - 1) frames)"), 1)
+    # A story: segment k's prompt. Its number gives `segments`; `prompt` is its first (and may be left out).
+    prompts: tuple[str, ...] | None = _rule(Rule(
+        "one prompt per segment, in order (a story); their number is the job's segments", pixels=True,
+        scope=Scope.JOB, kind=Kind.PROMPTS, min=1, max=LIMITS.segments, max_chars=LIMITS.text_chars,
+        allowed="a list of {min:g} to {max:g} non-empty strings of at most {max_chars:,} characters each"), None)
+    interpolate: int = _rule(Rule(
+        "frame interpolation (RIFE) after decode: factor F puts F - 1 frames between every two and plays F "
+        "times as many a second", pixels=True, scope=Scope.PRESET, kind=Kind.CHOICE, choices=INTERPOLATION_FACTORS,
+        allowed="one of {choices} (1: off; the video gets (n - 1) x F + 1 frames at fps x F)"), 1)
+    # The path is not hashed, its content is (interpolation_sha256): a moved file keeps its jobs.
+    interpolation_weights: str | None = _rule(Rule(
+        "the RIFE IFNet weights file `interpolate` runs", pixels=False, scope=Scope.DEFAULTS, kind=Kind.PATH,
+        max_chars=LIMITS.path_chars,
+        allowed="a path to a RIFE IFNet weights file, relative to this file (at most {max_chars:,} characters)"),
+        None)
 
     # Resolved by the batch, not set in it.
     model: str = _rule(Rule("\"tiny\" or an absolute checkpoint folder", pixels=True, in_first_ids=True))
@@ -216,6 +239,9 @@ class JobSpec:
     # adapters keep their ids.
     lora_digests: tuple[tuple[str | None, float], ...] = _rule(Rule(
         "content hash and scale of each LoRA, so the job id follows the adapters' weights", pixels=True), ())
+    interpolation_sha256: str | None = _rule(Rule(
+        "content hash of the interpolation weights, so the job id follows them", pixels=True,
+        inert_when=("interpolate", 1)), None)
     # A checkpoint replaced under the same path makes new jobs.
     weights: str | None = _rule(Rule(
         "fingerprint of the checkpoint folder's weights (jobs.weights); None for the tiny model",
@@ -283,8 +309,9 @@ class JobSpec:
     def from_dict(cls, d: dict[str, Any]) -> "JobSpec":
         d = dict(d)
         src = d.pop("source", None)
-        if d.get("timesteps") is not None:  # JSON gives a list
-            d["timesteps"] = tuple(d["timesteps"])
+        for key in ("timesteps", "prompts"):  # JSON gives a list
+            if d.get(key) is not None:
+                d[key] = tuple(d[key])
         d["loras"] = tuple(LoraRef(**r) for r in d.get("loras", ()))
         d["lora_digests"] = tuple((sha, float(scale)) for sha, scale in d.get("lora_digests", ()))
         return cls(**d, source=None if src is None else SourceLocation(src["file"], int(src["line"])))
