@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pan2render.jobs.spec import MAX_SEED, JobSpec
+if TYPE_CHECKING:  # (jobs/ imports this module: the schema's checks use its rules)
+    from pan2render.jobs.spec import JobSpec
 
 
 def segment_seed(seed: int, k: int) -> int:
@@ -23,6 +24,8 @@ def segment_seed(seed: int, k: int) -> int:
     segment samples exactly what it did before segments existed; a later one's comes from the job's
     seed and ``k`` through sha256, so no two segments of a job (nor segment 2 of seed s and segment
     1 of seed s + 1) draw the same noise, and a resumed job draws what it drew the first time."""
+    from pan2render.jobs.spec import MAX_SEED  # (the range every seed of a job keeps to)
+
     if k == 1:
         return seed
     digest = hashlib.sha256(f"pan2-render segment {k} of seed {seed}".encode()).digest()

@@ -107,7 +107,8 @@ def test_segments_and_prompts_that_disagree_are_refused(tmp_path: Path) -> None:
         jobs:
           - {name: story, prompts: [a, b]}
         """, "defaults.yaml")
-    assert any(p.startswith(f"{other}:5: jobs[0].segments: got 4 but the job lists 2 prompts") for p in _problems(other))
+    assert any(p.startswith(f"{other}:5: jobs[0].segments: got 4 but the job lists 2 prompts")
+               for p in _problems(other))
     # A --set disagrees as the file would, located at the job.
     story = _batch(tmp_path, "jobs: [{name: story, prompts: [a, b]}]", "story.yaml")
     assert any("jobs[0].segments: got 5 but the job lists 2 prompts" in p
