@@ -142,6 +142,7 @@ class EventKind(str, enum.Enum):
     GROUP_DISCARDED = "group-discarded"
     GROUP_DIED = "group-died"
     CHECKPOINT_DROPPED = "checkpoint-dropped"
+    SEGMENT = "segment"  # a chained job's segment sampled, or its last frame recorded
     DROPPED = "dropped"  # a job removed from the ledger (`run --prune`); its id leads the detail
     OTHER = "other"  # a kind this version does not know (a newer version wrote it)
 

@@ -1,0 +1,61 @@
+"""A long video on the worker (``pan2render.long_video``): a chained segment's last frame and
+colour, and a job's video decoded whole: its segments decoded, colour-matched to the first and
+joined without each join's repeated frame.
+
+Every rank decodes (a group's decode is split over its ranks, frames on rank 0); rank 0 alone
+matches, joins and answers, the other ranks return None. Frames stay on the device until they are
+converted for the encode: uint8 ``[F, H, W, 3]``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from pan2render.jobs.spec import JobSpec
+from pan2render.media.colour import colour_stats, match_colour
+from pan2render.media.video import png_bytes
+from pan2render.runner.protocol.messages import DecodeCall, SegmentFrameCall, SegmentFrameReply
+from pan2render.runner.worker.packing import unpack_latents
+
+
+def segment_frame(pipe: Any, call: SegmentFrameCall, js: JobSpec, *, rank: int) -> SegmentFrameReply | None:
+    """The segment's frames decoded; their colour statistics; the last frame matched to the first
+    segment's colour (the first segment's as it is), as a PNG: the next segment's first frame."""
+    t0 = time.perf_counter()
+    frames = _decoded(pipe, call.latents, js, rank=rank)
+    if frames is None:
+        return None
+    stats = colour_stats(frames)
+    last = frames[-1:] if call.reference is None else match_colour(frames[-1:], stats, call.reference)
+    return SegmentFrameReply(segment=call.segment, last_frame=png_bytes(last[0].cpu().numpy()), stats=stats,
+                             decode_s=time.perf_counter() - t0)
+
+
+def video_frames_on_device(pipe: Any, call: DecodeCall, js: JobSpec, *, rank: int) -> torch.Tensor | None:
+    """The job's frames, uint8 ``[F, H, W, 3]`` on the device (rank 0; None on the others): its one
+    clip, or its segments each matched to the first one's colour with the statistics their own
+    decode measured, and joined, every segment after the first without its first frame."""
+    if not call.segments:
+        return _decoded(pipe, call.latents, js, rank=rank)
+    reference = call.segments[0].stats
+    parts: list[torch.Tensor] = []
+    for k, segment in enumerate(call.segments, 1):
+        frames = _decoded(pipe, segment.latents, js, rank=rank)
+        if frames is None:
+            continue
+        parts.append(frames if k == 1 else match_colour(frames, segment.stats, reference)[1:])
+        del frames
+    return torch.cat(parts) if parts else None
+
+
+def _decoded(pipe: Any, latents: bytes, js: JobSpec, *, rank: int) -> torch.Tensor | None:
+    frames = pipe.decode(unpack_latents(latents), on_device=True)  # uint8 [F, H, W, 3]
+    if rank != 0:
+        return None
+    want = (js.frames, js.height, js.width, 3)
+    if tuple(frames.shape) != want:
+        raise ValueError(f"decode returned frames of shape {tuple(frames.shape)}, expected {want}")
+    return frames
