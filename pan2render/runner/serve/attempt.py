@@ -84,6 +84,7 @@ class JobRun:
     encode_texts: list[str] = field(default_factory=list)  # texts of the encode_prompts in flight
     decode_s: float | None = None  # how long its decode took, once it returned
     checkpoint_step: int = 0  # the step of its newest step checkpoint recorded (0: none)
+    segment_sampled_s: float | None = None  # a chained job: its current segment's sampling, once recorded
     preview_step: int = 0  # the step of its newest preview written (0: none this attempt)
     sample_started_at: float = 0.0  # when its SampleCall went out (time.time): the watchdog's start
     last_step: StepReport | None = None  # the latest step this attempt's sampling reported

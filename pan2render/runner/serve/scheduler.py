@@ -272,7 +272,7 @@ class Scheduler:
             return None
         if message.marks_stage and message.stage is not None:
             batch.ledger.set_stage(run.job.id, message.stage, StageEvent.START)
-        batch.progress.stage(run.job.id, message.shown)
+        batch.progress.stage(run.job.id, message.label())
         run.sent(message, self._call(run, message))
         if run.sampling:
             watch.started_sampling(run)
