@@ -118,11 +118,11 @@ def expand_jobs(raw_jobs: list[RawJob], *, model: str, weights: str | None, pres
             if not _check_sampling(merged, raw, explicit, ctx) or not _check_long_video(
                     merged, raw, {**explicit, **sets}, ctx):
                 continue
-            weights = merged["interpolation_weights"]
+            rife = merged["interpolation_weights"]
             jobs.append(JobSpec(
                 **{k: merged[k] for k in JOB_KEYS if k != "image"}, image=image, image_sha256=image_sha,
                 lora_digests=tuple((lora_hash(r.path, ctx), r.scale) for r in merged["loras"]),
-                interpolation_sha256=None if weights is None else interpolation_hash(weights, ctx),
+                interpolation_sha256=None if rife is None else interpolation_hash(rife, ctx),
                 model=model, preset=preset_name, weights=weights,
                 sweep={k: _sweep_label(k, v) for k, v in combo.items()}, source=raw.location,
             ))

@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from pan2render.ifnet_files import check_ifnet_weights
 from pan2render.jobs.coerce import BadValue, as_path, type_name
 from pan2render.jobs.context import LoadContext, RawJob
 from pan2render.jobs.inputs import LIMITS, InputFileError, image_size, read_regular_file, sha256_regular_file
@@ -133,15 +134,12 @@ def check_interpolation_files(ctx: LoadContext) -> None:
                 problem = "does not exist"
             except (InputFileError, OSError) as exc:
                 problem = str(exc) if isinstance(exc, InputFileError) else f"cannot be read: {exc.strerror or exc}"
-        else:
-            # torch and the model's module, only for a batch that names such a file: reading a
-            # batch without one stays free of them.
-            from pan2render.models.ifnet import check_ifnet_weights
-
-            problem = check_ifnet_weights(Path(path))
+            problem = (f"interpolation weights {path!r} {problem}; allowed: a RIFE IFNet weights file (v4.25 / "
+                       "v4.26, .safetensors or a torch state dict)")
+        else:  # the loader's own check (a safetensors file from its header, a torch file mapped, not run),
+            problem = check_ifnet_weights(Path(path))  # which names the file and what it accepts
         if problem is not None:
-            ctx.problems.append(Problem(where, fld, f"interpolation weights {path!r}: {problem}; allowed: "
-                                                    "a RIFE IFNet weights file"))
+            ctx.problems.append(Problem(where, fld, problem))
 
 
 def interpolation_hash(path: str, ctx: LoadContext) -> str | None:

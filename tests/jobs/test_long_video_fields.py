@@ -3,6 +3,8 @@ field (file:line, the field, what is allowed); a batch without them keeps its jo
 
 from __future__ import annotations
 
+import hashlib
+import runpy
 import textwrap
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import pytest
 
 from pan2render.jobs import BatchValidationError, load_batch
 from pan2render.jobs.overrides import Overrides
-from pan2render.long_video import segment_prompts, segment_seed, video_frames
+from pan2render.long_video import segment_prompts, segment_seed, video_fps, video_frames
 
 HEADER = "model: tiny\npreset: tiny-preview\n"
 
@@ -132,3 +134,79 @@ def test_segments_sweep_and_set_like_any_field(tmp_path: Path) -> None:
     flags = load_batch(_batch(tmp_path, "jobs: [{name: river, prompt: a river}]", "plain.yaml"),
                        overrides=Overrides(sets=["segments=2"])).jobs
     assert flags[0].segments == 2
+
+
+# ---------------------------------------------------------------------------------------- interpolation
+_MAKE = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "make_random_ifnet.py"))
+
+
+def test_interpolation_weights_resolve_against_the_batch_and_hash_by_content(tmp_path: Path) -> None:
+    weights = _MAKE["save_random_ifnet"](tmp_path / "rife" / "ifnet.safetensors")
+    path = _batch(tmp_path, """
+        defaults: {interpolation_weights: rife/ifnet.safetensors}
+        jobs:
+          - {name: smooth, prompt: a river, interpolate: 2}
+          - {name: plain, prompt: a river}
+        """)
+    smooth, plain = load_batch(path).jobs
+    assert smooth.interpolation_weights == str(weights) and smooth.interpolation_sha256 == \
+        hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert video_frames(smooth) == 2 * 17 - 1 and video_fps(smooth) == 16.0  # tiny-preview: 17 frames at 8 fps
+    # Weights that nothing interpolates with change nothing: the job's id is the one it had without them.
+    assert plain.spec_hash == load_batch(_batch(tmp_path, "jobs: [{name: plain, prompt: a river}]", "p.yaml")
+                                         ).jobs[0].spec_hash
+    # The same weights elsewhere: the same job; other weights: another.
+    moved = tmp_path / "elsewhere.safetensors"
+    moved.write_bytes(weights.read_bytes())
+    again = load_batch(path, overrides=Overrides(sets=[f"interpolation_weights={moved}"])).jobs[0]
+    assert again.spec_hash == smooth.spec_hash
+    _MAKE["save_random_ifnet"](moved, seed=1)
+    assert load_batch(path, overrides=Overrides(sets=[f"interpolation_weights={moved}"])).jobs[0].spec_hash \
+        != smooth.spec_hash
+    # A segmented, interpolated job: (3 x 17 - 2 - 1) x 2 + 1 frames.
+    both = load_batch(_batch(tmp_path, """
+        jobs: [{name: both, prompt: a, segments: 3, interpolate: 2, interpolation_weights: rife/ifnet.safetensors}]
+        """, "both.yaml")).jobs[0]
+    assert video_frames(both) == (3 * 17 - 2 - 1) * 2 + 1
+
+
+def test_missing_or_wrong_interpolation_weights_are_refused_naming_them(tmp_path: Path) -> None:
+    (tmp_path / "notes.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")  # no tensors
+    (tmp_path / "lora.safetensors").write_bytes(b"not a weights file at all")
+    path = _batch(tmp_path, """
+        jobs:
+          - name: gone
+            prompt: a
+            interpolate: 2
+            interpolation_weights: gone.safetensors
+          - name: empty
+            prompt: b
+            interpolate: 4
+            interpolation_weights: notes.safetensors
+          - name: junk
+            prompt: c
+            interpolate: 2
+            interpolation_weights: lora.safetensors
+          - name: without
+            prompt: d
+            interpolate: 2
+        """)
+    found = _problems(path)
+    assert f"{path}:7: jobs[0].interpolation_weights: interpolation weights '{tmp_path / 'gone.safetensors'}' " \
+           "does not exist; allowed: a RIFE IFNet weights file (v4.25 / v4.26, .safetensors or a torch state dict)" \
+        in found
+    # The model's own check says what is wrong with the others, naming them.
+    assert any(p.startswith(f"{path}:11: jobs[1].interpolation_weights: IFNet weights file "
+                            f"'{tmp_path / 'notes.safetensors'}' holds no tensors") for p in found)
+    assert any(p.startswith(f"{path}:15: jobs[2].interpolation_weights: IFNet weights file "
+                            f"'{tmp_path / 'lora.safetensors'}' is neither a safetensors file nor a torch state dict")
+               for p in found)
+    # Checked once the files are (the other problems stop the batch first), a job without weights:
+    good = _MAKE["save_random_ifnet"](tmp_path / "ok.safetensors")
+    fixed = path.read_text().replace("gone.safetensors", good.name).replace("notes.safetensors", good.name) \
+        .replace("lora.safetensors", good.name)
+    path.write_text(fixed)
+    assert _problems(path) == [f"{path}:18: jobs[3].interpolate: interpolate 2 needs `interpolation_weights`: the "
+                               "RIFE IFNet weights file it runs (a path relative to this file)"]
+    assert any("jobs[0].interpolate: got 3; allowed: one of 1, 2, 4" in p
+               for p in _problems(_batch(tmp_path, "jobs: [{name: x, prompt: x, interpolate: 3}]", "three.yaml")))
