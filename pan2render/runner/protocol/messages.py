@@ -18,6 +18,7 @@ Messages stay small: artifacts (embeddings, latents, mp4s) travel as ``bytes``. 
     SampleCall(model, job_id, spec, embeds...)  -> SampleReply         latents safetensors bytes
     SegmentFrameCall(job_id, segment, latents)  -> SegmentFrameReply   a chained segment's last frame, colour
     DecodeCall(model, job_id, spec, latents)    -> DecodeReply         hands the encode to a thread
+    InterpolateCall(job_id, weights)            -> InterpolateReply    (interpolate > 1) then hands it over
     CollectCall(job_id)                         -> CollectReply        the checked mp4 (I/O lane)
     StopSamplingCall, FetchCheckpointCall,
     FetchPreviewCall(job_id, after_step)        -> beside a sampling, on the I/O lane
@@ -375,7 +376,31 @@ class DecodeCall(WorkerCall):
 
 @dataclass(frozen=True)
 class DecodeReply:
-    decode_s: float  # the frames are on the host; the encode runs on the worker's encode thread
+    # The frames are on the host, the encode runs on the worker's encode thread; a job that
+    # interpolates keeps them on the device for its InterpolateCall instead.
+    decode_s: float
+
+
+@dataclass(frozen=True)
+class InterpolateCall(WorkerCall):
+    """The job's decoded frames (kept on rank 0's device by its decode) interpolated by RIFE's IFNet
+    to (n - 1) x factor + 1 frames, then handed to the encode thread as a decode's are."""
+
+    stage: ClassVar[Stage | None] = Stage.INTERPOLATE
+    shown: ClassVar[str] = "interpolate"
+    timeout_key: ClassVar[str] = "interpolate"
+    default_timeout_s: ClassVar[float] = 1800.0
+    model: str
+    job_id: str
+    spec: JobSpec | None  # None: sent with an earlier call of this attempt
+    weights: bytes  # the IFNet weights file's bytes (workers need no shared disk)
+    weights_sha256: str  # ... as the job id was made with: the worker keeps the model it loaded by it
+
+
+@dataclass(frozen=True)
+class InterpolateReply:
+    interpolate_s: float
+    frames: int  # of the interpolated video
 
 
 @dataclass(frozen=True)
@@ -397,7 +422,8 @@ class CollectReply:
 
 # Every call the driver makes for a job (each with a deadline), in a job's order.
 JOB_CALLS: tuple[type[WorkerCall], ...] = (LoadCall, EncodePromptsCall, SampleCall, SegmentFrameCall, DecodeCall,
-                                           CollectCall, StopSamplingCall, FetchCheckpointCall, FetchPreviewCall)
+                                           InterpolateCall, CollectCall, StopSamplingCall, FetchCheckpointCall,
+                                           FetchPreviewCall)
 SETUP_CALLS: tuple[type[WorkerCall], ...] = (RendezvousCall, InitGroupCall)
 
 

@@ -110,7 +110,8 @@ def restore_params(out_dir: Path, ledger: Ledger, job: JobRecord) -> str | None:
     recorded = ledger.document(job.id, PARAMS_NAME)
     if recorded is None:
         st = ledger.stages(job.id)
-        recorded = params_text(params_document(job=job, seconds={s.value: st[s].seconds for s in STAGES},
+        recorded = params_text(params_document(job=job, seconds={s.value: st[s].seconds if s in st else None
+                                                                 for s in STAGES},
                                                load=None, created_at=time.time()))
         problem = f"{params_relpath(job.id)} was never recorded"
     else:

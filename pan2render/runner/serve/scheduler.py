@@ -145,7 +145,7 @@ class Scheduler:
                                                  f"it continues from its step checkpoint")
                 batch.progress.job_ended(run.job.id, "requeued", f"preempted at step {run.stopped_at}")
             return True
-        if run.cancelled and run.decode_s is None:  # its GPU work not done: go no further
+        if run.cancelled and not run.gpu_done:  # its GPU work not done: go no further
             self._leave(batch, run)
             self._end_cancelled(batch, run.job.id, run.stop.reason)
             return True

@@ -6,6 +6,7 @@ flow (``serve/jobflow.py`` says how a flow is run, resumed and repaired)::
                   (a chained job: per segment, SampleCall + SegmentFrameCall -> DIR/<job>/segments/<k>/,
                   serve/segments.py)
     decode        DecodeCall        -> frames on the worker, encoded there in the background
+    interpolate   InterpolateCall   -> (interpolate > 1) those frames interpolated there, then encoded
     collect       CollectCall       -> DIR/<job>/video.mp4 + params.json (ledger stage "encode")
 
 The GPU never waits for the encoder or the scheduler: a decode returns once the frames are on the
@@ -34,6 +35,8 @@ from pan2render.runner.protocol.messages import (
     DecodeReply,
     EncodePromptsCall,
     EncodePromptsReply,
+    InterpolateCall,
+    InterpolateReply,
     SampleCall,
     SampleReply,
     Segment,
@@ -229,6 +232,42 @@ class DecodeStep(Step):
 
     def record(self, flow: BatchFlow, run: JobRun, value: DecodeReply, seconds: float) -> None:
         run.decode_s = value.decode_s
+        if run.job.spec.interpolate == 1:  # (else the interpolation hands the frames to the encode)
+            flow.ledger.set_stage(run.job.id, Stage.ENCODE, StageEvent.START)
+
+
+class InterpolateStep(Step):
+    """The decoded frames interpolated on the worker's GPU lane (RIFE's IFNet, ``interpolate`` > 1),
+    then handed to its encode thread. Like decode's, its result never leaves the worker (frames are
+    hundreds of MB: DESIGN keeps them out of the object store), so it reaches the disk inside the
+    video and the stage is recorded done with it: a job whose video is written never interpolates
+    again; one whose worker was lost before that decodes and interpolates again (seconds; its
+    samplings are kept). A job that does not interpolate is as far along here as its decode."""
+
+    stage = Stage.INTERPOLATE
+    calls = (InterpolateCall,)
+    per_job_artifact = False
+
+    def status(self, flow: BatchFlow, run: JobRun, rec: StageRecord) -> Status:
+        done = run.decode_s if run.job.spec.interpolate == 1 else run.interpolate_s
+        return StepStatus.DONE if done is not None else StepStatus.TO_DO
+
+    def call(self, flow: BatchFlow, run: JobRun) -> WorkerCall:
+        spec = run.job.spec
+        assert spec.interpolation_weights is not None and spec.interpolation_sha256 is not None, "checked at validation"
+        try:
+            weights = read_regular_file(spec.interpolation_weights, limit=LIMITS.interpolation_weights_bytes)
+        except (InputFileError, OSError) as e:
+            raise JobInputError(f"interpolation weights {spec.interpolation_weights} {_unreadable(e)}; restore them "
+                                f"or run the batch again with others") from e
+        if artifacts.sha256_bytes(weights) != spec.interpolation_sha256:
+            raise JobInputError(f"interpolation weights {spec.interpolation_weights} changed since the batch was "
+                                f"validated (sha256 differs); run the batch again: its jobs get new ids")
+        return InterpolateCall(model=spec.model, job_id=run.job.id, spec=run.spec_once(), weights=weights,
+                               weights_sha256=spec.interpolation_sha256)
+
+    def record(self, flow: BatchFlow, run: JobRun, value: InterpolateReply, seconds: float) -> None:
+        run.interpolate_s = value.interpolate_s
         flow.ledger.set_stage(run.job.id, Stage.ENCODE, StageEvent.START)
 
 
@@ -246,7 +285,8 @@ class CollectStep(Step):
         # params.json first: a write that fails between the two then leaves no video that the
         # ledger does not record (a lone params.json is rewritten with the next attempt).
         times = {stage_name(s): r.seconds for s, r in flow.ledger.stages(jid).items()}
-        times.update({Stage.DECODE.value: run.decode_s, Stage.ENCODE.value: value.encode_s + value.check_s})
+        times.update({Stage.DECODE.value: run.decode_s, Stage.INTERPOLATE.value: run.interpolate_s,
+                      Stage.ENCODE.value: value.encode_s + value.check_s})
         load = run.group.loads.get(spec.model)
         params = outputs.write_params(flow.out_dir, job=run.job, seconds=times,
                                       load=None if load is None else dataclasses.asdict(load),
@@ -263,6 +303,7 @@ class CollectStep(Step):
             raise RuntimeError(f"the written video does not check out: {problem}")
         flow.ledger.set_stages(jid, [
             (Stage.DECODE, StageEvent.FINISH, {"seconds": run.decode_s}),
+            (Stage.INTERPOLATE, StageEvent.FINISH, {"seconds": run.interpolate_s}),
             (Stage.ENCODE, StageEvent.FINISH, {"artifact": rel, "sha256": rec.sha256, "size": rec.size,
                                              "seconds": value.encode_s + value.check_s}),
         ], documents={outputs.PARAMS_NAME: params})
@@ -277,7 +318,7 @@ class CollectStep(Step):
         return found[1]
 
 
-PAN2_FLOW = JobFlow(steps=(ConditioningStep(), SamplingStep(), DecodeStep(), CollectStep()))
+PAN2_FLOW = JobFlow(steps=(ConditioningStep(), SamplingStep(), DecodeStep(), InterpolateStep(), CollectStep()))
 
 
 # ---------------------------------------------------------------------- conditioning, shared by the steps

@@ -1,6 +1,6 @@
 """A long video on the worker (``pan2render.long_video``): a chained segment's last frame and
-colour, and a job's video decoded whole: its segments decoded, colour-matched to the first and
-joined without each join's repeated frame.
+colour; a job's video decoded whole: its segments decoded, colour-matched to the first and joined
+without each join's repeated frame; and those frames interpolated (RIFE's IFNet).
 
 Every rank decodes (a group's decode is split over its ranks, frames on rank 0); rank 0 alone
 matches, joins and answers, the other ranks return None. Frames stay on the device until they are
@@ -17,7 +17,9 @@ import torch
 from pan2render.jobs.spec import JobSpec
 from pan2render.media.colour import colour_stats, match_colour
 from pan2render.media.video import png_bytes
-from pan2render.runner.protocol.messages import DecodeCall, SegmentFrameCall, SegmentFrameReply
+from pan2render.runner.protocol.failures import JobInputError
+from pan2render.runner.protocol.messages import DecodeCall, InterpolateCall, SegmentFrameCall, SegmentFrameReply
+from pan2render.runner.worker import scratch
 from pan2render.runner.worker.packing import unpack_latents
 
 
@@ -59,3 +61,42 @@ def _decoded(pipe: Any, latents: bytes, js: JobSpec, *, rank: int) -> torch.Tens
     if tuple(frames.shape) != want:
         raise ValueError(f"decode returned frames of shape {tuple(frames.shape)}, expected {want}")
     return frames
+
+
+class Interpolation:
+    """What a worker holds for a job's interpolation: its decoded frames, kept on rank 0's device
+    from its decode to its InterpolateCall (the next call of its GPU lane: the scheduler queues no
+    other job's call behind a decode that an interpolation follows), one job at a time; and the
+    IFNet last loaded, by its weights' digest, so a batch loads its weights once per worker."""
+
+    def __init__(self) -> None:
+        self._frames: tuple[str, torch.Tensor] | None = None
+        self._model: tuple[str, Any] | None = None
+
+    def keep(self, job_id: str, frames: torch.Tensor) -> None:
+        self._frames = (job_id, frames)  # (another job's, never interpolated: its attempt ended)
+
+    def run(self, call: InterpolateCall, js: JobSpec) -> torch.Tensor:
+        """The kept frames interpolated: uint8 ``[(n - 1) * factor + 1, H, W, 3]`` on their device."""
+        from pan2render.models.ifnet import interpolate_uint8
+
+        if self._frames is None or self._frames[0] != call.job_id:
+            raise RuntimeError(f"no decoded frames of job {call.job_id} on this worker (its decode did not run here)")
+        frames = self._frames[1]
+        self._frames = None
+        return interpolate_uint8(self._load(call, frames.device), frames, js.interpolate)
+
+    def _load(self, call: InterpolateCall, device: torch.device) -> Any:
+        from pan2render.models.ifnet import IFNetWeightsError, load_ifnet
+
+        if self._model is None or self._model[0] != call.weights_sha256:
+            self._model = None  # (its memory back before the next is loaded)
+            with scratch.encode_folder() as tmp:
+                path = tmp / "ifnet-weights"
+                path.write_bytes(call.weights)
+                try:
+                    model = load_ifnet(path, device=device)
+                except IFNetWeightsError as e:  # the same file on any worker: the job's input
+                    raise JobInputError(str(e)) from e
+            self._model = (call.weights_sha256, model)
+        return self._model[1]

@@ -33,7 +33,6 @@ import traceback
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -60,6 +59,8 @@ from pan2render.runner.protocol.messages import (
     FetchPreviewCall,
     InitGroupCall,
     InitGroupReply,
+    InterpolateCall,
+    InterpolateReply,
     Lane,
     LoadCall,
     LoadReply,
@@ -76,7 +77,7 @@ from pan2render.runner.protocol.messages import (
     WorkerConfig,
     WorkerStart,
 )
-from pan2render.runner.worker import long_video, packing, scratch
+from pan2render.runner.worker import group_setup, long_video, packing, scratch
 from pan2render.runner.worker.adapters import AdapterCache
 from pan2render.runner.worker.encodes import Encodes, encode_job
 from pan2render.runner.worker.faults import FaultHooks
@@ -115,6 +116,7 @@ class RenderWorker:
         self._turn = threading.Condition()
         self._next_seq = 0  # the GPU-lane call whose turn it is
         self._encodes = Encodes()
+        self._interpolation = long_video.Interpolation()
         # The specs of the jobs this worker runs: a call carries its job's spec only when it is
         # the attempt's first that needs it. Bounded: a job whose attempt failed never says
         # goodbye, and a group holds at most a few jobs at once (GPU lane, encodes).
@@ -195,23 +197,12 @@ class RenderWorker:
 
     # ------------------------------------------------------------------ group set-up
     def _rendezvous(self, call: RendezvousCall) -> RendezvousReply:
-        """Rank 0 picks where the group's ranks meet: a file of its own on its node (a group's ranks
-        share a node), so the rendezvous opens no port anyone on the network could reach."""
-        return RendezvousReply(init_method=f"file://{scratch.group_store()}",
-                               backend="nccl" if self.device == "cuda" else "gloo")
+        return group_setup.rendezvous(self.device)
 
     def _init_group(self, call: InitGroupCall) -> InitGroupReply:
-        import torch.distributed as dist
-
-        if self.device == "cuda":
-            torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU as device 0
-        dist.init_process_group(backend=call.backend, init_method=call.init_method, rank=self.rank,
-                                world_size=self.world_size, timeout=timedelta(seconds=self.config.dist_timeout_s))
-        # A first collective proves every rank joined before any job is placed on the group.
-        probe = torch.ones(1, device=self.device)
-        dist.all_reduce(probe)
-        assert int(probe.item()) == self.world_size, f"all_reduce gave {probe.item()}"
-        self._group = dist.group.WORLD
+        self._group = group_setup.join_group(init_method=call.init_method, backend=call.backend, rank=self.rank,
+                                             world_size=self.world_size, device=self.device,
+                                             timeout_s=self.config.dist_timeout_s)
         return InitGroupReply(world_size=self.world_size)
 
     # ------------------------------------------------------------------ stages
@@ -375,11 +366,28 @@ class RenderWorker:
                                           want=(js.frames, js.height, js.width, 3))
         else:
             frames = long_video.video_frames_on_device(pipe, call, js, rank=self.rank)
+            if frames is not None and js.interpolate > 1:  # its InterpolateCall takes them from here
+                self._interpolation.keep(call.job_id, frames)
+                return DecodeReply(decode_s=time.perf_counter() - t0)
             planes = None if frames is None else rgb_to_yuv420(frames).cpu().numpy()  # the one host copy
         if planes is None:  # not rank 0
             return None
         self._encodes.submit(call.job_id, functools.partial(self._encode, js, planes))
         return DecodeReply(decode_s=time.perf_counter() - t0)
+
+    def _interpolate(self, call: InterpolateCall) -> InterpolateReply | None:
+        """Rank 0 interpolates the frames its decode kept, then hands them to the encode thread."""
+        from pan2render.media.yuv import rgb_to_yuv420
+
+        js = self._spec(call.job_id, call.spec)
+        self._faults.at_stage(js, "interpolate")
+        if self.rank != 0:
+            return None
+        t0 = time.perf_counter()
+        frames = self._interpolation.run(call, js)
+        planes = rgb_to_yuv420(frames).cpu().numpy()  # the one host copy
+        self._encodes.submit(call.job_id, functools.partial(self._encode, js, planes))
+        return InterpolateReply(interpolate_s=time.perf_counter() - t0, frames=int(frames.shape[0]))
 
     def _segment_frame(self, call: SegmentFrameCall) -> SegmentFrameReply | None:
         js = self._spec(call.job_id, call.spec)
@@ -421,6 +429,7 @@ RenderWorker.handlers = {
     SampleCall: RenderWorker._sample,
     SegmentFrameCall: RenderWorker._segment_frame,
     DecodeCall: RenderWorker._decode,
+    InterpolateCall: RenderWorker._interpolate,
     CollectCall: RenderWorker._collect,
     StopSamplingCall: RenderWorker._stop_sampling,
     FetchCheckpointCall: RenderWorker._fetch_checkpoint,
