@@ -33,6 +33,7 @@ from pan2render.jobs.inputs import dit_tokens
 from pan2render.jobs.ledger import LEDGER_NAME, EventKind, JobState, Ledger, Stage
 from pan2render.jobs.spec import JobSpec
 from pan2render.lanes import guided_steps
+from pan2render.long_video import is_long, video_frames
 from pan2render.sampling import WAN22
 from pan2render.tiny_dit import TINY_MODEL
 
@@ -53,13 +54,16 @@ class JobSize:
     latent_frames: int
     pixels: int  # frames x height x width of the video
     step_units: float  # steps in guided-step equivalents (an unguided step counts UNGUIDED_STEP_COST)
+    segments: int = 1  # clips sampled one after another (a chained job), each of the sizes above
+    video_pixels: int = 0  # frames x height x width of the mp4 (segments joined, interpolated); 0: ``pixels``
 
     @classmethod
     def of(cls, spec: JobSpec) -> JobSize:
         guided = guided_steps(spec.steps, spec.guidance_until) if spec.guidance > 1.0 else 0
         return cls(tokens=dit_tokens(frames=spec.frames, height=spec.height, width=spec.width),
                    latent_frames=WAN22.latent_frames(spec.frames), pixels=spec.frames * spec.height * spec.width,
-                   step_units=guided + (spec.steps - guided) * UNGUIDED_STEP_COST)
+                   step_units=guided + (spec.steps - guided) * UNGUIDED_STEP_COST, segments=spec.segments,
+                   video_pixels=video_frames(spec) * spec.height * spec.width)
 
 
 @dataclass(frozen=True)
@@ -101,8 +105,13 @@ class CostModel:
         return self.decode_per_latent_frame * size.latent_frames + self.decode_per_pixel * size.pixels
 
     def times(self, size: JobSize) -> StageTimes:
-        return StageTimes(conditioning=self.conditioning, sampling=self.step(size.tokens) * size.step_units,
-                          decode=self.decode(size), encode=self.encode_overhead + self.encode_per_pixel * size.pixels)
+        """A chained job samples each segment and decodes it twice (its own decode gives the next
+        its first frame, the video's decodes them all again); interpolation is not in the model."""
+        decodes = 1 if size.segments == 1 else 2 * size.segments
+        return StageTimes(conditioning=self.conditioning,
+                          sampling=self.step(size.tokens) * size.step_units * size.segments,
+                          decode=self.decode(size) * decodes,
+                          encode=self.encode_overhead + self.encode_per_pixel * (size.video_pixels or size.pixels))
 
 
 @dataclass(frozen=True)
@@ -191,7 +200,9 @@ class History:
         done = ledger.jobs([job_id for job_id, state in ledger.job_states().items() if state is JobState.DONE])
         stages = ledger.all_stages([job.id for job in done])
         for job in done:
-            if job.state is not JobState.DONE:  # invalidated between the two reads (a resume's check)
+            # Not one invalidated between the two reads (a resume's check), nor a long video: its
+            # stage rows are several clips', and the model is fitted to one clip's.
+            if job.state is not JobState.DONE or is_long(job.spec):
                 continue
             st = stages.get(job.id, {})
             secs = [st[s].seconds for s in (Stage.CONDITIONING, Stage.SAMPLING, Stage.DECODE, Stage.ENCODE)]
