@@ -100,8 +100,9 @@ def _batch_fields(spec: JobSpec) -> dict[str, Any]:
     d = spec.to_dict()
     out = {k: d[k] for k in JOB_KEYS if d.get(k) is not None}
     out["loras"] = [{"path": r.path, "scale": r.scale} for r in spec.loras]
-    if spec.timesteps is not None:
-        out["timesteps"] = list(spec.timesteps)
+    for key in ("timesteps", "prompts"):  # (tuples: YAML's safe writer takes lists)
+        if getattr(spec, key) is not None:
+            out[key] = list(getattr(spec, key))
     return out
 
 
@@ -129,7 +130,8 @@ def differences(recorded: JobSpec, now: JobSpec) -> str | None:
     if recorded.job_id == now.job_id:
         return None
     named = {"weights": f"the weights in {now.model} changed", "image_sha256": "the image's content changed",
-             "lora_digests": "a LoRA file's content changed"}
+             "lora_digests": "a LoRA file's content changed",
+             "interpolation_sha256": "the interpolation weights' content changed"}
     parts = [named.get(k, f"{k} {json.dumps(a, default=str)} -> {json.dumps(b, default=str)}")
              for k, a, b in now.changes_from(recorded)]
     return ", ".join(parts) or "its sweep values or name differ"

@@ -34,7 +34,7 @@ class FaultHooks:
                    happened); with "after", only once a file matches GLOB (the driver has written a step
                    checkpoint: waited for, up to 120 s, so a loaded machine cannot reorder them); with
                    "segment", only in the sampling of that segment of a chained job (default: any);
-                 {"fail": {"job": NAME, "stage": "sampling"|"decode"|"encode", "raise": TYPE}}: raise
+                 {"fail": {"job": NAME, "stage": "sampling"|"decode"|"interpolate"|"encode", "raise": TYPE}}: raise
                    there, always; TYPE (default RuntimeError) names one of FAULT_TYPES, so a test can
                    meet each failure class;
                  {"slow": {"job": NAME, "stage": ..., "seconds": S}}: sleep S seconds there first;

@@ -143,3 +143,23 @@ def test_latents_sampled_before_a_failed_decode_are_not_sampled_again(tmp_path: 
     assert summary.done == [job.job_id]
     assert [k for k, _ in _sampled(ex)] == [2, 3] and [k for k, _ in _sampled(ex, SegmentFrameCall)] == [1, 2, 3]
     assert os.path.getsize(out / job.job_id / "video.mp4") > 0
+
+
+def test_a_story_renders_again_from_its_record_under_the_same_id(tmp_path: Path) -> None:
+    """`run --from` a chained, interpolated job's params.json: the one-job batch it makes (prompts as a
+    YAML list, the weights by path) resolves to the same id."""
+    import runpy
+
+    from pan2render.jobs.overrides import Overrides
+    from pan2render.runner.cli.run_from import load_from
+
+    weights = tmp_path / "rife.safetensors"
+    runpy.run_path(str(Path(__file__).resolve().parents[3] / "scripts" / "make_random_ifnet.py"))[
+        "save_random_ifnet"](weights)
+    job = _story(width=64, interpolate=2, interpolation_weights=str(weights),
+                 interpolation_sha256=hashlib.sha256(weights.read_bytes()).hexdigest())
+    render(tmp_path / "out", [job])[2].close()
+    batch, recorded = load_from(tmp_path / "out" / job.job_id / "params.json", Overrides(), check_model=True,
+                                say=print)
+    assert recorded.job_id == job.job_id and [j.job_id for j in batch.jobs] == [job.job_id]
+    assert batch.jobs[0].prompts == job.prompts
