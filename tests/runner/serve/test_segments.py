@@ -163,3 +163,19 @@ def test_a_story_renders_again_from_its_record_under_the_same_id(tmp_path: Path)
                                 say=print)
     assert recorded.job_id == job.job_id and [j.job_id for j in batch.jobs] == [job.job_id]
     assert batch.jobs[0].prompts == job.prompts
+
+
+def test_a_story_in_a_group_of_two_gives_one_gpus_frames(tmp_path: Path) -> None:
+    """Every rank decodes (a group's decode is split); rank 0 alone matches, joins and answers."""
+    import av
+    import numpy as np
+
+    def frames(out: Path, job: JobSpec) -> np.ndarray:
+        with av.open(str(out / job.job_id / "video.mp4")) as container:
+            return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+    one, two = _story(), _story(gpus=2)
+    assert render(tmp_path / "one", [one])[0].done == [one.job_id]
+    summary, ex, _ = render(tmp_path / "two", [two], gpus=2)
+    assert summary.done == [two.job_id] and _sampled(ex) == _sampled(ex, SegmentFrameCall) != []
+    assert np.array_equal(frames(tmp_path / "one", one), frames(tmp_path / "two", two))
