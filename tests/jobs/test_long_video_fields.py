@@ -210,3 +210,8 @@ def test_missing_or_wrong_interpolation_weights_are_refused_naming_them(tmp_path
                                "RIFE IFNet weights file it runs (a path relative to this file)"]
     assert any("jobs[0].interpolate: got 3; allowed: one of 1, 2, 4" in p
                for p in _problems(_batch(tmp_path, "jobs: [{name: x, prompt: x, interpolate: 3}]", "three.yaml")))
+
+
+def test_the_example_story_batch_validates() -> None:
+    jobs = load_batch(Path(__file__).resolve().parents[2] / "jobs" / "story.yaml").jobs
+    assert [(j.name, j.segments, video_frames(j)) for j in jobs] == [("lighthouse", 3, 49), ("river", 2, 33)]
