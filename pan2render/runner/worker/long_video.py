@@ -76,6 +76,11 @@ class Interpolation:
     def keep(self, job_id: str, frames: torch.Tensor) -> None:
         self._frames = (job_id, frames)  # (another job's, never interpolated: its attempt ended)
 
+    def forget(self) -> None:
+        """A sampling starts: no interpolation is pending (nothing is queued between a decode and
+        its interpolation), so frames still kept are an ended attempt's; their memory goes back."""
+        self._frames = None
+
     def run(self, call: InterpolateCall, js: JobSpec) -> torch.Tensor:
         """The kept frames interpolated: uint8 ``[(n - 1) * factor + 1, H, W, 3]`` on their device."""
         from pan2render.models.ifnet import interpolate_uint8

@@ -295,6 +295,7 @@ class RenderWorker:
         progress_key = call.progress_key or job_id
         js = self._spec(job_id, call.spec)
         self._adapters.set(pipe, call.adapters)
+        self._interpolation.forget()
         first_frame = None if call.image is None else decode_image(call.image)  # uint8 [H, W, 3]
         self._faults.at_stage(js, "sampling")
 
