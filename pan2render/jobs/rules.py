@@ -33,6 +33,7 @@ class Kind(enum.Enum):
     TIMESTEPS = "timesteps"  # a DMD timestep list (pan2render.sampling.timesteps_problem)
     LORAS = "loras"  # a list of LoRA adapters, each a path (relative to the file) and a scale
     PROMPTS = "prompts"  # a list of texts, one per chained segment
+    NAMES = "names"  # job names of the same batch: one, or a list of them
 
 
 FIELD_DEFAULT: Any = type("FieldDefault", (), {"__repr__": lambda self: "FIELD_DEFAULT"})()

@@ -98,6 +98,13 @@ class JobSpec:
         "readable name, unique in the batch; an unnamed job is named after its prompt's first words",
         pixels=False, scope=Scope.JOB, kind=Kind.LINE, max_chars=LIMITS.name_chars,
         allowed="a non-empty string of at most {max_chars:,} characters"))
+    # Scheduling, not content: not in the job id (jobs/after.py holds what it names and its checks).
+    after: tuple[str, ...] = _rule(Rule(
+        "jobs of this batch that must be done (video written) before this one starts; a swept job's name "
+        "stands for every job its sweep makes", pixels=False, scope=Scope.JOB, kind=Kind.NAMES,
+        max_chars=LIMITS.name_chars,
+        allowed="a job name of this batch or a list of them, e.g. [fox, harbour] (no job may wait for itself, "
+                "nor jobs wait for each other in a cycle)"), ())
     negative_prompt: str = _rule(Rule(
         "what guidance steers away from", pixels=True, in_first_ids=True, scope=Scope.PRESET,
         kind=Kind.TEXT, empty_ok=True, max_chars=LIMITS.text_chars,
@@ -312,6 +319,7 @@ class JobSpec:
         for key in ("timesteps", "prompts"):  # JSON gives a list
             if d.get(key) is not None:
                 d[key] = tuple(d[key])
+        d["after"] = tuple(d.get("after", ()))
         d["loras"] = tuple(LoraRef(**r) for r in d.get("loras", ()))
         d["lora_digests"] = tuple((sha, float(scale)) for sha, scale in d.get("lora_digests", ()))
         return cls(**d, source=None if src is None else SourceLocation(src["file"], int(src["line"])))

@@ -46,6 +46,8 @@ def _another(f: dataclasses.Field[Any], value: Any) -> Any:
         return (*value, LoraRef("/loras/style.safetensors", 0.5))
     if rule.kind is Kind.PROMPTS:
         return (*(value or ("a fox wakes",)), "the fox runs")
+    if rule.kind is Kind.NAMES:
+        return (*value, "harbour")
     if f.name == "lora_digests":
         return (*value, ("0" * 64, 0.5))
     if rule.kind in (Kind.INT, Kind.FLOAT):

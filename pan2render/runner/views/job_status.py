@@ -8,7 +8,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pan2render.jobs.ledger import FolderLock, JobRecord, JobState, Ledger, Stage, StageRecord, StageState, stage_name
+from pan2render.jobs.after import waiting_for
+from pan2render.jobs.ledger import (
+    FolderLock,
+    JobRecord,
+    JobState,
+    Ledger,
+    Stage,
+    StageRecord,
+    StageState,
+    stage_name,
+    superseded,
+)
 from pan2render.long_video import is_long, video_fps, video_frames
 from pan2render.preview_file import read_preview
 from pan2render.runner.protocol import artifacts as st
@@ -23,7 +34,8 @@ class JobStatus:
     id: str
     name: str
     state: str  # a JobState's value, or INTERRUPTED
-    stage: str | None  # done: "encode"; failed: the failing stage; else the first unfinished stage
+    # done: "encode"; failed: the failing stage (None: it never ran); else the first unfinished stage
+    stage: str | None
     attempts: int
     error: str | None
     video: str | None  # absolute path of a finished video, else None
@@ -34,22 +46,14 @@ class JobStatus:
     preview: dict[str, Any] | None = None
     # A chained or interpolated job (:func:`long_video_of`); None for a job of one clip.
     long_video: dict[str, Any] | None = None
+    # A pending job that waits for the jobs it runs after: the names in its `after` not all done.
+    after: list[str] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "name": self.name, "state": self.state, "stage": self.stage,
                 "attempts": self.attempts, "error": self.error, "video": self.video,
                 "seconds": self.seconds, "superseded_by": self.superseded_by, "problem": self.problem,
-                "preview": self.preview, "long_video": self.long_video}
-
-
-def superseded(jobs: list[JobRecord]) -> dict[str, str]:
-    """Old id -> newest id, for every job that has a newer version in the ledger: the same name and
-    sweep values under another spec hash (the batch was edited and run again into the folder).
-    Newest = added to the ledger last."""
-    newest: dict[str, str] = {}
-    for job in sorted(jobs, key=lambda j: j.position):
-        newest[job.spec.version_key] = job.id
-    return {j.id: newest[j.spec.version_key] for j in jobs if newest[j.spec.version_key] != j.id}
+                "preview": self.preview, "after": self.after, "long_video": self.long_video}
 
 
 def job_statuses(out_dir: Path, ledger: Ledger, jobs: list[JobRecord] | None = None) -> list[JobStatus]:
@@ -58,11 +62,13 @@ def job_statuses(out_dir: Path, ledger: Ledger, jobs: list[JobRecord] | None = N
     newer = superseded(jobs)
     live = FolderLock.holder(out_dir) is not None
     stages = ledger.all_stages()
-    return [job_status(out_dir, job, stages.get(job.id, {}), newer.get(job.id), live=live) for job in jobs]
+    waits = waiting_for(jobs)
+    return [job_status(out_dir, job, stages.get(job.id, {}), newer.get(job.id), live=live, after=waits.get(job.id))
+            for job in jobs]
 
 
 def job_status(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], newer: str | None, *,
-            live: bool) -> JobStatus:
+               live: bool, after: list[str] | None = None) -> JobStatus:
     video = problem = None
     enc = stages[Stage.ENCODE]
     if job.state is JobState.DONE:
@@ -75,7 +81,7 @@ def job_status(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], 
                      attempts=job.attempts, error=job.error, video=video,
                      seconds={stage_name(s): r.seconds for s, r in stages.items()}, superseded_by=newer,
                      problem=problem, preview=None if job.state is JobState.DONE else preview_of(out_dir, job.id),
-                     long_video=long_video_of(out_dir, job))
+                     after=after, long_video=long_video_of(out_dir, job))
 
 
 def long_video_of(out_dir: Path, job: JobRecord) -> dict[str, Any] | None:
@@ -115,8 +121,9 @@ def preview_of(out_dir: Path, job_id: str) -> dict[str, Any] | None:
 
 
 def _stage_of(job: JobRecord, stages: dict[Stage | str, StageRecord]) -> str | None:
-    """The stage a job stands at: the failed one, else its first stage not done, else its last."""
-    if job.state is JobState.FAILED and job.error_stage:
+    """The stage a job stands at: the failed one, else its first stage not done, else its last. A
+    failed job that failed no stage never ran (a job it runs after failed): None."""
+    if job.state is JobState.FAILED:
         return job.error_stage
     for s, r in stages.items():
         if r.state is not StageState.DONE:

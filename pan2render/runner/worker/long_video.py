@@ -21,13 +21,15 @@ from pan2render.runner.protocol.failures import JobInputError
 from pan2render.runner.protocol.messages import DecodeCall, InterpolateCall, SegmentFrameCall, SegmentFrameReply
 from pan2render.runner.worker import scratch
 from pan2render.runner.worker.packing import unpack_latents
+from pan2render.runner.worker.threads import CPU_DECODE_THREADS, intra_op_threads
 
 
-def segment_frame(pipe: Any, call: SegmentFrameCall, js: JobSpec, *, rank: int) -> SegmentFrameReply | None:
+def segment_frame(pipe: Any, call: SegmentFrameCall, js: JobSpec, *, rank: int,
+                  device: str) -> SegmentFrameReply | None:
     """The segment's frames decoded; their colour statistics; the last frame matched to the first
     segment's colour (the first segment's as it is), as a PNG: the next segment's first frame."""
     t0 = time.perf_counter()
-    frames = _decoded(pipe, call.latents, js, rank=rank)
+    frames = _decoded(pipe, call.latents, js, rank=rank, device=device)
     if frames is None:
         return None
     stats = colour_stats(frames)
@@ -36,16 +38,17 @@ def segment_frame(pipe: Any, call: SegmentFrameCall, js: JobSpec, *, rank: int) 
                              decode_s=time.perf_counter() - t0)
 
 
-def video_frames_on_device(pipe: Any, call: DecodeCall, js: JobSpec, *, rank: int) -> torch.Tensor | None:
+def video_frames_on_device(pipe: Any, call: DecodeCall, js: JobSpec, *, rank: int,
+                           device: str) -> torch.Tensor | None:
     """The job's frames, uint8 ``[F, H, W, 3]`` on the device (rank 0; None on the others): its one
     clip, or its segments each matched to the first one's colour with the statistics their own
     decode measured, and joined, every segment after the first without its first frame."""
     if not call.segments:
-        return _decoded(pipe, call.latents, js, rank=rank)
+        return _decoded(pipe, call.latents, js, rank=rank, device=device)
     reference = call.segments[0].stats
     parts: list[torch.Tensor] = []
     for k, segment in enumerate(call.segments, 1):
-        frames = _decoded(pipe, segment.latents, js, rank=rank)
+        frames = _decoded(pipe, segment.latents, js, rank=rank, device=device)
         if frames is None:
             continue
         parts.append(frames if k == 1 else match_colour(frames, segment.stats, reference)[1:])
@@ -53,8 +56,10 @@ def video_frames_on_device(pipe: Any, call: DecodeCall, js: JobSpec, *, rank: in
     return torch.cat(parts) if parts else None
 
 
-def _decoded(pipe: Any, latents: bytes, js: JobSpec, *, rank: int) -> torch.Tensor | None:
-    frames = pipe.decode(unpack_latents(latents), on_device=True)  # uint8 [F, H, W, 3]
+def _decoded(pipe: Any, latents: bytes, js: JobSpec, *, rank: int, device: str) -> torch.Tensor | None:
+    # On a CPU on one thread count whatever the worker's share, as a clip's decode (threads.py: why).
+    with intra_op_threads(CPU_DECODE_THREADS if device == "cpu" else None):
+        frames = pipe.decode(unpack_latents(latents), on_device=True)  # uint8 [F, H, W, 3]
     if rank != 0:
         return None
     want = (js.frames, js.height, js.width, 3)

@@ -40,7 +40,6 @@ import torch
 from pan2render.jobs.ledger import Stage
 from pan2render.jobs.spec import JobSpec
 from pan2render.long_video import is_long
-from pan2render.models.calibration import CalibrationMissing
 from pan2render.models.precision import PrecisionUnavailable
 from pan2render.models.sampler_state import SamplingPreempted, pack_sampler_state
 from pan2render.models.tiny import cache_root
@@ -83,6 +82,7 @@ from pan2render.runner.worker.encodes import Encodes, encode_job
 from pan2render.runner.worker.faults import FaultHooks
 from pan2render.runner.worker.inputs import decode_image
 from pan2render.runner.worker.sampling_control import SamplingControl, resume_state
+from pan2render.runner.worker.threads import CPU_DECODE_THREADS, intra_op_threads
 from pan2render.runner.worker.versions import runtime_versions
 
 
@@ -307,6 +307,7 @@ class RenderWorker:
         args = js.sample_args()
         if call.segment is not None:  # a chained job's segment: its own noise
             args["seed"] = call.segment.seed
+        # (a model without a calibration raises CalibrationMissing here: the job's input, failures.py)
         plan = pipe.sampling_plan(conditioned=first_frame is not None, **args)
         resume, refused = resume_state(js, pipe, call.resume, cached=not plan.lanes.steps_exact)
         stop = self._samplings.begin(job_id)
@@ -328,7 +329,7 @@ class RenderWorker:
             data = pack_sampler_state(e.state, spec_hash=js.spec_hash) if self.rank == 0 else None
             return SampleReply(latents=None, stopped_at=e.state.step, checkpoint=data, segment=call.segment,
                                adapters_held=self._adapters.held(), resume_refused=refused)
-        except (PrecisionUnavailable, CalibrationMissing) as e:  # the same on any worker of this kind
+        except PrecisionUnavailable as e:  # the same on any worker of this kind
             raise JobInputError(str(e)) from e
         finally:
             self._samplings.end(job_id)
@@ -366,7 +367,7 @@ class RenderWorker:
             planes = self._frames_on_host(pipe, packing.unpack_latents(call.latents),
                                           want=(js.frames, js.height, js.width, 3))
         else:
-            frames = long_video.video_frames_on_device(pipe, call, js, rank=self.rank)
+            frames = long_video.video_frames_on_device(pipe, call, js, rank=self.rank, device=self.device)
             if frames is not None and js.interpolate > 1:  # its InterpolateCall takes them from here
                 self._interpolation.keep(call.job_id, frames)
                 return DecodeReply(decode_s=time.perf_counter() - t0)
@@ -393,7 +394,8 @@ class RenderWorker:
     def _segment_frame(self, call: SegmentFrameCall) -> SegmentFrameReply | None:
         js = self._spec(call.job_id, call.spec)
         self._faults.at_stage(js, "decode")
-        return long_video.segment_frame(self._pipeline(call.model), call, js, rank=self.rank)
+        return long_video.segment_frame(self._pipeline(call.model), call, js, rank=self.rank,
+                                       device=self.device)
 
     def _frames_on_host(self, pipe: Any, latents: torch.Tensor,
                         want: tuple[int, int, int, int] | None = None) -> Any:
@@ -403,7 +405,8 @@ class RenderWorker:
         decode runs, and what the load's warm-up runs, so that none of it runs first in a job."""
         from pan2render.media.yuv import rgb_to_yuv420
 
-        frames = pipe.decode(latents, on_device=True)  # uint8 [F, H, W, 3]
+        with intra_op_threads(CPU_DECODE_THREADS if self.device == "cpu" else None):  # (threads.py: why)
+            frames = pipe.decode(latents, on_device=True)  # uint8 [F, H, W, 3]
         if self.rank != 0:
             return None
         if want is not None and tuple(frames.shape) != want:
