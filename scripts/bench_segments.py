@@ -19,11 +19,11 @@ interpolation stage's seconds per frame at the same size.
 3. From the ledger and the segments' records (DIR/<job>/segments/<k>/segment.json):
    ``measured`` = the chain's wall from its first sampling (after its group's load and its
    prompts' encode, which is the text encoder's, not the chain's) to its video; ``predicted`` = N x (one's
-   sampling + decode) + colour match + the chain's encode. Colour matching has no stage row (the
-   video's decode runs it between its decodes): it is timed here, after the run, on the device,
+   sampling + decode) + colour match + the chain's encode. Colour matching has no stage row (each
+   segment's decode runs it): it is timed here, after the run, on the device,
    as the chain runs it: each segment's statistics, and segments 2..N matched, on frames of the
-   job's size. ``ratio`` = measured / predicted. The breakdown shows where a ratio above 1 goes:
-   the chain decodes each segment twice (its last frame for the next segment, then the video).
+   job's size. ``ratio`` = measured / predicted. The breakdown shows where a ratio above 1 goes
+   (the video's decode joins the frames the segments' decodes kept: it decodes nothing again).
 Results: OUT/bench_segments.json, and a table at the end. docs/performance.md, "Long videos",
 says how to read them.
 """
@@ -139,7 +139,7 @@ def colour_match_s(*, segments: int, frames: int, height: int, width: int, devic
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         stats = [colour_stats(c) for c in clips]  # (the chain's segment decodes measure these)
-        matched = [match_colour(c, s, stats[0]) for c, s in zip(clips[1:], stats[1:])]  # (its video's decode)
+        matched = [match_colour(c, s, stats[0]) for c, s in zip(clips[1:], stats[1:])]  # (each later segment's decode)
         del matched
         if device == "cuda":
             torch.cuda.synchronize()
@@ -158,13 +158,11 @@ def summary(jobs: dict[str, dict[str, Any]], colour_s: float, n: int) -> dict[st
     segs = chain["segments"]
     parts = {"segments' sampling": sum(s["sampling"] for s in segs),
              "segments' decodes (last frames)": sum(s["decode"] for s in segs),
-             "video decode (N decodes, colour match, join)": chain["stages"]["decode"], "encode": encode}
+             "video decode (the kept segments joined)": chain["stages"]["decode"], "encode": encode}
     parts["between the calls"] = measured - sum(parts.values())
     res = {"segments": n, "one_sampling_s": s1, "one_decode_s": d1, "colour_match_s": colour_s,
            "chain_encode_s": encode, "measured_s": measured, "predicted_s": predicted,
-           "ratio": measured / predicted, "chain_parts_s": parts,
-           # What the chain's second decode of every segment adds, as one clip's decode times it.
-           "second_decodes_s": n * d1}
+           "ratio": measured / predicted, "chain_parts_s": parts}
     if "smooth" in jobs:
         smooth = jobs["smooth"]
         frames_out = (smooth["video"] or {}).get("frames")
@@ -184,7 +182,6 @@ def table(res: dict[str, Any]) -> str:
              f"measured   {s['measured_s']:9.2f} s  (the chain's wall, its first sampling to its video)",
              f"ratio      {s['ratio']:9.4f}"]
     lines += [f"  {k:46} {v:9.2f} s" for k, v in s["chain_parts_s"].items()]
-    lines.append(f"  (each segment decoded twice: the second decodes ~ {s['second_decodes_s']:.2f} s)")
     if (i := s.get("interpolate")) and i["s_per_output_frame"] is not None:
         lines.append(f"interpolate x2: {i['seconds']:.2f} s for {i['frames_out']} frames = "
                      f"{i['s_per_output_frame'] * 1000:.2f} ms per output frame")

@@ -112,9 +112,9 @@ class CostModel:
         return self.decode_per_latent_frame * size.latent_frames + self.decode_per_pixel * size.pixels
 
     def times(self, size: JobSize) -> StageTimes:
-        """A chained job samples each segment and decodes it twice (its own decode gives the next
-        its first frame, the video's decodes them all again); interpolation is not in the model."""
-        decodes = 1 if size.segments == 1 else 2 * size.segments
+        """A chained job samples and decodes each segment once (the video joins the frames its
+        segments' decodes kept on the worker); interpolation is not in the model."""
+        decodes = size.segments
         return StageTimes(conditioning=self.conditioning,
                           sampling=self.step(size.tokens) * size.step_units * size.segments,
                           decode=self.decode(size) * decodes,

@@ -9,12 +9,14 @@ converted for the encode: uint8 ``[F, H, W, 3]``.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any
 
 import torch
 
 from pan2render.jobs.spec import JobSpec
+from pan2render.long_video import ColourStats
 from pan2render.media.colour import colour_stats, match_colour
 from pan2render.media.video import png_bytes
 from pan2render.runner.protocol.failures import JobInputError
@@ -24,36 +26,86 @@ from pan2render.runner.worker.packing import unpack_latents
 from pan2render.runner.worker.threads import CPU_DECODE_THREADS, intra_op_threads
 
 
-def segment_frame(pipe: Any, call: SegmentFrameCall, js: JobSpec, *, rank: int,
-                  device: str) -> SegmentFrameReply | None:
+def segment_frame(pipe: Any, call: SegmentFrameCall, js: JobSpec, *, rank: int, device: str,
+                  kept: SegmentFrames) -> SegmentFrameReply | None:
     """The segment's frames decoded; their colour statistics; the last frame matched to the first
-    segment's colour (the first segment's as it is), as a PNG: the next segment's first frame."""
+    segment's colour (the first segment's as it is), as a PNG: the next segment's first frame. The
+    frames as the video joins them are kept for its decode (`SegmentFrames`)."""
     t0 = time.perf_counter()
     frames = _decoded(pipe, call.latents, js, rank=rank, device=device)
+    digest = hashlib.sha256(call.latents).hexdigest()
     if frames is None:
+        kept.keep(call.job_id, call.segment.index, digest, None)
         return None
     stats = colour_stats(frames)
     last = frames[-1:] if call.reference is None else match_colour(frames[-1:], stats, call.reference)
+    kept.keep(call.job_id, call.segment.index, digest, _joined_part(frames, stats, call.reference))
     return SegmentFrameReply(segment=call.segment, last_frame=png_bytes(last[0].cpu().numpy()), stats=stats,
                              decode_s=time.perf_counter() - t0)
 
 
-def video_frames_on_device(pipe: Any, call: DecodeCall, js: JobSpec, *, rank: int,
-                           device: str) -> torch.Tensor | None:
+def video_frames_on_device(pipe: Any, call: DecodeCall, js: JobSpec, *, rank: int, device: str,
+                           kept: SegmentFrames) -> torch.Tensor | None:
     """The job's frames, uint8 ``[F, H, W, 3]`` on the device (rank 0; None on the others): its one
     clip, or its segments each matched to the first one's colour with the statistics their own
-    decode measured, and joined, every segment after the first without its first frame."""
+    decode measured, and joined, every segment after the first without its first frame. A segment
+    this worker decoded for its last frame is not decoded again."""
     if not call.segments:
         return _decoded(pipe, call.latents, js, rank=rank, device=device)
     reference = call.segments[0].stats
     parts: list[torch.Tensor] = []
     for k, segment in enumerate(call.segments, 1):
-        frames = _decoded(pipe, segment.latents, js, rank=rank, device=device)
-        if frames is None:
-            continue
-        parts.append(frames if k == 1 else match_colour(frames, segment.stats, reference)[1:])
-        del frames
+        found, part = kept.take(call.job_id, k, hashlib.sha256(segment.latents).hexdigest())
+        if not found:
+            frames = _decoded(pipe, segment.latents, js, rank=rank, device=device)
+            part = None if frames is None else _joined_part(frames, segment.stats, None if k == 1 else reference)
+            del frames
+        if part is not None:
+            parts.append(part)
+    kept.forget()
     return torch.cat(parts) if parts else None
+
+
+def _joined_part(frames: torch.Tensor, stats: ColourStats, reference: ColourStats | None) -> torch.Tensor:
+    """A segment's frames as its video shows them: the first segment's as decoded; a later one's
+    matched to the first's colour, without its first frame (the previous segment's last)."""
+    return frames if reference is None else match_colour(frames, stats, reference)[1:]
+
+
+class SegmentFrames:
+    """A chained job's segments as its video joins them, kept on rank 0's device from each
+    segment's decode (for the next segment's first frame) to the video's decode, so that a video
+    whose segments were all decoded here decodes none of them twice (a 720p segment's decode is
+    ~3 s; its frames 318 MB of device memory, held until the video's decode). A segment is known
+    by its latents' digest: one sampled again by a later attempt is not the one kept, and a video
+    decoded elsewhere (after a crash) decodes its segments anew, to the same frames. Every rank of
+    a group keeps the keys (rank 0 alone the frames): a group's decode is split over its ranks,
+    so they all skip a segment's decode or none does. One job at a time."""
+
+    def __init__(self) -> None:
+        self._job: str | None = None
+        self._parts: dict[int, tuple[str, torch.Tensor | None]] = {}
+
+    def keep(self, job_id: str, index: int, digest: str, part: torch.Tensor | None) -> None:
+        if job_id != self._job:
+            self.forget()
+            self._job = job_id
+        self._parts[index] = (digest, part)
+
+    def take(self, job_id: str, index: int, digest: str) -> tuple[bool, torch.Tensor | None]:
+        """(found, frames: None on ranks other than 0) of segment ``index`` with these latents."""
+        held = self._parts.pop(index, None) if job_id == self._job else None
+        if held is None or held[0] != digest:
+            return False, None
+        return True, held[1]
+
+    def forget_unless(self, job_id: str) -> None:
+        """A sampling of ``job_id`` starts: another job's kept segments are an ended attempt's."""
+        if job_id != self._job:
+            self.forget()
+
+    def forget(self) -> None:
+        self._job, self._parts = None, {}
 
 
 def _decoded(pipe: Any, latents: bytes, js: JobSpec, *, rank: int, device: str) -> torch.Tensor | None:

@@ -117,6 +117,7 @@ class RenderWorker:
         self._next_seq = 0  # the GPU-lane call whose turn it is
         self._encodes = Encodes()
         self._interpolation = long_video.Interpolation()
+        self._segment_frames = long_video.SegmentFrames()
         # The specs of the jobs this worker runs: a call carries its job's spec only when it is
         # the attempt's first that needs it. Bounded: a job whose attempt failed never says
         # goodbye, and a group holds at most a few jobs at once (GPU lane, encodes).
@@ -296,6 +297,7 @@ class RenderWorker:
         js = self._spec(job_id, call.spec)
         self._adapters.set(pipe, call.adapters)
         self._interpolation.forget()
+        self._segment_frames.forget_unless(job_id)
         first_frame = None if call.image is None else decode_image(call.image)  # uint8 [H, W, 3]
         self._faults.at_stage(js, "sampling")
 
@@ -367,7 +369,8 @@ class RenderWorker:
             planes = self._frames_on_host(pipe, packing.unpack_latents(call.latents),
                                           want=(js.frames, js.height, js.width, 3))
         else:
-            frames = long_video.video_frames_on_device(pipe, call, js, rank=self.rank, device=self.device)
+            frames = long_video.video_frames_on_device(pipe, call, js, rank=self.rank, device=self.device,
+                                                       kept=self._segment_frames)
             if frames is not None and js.interpolate > 1:  # its InterpolateCall takes them from here
                 self._interpolation.keep(call.job_id, frames)
                 return DecodeReply(decode_s=time.perf_counter() - t0)
@@ -395,7 +398,7 @@ class RenderWorker:
         js = self._spec(call.job_id, call.spec)
         self._faults.at_stage(js, "decode")
         return long_video.segment_frame(self._pipeline(call.model), call, js, rank=self.rank,
-                                       device=self.device)
+                                       device=self.device, kept=self._segment_frames)
 
     def _frames_on_host(self, pipe: Any, latents: torch.Tensor,
                         want: tuple[int, int, int, int] | None = None) -> Any:
