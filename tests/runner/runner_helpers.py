@@ -92,6 +92,20 @@ def spec(name: str, *, seed: int = 0, gpus: int = 1, prompt: str | None = None, 
                    preset="tiny-preview")
 
 
+class FakeClock:
+    """A clock that moves only when the test moves it (the pool's ``clock``): an idle time passes
+    when the test says so, whatever the machine's load."""
+
+    def __init__(self, now: float = 1_000_000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 SIDE_CALLS = (FetchCheckpointCall, FetchPreviewCall, StopSamplingCall)
 
 

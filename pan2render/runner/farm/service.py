@@ -76,7 +76,10 @@ class _Served:
 
 
 class Farm:
-    def __init__(self, config: FarmConfig, executor: Executor, *, log: Callable[[str], None]):
+    def __init__(self, config: FarmConfig, executor: Executor, *, log: Callable[[str], None],
+                 clock: Callable[[], float] = time.time):
+        """``clock``: what the pool measures its groups' idle time with (``--idle-release``); a
+        test passes its own."""
         self.config = config
         self.root = Path(config.root)
         self.videos_root = self.root / VIDEOS_DIR
@@ -85,7 +88,7 @@ class Farm:
         self.queue = FarmQueue(self.root)
         sched = config.scheduler_config()
         pool = GroupPool(executor, total_gpus=executor.total_gpus(), start_timeout_s=sched.group_start_timeout_s,
-                         fault_limit=config.device_fault_limit)
+                         fault_limit=config.device_fault_limit, clock=clock)
         self.scheduler = Scheduler(executor=executor, config=sched, pool=pool)
         self.served: dict[str, _Served] = {}
         self.requests = Requests()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from runner_helpers import RecordingExecutor, farm_config, spec
+from runner_helpers import FakeClock, RecordingExecutor, farm_config, spec
 
 from pan2render.jobs.ledger import JobState, Ledger
 from pan2render.jobs.overrides import Overrides
@@ -33,12 +33,12 @@ from pan2render.runner.serve.session import BatchRequest
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 
 
-def _farm(tmp_path: Path, *, gpus: int = 1, faults: dict[str, Any] | None = None,
+def _farm(tmp_path: Path, *, gpus: int = 1, faults: dict[str, Any] | None = None, clock: FakeClock | None = None,
           **config: Any) -> tuple[Farm, RecordingExecutor]:
     root = tmp_path / "farm"
     root.mkdir(exist_ok=True)
     ex = RecordingExecutor(gpus=gpus, config=WorkerConfig(pipeline_factory=FAKE_FACTORY, faults=faults or {}))
-    return Farm(farm_config(root, **config), ex, log=lambda text: None), ex
+    return Farm(farm_config(root, **config), ex, log=lambda text: None, clock=clock or time.time), ex
 
 
 def _request(out: Path, jobs: list[JobSpec]) -> BatchRequest:
@@ -133,7 +133,11 @@ def test_a_folder_served_by_the_farm_is_not_taken_twice(tmp_path: Path) -> None:
 
 
 def test_an_idle_group_is_released_and_a_new_model_evicts_the_old(tmp_path: Path) -> None:
-    farm, ex = _farm(tmp_path, idle_release_s=0.3)
+    """The pool's idle time is read from a clock the test moves: however long the machine takes
+    between the two batches (a model folder copied, a loaded CI), the group is idle no time at
+    all until the test says so."""
+    clock = FakeClock()
+    farm, ex = _farm(tmp_path, idle_release_s=60, clock=clock)
     farm.actions.submit(_request(tmp_path / "a", [spec("a")]), owner="ann", priority=0)
     _serve_until_idle(farm)
     from pan2render.models.tiny import tiny_model_folder
@@ -148,8 +152,11 @@ def test_an_idle_group_is_released_and_a_new_model_evicts_the_old(tmp_path: Path
     assert [(m.model, m.unload) for m in loads] == [("tiny", ()), (other_model, ("tiny",))]
     assert ex.groups_created == 1
     groups = farm.scheduler.pool.describe()
-    assert [g.loads.keys() for g, _, _ in groups] == [{other_model: None}.keys()]
-    time.sleep(0.4)
+    assert [(g.loads.keys(), state) for g, state, _ in groups] == [({other_model: None}.keys(), "idle")]
+    clock.advance(59)
+    farm.step()
+    assert [state for _, state, _ in farm.scheduler.pool.describe()] == ["idle"]  # not idle long enough yet
+    clock.advance(2)
     farm.step()
     assert farm.scheduler.pool.describe() == []  # released after its idle time
     farm.close()
