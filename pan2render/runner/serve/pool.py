@@ -118,10 +118,12 @@ class GroupPool:
                     avoid: frozenset[str] = frozenset()) -> Group | None:
         """An idle group of ``size``, a new one, or None when the GPUs are all busy or a group is
         still starting. Among idle groups the best for the job: one holding its ``model`` (and most
-        of its LoRA ``adapters``), then one holding no model, then the least recently used. A
-        group in ``avoid`` (the job failed on it) is taken only when no other group of that size
-        exists: while one does, the job waits for it. Raises GroupStartError when a new group
-        cannot form."""
+        of its LoRA ``adapters``), the most recently used of those, so that the others age toward
+        their idle release; else one holding no model; else the least recently used, whose model
+        the job's load unloads (eviction is LRU, as when GPUs must be freed: the least recently
+        used idle groups are torn down first). A group in ``avoid`` (the job failed on it) is taken
+        only when no other group of that size exists: while one does, the job waits for it. Raises
+        GroupStartError when a new group cannot form."""
         if self._starting is not None:
             if not self._starting.finished.is_set():
                 return None
@@ -132,9 +134,10 @@ class GroupPool:
             if others or self.total_gpus - self._used() >= size:  # another group, or room to make one
                 fits = [g for g in fits if g.id not in avoid]
         if fits:
-            def fit(g: Group) -> tuple[int, int, int, float]:
-                return (model is not None and model in g.loads, len(adapters & g.adapters), not g.loads,
-                        self._since.get(g.id, 0.0))
+            def fit(g: Group) -> tuple[bool, int, bool, float]:
+                holds = model is not None and model in g.loads
+                used = self._since.get(g.id, 0.0)
+                return holds, len(adapters & g.adapters), not g.loads, used if holds else -used
             return self._take(max(fits, key=fit))
         free = self.total_gpus - self._used()
         reclaimable = sum(g.size for g in self._idle)

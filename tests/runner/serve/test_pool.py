@@ -1,7 +1,8 @@
 """The group pool's decisions, on groups of an executor that only counts them and a clock the test
-moves: which idle group a job takes (its model, then its LoRA files, then the most recently used),
-which idle groups go when GPUs are needed (the least recently used), when an idle group is released
-(its idle time counted from its release), and when a faulting group is held out (faults in a row)."""
+moves: which idle group a job takes (its model, then its LoRA files, then the most recently used;
+for another model, the least recently used), which idle groups go when GPUs are needed (the least
+recently used), when an idle group is released (its idle time counted from its release), and when
+a faulting group is held out (faults in a row)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,18 @@ def test_a_job_takes_the_idle_group_holding_its_model_and_loras_the_most_recentl
     # Equal for the job: the one released last, so the others age toward their idle release.
     assert pool.try_acquire(1, model="wan") is d
     assert pool.try_acquire(1, model="wan") is a
+
+
+def test_a_job_of_another_model_unloads_the_least_recently_used_idle_group() -> None:
+    """The model a new one evicts is the one used longest ago (a group holding none goes first)."""
+    clock = FakeClock()
+    pool, _ = _pool(4, clock)
+    a, b, c, d = _idle(pool, clock, 4)
+    for g, model in ((a, "m-a"), (b, "m-b"), (c, "m-c")):
+        g.loads = {model: None}  # type: ignore[dict-item]
+    assert pool.try_acquire(1, model="new") is d  # nothing loaded: nothing evicted
+    assert pool.try_acquire(1, model="new") is a
+    assert pool.try_acquire(1, model="newer") is b
 
 
 def test_the_least_recently_used_idle_groups_are_torn_down_for_a_larger_group() -> None:
