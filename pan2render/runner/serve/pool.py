@@ -129,9 +129,11 @@ class GroupPool:
                 return None
             self._collect_start()
         fits = [g for g in self._idle if g.size == size]
+        kept: list[Group] = []  # idle groups the job avoids: neither taken nor torn down to make one in their place
         if avoid and any(g.id in avoid for g in fits):
             others = [g for g in [*self._idle, *self._busy.values()] if g.size == size and g.id not in avoid]
             if others or self.total_gpus - self._used() >= size:  # another group, or room to make one
+                kept = [g for g in fits if g.id in avoid]
                 fits = [g for g in fits if g.id not in avoid]
         if fits:
             def fit(g: Group) -> tuple[bool, int, bool, float]:
@@ -140,10 +142,10 @@ class GroupPool:
                 return holds, len(adapters & g.adapters), not g.loads, used if holds else -used
             return self._take(max(fits, key=fit))
         free = self.total_gpus - self._used()
-        reclaimable = sum(g.size for g in self._idle)
-        if free + reclaimable < size:
+        reclaimable = [g for g in self._idle if g not in kept]
+        if free + sum(g.size for g in reclaimable) < size:
             return None
-        for g in sorted(self._idle, key=lambda g: self._since.get(g.id, 0.0)):  # least recently used first
+        for g in sorted(reclaimable, key=lambda g: self._since.get(g.id, 0.0)):  # least recently used first
             if free >= size:
                 break
             self._drop(g)

@@ -128,3 +128,17 @@ def test_a_group_is_held_out_only_after_its_device_faults_in_a_row() -> None:
     again = pool.try_acquire(1)
     assert again is not None and pool.device_fault(again) is None  # the second in a row
     assert groups.held_out == [again.id]
+
+
+def test_a_job_waits_for_another_group_rather_than_take_or_replace_the_one_it_failed_on() -> None:
+    clock = FakeClock()
+    pool, groups = _pool(2, clock)
+    failed_on, other = pool.try_acquire(1), pool.try_acquire(1)
+    assert failed_on is not None and other is not None
+    pool.release(failed_on)
+    avoid = frozenset({failed_on.id})
+    assert pool.try_acquire(1, avoid=avoid) is None and groups.destroyed == []  # the other is busy: it waits
+    pool.release(other)
+    assert pool.try_acquire(1, avoid=avoid) is other
+    pool.discard(other)  # the only other group gone: nothing else to wait for
+    assert pool.try_acquire(1, avoid=avoid) is not None  # (a new one on the GPUs it freed, or the one it failed on)

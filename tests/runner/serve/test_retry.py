@@ -294,3 +294,18 @@ def test_a_full_output_disk_requeues_uncharged_and_stops_the_batch(tmp_path: Pat
     assert victim.state is JobState.PENDING and victim.retries_left == 2
     assert not any(e.label in ("group-discarded", "group-died") for e in led.events(victim.id))
     assert (SampleCall, "after") not in ex.calls  # nothing more was started
+
+
+def test_a_retried_job_waits_for_another_gpus_group_rather_than_run_where_it_failed(tmp_path: Path) -> None:
+    """An unknown error leaves its group fit for the next job, but the job itself is offered another
+    group: with two GPUs its retry runs on the other one's group once that is free, neither on the
+    group it failed on nor on one made anew on the same GPU in its place."""
+    jobs = [spec("victim"), spec("after")]
+    summary, ex, led = render(tmp_path, jobs, gpus=2, retries=1,
+                              faults={"fail": {"job": "victim", "stage": "sampling"}})
+    samples = [(name, gid) for t, name, gid in ex.on_group if t is SampleCall]
+    print(samples, ex.groups_created)
+    first, second = [gid for name, gid in samples if name == "victim"]
+    (after,) = [gid for name, gid in samples if name == "after"]
+    assert led.job(jobs[0].job_id).attempts == 2 and summary.done == [jobs[1].job_id]
+    assert second != first and second == after and ex.groups_created == 2
