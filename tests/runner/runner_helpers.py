@@ -134,19 +134,26 @@ class RecordingExecutor(LocalExecutor):
 
 
 class ThreadedExecutor(LocalExecutor):
-    """The in-process executor with its GPU lane on a thread of its own, as a Ray actor's runs
-    beside the driver: the scheduler's loop goes on while a sampling runs (and the calls beside a
-    sampling, its step checkpoints and previews, meet it while it runs)."""
+    """The in-process executor with each group's GPU lane on a thread of its own, as a Ray actor's
+    runs beside the driver: the scheduler's loop goes on while a sampling runs (and the calls
+    beside a sampling, its step checkpoints, previews and stops, meet it while it runs), and two
+    groups sample at once."""
 
     def __init__(self, **kw: Any):
         super().__init__(**kw)
-        self._gpu_lane = futures.ThreadPoolExecutor(max_workers=1)
+        self._gpu_lanes: dict[str, futures.ThreadPoolExecutor] = {}
 
     def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
         seq = group.take_seq(message)
-        lane = self._io if message.lane is Lane.IO else self._gpu_lane
+        lane = self._io if message.lane is Lane.IO else self._gpu_lanes.setdefault(
+            group.id, futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gpu-lane-{group.id}"))
         return Call(group=group, message=message, started=time.monotonic(), timeout_s=timeout_s,
                     handle=lane.submit(self._execute, group, message, seq))
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        for lane in self._gpu_lanes.values():
+            lane.shutdown(wait=False, cancel_futures=True)
 
 
 def job_name(message: WorkerCall) -> str | None:
