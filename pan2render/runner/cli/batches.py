@@ -17,6 +17,7 @@ from typing import Any
 
 from pan2render.client import FarmClient, FarmError, find_farm
 from pan2render.runner.cli.common import (
+    EXIT_ALREADY_ENDED,
     EXIT_ENVIRONMENT,
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -177,6 +178,9 @@ def cmd_action(args: argparse.Namespace) -> int:
     try:
         b = client.act(args.batch, args.action, data)
     except FarmError as e:
+        if args.action == "cancel" and e.status == 409 and isinstance(e.body.get("job"), dict):
+            print_error(str(e))  # the job had ended before the cancel: not an error of the command
+            return EXIT_ALREADY_ENDED
         print_error(f"error: {e}")
         if e.body.get("request"):
             print_error(f"(`curl` its outcome: GET /api/requests/{e.body['request']})")

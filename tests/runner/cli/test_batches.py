@@ -1,0 +1,76 @@
+"""The farm's commands as a user types them, against a farm in this process: `cancel BATCH JOB` of
+a job that has already ended (done, failed or cancelled) says so, naming the job and its state,
+changes nothing and exits 6, whether its batch is still served or has ended; a job still running is
+cancelled (exit 0)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from runner_helpers import ThreadedExecutor, serving_farm, submit_file
+
+from pan2render.jobs.ledger import Ledger
+from pan2render.runner.cli import main as cli
+from pan2render.runner.cli.common import EXIT_ALREADY_ENDED, EXIT_OK
+from pan2render.runner.farm.folder import INFO_NAME, write_private
+from pan2render.runner.farm.service import Farm
+
+FAULTS = {"fail": {"job": "b", "stage": "sampling"},
+          "slow_steps": {"job": "e", "seconds": 0.05}}  # e samples until it is cancelled
+
+
+def _until(check: Any, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _describe(farm: Farm, batch_id: str) -> dict[str, Any]:
+    return farm.ask(lambda: farm.describe(batch_id)).result(timeout=30)
+
+
+def _states(out: Path) -> dict[str, str]:
+    led = Ledger.open_readonly(out)
+    try:
+        return {j.name: j.state.value for j in led.jobs()}
+    finally:
+        led.close()
+
+
+def test_cancel_of_a_job_that_already_ended_says_so_and_changes_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with serving_farm(tmp_path, faults=FAULTS, retries=0, executor=ThreadedExecutor) as (farm, url, token):
+        root = tmp_path / "farm"
+        write_private(root / INFO_NAME, json.dumps({"url": url, "pid": 0}).encode())  # as `farm start` writes it
+
+        def cancel(batch: str, job: str) -> tuple[int, str]:
+            code = cli.main(["cancel", batch, job, "--root", str(root)])
+            return code, capsys.readouterr().err
+
+        ended = submit_file(farm, tmp_path / "ended", {"jobs": [{"name": n, "prompt": n} for n in "abc"]}, paused=True)
+        assert cancel(ended, "c")[0] == EXIT_OK
+        farm.ask(lambda: farm.actions.pause(ended, paused=False)).result(timeout=30)
+        _until(lambda: _describe(farm, ended)["state"] == "failed", "the batch to end")
+        before = _states(tmp_path / "ended")
+        assert before == {"a": "done", "b": "failed", "c": "cancelled"}
+        for job, state in before.items():
+            code, err = cancel(ended, job)
+            print(err)
+            assert code == EXIT_ALREADY_ENDED
+            assert f"job {job} ({job}-" in err and f"of batch {ended} is already {state}: nothing to cancel" in err
+            assert "error" not in err
+        assert _states(tmp_path / "ended") == before and _describe(farm, ended)["state"] == "failed"
+
+        served = submit_file(farm, tmp_path / "served", {"jobs": [{"name": "d", "prompt": "d", "steps": 2},
+                                                                  {"name": "e", "prompt": "e", "steps": 400}]})
+        _until(lambda: _states(tmp_path / "served") == {"d": "done", "e": "running"}, "d done, e running")
+        code, err = cancel(served, "d")
+        assert code == EXIT_ALREADY_ENDED and "job d (d-" in err and "is already done" in err
+        assert cancel(served, "e")[0] == EXIT_OK  # still running: cancelled
+        _until(lambda: _describe(farm, served)["state"] == "cancelled", "the second batch to end")
+        assert _states(tmp_path / "served") == {"d": "done", "e": "cancelled"}
