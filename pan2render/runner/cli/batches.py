@@ -157,8 +157,7 @@ def cmd_queue(args: argparse.Namespace) -> int:
     rows = []
     for b in batches:
         c = b.get("counts") or {}
-        state = "running" if b["state"] == "active" and b.get("running") else \
-            "queued" if b["state"] == "active" else b["state"]
+        state = b.get("shown_state") or b["state"]  # (running, queued, paused, ...: as the monitor names it)
         rows.append([b["id"], printable(b["owner"]), str(b["priority"]), state,
                      f"{c.get('done', 0)}/{c.get('failed', 0)}/{c.get('total', '?')}", str(len(b.get("running", []))),
                      "-" if b.get("eta_s") is None else duration(b["eta_s"]), printable(b["out_dir"])])

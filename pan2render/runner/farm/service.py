@@ -33,7 +33,7 @@ from pan2render.runner.cluster.executor import Executor
 from pan2render.runner.farm.actions import Actions, FarmRequestError
 from pan2render.runner.farm.config import FarmConfig
 from pan2render.runner.farm.folder import LOG_NAME, VIDEOS_DIR
-from pan2render.runner.farm.queue import BatchEvent, BatchState, FarmQueue, QueuedBatch, QueueError
+from pan2render.runner.farm.queue import BatchEvent, BatchState, FarmQueue, QueuedBatch, QueueError, shown_state
 from pan2render.runner.farm.requests import Requests
 from pan2render.runner.farm.users import ADMIN
 from pan2render.runner.protocol.artifacts import preview_relpath
@@ -127,8 +127,8 @@ class Farm:
         s = self.served.get(row.id)
         if s is None:
             return described_from_ledger(row)
-        return _description(row, s.session.counts()) | {
-            "running": [r.job.id for r in self.scheduler.running(s.batch)],
+        running = [r.job.id for r in self.scheduler.running(s.batch)]
+        return _description(row, s.session.counts(), running=running) | {
             "queued": len(self.scheduler.pending(s.batch)), "eta_s": s.batch.progress.eta_seconds()}
 
     # ================================================================== serving batches
@@ -340,12 +340,14 @@ def described_from_ledger(row: QueuedBatch) -> dict[str, Any]:
     return _description(row, _ledger_counts(Path(row.out_dir), row.job_ids))
 
 
-def _description(row: QueuedBatch, counts: dict[str, int]) -> dict[str, Any]:
+def _description(row: QueuedBatch, counts: dict[str, int], *, running: list[str] | None = None) -> dict[str, Any]:
+    """``state``: the queue's; ``shown_state``: as `queue` and the monitor name it (running, queued, ...)."""
     return {"id": row.id, "out_dir": row.out_dir, "batch": row.batch_path, "owner": row.owner,
-            "priority": row.priority, "preempt": row.preempt, "state": row.state.value, "reason": row.reason,
-            "submitted_at": row.submitted_at, "updated_at": row.updated_at, "counts": counts, "running": [],
-            "queued": 0, "eta_s": None, "exit_code": exit_code(row.state, counts), "video_id": row.video_id,
-            "hidden": row.hidden}
+            "priority": row.priority, "preempt": row.preempt, "state": row.state.value,
+            "shown_state": shown_state(row.state, running=bool(running)), "reason": row.reason,
+            "submitted_at": row.submitted_at, "updated_at": row.updated_at, "counts": counts,
+            "running": running or [], "queued": 0, "eta_s": None, "exit_code": exit_code(row.state, counts),
+            "video_id": row.video_id, "hidden": row.hidden}
 
 
 def _ledger_counts(out_dir: Path, job_ids: list[str]) -> dict[str, int]:
