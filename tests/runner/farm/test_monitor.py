@@ -297,3 +297,28 @@ def test_a_stream_closed_by_its_tab_is_no_error_in_the_farms_log(
               if r.name.startswith("aiohttp") and (r.exc_info or r.levelno >= logging.WARNING)]
     print(err[-2000:], logged)
     assert "Traceback" not in err and "Error handling request" not in err and logged == []
+
+
+def test_the_snapshot_names_batch_states_as_queue_does_and_each_running_job_its_group(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One GPU: a batch sampling is running, the one behind it queued (both "active" in the queue),
+    a paused one paused, an ended one by its end; each running job's row names its group, so the
+    monitor shows its step under that group."""
+    monkeypatch.setenv("PAN2_FAKE_STEP_SECONDS", "0.05")
+    with serving_farm(tmp_path, executor=ThreadedExecutor) as (farm, url, token):
+        ended = submit_file(farm, tmp_path / "ended", {"jobs": [{"name": "quick", "prompt": "q", "steps": 2}]})
+        _until(lambda: _state(farm, ended)["state"] == "done", "the first batch to end")
+        running = submit_file(farm, tmp_path / "running", {"jobs": [{"name": "long", "prompt": "l", "steps": 400}]})
+        waiting = submit_file(farm, tmp_path / "waiting", {"jobs": [{"name": "next", "prompt": "n", "steps": 2}]})
+        paused = submit_file(farm, tmp_path / "paused", {"jobs": [{"name": "held", "prompt": "h"}]}, paused=True)
+        _until(lambda: any(r["batch"] == running and r["step"] for r in farm.snapshot()["running"]), "a step")
+        snap = farm.snapshot()
+        shown = {b["id"]: (b["state"], b["shown_state"]) for b in snap["batches"]}
+        print(shown)
+        assert shown == {ended: ("done", "done"), running: ("active", "running"), waiting: ("active", "queued"),
+                         paused: ("paused", "paused")}
+        (row,) = [r for r in snap["running"] if r["batch"] == running]
+        (group,) = [g for g in snap["groups"] if g["id"] == row["group"]]
+        assert group["state"] == "busy" and row["job"] in group["jobs"] and row["total"] == 400
+        farm.ask(lambda: farm.actions.cancel(running)).result(timeout=30)  # (its sampling stops at its next step)
+        _until(lambda: _state(farm, running)["state"] == "cancelled", "the long batch to end")
