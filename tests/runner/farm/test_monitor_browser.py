@@ -125,6 +125,7 @@ def test_the_monitor_follows_the_farm_and_acts_on_it(tmp_path: Path, page: Any,
         page.click("#jobs tr.error-row details.traceback summary")
         trace = page.text_content("#jobs tr.error-row details.traceback pre")
         assert "Traceback (most recent call last)" in trace and "injected failure in sampling of job broken" in trace
+        assert "\\u000a" not in trace and trace.count("\n") >= 3  # its lines, as lines (not escapes)
         assert page.is_visible("#jobs tr.error-row details.traceback pre")
         assert "sampling: " in page.text_content("#jobs tr.error-row p.error")
 

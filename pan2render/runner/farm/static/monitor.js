@@ -72,7 +72,8 @@ function $(id) { return document.getElementById(id); }
 // An element from properties and children; a string child becomes a text node.
 // Text from a ledger or the queue is shown as text (never markup), and its control and bidi
 // characters as escapes: a name cannot reorder what follows it ("gnp.exe" shown as "exe.png").
-const UNSHOWN = /[\u0000-\u001f\u007f-\u009f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g;
+// Line feeds and tabs are kept, as the report keeps them: a traceback's lines stay lines.
+const UNSHOWN = /[\u0000-\u0008\u000b-\u001f\u007f-\u009f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g;
 function shown(v) {
   return typeof v === "string" ? v.replace(UNSHOWN, c => "\\u" + c.charCodeAt(0).toString(16).padStart(4, "0")) : v;
 }
