@@ -1,7 +1,8 @@
 """The farm's commands as a user types them, against a farm in this process: `cancel BATCH JOB` of
 a job that has already ended (done, failed or cancelled) says so, naming the job and its state,
 changes nothing and exits 6, whether its batch is still served or has ended; a job still running is
-cancelled (exit 0)."""
+cancelled (exit 0). `queue` names a batch's state as the monitor does (running, queued, paused;
+never the queue's "active") and, bare, lists every batch not ended, a paused one too."""
 
 from __future__ import annotations
 
@@ -74,3 +75,32 @@ def test_cancel_of_a_job_that_already_ended_says_so_and_changes_nothing(
         assert cancel(served, "e")[0] == EXIT_OK  # still running: cancelled
         _until(lambda: _describe(farm, served)["state"] == "cancelled", "the second batch to end")
         assert _states(tmp_path / "served") == {"d": "done", "e": "cancelled"}
+
+
+def test_queue_names_states_as_the_monitor_does_and_lists_paused_batches_bare(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """One GPU: a batch sampling is running, the one behind it queued (both "active" in the farm's
+    queue), a paused one paused; an ended one only with `--all`."""
+    monkeypatch.setenv("PAN2_FAKE_STEP_SECONDS", "0.05")
+    with serving_farm(tmp_path, executor=ThreadedExecutor) as (farm, url, token):
+        root = tmp_path / "farm"
+        write_private(root / INFO_NAME, json.dumps({"url": url, "pid": 0}).encode())  # as `farm start` writes it
+
+        def states(*flags: str) -> dict[str, str]:
+            """batch id -> the state column of `queue`'s table."""
+            assert cli.main(["queue", "--root", str(root), *flags]) == EXIT_OK
+            out = capsys.readouterr().out
+            print(out)
+            rows = [cells for cells in map(str.split, out.splitlines()) if cells and cells[0][1:].isdigit()]
+            return {cells[0]: cells[3] for cells in rows}
+
+        ended = submit_file(farm, tmp_path / "ended", {"jobs": [{"name": "quick", "prompt": "q", "steps": 2}]})
+        _until(lambda: _describe(farm, ended)["state"] == "done", "the first batch to end")
+        running = submit_file(farm, tmp_path / "running", {"jobs": [{"name": "long", "prompt": "l", "steps": 400}]})
+        waiting = submit_file(farm, tmp_path / "waiting", {"jobs": [{"name": "next", "prompt": "n", "steps": 2}]})
+        paused = submit_file(farm, tmp_path / "paused", {"jobs": [{"name": "held", "prompt": "h"}]}, paused=True)
+        _until(lambda: _describe(farm, running)["running"], "the long job running")
+        assert states() == {running: "running", waiting: "queued", paused: "paused"}
+        assert states("--all") == {ended: "done", running: "running", waiting: "queued", paused: "paused"}
+        farm.ask(lambda: farm.actions.cancel(running)).result(timeout=30)  # (its sampling stops at its next step)
+        _until(lambda: _describe(farm, running)["state"] == "cancelled", "the long batch to end")
