@@ -72,6 +72,16 @@ class Yuv420Video:
         return f, rows * 2 // 3, w
 
 
+def frame_threads(height: int) -> int:
+    """libx264's frame threads for frames ``height`` pixels high: one per two macroblock rows, the
+    cap libx264's own choice takes (1.5 x the cores, at most that: x264's encoder.c) on a machine of
+    enough cores (22 for 704 rows, as on the 16-core H200 hosts of docs/performance.md, "Encode
+    presets"). Not libx264's own choice: it counts the cores, and its bitstream, so the decoded
+    pixels, differ with the thread count; a video rendered again (`run --from`) on another machine,
+    or in a worker given another share of the cores, must come out the same."""
+    return max(1, (height + 15) // 16 // 2)
+
+
 def check_x264_preset(preset: str) -> str:
     if preset not in X264_PRESETS:
         raise MediaError(f"encode preset {preset!r} is not one of libx264's: {', '.join(X264_PRESETS)}")
@@ -93,7 +103,8 @@ def encode_mp4(frames: Any, path: str | os.PathLike[str], *, fps: float, crf: in
     ``frames``: uint8 RGB ``[F, H, W, 3]`` (numpy or torch; converted with media/yuv.py) or a
     :class:`Yuv420Video` converted already (on the GPU by the worker). ``preset``: one of
     :data:`X264_PRESETS`; ``tune``: one of :data:`X264_TUNES` ("none": libx264's defaults). The
-    encoder uses every core (frame threads).
+    encoder runs `frame_threads` frame threads: a number of the frame's size alone, so the same
+    frames give the same file on any machine (libx264's bitstream depends on its thread count).
 
     ``metadata``: container tags (e.g. ``title``, ``comment``, or any key of ours), read back by
     :func:`read_metadata`, PyAV's ``container.metadata`` or ``ffprobe -show_format``.
@@ -343,9 +354,9 @@ def _write_h264(video: Yuv420Video, path: Path, *, rate: Fraction, crf: int, pre
             stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
             stream.options = {"crf": str(crf), "preset": preset, **({} if tune == "none" else {"tune": tune})}
             ctx = stream.codec_context
-            # Frame threads on every core (thread_count 0 = libx264's auto). PyAV's default is
-            # slice threads, which split each frame and parallelise far less.
-            ctx.thread_type, ctx.thread_count = "FRAME", 0
+            # Frame threads (PyAV's default is slice threads, which split each frame and
+            # parallelise far less), as many as libx264 itself would take on enough cores.
+            ctx.thread_type, ctx.thread_count = "FRAME", frame_threads(height)
             for name, value in COLOUR_TAGS.items():
                 setattr(ctx, name, value)
             for i in range(num_frames):

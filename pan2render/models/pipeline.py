@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import hashlib
 import math
 import sys
 from collections.abc import Iterator, Sequence
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..cache import cache_root
 from ..kernels.attention import describe_attention, start_attention_import, warm_up_attention
 from ..kernels.vae_decode import SWITCHED_OFF, to_uint8_frames
 from ..lanes import (
@@ -40,10 +40,12 @@ from ..lanes import (
     lane_problems,
     plan_sampling,
 )
+from ..model_files import DMD_TIMESTEPS_KEY, listed_dmd_timesteps
+from ..model_files import model_id as checkpoint_id
 from ..phases import phase
 from ..sampling import DMD, SAMPLERS, WAN22, Geometry, combination_problems, is_int, timesteps_problem
 from ..step_checkpoint import StepCheckpointError
-from ..tiny_dit import TINY_MODEL
+from ..tiny_dit import TINY_MODEL, TINY_NAME
 from ..vae_plan import SHAPE_COVERING_LATENT_FRAMES
 from .calibration import calibration_for
 from .dit import PAN2DiT, PAN2DiTConfig
@@ -65,7 +67,6 @@ from .strategies import (
     make_denoiser,
 )
 from .text import TextEncoder
-from .tiny import cache_root
 from .vae import WanVAE, WanVAEConfig
 
 ProgressFn = Callable[[int, int], None]
@@ -234,10 +235,10 @@ class PAN2Pipeline:
         """Load a diffusers-layout checkpoint folder, or ``"tiny"`` for the embedded tiny model."""
         config = config or PAN2PipelineConfig()
         if str(path) == TINY_MODEL:
-            from .tiny import TINY_VERSION, tiny_model_folder
+            from .tiny import tiny_model_folder
 
             root = tiny_model_folder()
-            name = f"tiny-v{TINY_VERSION}"
+            name = TINY_NAME
         else:
             root = Path(path).expanduser().resolve()
             name = root.name
@@ -269,7 +270,7 @@ class PAN2Pipeline:
         except ValueError as e:
             raise ModelFolderError(str(e)) from e
         default_timesteps = model_dmd_timesteps(root, scheduler_config.num_train_timesteps)
-        model_id = f"{name}-{_model_digest(root, default_timesteps)}"
+        model_id = checkpoint_id(root, name=name, dmd_timesteps=default_timesteps)
         # FlashAttention-4's import may still be running: `warm_up` (or the first forward) waits.
         return cls(dit=dit, vae=vae, text_encoder=text, scheduler_config=scheduler_config, config=config,
                    model_id=model_id, expand_timesteps=bool(index.get("expand_timesteps", True)),
@@ -322,11 +323,12 @@ class PAN2Pipeline:
         return torch.device(self.config.device)
 
     @property
-    def preview_map(self) -> RgbMap | None:
+    def preview_map(self) -> RgbMap:
         """The latent -> RGB map this model's previews use (`pan2render.models.preview.rgb_map_for`):
-        the one ``pan2-render calibrate`` fitted for it, else the published Wan2.2 one where its
-        VAE has that VAE's channels; None: none applies."""
-        return rgb_map_for(self.model_id, self.vae.config.z_dim)
+        the one ``pan2-render calibrate`` fitted for it, else one fitted on its VAE alone the first
+        time it is asked for (a few small decodes, then kept on disk). Read again each time, so that
+        a warm worker takes up a map ``calibrate`` fitted since."""
+        return rgb_map_for(self)
 
     @property
     def attention_backend(self) -> str:
@@ -568,7 +570,7 @@ class PAN2Pipeline:
     def _plan(self, lanes: FastLanes, *, steps: int, guided: bool, conditioned: bool) -> SamplingPlan:
         calibration = None
         if lanes.cache != CACHE_NONE:
-            calibration = calibration_for(self.model_id, self.dit.config, conditioned=conditioned)
+            calibration = calibration_for(self.model_id, self.dit.config.to_dict(), conditioned=conditioned)
         return plan_sampling(lanes, steps=steps, guided=guided, calibration=calibration)
 
     @property
@@ -715,44 +717,16 @@ def _config_of(folder: Path, cls):
         raise ModelFolderError(f"{folder / 'config.json'}: {e}") from e
 
 
-# Where a step-distilled checkpoint may list its DMD timesteps, in the order they are looked for:
-# FastVideo writes ``dmd_denoising_steps`` into its pipeline config; a diffusers-layout export may
-# carry it in model_index.json.
-DMD_TIMESTEPS_KEY = "dmd_denoising_steps"
-DMD_TIMESTEPS_FILES = ("model_index.json", "pipeline_config.json")
-
-
 def model_dmd_timesteps(root: Path, num_train_timesteps: int) -> tuple[int, ...] | None:
     """The checkpoint's own DMD timesteps (``dmd_denoising_steps``), or None when it lists none."""
-    for name in DMD_TIMESTEPS_FILES:
-        path = root / name
-        if not path.is_file():
-            continue
-        value: Any = read_json(path).get(DMD_TIMESTEPS_KEY)
-        if value is None:
-            continue
-        problem = timesteps_problem(value, num_train_timesteps=num_train_timesteps)
-        if problem is not None:
-            raise ModelFolderError(f"{path}: {DMD_TIMESTEPS_KEY} {problem}")
-        return tuple(value)
-    return None
-
-
-def _model_digest(root: Path, default_timesteps: tuple[int, ...] | None) -> str:
-    """A cheap, stable id of a checkpoint's weights: configs plus weight file names and sizes."""
-    h = hashlib.sha256()
-    if default_timesteps is not None:  # a checkpoint's own timesteps change its renders
-        h.update(f"{DMD_TIMESTEPS_KEY}:{list(default_timesteps)}".encode())
-    for sub in ("transformer", "vae", "text_encoder", "scheduler"):
-        folder = root / sub
-        if not folder.is_dir():
-            continue
-        for f in sorted(folder.iterdir()):
-            if f.suffix == ".json":
-                h.update(f"{sub}/{f.name}:".encode() + f.read_bytes())
-            elif f.suffix == ".safetensors":
-                h.update(f"{sub}/{f.name}:{f.stat().st_size}".encode())
-    return h.hexdigest()[:10]
+    listed = listed_dmd_timesteps(root)
+    if listed is None:
+        return None
+    path, value = listed
+    problem = timesteps_problem(value, num_train_timesteps=num_train_timesteps)
+    if problem is not None:
+        raise ModelFolderError(f"{path}: {DMD_TIMESTEPS_KEY} {problem}")
+    return tuple(value)
 
 
 __all__ = ["PAN2Pipeline", "PAN2PipelineConfig", "SampleRequest", "apply_guidance", "default_denoiser",

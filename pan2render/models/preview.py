@@ -9,8 +9,9 @@ resize and the encode run wherever the hook hands them (the runner: its worker's
 
 The map of a model (`rgb_map_for`): the one ``pan2-render calibrate`` fitted and kept beside its
 model id (`fit_rgb_map`: least squares against the VAE's own decode of the x0s of a sampling,
-``<cache>/preview/<model id>.json``); else, for a VAE with the Wan2.2 VAE's 48 latent channels, the
-published Wan2.2 factors (`WAN22_RGB_MAP`); else none, and the sampling makes no previews.
+``<cache>/preview/<model id>.json``); else one fitted, the first time a preview is asked for, on the
+model's VAE alone (`vae_rgb_map`: its decodes of Gaussian latents) and kept in the same file
+until ``calibrate`` replaces it. Any VAE gets a map this way, from its own weights.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..kernels.vae_decode import to_uint8_frames
 from ..sampling import WAN22
 from .calibration import model_file
 
-__all__ = ["PREVIEW_FRAMES", "WAN22_RGB_MAP", "FitSamples", "PreviewHook", "PreviewLatents", "RgbMap",
+__all__ = ["PREVIEW_FRAMES", "FitSamples", "PreviewHook", "PreviewLatents", "RgbMap",
            "calibrate_rgb_map", "fit_rgb_map", "frame_targets", "grey_map", "preview_frames", "preview_psnr",
-           "rgb_map_for", "rgb_map_path", "store_rgb_map", "stored_rgb_map"]
+           "rgb_map_for", "rgb_map_path", "store_rgb_map", "stored_rgb_map",
+           "vae_rgb_map"]
 
 # Latent frames a preview shows, spread from the first to the last: 4 of a 121-frame video's 31 (its
 # start, two middles, its end) cost the sampling one copy of 4 x 48 x 44 x 78 float32 (2.6 MB).
@@ -138,32 +141,6 @@ class RgbMap:
             raise ValueError(f"{source}: not a latent -> RGB map ({e}); run `pan2-render calibrate` again") from e
 
 
-def _rows(values: Sequence[float]) -> tuple[tuple[float, float, float], ...]:
-    return tuple((values[i], values[i + 1], values[i + 2]) for i in range(0, len(values), 3))
-
-
-# The Wan2.2 VAE's (z_dim 48) latent -> RGB factors as ComfyUI publishes them for its live previews:
-# comfy/latent_formats.py, class Wan22, latent_rgb_factors and latent_rgb_factors_bias (Comfy-Org/ComfyUI,
-# commit 75399d78). ComfyUI applies them to the sampler's x0 in its model space, the latents normalised
-# by the VAE's latents_mean / latents_std as ours are, and reads the result in [-1, 1].
-WAN22_RGB_MAP = RgbMap(weight=_rows((
-    0.0119, 0.0103, 0.0046, -0.1062, -0.0504, 0.0165, 0.0140, 0.0409, 0.0491, -0.0813, -0.0677, 0.0607,
-    0.0656, 0.0851, 0.0808, 0.0264, 0.0463, 0.0912, 0.0295, 0.0326, 0.0590, -0.0244, -0.0270, 0.0025,
-    0.0443, -0.0102, 0.0288, -0.0465, -0.0090, -0.0205, 0.0359, 0.0236, 0.0082, -0.0776, 0.0854, 0.1048,
-    0.0564, 0.0264, 0.0561, 0.0006, 0.0594, 0.0418, -0.0319, -0.0542, -0.0637, -0.0268, 0.0024, 0.0260,
-    0.0539, 0.0265, 0.0358, -0.0359, -0.0312, -0.0287, -0.0285, -0.1032, -0.1237, 0.1041, 0.0537, 0.0622,
-    -0.0086, -0.0374, -0.0051, 0.0390, 0.0670, 0.2863, 0.0069, 0.0144, 0.0082, 0.0006, -0.0167, 0.0079,
-    0.0313, -0.0574, -0.0232, -0.1454, -0.0902, -0.0481, 0.0714, 0.0827, 0.0447, -0.0304, -0.0574, -0.0196,
-    0.0401, 0.0384, 0.0204, -0.0758, -0.0297, -0.0014, 0.0568, 0.1307, 0.1372, -0.0055, -0.0310, -0.0380,
-    0.0239, -0.0305, 0.0325, -0.0663, -0.0673, -0.0140, -0.0416, -0.0047, -0.0023, 0.0166, 0.0112, -0.0093,
-    -0.0211, 0.0011, 0.0331, 0.1833, 0.1466, 0.2250, -0.0368, 0.0370, 0.0295, -0.3441, -0.3543, -0.2008,
-    -0.0479, -0.0489, -0.0420, -0.0660, -0.0153, 0.0800, -0.0101, 0.0068, 0.0156, -0.0690, -0.0452, -0.0927,
-    -0.0145, 0.0041, 0.0015, 0.0421, 0.0451, 0.0373, 0.0504, -0.0483, -0.0356, -0.0837, 0.0168, 0.0055)),
-    bias=(0.0317, -0.0878, -0.1388),
-    source="published: ComfyUI's Wan22 latent_rgb_factors (comfy/latent_formats.py)")
-assert WAN22_RGB_MAP.channels == 48
-
-
 def rgb_map_path(model_id: str) -> Path:
     """Where ``model_id``'s fitted map lives (beside its MagCache calibration's folder)."""
     return model_file("preview", model_id)
@@ -191,12 +168,18 @@ def store_rgb_map(model_id: str, rgb_map: RgbMap, *, quality: dict[str, float] |
     return path
 
 
-def rgb_map_for(model_id: str, latent_channels: int) -> RgbMap | None:
-    """The map a model's previews use (see the module doc); None: none applies."""
-    stored = stored_rgb_map(model_id)
+def rgb_map_for(pipe: Any) -> RgbMap:
+    """The map ``pipe``'s previews use (see the module doc): its stored one, else one fitted now on
+    its VAE's own encodes (`vae_rgb_map`) and stored, so that a model pays for that fit once."""
+    stored = stored_rgb_map(pipe.model_id)
     if stored is not None:
         return stored
-    return WAN22_RGB_MAP if latent_channels == WAN22_RGB_MAP.channels else None
+    fitted, quality = vae_rgb_map(pipe)
+    try:
+        store_rgb_map(pipe.model_id, fitted, quality=quality)
+    except OSError:  # a read-only cache: the map still serves, fitted again next time
+        pass
+    return fitted
 
 
 # ---------------------------------------------------------------------------------- the fit
@@ -261,6 +244,31 @@ class FitSamples:
     def __call__(self, latents: PreviewLatents) -> None:
         if latents.step in self.wanted:
             self.x0s.append(latents.x0)
+
+
+def vae_rgb_map(pipe: Any, *, count: int = 4, seed: int = 0) -> tuple[RgbMap, dict[str, float]]:
+    """A map for any VAE from nothing but the VAE: least squares from unit-Gaussian latents (the
+    normalised latent space's own marginal, 2 latent frames of 16 x 16) to the VAE's decode of them,
+    with its in-sample PSNR and a grey picture's. Seeded, so one model always gets the same map.
+    ``pan2-render calibrate`` fits on the x0s of a real sampling instead, which suits the late,
+    detailed predictions better; on the tiny model the two pictured a held-out sampling within
+    1 dB of each other (tests/models/test_preview.py prints both)."""
+    g = torch.Generator().manual_seed(seed)
+    latents = [torch.randn(pipe.vae.config.z_dim, 2, 16, 16, generator=g) for _ in range(count)]
+    pairs = [(z, _local_decode(pipe.vae, z)) for z in latents]
+    fitted = fit_rgb_map(pairs, source=f"fitted on {pipe.model_id}'s VAE ({count} decodes of Gaussian latents)")
+    quality = {"psnr_db": float(np.mean([preview_psnr(fitted, z, f) for z, f in pairs])),
+               "grey_psnr_db": float(np.mean([preview_psnr(grey_map(z.shape[0]), z, f) for z, f in pairs]))}
+    return fitted, quality
+
+
+def _local_decode(vae: Any, z: torch.Tensor) -> np.ndarray:
+    """The VAE's plain decode in this process: rank 0 of a group fits the map alone, so the
+    group's split decode (a collective) is no way to get it."""
+    weight = next(vae.parameters())
+    with torch.no_grad():
+        raw = vae.denormalize_latents(z[None].to(weight.device, torch.float32)).to(weight.dtype)
+        return to_uint8_frames(vae.decode(raw)[0]).cpu().numpy()
 
 
 def calibrate_rgb_map(pipe: Any, x0s: Sequence[torch.Tensor]) -> tuple[RgbMap, dict[str, float]]:

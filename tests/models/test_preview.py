@@ -15,7 +15,6 @@ import torch
 from pan2render.models import PAN2Pipeline, PAN2PipelineConfig
 from pan2render.models import pipeline as pipeline_module
 from pan2render.models.preview import (
-    WAN22_RGB_MAP,
     FitSamples,
     PreviewHook,
     PreviewLatents,
@@ -25,8 +24,10 @@ from pan2render.models.preview import (
     grey_map,
     preview_frames,
     preview_psnr,
-    rgb_map_for,
+    rgb_map_path,
     store_rgb_map,
+    stored_rgb_map,
+    vae_rgb_map,
 )
 
 SIZE = dict(height=64, width=64, frames=17)  # latent 48 x 5 x 4 x 4
@@ -154,10 +155,18 @@ def test_the_map_fitted_on_the_tiny_model_beats_grey_and_another_vaes_map(tiny: 
     held_out = tiny.sample(**size, prompt="a boat on a lake", steps=6, guidance=2.5, seed=7)
     frames = tiny.decode(held_out).numpy()
     psnr = {name: preview_psnr(m, held_out, frames)
-            for name, m in [("fitted", fitted), ("grey", grey_map(48)), ("wan2.2 vae's", WAN22_RGB_MAP)]}
+            for name, m in [("fitted", fitted), ("grey", grey_map(48)), ("vae's", vae_rgb_map(tiny)[0]),
+                            ("another vae's", another_vaes_map(seed=1))]}
     print(f"tiny model, held-out sampling: PSNR {psnr} dB; in-sample {quality}")
-    assert psnr["fitted"] > psnr["grey"] and psnr["fitted"] > psnr["wan2.2 vae's"]
+    assert psnr["fitted"] > psnr["grey"] and psnr["fitted"] > psnr["another vae's"]
+    assert psnr["vae's"] > psnr["grey"] and psnr["vae's"] > psnr["another vae's"]
     assert quality["psnr_db"] > quality["grey_psnr_db"]
+
+
+def another_vaes_map(*, seed: int) -> RgbMap:
+    """A plausible map of the same channels that is not this VAE's: the negative control."""
+    weight = np.random.default_rng(seed).normal(0, 0.05, (48, 3))
+    return RgbMap(weight=tuple(tuple(r) for r in weight.tolist()), bias=(0.0, 0.0, 0.0), source="another VAE")
 
 
 def test_the_fit_recovers_a_linear_decode_and_needs_the_vaes_frame_layout() -> None:
@@ -187,20 +196,21 @@ def test_the_fit_recovers_a_linear_decode_and_needs_the_vaes_frame_layout() -> N
     assert good > 45 and bad < good - 15
 
 
-def test_a_models_map_is_its_fitted_one_else_the_published_wan22_one(tiny: PAN2Pipeline) -> None:
-    assert tiny.preview_map == WAN22_RGB_MAP  # 48 channels, nothing fitted yet
-    assert rgb_map_for("other-0123456789", 16) is None  # another VAE's channels: no map, no previews
+def test_a_models_map_is_its_stored_one_else_one_fitted_on_its_vae_and_kept(tiny: PAN2Pipeline) -> None:
+    """Nothing stored: the first ask fits a map on the VAE's encodes of colour fields and keeps it,
+    which then serves (no second fit); a map stored since (`calibrate`'s) replaces it at once."""
+    path = rgb_map_path(tiny.model_id)
+    path.unlink(missing_ok=True)
+    first = tiny.preview_map
+    assert first.channels == 48 and first.source.startswith(f"fitted on {tiny.model_id}'s VAE")
+    assert stored_rgb_map(tiny.model_id) == first  # kept beside the model id
+    kept = path.stat().st_mtime_ns
+    assert tiny.preview_map == first and path.stat().st_mtime_ns == kept  # read, not fitted again
     mine = RgbMap(weight=((0.5, 0.0, 0.0),) * 48, bias=(0.0, 0.1, 0.2), source="fitted on the test")
     store_rgb_map(tiny.model_id, mine, quality={"psnr_db": 30.0})
     try:
         assert tiny.preview_map == mine
     finally:
-        from pan2render.models.preview import rgb_map_path
-
-        rgb_map_path(tiny.model_id).unlink()
+        path.unlink()
     with pytest.raises(ValueError, match="cannot name a calibration file"):
-        rgb_map_for("../evil", 48)
-    # The published numbers: ComfyUI's Wan22 factors as it ships them (spot checks).
-    assert WAN22_RGB_MAP.weight[0] == (0.0119, 0.0103, 0.0046)
-    assert WAN22_RGB_MAP.weight[39] == (-0.3441, -0.3543, -0.2008)
-    assert WAN22_RGB_MAP.bias == (0.0317, -0.0878, -0.1388)
+        stored_rgb_map("../evil")

@@ -1,10 +1,12 @@
 """Live previews in a gloo group of 2: rank 0 alone is given the hook (as the worker does), the
 other rank samples as before; every rank's latents are the bits of the group's sampling without
 previews, and rank 0's previews are the ones one process takes (the group's latents equal one
-process's), under Ulysses over the whole group, the guidance split and DMD."""
+process's), under Ulysses over the whole group, the guidance split and DMD; rank 0 fits a model's
+latent -> RGB map on its own while the other rank goes on."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,12 @@ def _embeds() -> dict[str, torch.Tensor]:
 
 def _sample(rank: int, world: int, out: Path) -> None:
     result: dict[str, object] = {}
+    # A model without a stored map: rank 0 alone fits one on the VAE, as the worker asks for it;
+    # were that fit the group's split decode (a collective), rank 0 would hang here.
+    os.environ["PAN2_RENDER_CACHE"] = str(out / "cache")
+    if rank == 0:
+        grouped = parallelize_pipeline(tiny_pipeline(guidance_parallel=True), dist.group.WORLD)
+        result["map"] = grouped.preview_map.to_json()
     for name, (req, split) in CASES.items():
         pipe = parallelize_pipeline(tiny_pipeline(guidance_parallel=split), dist.group.WORLD)
         result[f"{name}/off"] = pipe.sample(**_embeds(), **SIZE, **req)
@@ -46,6 +54,7 @@ def test_rank_0_takes_the_previews_and_no_ranks_latents_change(tmp_path: Path) -
     (tmp_path / "two").mkdir()
     one, = run_group(1, _sample, tmp_path / "one")
     two = run_group(2, _sample, tmp_path / "two")
+    assert two[0]["map"] == one["map"] and "map" not in two[1]  # fitted by rank 0 alone, as one process does
     for name in CASES:
         for r in two:
             assert torch.equal(r[f"{name}/on"], r[f"{name}/off"]), f"{name}: a rank's latents changed"

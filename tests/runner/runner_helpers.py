@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
+import signal
 import sqlite3
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -70,6 +73,35 @@ def write_batch(path: Path, jobs: list[dict], *, defaults: dict | None = None,
         doc["sweep"] = sweep
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
+
+
+def until(check: Callable[[], Any], what: str, timeout_s: float = 60.0, *, poll_s: float = 0.1) -> Any:
+    """Poll ``check`` until it gives something true, and return that; ``timeout_s`` passing first
+    fails the test, naming ``what`` was awaited."""
+    deadline = time.monotonic() + timeout_s
+    while not (got := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll_s)
+    return got
+
+
+def stop_farm(env: dict[str, str], *marks: str | Path) -> None:
+    """End what a test started of a farm: `farm stop` of the farm ``env`` names, then SIGKILL to any
+    live process whose command line still names one of ``marks`` (the test's own folders), so that
+    a stop that did not end it, or a start that raced it, leaves nothing running."""
+    subprocess.run([sys.executable, "-m", "pan2render.runner.cli", "farm", "stop"], env=env,
+                   capture_output=True, timeout=120, check=False)
+    wanted = [str(m).encode() for m in marks]
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(pid) != os.getpid() and any(m in cmd for m in wanted):
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def wait_while_running(run: subprocess.Popen, ready: Callable[[], bool], *, within_s: float, what: str,

@@ -44,6 +44,7 @@ from pan2render.runner.serve.progress import RunningJob, RunProgress
 from pan2render.runner.serve.scheduler import Scheduler, ServedBatch
 from pan2render.runner.serve.session import BatchSession, model_folder_problems
 from pan2render.runner.serve.steps import PAN2_FLOW
+from pan2render.runner.views.eta import BatchEta
 from pan2render.runner.views.report import ReportUpdater
 
 PUBLISH_EVERY_S = 0.5  # the snapshot's age at most (each publish reads every served batch's ledger)
@@ -112,6 +113,12 @@ class Farm:
         with self._snapshot_lock:
             return self._snapshot
 
+    @property
+    def snapshot_age_s(self) -> float:
+        """Seconds since the main thread published its snapshot (at most PUBLISH_EVERY_S and a pass
+        while its loop turns; infinite before the first): from any thread."""
+        return time.monotonic() - self._published
+
     def stop(self) -> None:
         self._stopping.set()
 
@@ -128,8 +135,10 @@ class Farm:
         if s is None:
             return described_from_ledger(row)
         running = [r.job.id for r in self.scheduler.running(s.batch)]
+        queued = self.scheduler.pending(s.batch)
         return _description(row, s.session.counts(), running=running) | {
-            "queued": len(self.scheduler.pending(s.batch)), "eta_s": s.batch.progress.eta_seconds()}
+            "queued": len(queued), "waiting": sum(s.batch.waits.waits(job_id) for job_id in queued),
+            "eta_s": s.batch.progress.eta_seconds()}
 
     # ================================================================== serving batches
     def resume_unfinished(self) -> None:
@@ -176,7 +185,8 @@ class Farm:
             session.close()
             raise
         report = ReportUpdater(session.out_dir, say=session.log.line)
-        progress = RunProgress(log=session.log, live=False)
+        eta = BatchEta(session.out_dir, session.job_ids, gpus=self.scheduler.pool.total_gpus)
+        progress = RunProgress(log=session.log, live=False, eta=lambda: eta.seconds(session.ledger))
         holder: dict[str, ServedBatch] = {}
         flow = BatchFlow(out_dir=session.out_dir, ledger=session.ledger, flow=PAN2_FLOW, say=session.log.line,
                          upcoming=lambda: self.scheduler.upcoming(holder["batch"]), models_per_group=1)
@@ -346,8 +356,8 @@ def _description(row: QueuedBatch, counts: dict[str, int], *, running: list[str]
             "priority": row.priority, "preempt": row.preempt, "state": row.state.value,
             "shown_state": shown_state(row.state, running=bool(running)), "reason": row.reason,
             "submitted_at": row.submitted_at, "updated_at": row.updated_at, "counts": counts,
-            "running": running or [], "queued": 0, "eta_s": None, "exit_code": exit_code(row.state, counts),
-            "video_id": row.video_id, "hidden": row.hidden}
+            "running": running or [], "queued": 0, "waiting": 0, "eta_s": None,
+            "exit_code": exit_code(row.state, counts), "video_id": row.video_id, "hidden": row.hidden}
 
 
 def _ledger_counts(out_dir: Path, job_ids: list[str]) -> dict[str, int]:

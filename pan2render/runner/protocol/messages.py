@@ -245,20 +245,26 @@ class StopSamplingCall(WorkerCall):
 
 
 @dataclass(frozen=True)
-class FetchCheckpointCall(WorkerCall):
-    """The job's newest step checkpoint after ``after_step`` (rank 0; waits up to ``wait_s`` for one
-    while the job samples). Its reply is a CheckpointReply, or None when the sampling ended or no
-    newer one came in time."""
+class _FetchNewestCall(WorkerCall):
+    """Something rank 0 keeps of a job while it samples, newer than ``after_step``: waits up to
+    ``wait_s`` for it; None when the sampling ended or nothing newer came in time. On the I/O lane,
+    so that it never waits behind the sampling it asks about."""
 
     lane: ClassVar[Lane] = Lane.IO
     stage: ClassVar[Stage | None] = Stage.SAMPLING
     marks_stage: ClassVar[bool] = False
     shown: ClassVar[str] = "sampling"
-    timeout_key: ClassVar[str] = "fetch_checkpoint"
     default_timeout_s: ClassVar[float] = 600.0
     job_id: str
     after_step: int
     wait_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class FetchCheckpointCall(_FetchNewestCall):
+    """The job's newest step checkpoint (a CheckpointReply)."""
+
+    timeout_key: ClassVar[str] = "fetch_checkpoint"
 
 
 @dataclass(frozen=True)
@@ -269,20 +275,10 @@ class CheckpointReply:
 
 
 @dataclass(frozen=True)
-class FetchPreviewCall(WorkerCall):
-    """The job's newest live preview after ``after_step`` (rank 0; waits up to ``wait_s`` for one
-    while the job samples). Its reply is a PreviewReply, or None when the sampling ended or no
-    newer one came in time."""
+class FetchPreviewCall(_FetchNewestCall):
+    """The job's newest live preview (a PreviewReply)."""
 
-    lane: ClassVar[Lane] = Lane.IO
-    stage: ClassVar[Stage | None] = Stage.SAMPLING
-    marks_stage: ClassVar[bool] = False
-    shown: ClassVar[str] = "sampling"
     timeout_key: ClassVar[str] = "fetch_preview"
-    default_timeout_s: ClassVar[float] = 600.0
-    job_id: str
-    after_step: int
-    wait_s: float = 30.0
 
 
 @dataclass(frozen=True)

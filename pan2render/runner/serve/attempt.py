@@ -52,6 +52,10 @@ class IllegalPhaseMove(RuntimeError):
     """A move :data:`PHASE_MOVES` does not allow: a bug in the scheduler, never the job's."""
 
 
+# How the ledger's reason for a preempted job's return to the queue begins (the scheduler's stop).
+PREEMPTED_AT = "preempted at step"
+
+
 class StopKind(str, enum.Enum):
     CANCEL = "cancel"  # a client cancelled the job: it ends cancelled
     PREEMPT = "preempt"  # a higher-priority batch takes its group: it goes back to the queue, uncharged

@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,9 +41,10 @@ from pan2render.jobs.ledger import (
     stage_name,
 )
 from pan2render.jobs.spec import JobSpec
+from pan2render.lanes import FastLanes
 from pan2render.phases import describe as describe_phases
 from pan2render.runner.protocol import artifacts
-from pan2render.runner.protocol.failures import ArtifactCheckError, Failure
+from pan2render.runner.protocol.failures import ArtifactCheckError, Failure, FailureKind
 from pan2render.runner.protocol.messages import CheckpointReply, LoadCall, LoadReply, Warmup, WorkerCall
 from pan2render.runner.protocol.timeline import stamp
 from pan2render.runner.serve.attempt import JobRun
@@ -103,6 +105,34 @@ def file_proof(out_dir: Path, relpath: str) -> tuple[artifacts.Recorded, dict[st
     data = path.read_bytes()
     rec = artifacts.Recorded(relpath, artifacts.sha256_bytes(data), len(data))
     return rec, {"artifact": relpath, "sha256": rec.sha256, "size": rec.size}
+
+
+# ---------------------------------------------------------------------- what the ledger's reasons say
+_FAILED = re.compile(r"(?:\S+ failed|not started) \[([a-z-]+)\]")
+_LOAD_SECONDS = re.compile(r", (\d+(?:\.\d+)?) s \(weights ")  # in the detail BatchFlow.record_load writes
+
+
+def failed_reason(stage: str, kind: FailureKind) -> str:
+    """How the reason of a retry or a failure the flow records begins (``record_failure``)."""
+    return f"{stage} failed [{kind.value}]"
+
+
+def unstarted_reason(kind: FailureKind) -> str:
+    """How the reason of a job that failed without starting begins (``end_unstarted``)."""
+    return f"not started [{kind.value}]"
+
+
+def failure_class(reason: str) -> str | None:
+    """The failure class a reason :func:`failed_reason` or :func:`unstarted_reason` began names
+    (None: another reason)."""
+    found = _FAILED.match(reason)
+    return found.group(1) if found else None
+
+
+def load_seconds(detail: str) -> float | None:
+    """The seconds a group's load took, from the detail of its GROUP_LOAD event."""
+    found = _LOAD_SECONDS.search(detail)
+    return float(found.group(1)) if found else None
 
 
 # ---------------------------------------------------------------------- the flow
@@ -232,6 +262,16 @@ class BatchFlow:
         self.ledger.set_stage(job_id, first, StageEvent.FAIL, error=reason)
         self.ledger.transition(job_id, JobEvent.FAIL, error=reason, error_stage=first, reason=reason)
 
+    def end_unstarted(self, job_id: str, event: JobEvent, why: str) -> None:
+        """A queued job ends without having started, as a job it runs after did (``event``: fail or
+        cancel), with ``why``. Failed, its reason names the class (dependency), as the flow's other
+        failures name theirs; no stage row is touched: none ran."""
+        if event is JobEvent.FAIL:
+            self.ledger.transition(job_id, event, error=why,
+                                   reason=f"{unstarted_reason(FailureKind.DEPENDENCY)}: {why}")
+        else:
+            self.ledger.transition(job_id, event, reason=why)
+
     def next_stage(self, job_id: str) -> str:
         """The first stage of the job that is not done (the one a failure now belongs to)."""
         st = self.ledger.stages(job_id)
@@ -247,16 +287,14 @@ class BatchFlow:
             return
         self.ledger.set_stage(job_id, failure.stage, StageEvent.FAIL, error=failure.message,
                               traceback=failure.traceback)
-        stage = stage_name(failure.stage)
+        failed = failed_reason(stage_name(failure.stage), failure.kind)
         if decision.action is Action.RETRY:
             self.ledger.transition(job_id, JobEvent.RETRY, error=failure.message, error_stage=failure.stage,
-                                   reason=f"{stage} failed [{failure.kind.value}], {decision.reason}: "
-                                          f"{failure.message}")
+                                   reason=f"{failed}, {decision.reason}: {failure.message}")
         else:
             self.ledger.transition(job_id, JobEvent.FAIL, error_stage=failure.stage,
                                    error=f"{failure.message} [{failure.kind.value}: {decision.reason}]",
-                                   reason=f"{stage} failed [{failure.kind.value}] ({decision.reason}): "
-                                          f"{failure.message}")
+                                   reason=f"{failed} ({decision.reason}): {failure.message}")
 
     def count_redo(self, job_id: str, problem: str) -> None:
         """A check rejected one of the job's artifacts, which is about to be redone: allowed
@@ -284,6 +322,13 @@ class BatchFlow:
         path = self.out_dir / rel
         if self.ledger.document(run.job.id, artifacts.STEP_CHECKPOINT_DOC) is None and not path.is_file():
             return None
+        if not FastLanes.of(run.job.spec.sample_args()).steps_exact:
+            # The worker would refuse it too, but only in its reply, once the sampling has run:
+            # until then `status` would show the restarted sampling behind a checkpoint it does not
+            # continue from (sampling 15/500 (checkpoint at 314)).
+            self.drop_step_checkpoint(run.job.id, "a step cache's kept residuals are not in a step checkpoint: "
+                                                  "sampling from step 0")
+            return None
         try:
             fd = outdir.open_file(path, os.O_RDONLY)  # (never through a link planted at its name)
             with os.fdopen(fd, "rb") as f:
@@ -295,8 +340,9 @@ class BatchFlow:
             self.drop_step_checkpoint(run.job.id, f"its step checkpoint is refused ({problem}); sampling from step 0")
             return None
         run.checkpoint_step = header.step
-        self.say(f"{run.job.name}: continuing its sampling from the step checkpoint at step "
-                 f"{header.step}/{header.key.total_steps}")
+        said = f"continuing its sampling from the step checkpoint at step {header.step}/{header.key.total_steps}"
+        self.ledger.log(run.job.id, EventKind.CHECKPOINT_RESUMED, said)
+        self.say(f"{run.job.name}: {said}")
         return data
 
     def record_step_checkpoint(self, run: JobRun, reply: CheckpointReply) -> None:

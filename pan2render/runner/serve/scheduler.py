@@ -24,13 +24,14 @@ from pan2render.runner.protocol.failures import BatchStopped, Failure, FailureKi
 from pan2render.runner.protocol.messages import Lane, StopSamplingCall, WorkerCall
 from pan2render.runner.protocol.timeline import stamp
 from pan2render.runner.serve import watch
-from pan2render.runner.serve.attempt import JobRun, Phase, Stop, StopKind
+from pan2render.runner.serve.attempt import PREEMPTED_AT, JobRun, Phase, Stop, StopKind
 from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.serve.pool import GroupPool
 from pan2render.runner.serve.retry import BYSTANDER, Action, Decision, OnGroup, RetryPolicy
 from pan2render.runner.serve.running import Running
 from pan2render.runner.serve.serving import JobQueue, QueuedJob, ServedBatch
 from pan2render.runner.serve.sides import SideFetches
+from pan2render.runner.serve.waits import Waits
 
 __all__ = ["Scheduler", "ServedBatch"]
 
@@ -55,15 +56,21 @@ class Scheduler:
 
     # ================================================================== what it serves
     def serve(self, batch: ServedBatch, job_ids: list[str]) -> None:
-        """Queue the named jobs of ``batch`` that are pending (prepared: see prepare_jobs)."""
+        """Queue the named jobs of ``batch`` that are pending (prepared: see prepare_jobs), each to
+        start once the jobs it runs after are done (serve/waits.py)."""
         self._batch_of[batch.seq] = batch
-        for job in batch.ledger.jobs(job_ids):
-            if job.state is not JobState.PENDING:
-                continue
-            if job.spec.gpus > self._max_group:
-                self._fail_unrunnable(batch, job)
-            else:
+        jobs = batch.ledger.jobs(job_ids)
+        batch.waits = Waits(jobs)
+        stuck = batch.waits.caught()  # job id -> why it can never start
+        for job in jobs:  # all queued before any ends: a job's end ends the queued jobs after it
+            if job.state is JobState.PENDING:
                 self._queue.add(batch, job)
+        for job in jobs:
+            if (q := self._queue.find(batch, job.id)) and (job.spec.gpus > self._max_group or job.id in stuck):
+                self._queue.remove(q)
+                self._fail_unrunnable(batch, job, stuck.get(job.id))
+            elif job.state in (JobState.FAILED, JobState.CANCELLED):  # not revived: the jobs after it cannot run
+                self._end_after(batch, job.id, job.state, job.error or "in an earlier run")
 
     def pending(self, batch: ServedBatch) -> list[str]:
         return [q.job_id for q in self._queue.of(batch)]
@@ -99,6 +106,8 @@ class Scheduler:
             self._queue.remove(q)
             batch.progress.job_ended(q.job_id, "cancelled", reason)
             batch.ended += 1
+        for q in queued:  # (once they are all out of the queue: one that waited for another is cancelled already)
+            self._end_after(batch, q.job_id, JobState.CANCELLED, reason)
         stopped = []
         for run in runs:
             run.stop = Stop(StopKind.CANCEL, reason)
@@ -141,7 +150,7 @@ class Scheduler:
             if run.cancelled:
                 self._end_cancelled(batch, run.job.id, f"{run.stop.reason}: sampling stopped at step {run.stopped_at}")
             else:
-                self._requeue(batch, run.job.id, f"preempted at step {run.stopped_at} by a higher-priority batch; "
+                self._requeue(batch, run.job.id, f"{PREEMPTED_AT} {run.stopped_at} by a higher-priority batch; "
                                                  f"it continues from its step checkpoint")
                 batch.progress.job_ended(run.job.id, "requeued", f"preempted at step {run.stopped_at}")
             return True
@@ -158,12 +167,13 @@ class Scheduler:
         batch.ledger.delete_document(job_id, CANCEL_DOC)  # (after: a crash between leaves it to prepare_jobs)
         batch.progress.job_ended(job_id, "cancelled", reason)
         batch.ended += 1
+        self._end_after(batch, job_id, JobState.CANCELLED, reason)
 
     def upcoming(self, batch: ServedBatch) -> Iterator[JobRecord]:
         """The batch's queued jobs, in the order they will start, each read from the ledger as it is
         reached: the prompts encoded ahead look at the first few, and reading the whole queue on
         every conditioning call was quadratic in the batch."""
-        return (batch.ledger.job(job_id) for job_id in self.pending(batch))
+        return (batch.ledger.job(job_id) for job_id in self.pending(batch) if not batch.waits.waits(job_id))
 
     # ================================================================== the loop
     def tick(self) -> None:
@@ -208,7 +218,7 @@ class Scheduler:
         if not self._cluster_ready():
             return
         for q in list(self._queue):  # a copy: jobs are taken out as it walks them
-            if q.batch.stop is not None or q.batch.paused:
+            if q.batch.stop is not None or q.batch.paused or q.batch.waits.waits(q.job_id):
                 continue
             group = self._running.held_group(q.gpus, behind_decode=False, avoid=q.avoid)
             try:
@@ -267,6 +277,7 @@ class Scheduler:
             self._leave(batch, run)
             self.pool.succeeded(run.group)
             batch.flow.finish(run)
+            batch.waits.done(run.job.id)
             batch.progress.job_ended(run.job.id, "done")
             batch.ended += 1
             return None
@@ -302,9 +313,10 @@ class Scheduler:
         assert stage is not None, f"{type(call.message).__name__} is not a job's call"
         try:
             reply = self.ex.result(call)
-        except GroupDied as e:
-            return self._group_died(batch, run, Failure(
-                stage=stage, kind=e.kind, error=f"worker group {run.group.id} died or stopped answering: {e}"))
+        except GroupDied as e:  # its worker died under every call in flight on it: any may have killed it
+            why = f"worker group {run.group.id} died or stopped answering: {e}"
+            failure = Failure(stage=stage, kind=e.kind, error=why)
+            return self._call_failed(batch, run, failure, OnGroup(size=run.group.size), died=True, under_all=True)
         if reply.failure is not None:
             on_group = OnGroup(size=run.group.size, io_lane=call.message.lane is Lane.IO)
             return self._call_failed(batch, run, reply.failure, on_group)
@@ -319,15 +331,10 @@ class Scheduler:
 
     # ================================================================== failures
     def _tear_down(self, found: list[tuple[tuple[int, str], JobRun, Failure]]) -> None:
-        """Each run the watch found overdue or hung: its group torn down, as a dead one (its other
-        jobs' calls were answering: they are bystanders)."""
+        """Each run the watch found overdue or hung: its group torn down, as a dead one (its other jobs, bystanders)."""
         for key, run, failure in found:
             if key in self._running:  # (not a job of a group torn down for an earlier one)
                 self._call_failed(self._batch_of[key[0]], run, failure, OnGroup(size=run.group.size), died=True)
-
-    def _group_died(self, batch: ServedBatch, run: JobRun, failure: Failure) -> None:
-        """A worker of ``run``'s group died under every call in flight on it: any may have killed it."""
-        self._call_failed(batch, run, failure, OnGroup(size=run.group.size), died=True, under_all=True)
 
     def _call_failed(self, batch: ServedBatch, run: JobRun, failure: Failure, on_group: OnGroup, *,
                      died: bool = False, under_all: bool = False) -> None:
@@ -355,22 +362,19 @@ class Scheduler:
             self._running.end(b, r)
         batch.ledger.log(job.id, EventKind.GROUP_DIED, failure.message)
         self._carry_out(batch, job.id, failure, decision, cancel=run.cancel_reason)
-        # Every other job the torn-down group owned (one queued on its GPU lane, ones encoding)
-        # fails where it stood and goes back from its last durable stage: as cluster-lost when this
-        # failure was (they were on the same lost node), as a worker death when the worker died
-        # under their calls too, else uncharged (retry.BYSTANDER: their calls were answering).
+        # Every other job the torn-down group owned (one queued on its GPU lane, ones encoding) goes back from its last
+        # durable stage: charged as cluster-lost when this failure was (the same lost node), as a worker death when the
+        # worker died under their calls too, else not at all (retry.BYSTANDER: their calls were answering).
         lost = failure.kind is FailureKind.CLUSTER_LOST or self.ex.lacks_gpus_for(run.group.size)
         for b, r in others:
             msg = (f"group {run.group.id} was torn down (after job {run.job.name}: "
                    f"{failure.message.splitlines()[0][:300]})")
             b.ledger.log(r.job.id, EventKind.GROUP_DIED, msg)
             stage = r.call.message.stage if r.call is not None else b.flow.next_stage(r.job.id)
-            lost_too = Failure(stage=stage or Stage.CONDITIONING, error=msg,
-                               kind=FailureKind.CLUSTER_LOST if lost else FailureKind.WORKER_DEATH)
-            if lost or under_all:
-                self._failed(b, r.job.id, lost_too, cancel=r.cancel_reason)
-            else:
-                self._carry_out(b, r.job.id, lost_too, BYSTANDER, cancel=r.cancel_reason)
+            also = Failure(stage=stage or Stage.CONDITIONING, error=msg,
+                           kind=FailureKind.CLUSTER_LOST if lost else FailureKind.WORKER_DEATH)
+            decision = self._policy.decide(b.ledger.job(r.job.id), also) if lost or under_all else BYSTANDER
+            self._carry_out(b, r.job.id, also, decision, cancel=r.cancel_reason)
 
     def _failed(self, batch: ServedBatch, job_id: str, failure: Failure, *, cancel: str | None = None) -> None:
         """A failure of a job off any group (a driver write, a group that never formed, a job of a
@@ -400,6 +404,8 @@ class Scheduler:
         else:
             batch.progress.job_ended(job_id, "FAILED", f"{line}; {decision.reason}")
             batch.ended += 1
+            error = batch.ledger.job(job_id).error  # (as recorded: the jobs after it say it whole)
+            self._end_after(batch, job_id, JobState.FAILED, f"{stage_name(failure.stage)}: {error}")
 
     def _requeue(self, batch: ServedBatch, job_id: str, reason: str) -> None:
         """Back to pending without charging the job (the environment failed, not the job). If the
@@ -425,10 +431,20 @@ class Scheduler:
             batch.progress.say(f"the cluster has {back} GPU(s) again; continuing")
         return True
 
-    def _fail_unrunnable(self, batch: ServedBatch, job: JobRecord) -> None:
-        msg = (f"needs a group of {job.spec.gpus} GPUs but the cluster has {self.pool.total_gpus} "
-               f"(at most {self._max_group} on one node, and a group must sit on one node); lower "
-               f"`gpus` or add GPUs (--cpu-gpus N on a CPU-only machine)")
+    def _fail_unrunnable(self, batch: ServedBatch, job: JobRecord, msg: str | None = None) -> None:
+        msg = msg or (f"needs a group of {job.spec.gpus} GPUs but the cluster has {self.pool.total_gpus} "
+                      f"(at most {self._max_group} on one node, and a group must sit on one node); lower "
+                      f"`gpus` or add GPUs (--cpu-gpus N on a CPU-only machine)")
         batch.flow.fail_unrunnable(job.id, msg)
         batch.progress.job_ended(job.id, "FAILED", msg)
         batch.ended += 1
+        self._end_after(batch, job.id, JobState.FAILED, msg)
+
+    def _end_after(self, batch: ServedBatch, job_id: str, state: JobState, reason: str) -> None:
+        """``job_id`` failed or was cancelled: the queued jobs after it end so too, unstarted (serve/waits.py)."""
+        for dependent, event, why in batch.waits.ended(job_id, state, reason,
+                                                        waiting=lambda j: self._queue.find(batch, j) is not None):
+            self._queue.remove(self._queue.find(batch, dependent))  # type: ignore[arg-type]
+            batch.flow.end_unstarted(dependent, event, why)
+            batch.progress.job_ended(dependent, "FAILED" if event is JobEvent.FAIL else "cancelled", why)
+            batch.ended += 1

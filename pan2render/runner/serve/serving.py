@@ -12,6 +12,7 @@ from typing import Protocol
 from pan2render.jobs.ledger import JobRecord, Ledger
 from pan2render.runner.serve.jobflow import BatchFlow
 from pan2render.runner.serve.progress import RunProgress
+from pan2render.runner.serve.waits import Waits
 
 
 class Standing(Protocol):
@@ -54,6 +55,7 @@ class ServedBatch:
     on_job_end: Callable[[], None] | None = None
     seq: int = field(default_factory=lambda: next(_served))  # served earlier, first among equals
     stop: BaseException | None = None  # set on a full disk: start nothing more of it
+    waits: Waits = field(default_factory=Waits)  # what its queued jobs wait for (their `after`)
     ended: int = 0  # jobs ended (done or failed) while served
     _ended_seen: int = 0
 
@@ -103,6 +105,7 @@ class JobQueue:
 
     def __init__(self) -> None:
         self._jobs: dict[QueuedJob, None] = {}  # the queued jobs (a QueuedJob hashes by identity)
+        self._by_id: dict[tuple[int, str], QueuedJob] = {}  # (batch seq, job id) -> its entry
         self._order: list[QueuedJob] | None = []  # the jobs in start order, and some removed; None: to sort
         self._removed = 0  # entries of _order no longer queued
         self._turns = itertools.count()
@@ -113,6 +116,7 @@ class JobQueue:
                       frozenset(sha for sha, _ in job.spec.lora_digests if sha), next(self._turns),
                       frozenset(self._failed_on.get((batch.seq, job.id), ())))
         self._jobs[q] = None
+        self._by_id[(batch.seq, job.id)] = q
         self._order = None
 
     def reorder(self) -> None:
@@ -131,8 +135,13 @@ class JobQueue:
     def of(self, batch: ServedBatch) -> list[QueuedJob]:
         return [q for q in self if q.batch is batch]
 
+    def find(self, batch: ServedBatch, job_id: str) -> QueuedJob | None:
+        """The job's entry, while it is queued."""
+        return self._by_id.get((batch.seq, job_id))
+
     def remove(self, q: QueuedJob) -> None:
         del self._jobs[q]
+        del self._by_id[(q.batch.seq, q.job_id)]
         if self._order is not None:
             self._removed += 1
             if self._removed > len(self._jobs):

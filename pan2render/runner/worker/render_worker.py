@@ -39,7 +39,6 @@ import torch
 
 from pan2render.jobs.ledger import Stage
 from pan2render.jobs.spec import JobSpec
-from pan2render.models.calibration import CalibrationMissing
 from pan2render.models.precision import PrecisionUnavailable
 from pan2render.models.sampler_state import SamplingPreempted, pack_sampler_state, unpack_sampler_state
 from pan2render.models.tiny import cache_root
@@ -78,6 +77,7 @@ from pan2render.runner.worker.adapters import AdapterCache
 from pan2render.runner.worker.faults import FaultHooks
 from pan2render.runner.worker.inputs import decode_image
 from pan2render.runner.worker.sampling_control import SamplingControl
+from pan2render.runner.worker.threads import CPU_DECODE_THREADS, intra_op_threads
 from pan2render.runner.worker.versions import runtime_versions
 from pan2render.step_checkpoint import StepCheckpointError
 
@@ -314,6 +314,7 @@ class RenderWorker:
                 self._progress.report(progress_key, done, total, time.time())
             self._faults.at_step(js, done)
 
+        # (a model without a calibration raises CalibrationMissing here: the job's input, failures.py)
         plan = pipe.sampling_plan(conditioned=first_frame is not None, **js.sample_args())
         resume, refused = self._resume_state(js, pipe, call.resume, cached=not plan.lanes.steps_exact)
         stop = self._samplings.begin(job_id)
@@ -335,7 +336,7 @@ class RenderWorker:
             data = pack_sampler_state(e.state, spec_hash=js.spec_hash) if self.rank == 0 else None
             return SampleReply(latents=None, stopped_at=e.state.step, checkpoint=data,
                                adapters_held=self._adapters.held(), resume_refused=refused)
-        except (PrecisionUnavailable, CalibrationMissing) as e:  # the same on any worker of this kind
+        except PrecisionUnavailable as e:  # the same on any worker of this kind
             raise JobInputError(str(e)) from e
         finally:
             self._samplings.end(job_id)
@@ -395,7 +396,8 @@ class RenderWorker:
         decode runs, and what the load's warm-up runs, so that none of it runs first in a job."""
         from pan2render.media.yuv import rgb_to_yuv420
 
-        frames = pipe.decode(latents, on_device=True)  # uint8 [F, H, W, 3]
+        with intra_op_threads(CPU_DECODE_THREADS if self.device == "cpu" else None):  # (threads.py: why)
+            frames = pipe.decode(latents, on_device=True)  # uint8 [F, H, W, 3]
         if self.rank != 0:
             return None
         if want is not None and tuple(frames.shape) != want:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from runner_helpers import stop_farm
 
 from pan2render.client import find_farm
 from pan2render.runner.farm.folder import (
@@ -161,7 +162,7 @@ def test_two_starts_at_once_make_one_farm_and_both_say_so(tmp_path: Path) -> Non
         said = sorted("already runs" in out for out, _ in outs)
         assert said == [False, True] and not any("Traceback" in err for _, err in outs)
     finally:
-        subprocess.run([*CLI, "farm", "stop"], env=env, capture_output=True, timeout=120)
+        stop_farm(env, root)
 
 
 def test_farm_stop_of_a_farm_that_does_not_end_says_so(monkeypatch: pytest.MonkeyPatch,
@@ -182,10 +183,12 @@ def test_farm_stop_of_a_farm_that_does_not_end_says_so(monkeypatch: pytest.Monke
 
 def test_a_farm_on_every_interface_says_how_clients_reach_it_and_that_it_is_plain_http(tmp_path: Path) -> None:
     from pan2render.runner.farm.api import start_api
+    from pan2render.runner.farm.config import FarmConfig
     from pan2render.runner.farm.intake import Roots
 
     said: list[str] = []
-    farm = type("F", (), {"root": tmp_path, "log": print})()  # the API only needs these to start
+    config = FarmConfig(root=tmp_path, host="0.0.0.0")
+    farm = type("F", (), {"root": tmp_path, "log": print, "config": config})()  # what the API needs to start
     api = start_api(farm, users=Users(tmp_path, admin_token="t" * 64), roots=Roots.of([tmp_path], [tmp_path]),
                     host="0.0.0.0", port=0, say=said.append)
     try:

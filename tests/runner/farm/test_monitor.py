@@ -14,7 +14,6 @@ import re
 import socket
 import struct
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-from runner_helpers import ThreadedExecutor, serving_farm, submit_file
+from runner_helpers import ThreadedExecutor, serving_farm, submit_file, until
 
 from pan2render.jobs.ledger import Ledger
 from pan2render.preview_file import read_note
@@ -57,12 +56,6 @@ def _snapshots(stream: Any) -> Iterator[dict[str, Any]]:
         assert lines[0] == "event: snapshot" and lines[1].startswith("data: "), lines
         yield json.loads(lines[1].removeprefix("data: "))
 
-
-def _until(check: Any, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _state(farm: Farm, batch_id: str) -> dict[str, Any]:
@@ -131,7 +124,7 @@ def test_only_a_served_batchs_own_files_are_served(tmp_path: Path) -> None:
     out = tmp_path / "out"
     with serving_farm(tmp_path) as (farm, url, token):
         b = submit_file(farm, out, {"jobs": [{"name": "a", "prompt": "a"}]})
-        _until(lambda: _state(farm, b)["state"] == "done", "the batch to end")
+        until(lambda: _state(farm, b)["state"] == "done", "the batch to end")
         led = Ledger.open_readonly(out)
         job = led.jobs()[0].id
         led.close()
@@ -172,7 +165,7 @@ def test_the_stream_sends_the_snapshot_and_a_batch_view_has_its_grid_and_traceba
         assert rows == [(b, "ann", 3, 4)]
         assert any(e["batch"] == b and e["kind"] == "submitted" for e in snap["events"])
 
-        _until(lambda: _state(farm, b)["state"] == "failed", "the batch to end")
+        until(lambda: _state(farm, b)["state"] == "failed", "the batch to end")
         code, _, answer = _send(url + f"/api/batches/{b}/view", token=token)
         view = json.loads(answer)
         jobs = {j["id"]: j for j in view["jobs"]}
@@ -202,11 +195,11 @@ def test_a_running_job_is_in_the_snapshot_with_its_stage(tmp_path: Path) -> None
             seen[:] = farm.snapshot().get("running", [])
             return bool(seen)
 
-        _until(running, "the job to show as running")
+        until(running, "the job to show as running")
         assert seen[0]["batch"] == b and seen[0]["job"].startswith("slow-") and seen[0]["stage"]
         assert seen[0]["stage_s"] >= 0
-        _until(lambda: _state(farm, b)["state"] == "done", "the batch to end")
-        _until(lambda: not farm.snapshot()["running"], "the running list to empty")
+        until(lambda: _state(farm, b)["state"] == "done", "the batch to end")
+        until(lambda: not farm.snapshot()["running"], "the running list to empty")
 
 
 def test_a_running_jobs_preview_is_in_the_snapshot_and_served_as_a_regular_file_alone(
@@ -227,8 +220,8 @@ def test_a_running_jobs_preview_is_in_the_snapshot_and_served_as_a_regular_file_
             rows.append(row)
             return True
 
-        _until(lambda: previewed(0), "a preview in the snapshot")
-        _until(lambda: previewed(rows[0]["preview"]["step"]), "a newer preview in the snapshot")
+        until(lambda: previewed(0), "a preview in the snapshot")
+        until(lambda: previewed(rows[0]["preview"]["step"]), "a newer preview in the snapshot")
         first, later = rows[0], rows[-1]
         job = first["job"]
         assert first["preview"]["steps"] == 40 and later["preview"]["step"] > first["preview"]["step"]
@@ -246,7 +239,7 @@ def test_a_running_jobs_preview_is_in_the_snapshot_and_served_as_a_regular_file_
         for rel in ("linked/preview.webp", "fifo/preview.webp", f"{job}/preview.png", f"{job}/.preview.webp.tmp-1"):
             code, _, answer = _send(url + f"/api/batches/{b}/files/{rel}", token=token)
             assert code == 404 and b"not yours" not in answer, rel
-        _until(lambda: _state(farm, b)["state"] == "done", "the batch to end")
+        until(lambda: _state(farm, b)["state"] == "done", "the batch to end")
         assert not (out / job / "preview.webp").exists()
         code, _, _ = _send(url + later["preview"]["url"], token=token)
         assert code == 404
@@ -307,11 +300,11 @@ def test_the_snapshot_names_batch_states_as_queue_does_and_each_running_job_its_
     monkeypatch.setenv("PAN2_FAKE_STEP_SECONDS", "0.05")
     with serving_farm(tmp_path, executor=ThreadedExecutor) as (farm, url, token):
         ended = submit_file(farm, tmp_path / "ended", {"jobs": [{"name": "quick", "prompt": "q", "steps": 2}]})
-        _until(lambda: _state(farm, ended)["state"] == "done", "the first batch to end")
+        until(lambda: _state(farm, ended)["state"] == "done", "the first batch to end")
         running = submit_file(farm, tmp_path / "running", {"jobs": [{"name": "long", "prompt": "l", "steps": 400}]})
         waiting = submit_file(farm, tmp_path / "waiting", {"jobs": [{"name": "next", "prompt": "n", "steps": 2}]})
         paused = submit_file(farm, tmp_path / "paused", {"jobs": [{"name": "held", "prompt": "h"}]}, paused=True)
-        _until(lambda: any(r["batch"] == running and r["step"] for r in farm.snapshot()["running"]), "a step")
+        until(lambda: any(r["batch"] == running and r["step"] for r in farm.snapshot()["running"]), "a step")
         snap = farm.snapshot()
         shown = {b["id"]: (b["state"], b["shown_state"]) for b in snap["batches"]}
         print(shown)
@@ -321,4 +314,4 @@ def test_the_snapshot_names_batch_states_as_queue_does_and_each_running_job_its_
         (group,) = [g for g in snap["groups"] if g["id"] == row["group"]]
         assert group["state"] == "busy" and row["job"] in group["jobs"] and row["total"] == 400
         farm.ask(lambda: farm.actions.cancel(running)).result(timeout=30)  # (its sampling stops at its next step)
-        _until(lambda: _state(farm, running)["state"] == "cancelled", "the long batch to end")
+        until(lambda: _state(farm, running)["state"] == "cancelled", "the long batch to end")

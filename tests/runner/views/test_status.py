@@ -83,6 +83,74 @@ def test_status_and_show_say_the_step_of_a_running_sampling_and_its_checkpoint(
     assert row.startswith("interrupted  sampling (checkpoint at 30)")
 
 
+def test_the_step_shown_is_never_behind_its_step_checkpoint(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """The step is recorded at most every 5 s, a checkpoint as its step is reached: a step read
+    behind the checkpoint is the checkpoint's (the sampling is at least there), in the table and
+    the JSON alike; never `sampling 15/50 (checkpoint at 30)`."""
+    out, job = _sampling_folder(tmp_path)
+    ledger = Ledger.open(out)
+    ledger.set_document(job, SAMPLING_STEP_DOC, json.dumps({"step": 15, "steps": 50, "rate": 1.5, "at": time.time()}))
+    ledger.close()
+    lock = FolderLock(out)
+    lock.acquire()
+    try:
+        cli.main(["status", str(out)])
+        text = capsys.readouterr().out
+        cli.main(["status", str(out), "--json"])
+        doc = json.loads(capsys.readouterr().out)
+    finally:
+        lock.release()
+    row = next(line for line in text.splitlines() if job in line)
+    print(row)
+    assert row.startswith("running  sampling 30/50 (checkpoint at 30)")
+    progress = next(j["progress"] for j in doc["jobs"] if j["id"] == job)
+    assert progress["step"] == 30 and progress["checkpoint_step"] == 30
+
+
+def test_an_interrupted_farm_batch_is_continued_by_farm_start(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A batch a farm served, the farm killed: `farm start` continues it from the farm's queue (the
+    folder's last run says so); `resume DIR` is how a `run`'s folder goes on."""
+    out, job = _sampling_folder(tmp_path)
+    for command, says, not_said in (("run", "`pan2-render resume", "farm start"),
+                                    ("farm", "`pan2-render farm start` (with that farm's --root) continues", None)):
+        ledger = Ledger.open(out)
+        ledger.set_meta("runs", [{**ledger.get_meta("runs")[-1], "command": command}])
+        ledger.close()
+        assert cli.main(["status", str(out)]) == 4
+        head = capsys.readouterr().out.split("\n")[1]
+        assert "1 job(s) interrupted" in head and says in head, head
+        assert not_said is None or not_said not in head
+        assert cli.main(["status", str(out), "--json"]) == 4
+        assert json.loads(capsys.readouterr().out)["run"]["command"] == command
+
+
+def test_a_batch_with_a_failed_job_exits_1_even_while_others_are_unfinished(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's exit codes: 1 some job failed, 4 not finished with none failed. A failed job
+    decides, whatever else is pending or running: a script waiting on `status` learns of the failure
+    at once, not when the last job ends."""
+    out, job = _sampling_folder(tmp_path)  # one running, two pending
+    ledger = Ledger.open(out)
+    pending = next(j.id for j in ledger.jobs() if j.id != job)
+    ledger.transition(pending, JobEvent.START, reason="test")
+    ledger.transition(pending, JobEvent.FAIL, reason="test", error="ValueError: boom")
+    ledger.close()
+    lock = FolderLock(out)
+    lock.acquire()
+    try:
+        assert cli.main(["status", str(out)]) == 1
+        capsys.readouterr()
+        assert cli.main(["status", str(out), "--json"]) == 1
+        doc = json.loads(capsys.readouterr().out)
+    finally:
+        lock.release()
+    assert doc["exit_code"] == 1 and (doc["counts"]["failed"], doc["counts"]["pending"], doc["counts"]["running"]) \
+        == (1, 1, 1)
+    assert cli.main(["status", str(out)]) == 1  # the run gone too (its job interrupted): still 1
+
+
 def test_the_scheduler_records_the_steps_the_workers_report(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A fake sampling of 12 steps of 0.1 s, the recording interval made 0: the ledger holds the

@@ -364,6 +364,7 @@ function links(b, view) {
 
 function liveText(job, live) {
   const r = live.get(job.id);
+  if (!r && job.after) return "after: " + job.after.join(", ");  // a pending job waiting for the jobs it runs after
   if (!r) return {done: "", pending: "waiting", cancelled: ""}[job.state] ?? (job.stage || "");
   return runText(r);
 }
@@ -411,7 +412,7 @@ function updateJobRow(row, job, b, live) {
 function errorRow(job, row) {
   row = row || el("tr", {class: "error-row", dataset: {errorOf: job.id}}, el("td", {colSpan: 7}));
   setCell(row.cells[0], JSON.stringify([job.stage, job.error, job.traceback]), () => [
-    el("p", {class: "error"}, `${job.stage || "?"}: ${(job.error || "").split("\n")[0]}`),
+    el("p", {class: "error"}, (job.stage ? job.stage + ": " : "") + (job.error || "").split("\n")[0]),
     job.traceback ? el("details", {class: "traceback"}, el("summary", {}, "traceback"), el("pre", {}, job.traceback)) : null]);
   return row;
 }
