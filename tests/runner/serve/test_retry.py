@@ -313,20 +313,24 @@ def test_a_retried_job_waits_for_another_gpus_group_rather_than_run_where_it_fai
     assert second != first and second == after and ex.groups_created == 2
 
 
-class _HangsBesideAnEncode(RecordingExecutor):
-    """The victim's first sampling never answers (its deadline already past when sent), on the
-    group whose other job, the bystander, is encoding: the bystander's encode is held until the
-    group is torn down, so it is in flight, answering, when the watch finds the victim overdue."""
+class _StrikesBesideAnEncode(RecordingExecutor):
+    """The victim's first sampling never answers (its deadline already past when sent) or, with
+    ``dies``, its worker dies under it, on the group whose other job, the bystander, is encoding: the
+    bystander's encode is held until the group is torn down, so it is in flight when the victim's
+    sampling is found overdue or dead."""
 
-    def __init__(self, **kw: Any):
+    def __init__(self, *, dies: bool = False, **kw: Any):
         super().__init__(**kw)
-        self.struck = False
+        self.dies, self.struck = dies, False
         self.torn_down = threading.Event()
 
     def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
         if isinstance(message, SampleCall) and job_name(message) == "victim" and not self.struck:
             self.struck = True
             self.on_group.append((SampleCall, "victim", group.id))
+            if self.dies:
+                return Call(group=group, message=message, started=time.monotonic(), timeout_s=timeout_s,
+                            handle=GroupDied(f"worker rank 0 of group {group.id} died in SampleCall"))
             return Call(group=group, message=message, started=time.monotonic() - 2 * timeout_s, timeout_s=timeout_s,
                         handle=futures.Future())
         if isinstance(message, CollectCall) and job_name(message) == "bystander" and not self.torn_down.is_set():
@@ -351,7 +355,7 @@ def test_a_job_whose_group_is_torn_down_for_another_jobs_hang_is_not_charged(tmp
     jobs = [spec("bystander"), spec("victim")]
     led = Ledger.open(tmp_path)
     led.add_jobs(jobs, retries=2)
-    ex = _HangsBesideAnEncode(gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
+    ex = _StrikesBesideAnEncode(gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
     summary = Driver(out_dir=tmp_path, ledger=led, executor=ex,
                      config=ServingConfig(retries=2, progress=False, poll_s=0.01)).run([j.job_id for j in jobs])
     bystander, victim = (led.job(j.job_id) for j in jobs)
@@ -360,3 +364,21 @@ def test_a_job_whose_group_is_torn_down_for_another_jobs_hang_is_not_charged(tmp
     assert victim.retries_left == 1  # its sampling hung: charged
     assert bystander.retries_left == 2  # torn down with it: not charged
     assert any("not charged" in e.detail for e in led.events(bystander.id))
+
+
+def test_a_job_beside_a_worker_that_died_is_charged_as_its_killer_may_be(tmp_path: Path) -> None:
+    """The worker died while both jobs had a call on it: either may have killed it, so both are
+    charged an attempt (a job that kills its worker from the I/O lane is not retried for free)."""
+    from pan2render.jobs.ledger import Ledger
+
+    jobs = [spec("bystander"), spec("victim")]
+    led = Ledger.open(tmp_path)
+    led.add_jobs(jobs, retries=2)
+    ex = _StrikesBesideAnEncode(dies=True, gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
+    summary = Driver(out_dir=tmp_path, ledger=led, executor=ex,
+                     config=ServingConfig(retries=2, progress=False, poll_s=0.01)).run([j.job_id for j in jobs])
+    bystander, victim = (led.job(j.job_id) for j in jobs)
+    print(bystander.retries_left, victim.retries_left, [(e.label, e.detail[:120]) for e in led.events(bystander.id)])
+    assert ex.torn_down.is_set() and sorted(summary.done) == sorted(j.job_id for j in jobs)
+    assert (victim.retries_left, bystander.retries_left) == (1, 1)
+    assert not any("not charged" in e.detail for e in led.events(bystander.id))
