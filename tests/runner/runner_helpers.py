@@ -85,6 +85,15 @@ def until(check: Callable[[], Any], what: str, timeout_s: float = 60.0, *, poll_
     return got
 
 
+def step_until(farm: Farm, done: Callable[[], Any], what: str, timeout_s: float = 60.0) -> None:
+    """Turn ``farm``'s loop here, a pass at a time (its own thread not started), until ``done()``;
+    ``timeout_s`` passing first fails the test, naming ``what`` was awaited."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        farm.step()
+        assert time.monotonic() < deadline, f"the farm did not get to: {what}"
+
+
 def stop_farm(env: dict[str, str], *marks: str | Path) -> None:
     """End what a test started of a farm: `farm stop` of the farm ``env`` names, then SIGKILL to any
     live process whose command line still names one of ``marks`` (the test's own folders), so that

@@ -7,12 +7,11 @@ never the queue's "active") and, bare, lists every batch not ended, a paused one
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from runner_helpers import ThreadedExecutor, serving_farm, submit_file
+from runner_helpers import ThreadedExecutor, serving_farm, submit_file, until
 
 from pan2render.jobs.ledger import Ledger
 from pan2render.runner.cli import main as cli
@@ -22,13 +21,6 @@ from pan2render.runner.farm.service import Farm
 
 FAULTS = {"fail": {"job": "b", "stage": "sampling"},
           "slow_steps": {"job": "e", "seconds": 0.05}}  # e samples until it is cancelled
-
-
-def _until(check: Any, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _describe(farm: Farm, batch_id: str) -> dict[str, Any]:
@@ -56,7 +48,7 @@ def test_cancel_of_a_job_that_already_ended_says_so_and_changes_nothing(
         ended = submit_file(farm, tmp_path / "ended", {"jobs": [{"name": n, "prompt": n} for n in "abc"]}, paused=True)
         assert cancel(ended, "c")[0] == EXIT_OK
         farm.ask(lambda: farm.actions.pause(ended, paused=False)).result(timeout=30)
-        _until(lambda: _describe(farm, ended)["state"] == "failed", "the batch to end")
+        until(lambda: _describe(farm, ended)["state"] == "failed", "the batch to end")
         before = _states(tmp_path / "ended")
         assert before == {"a": "done", "b": "failed", "c": "cancelled"}
         for job, state in before.items():
@@ -69,11 +61,11 @@ def test_cancel_of_a_job_that_already_ended_says_so_and_changes_nothing(
 
         served = submit_file(farm, tmp_path / "served", {"jobs": [{"name": "d", "prompt": "d", "steps": 2},
                                                                   {"name": "e", "prompt": "e", "steps": 400}]})
-        _until(lambda: _states(tmp_path / "served") == {"d": "done", "e": "running"}, "d done, e running")
+        until(lambda: _states(tmp_path / "served") == {"d": "done", "e": "running"}, "d done, e running")
         code, err = cancel(served, "d")
         assert code == EXIT_ALREADY_ENDED and "job d (d-" in err and "is already done" in err
         assert cancel(served, "e")[0] == EXIT_OK  # still running: cancelled
-        _until(lambda: _describe(farm, served)["state"] == "cancelled", "the second batch to end")
+        until(lambda: _describe(farm, served)["state"] == "cancelled", "the second batch to end")
         assert _states(tmp_path / "served") == {"d": "done", "e": "cancelled"}
 
 
@@ -95,12 +87,12 @@ def test_queue_names_states_as_the_monitor_does_and_lists_paused_batches_bare(
             return {cells[0]: cells[3] for cells in rows}
 
         ended = submit_file(farm, tmp_path / "ended", {"jobs": [{"name": "quick", "prompt": "q", "steps": 2}]})
-        _until(lambda: _describe(farm, ended)["state"] == "done", "the first batch to end")
+        until(lambda: _describe(farm, ended)["state"] == "done", "the first batch to end")
         running = submit_file(farm, tmp_path / "running", {"jobs": [{"name": "long", "prompt": "l", "steps": 400}]})
         waiting = submit_file(farm, tmp_path / "waiting", {"jobs": [{"name": "next", "prompt": "n", "steps": 2}]})
         paused = submit_file(farm, tmp_path / "paused", {"jobs": [{"name": "held", "prompt": "h"}]}, paused=True)
-        _until(lambda: _describe(farm, running)["running"], "the long job running")
+        until(lambda: _describe(farm, running)["running"], "the long job running")
         assert states() == {running: "running", waiting: "queued", paused: "paused"}
         assert states("--all") == {ended: "done", running: "running", waiting: "queued", paused: "paused"}
         farm.ask(lambda: farm.actions.cancel(running)).result(timeout=30)  # (its sampling stops at its next step)
-        _until(lambda: _describe(farm, running)["state"] == "cancelled", "the long batch to end")
+        until(lambda: _describe(farm, running)["state"] == "cancelled", "the long batch to end")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from runner_helpers import FakeClock, RecordingExecutor, farm_config, spec
+from runner_helpers import FakeClock, RecordingExecutor, farm_config, spec, step_until
 
 from pan2render.jobs.ledger import JobState, Ledger
 from pan2render.jobs.overrides import Overrides
@@ -311,13 +311,6 @@ def test_a_batch_paused_while_its_last_job_runs_ends_when_that_job_ends(tmp_path
     farm.close()
 
 
-def _step_until(farm: Farm, done: Any, what: str, *, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        farm.step()
-        assert time.monotonic() < deadline, f"the farm did not get to: {what}"
-
-
 def _sampled(ex: RecordingExecutor) -> list[str | None]:
     return [name for kind, name in ex.calls if kind is SampleCall]
 
@@ -328,7 +321,7 @@ def test_raising_a_batchs_priority_puts_its_queued_jobs_ahead_of_a_lower_batchs(
     farm, ex = _farm(tmp_path)
     first = farm.actions.submit(_request(tmp_path / "first", [spec("a1"), spec("a2")]), owner="ann", priority=0)
     second = farm.actions.submit(_request(tmp_path / "second", [spec("b1"), spec("b2")]), owner="bob", priority=0)
-    _step_until(farm, lambda: farm.describe(first["id"])["running"], "the first batch's first job running")
+    step_until(farm, lambda: farm.describe(first["id"])["running"], "the first batch's first job running")
     farm.actions.set_priority(second["id"], 5)
     _serve_until_idle(farm)
     print("sampling order:", _sampled(ex))
@@ -342,7 +335,7 @@ def test_a_paused_batch_is_passed_over_while_another_is_served_and_served_after_
     held = farm.actions.submit(_request(tmp_path / "held", [spec("h1"), spec("h2")]), owner="ann", priority=5)
     farm.actions.pause(held["id"], paused=True)
     other = farm.actions.submit(_request(tmp_path / "other", [spec("o1"), spec("o2")]), owner="bob", priority=0)
-    _step_until(farm, lambda: farm.describe(other["id"])["state"] == "done", "the batch behind the paused one done")
+    step_until(farm, lambda: farm.describe(other["id"])["state"] == "done", "the batch behind the paused one done")
     assert _sampled(ex) == ["o1", "o2"] and not _started(tmp_path / "held")
     farm.actions.pause(held["id"], paused=False)
     _serve_until_idle(farm)
@@ -357,7 +350,7 @@ def test_a_restart_keeps_cancelled_the_jobs_a_client_cancelled_in_a_batch_still_
     out = tmp_path / "out"
     b = farm.actions.submit(_request(out, [spec("a"), spec("b"), spec("c")]), owner="ann", priority=0)
     farm.actions.cancel(b["id"], job="c")
-    _step_until(farm, lambda: farm.describe(b["id"])["counts"]["done"] == 1, "one job done")
+    step_until(farm, lambda: farm.describe(b["id"])["counts"]["done"] == 1, "one job done")
     assert farm.describe(b["id"])["state"] == "active"
     farm.close()
     again, ex = _farm(tmp_path)

@@ -5,12 +5,10 @@ their groups' threads while the farm's loop goes on (a fake step of 0.05 s), as 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
-from runner_helpers import RecordingExecutor, ThreadedExecutor, farm_config, spec
+from runner_helpers import RecordingExecutor, ThreadedExecutor, farm_config, spec, step_until
 
 from pan2render.jobs.ledger import Ledger
 from pan2render.jobs.overrides import Overrides
@@ -45,13 +43,6 @@ def _submit(farm: Farm, out: Path, jobs: list[JobSpec], *, priority: int = 0, pr
     return farm.actions.submit(request, owner="ann", priority=priority, preempt=preempt)["id"]
 
 
-def _step_until(farm: Farm, done: Any, what: str, *, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        farm.step()
-        assert time.monotonic() < deadline, f"the farm did not get to: {what}"
-
-
 def _sampling(farm: Farm, batch_id: str) -> list[str]:
     """The names of the batch's jobs whose sampling is in flight."""
     served = farm.served.get(batch_id)
@@ -79,9 +70,9 @@ def test_cancelling_a_batch_stops_its_running_sampling_at_a_step(tmp_path: Path)
     farm, ex = _farm(tmp_path, gpus=1)
     out = tmp_path / "out"
     b = _submit(farm, out, [spec("long", steps=LONG), spec("queued")])
-    _step_until(farm, lambda: _sampling(farm, b) == ["long"], "the long job sampling")
+    step_until(farm, lambda: _sampling(farm, b) == ["long"], "the long job sampling")
     farm.actions.cancel(b)
-    _step_until(farm, lambda: _ended(farm), "the batch ended")
+    step_until(farm, lambda: _ended(farm), "the batch ended")
     d = farm.describe(b)
     events = _events(out, "long")
     print(d["state"], d["counts"], _stops(ex), events[-3:])
@@ -95,9 +86,9 @@ def test_cancelling_a_batch_stops_its_running_sampling_at_a_step(tmp_path: Path)
 def test_an_equal_priority_batch_is_not_preempted(tmp_path: Path) -> None:
     farm, ex = _farm(tmp_path, gpus=1)
     low = _submit(farm, tmp_path / "low", [spec("low", steps=40)])
-    _step_until(farm, lambda: _sampling(farm, low) == ["low"], "the first batch sampling")
+    step_until(farm, lambda: _sampling(farm, low) == ["low"], "the first batch sampling")
     same = _submit(farm, tmp_path / "same", [spec("same", steps=2)], preempt=True)
-    _step_until(farm, lambda: _ended(farm), "both batches ended")
+    step_until(farm, lambda: _ended(farm), "both batches ended")
     print(_stops(ex), [name for kind, name in ex.calls if kind.__name__ == "SampleCall"])
     assert _stops(ex) == [] and farm.describe(low)["counts"]["done"] == 1
     assert farm.describe(same)["counts"]["done"] == 1
@@ -109,9 +100,9 @@ def test_a_waiting_job_preempts_one_lower_priority_sampling_not_two(tmp_path: Pa
     and the other low job, still sampling meanwhile, is left alone."""
     farm, ex = _farm(tmp_path, gpus=2)
     low = _submit(farm, tmp_path / "low", [spec("l1", steps=60), spec("l2", seed=1, steps=60)])
-    _step_until(farm, lambda: sorted(_sampling(farm, low)) == ["l1", "l2"], "both low jobs sampling")
+    step_until(farm, lambda: sorted(_sampling(farm, low)) == ["l1", "l2"], "both low jobs sampling")
     high = _submit(farm, tmp_path / "high", [spec("h1", steps=2)], priority=5, preempt=True)
-    _step_until(farm, lambda: _ended(farm), "both batches ended")
+    step_until(farm, lambda: _ended(farm), "both batches ended")
     stops = _stops(ex)
     print(stops, farm.describe(low)["counts"], farm.describe(high)["counts"])
     assert len(stops) == 1 and stops[0] in ("l1", "l2")
