@@ -46,8 +46,8 @@ jobs:
 FAULTS = {"fail": {"job": "broken", "stage": "decode"}}
 
 
-def cli(args: list[str], env: dict[str, str]) -> None:
-    subprocess.run([sys.executable, "-m", "pan2render.runner.cli", *args], env=env, check=True)
+def cli(args: list[str], env: dict[str, str], *, cwd: Path | None = None) -> None:
+    subprocess.run([sys.executable, "-m", "pan2render.runner.cli", *args], env=env, check=True, cwd=cwd)
 
 
 def shoot(url: str, token: str, out: Path, *, sweep: str, failing: str) -> None:
@@ -60,6 +60,8 @@ def shoot(url: str, token: str, out: Path, *, sweep: str, failing: str) -> None:
         browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
         page = browser.new_page(viewport=VIEWPORT)
         page.goto(f"{url}/#token={token}")
+        page.wait_for_selector("#show-ended", timeout=WAIT_MS)
+        page.check("#show-ended")  # the failing batch stays listed once it ends
         page.wait_for_selector(f"#batch-{sweep}", timeout=WAIT_MS)
         page.click(f"#batch-{sweep} td.id button")
         # A moment with a video done, a sampling at step k/N with its rate, and jobs still waiting.
@@ -88,7 +90,8 @@ def main() -> int:
         env = {**os.environ, "PAN2_RENDER_FAULTS": json.dumps(FAULTS)}
         (work / "sweep.yaml").write_text(SWEEP)
         (work / "failing.yaml").write_text(FAILING)
-        cli(["farm", "start", "--root", str(root), "--cpu-gpus", "2"], env)
+        # Started in the work folder: the folders it reads batches' files from and writes into.
+        cli(["farm", "start", "--root", str(root), "--cpu-gpus", "2"], env, cwd=work)
         try:
             info: dict[str, Any] = json.loads((root / "farm.json").read_text())
             token = (root / "token").read_text().strip()

@@ -87,6 +87,15 @@ def until(check: Callable[[], Any], what: str, timeout_s: float = 60.0, *, poll_
     return got
 
 
+def step_until(farm: Farm, done: Callable[[], Any], what: str, timeout_s: float = 60.0) -> None:
+    """Turn ``farm``'s loop here, a pass at a time (its own thread not started), until ``done()``;
+    ``timeout_s`` passing first fails the test, naming ``what`` was awaited."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        farm.step()
+        assert time.monotonic() < deadline, f"the farm did not get to: {what}"
+
+
 def stop_farm(env: dict[str, str], *marks: str | Path) -> None:
     """End what a test started of a farm: `farm stop` of the farm ``env`` names, then SIGKILL to any
     live process whose command line still names one of ``marks`` (the test's own folders), so that
@@ -126,6 +135,20 @@ def spec(name: str, *, seed: int = 0, gpus: int = 1, prompt: str | None = None, 
                    preset="tiny-preview")
 
 
+class FakeClock:
+    """A clock that moves only when the test moves it (the pool's ``clock``): an idle time passes
+    when the test says so, whatever the machine's load."""
+
+    def __init__(self, now: float = 1_000_000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 SIDE_CALLS = (FetchCheckpointCall, FetchPreviewCall, StopSamplingCall)
 
 
@@ -154,19 +177,26 @@ class RecordingExecutor(LocalExecutor):
 
 
 class ThreadedExecutor(LocalExecutor):
-    """The in-process executor with its GPU lane on a thread of its own, as a Ray actor's runs
-    beside the driver: the scheduler's loop goes on while a sampling runs (and the calls beside a
-    sampling, its step checkpoints and previews, meet it while it runs)."""
+    """The in-process executor with each group's GPU lane on a thread of its own, as a Ray actor's
+    runs beside the driver: the scheduler's loop goes on while a sampling runs (and the calls
+    beside a sampling, its step checkpoints, previews and stops, meet it while it runs), and two
+    groups sample at once."""
 
     def __init__(self, **kw: Any):
         super().__init__(**kw)
-        self._gpu_lane = futures.ThreadPoolExecutor(max_workers=1)
+        self._gpu_lanes: dict[str, futures.ThreadPoolExecutor] = {}
 
     def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
         seq = group.take_seq(message)
-        lane = self._io if message.lane is Lane.IO else self._gpu_lane
+        lane = self._io if message.lane is Lane.IO else self._gpu_lanes.setdefault(
+            group.id, futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gpu-lane-{group.id}"))
         return Call(group=group, message=message, started=time.monotonic(), timeout_s=timeout_s,
                     handle=lane.submit(self._execute, group, message, seq))
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        for lane in self._gpu_lanes.values():
+            lane.shutdown(wait=False, cancel_futures=True)
 
 
 def job_name(message: WorkerCall) -> str | None:

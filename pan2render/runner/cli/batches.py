@@ -17,6 +17,7 @@ from typing import Any
 
 from pan2render.client import FarmClient, FarmError, find_farm
 from pan2render.runner.cli.common import (
+    EXIT_ALREADY_ENDED,
     EXIT_ENVIRONMENT,
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -156,8 +157,7 @@ def cmd_queue(args: argparse.Namespace) -> int:
     rows = []
     for b in batches:
         c = b.get("counts") or {}
-        state = "running" if b["state"] == "active" and b.get("running") else \
-            "queued" if b["state"] == "active" else b["state"]
+        state = b.get("shown_state") or b["state"]  # (running, queued, paused, ...: as the monitor names it)
         rows.append([b["id"], printable(b["owner"]), str(b["priority"]), state,
                      f"{c.get('done', 0)}/{c.get('failed', 0)}/{c.get('total', '?')}", str(len(b.get("running", []))),
                      "-" if b.get("eta_s") is None else duration(b["eta_s"]), printable(b["out_dir"])])
@@ -177,6 +177,9 @@ def cmd_action(args: argparse.Namespace) -> int:
     try:
         b = client.act(args.batch, args.action, data)
     except FarmError as e:
+        if args.action == "cancel" and e.status == 409 and isinstance(e.body.get("job"), dict):
+            print_error(str(e))  # the job had ended before the cancel: not an error of the command
+            return EXIT_ALREADY_ENDED
         print_error(f"error: {e}")
         if e.body.get("request"):
             print_error(f"(`curl` its outcome: GET /api/requests/{e.body['request']})")

@@ -21,6 +21,7 @@ from pan2render.jobs.spec import Batch, BatchValidationError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENVIRONMENT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_CHECKPOINT = 5  # validate: a valid batch whose checkpoint `run` would refuse
+EXIT_ALREADY_ENDED = 6  # cancel BATCH JOB: the job had already ended (done, failed or cancelled); nothing changed
 
 
 def add_override_args(sp: argparse.ArgumentParser) -> None:

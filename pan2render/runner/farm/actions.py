@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pan2render.jobs import disk
-from pan2render.jobs.ledger import TERMINAL_JOB_STATES, FolderLockedError
+from pan2render.jobs.ledger import TERMINAL_JOB_STATES, FolderLockedError, JobRecord, Ledger
 from pan2render.runner.farm.queue import BatchEvent, QueuedBatch, QueueError
 from pan2render.runner.farm.users import User
 from pan2render.runner.protocol.artifacts import estimated_bytes
@@ -29,11 +29,13 @@ PRIORITY_RANGE = (-1000, 1000)  # a batch's priority: an integer in this range, 
 
 
 class FarmRequestError(RuntimeError):
-    """A client's request the farm refuses, with the HTTP status its answer carries."""
+    """A client's request the farm refuses, with the HTTP status its answer carries (and ``extra``,
+    fields its JSON answer carries beside the error)."""
 
-    def __init__(self, message: str, *, status: int = 409):
+    def __init__(self, message: str, *, status: int = 409, extra: dict[str, Any] | None = None):
         super().__init__(message)
         self.status = status
+        self.extra = extra or {}
 
 
 def refused(e: QueueError) -> FarmRequestError:
@@ -56,6 +58,25 @@ class Actions:
             raise FarmRequestError(f"batch {row.id} is {row.owner}'s: only its owner or the farm's admin may "
                                    f"{doing} it", status=403)
         return row
+
+    @staticmethod
+    def _job(row: QueuedBatch, ledger: Ledger | None, query: str) -> JobRecord:
+        """The batch's job ``query`` names (id, unique id prefix or name), from the ledger the farm
+        holds while it serves the batch, else read-only from its folder."""
+        from pan2render.runner.views.status import JobNotFound, find_job
+
+        try:
+            led = ledger or Ledger.open_readonly(Path(row.out_dir))
+        except Exception as e:  # the folder gone or damaged since the batch ended
+            raise FarmRequestError(f"batch {row.id} is {row.state.value}; its ledger cannot be read ({e})",
+                                   status=404) from e
+        try:
+            return find_job(led, query)
+        except JobNotFound as e:
+            raise FarmRequestError(str(e), status=404) from e
+        finally:
+            if led is not ledger:
+                led.close()
 
     def _transition(self, row: QueuedBatch, event: BatchEvent, reason: str) -> QueuedBatch:
         try:
@@ -132,17 +153,14 @@ class Actions:
             s.row = row
             stopped = self.farm.scheduler.cancel(s.batch, None, reason="the batch was cancelled")
         else:
-            if s is None:
-                raise FarmRequestError(f"batch {row.id} is {row.state.value}: none of its jobs runs or waits")
-            from pan2render.runner.views.status import JobNotFound, find_job
-
-            try:
-                target = find_job(s.session.ledger, job)
-            except JobNotFound as e:
-                raise FarmRequestError(str(e), status=404) from e
+            target = self._job(row, s.session.ledger if s is not None else None, job)
             if target.state in TERMINAL_JOB_STATES:
-                raise FarmRequestError(f"job {target.name} ({target.id}) of batch {row.id} is {target.state.value}: "
-                                       f"nothing to cancel")
+                raise FarmRequestError(f"job {target.name} ({target.id}) of batch {row.id} is already "
+                                       f"{target.state.value}: nothing to cancel, nothing changed", extra={
+                                           "job": {"id": target.id, "name": target.name, "state": target.state.value}})
+            if s is None:
+                raise FarmRequestError(f"batch {row.id} is {row.state.value}: none of its jobs runs or waits (job "
+                                       f"{target.name} is {target.state.value}; `retry {row.id}` runs it again)")
             stopped = self.farm.scheduler.cancel(s.batch, [target.id], reason="cancelled by a client")
         s.session.log.line(f"farm: cancel of {'batch ' + row.id if job is None else 'job ' + job}: "
                            f"{len(stopped)} sampling(s) stop at their next step")

@@ -114,7 +114,7 @@ async def apply(farm: Farm, request: web.Request, action: str, run: Callable[[],
                             f"GET /api/requests/{pending.id} says what became of it",
                        extra={"request": pending.id, "applied": False}) from None
     except FarmRequestError as e:
-        raise ApiError(e.status, str(e), extra={"request": pending.id}) from None
+        raise ApiError(e.status, str(e), extra=e.extra | {"request": pending.id}) from None
 
 
 class FarmApi:

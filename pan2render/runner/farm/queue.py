@@ -67,6 +67,14 @@ class BatchState(str, enum.Enum):
 
 
 _NOT_ENDED = {BatchState.ACTIVE, BatchState.PAUSED, BatchState.CANCELLING}
+
+
+def shown_state(state: BatchState, *, running: bool) -> str:
+    """A batch's state as `queue` and the monitor show it: an active batch is running (a job of it
+    runs) or queued (its jobs wait for GPUs); any other by its name (paused, cancelling, done, ...)."""
+    if state is BatchState.ACTIVE:
+        return "running" if running else "queued"
+    return state.value
 _SERVED = {BatchState.ACTIVE, BatchState.PAUSED}  # what a client may still pause, cancel or end
 
 

@@ -33,7 +33,7 @@ from pan2render.runner.cluster.executor import Executor
 from pan2render.runner.farm.actions import Actions, FarmRequestError
 from pan2render.runner.farm.config import FarmConfig
 from pan2render.runner.farm.folder import LOG_NAME, VIDEOS_DIR
-from pan2render.runner.farm.queue import BatchEvent, BatchState, FarmQueue, QueuedBatch, QueueError
+from pan2render.runner.farm.queue import BatchEvent, BatchState, FarmQueue, QueuedBatch, QueueError, shown_state
 from pan2render.runner.farm.requests import Requests
 from pan2render.runner.farm.users import ADMIN
 from pan2render.runner.protocol.artifacts import preview_relpath
@@ -77,7 +77,10 @@ class _Served:
 
 
 class Farm:
-    def __init__(self, config: FarmConfig, executor: Executor, *, log: Callable[[str], None]):
+    def __init__(self, config: FarmConfig, executor: Executor, *, log: Callable[[str], None],
+                 clock: Callable[[], float] = time.time):
+        """``clock``: what the pool measures its groups' idle time with (``--idle-release``); a
+        test passes its own."""
         self.config = config
         self.root = Path(config.root)
         self.videos_root = self.root / VIDEOS_DIR
@@ -86,7 +89,7 @@ class Farm:
         self.queue = FarmQueue(self.root)
         sched = config.scheduler_config()
         pool = GroupPool(executor, total_gpus=executor.total_gpus(), start_timeout_s=sched.group_start_timeout_s,
-                         fault_limit=config.device_fault_limit)
+                         fault_limit=config.device_fault_limit, clock=clock)
         self.scheduler = Scheduler(executor=executor, config=sched, pool=pool)
         self.served: dict[str, _Served] = {}
         self.requests = Requests()
@@ -131,10 +134,11 @@ class Farm:
         s = self.served.get(row.id)
         if s is None:
             return described_from_ledger(row)
+        running = [r.job.id for r in self.scheduler.running(s.batch)]
         queued = self.scheduler.pending(s.batch)
-        return _description(row, s.session.counts()) | {
-            "running": [r.job.id for r in self.scheduler.running(s.batch)], "queued": len(queued),
-            "waiting": sum(s.batch.waits.waits(job_id) for job_id in queued), "eta_s": s.batch.progress.eta_seconds()}
+        return _description(row, s.session.counts(), running=running) | {
+            "queued": len(queued), "waiting": sum(s.batch.waits.waits(job_id) for job_id in queued),
+            "eta_s": s.batch.progress.eta_seconds()}
 
     # ================================================================== serving batches
     def resume_unfinished(self) -> None:
@@ -346,12 +350,14 @@ def described_from_ledger(row: QueuedBatch) -> dict[str, Any]:
     return _description(row, _ledger_counts(Path(row.out_dir), row.job_ids))
 
 
-def _description(row: QueuedBatch, counts: dict[str, int]) -> dict[str, Any]:
+def _description(row: QueuedBatch, counts: dict[str, int], *, running: list[str] | None = None) -> dict[str, Any]:
+    """``state``: the queue's; ``shown_state``: as `queue` and the monitor name it (running, queued, ...)."""
     return {"id": row.id, "out_dir": row.out_dir, "batch": row.batch_path, "owner": row.owner,
-            "priority": row.priority, "preempt": row.preempt, "state": row.state.value, "reason": row.reason,
-            "submitted_at": row.submitted_at, "updated_at": row.updated_at, "counts": counts, "running": [],
-            "queued": 0, "waiting": 0, "eta_s": None, "exit_code": exit_code(row.state, counts),
-            "video_id": row.video_id, "hidden": row.hidden}
+            "priority": row.priority, "preempt": row.preempt, "state": row.state.value,
+            "shown_state": shown_state(row.state, running=bool(running)), "reason": row.reason,
+            "submitted_at": row.submitted_at, "updated_at": row.updated_at, "counts": counts,
+            "running": running or [], "queued": 0, "waiting": 0, "eta_s": None,
+            "exit_code": exit_code(row.state, counts), "video_id": row.video_id, "hidden": row.hidden}
 
 
 def _ledger_counts(out_dir: Path, job_ids: list[str]) -> dict[str, int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pan2render.runner.cluster.executor import Executor, Group, GroupStartError
@@ -70,18 +71,22 @@ class GroupPool:
     ``fault_limit`` (the farm's): a group whose jobs fail with device faults that many times in a
     row is held out of service (its GPUs stay reserved, so nothing lands on them again) instead of
     started again on the same GPUs. None: a faulted group is torn down and a new one made anywhere.
+
+    ``clock``: what the pool's times (a group idle since, busy since) are read from, in seconds
+    (``time.time``; a test passes its own, so an idle time passes only when the test says so).
     """
 
     def __init__(self, executor: Executor, *, total_gpus: int, start_timeout_s: float,
-                 fault_limit: int | None = None):
+                 fault_limit: int | None = None, clock: Callable[[], float] = time.time):
         self._ex = executor
         self.total_gpus = total_gpus
         self._start_timeout_s = start_timeout_s
         self.fault_limit = fault_limit
+        self._clock = clock
         self._idle: list[Group] = []
         self._busy: dict[str, Group] = {}
         self._out: list[Group] = []  # held out of service
-        self._since: dict[str, float] = {}  # group id -> when it went idle / busy / out (time.time())
+        self._since: dict[str, float] = {}  # group id -> when it went idle / busy / out (clock())
         self._starting: _BackgroundStart | None = None
         self.created = 0
 
@@ -113,29 +118,34 @@ class GroupPool:
                     avoid: frozenset[str] = frozenset()) -> Group | None:
         """An idle group of ``size``, a new one, or None when the GPUs are all busy or a group is
         still starting. Among idle groups the best for the job: one holding its ``model`` (and most
-        of its LoRA ``adapters``), then one holding no model, then the least recently used. A
-        group in ``avoid`` (the job failed on it) is taken only when no other group of that size
-        exists: while one does, the job waits for it. Raises GroupStartError when a new group
-        cannot form."""
+        of its LoRA ``adapters``), the most recently used of those, so that the others age toward
+        their idle release; else one holding no model; else the least recently used, whose model
+        the job's load unloads (eviction is LRU, as when GPUs must be freed: the least recently
+        used idle groups are torn down first). A group in ``avoid`` (the job failed on it) is taken
+        only when no other group of that size exists: while one does, the job waits for it. Raises
+        GroupStartError when a new group cannot form."""
         if self._starting is not None:
             if not self._starting.finished.is_set():
                 return None
             self._collect_start()
         fits = [g for g in self._idle if g.size == size]
+        kept: list[Group] = []  # idle groups the job avoids: neither taken nor torn down to make one in their place
         if avoid and any(g.id in avoid for g in fits):
             others = [g for g in [*self._idle, *self._busy.values()] if g.size == size and g.id not in avoid]
             if others or self.total_gpus - self._used() >= size:  # another group, or room to make one
+                kept = [g for g in fits if g.id in avoid]
                 fits = [g for g in fits if g.id not in avoid]
         if fits:
-            def fit(g: Group) -> tuple[int, int, int, float]:
-                return (model is not None and model in g.loads, len(adapters & g.adapters), not g.loads,
-                        self._since.get(g.id, 0.0))
+            def fit(g: Group) -> tuple[bool, int, bool, float]:
+                holds = model is not None and model in g.loads
+                used = self._since.get(g.id, 0.0)
+                return holds, len(adapters & g.adapters), not g.loads, used if holds else -used
             return self._take(max(fits, key=fit))
         free = self.total_gpus - self._used()
-        reclaimable = sum(g.size for g in self._idle)
-        if free + reclaimable < size:
+        reclaimable = [g for g in self._idle if g not in kept]
+        if free + sum(g.size for g in reclaimable) < size:
             return None
-        for g in sorted(self._idle, key=lambda g: self._since.get(g.id, 0.0)):  # least recently used first
+        for g in sorted(reclaimable, key=lambda g: self._since.get(g.id, 0.0)):  # least recently used first
             if free >= size:
                 break
             self._drop(g)
@@ -148,13 +158,13 @@ class GroupPool:
         group = self._ex.create_group(size, timeout_s=self._start_timeout_s)
         self.created += 1
         self._busy[group.id] = group
-        self._since[group.id] = time.time()
+        self._since[group.id] = self._clock()
         return group
 
     def _take(self, group: Group) -> Group:
         self._idle.remove(group)
         self._busy[group.id] = group
-        self._since[group.id] = time.time()
+        self._since[group.id] = self._clock()
         return group
 
     def _collect_start(self) -> None:
@@ -167,17 +177,17 @@ class GroupPool:
                                   f"{type(start.error).__name__}: {start.error}") from start.error
         self.created += 1
         self._idle.append(start.group)
-        self._since[start.group.id] = time.time()
+        self._since[start.group.id] = self._clock()
 
     def release(self, group: Group) -> None:
         self._busy.pop(group.id)
         self._idle.append(group)
-        self._since[group.id] = time.time()
+        self._since[group.id] = self._clock()
 
     def release_idle(self, max_idle_s: float) -> list[Group]:
         """Tear down the groups idle for longer than ``max_idle_s`` (their GPUs go back to the
         cluster); returns them."""
-        now = time.time()
+        now = self._clock()
         old = [g for g in self._idle if now - self._since.get(g.id, now) > max_idle_s]
         for g in old:
             self._drop(g)
@@ -202,12 +212,12 @@ class GroupPool:
         if group.faults >= self.fault_limit:
             self._ex.hold_out(group)
             self._out.append(group)
-            self._since[group.id] = time.time()
+            self._since[group.id] = self._clock()
             return None
         fresh = self._ex.restart_group(group, timeout_s=self._start_timeout_s)
         self.created += 1
         self._idle.append(fresh)
-        self._since[fresh.id] = time.time()
+        self._since[fresh.id] = self._clock()
         return fresh
 
     def succeeded(self, group: Group) -> None:

@@ -27,6 +27,12 @@ backstop for a deterministic failure we did not recognise by type), as does a sp
 And whatever the class, a group of more than one rank that failed on its GPU lane is torn down: its
 ranks may have stopped at different collectives. A failure on the I/O lane (rank 0's encode, CPU
 work) leaves the group as it was unless its worker died.
+
+The other jobs of a group torn down for one job's failure (one queued behind it, ones encoding)
+are bystanders (:data:`BYSTANDER`): back to pending, NOT charged, when the group was torn down while
+their own calls were answering (another job's call hung or overdue, or failed on the GPU lane).
+When a worker process died, every job with a call on it is charged as a worker death: any of them
+may have killed it.
 """
 
 from __future__ import annotations
@@ -52,6 +58,11 @@ class Decision:
     reason: str  # why, for the ledger's event and the log line
     stop_batch: bool = False  # stop starting jobs (storage): the run exits once running ones stop
     keep_group: bool = True  # the group the job failed on may take the next job
+
+
+# A job whose group was torn down for another job's failure while its own calls were answering.
+BYSTANDER = Decision(Action.REQUEUE, "its group was torn down for another job's failure (not charged to this job)",
+                     keep_group=False)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from pan2render.runner.serve import watch
 from pan2render.runner.serve.attempt import PREEMPTED_AT, JobRun, Phase, Stop, StopKind
 from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.serve.pool import GroupPool
-from pan2render.runner.serve.retry import Action, Decision, OnGroup, RetryPolicy
+from pan2render.runner.serve.retry import BYSTANDER, Action, Decision, OnGroup, RetryPolicy
 from pan2render.runner.serve.running import Running
 from pan2render.runner.serve.serving import JobQueue, QueuedJob, ServedBatch
 from pan2render.runner.serve.sides import SideFetches
@@ -313,9 +313,10 @@ class Scheduler:
         assert stage is not None, f"{type(call.message).__name__} is not a job's call"
         try:
             reply = self.ex.result(call)
-        except GroupDied as e:
-            return self._group_died(batch, run, Failure(
-                stage=stage, kind=e.kind, error=f"worker group {run.group.id} died or stopped answering: {e}"))
+        except GroupDied as e:  # its worker died under every call in flight on it: any may have killed it
+            why = f"worker group {run.group.id} died or stopped answering: {e}"
+            failure = Failure(stage=stage, kind=e.kind, error=why)
+            return self._call_failed(batch, run, failure, OnGroup(size=run.group.size), died=True, under_all=True)
         if reply.failure is not None:
             on_group = OnGroup(size=run.group.size, io_lane=call.message.lane is Lane.IO)
             return self._call_failed(batch, run, reply.failure, on_group)
@@ -330,18 +331,16 @@ class Scheduler:
 
     # ================================================================== failures
     def _tear_down(self, found: list[tuple[tuple[int, str], JobRun, Failure]]) -> None:
-        """Each run the watch found overdue or hung: its group torn down, as a dead one."""
+        """Each run the watch found overdue or hung: its group torn down, as a dead one (its other jobs, bystanders)."""
         for key, run, failure in found:
             if key in self._running:  # (not a job of a group torn down for an earlier one)
-                self._group_died(self._batch_of[key[0]], run, failure)
-
-    def _group_died(self, batch: ServedBatch, run: JobRun, failure: Failure) -> None:
-        self._call_failed(batch, run, failure, OnGroup(size=run.group.size), died=True)
+                self._call_failed(self._batch_of[key[0]], run, failure, OnGroup(size=run.group.size), died=True)
 
     def _call_failed(self, batch: ServedBatch, run: JobRun, failure: Failure, on_group: OnGroup, *,
-                     died: bool = False) -> None:
+                     died: bool = False, under_all: bool = False) -> None:
         """A call of ``run`` failed on its group: one decision (serve/retry.py) says what becomes of the
-        job and whether the group takes the next job or is torn down."""
+        job and whether the group takes the next job or is torn down (``died``: it is gone already;
+        ``under_all``: its worker died under its other jobs' calls too, which are then charged)."""
         job = batch.ledger.job(run.job.id)
         self._queue.failed_on(batch, job.id, run.group.id)
         decision = self._policy.decide(job, failure, on_group=on_group)
@@ -363,18 +362,19 @@ class Scheduler:
             self._running.end(b, r)
         batch.ledger.log(job.id, EventKind.GROUP_DIED, failure.message)
         self._carry_out(batch, job.id, failure, decision, cancel=run.cancel_reason)
-        # Every other job the torn-down group owned (one queued on its GPU lane, ones encoding)
-        # fails where it stood, as a worker death (as cluster-lost when this failure was: they
-        # were on the same lost node); each goes back from its last durable stage.
+        # Every other job the torn-down group owned (one queued on its GPU lane, ones encoding) goes back from its last
+        # durable stage: charged as cluster-lost when this failure was (the same lost node), as a worker death when the
+        # worker died under their calls too, else not at all (retry.BYSTANDER: their calls were answering).
         lost = failure.kind is FailureKind.CLUSTER_LOST or self.ex.lacks_gpus_for(run.group.size)
         for b, r in others:
             msg = (f"group {run.group.id} was torn down (after job {run.job.name}: "
                    f"{failure.message.splitlines()[0][:300]})")
             b.ledger.log(r.job.id, EventKind.GROUP_DIED, msg)
             stage = r.call.message.stage if r.call is not None else b.flow.next_stage(r.job.id)
-            self._failed(b, r.job.id, Failure(stage=stage or Stage.CONDITIONING, error=msg,
-                                              kind=FailureKind.CLUSTER_LOST if lost else FailureKind.WORKER_DEATH),
-                         cancel=r.cancel_reason)
+            also = Failure(stage=stage or Stage.CONDITIONING, error=msg,
+                           kind=FailureKind.CLUSTER_LOST if lost else FailureKind.WORKER_DEATH)
+            decision = self._policy.decide(b.ledger.job(r.job.id), also) if lost or under_all else BYSTANDER
+            self._carry_out(b, r.job.id, also, decision, cancel=r.cancel_reason)
 
     def _failed(self, batch: ServedBatch, job_id: str, failure: Failure, *, cancel: str | None = None) -> None:
         """A failure of a job off any group (a driver write, a group that never formed, a job of a

@@ -1,19 +1,25 @@
 """The web monitor's routes without a browser (an in-process farm, the fake pipeline): the page loads
 without the token and holds no data, every read and action needs the token, a cross-site POST is
-refused with it, only a served batch's own files come back, the stream sends the snapshot, and a
-batch's view is the report's layout with each failed job's traceback.
+refused with it (from another site or another port of the same host), only a served batch's own
+files come back, the stream sends the snapshot (and a tab closed mid-stream is no error in the
+farm's log), and a batch's view is the report's layout with each failed job's traceback.
 tests/runner/farm/test_monitor_browser.py drives the page itself in Chromium."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import socket
+import struct
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from runner_helpers import ThreadedExecutor, serving_farm, submit_file, until
@@ -100,6 +106,11 @@ def test_a_cross_site_post_is_refused_even_with_the_token(tmp_path: Path) -> Non
                                 headers={"Host": "evil.example:" + host.split(":")[1],
                                          "Origin": "http://evil.example:" + host.split(":")[1]})
         assert code == 403 and "loopback" in json.loads(answer)["error"]
+        # Another web application on this host (another port) is another origin: its page may not act.
+        port = int(host.split(":")[1])
+        elsewhere = f"http://127.0.0.1:{port + 1 if port < 65535 else port - 1}"
+        code, _, answer = _send(pause, method="POST", body={"priority": 7}, token=token, headers={"Origin": elsewhere})
+        assert code == 403 and elsewhere in json.loads(answer)["error"]
         assert _state(farm, b)["priority"] == 0
         code, _, answer = _send(pause, method="POST", body={"priority": 7}, token=token,
                                 headers={"Origin": url})  # the page's own origin
@@ -239,3 +250,68 @@ def test_nothing_but_the_pages_files_comes_from_the_package(tmp_path: Path, path
     with serving_farm(tmp_path) as (farm, url, token):
         code, _, _ = _send(url + path, token=token)
         assert code in (401, 404)
+
+
+def test_a_stream_closed_by_its_tab_is_no_error_in_the_farms_log(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    """A tab closed while its stream is open (the connection reset): the stream's next write finds
+    it gone and the stream ends. What the farm's process writes to its farm.log (its log lines, and
+    its stderr, where aiohttp's logger writes) carries no traceback and no error for it."""
+    from pan2render.runner.farm.monitor import MonitorApi
+
+    ended = threading.Event()
+    real = MonitorApi.stream
+
+    async def stream(self: MonitorApi, request: Any) -> Any:
+        try:
+            return await real(self, request)
+        finally:
+            ended.set()
+
+    stream.__route__ = real.__route__  # type: ignore[attr-defined]
+    monkeypatch.setattr(MonitorApi, "stream", stream)
+    caplog.set_level(logging.DEBUG)
+    with serving_farm(tmp_path) as (farm, url, token):
+        b = submit_file(farm, tmp_path / "out", {"jobs": [{"name": "a", "prompt": "a"}]}, paused=True)
+        where = urlsplit(url)
+        tab = socket.create_connection((where.hostname, where.port), timeout=30)
+        tab.sendall(f"GET /api/stream HTTP/1.1\r\nHost: {where.netloc}\r\n"
+                    f"Authorization: Bearer {token}\r\n\r\n".encode())
+        seen = b""
+        while b"event: snapshot" not in seen:
+            seen += tab.recv(65536)
+        tab.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # closed as a reset
+        tab.close()
+        farm.ask(lambda: farm.actions.set_priority(b, 3)).result(timeout=30)  # a new snapshot to send it
+        assert ended.wait(timeout=60), "the stream did not end after its tab was closed"
+    err = capfd.readouterr().err
+    logged = [f"{r.name} {r.levelname}: {r.getMessage()}" for r in caplog.records
+              if r.name.startswith("aiohttp") and (r.exc_info or r.levelno >= logging.WARNING)]
+    print(err[-2000:], logged)
+    assert "Traceback" not in err and "Error handling request" not in err and logged == []
+
+
+def test_the_snapshot_names_batch_states_as_queue_does_and_each_running_job_its_group(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One GPU: a batch sampling is running, the one behind it queued (both "active" in the queue),
+    a paused one paused, an ended one by its end; each running job's row names its group, so the
+    monitor shows its step under that group."""
+    monkeypatch.setenv("PAN2_FAKE_STEP_SECONDS", "0.05")
+    with serving_farm(tmp_path, executor=ThreadedExecutor) as (farm, url, token):
+        ended = submit_file(farm, tmp_path / "ended", {"jobs": [{"name": "quick", "prompt": "q", "steps": 2}]})
+        until(lambda: _state(farm, ended)["state"] == "done", "the first batch to end")
+        running = submit_file(farm, tmp_path / "running", {"jobs": [{"name": "long", "prompt": "l", "steps": 400}]})
+        waiting = submit_file(farm, tmp_path / "waiting", {"jobs": [{"name": "next", "prompt": "n", "steps": 2}]})
+        paused = submit_file(farm, tmp_path / "paused", {"jobs": [{"name": "held", "prompt": "h"}]}, paused=True)
+        until(lambda: any(r["batch"] == running and r["step"] for r in farm.snapshot()["running"]), "a step")
+        snap = farm.snapshot()
+        shown = {b["id"]: (b["state"], b["shown_state"]) for b in snap["batches"]}
+        print(shown)
+        assert shown == {ended: ("done", "done"), running: ("active", "running"), waiting: ("active", "queued"),
+                         paused: ("paused", "paused")}
+        (row,) = [r for r in snap["running"] if r["batch"] == running]
+        (group,) = [g for g in snap["groups"] if g["id"] == row["group"]]
+        assert group["state"] == "busy" and row["job"] in group["jobs"] and row["total"] == 400
+        farm.ask(lambda: farm.actions.cancel(running)).result(timeout=30)  # (its sampling stops at its next step)
+        until(lambda: _state(farm, running)["state"] == "cancelled", "the long batch to end")

@@ -3,8 +3,10 @@ Playwright) opens the page of an in-process farm serving fake-pipeline batches, 
 URL's fragment, and, without reloading: sees jobs move to done, pauses a batch and sees none of its
 jobs start, raises a priority and sees the order change (on the page and in which job started
 first), finds a failed job's traceback, plays a finished video, and shows a prompt holding
-``<script>`` and ``"><img onerror=...>`` as text that runs nothing. Skipped without Chromium or
-Playwright; CI installs both (.ci/run, the test extras)."""
+``<script>`` and ``"><img onerror=...>`` as text that runs nothing; in a 420 px window, nothing
+scrolls sideways, the GPU groups with their running jobs' steps come first, states read as
+`queue` names them, and ended batches are folded until asked for, then archived. Skipped without
+Chromium or Playwright; CI installs both (.ci/run, the test extras)."""
 
 from __future__ import annotations
 
@@ -82,6 +84,7 @@ def test_the_monitor_follows_the_farm_and_acts_on_it(tmp_path: Path, page: Any,
 
         page.goto(f"{url}/#token={token}")
         _wait_text(page, "#conn", "live")
+        page.check("#show-ended")  # (batches that end stay listed)
         assert page.evaluate("location.hash") == ""  # the token left the address bar and the history
         assert page.evaluate("sessionStorage.getItem('pan2-render-farm-token')") == token
         page.evaluate("window.__sameDocument = 'yes'")  # gone if the page ever reloads
@@ -122,6 +125,7 @@ def test_the_monitor_follows_the_farm_and_acts_on_it(tmp_path: Path, page: Any,
         page.click("#jobs tr.error-row details.traceback summary")
         trace = page.text_content("#jobs tr.error-row details.traceback pre")
         assert "Traceback (most recent call last)" in trace and "injected failure in sampling of job broken" in trace
+        assert "\\u000a" not in trace and trace.count("\n") >= 3  # its lines, as lines (not escapes)
         assert page.is_visible("#jobs tr.error-row details.traceback pre")
         assert "sampling: " in page.text_content("#jobs tr.error-row p.error")
 
@@ -168,6 +172,7 @@ def test_the_monitor_shows_a_running_jobs_picture_changing_before_it_ends(
                                                             "preview_every": 0.3}]})
         page.goto(f"{url}/#token={token}")
         _wait_text(page, "#conn", "live")
+        page.check("#show-ended")  # (the batch stays listed, and selected, once it ends)
         shown = "#jobs tr[data-job] img.preview"
         page.wait_for_function(f"() => {{ const i = document.querySelector('{shown}'); "
                                "return i !== null && i.complete && i.naturalWidth > 0; }", timeout=WAIT_MS)
@@ -186,3 +191,68 @@ def test_the_monitor_shows_a_running_jobs_picture_changing_before_it_ends(
         page.wait_for_selector("#jobs button[data-action=play]")  # done: its video, no preview
         assert page.query_selector(shown) is None
         assert page.problems == []
+
+
+def test_the_monitor_in_a_narrow_window_shows_running_steps_first_and_folds_ended_batches(
+        tmp_path: Path, page: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 420 px wide: nothing scrolls sideways; the GPU groups come first, each with its running
+    job's step k/N; the queue names states as `queue` does (running, queued, paused; never
+    "active"); an ended batch is folded away until the toggle lists it, and archived by its button."""
+    from runner_helpers import ThreadedExecutor
+
+    monkeypatch.setenv("PAN2_FAKE_STEP_SECONDS", "0.05")
+    wide = "a_job_name_without_a_single_break_in_it_" * 2  # (names and paths that must wrap, not widen)
+    with serving_farm(tmp_path, executor=ThreadedExecutor) as (farm, url, token):
+        ended = submit_file(farm, tmp_path / "ended", {"jobs": [{"name": "quick", "prompt": "q", "steps": 2}]})
+        _wait_for(lambda: farm.ask(lambda: farm.describe(ended)).result(timeout=30)["state"] == "done")
+        running = submit_file(farm, tmp_path / ("running-" + wide), {"jobs": [{"name": wide, "prompt": HOSTILE * 3,
+                                                                                  "steps": 400}]})
+        waiting = submit_file(farm, tmp_path / "waiting", {"jobs": [{"name": "next", "prompt": "n", "steps": 2}]})
+        paused = submit_file(farm, tmp_path / "paused", {"jobs": [{"name": "held", "prompt": "h"}]}, paused=True)
+        page.set_viewport_size({"width": 420, "height": 900})
+        page.goto(f"{url}/#token={token}")
+        _wait_text(page, "#conn", "live")
+        step = f"#groups .group .run[data-batch={running}] .step"
+        page.wait_for_function(f"() => /^sampling \\d+\\/400/.test((document.querySelector('{step}') || {{}})"
+                               ".textContent || '')", timeout=WAIT_MS)
+        top = page.evaluate("[...document.querySelectorAll('main > section:not([hidden])')].map(s => s.id)")
+        assert top[0] == "groups-section" and top.index("groups-section") < top.index("queue-section")
+
+        def state(batch: str) -> str:
+            return page.text_content(f"#batch-{batch} td.state").strip()
+
+        _wait_text(page, f"#batch-{paused} td.state", "paused")
+        assert (state(running), state(waiting), state(paused)) == ("running", "queued", "paused")
+        assert page.query_selector(f"#batch-{ended}") is None  # folded away
+        assert page.text_content("#ended-count") == "1" and not page.is_checked("#show-ended")
+        page.click(f"#batch-{running} td.id button")  # its jobs, with the long name and prompt
+        page.wait_for_selector("#jobs tr[data-job]")
+        assert page.evaluate(_FITS), f"the page scrolls sideways at 420 px: {page.evaluate(_WIDEST)}"
+        assert page.evaluate(_QUEUE_FITS), "the queue scrolls sideways at 420 px"
+
+        page.check("#show-ended")
+        _wait_text(page, f"#batch-{ended} td.state", "done")
+        assert page.evaluate(_FITS), f"the page scrolls sideways at 420 px: {page.evaluate(_WIDEST)}"
+        page.click(f"#batch-{ended} button[data-action=hide]")  # archive
+        page.wait_for_selector(f"#batch-{ended}", state="detached", timeout=WAIT_MS)
+        assert farm.ask(lambda: farm.queue.get(ended).hidden).result(timeout=30)
+        assert (tmp_path / "ended").is_dir()  # archived: its folder stays
+        assert page.text_content("#ended-count") == "0"
+        assert page.problems == []
+        farm.ask(lambda: farm.actions.cancel(running)).result(timeout=30)  # its sampling stops at its next step
+        _wait_for(lambda: farm.ask(lambda: farm.describe(running)).result(timeout=30)["state"] == "cancelled")
+
+
+# The page is no wider than its window: nothing scrolls sideways; else what sticks out, for the message.
+_FITS = "document.scrollingElement.scrollWidth <= document.scrollingElement.clientWidth"
+_QUEUE_FITS = "(s => s.scrollWidth <= s.clientWidth)(document.querySelector('#queue-section .scroll'))"
+_WIDEST = """() => [...document.querySelectorAll('body *')]
+  .filter(n => n.getBoundingClientRect().right > document.scrollingElement.clientWidth + 0.5).slice(0, 10)
+  .map(n => `${n.tagName.toLowerCase()}#${n.id}.${n.className} ${Math.round(n.getBoundingClientRect().right)}px`)"""
+
+
+def _wait_for(check: Any, timeout_s: float = WAIT_MS / 1000) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)

@@ -1,6 +1,8 @@
 """The farm's scheduler, queue and API in this process (the in-process executor, the fake pipeline):
-order by priority then submission, pause, cancel, retry, idle release, eviction for another model,
-a group held out of service after its device faults, two clients at once, the token.
+order by priority then submission (and again when a priority is raised), pause (a paused batch
+passed over, not blocking the queue), cancel (kept through a restart), retry, idle release,
+eviction for another model, a group held out of service after its device faults in a row, two
+clients at once, the token.
 tests/runner/scenarios/test_farm_process.py runs the farm as `farm start` does, on Ray, and kills it."""
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from runner_helpers import RecordingExecutor, farm_config, spec
+from runner_helpers import FakeClock, RecordingExecutor, farm_config, spec, step_until
 
 from pan2render.jobs.ledger import JobState, Ledger
 from pan2render.jobs.overrides import Overrides
@@ -33,12 +35,12 @@ from pan2render.runner.serve.session import BatchRequest
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 
 
-def _farm(tmp_path: Path, *, gpus: int = 1, faults: dict[str, Any] | None = None,
+def _farm(tmp_path: Path, *, gpus: int = 1, faults: dict[str, Any] | None = None, clock: FakeClock | None = None,
           **config: Any) -> tuple[Farm, RecordingExecutor]:
     root = tmp_path / "farm"
     root.mkdir(exist_ok=True)
     ex = RecordingExecutor(gpus=gpus, config=WorkerConfig(pipeline_factory=FAKE_FACTORY, faults=faults or {}))
-    return Farm(farm_config(root, **config), ex, log=lambda text: None), ex
+    return Farm(farm_config(root, **config), ex, log=lambda text: None, clock=clock or time.time), ex
 
 
 def _request(out: Path, jobs: list[JobSpec]) -> BatchRequest:
@@ -101,7 +103,7 @@ def test_a_cancelled_batch_writes_nothing_more_and_retry_finishes_it(tmp_path: P
     print(d)
     assert d["state"] == "cancelled" and d["counts"]["cancelled"] == 2 and d["exit_code"] == 1
     assert not list(out.glob("*/video.mp4")) and not _started(out)
-    with pytest.raises(FarmRequestError, match="none of its jobs runs or waits"):
+    with pytest.raises(FarmRequestError, match=r"job a \(a-\w+\) of batch b1 is already cancelled: nothing to cancel"):
         farm.actions.cancel(b["id"], job="a")
     farm.actions.retry(b["id"])
     _serve_until_idle(farm)
@@ -133,7 +135,11 @@ def test_a_folder_served_by_the_farm_is_not_taken_twice(tmp_path: Path) -> None:
 
 
 def test_an_idle_group_is_released_and_a_new_model_evicts_the_old(tmp_path: Path) -> None:
-    farm, ex = _farm(tmp_path, idle_release_s=0.3)
+    """The pool's idle time is read from a clock the test moves: however long the machine takes
+    between the two batches (a model folder copied, a loaded CI), the group is idle no time at
+    all until the test says so."""
+    clock = FakeClock()
+    farm, ex = _farm(tmp_path, idle_release_s=60, clock=clock)
     farm.actions.submit(_request(tmp_path / "a", [spec("a")]), owner="ann", priority=0)
     _serve_until_idle(farm)
     from pan2render.models.tiny import tiny_model_folder
@@ -148,8 +154,11 @@ def test_an_idle_group_is_released_and_a_new_model_evicts_the_old(tmp_path: Path
     assert [(m.model, m.unload) for m in loads] == [("tiny", ()), (other_model, ("tiny",))]
     assert ex.groups_created == 1
     groups = farm.scheduler.pool.describe()
-    assert [g.loads.keys() for g, _, _ in groups] == [{other_model: None}.keys()]
-    time.sleep(0.4)
+    assert [(g.loads.keys(), state) for g, state, _ in groups] == [({other_model: None}.keys(), "idle")]
+    clock.advance(59)
+    farm.step()
+    assert [state for _, state, _ in farm.scheduler.pool.describe()] == ["idle"]  # not idle long enough yet
+    clock.advance(2)
     farm.step()
     assert farm.scheduler.pool.describe() == []  # released after its idle time
     farm.close()
@@ -299,4 +308,71 @@ def test_a_batch_paused_while_its_last_job_runs_ends_when_that_job_ends(tmp_path
     _serve_until_idle(farm)
     d = farm.describe(b["id"])
     assert (d["state"], d["counts"]["done"], d["exit_code"]) == ("done", 1, 0)
+    farm.close()
+
+
+def _sampled(ex: RecordingExecutor) -> list[str | None]:
+    return [name for kind, name in ex.calls if kind is SampleCall]
+
+
+def test_raising_a_batchs_priority_puts_its_queued_jobs_ahead_of_a_lower_batchs(tmp_path: Path) -> None:
+    """One GPU: the first batch's first job is running when the second batch is raised above it;
+    the job running finishes, then every queued job of the raised batch goes before the first's."""
+    farm, ex = _farm(tmp_path)
+    first = farm.actions.submit(_request(tmp_path / "first", [spec("a1"), spec("a2")]), owner="ann", priority=0)
+    second = farm.actions.submit(_request(tmp_path / "second", [spec("b1"), spec("b2")]), owner="bob", priority=0)
+    step_until(farm, lambda: farm.describe(first["id"])["running"], "the first batch's first job running")
+    farm.actions.set_priority(second["id"], 5)
+    _serve_until_idle(farm)
+    print("sampling order:", _sampled(ex))
+    assert _sampled(ex) == ["a1", "b1", "b2", "a2"]
+    farm.close()
+
+
+def test_a_paused_batch_is_passed_over_while_another_is_served_and_served_after_unpause(tmp_path: Path) -> None:
+    """The paused batch is first in the queue (higher priority): the batch behind it still runs."""
+    farm, ex = _farm(tmp_path)
+    held = farm.actions.submit(_request(tmp_path / "held", [spec("h1"), spec("h2")]), owner="ann", priority=5)
+    farm.actions.pause(held["id"], paused=True)
+    other = farm.actions.submit(_request(tmp_path / "other", [spec("o1"), spec("o2")]), owner="bob", priority=0)
+    step_until(farm, lambda: farm.describe(other["id"])["state"] == "done", "the batch behind the paused one done")
+    assert _sampled(ex) == ["o1", "o2"] and not _started(tmp_path / "held")
+    farm.actions.pause(held["id"], paused=False)
+    _serve_until_idle(farm)
+    assert _sampled(ex) == ["o1", "o2", "h1", "h2"] and farm.describe(held["id"])["state"] == "done"
+    farm.close()
+
+
+def test_a_restart_keeps_cancelled_the_jobs_a_client_cancelled_in_a_batch_still_active(tmp_path: Path) -> None:
+    """The batch is still active when the farm stops (one job done, one not yet): the farm started
+    again renders the job left, not the one a client cancelled (as a retry or a submit again would)."""
+    farm, _ = _farm(tmp_path)
+    out = tmp_path / "out"
+    b = farm.actions.submit(_request(out, [spec("a"), spec("b"), spec("c")]), owner="ann", priority=0)
+    farm.actions.cancel(b["id"], job="c")
+    step_until(farm, lambda: farm.describe(b["id"])["counts"]["done"] == 1, "one job done")
+    assert farm.describe(b["id"])["state"] == "active"
+    farm.close()
+    again, ex = _farm(tmp_path)
+    again.resume_unfinished()
+    _serve_until_idle(again)
+    d = again.describe(b["id"])
+    print(d["state"], d["counts"], _sampled(ex))
+    assert "c" not in _sampled(ex) and not (out / spec("c").job_id).exists()
+    assert (d["state"], d["counts"]["done"], d["counts"]["cancelled"]) == ("cancelled", 2, 1)
+    again.close()
+
+
+def test_a_success_between_device_faults_keeps_the_group_in_service(tmp_path: Path) -> None:
+    """A held-out GPU is one whose jobs fault in a row: x faults, y succeeds on the same group, x's
+    retry faults again; with a limit of 2 the group is restarted each time, never held out."""
+    farm, ex = _farm(tmp_path, device_fault_limit=2, retries=1,
+                     faults={"fail": {"job": "x", "stage": "sampling", "raise": "DeviceError"}})
+    b = farm.actions.submit(_request(tmp_path / "out", [spec("x"), spec("y")]), owner="ann", priority=0)
+    _serve_until_idle(farm)
+    d = farm.describe(b["id"])
+    groups = [(g.id, state, g.faults) for g, state, _ in farm.scheduler.pool.describe()]
+    print(_sampled(ex), d["counts"], groups)
+    assert _sampled(ex) == ["x", "y", "x"] and (d["counts"]["done"], d["counts"]["failed"]) == (1, 1)
+    assert [state for _, state, _ in groups] == ["idle"] and groups[0][2] == 1
     farm.close()

@@ -5,7 +5,9 @@ first one decision at a time, then through the driver with the fault raised on t
 from __future__ import annotations
 
 import errno
+import threading
 import time
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ import pytest
 import ray.exceptions
 import torch
 import torch.distributed
-from runner_helpers import RecordingExecutor, render, spec, sqlite_disk_full
+from runner_helpers import RecordingExecutor, job_name, render, spec, sqlite_disk_full
 
 from pan2render.jobs.disk import DiskFullError
 from pan2render.jobs.ledger import JobRecord, JobState, Stage
@@ -31,7 +33,7 @@ from pan2render.runner.protocol.failures import (
     classify_exception,
     classify_group_death,
 )
-from pan2render.runner.protocol.messages import SampleCall, WorkerCall, WorkerConfig
+from pan2render.runner.protocol.messages import CollectCall, SampleCall, WorkerCall, WorkerConfig
 from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.serve.driver import Driver
 from pan2render.runner.serve.retry import Action, OnGroup, RetryPolicy, keeps_group
@@ -294,3 +296,89 @@ def test_a_full_output_disk_requeues_uncharged_and_stops_the_batch(tmp_path: Pat
     assert victim.state is JobState.PENDING and victim.retries_left == 2
     assert not any(e.label in ("group-discarded", "group-died") for e in led.events(victim.id))
     assert (SampleCall, "after") not in ex.calls  # nothing more was started
+
+
+def test_a_retried_job_waits_for_another_gpus_group_rather_than_run_where_it_failed(tmp_path: Path) -> None:
+    """An unknown error leaves its group fit for the next job, but the job itself is offered another
+    group: with two GPUs its retry runs on the other one's group once that is free, neither on the
+    group it failed on nor on one made anew on the same GPU in its place."""
+    jobs = [spec("victim"), spec("after")]
+    summary, ex, led = render(tmp_path, jobs, gpus=2, retries=1,
+                              faults={"fail": {"job": "victim", "stage": "sampling"}})
+    samples = [(name, gid) for t, name, gid in ex.on_group if t is SampleCall]
+    print(samples, ex.groups_created)
+    first, second = [gid for name, gid in samples if name == "victim"]
+    (after,) = [gid for name, gid in samples if name == "after"]
+    assert led.job(jobs[0].job_id).attempts == 2 and summary.done == [jobs[1].job_id]
+    assert second != first and second == after and ex.groups_created == 2
+
+
+class _StrikesBesideAnEncode(RecordingExecutor):
+    """The victim's first sampling never answers (its deadline already past when sent) or, with
+    ``dies``, its worker dies under it, on the group whose other job, the bystander, is encoding: the
+    bystander's encode is held until the group is torn down, so it is in flight when the victim's
+    sampling is found overdue or dead."""
+
+    def __init__(self, *, dies: bool = False, **kw: Any):
+        super().__init__(**kw)
+        self.dies, self.struck = dies, False
+        self.torn_down = threading.Event()
+
+    def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
+        if isinstance(message, SampleCall) and job_name(message) == "victim" and not self.struck:
+            self.struck = True
+            self.on_group.append((SampleCall, "victim", group.id))
+            if self.dies:
+                return Call(group=group, message=message, started=time.monotonic(), timeout_s=timeout_s,
+                            handle=GroupDied(f"worker rank 0 of group {group.id} died in SampleCall"))
+            return Call(group=group, message=message, started=time.monotonic() - 2 * timeout_s, timeout_s=timeout_s,
+                        handle=futures.Future())
+        if isinstance(message, CollectCall) and job_name(message) == "bystander" and not self.torn_down.is_set():
+            def after_tear_down() -> Any:
+                self.torn_down.wait(timeout=60)
+                return self._execute(group, message, None)
+
+            return Call(group=group, message=message, started=time.monotonic(), timeout_s=timeout_s,
+                        handle=self._io.submit(after_tear_down))
+        return super().call(group, message, timeout_s=timeout_s)
+
+    def destroy_group(self, group: Group) -> None:
+        super().destroy_group(group)
+        self.torn_down.set()
+
+
+def test_a_job_whose_group_is_torn_down_for_another_jobs_hang_is_not_charged(tmp_path: Path) -> None:
+    """The hung sampling's job is charged an attempt; the job encoding beside it on the same group,
+    whose own call was answering, goes back to pending uncharged and renders on the next group."""
+    from pan2render.jobs.ledger import Ledger
+
+    jobs = [spec("bystander"), spec("victim")]
+    led = Ledger.open(tmp_path)
+    led.add_jobs(jobs, retries=2)
+    ex = _StrikesBesideAnEncode(gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
+    summary = Driver(out_dir=tmp_path, ledger=led, executor=ex,
+                     config=ServingConfig(retries=2, progress=False, poll_s=0.01)).run([j.job_id for j in jobs])
+    bystander, victim = (led.job(j.job_id) for j in jobs)
+    print(bystander.retries_left, victim.retries_left, [(e.label, e.detail[:120]) for e in led.events(bystander.id)])
+    assert ex.torn_down.is_set() and sorted(summary.done) == sorted(j.job_id for j in jobs)
+    assert victim.retries_left == 1  # its sampling hung: charged
+    assert bystander.retries_left == 2  # torn down with it: not charged
+    assert any("not charged" in e.detail for e in led.events(bystander.id))
+
+
+def test_a_job_beside_a_worker_that_died_is_charged_as_its_killer_may_be(tmp_path: Path) -> None:
+    """The worker died while both jobs had a call on it: either may have killed it, so both are
+    charged an attempt (a job that kills its worker from the I/O lane is not retried for free)."""
+    from pan2render.jobs.ledger import Ledger
+
+    jobs = [spec("bystander"), spec("victim")]
+    led = Ledger.open(tmp_path)
+    led.add_jobs(jobs, retries=2)
+    ex = _StrikesBesideAnEncode(dies=True, gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
+    summary = Driver(out_dir=tmp_path, ledger=led, executor=ex,
+                     config=ServingConfig(retries=2, progress=False, poll_s=0.01)).run([j.job_id for j in jobs])
+    bystander, victim = (led.job(j.job_id) for j in jobs)
+    print(bystander.retries_left, victim.retries_left, [(e.label, e.detail[:120]) for e in led.events(bystander.id)])
+    assert ex.torn_down.is_set() and sorted(summary.done) == sorted(j.job_id for j in jobs)
+    assert (victim.retries_left, bystander.retries_left) == (1, 1)
+    assert not any("not charged" in e.detail for e in led.events(bystander.id))

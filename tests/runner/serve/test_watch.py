@@ -1,22 +1,29 @@
-"""Which step report belongs to which sampling. A job id recurs: the same job in another batch of a
-farm (the same batch file submitted into a second folder) or a later attempt. The step a sampling
-shows, records in its ledger and is watched by must be its own: another sampling's last report
-("50/50") would pass for this one's progress, and the watchdog would time it from that report."""
+"""What the watch decides. Which step report belongs to which sampling: a job id recurs (the same
+job in another batch of a farm, the same batch file submitted into a second folder, or a later
+attempt), and the step a sampling shows, records in its ledger and is watched by must be its own:
+another sampling's last report ("50/50") would pass for this one's progress, and the watchdog would
+time it from that report. A stall timeout of 0 watches nothing; a deadline passed on a node the
+cluster lost is the cluster's failure, not the job's."""
 
 from __future__ import annotations
 
 import json
 import time
+from concurrent import futures
 from pathlib import Path
+from typing import Any
 
-from runner_helpers import spec
+import pytest
+from runner_helpers import RecordingExecutor, ThreadedExecutor, job_name, spec
 
 from pan2render.jobs.ledger import Ledger
 from pan2render.runner.cluster.executor import Call, Group
 from pan2render.runner.protocol.artifacts import SAMPLING_STEP_DOC
-from pan2render.runner.protocol.messages import LoadCall, SampleCall, WorkerConfig
+from pan2render.runner.protocol.messages import LoadCall, SampleCall, WorkerCall, WorkerConfig
 from pan2render.runner.protocol.steps import StepClock
 from pan2render.runner.serve.attempt import JobRun
+from pan2render.runner.serve.config import ServingConfig
+from pan2render.runner.serve.driver import Driver
 from pan2render.runner.serve.watch import StepRecorder, current_steps, hung, started_sampling
 from pan2render.runner.worker import packing
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY, FakePipeline
@@ -89,4 +96,74 @@ def test_a_sampling_redone_by_the_same_attempt_does_not_take_the_first_ones_last
     assert current_steps([(1, run)], clock.snapshot()) == {}
     clock.report(run.progress_key, 1, 50)
     assert current_steps([(1, run)], clock.snapshot())[1].done == 1
+    led.close()
+
+
+def test_a_stall_timeout_of_0_finds_no_sampling_hung(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--stall-timeout 0` turns the watchdog off: a sampling quiet for an hour is not hung, and a
+    run whose samplings take their time (steps of 0.05 s, beside the driver's loop) renders each job
+    once, none torn down."""
+    (tmp_path / "unit").mkdir()
+    led = Ledger.open(tmp_path / "unit")
+    job = spec("quiet")
+    led.add_jobs([job], retries=2)
+    run = _sampling_run(led, job.job_id)
+    run.sample_started_at -= 3600.0
+    assert hung([(1, run)], {}, limit_s=0) == []
+    assert len(hung([(1, run)], {}, limit_s=600.0)) == 1  # the same sampling, watched
+    led.close()
+
+    monkeypatch.setenv("PAN2_FAKE_STEP_SECONDS", "0.05")
+    out = tmp_path / "out"
+    out.mkdir()
+    led = Ledger.open(out)
+    jobs = [spec("a", steps=8), spec("b", steps=8)]
+    led.add_jobs(jobs, retries=2)
+    ex = ThreadedExecutor(gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
+    summary = Driver(out_dir=out, ledger=led, executor=ex,
+                     config=ServingConfig(retries=2, progress=False, poll_s=0.01, stall_timeout_s=0)).run(
+        [j.job_id for j in jobs])
+    assert len(summary.done) == 2 and [led.job(j.job_id).attempts for j in jobs] == [1, 1]
+    assert ex.groups_created == 1
+    led.close()
+
+
+class _LosesTheNodeOfAStuckCall(RecordingExecutor):
+    """The victim's first sampling never answers, and by the time its deadline passes (already, when
+    it is sent) the cluster has lost the GPUs its group needs; they are back two looks later."""
+
+    def __init__(self, **kw: Any):
+        super().__init__(**kw)
+        self.struck, self.lost, self.looks = False, False, 0
+
+    def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
+        if isinstance(message, SampleCall) and job_name(message) == "victim" and not self.struck:
+            self.struck = self.lost = True
+            return Call(group=group, message=message, started=time.monotonic() - 2 * timeout_s, timeout_s=timeout_s,
+                        handle=futures.Future())
+        return super().call(group, message, timeout_s=timeout_s)
+
+    def lacks_gpus_for(self, size: int) -> bool:
+        return self.lost or super().lacks_gpus_for(size)
+
+    def total_gpus(self) -> int:
+        if self.lost:
+            self.looks += 1
+            self.lost = self.looks < 2
+            return 0
+        return super().total_gpus()
+
+
+def test_a_deadline_passed_on_a_lost_node_is_not_charged_to_the_job(tmp_path: Path) -> None:
+    led = Ledger.open(tmp_path)
+    jobs = [spec("victim")]
+    led.add_jobs(jobs, retries=2)
+    ex = _LosesTheNodeOfAStuckCall(gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
+    summary = Driver(out_dir=tmp_path, ledger=led, executor=ex,
+                     config=ServingConfig(retries=2, progress=False, poll_s=0.01, cluster_wait_s=60)).run(
+        [jobs[0].job_id])
+    victim = led.job(jobs[0].job_id)
+    print(victim.retries_left, [(e.label, e.detail[:100]) for e in led.events(victim.id)])
+    assert ex.struck and summary.done == [victim.id] and victim.retries_left == 2
+    assert any("the cluster lost the GPUs" in e.detail for e in led.events(victim.id))
     led.close()

@@ -8,6 +8,7 @@ const EVENTS_SHOWN = 40;
 const RECONNECT_MS = 1000;
 const CELL_PX = 160;  // a grid cell's widest poster or placeholder
 const DETAIL_CHARS = 300;  // an event's detail beyond this is cut (a traceback's is in the job's row)
+const NOT_ENDED = ["active", "paused", "cancelling"];  // a batch's queue states before it ends
 
 const state = {
   snapshot: null,
@@ -17,6 +18,7 @@ const state = {
   fetching: false,
   blobs: new Map(),  // file path -> object URL (videos and posters, fetched with the token)
   previews: new Map(),  // job id -> {path, url}: its newest live preview's object URL (older ones revoked)
+  showEnded: false,  // ended batches listed in the queue (folded by default)
 };
 
 // ---------------------------------------------------------------- the token
@@ -70,7 +72,8 @@ function $(id) { return document.getElementById(id); }
 // An element from properties and children; a string child becomes a text node.
 // Text from a ledger or the queue is shown as text (never markup), and its control and bidi
 // characters as escapes: a name cannot reorder what follows it ("gnp.exe" shown as "exe.png").
-const UNSHOWN = /[\u0000-\u001f\u007f-\u009f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g;
+// Line feeds and tabs are kept, as the report keeps them: a traceback's lines stay lines.
+const UNSHOWN = /[\u0000-\u0008\u000b-\u001f\u007f-\u009f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]/g;
 function shown(v) {
   return typeof v === "string" ? v.replace(UNSHOWN, c => "\\u" + c.charCodeAt(0).toString(16).padStart(4, "0")) : v;
 }
@@ -168,27 +171,34 @@ function onSnapshot(snap) {
   state.snapshot = snap;
   $("farm").textContent = `${snap.host} · ${snap.gpus} GPU(s) on ${snap.cluster} · queue ${snap.queue_depth} job(s)`;
   const batches = ordered(snap.batches || []);
-  if (!batches.some(b => b.id === state.selected)) state.selected = batches.length ? batches[0].id : null;
-  renderQueue(batches);
-  renderGroups(snap.groups || []);
+  const listed = state.showEnded ? batches : batches.filter(b => !ended(b));
+  if (!listed.some(b => b.id === state.selected)) state.selected = listed.length ? listed[0].id : null;
+  renderQueue(listed, batches.length - listed.length);
+  renderGroups(snap.groups || [], snap.running || []);
   renderBatch();
   renderEvents();
   refreshView();
 }
 
+function ended(b) { return !NOT_ENDED.includes(b.state); }
+
+// A batch's state as `pan2-render queue` names it: running, queued, paused, cancelling, done, ...
+function shownState(b) { return b.shown_state || b.state; }
+
 // The order jobs start in: batches not ended by priority (higher first), then submission; then the
 // ended ones, newest first.
 function ordered(batches) {
-  const ended = b => !["active", "paused"].includes(b.state);
   return [...batches].sort((a, b) =>
     (ended(a) - ended(b)) ||
     (ended(a) ? batchSeq(b.id) - batchSeq(a.id) : (b.priority - a.priority) || (batchSeq(a.id) - batchSeq(b.id))));
 }
 
 // ---------------------------------------------------------------- the queue
-function renderQueue(batches) {
+// Ended batches are folded away until the "ended batches too" box is ticked (its count: how many).
+function renderQueue(batches, folded) {
   const body = $("batches").tBodies[0];
-  $("no-batches").hidden = batches.length > 0;
+  $("no-batches").hidden = batches.length + folded > 0;
+  $("ended-count").textContent = String(batches.filter(ended).length + folded);
   const rows = new Map([...body.rows].map(r => [r.dataset.batch, r]));
   batches.forEach((b, i) => {
     let row = rows.get(b.id);
@@ -208,10 +218,12 @@ function queueRow(b) {
     act(b.id, "priority", {priority: p});
   }}, "set");
   input.addEventListener("keydown", e => { if (e.key === "Enter") set.click(); });
+  // (data-label: the column's name, shown beside each cell where the table is one block per batch)
   const row = el("tr", {dataset: {batch: b.id}, id: "batch-" + b.id},
-    el("td", {class: "id"}), el("td", {class: "owner"}), el("td", {class: "priority"}, input, set),
-    el("td", {class: "state"}), el("td", {class: "counts"}), el("td", {class: "eta"}),
-    el("td", {class: "actions"}));
+    el("td", {class: "id"}), el("td", {class: "owner", dataset: {label: "owner"}}),
+    el("td", {class: "priority", dataset: {label: "priority"}}, input, set),
+    el("td", {class: "state"}), el("td", {class: "counts", dataset: {label: "done/failed/total"}}),
+    el("td", {class: "eta", dataset: {label: "ETA"}}), el("td", {class: "actions"}));
   row._input = input;
   return row;
 }
@@ -224,7 +236,8 @@ function updateQueueRow(row, b) {
                                               onclick: () => select(b.id)}, b.id));
   setCell(owner, b.owner, () => b.owner);
   if (document.activeElement !== row._input) row._input.value = b.priority;
-  setCell(st, b.state + (b.reason || ""), () => el("span", {class: "badge " + b.state, title: b.reason || ""}, b.state));
+  const shown = shownState(b);
+  setCell(st, shown + (b.reason || ""), () => el("span", {class: "badge " + shown, title: b.reason || ""}, shown));
   setCell(counts, JSON.stringify(c), () => [
     el("b", {}, String(c.done || 0)), " / ", el("span", {class: (c.failed ? "bad" : "")}, String(c.failed || 0)),
     " / " + (c.total || 0)]);
@@ -235,7 +248,10 @@ function updateQueueRow(row, b) {
                                                     onclick: () => act(b.id, action)}, label);
     if (b.state === "active") return [button("pause", "pause"), button("cancel", "cancel")];
     if (b.state === "paused") return [button("unpause", "unpause"), button("cancel", "cancel")];
-    return [button("retry", "retry")];
+    if (!ended(b)) return null;  // cancelling: its running jobs stop at their next step
+    const archive = button("hide", "archive");
+    archive.title = "no longer listed (its folder, videos and report stay)";
+    return [button("retry", "retry"), archive];
   });
 }
 
@@ -243,7 +259,7 @@ async function act(batch, action, body = {}) {
   if (action === "cancel" && !confirm(`Cancel ${body.job ? "job " + body.job + " of " : ""}batch ${batch}?`)) return;
   try {
     await api(`/api/batches/${encodeURIComponent(batch)}/${action}`, {method: "POST", body});
-    say(`${batch}: ${action} done`);
+    say(`${batch}: ${action === "hide" ? "archived" : action + " done"}`);
   } catch (e) {
     say(`${batch}: ${action} refused: ${e.message}`, true);
   }
@@ -256,15 +272,34 @@ function select(id) {
   onSnapshot(state.snapshot);
 }
 
-// ---------------------------------------------------------------- GPU groups
-function renderGroups(groups) {
+// ---------------------------------------------------------------- GPU groups (at the top)
+// One card per group: its GPUs, state, model and faults, and each job running on it with its stage
+// and a sampling's step k/N (the snapshot's running rows, by group).
+function renderGroups(groups, running) {
   $("no-groups").hidden = groups.length > 0;
   const now = Date.now() / 1000;
-  $("groups").tBodies[0].replaceChildren(...groups.map(g => el("tr", {class: g.state.replace(/ /g, "-")},
-    el("td", {}, g.id), el("td", {}, String(g.gpus)), el("td", {}, g.models.join(", ") || "-"),
-    el("td", {}, el("span", {class: "badge " + g.state.replace(/ /g, "-")}, g.state)),
-    el("td", {}, g.since ? duration(now - g.since) : "-"), el("td", {}, g.jobs.join(", ") || "-"),
-    el("td", {}, String(g.faults)))));
+  $("groups").replaceChildren(...groups.map(g => groupCard(g, running.filter(r => r.group === g.id), now)));
+}
+
+function groupCard(g, runs, now) {
+  const cls = g.state.replace(/ /g, "-");
+  const about = [g.since ? duration(now - g.since) : null, g.models.join(", ") || "no model loaded",
+                 g.faults ? `${g.faults} fault(s) in a row` : null].filter(x => x !== null).join(" · ");
+  return el("div", {class: "group " + cls, dataset: {group: g.id}},
+    el("div", {class: "group-head"}, el("b", {}, g.id), ` ${g.gpus} GPU${g.gpus === 1 ? "" : "s"} `,
+       el("span", {class: "badge " + cls}, g.state), " ", el("span", {class: "muted"}, about)),
+    ...runs.map(r => el("div", {class: "run", dataset: {job: r.job, batch: r.batch}},
+      el("button", {type: "button", class: "link", title: "show batch " + r.batch, onclick: () => select(r.batch)},
+         r.batch), " ", el("span", {class: "job"}, r.job), " ", el("span", {class: "step"}, runText(r)),
+      r.step !== null && r.total ? el("progress", {max: r.total, value: r.step}) : null)));
+}
+
+// A running job's stage, and a sampling's step k/N with its measured rate.
+function runText(r) {
+  if (r.step !== null && r.total) {
+    return `${r.stage} ${r.step}/${r.total}` + (r.rate ? ` · ${r.rate.toFixed(2)} step/s` : "");
+  }
+  return `${r.stage} ${duration(r.stage_s)}`;
 }
 
 // ---------------------------------------------------------------- one batch: its jobs and grids
@@ -331,10 +366,7 @@ function liveText(job, live) {
   const r = live.get(job.id);
   if (!r && job.after) return "after: " + job.after.join(", ");  // a pending job waiting for the jobs it runs after
   if (!r) return {done: "", pending: "waiting", cancelled: ""}[job.state] ?? (job.stage || "");
-  if (r.step !== null && r.total) {
-    return `${r.stage} ${r.step}/${r.total}` + (r.rate ? ` · ${r.rate.toFixed(2)} step/s` : "");
-  }
-  return `${r.stage} ${duration(r.stage_s)}`;
+  return runText(r);
 }
 
 function stateOf(job, live) { return live.has(job.id) ? "running" : job.state; }
@@ -523,6 +555,10 @@ function start() {
     begin();
   });
   $("forget").addEventListener("click", () => { askToken(); location.reload(); });
+  $("show-ended").addEventListener("change", () => {
+    state.showEnded = $("show-ended").checked;
+    if (state.snapshot) onSnapshot(state.snapshot);
+  });
   if (token()) begin(); else askToken();
 }
 
