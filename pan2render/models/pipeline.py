@@ -612,8 +612,11 @@ class PAN2Pipeline:
         forward where a guided step is two of the same shapes), its sampler euler (any sampler's
         step runs the same forward, and euler needs no timestep list).
 
-        Timed as the phases "warm-up decode", "attention warm-up" and "warm-up sampling"
-        (``pan2render.phases``)."""
+        A model that takes a first frame (``expand_timesteps``) then steps once more, conditioned
+        on a black frame: the image's encode and the per-token timesteps are paths of their own.
+
+        Timed as the phases "warm-up decode", "attention warm-up", "warm-up sampling" and "warm-up
+        image sampling" (``pan2render.phases``)."""
         if self.device.type == "cuda":
             self._warm_up(height=height, width=width, frames=frames, guidance=guidance, decode=decode)
 
@@ -638,6 +641,14 @@ class PAN2Pipeline:
             self.sample(prompt_embeds=ctx, negative_prompt_embeds=ctx, height=height, width=width,
                         frames=frames, steps=1, guidance=self.denoiser.warm_up_guidance(guidance), seed=0,
                         sampler="euler")
+        if self.expand_timesteps:
+            # A job conditioned on a frame (an `image:`, a chained segment after the first) runs paths
+            # a text-only step does not: the VAE's encoder and per-token timesteps. Their first
+            # call cost a chained job's second segment 1.5 s more than its others on an H200.
+            with phase("warm-up image sampling", sync=sync):
+                self.sample(prompt_embeds=ctx, negative_prompt_embeds=ctx, image=np.zeros((height, width, 3), np.uint8),
+                            height=height, width=width, frames=frames, steps=1,
+                            guidance=self.denoiser.warm_up_guidance(guidance), seed=0, sampler="euler")
         if on_cuda:
             torch.cuda.synchronize()
 

@@ -318,7 +318,8 @@ def test_the_warm_up_decodes_first_then_steps_once_with_the_cheapest_covering_gu
         tiny: PAN2Pipeline, monkeypatch, batched: bool, forwards: list[int]) -> None:
     """`warm_up`'s steps (run on the CPU here; `warm_up` itself skips them there): the decode of
     zero latents first (it needs only the VAE, so it overlaps FlashAttention-4's import on a GPU),
-    then the attention's compile, then one euler step at the job's size. A guided job's step on
+    then the attention's compile, then one euler step at the job's size, then one more conditioned
+    on a frame (its encode, its per-token timesteps). A guided job's step on
     one process is two batch-1 forwards, so one unguided forward covers its shapes; a denoiser whose
     guided step is one batch-2 forward (as a group's guidance split has shapes of its own) says so
     through ``warm_up_guidance``, and the warm-up then runs a guided step."""
@@ -350,9 +351,11 @@ def test_the_warm_up_decodes_first_then_steps_once_with_the_cheapest_covering_gu
     decoded: list[torch.Tensor] = []
     with recording() as record:
         pipe._warm_up(height=32, width=64, frames=17, guidance=2.5, decode=decoded.append)
-    assert [p.name for p in record.phases] == ["warm-up decode", "attention warm-up", "warm-up sampling"]
+    assert [p.name for p in record.phases] == ["warm-up decode", "attention warm-up", "warm-up sampling",
+                                               "warm-up image sampling"]
     assert [tuple(x.shape) for x in decoded] == [(48, 2, 2, 4)] and not decoded[0].any()
     assert attention == [True]
-    assert batches == forwards  # one step: one forward, of batch 1 unguided or 2 batched-guided
+    # one step without a frame, one with: each one forward, of batch 1 unguided or 2 batched-guided
+    assert batches == forwards * 2
     pipe.warm_up(height=32, width=64, frames=17, guidance=2.5, decode=decoded.append)  # the CPU: nothing
-    assert len(decoded) == 1 and batches == forwards
+    assert len(decoded) == 1 and batches == forwards * 2

@@ -172,8 +172,8 @@ class LoadReply:
     describe: dict[str, Any] = field(default_factory=dict)  # the pipeline's own account of its set-up
     versions: dict[str, Any] = field(default_factory=dict)  # of what renders (worker.versions.runtime_versions)
     # The steps of load_s and warmup_s in the order they ran (pan2render.phases: "imports", "CUDA",
-    # "DiT", "VAE", "text encoder", "attention warm-up", "warm-up sampling", "warm-up decode"; a
-    # pipeline names its own); they do not overlap and sum to at most load_s + warmup_s.
+    # "DiT", "VAE", "text encoder", "warm-up decode", "attention warm-up", "warm-up sampling",
+    # "warm-up image sampling"; a pipeline names its own); they do not overlap and sum to at most load_s + warmup_s.
     phases: tuple[Phase, ...] = ()
     worker: WorkerStart | None = None  # rank 0's process start, for the run log's start-up lines
 
