@@ -593,7 +593,7 @@ class PAN2Pipeline:
     # ----------------------------------------------------------------------------------------
     # Warm-up
     @torch.no_grad()
-    def warm_up(self, *, height: int, width: int, frames: int, guidance: float,
+    def warm_up(self, *, height: int, width: int, frames: int, guidance: float, image: bool = False,
                 decode: Callable[[torch.Tensor], object] | None = None) -> None:
         """A decode and one sampling step at this size, through the same paths a job takes (the
         guidance split and Ulysses in a group): the first-call costs (FlashAttention-4's compile,
@@ -612,15 +612,16 @@ class PAN2Pipeline:
         forward where a guided step is two of the same shapes), its sampler euler (any sampler's
         step runs the same forward, and euler needs no timestep list).
 
-        A model that takes a first frame (``expand_timesteps``) then steps once more, conditioned
-        on a black frame: the image's encode and the per-token timesteps are paths of their own.
+        With ``image`` (the job is conditioned on a frame) a model that takes one
+        (``expand_timesteps``) then steps once more, conditioned on a black frame: the frame's
+        encode and the per-token timesteps are paths of their own.
 
         Timed as the phases "warm-up decode", "attention warm-up", "warm-up sampling" and "warm-up
         image sampling" (``pan2render.phases``)."""
         if self.device.type == "cuda":
-            self._warm_up(height=height, width=width, frames=frames, guidance=guidance, decode=decode)
+            self._warm_up(height=height, width=width, frames=frames, guidance=guidance, image=image, decode=decode)
 
-    def _warm_up(self, *, height: int, width: int, frames: int, guidance: float,
+    def _warm_up(self, *, height: int, width: int, frames: int, guidance: float, image: bool = False,
                  decode: Callable[[torch.Tensor], object] | None) -> None:
         """`warm_up`'s steps, on any device (the tests run them on the CPU)."""
         on_cuda = self.device.type == "cuda"
@@ -641,10 +642,11 @@ class PAN2Pipeline:
             self.sample(prompt_embeds=ctx, negative_prompt_embeds=ctx, height=height, width=width,
                         frames=frames, steps=1, guidance=self.denoiser.warm_up_guidance(guidance), seed=0,
                         sampler="euler")
-        if self.expand_timesteps:
+        if image and self.expand_timesteps:
             # A job conditioned on a frame (an `image:`, a chained segment after the first) runs paths
             # a text-only step does not: the VAE's encoder and per-token timesteps. Their first
-            # call cost a chained job's second segment 1.5 s more than its others on an H200.
+            # call cost a chained job's second segment 1.5 s more than its others on an H200; this
+            # step costs the load ~4 s there, so only a load for such a job takes it.
             with phase("warm-up image sampling", sync=sync):
                 self.sample(prompt_embeds=ctx, negative_prompt_embeds=ctx, image=np.zeros((height, width, 3), np.uint8),
                             height=height, width=width, frames=frames, steps=1,

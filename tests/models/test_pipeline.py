@@ -350,12 +350,15 @@ def test_the_warm_up_decodes_first_then_steps_once_with_the_cheapest_covering_gu
     monkeypatch.setattr(PAN2Pipeline, "warm_up_attention", lambda self: attention.append(True))
     decoded: list[torch.Tensor] = []
     with recording() as record:
-        pipe._warm_up(height=32, width=64, frames=17, guidance=2.5, decode=decoded.append)
+        pipe._warm_up(height=32, width=64, frames=17, guidance=2.5, image=True, decode=decoded.append)
     assert [p.name for p in record.phases] == ["warm-up decode", "attention warm-up", "warm-up sampling",
                                                "warm-up image sampling"]
     assert [tuple(x.shape) for x in decoded] == [(48, 2, 2, 4)] and not decoded[0].any()
     assert attention == [True]
     # one step without a frame, one with: each one forward, of batch 1 unguided or 2 batched-guided
     assert batches == forwards * 2
-    pipe.warm_up(height=32, width=64, frames=17, guidance=2.5, decode=decoded.append)  # the CPU: nothing
+    pipe.warm_up(height=32, width=64, frames=17, guidance=2.5, image=True, decode=decoded.append)  # CPU: nothing
     assert len(decoded) == 1 and batches == forwards * 2
+    with recording() as text_only:  # a job of text alone: no step on a frame
+        pipe._warm_up(height=32, width=64, frames=17, guidance=2.5, decode=decoded.append)
+    assert [p.name for p in text_only.phases] == ["warm-up decode", "attention warm-up", "warm-up sampling"]

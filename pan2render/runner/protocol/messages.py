@@ -135,6 +135,7 @@ class Warmup:
     width: int
     frames: int
     guidance: float
+    image: bool = False  # it is conditioned on a frame (an image, a chained segment): warm that path too
 
 
 @dataclass(frozen=True)

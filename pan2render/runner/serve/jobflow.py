@@ -221,7 +221,7 @@ class BatchFlow:
             unload = tuple(held[:len(held) - limit + 1]) if limit is not None and len(held) >= limit else ()
             return LoadCall(model=spec.model, unload=unload,
                             warmup=Warmup(height=spec.height, width=spec.width, frames=spec.frames,
-                                          guidance=spec.guidance))
+                                          guidance=spec.guidance, image=spec.image is not None or spec.segments > 1))
         self._encoders.setdefault(spec.model, run.group.loads[spec.model].text_encoder_id)
         steps, names = self.flow.steps, self.flow.stages
         start = 0

@@ -171,7 +171,7 @@ class WarmingPipeline(FakePipeline):
         super().__init__(model)
         self.warm_decoded: list[torch.Tensor] = []
 
-    def warm_up(self, *, height: int, width: int, frames: int, guidance: float,
+    def warm_up(self, *, height: int, width: int, frames: int, guidance: float, image: bool = False,
                 decode: Callable[[torch.Tensor], object] | None = None) -> None:
         lat = torch.zeros(48, min(SHAPE_COVERING_LATENT_FRAMES, (frames - 1) // 4 + 1), height // 16, width // 16)
         with phase("warm-up decode"):

@@ -253,7 +253,8 @@ class RenderWorker:
             warm = getattr(pipe, "warm_up", None)
             if call.warmup is not None and warm is not None:
                 warm(height=call.warmup.height, width=call.warmup.width, frames=call.warmup.frames,
-                     guidance=call.warmup.guidance, decode=lambda latents: self._frames_on_host(pipe, latents))
+                     guidance=call.warmup.guidance, image=call.warmup.image,
+                     decode=lambda latents: self._frames_on_host(pipe, latents))
         backend, world = "none", 1
         if self._group is not None:
             import torch.distributed as dist

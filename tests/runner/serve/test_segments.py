@@ -179,3 +179,14 @@ def test_a_story_in_a_group_of_two_gives_one_gpus_frames(tmp_path: Path) -> None
     summary, ex, _ = render(tmp_path / "two", [two], gpus=2)
     assert summary.done == [two.job_id] and _sampled(ex) == _sampled(ex, SegmentFrameCall) != []
     assert np.array_equal(frames(tmp_path / "one", one), frames(tmp_path / "two", two))
+
+
+def test_the_load_warms_the_frame_conditioned_path_only_for_a_job_that_takes_it(tmp_path: Path) -> None:
+    """A group loaded for a chained job warms the step on a frame (its second segment's first call
+    would pay it otherwise); one loaded for a job of text alone does not (it costs the load)."""
+    from pan2render.runner.protocol.messages import LoadCall
+
+    _, chained, _ = render(tmp_path / "story", [_story()])
+    _, plain, _ = render(tmp_path / "plain", [spec("plain", steps=2)])
+    assert [m.warmup.image for m in chained.messages if isinstance(m, LoadCall)] == [True]  # type: ignore[union-attr]
+    assert [m.warmup.image for m in plain.messages if isinstance(m, LoadCall)] == [False]  # type: ignore[union-attr]
