@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from fake_clock import FakeClock
 
 from pan2render.models import PAN2Pipeline, PAN2PipelineConfig
 from pan2render.models import pipeline as pipeline_module
@@ -54,16 +55,8 @@ def steps_of(req: dict) -> int:
 
 
 # ---------------------------------------------------------------------------------- when they come
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_preview_is_due_after_that_many_seconds_of_sampling() -> None:
-    clock, taken = FakeClock(), []
+    clock, taken = FakeClock(0.0), []
 
     def on_preview(p: PreviewLatents) -> None:
         taken.append(p)

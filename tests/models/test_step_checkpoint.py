@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fake_clock import FakeClock
 
 from pan2render.models import PAN2Pipeline, PAN2PipelineConfig
 from pan2render.models import pipeline as pipeline_module
@@ -268,16 +269,8 @@ def test_load_state_refuses_a_state_that_does_not_fit() -> None:
 
 
 # ---------------------------------------------------------------------------------- when the hooks fire
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_checkpoint_is_due_after_that_many_seconds_of_sampling_and_a_stop_is_agreed() -> None:
-    clock, taken = FakeClock(), []
+    clock, taken = FakeClock(0.0), []
 
     def on_checkpoint(state: object) -> None:
         taken.append(step)

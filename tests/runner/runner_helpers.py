@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from fake_clock import FakeClock  # noqa: F401  (the farm's tests import it from here)
 
 from pan2render.jobs.batch import load_batch
 from pan2render.jobs.ledger import JobState, Ledger, Stage, StageState
@@ -135,18 +136,19 @@ def spec(name: str, *, seed: int = 0, gpus: int = 1, prompt: str | None = None, 
                    preset="tiny-preview")
 
 
-class FakeClock:
-    """A clock that moves only when the test moves it (the pool's ``clock``): an idle time passes
-    when the test says so, whatever the machine's load."""
-
-    def __init__(self, now: float = 1_000_000.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+def jobs_done(out: Path) -> int:
+    """How many of a running batch's jobs its ledger has done (0 before the ledger exists or while
+    its writer holds the journal)."""
+    try:
+        led = Ledger.open_readonly(out)
+    except FileNotFoundError:
+        return 0
+    try:
+        return sum(j.state is JobState.DONE for j in led.jobs())
+    except Exception:  # the writer holds the journal this instant
+        return 0
+    finally:
+        led.close()
 
 
 SIDE_CALLS = (FetchCheckpointCall, FetchPreviewCall, StopSamplingCall)

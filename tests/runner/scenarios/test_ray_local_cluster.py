@@ -23,9 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from runner_helpers import wait_while_running, write_batch
+from runner_helpers import jobs_done, wait_while_running, write_batch
 
-from pan2render.jobs.ledger import JobState, Ledger
 from pan2render.runner.cluster.leftovers import RECORD_NAME, RUN_RECORDS, read_record, running
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
 
@@ -110,19 +109,6 @@ def _listening(pids: set[int]) -> dict[int, list[tuple[ipaddress.IPv4Address | i
     return found
 
 
-def _done(out: Path) -> int:
-    try:
-        led = Ledger.open_readonly(out)
-    except FileNotFoundError:
-        return 0
-    try:
-        return sum(j.state is JobState.DONE for j in led.jobs())
-    except Exception:  # the writer holds the journal this instant
-        return 0
-    finally:
-        led.close()
-
-
 def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     done = subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=240)
     print(f"$ pan2-render {' '.join(args)} -> {done.returncode}\n{done.stdout}{done.stderr[-3000:]}")
@@ -139,7 +125,7 @@ def test_a_runs_cluster_listens_on_loopback_alone_and_keeps_its_token_private(
     try:
         # Once a job is done the next one samples: the GCS, raylet, agents, the worker actor and the
         # driver itself are all up.
-        wait_while_running(run, lambda: _done(out) >= 1, within_s=180, what="no job done")
+        wait_while_running(run, lambda: jobs_done(out) >= 1, within_s=180, what="no job done")
         procs = _carrying(env["RAY_TMPDIR"]) | {run.pid: "driver"}
         listening = _listening(set(procs))
         print({f"{pid} {procs[pid]}": [f"{ip}:{port}" for ip, port in socks] for pid, socks in listening.items()})

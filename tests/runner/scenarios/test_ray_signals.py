@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runner_helpers import wait_while_running, write_batch
+from runner_helpers import jobs_done, wait_while_running, write_batch
 
 from pan2render.jobs.ledger import JobState, Ledger, StageState
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
@@ -64,19 +64,6 @@ def _raylet_children(mark: str) -> list[int]:
     return [pid for pid, (parent, _) in procs.items() if parent in raylets]
 
 
-def _done(out: Path) -> int:
-    try:
-        led = Ledger.open_readonly(out)
-    except FileNotFoundError:
-        return 0
-    try:
-        return sum(j.state is JobState.DONE for j in led.jobs())
-    except Exception:  # the writer holds the journal this instant
-        return 0
-    finally:
-        led.close()
-
-
 def test_sigterm_mid_run_leaves_a_consistent_ledger_and_resume_finishes(tmp_path: Path) -> None:
     batch = write_batch(tmp_path / "b.yaml", [{"name": f"j{i}", "prompt": f"clip {i}"} for i in range(3)],
                         defaults={"steps": 4})
@@ -86,7 +73,7 @@ def test_sigterm_mid_run_leaves_a_consistent_ledger_and_resume_finishes(tmp_path
     run = subprocess.Popen([*CLI, "run", str(batch), "--out", str(out), "--cpu-gpus", "1"], env=env,
                            start_new_session=True, stderr=subprocess.PIPE, text=True)
     try:
-        wait_while_running(run, lambda: _done(out) >= 1, within_s=120, what="no job done")
+        wait_while_running(run, lambda: jobs_done(out) >= 1, within_s=120, what="no job done")
         time.sleep(0.5)  # into the next job's sampling
         run.send_signal(signal.SIGTERM)
         _, err = run.communicate(timeout=90)
