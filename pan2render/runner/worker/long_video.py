@@ -146,7 +146,9 @@ class Interpolation:
             raise RuntimeError(f"no decoded frames of job {call.job_id} on this worker (its decode did not run here)")
         frames = self._frames[1]
         self._frames = None
-        return interpolate_uint8(self._load(call, frames.device), frames, js.interpolate)
+        # On a CPU on one thread count whatever the worker's share, as the decode (threads.py: why).
+        with intra_op_threads(CPU_DECODE_THREADS if frames.device.type == "cpu" else None):
+            return interpolate_uint8(self._load(call, frames.device), frames, js.interpolate)
 
     def _load(self, call: InterpolateCall, device: torch.device) -> Any:
         from pan2render.models.ifnet import IFNetWeightsError, load_ifnet

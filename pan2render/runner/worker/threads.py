@@ -5,7 +5,8 @@ logical GPUs), and its sampling runs on that many. Its VAE decode does not: on a
 convolutions give other bits on another number of threads (the mid-block attention's 1x1 qkv
 convolution of a 512x512 decode differs in its 7th digit between 1 and 2 threads, and the uint8
 frames in a few hundred pixels), so a video rendered with ``--cpu-gpus 1`` and with ``--cpu-gpus 2``
-would differ. The decode runs on `CPU_DECODE_THREADS` whatever the share: the same frames, so the
+would differ. The decode (and the interpolation's convolutions after it) runs on
+`CPU_DECODE_THREADS` whatever the share: the same frames, so the
 same mp4 (whose encoder's thread count is a function of the frame size alone:
 ``media.video.frame_threads``).
 """
