@@ -28,7 +28,6 @@ from pan2render.runner.protocol.messages import (
     StopSamplingCall,
     WorkerCall,
 )
-from pan2render.runner.protocol.timeline import stamp
 from pan2render.runner.serve import watch
 from pan2render.runner.serve.attempt import JobRun, Phase, Stop, StopKind
 from pan2render.runner.serve.config import ServingConfig
@@ -54,8 +53,7 @@ class Scheduler:
         self._batch_of: dict[int, ServedBatch] = {}
         self._policy = RetryPolicy()
         self._cluster = watch.ClusterWait(executor, wait_s=config.cluster_wait_s)
-        self._groups_seen: set[str] = set()  # groups whose placement the run log has told
-        self._steps = watch.StepRecorder()
+        self._watch = watch.Watch(executor, stall_timeout_s=config.stall_timeout_s)
 
     # ================================================================== what it serves
     def serve(self, batch: ServedBatch, job_ids: list[str]) -> None:
@@ -72,13 +70,18 @@ class Scheduler:
     def pending(self, batch: ServedBatch) -> list[str]:
         return [q.job_id for q in self._queue.of(batch)]
 
+    def queued(self, batch: ServedBatch) -> int:
+        """How many of the batch's jobs are queued (what ``len(pending(batch))`` is, without the list)."""
+        return self._queue.count(batch)
+
     def running(self, batch: ServedBatch) -> list[JobRun]:
         return self._running.of(batch)
 
     @property
     def busy(self) -> bool:
         """Anything left to do: a job running, or one that may start."""
-        return bool(self._running) or any(q.batch.stop is None and not q.batch.paused for q in self._queue)
+        return bool(self._running) or any(b.stop is None and not b.paused and self._queue.count(b)
+                                          for b in self._batch_of.values())
 
     def reorder(self) -> None:
         """After a batch's priority changed."""
@@ -167,11 +170,12 @@ class Scheduler:
         """The batch's queued jobs, in the order they will start, each read from the ledger as it is
         reached: the prompts encoded ahead look at the first few, and reading the whole queue on
         every conditioning call was quadratic in the batch."""
-        return (batch.ledger.job(job_id) for job_id in self.pending(batch))
+        return (batch.ledger.job(q.job_id) for q in self._queue if q.batch is batch)
 
     # ================================================================== the loop
     def tick(self) -> None:
-        """One pass: start what can start, handle every reply that is ready, check deadlines."""
+        """One pass: start what can start, handle every reply that is ready, and what the watch
+        finds due (deadlines, steps, hung samplings: every few tenths of a second)."""
         self.ex.check_cluster()
         self._dispatch()
         if (note := self.pool.take_start_note()) is not None:  # a group waiting for GPUs, every few seconds
@@ -182,17 +186,21 @@ class Scheduler:
             return
         for call in self.ex.wait(self._running.calls(), timeout_s=self.config.poll_s):
             self._on_ready(call)
-        self._tear_down(watch.overdue(self._running.keyed(), lacks_gpus_for=self.ex.lacks_gpus_for))
-        if any(r.sampling for r in self._running.runs()):
-            # A Ray call: only while a job samples.
-            steps = watch.current_steps(self._running.keyed(), self.ex.progress())
-            for seq, batch in self._batch_of.items():
-                batch.progress.steps({job_id: rep for (s, job_id), rep in steps.items() if s == seq})
-            self._tear_down(watch.hung(self._running.keyed(), steps, limit_s=self.config.stall_timeout_s))
-            self._steps.record([(k, r, self._batch_of[k[0]].ledger) for k, r in self._running.keyed()], steps)
+        steps, found = self._watch.look(self._running.keyed, ledger_of=lambda key: self._batch_of[key[0]].ledger)
+        for (seq, job_id), report in steps.items():
+            self._batch_of[seq].progress.steps({job_id: report})
+        self._tear_down(found)
         for batch in self._batch_of.values():
             batch.progress.tick()
             batch.notify_job_end()
+
+    def forget(self, batch: ServedBatch) -> None:
+        """``batch`` is served no more (the farm closed it; none of its jobs runs): its jobs still
+        queued (a batch a full disk stopped) leave the queue; the passes no longer look at it."""
+        assert not self._running.count(batch), f"batch {batch.seq} has jobs running"
+        for q in self._queue.of(batch):
+            self._queue.remove(q)
+        self._batch_of.pop(batch.seq, None)
 
     def interrupt_all(self, reason: str, *, outcome: str = "interrupted", detail: str = "") -> None:
         """Every running job back to pending, uncharged (the run stops, or the cluster went)."""
@@ -211,7 +219,7 @@ class Scheduler:
         behind it."""
         if not self._cluster_ready():
             return
-        for q in list(self._queue):  # a copy: jobs are taken out as it walks them
+        for q in self._queue:  # (the queue may change while it is walked: see JobQueue)
             if q.batch.stop is not None or q.batch.paused:
                 continue
             group = self._running.held_group(q.gpus, behind_decode=False, avoid=q.avoid)
@@ -230,24 +238,14 @@ class Scheduler:
             if group is None:
                 self._preempt_for(q)
                 break
-            self._say_placed(q.batch, group)
+            if (line := self.pool.placement_line(group)) is not None:  # its first job
+                q.batch.progress.say(line)
             self._queue.remove(q)
             q.batch.ledger.transition(q.job_id, JobEvent.START, reason=f"on group {group.id} ({group.size} GPU(s))")
             run = JobRun(job=q.batch.ledger.job(q.job_id), group=group)
             q.batch.progress.job_started(q.job_id, group=group.id, attempt=run.job.attempts)
             self._running.add(q.batch, run)
             self._advance(q.batch, run)
-
-    def _say_placed(self, batch: ServedBatch, group: Group) -> None:
-        """The run log's start-up line of a group the first time it takes a job (stamps: seconds
-        since the command started)."""
-        if group.id in self._groups_seen:
-            return
-        self._groups_seen.add(group.id)
-        if group.placed_at:
-            joined = ", its processes joined" if group.size > 1 else ""
-            batch.progress.say(f"start-up: group {group.id} ({group.size} GPU{'s' if group.size > 1 else ''}) "
-                               f"placed at {stamp(group.placed_at)}{joined} (asked for at {stamp(group.asked_at)})")
 
     def _leave(self, batch: ServedBatch, run: JobRun) -> None:
         """The job no longer runs on its group; the group goes back to the pool once it holds no job."""
@@ -432,6 +430,8 @@ class Scheduler:
     def _cluster_ready(self) -> bool:
         """After the cluster lost GPUs: have enough come back for every queued job? (Raises
         ClusterLostError once they have been gone too long, no job running.)"""
+        if not self._cluster.lost:
+            return True
         back = self._cluster.back(need=max((q.gpus for q in self._queue), default=0), running=bool(self._running),
                                   queued=len(self._queue), folders=[b.flow.out_dir for b in self._batch_of.values()])
         if back is None:
