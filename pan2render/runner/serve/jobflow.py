@@ -205,6 +205,7 @@ class BatchFlow:
                 self.count_redo(run.job.id, status.problem)
                 self.ledger.reset_stages(run.job.id, names[i], reason=f"{status.problem}: {names[i]} again")
                 self.say(f"{spec.name}: {status.problem}; {names[i]} again")
+                records = self.ledger.stages(run.job.id)
         if start == len(steps):
             return None
         return steps[start].call(self, run)
