@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,10 @@ from pan2render.runner.protocol.timeline import stamp
 from pan2render.runner.serve.attempt import JobRun
 from pan2render.runner.serve.retry import Action, Decision
 from pan2render.step_checkpoint import StepCheckpointError, read_checkpoint
+
+# A text asked of an encode call counts as being encoded for this long at most (a call takes well
+# under a second; one that failed or whose group died never answers).
+ENCODING_FORGOTTEN_S = 60.0
 
 
 class StepStatus(enum.Enum):
@@ -176,6 +181,7 @@ class BatchFlow:
         self.say = say
         self.models_per_group = models_per_group
         self._encoders: dict[str, str] = {}  # model -> its text encoder id, from a group's load
+        self._encoding: dict[str, float] = {}  # text -> when a call in flight was asked to encode it
         self._redos: dict[str, int] = {}  # job id -> artifacts redone after failing their check
 
     # ------------------------------------------------------------------ what comes next
@@ -194,10 +200,9 @@ class BatchFlow:
                                           guidance=spec.guidance))
         self._encoders.setdefault(spec.model, run.group.loads[spec.model].text_encoder_id)
         steps, names = self.flow.steps, self.flow.stages
-        start = 0
+        start, records = 0, self.ledger.stages(run.job.id)
         for i in reversed(range(len(steps))):
-            rec = self.ledger.stages(run.job.id)[names[i]]
-            status = steps[i].status(self, run, rec)
+            status = steps[i].status(self, run, records[names[i]])
             if status is StepStatus.DONE:
                 start = i + 1
                 break
@@ -268,6 +273,23 @@ class BatchFlow:
     # ------------------------------------------------------------------ shared by the steps
     def text_encoder_id(self, model: str) -> str:
         return self._encoders[model]
+
+    def encoding(self, texts: Iterable[str], *, asked: bool) -> None:
+        """``texts`` were asked of a call in flight (``asked``), or its answer came."""
+        for text in texts:
+            if asked:
+                self._encoding[text] = time.monotonic()
+            else:
+                self._encoding.pop(text, None)
+
+    def being_encoded(self, text: str) -> bool:
+        """Is ``text`` being encoded by a call in flight? (A call whose answer never came, its group
+        lost, frees its texts after ENCODING_FORGOTTEN_S.)"""
+        asked = self._encoding.get(text)
+        if asked is not None and time.monotonic() - asked > ENCODING_FORGOTTEN_S:
+            del self._encoding[text]
+            asked = None
+        return asked is not None
 
     # ------------------------------------------------------------------ step checkpoints
     def step_checkpoint(self, run: JobRun) -> bytes | None:
