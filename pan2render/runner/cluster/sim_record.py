@@ -31,7 +31,10 @@ class SimRecord:
     calls: Counter[str] = field(default_factory=Counter)  # call type -> calls sent
     faults: list[Fault] = field(default_factory=list)
     twice: list[str] = field(default_factory=list)  # "job on group A while in flight on group B"
-    last_sampling_sent: float = 0.0  # when the last SampleCall was sent: after it no job starts
+    # When the last job's first SampleCall was sent: after it the queue holds retries at most, and
+    # GPUs go idle for want of work.
+    last_new_sampling: float = 0.0
+    _sampled: set[str] = field(default_factory=set)  # jobs that were sent a SampleCall
     _busy: list[tuple[list[float], int]] = field(default_factory=list)  # ([start, end], GPUs)
     _first_busy: dict[tuple[int, int], float] = field(default_factory=dict)  # (node, GPU) -> first busy
     _nodes: list[tuple[float, int, int, bool]] = field(default_factory=list)  # (at, node, GPUs, alive)
@@ -40,8 +43,9 @@ class SimRecord:
     # ------------------------------------------------------------------ what the executor tells it
     def sent(self, message: WorkerCall, group: Group, at: float, job_id: str | None) -> None:
         self.calls[type(message).__name__] += 1
-        if isinstance(message, SampleCall):
-            self.last_sampling_sent = max(self.last_sampling_sent, at)
+        if isinstance(message, SampleCall) and message.job_id not in self._sampled:
+            self._sampled.add(message.job_id)
+            self.last_new_sampling = max(self.last_new_sampling, at)
         if job_id is None or message.lane is Lane.SETUP:
             return
         where, n = self._jobs_on.get(job_id, (group.id, 0))
@@ -79,13 +83,14 @@ class SimRecord:
     def busy_fraction(self, start: float | None = None, end: float | None = None) -> float | None:
         """GPU-lane busy GPU-seconds over the GPU-seconds the live GPUs had between ``start`` and
         ``end``. By default the steady state: from when every GPU first ran a call (the groups
-        formed and loaded) to when the last sampling was sent (after it no job starts, and GPUs
-        go idle for want of work, not of the scheduler). None when that window is empty."""
+        formed and loaded) to when the last job's first sampling was sent (after it only retries
+        start, and GPUs go idle for want of work, not of the scheduler). None when that window is
+        empty."""
         if start is None:
             if len(self._first_busy) < self.gpus:
                 return None
             start = max(self._first_busy.values())
-        end = self.last_sampling_sent if end is None else end
+        end = self.last_new_sampling if end is None else end
         if end <= start:
             return None
         busy = sum(max(0.0, min(e, end) - max(s, start)) * n for (s, e), n in self._busy)

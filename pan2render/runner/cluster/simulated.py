@@ -233,7 +233,6 @@ class SimulatedExecutor:
                 p.outcome = self._death(p.group, f"died in {type(message).__name__}", kind=FailureKind.WORKER_DEATH)
                 return
             if draw < self.faults.worker_death_rate + self.faults.call_failure_rate:
-                self.record.fault(job, message, "failure", at=now)
                 p.outcome = Reply(rank=0, seconds=seconds, failure=Failure(
                     stage=message.stage or "", kind=FailureKind.UNKNOWN, rank=0,
                     error=f"SimulatedFault: injected into {type(message).__name__}"))
@@ -302,7 +301,7 @@ class SimulatedExecutor:
                 self._end(event)
                 if event.dies:
                     self._kill(event.group, f"died in {type(event.message).__name__}",
-                               kind=FailureKind.WORKER_DEATH, log="torn-down")
+                               kind=FailureKind.WORKER_DEATH, log="torn-down", told={self._job_of(event.message)})
 
     def _end(self, p: _Pending) -> None:
         p.ended = True
@@ -312,22 +311,28 @@ class SimulatedExecutor:
             self._sampling.pop(p.message.progress_key or p.message.job_id, None)
         if p.dies:
             self.record.fault(self._job_of(p.message), p.message, "death", at=p.done_at)
+        elif isinstance(p.outcome, Reply) and p.outcome.failure is not None:
+            self.record.fault(self._job_of(p.message), p.message, "failure", at=p.done_at)
         self.record.ended(p.message, p.group, self._job_of(p.message))
         assert p.call is not None
         self._finished.append(p.call)
 
-    def _kill(self, group: Group, what: str, *, kind: FailureKind, log: str | None, lost: bool = False) -> None:
-        """The group's workers are gone: every call in flight on it ends now, failing."""
+    def _kill(self, group: Group, what: str, *, kind: FailureKind, log: str | None, lost: bool = False,
+              told: set[str | None] | None = None) -> None:
+        """The group's workers are gone: every call in flight on it ends now, failing; each job's
+        first one is a fault of the record's (``told``: jobs whose fault it has already)."""
         w: _Workers = group.handle
         w.dead, w.lost = True, w.lost or lost
-        now = self.clock.now()
+        now, told = self.clock.now(), set(told or ())
         for p in list(w.in_flight.values()):
-            p.done_at = now
+            p.done_at, p.dies = now, False  # (its own death, if one was drawn, never comes)
             p.outcome = self._death(group, what, kind=kind)
             if p.busy is not None:
                 self.record.cut(p.busy, now)
-            if log is not None:
-                self.record.fault(self._job_of(p.message), p.message, log, at=now)
+            job = self._job_of(p.message)
+            if log is not None and (job is None or job not in told):  # (a sampling's side call is the same job's)
+                told.add(job)
+                self.record.fault(job, p.message, log, at=now)
             self._end(p)
 
     def _node_event(self, loss: NodeLoss, at: float) -> None:
