@@ -123,6 +123,13 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def rss_per_job(rss: list[tuple[int, float]], jobs: int) -> float:
+    """KB of RSS per job served, from when a tenth of the jobs were done (the imports, the first
+    batches' set-up and the allocator's first arenas are behind) to the end."""
+    base = next(((n, mb) for n, mb in rss if n >= jobs // 10), rss[0])
+    return 1024 * (rss[-1][1] - base[1]) / max(1, rss[-1][0] - base[0])
+
+
 # ---------------------------------------------------------------------- one run
 def batch_text(kind: str, index: int, jobs: int) -> str:
     doc = {"model": "tiny", "preset": "tiny-preview", "defaults": {"negative_prompt": "", **KINDS[kind]},
@@ -206,7 +213,7 @@ def run_one(gpus: int, kind: str, args: argparse.Namespace, counts: Counts) -> d
         "backups_per_job": (after["backups"] - before["backups"]) / jobs,
         "fsyncs_per_job": (after["fsyncs"] - before["fsyncs"]
                            + SQLITE_FSYNCS_PER_COMMIT * sum(commits.values())) / jobs,
-        "rss_mb": {"start": rss[0][1], "end": rss[-1][1]}, "rss_kb_per_job": 1024 * (rss[-1][1] - rss[0][1]) / jobs,
+        "rss_mb": {"start": rss[0][1], "end": rss[-1][1]}, "rss_kb_per_job": rss_per_job(rss, jobs),
         "rss_curve": rss[:: max(1, len(rss) // 12)] + rss[-1:],
         "submit_s": {"p50": statistics.median(submit_s), "max": max(submit_s)} if submit_s else None,
         "api": api_stats, "calls": sim["calls"],
