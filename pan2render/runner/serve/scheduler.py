@@ -36,8 +36,6 @@ from pan2render.runner.serve.retry import Action, Decision, OnGroup, RetryPolicy
 from pan2render.runner.serve.running import Running
 from pan2render.runner.serve.serving import JobQueue, QueuedJob, ServedBatch
 
-__all__ = ["Scheduler", "ServedBatch"]
-
 
 class Scheduler:
     """Runs the pending jobs of every served batch on groups from one pool."""
@@ -70,8 +68,7 @@ class Scheduler:
     def pending(self, batch: ServedBatch) -> list[str]:
         return [q.job_id for q in self._queue.of(batch)]
 
-    def queued(self, batch: ServedBatch) -> int:
-        """How many of the batch's jobs are queued (what ``len(pending(batch))`` is, without the list)."""
+    def queued(self, batch: ServedBatch) -> int:  # len(pending(batch)), without the list
         return self._queue.count(batch)
 
     def running(self, batch: ServedBatch) -> list[JobRun]:
@@ -167,9 +164,8 @@ class Scheduler:
         batch.ended += 1
 
     def upcoming(self, batch: ServedBatch) -> Iterator[JobRecord]:
-        """The batch's queued jobs, in the order they will start, each read from the ledger as it is
-        reached: the prompts encoded ahead look at the first few, and reading the whole queue on
-        every conditioning call was quadratic in the batch."""
+        """The batch's queued jobs in start order, each read from its ledger when reached (the
+        look-ahead reads a few: reading all on every conditioning call was quadratic)."""
         return (batch.ledger.job(q.job_id) for q in self._queue if q.batch is batch)
 
     # ================================================================== the loop
@@ -241,11 +237,12 @@ class Scheduler:
             if (line := self.pool.placement_line(group)) is not None:  # its first job
                 q.batch.progress.say(line)
             self._queue.remove(q)
-            q.batch.ledger.transition(q.job_id, JobEvent.START, reason=f"on group {group.id} ({group.size} GPU(s))")
-            run = JobRun(job=q.batch.ledger.job(q.job_id), group=group)
-            q.batch.progress.job_started(q.job_id, group=group.id, attempt=run.job.attempts)
-            self._running.add(q.batch, run)
-            self._advance(q.batch, run)
+            with q.batch.ledger.grouped():  # the start and the first stage marked: one commit
+                q.batch.ledger.transition(q.job_id, JobEvent.START, reason=f"on group {group.id} ({group.size} GPU(s))")
+                run = JobRun(job=q.batch.ledger.job(q.job_id), group=group)
+                q.batch.progress.job_started(q.job_id, group=group.id, attempt=run.job.attempts)
+                self._running.add(q.batch, run)
+                self._advance(q.batch, run)
 
     def _leave(self, batch: ServedBatch, run: JobRun) -> None:
         """The job no longer runs on its group; the group goes back to the pool once it holds no job."""
@@ -316,7 +313,10 @@ class Scheduler:
         found = self._running.find(call)
         if found is None:
             return  # its job left when its group was torn down: the reply is void
-        batch, run = found
+        with found[0].ledger.grouped():  # its record and what follows (the next stage marked): one commit
+            self._on_reply(*found, call)
+
+    def _on_reply(self, batch: ServedBatch, run: JobRun, call: Call) -> None:
         if call is run.side:
             return self._on_side_reply(batch, run, call)
         stage = call.message.stage
