@@ -125,7 +125,7 @@ class FarmApi:
     # ------------------------------------------------------------------ reads
     @route("GET", "/api/status")
     async def status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.farm.snapshot() | {"roots": self.roots.describe()})
+        return _json(self.farm.encoded("status", lambda snap: snap | {"roots": self.roots.describe()}))
 
     @route("GET", "/api/whoami")
     async def whoami(self, request: web.Request) -> web.Response:
@@ -140,7 +140,7 @@ class FarmApi:
             loop = asyncio.get_running_loop()
             return web.json_response([shown.get(r.id) or await loop.run_in_executor(None, described_from_ledger, r)
                                       for r in rows])
-        return web.json_response(self.farm.snapshot().get("batches", []))
+        return _json(self.farm.encoded("batches", lambda snap: snap.get("batches", [])))
 
     @route("GET", "/api/batches/{id}")
     async def batch(self, request: web.Request) -> web.Response:
@@ -238,6 +238,11 @@ class FarmApi:
             raise ApiError(403, "only the farm's admin (its own token) may stop it")
         self.farm.stop()
         return web.json_response({"stopping": True})
+
+
+def _json(body: bytes) -> web.Response:
+    """An answer encoded once for every client that reads it (``Farm.encoded``)."""
+    return web.Response(body=body, content_type="application/json", charset="utf-8")
 
 
 def read_log_chunk(path: Path, offset: int) -> bytes:
