@@ -60,6 +60,7 @@ from pan2render.runner.farm.api import start_api
 from pan2render.runner.farm.config import FarmConfig
 from pan2render.runner.farm.folder import ensure_token
 from pan2render.runner.farm.intake import Roots
+from pan2render.runner.farm.queue import FarmQueue
 from pan2render.runner.farm.service import Farm
 from pan2render.runner.farm.users import Users
 
@@ -71,26 +72,47 @@ ENDED = {"done", "failed", "cancelled", "stopped"}
 
 # ---------------------------------------------------------------------- counting the durable writes
 class Counts:
-    """SQLite commits by file kind, whole-file backups and os.fsync calls, counted by wrapping
-    ``store.transaction``, ``store.backup`` and ``os.fsync`` (every commit of a ledger or the
-    queue goes through the first; SQLite's own fsyncs are 4 a commit)."""
+    """SQLite commits (all; the queue's; the ledger backups' job by job; the rest are the
+    ledgers'), whole-file backups and os.fsync calls, counted by wrapping ``store.transaction``
+    and ``store.Changes._commit`` (every commit of a ledger, a ledger's backup or the queue goes
+    through one), ``FarmQueue._tx``, ``Ledger.backup_job``, ``store.backup`` and ``os.fsync``.
+    SQLite's own fsyncs are 4 a commit."""
 
     def __init__(self) -> None:
         self.commits: Counter[str] = Counter()
         self.backups = 0
         self.fsyncs = 0
-        self._kinds: dict[int, str] = {}
         self._lock = threading.Lock()
+
+    def _count(self, kind: str) -> None:
+        with self._lock:
+            self.commits[kind] += 1
 
     def install(self) -> None:
         tx, backup, fsync = store.transaction, store.backup, os.fsync
+        queue_tx, backup_job, group_commit = FarmQueue._tx, Ledger.backup_job, store.Changes._commit
 
         @contextmanager
         def counted_tx(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
             with tx(conn) as c:
                 yield c
-            with self._lock:
-                self.commits[self._kind(conn)] += 1
+            self._count("all")
+
+        def counted_group_commit(changes: store.Changes) -> None:
+            if changes._conn.in_transaction:  # (a group that changed nothing commits nothing)
+                self._count("all")
+            group_commit(changes)
+
+        def counted_queue_tx(queue: FarmQueue) -> Any:
+            self._count("queue")
+            return queue_tx(queue)
+
+        def counted_backup_job(ledger: Ledger, job_id: str) -> None:
+            self._count("ledger backup")
+            backup_job(ledger, job_id)
+
+        FarmQueue._tx, Ledger.backup_job = counted_queue_tx, counted_backup_job  # type: ignore[method-assign]
+        store.Changes._commit = counted_group_commit  # type: ignore[method-assign]
 
         def counted_backup(conn: sqlite3.Connection, dest: Path) -> Path:
             with self._lock:
@@ -104,18 +126,11 @@ class Counts:
 
         store.transaction, store.backup, os.fsync = counted_tx, counted_backup, counted_fsync  # type: ignore[assignment]
 
-    def _kind(self, conn: sqlite3.Connection) -> str:
-        kind = self._kinds.get(id(conn))
-        if kind is None:
-            name = Path(conn.execute("PRAGMA database_list").fetchone()[2]).name
-            kinds = {"ledger.sqlite": "ledger", "ledger.sqlite.bak": "ledger backup", "farm.sqlite": "queue"}
-            kind = kinds.get(name, name)
-            self._kinds[id(conn)] = kind
-        return kind
-
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return {"commits": dict(self.commits), "backups": self.backups, "fsyncs": self.fsyncs}
+            commits = dict(self.commits)
+            commits["ledger"] = commits.get("all", 0) - commits.get("queue", 0) - commits.get("ledger backup", 0)
+            return {"commits": commits, "backups": self.backups, "fsyncs": self.fsyncs}
 
 
 def rss_mb() -> float:
@@ -201,7 +216,7 @@ def run_one(gpus: int, kind: str, args: argparse.Namespace, counts: Counts) -> d
         states.update(j.state.value for j in led.jobs())
         led.close()
     jobs = sum(per_batch)
-    commits = {k: after["commits"].get(k, 0) - before["commits"].get(k, 0) for k in after["commits"]}
+    commits = {k: after["commits"].get(k, 0) - before["commits"].get(k, 0) for k in after["commits"] if k != "all"}
     sim = ex.record.summary()
     out = {
         "gpus": gpus, "kind": kind, "jobs": jobs, "batches": args.batches, "clock": args.clock,
