@@ -189,6 +189,10 @@ def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         raise
 
 
+class CommitError(RuntimeError):
+    """A group's commit failed (its cause: SQLite's error): none of its changes were made."""
+
+
 class Changes:
     """A writer connection's changes, each one :func:`transaction`, or, inside :meth:`grouped`, each
     a savepoint of one transaction that the group commits when it ends: the changes of one step
@@ -253,11 +257,11 @@ class Changes:
         if self._conn.in_transaction:
             try:
                 self._conn.execute("COMMIT")
-            except BaseException as e:
+            except sqlite3.Error as e:
                 if self._conn.in_transaction:
                     self._conn.execute("ROLLBACK")
                 self.lost = e
-                raise
+                raise CommitError(f"a group of changes was not committed: {e}") from e
         for run in after:
             run()
 

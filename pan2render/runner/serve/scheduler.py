@@ -237,7 +237,7 @@ class Scheduler:
             if (line := self.pool.placement_line(group)) is not None:  # its first job
                 q.batch.progress.say(line)
             self._queue.remove(q)
-            with q.batch.ledger.grouped():  # the start and the first stage marked: one commit
+            with q.batch.step():  # the start and the first stage marked: one commit
                 q.batch.ledger.transition(q.job_id, JobEvent.START, reason=f"on group {group.id} ({group.size} GPU(s))")
                 run = JobRun(job=q.batch.ledger.job(q.job_id), group=group)
                 q.batch.progress.job_started(q.job_id, group=group.id, attempt=run.job.attempts)
@@ -313,7 +313,7 @@ class Scheduler:
         found = self._running.find(call)
         if found is None:
             return  # its job left when its group was torn down: the reply is void
-        with found[0].ledger.grouped():  # its record and what follows (the next stage marked): one commit
+        with found[0].step():  # its record and what follows (the next stage marked): one commit
             self._on_reply(*found, call)
 
     def _on_reply(self, batch: ServedBatch, run: JobRun, call: Call) -> None:

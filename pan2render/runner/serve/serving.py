@@ -7,10 +7,13 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from pan2render.jobs.ledger import JobRecord, Ledger
+from pan2render.jobs.store import CommitError
+from pan2render.runner.protocol.failures import BatchStopped, FailureKind, classify_exception
 from pan2render.runner.serve.jobflow import BatchFlow
 from pan2render.runner.serve.progress import RunProgress
 
@@ -73,6 +76,18 @@ class ServedBatch:
     @property
     def preempts(self) -> bool:
         return self.standing.preempts
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """A step boundary's ledger changes, one commit (``Ledger.grouped``). A commit the disk
+        refuses stops the batch as a refused write does (its ledger refuses every change after)."""
+        try:
+            with self.ledger.grouped():
+                yield
+        except CommitError as e:
+            if classify_exception(e) is not FailureKind.STORAGE:
+                raise
+            self.stop = self.stop or BatchStopped(e)
 
     def notify_job_end(self) -> None:
         if self.on_job_end is not None and self.ended != self._ended_seen:
