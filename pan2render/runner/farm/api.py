@@ -148,8 +148,11 @@ class FarmApi:
 
     async def described(self, batch_id: str) -> dict[str, Any]:
         """A batch as the latest snapshot shows it, or (an ended one no longer in it) from the queue."""
+        shown = self.farm.snapshot().get("batches", [])
+        if (found := next((b for b in shown if b["id"] == batch_id), None)) is not None:
+            return found  # (named as the queue names it: no read of the queue, on a thread of its own)
         row = await self.reads.batch(batch_id)
-        found = next((b for b in self.farm.snapshot().get("batches", []) if b["id"] == row.id), None)
+        found = next((b for b in shown if b["id"] == row.id), None)
         return found or await asyncio.get_running_loop().run_in_executor(None, described_from_ledger, row)
 
     @route("GET", "/api/batches/{id}/log")
