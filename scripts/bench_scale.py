@@ -333,6 +333,20 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def curve(results: list[dict[str, Any]], width: int = 40) -> str:
+    """The farm process's CPU per job and the GPUs' busy fraction against the GPUs, as bars (no
+    plotting library here: docs/performance.md keeps the text)."""
+    top = max(r["cpu_ms_per_job"] for r in results)
+    lines = [f"{'':16} CPU ms/job (#: main thread, +: the API's and other threads)   busy (steady, else whole)"]
+    for r in results:
+        main, rest = r["main_cpu_ms_per_job"], r["cpu_ms_per_job"] - r["main_cpu_ms_per_job"]
+        bar = "#" * round(width * main / top) + "+" * round(width * rest / top)
+        busy = r["busy_steady"] if r["busy_steady"] is not None else r["busy_whole"]
+        lines.append(f"{r['kind']:>6} {r['gpus']:>4} GPUs {bar:<{width}} {r['cpu_ms_per_job']:5.1f}  "
+                     f"{'=' * round(20 * busy):<20} {busy:.2f}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 256, 1000])
@@ -372,6 +386,7 @@ def main() -> None:
     finally:
         shutil.rmtree(args.root, ignore_errors=True)
     print(table(results))
+    print(curve(results))
 
 
 if __name__ == "__main__":
