@@ -26,13 +26,12 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from pan2render.jobs import outdir
 from pan2render.jobs.ledger import (
     EventKind,
     JobEvent,
-    JobRecord,
     Ledger,
     Stage,
     StageEvent,
@@ -158,15 +157,27 @@ class JobFlow:
 
 
 # ---------------------------------------------------------------------- a flow serving one batch
+class Upcoming(Protocol):
+    """A queued job as the prompts encoded ahead see it (the scheduler's ``QueuedJob``)."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def prompts(self) -> tuple[str, ...]: ...  # its prompt and negative prompt
+
+
+
 class BatchFlow:
     """A flow bound to one output folder and its ledger: decides each job's next call, records
     replies and failures there. One per batch; the scheduler holds one for every batch it serves.
 
-    ``upcoming``: the pending jobs of the batch in queue order (for the prompts encoded ahead);
+    ``upcoming``: the pending jobs of the batch in queue order, their model and prompts (for the
+    prompts encoded ahead);
     ``say``: a line for the run log."""
 
     def __init__(self, *, out_dir: Path, ledger: Ledger, flow: JobFlow, max_redos: int = 2,
-                 upcoming: Callable[[], Iterable[JobRecord]] = lambda: (), say: Callable[[str], None] = print,
+                 upcoming: Callable[[], Iterable[Upcoming]] = lambda: (), say: Callable[[str], None] = print,
                  models_per_group: int | None = None):
         """``models_per_group``: most models a group keeps loaded (a load for one more drops the
         others first; the farm keeps one); None: no limit, every model a batch names stays."""
@@ -344,7 +355,7 @@ class BatchFlow:
             self.ledger.log(job_id, EventKind.CHECKPOINT_DROPPED, reason)
             self.say(f"{job_id}: {reason}")
 
-    def upcoming(self) -> Iterable[JobRecord]:
+    def upcoming(self) -> Iterable[Upcoming]:
         """The batch's pending jobs, in the order they will start."""
         return self._upcoming()
 

@@ -106,6 +106,7 @@ class QueuedJob:
     adapters: frozenset[str]  # its LoRA files' digests: a group holding them is preferred
     order: int  # first queued first, among jobs of one priority and batch
     avoid: frozenset[str] = frozenset()  # groups it failed on in this run: others first
+    prompts: tuple[str, ...] = ()  # its prompt and negative prompt: the texts encoded ahead of it
 
 
 class JobQueue:
@@ -131,7 +132,8 @@ class JobQueue:
     def add(self, batch: ServedBatch, job: JobRecord) -> None:
         q = QueuedJob(batch, job.id, job.spec.gpus, job.spec.model,
                       frozenset(sha for sha, _ in job.spec.lora_digests if sha), next(self._turns),
-                      frozenset(self._failed_on.get((batch.seq, job.id), ())))
+                      frozenset(self._failed_on.get((batch.seq, job.id), ())),
+                      (job.spec.prompt, job.spec.negative_prompt))
         self._jobs[q] = None
         self._counts[batch.seq] = self._counts.get(batch.seq, 0) + 1
         if self._order is not None:

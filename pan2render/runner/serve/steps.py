@@ -42,8 +42,8 @@ from pan2render.runner.serve.jobflow import BatchFlow, JobFlow, Redo, Status, St
 # Prompts encoded in one encode_prompts call (the current job's and upcoming jobs'); each
 # embedding is 512 x 4096 float32 = 8 MB of reply.
 CONDITIONING_AHEAD_TEXTS = 16
-# Queued jobs the look-ahead reads at most (each a ledger read): past those encoded already or by
-# calls in flight, a few calls' worth.
+# Queued jobs the look-ahead looks at, at most: past those encoded already or by calls in flight,
+# a few calls' worth.
 CONDITIONING_AHEAD_JOBS = 256
 
 
@@ -284,9 +284,9 @@ def upcoming_texts(flow: BatchFlow, model: str) -> list[str]:
     texts: list[str] = []
     encoder = flow.text_encoder_id(model)
     for job in itertools.islice(flow.upcoming(), CONDITIONING_AHEAD_JOBS):
-        if job.spec.model != model:
+        if job.model != model:
             continue
-        for text in (job.spec.prompt, job.spec.negative_prompt):
+        for text in job.prompts:
             key = artifacts.embedding_key(prompt=text, text_encoder_id=encoder)
             if (text not in texts and not flow.being_encoded(text)
                     and not (flow.out_dir / artifacts.embedding_relpath(key)).is_file()):
