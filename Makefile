@@ -19,7 +19,7 @@ $(RUN_STAMP): pyproject.toml
 	touch $@
 
 $(TEST_STAMP): $(RUN_STAMP) pyproject.toml
-	@echo ">> installing the test extras into $(VENV): pytest, pytest-timeout, diffusers and peft (the reference our models are tested against), triton (kernel tests), playwright (drives Chromium in the browser tests), openai (its client against the farm's /v1/videos), ruff (the linter)"
+	@echo ">> installing the test extras into $(VENV): pytest, pytest-timeout, diffusers, peft and ccvfi (the references our models are tested against), triton (kernel tests), playwright (drives Chromium in the browser tests), openai (its client against the farm's /v1/videos), ruff (the linter)"
 	$(BIN)/python -m pip install --disable-pip-version-check -e '.[test]'
 	touch $@
 

@@ -151,6 +151,11 @@ def guided_steps(steps: int, guidance_until: float) -> int:
 # Calibration
 
 
+class CalibrationMissing(ValueError):
+    """A cached job's model has no usable calibration for its kind of job (deterministic: the same on
+    any worker, so never retried); the message starts with the command that makes one."""
+
+
 def nearest_interp(values: Sequence[float], length: int) -> list[float]:
     """MagCache's step-count interpolation of one branch's ratios: entry j of the result is
     ``values[round(j * (len - 1) / (length - 1))]`` (numpy's round: half to even); one step takes the
@@ -189,8 +194,8 @@ class Calibration:
         """``branch``'s ratios for a run of ``steps`` steps (nearest-interpolated when it differs)."""
         values = self.cond if branch is Branch.COND else self.uncond
         if not values:
-            raise ValueError(f"{self.source}: calibrated on an unguided run: no {branch.name.lower()} ratios; "
-                             "calibrate with guidance > 1 to cache guided jobs")
+            raise CalibrationMissing(f"{self.source}: calibrated on an unguided run: no {branch.name.lower()} "
+                                     "ratios; calibrate with guidance > 1 to cache guided jobs")
         return nearest_interp(values, steps)
 
     @classmethod

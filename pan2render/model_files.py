@@ -1,15 +1,19 @@
-"""What a model folder (a diffusers-layout checkpoint) must hold before its weights are read,
-torch-free.
+"""What a model folder (a diffusers-layout checkpoint) must hold before its weights are read, and
+the id a loaded model goes by, torch-free.
 
 The model loaders (``pan2render.models``) find a component's config and weight files through these
 functions; ``pan2-render validate`` and the runner's check before a batch starts (which never import
 torch) use them to find every reason a load would refuse a folder: a folder or file missing, a config
-that is not JSON, a shard an index lists but the folder lacks. No weights are read here.
+that is not JSON, a shard an index lists but the folder lacks. No weights are read here. `model_id`
+is the id a loaded pipeline reports (``PAN2Pipeline.model_id``), which names the model's MagCache
+calibration: validation reads the same id from the folder without loading it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +117,42 @@ def folder_problems(root: Path) -> list[str]:
     if (root / SCHEDULER_CONFIG).exists():
         check(lambda: read_json(root / SCHEDULER_CONFIG))
     return problems
+
+
+# Where a step-distilled checkpoint may list its DMD timesteps, in the order they are looked for:
+# FastVideo writes ``dmd_denoising_steps`` into its pipeline config; a diffusers-layout export may
+# carry it in model_index.json.
+DMD_TIMESTEPS_KEY = "dmd_denoising_steps"
+DMD_TIMESTEPS_FILES = ("model_index.json", "pipeline_config.json")
+
+
+def listed_dmd_timesteps(root: Path) -> tuple[Path, Any] | None:
+    """The file that lists the checkpoint's own DMD timesteps and its value as written (not checked:
+    the loader checks it against the scheduler), or None when no file lists them."""
+    for name in DMD_TIMESTEPS_FILES:
+        path = root / name
+        if not path.is_file():
+            continue
+        value = read_json(path).get(DMD_TIMESTEPS_KEY)
+        if value is not None:
+            return path, value
+    return None
+
+
+def model_id(root: Path, *, name: str, dmd_timesteps: Sequence[int] | None) -> str:
+    """``<name>-<digest>``: a cheap, stable id of a checkpoint's weights (configs plus weight file
+    names and sizes, and its own DMD timesteps, which change its renders). ``dmd_timesteps``: the
+    checkpoint's, as the loader checked them (`listed_dmd_timesteps`)."""
+    h = hashlib.sha256()
+    if dmd_timesteps is not None:
+        h.update(f"{DMD_TIMESTEPS_KEY}:{list(dmd_timesteps)}".encode())
+    for sub in ("transformer", "vae", "text_encoder", "scheduler"):
+        folder = root / sub
+        if not folder.is_dir():
+            continue
+        for f in sorted(folder.iterdir()):
+            if f.suffix == ".json":
+                h.update(f"{sub}/{f.name}:".encode() + f.read_bytes())
+            elif f.suffix == ".safetensors":
+                h.update(f"{sub}/{f.name}:{f.stat().st_size}".encode())
+    return f"{name}-{h.hexdigest()[:10]}"

@@ -8,7 +8,7 @@ extra x264 options, segment-parallel encoding, one or two encodes at once.
 
 What runs: the worker's ``_encode`` hands ``encode_mp4`` a ``Yuv420Video`` (planes converted on
 the GPU by ``media/yuv.py``), the job's fps, crf, preset and tune, and the container tags; the
-call encodes with frame threads on every core, then fsyncs the file and decodes it back
+call encodes with `frame_threads` frame threads (one per two macroblock rows), then fsyncs the file and decodes it back
 (``probe_mp4``) before renaming it into place. A row with the product's settings (``--threads 0``,
 no ``--x264-params``, one segment) calls ``encode_mp4`` itself; its ``encode_s`` is what the call
 returns and ``check_s`` the rest of the call. Any other row goes through this script's copy of the
@@ -22,15 +22,16 @@ Contents (uint8 RGB converted to yuv420p by ``media/yuv.py``, as the worker does
   stand-in for real video.
 
 Variants:
-- ``--threads N``: libx264's frame threads per encoder; 0 is its own choice (1.5 x the cores, at
-  most half the macroblock rows), what the product uses.
+- ``--threads N``: libx264's frame threads per encoder; 0 is the product's, ``frame_threads`` of the
+  height (half the macroblock rows: libx264's own choice on a machine of enough cores, which counts
+  the cores: 1.5 x the cores, at most that).
 - ``--x264-params S``: extra libx264 options, ``key=value:key=value`` (e.g. ``sliced-threads=1``,
   ``rc-lookahead=20``, ``sync-lookahead=0``, ``lookahead-threads=4``); "" for none.
 - ``--segments K``: the frames cut into K runs of consecutive frames, each encoded by its own
   libx264 at the same settings (so each run starts with an IDR frame: a closed GOP), all K at once on
   their own threads, then their packets copied into one mp4 with the timestamps shifted by the
-  run's start. With ``--threads 0`` each of the K encoders gets 1.5 x cores / K frame threads
-  (libx264's own rule, shared out). The row checks that the muxed file decodes to every frame at
+  run's start. With ``--threads 0`` each of the K encoders gets ``frame_threads`` / K frame threads
+  (the product's count, shared out). The row checks that the muxed file decodes to every frame at
   ``i / fps``. Why it might pay on many cores: a libx264 frame thread encodes one whole frame, and
   a P frame's row r waits until its reference has finished row r + ~4 (the motion vector range
   kept between threads plus the deblocking margin), so a chain of P frames (all of the noise
@@ -76,7 +77,7 @@ import numpy as np
 import torch
 
 from pan2render.durable import fsync_file
-from pan2render.media.video import COLOUR_TAGS, Yuv420Video, encode_mp4, probe_mp4
+from pan2render.media.video import COLOUR_TAGS, Yuv420Video, encode_mp4, frame_threads, probe_mp4
 from pan2render.media.x264 import DEFAULT_X264_PRESET, X264_TUNES
 from pan2render.media.yuv import rgb_to_yuv420
 from pan2render.runner.protocol.outputs import MP4_PARAMS_KEY
@@ -197,7 +198,7 @@ def write_h264(planes: np.ndarray, dest: Any, enc: Encoding, *, preset: str, thr
             options["x264-params"] = x264_params
         stream.options = options
         ctx = stream.codec_context
-        ctx.thread_type, ctx.thread_count = "FRAME", threads
+        ctx.thread_type, ctx.thread_count = "FRAME", threads or frame_threads(rows * 2 // 3)
         for name, value in COLOUR_TAGS.items():
             setattr(ctx, name, value)
         for i in range(planes.shape[0]):
@@ -228,7 +229,7 @@ def write_segmented(planes: np.ndarray, path: Path, enc: Encoding, *, preset: st
     same bytes and the first run's serves the whole stream; this is checked, since a run with other
     headers would decode wrongly behind it."""
     bounds = segment_bounds(planes.shape[0], segments)
-    per_encoder = threads or max(1, cores() * 3 // 2 // len(bounds))
+    per_encoder = threads or max(1, frame_threads(planes.shape[1] * 2 // 3) // len(bounds))
     buffers = [io.BytesIO() for _ in bounds]
 
     def encode_run(i: int) -> float:
@@ -523,7 +524,8 @@ def main() -> int:
     p.add_argument("--contents", nargs="+", default=list(CONTENTS), choices=CONTENTS)
     p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS)
     p.add_argument("--threads", nargs="+", type=int, default=[0],
-                   help="libx264 frame threads per encoder; 0: its own choice, as the product (default)")
+                   help="libx264 frame threads per encoder; 0: the product's, frame_threads of the height "
+                        "(default)")
     p.add_argument("--x264-params", nargs="+", default=[""], dest="x264_params",
                    help='extra libx264 options per variant, "k=v:k=v"; "" for none (default)')
     p.add_argument("--segments", nargs="+", type=int, default=[1], help="encoders per video, on consecutive runs")

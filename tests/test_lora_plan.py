@@ -67,6 +67,38 @@ def test_peft_metadata_sets_each_modules_scale(tmp_path: Path) -> None:
         plan_lora_file(path, LINEARS)
 
 
+def test_rank_and_alpha_patterns_match_as_the_installed_peft_matches_them(tmp_path: Path) -> None:
+    """PEFT's ``alpha_pattern`` / ``rank_pattern`` keys match the END of a module's name, as regexes
+    (``get_pattern_key``): a key ``attn2.to_k`` sets every block's, ``blocks\\.1\\..*`` a whole block.
+    Each module's scale is the one peft itself picks, checked against peft's own function."""
+    from peft.utils.other import get_pattern_key
+
+    modules = [m for m in LINEARS if m.startswith("blocks.")]
+    tensors = {}
+    for m in modules:
+        out, inp = LINEARS[m]
+        tensors |= {f"transformer.{m}.lora_A.weight": torch.randn(4, inp), f"transformer.{m}.lora_B.weight":
+                    torch.randn(out, 4)}
+    alpha = {"attn2.to_k": 2.0, r"blocks\.1\.ffn\..*": 16.0, "to_out.0": 12.0}
+    config = {"transformer.r": 4, "transformer.lora_alpha": 4, "transformer.alpha_pattern": alpha}
+    path = _save(tmp_path / "p.safetensors", tensors, {"lora_adapter_metadata": json.dumps(config)})
+    scales = {t.module: t.config_scale for t in plan_lora_file(path, LINEARS).targets}
+    expected = {m: alpha.get(get_pattern_key(alpha.keys(), m), 4.0) / 4 for m in modules}
+    assert scales == expected
+    assert scales["blocks.0.attn2.to_k"] == scales["blocks.1.attn2.to_k"] == 0.5  # a suffix, in every block
+    assert scales["blocks.1.ffn.net.2"] == 4.0 and scales["blocks.0.ffn.net.2"] == 1.0  # a regex
+
+
+def test_rslora_scales_by_alpha_over_the_square_root_of_the_rank(tmp_path: Path) -> None:
+    a, b = _pair(rank=4)
+    tensors = {"transformer.blocks.0.attn1.to_q.lora_A.weight": a, "transformer.blocks.0.attn1.to_q.lora_B.weight": b}
+    for rslora, scale in ((True, 8 / 4 ** 0.5), (False, 8 / 4)):
+        config = {"transformer.r": 4, "transformer.lora_alpha": 8, "transformer.use_rslora": rslora}
+        path = _save(tmp_path / f"rs-{rslora}.safetensors", tensors, {"lora_adapter_metadata": json.dumps(config)})
+        (target,) = plan_lora_file(path, LINEARS).targets
+        assert target.config_scale == scale
+
+
 def _refused(path: Path) -> str:
     with pytest.raises(LoraFileError) as info:
         plan_lora_file(path, LINEARS)

@@ -81,3 +81,18 @@ def test_readme_first_five_minutes_work_as_typed(tmp_path: Path) -> None:
     assert len(list((clone / "renders" / "sweep-tiny").glob("*/video.mp4"))) == 6
     assert (clone / "renders" / "quickstart" / "index.html").is_file()
     assert proc.stdout.rstrip().endswith("6 done")  # the last status line
+
+
+def test_the_readme_says_what_the_browser_tests_need_as_ci_installs_it() -> None:
+    """`make test`'s browser tests skip without Chromium: the README names the package `.ci/run`
+    installs and every name the tests look for it under."""
+    readme = (REPO / "README.md").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
+    package = re.search(r"apt-get install [^\n]*?(\bchromium\b)", ci)
+    assert package is not None
+    assert f"apt-get install {package[1]}`" in readme and "`.ci/run` installs it" in readme
+    helpers = (REPO / "tests" / "runner" / "runner_helpers.py").read_text()
+    names = re.search(r"CHROMIUM = .*?\((.*?)\)\)", helpers)
+    assert names is not None
+    for name in re.findall(r'"([\w-]+)"', names[1]):
+        assert f"`{name}`" in readme, name

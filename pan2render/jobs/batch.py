@@ -33,6 +33,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
+from pan2render.jobs.after import check_after
 from pan2render.jobs.coerce import (
     LORA_SCALE_AXIS,
     SWEEP_KEYS,
@@ -111,6 +112,7 @@ def load_batch(path: str | Path, *, check_files: bool = True, check_model: bool 
         ctx.problem(line, "jobs", "the batch has no jobs: add a `jobs:` list (each with a `prompt`) "
                                   "or a `prompts_file`")
     name_jobs(raw_jobs, ctx)
+    check_after(raw_jobs, sweep, ctx)
     n_jobs = len(raw_jobs) * math.prod(len(values) for values in sweep.values())
     if n_jobs > LIMITS.jobs:
         where = top.get("sweep") or top.get("jobs") or top.get("prompts_file") or root

@@ -175,6 +175,25 @@ def _check_loras(v: Any) -> tuple[LoraRef, ...]:
     return tuple(refs)
 
 
+def _check_names(rule: Rule, v: Any) -> tuple[str, ...]:
+    """Job names (``after``): one name, or a list of distinct names, each checked as a job's
+    ``name`` is; which jobs they name is the batch's to check (``jobs/after.py``)."""
+    allowed = rule.allowed_text()
+    v = _plain(v)
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list):
+        raise BadValue(f"got {v!r} ({type_name(v)}); allowed: {allowed}")
+    names = []
+    for i, node in enumerate(items):
+        try:
+            names.append(as_str(_plain(node), allowed, non_empty=True, max_chars=rule.max_chars))
+        except BadValue as exc:
+            raise BadValue(f"[{i}]: {exc}") from None
+    if twice := repeated(names):
+        raise BadValue(f"names {', '.join(twice)} more than once; allowed: {allowed}")
+    return tuple(names)
+
+
 def _checker(rule: Rule) -> Callable[[Any], Any]:
     """The check of one field's values, from its rule in the schema (``JobSpec``)."""
     kind = rule.kind
@@ -187,6 +206,8 @@ def _checker(rule: Rule) -> Callable[[Any], Any]:
         return _check_timesteps
     if kind is Kind.LORAS:
         return _check_loras
+    if kind is Kind.NAMES:
+        return functools.partial(_check_names, rule)
     assert kind in (Kind.INT, Kind.FLOAT), kind
     return functools.partial(_check_number, rule)
 

@@ -1,7 +1,7 @@
 """Raw jobs -> ``JobSpec``s: a name for each job without one, every job under every sweep
 combination (built-in default < preset < defaults < job < --set < sweep value), and the checks
-only a resolved job allows: its sampler settings together, the cost of its video, and two jobs
-that would render the same video."""
+only a resolved job allows: its sampler settings together, its model's MagCache calibration when
+it caches steps, the cost of its video, and two jobs that would render the same video."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+from pan2render.calibration_store import model_calibration_problem
 from pan2render.jobs.coerce import LORA_SCALE_AXIS
 from pan2render.jobs.context import LoadContext, RawJob
 from pan2render.jobs.inputs import LIMITS, dit_tokens
 from pan2render.jobs.references import image_hash, lora_hash
 from pan2render.jobs.spec import BUILTIN_DEFAULTS, JOB_KEYS, JobSpec, LoraRef, Problem, SourceLocation
-from pan2render.lanes import lane_problems
+from pan2render.lanes import CACHE_NONE, lane_problems
 from pan2render.sampling import DMD, combination_problems
 
 
@@ -90,6 +91,7 @@ def expand_jobs(raw_jobs: list[RawJob], *, model: str, weights: str | None, pres
     keys = list(sweep)
     combos = [dict(zip(keys, values)) for values in itertools.product(*(sweep[k] for k in keys))]
     jobs: list[JobSpec] = []
+    cached: dict[tuple[bool, bool], list[RawJob]] = {}  # (conditioned, guided) -> the jobs caching steps
     for raw in raw_jobs:
         for combo in combos:  # [{}] when there is no sweep
             merged = {**BUILTIN_DEFAULTS, **preset, **defaults, **raw.fields, **sets, **combo}
@@ -107,7 +109,26 @@ def expand_jobs(raw_jobs: list[RawJob], *, model: str, weights: str | None, pres
                 model=model, preset=preset_name, weights=weights,
                 sweep={k: _sweep_label(k, v) for k, v in combo.items()}, source=raw.location,
             ))
+            if merged["cache"] != CACHE_NONE:
+                cached.setdefault((image is not None, merged["guidance"] > 1.0), []).append(raw)
+    _check_calibrations(model, cached, ctx)
     return jobs
+
+
+def _check_calibrations(model: str, cached: dict[tuple[bool, bool], list[RawJob]], ctx: LoadContext) -> None:
+    """A job with ``cache: magcache`` needs its model's MagCache calibration for its kind of job: one
+    problem per kind, at the first job of that kind, rather than every such job failing its sampling.
+    Read from the calibration store and the folder's configs (never the weights)."""
+    if not (ctx.check_files and ctx.check_model):
+        return
+    for (conditioned, guided), raws in cached.items():
+        problem = model_calibration_problem(model, conditioned=conditioned, guided=guided)
+        if problem is None:
+            continue
+        raw, count = raws[0], len(raws)
+        more = f" ({count} jobs of the batch ask for it)" if count > 1 else ""
+        ctx.problems.append(Problem(SourceLocation(raw.location.file, raw.lines.get("cache", raw.location.line)),
+                                    f"{raw.label}.cache", f"got magcache; {problem}{more}"))
 
 
 def check_cost(jobs: list[JobSpec], ctx: LoadContext) -> None:

@@ -142,6 +142,7 @@ class EventKind(str, enum.Enum):
     GROUP_DISCARDED = "group-discarded"
     GROUP_DIED = "group-died"
     CHECKPOINT_DROPPED = "checkpoint-dropped"
+    CHECKPOINT_RESUMED = "checkpoint-resumed"  # a sampling continues from the job's step checkpoint
     DROPPED = "dropped"  # a job removed from the ledger (`run --prune`); its id leads the detail
     OTHER = "other"  # a kind this version does not know (a newer version wrote it)
 
@@ -228,6 +229,23 @@ def next_job_state(state: JobState, event: JobEvent) -> JobState:
 
 
 @dataclass(frozen=True)
+class JobTally:
+    """What counts and timings need of one job (:meth:`Ledger.tallies`): its state, its error, the
+    spec fields that size it, and the seconds of each of its stages recorded done."""
+
+    id: str
+    state: JobState
+    error: str | None
+    model: str
+    width: int
+    height: int
+    frames: int
+    fps: float
+    steps: int
+    stage_seconds: dict[str, float]
+
+
+@dataclass(frozen=True)
 class StageRecord:
     job_id: str
     stage: Stage | str  # a Stage, or the name of a stage only a flow declares
@@ -254,6 +272,17 @@ class JobRecord:
     position: int  # order of insertion, so status lists jobs as the batch did
     created_at: float
     updated_at: float
+
+
+def superseded(jobs: Iterable[JobRecord]) -> dict[str, str]:
+    """Old id -> newest id, for every job that has a newer version among ``jobs``: the same name and
+    sweep values under another spec hash (the batch was edited and run again into the folder).
+    Newest = added to the ledger last."""
+    jobs = list(jobs)
+    newest: dict[str, str] = {}
+    for job in sorted(jobs, key=lambda j: j.position):
+        newest[job.spec.version_key] = job.id
+    return {j.id: newest[j.spec.version_key] for j in jobs if newest[j.spec.version_key] != j.id}
 
 
 _SCHEMA = """
@@ -690,7 +719,32 @@ class Ledger:
                 self._event(c, None, EventKind.DROPPED, f"{job_id}: {reason}")
         self.backup_quietly()
 
+    # ---------------------------------------------------------------- tallies
+    def tallies(self) -> list[JobTally]:
+        """Every job as counts and timings need it, in two queries and without building its
+        JobSpec (a reader that follows thousands of jobs, as the farm's metrics do, reads them often)."""
+        seconds: dict[str, dict[str, float]] = {}
+        for job_id, stage, secs in self._conn.execute(
+                "SELECT job_id, stage, seconds FROM stages WHERE state = ? AND seconds IS NOT NULL",
+                (StageState.DONE.value,)):
+            seconds.setdefault(job_id, {})[stage] = float(secs)
+        rows = self._conn.execute(
+            "SELECT id, state, error, json_extract(spec_json, '$.model'), json_extract(spec_json, '$.width'),"
+            " json_extract(spec_json, '$.height'), json_extract(spec_json, '$.frames'),"
+            " json_extract(spec_json, '$.fps'), json_extract(spec_json, '$.steps') FROM jobs ORDER BY position")
+        return [JobTally(id=jid, state=JobState(state), error=error, model=str(model), width=int(w or 0),
+                         height=int(h or 0), frames=int(frames or 0), fps=float(fps or 0.0), steps=int(steps or 0),
+                         stage_seconds=seconds.get(jid, {}))
+                for jid, state, error, model, w, h, frames, fps, steps in rows]
+
     # ---------------------------------------------------------------- events
+    def events_after(self, seq: int) -> list[tuple[int, Event]]:
+        """The events after the one numbered ``seq`` (0: every one), oldest first, each with its
+        number: events are only ever appended, so a reader that follows the ledger reads each once."""
+        rows = self._conn.execute("SELECT seq, at, job_id, kind, detail FROM events WHERE seq > ? ORDER BY seq",
+                                  (seq,)).fetchall()
+        return [(n, Event.from_row(at, job_id, kind, detail)) for n, at, job_id, kind, detail in rows]
+
     def log(self, job_id: str | None, kind: EventKind, detail: str) -> None:
         with self._tx() as c:
             self._event(c, job_id, kind, detail)

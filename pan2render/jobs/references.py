@@ -23,9 +23,9 @@ from pan2render.tiny_dit import TINY_DIT_CONFIG, TINY_MODEL
 
 
 def parse_model(node: Node | None, ctx: LoadContext) -> str:
-    """The batch's ``model``: ``tiny``, or a model folder made absolute (checked for a
-    ``model_index.json`` when the load checks the model); ``tiny`` with the problem noted when the
-    value cannot be used."""
+    """The batch's ``model``: ``tiny``, or a model folder made absolute; ``tiny`` with the problem
+    noted when the value cannot be used. Whether the folder can be loaded is not a problem of the
+    batch: ``model_files.folder_problems`` says (validate's exit 5, run's and submit's exit 3)."""
     allowed = ("'tiny' (the embedded toy model) or a checkpoint folder in the diffusers layout (a path of at "
                f"most {LIMITS.path_chars:,} characters)")
     if node is None:
@@ -44,12 +44,6 @@ def parse_model(node: Node | None, ctx: LoadContext) -> str:
     folder = (ctx.base_dir / Path(value).expanduser()).resolve()
     if (outside := ctx.outside_roots(folder)) is not None:
         ctx.problem(node.line, "model", outside)
-    elif ctx.check_files and ctx.check_model:
-        if not folder.is_dir():
-            ctx.problem(node.line, "model", f"checkpoint folder {str(folder)!r} does not exist; allowed: {allowed}")
-        elif not (folder / "model_index.json").is_file():
-            ctx.problem(node.line, "model", f"{str(folder)!r} has no model_index.json, so it is not a "
-                                            f"diffusers checkpoint folder; allowed: {allowed}")
     return str(folder)
 
 

@@ -56,6 +56,7 @@ class Kind(enum.Enum):
     CHOICE = "choice"  # one of ``choices``
     TIMESTEPS = "timesteps"  # a DMD timestep list (pan2render.sampling.timesteps_problem)
     LORAS = "loras"  # a list of LoRA adapters, each a path (relative to the file) and a scale
+    NAMES = "names"  # job names of the same batch: one, or a list of them
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,13 @@ class JobSpec:
         "readable name, unique in the batch; an unnamed job is named after its prompt's first words",
         pixels=False, scope=Scope.JOB, kind=Kind.LINE, max_chars=LIMITS.name_chars,
         allowed="a non-empty string of at most {max_chars:,} characters"))
+    # Scheduling, not content: not in the job id (jobs/after.py holds what it names and its checks).
+    after: tuple[str, ...] = _rule(Rule(
+        "jobs of this batch that must be done (video written) before this one starts; a swept job's name "
+        "stands for every job its sweep makes", pixels=False, scope=Scope.JOB, kind=Kind.NAMES,
+        max_chars=LIMITS.name_chars,
+        allowed="a job name of this batch or a list of them, e.g. [fox, harbour] (no job may wait for itself, "
+                "nor jobs wait for each other in a cycle)"), ())
     negative_prompt: str = _rule(Rule(
         "what guidance steers away from", pixels=True, in_first_ids=True, scope=Scope.PRESET,
         kind=Kind.TEXT, empty_ok=True, max_chars=LIMITS.text_chars,
@@ -241,6 +249,11 @@ class JobSpec:
         "seconds of sampling between step checkpoints, which a stopped or preempted sampling resumes from",
         pixels=False, scope=Scope.PRESET, kind=Kind.FLOAT, min=0,
         allowed="a number of seconds >= {min:g} ({min:g} turns step checkpoints off)"), 60.0)
+    # Not in the job id either: a preview only reads the sampling (the same latents with or without).
+    preview_every: float = _rule(Rule(
+        "seconds of sampling between live previews (a small picture of the predicted frames in the "
+        "job's folder and the farm's monitor)", pixels=False, scope=Scope.PRESET, kind=Kind.FLOAT, min=0,
+        allowed="a number of seconds >= {min:g} ({min:g} turns previews off)"), 5.0)
     crf: int = _rule(Rule(
         "libx264 quality of the mp4", pixels=True, in_first_ids=True, scope=Scope.PRESET, kind=Kind.INT,
         min=0, max=51, to_encoder="crf",
@@ -369,6 +382,7 @@ class JobSpec:
         src = d.pop("source", None)
         if d.get("timesteps") is not None:  # JSON gives a list
             d["timesteps"] = tuple(d["timesteps"])
+        d["after"] = tuple(d.get("after", ()))
         d["loras"] = tuple(LoraRef(**r) for r in d.get("loras", ()))
         d["lora_digests"] = tuple((sha, float(scale)) for sha, scale in d.get("lora_digests", ()))
         return cls(**d, source=None if src is None else SourceLocation(src["file"], int(src["line"])))

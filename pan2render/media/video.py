@@ -72,6 +72,16 @@ class Yuv420Video:
         return f, rows * 2 // 3, w
 
 
+def frame_threads(height: int) -> int:
+    """libx264's frame threads for frames ``height`` pixels high: one per two macroblock rows, the
+    cap libx264's own choice takes (1.5 x the cores, at most that: x264's encoder.c) on a machine of
+    enough cores (22 for 704 rows, as on the 16-core H200 hosts of docs/performance.md, "Encode
+    presets"). Not libx264's own choice: it counts the cores, and its bitstream, so the decoded
+    pixels, differ with the thread count; a video rendered again (`run --from`) on another machine,
+    or in a worker given another share of the cores, must come out the same."""
+    return max(1, (height + 15) // 16 // 2)
+
+
 def check_x264_preset(preset: str) -> str:
     if preset not in X264_PRESETS:
         raise MediaError(f"encode preset {preset!r} is not one of libx264's: {', '.join(X264_PRESETS)}")
@@ -93,7 +103,8 @@ def encode_mp4(frames: Any, path: str | os.PathLike[str], *, fps: float, crf: in
     ``frames``: uint8 RGB ``[F, H, W, 3]`` (numpy or torch; converted with media/yuv.py) or a
     :class:`Yuv420Video` converted already (on the GPU by the worker). ``preset``: one of
     :data:`X264_PRESETS`; ``tune``: one of :data:`X264_TUNES` ("none": libx264's defaults). The
-    encoder uses every core (frame threads).
+    encoder runs `frame_threads` frame threads: a number of the frame's size alone, so the same
+    frames give the same file on any machine (libx264's bitstream depends on its thread count).
 
     ``metadata``: container tags (e.g. ``title``, ``comment``, or any key of ours), read back by
     :func:`read_metadata`, PyAV's ``container.metadata`` or ``ffprobe -show_format``.
@@ -266,6 +277,33 @@ def png_bytes(rgb: np.ndarray) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b"")
 
 
+def webp_strip(tiles: list[np.ndarray], *, height: int, quality: int = 80) -> bytes:
+    """Lossy WebP bytes (libwebp) of uint8 ``[h, w, 3]`` tiles side by side in one row, each scaled
+    (bilinear) to ``height`` pixels tall, its aspect kept: a live preview's strip."""
+    if not tiles or any(t.dtype != np.uint8 or t.ndim != 3 or t.shape[2] != 3 for t in tiles):
+        raise MediaError("webp_strip needs uint8 [h, w, 3] tiles")
+    scaled = []
+    for tile in tiles:
+        width = max(2, round(tile.shape[1] * height / tile.shape[0]))
+        frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(tile), format="rgb24")
+        scaled.append(frame.reformat(width=width, height=height, format="rgb24",
+                                     interpolation="BILINEAR").to_ndarray())
+    strip = np.concatenate(scaled, axis=1)  # [height, sum of widths, 3]
+    buf = io.BytesIO()
+    try:
+        with av.open(buf, mode="w", format="webp") as container:
+            stream = container.add_stream("libwebp", rate=1)
+            stream.width, stream.height, stream.pix_fmt = strip.shape[1], strip.shape[0], "yuv420p"
+            stream.options = {"quality": str(quality)}
+            for packet in stream.encode(av.VideoFrame.from_ndarray(strip, format="rgb24")):
+                container.mux(packet)
+            for packet in stream.encode(None):
+                container.mux(packet)
+    except (av.FFmpegError, OSError, ValueError) as exc:
+        raise MediaError(f"libwebp encode of a {strip.shape[1]}x{strip.shape[0]} strip failed: {exc}") from exc
+    return buf.getvalue()
+
+
 def _as_uint8_video(frames: Any) -> np.ndarray:
     if hasattr(frames, "detach"):  # torch.Tensor, without importing torch here
         frames = frames.detach().cpu().numpy()
@@ -316,9 +354,9 @@ def _write_h264(video: Yuv420Video, path: Path, *, rate: Fraction, crf: int, pre
             stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
             stream.options = {"crf": str(crf), "preset": preset, **({} if tune == "none" else {"tune": tune})}
             ctx = stream.codec_context
-            # Frame threads on every core (thread_count 0 = libx264's auto). PyAV's default is
-            # slice threads, which split each frame and parallelise far less.
-            ctx.thread_type, ctx.thread_count = "FRAME", 0
+            # Frame threads (PyAV's default is slice threads, which split each frame and
+            # parallelise far less), as many as libx264 itself would take on enough cores.
+            ctx.thread_type, ctx.thread_count = "FRAME", frame_threads(height)
             for name, value in COLOUR_TAGS.items():
                 setattr(ctx, name, value)
             for i in range(num_frames):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import hashlib
 import math
 import sys
 from collections.abc import Iterator, Sequence
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..cache import cache_root
 from ..kernels.attention import describe_attention, start_attention_import, warm_up_attention
 from ..kernels.vae_decode import SWITCHED_OFF, to_uint8_frames
 from ..lanes import (
@@ -40,10 +40,12 @@ from ..lanes import (
     lane_problems,
     plan_sampling,
 )
+from ..model_files import DMD_TIMESTEPS_KEY, listed_dmd_timesteps
+from ..model_files import model_id as checkpoint_id
 from ..phases import phase
 from ..sampling import DMD, SAMPLERS, WAN22, Geometry, combination_problems, is_int, timesteps_problem
 from ..step_checkpoint import StepCheckpointError
-from ..tiny_dit import TINY_MODEL
+from ..tiny_dit import TINY_MODEL, TINY_NAME
 from ..vae_plan import SHAPE_COVERING_LATENT_FRAMES
 from .calibration import calibration_for
 from .dit import PAN2DiT, PAN2DiTConfig
@@ -51,8 +53,9 @@ from .dit_ops import ROUTED_OPS, TORCH_OPS
 from .loading import ModelFolderError, instantiate, read_json, resolve_component
 from .lora import LoraWeights, MergedLoras, linear_shapes, read_lora
 from .precision import DiTPrecision
+from .preview import PREVIEW_FRAMES, PreviewHook, PreviewLatents, RgbMap, rgb_map_for
 from .sampler_state import CheckpointKey, SamplerState, StepHooks, capture_state, resume_state
-from .samplers import FlowDMDSampler, FlowSampler, SchedulerConfig, make_sampler
+from .samplers import FlowDMDSampler, FlowSampler, SchedulerConfig, clean_estimate, make_sampler
 from .step_cache import RatioRecorder, fast_lane_velocity
 from .strategies import (
     Denoiser,
@@ -64,7 +67,6 @@ from .strategies import (
     make_denoiser,
 )
 from .text import TextEncoder
-from .tiny import cache_root
 from .vae import WanVAE, WanVAEConfig
 
 ProgressFn = Callable[[int, int], None]
@@ -233,10 +235,10 @@ class PAN2Pipeline:
         """Load a diffusers-layout checkpoint folder, or ``"tiny"`` for the embedded tiny model."""
         config = config or PAN2PipelineConfig()
         if str(path) == TINY_MODEL:
-            from .tiny import TINY_VERSION, tiny_model_folder
+            from .tiny import tiny_model_folder
 
             root = tiny_model_folder()
-            name = f"tiny-v{TINY_VERSION}"
+            name = TINY_NAME
         else:
             root = Path(path).expanduser().resolve()
             name = root.name
@@ -268,7 +270,7 @@ class PAN2Pipeline:
         except ValueError as e:
             raise ModelFolderError(str(e)) from e
         default_timesteps = model_dmd_timesteps(root, scheduler_config.num_train_timesteps)
-        model_id = f"{name}-{_model_digest(root, default_timesteps)}"
+        model_id = checkpoint_id(root, name=name, dmd_timesteps=default_timesteps)
         # FlashAttention-4's import may still be running: `warm_up` (or the first forward) waits.
         return cls(dit=dit, vae=vae, text_encoder=text, scheduler_config=scheduler_config, config=config,
                    model_id=model_id, expand_timesteps=bool(index.get("expand_timesteps", True)),
@@ -319,6 +321,14 @@ class PAN2Pipeline:
     @property
     def device(self) -> torch.device:
         return torch.device(self.config.device)
+
+    @property
+    def preview_map(self) -> RgbMap:
+        """The latent -> RGB map this model's previews use (`pan2render.models.preview.rgb_map_for`):
+        the one ``pan2-render calibrate`` fitted for it, else one fitted on its VAE alone the first
+        time it is asked for (a few small decodes, then kept on disk). Read again each time, so that
+        a warm worker takes up a map ``calibrate`` fitted since."""
+        return rgb_map_for(self)
 
     @property
     def attention_backend(self) -> str:
@@ -402,6 +412,9 @@ class PAN2Pipeline:
         checkpoint_every_s: float = 0.0,
         on_checkpoint: Callable[[SamplerState], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        preview_every_s: float = 0.0,
+        on_preview: Callable[[PreviewLatents], None] | None = None,
+        preview_frames: int = PREVIEW_FRAMES,
         record: RatioRecorder | None = None,
     ) -> torch.Tensor:
         """Sample latents: float32 CPU ``[48, T, h, w]`` in the normalised latent space.
@@ -425,6 +438,12 @@ class PAN2Pipeline:
         sampling continues after its step and returns what the uninterrupted one would have. A
         step cache keeps block residuals the state does not hold: with ``cache`` set, resuming is
         refused (the caller samples from the start).
+
+        Previews (`pan2render.models.preview`), off by default and free when off: ``on_preview``
+        gets the clean latents the model predicts (x0) for ``preview_frames`` latent frames, on the
+        CPU, between two steps once ``preview_every_s`` seconds of sampling have passed since the
+        last (0: never). They only read the sampling's tensors: its latents are the same bits with
+        previews on or off. In a group, give it on one rank (every rank holds the same latents).
         """
         lanes = FastLanes(cache=cache, cache_threshold=cache_threshold, cache_max_skips=cache_max_skips,
                           cache_retention=cache_retention, guidance_until=guidance_until, precision=precision)
@@ -448,6 +467,7 @@ class PAN2Pipeline:
 
         hooks = StepHooks(checkpoint_every_s=checkpoint_every_s, on_checkpoint=on_checkpoint,
                           should_stop=should_stop)
+        previews = PreviewHook(every_s=preview_every_s, on_preview=on_preview, frames=preview_frames)
 
         z_dim = self.vae.config.z_dim
         shape = (1, z_dim, req.latent_frames, req.height // 16, req.width // 16)
@@ -484,7 +504,8 @@ class PAN2Pipeline:
         with self.precision.applied(lanes.precision):
             velocity = self._velocity(req, lanes, cond, uncond, conditioned=first_frame is not None, record=record)
             return self._run_steps(sampler, velocity, latents, first_frame, shape, progress, start=start,
-                                   hooks=hooks, capture=lambda lat: capture_state(key, lat, sampler, gen))
+                                   hooks=hooks, capture=lambda lat: capture_state(key, lat, sampler, gen),
+                                   previews=previews)
 
     def _velocity(self, req: SampleRequest, lanes: FastLanes, cond: torch.Tensor, uncond: torch.Tensor | None, *,
                   conditioned: bool,
@@ -502,14 +523,17 @@ class PAN2Pipeline:
     def _run_steps(self, sampler: FlowSampler, velocity: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                    latents: torch.Tensor, first_frame: torch.Tensor | None, shape: tuple[int, ...],
                    progress: ProgressFn | None, *, start: int, hooks: StepHooks,
-                   capture: Callable[[torch.Tensor], SamplerState]) -> torch.Tensor:
+                   capture: Callable[[torch.Tensor], SamplerState], previews: PreviewHook) -> torch.Tensor:
         """The sampling loop from step ``start``: one velocity per timestep, the sampler's step, the
-        first frame kept, the step-checkpoint hooks between two steps."""
+        first frame kept, the step-checkpoint and preview hooks between two steps."""
         timesteps = sampler.timesteps
         hooks.start()
+        previews.start()
         for i in range(start, len(timesteps)):
             t = timesteps[i]
             timestep = self._timestep_for(t, shape, conditioned=first_frame is not None)
+            # x_i, kept for a preview (the step returns a new tensor; nothing writes into this one)
+            before = latents if previews.active else None
             noise_pred = velocity(latents.to(self.config.dtype), timestep)
             latents = sampler.step(noise_pred.float(), t, latents)
             if first_frame is not None:
@@ -521,6 +545,10 @@ class PAN2Pipeline:
                     f"try a lower guidance or another seed")
             if progress is not None:
                 progress(i + 1, len(timesteps))
+            if previews.active and i + 1 < len(timesteps):
+                previews.at_boundary(step=i + 1, total_steps=len(timesteps), latent_frames=shape[2],
+                                     estimate=functools.partial(_x0_frames, before, noise_pred,
+                                                                sampler.sigmas[i].item(), first_frame))
             if hooks.active and i + 1 < len(timesteps):
                 hooks.at_boundary(functools.partial(capture, latents), self.denoiser.any_rank)
         return latents[0].float().cpu()
@@ -542,7 +570,7 @@ class PAN2Pipeline:
     def _plan(self, lanes: FastLanes, *, steps: int, guided: bool, conditioned: bool) -> SamplingPlan:
         calibration = None
         if lanes.cache != CACHE_NONE:
-            calibration = calibration_for(self.model_id, self.dit.config, conditioned=conditioned)
+            calibration = calibration_for(self.model_id, self.dit.config.to_dict(), conditioned=conditioned)
         return plan_sampling(lanes, steps=steps, guided=guided, calibration=calibration)
 
     @property
@@ -641,6 +669,18 @@ class PAN2Pipeline:
         return frames.cpu()  # the one device -> host copy
 
 
+def _x0_frames(x: torch.Tensor, v: torch.Tensor, sigma: float, first_frame: torch.Tensor | None,
+               frames: tuple[int, ...]) -> torch.Tensor:
+    """The clean estimate of a step (``x`` its input latents ``[1, C, T, h, w]``, ``v`` its velocity)
+    for ``frames`` alone: ``[C, len(frames), h, w]`` float32 on their device, the conditioning frame
+    (where given) as it is. The sampler's own arithmetic on a slice: nothing it holds is written."""
+    index = torch.tensor(frames, device=x.device)
+    x0 = clean_estimate(x[0].index_select(1, index).float(), v[0].index_select(1, index).float(), sigma)
+    if first_frame is not None and frames[0] == 0:
+        x0[:, 0] = first_frame[0, :, 0]
+    return x0
+
+
 @contextlib.contextmanager
 def _quick_thread_switches(seconds: float = 0.0005) -> Iterator[None]:
     """Python's thread switch interval lowered (default 5 ms) while a load runs: the weight
@@ -677,44 +717,16 @@ def _config_of(folder: Path, cls):
         raise ModelFolderError(f"{folder / 'config.json'}: {e}") from e
 
 
-# Where a step-distilled checkpoint may list its DMD timesteps, in the order they are looked for:
-# FastVideo writes ``dmd_denoising_steps`` into its pipeline config; a diffusers-layout export may
-# carry it in model_index.json.
-DMD_TIMESTEPS_KEY = "dmd_denoising_steps"
-DMD_TIMESTEPS_FILES = ("model_index.json", "pipeline_config.json")
-
-
 def model_dmd_timesteps(root: Path, num_train_timesteps: int) -> tuple[int, ...] | None:
     """The checkpoint's own DMD timesteps (``dmd_denoising_steps``), or None when it lists none."""
-    for name in DMD_TIMESTEPS_FILES:
-        path = root / name
-        if not path.is_file():
-            continue
-        value: Any = read_json(path).get(DMD_TIMESTEPS_KEY)
-        if value is None:
-            continue
-        problem = timesteps_problem(value, num_train_timesteps=num_train_timesteps)
-        if problem is not None:
-            raise ModelFolderError(f"{path}: {DMD_TIMESTEPS_KEY} {problem}")
-        return tuple(value)
-    return None
-
-
-def _model_digest(root: Path, default_timesteps: tuple[int, ...] | None) -> str:
-    """A cheap, stable id of a checkpoint's weights: configs plus weight file names and sizes."""
-    h = hashlib.sha256()
-    if default_timesteps is not None:  # a checkpoint's own timesteps change its renders
-        h.update(f"{DMD_TIMESTEPS_KEY}:{list(default_timesteps)}".encode())
-    for sub in ("transformer", "vae", "text_encoder", "scheduler"):
-        folder = root / sub
-        if not folder.is_dir():
-            continue
-        for f in sorted(folder.iterdir()):
-            if f.suffix == ".json":
-                h.update(f"{sub}/{f.name}:".encode() + f.read_bytes())
-            elif f.suffix == ".safetensors":
-                h.update(f"{sub}/{f.name}:{f.stat().st_size}".encode())
-    return h.hexdigest()[:10]
+    listed = listed_dmd_timesteps(root)
+    if listed is None:
+        return None
+    path, value = listed
+    problem = timesteps_problem(value, num_train_timesteps=num_train_timesteps)
+    if problem is not None:
+        raise ModelFolderError(f"{path}: {DMD_TIMESTEPS_KEY} {problem}")
+    return tuple(value)
 
 
 __all__ = ["PAN2Pipeline", "PAN2PipelineConfig", "SampleRequest", "apply_guidance", "default_denoiser",

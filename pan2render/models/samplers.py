@@ -263,6 +263,13 @@ def flow_sigmas(*, num_steps: int, flow_shift: float, num_train_timesteps: int) 
 # ----------------------------------------------------------------------------------------------
 
 
+def clean_estimate(x: torch.Tensor, v: torch.Tensor, sigma: float) -> torch.Tensor:
+    """The model's data prediction at noise level ``sigma``: ``x0 = x - sigma * v`` (float32 in,
+    float32 out). UniPC and DMD step from it; a live preview shows it (`pan2render.models.preview`),
+    on any slice of the latents: the same arithmetic per element, so the same bits."""
+    return x - sigma * v
+
+
 @dataclass(frozen=True)
 class StepState:
     """A sampler's own state at a step boundary: what ``step`` reads besides the sample. A sampler
@@ -471,7 +478,7 @@ class FlowUniPCSampler(FlowSampler):
 
     def _update(self, v: torch.Tensor, x: torch.Tensor, i: int) -> torch.Tensor:
         cfg = self.config
-        x0 = x - self.sigmas[i].item() * v  # flow_prediction -> x0 (predict_x0)
+        x0 = clean_estimate(x, v, self.sigmas[i].item())  # flow_prediction -> x0 (predict_x0)
         if i > 0 and (i - 1) not in cfg.disable_corrector and self._last_sample is not None:
             x = self._corrector(x0, i)
         self._x0_history = [*self._x0_history, x0][-cfg.solver_order:]
@@ -569,7 +576,7 @@ class FlowDMDSampler(FlowSampler):
         return sigmas64.to(torch.float32) * num_train_timesteps  # [N] float32
 
     def _update(self, v: torch.Tensor, x: torch.Tensor, i: int) -> torch.Tensor:
-        x0 = x - self.sigmas[i].item() * v  # flow velocity -> clean estimate
+        x0 = clean_estimate(x, v, self.sigmas[i].item())  # flow velocity -> clean estimate
         if i + 1 == self.num_steps:
             return x0
         assert self._generator is not None  # set with the timesteps

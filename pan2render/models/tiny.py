@@ -21,13 +21,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_file, save_model
 
-from ..cache import cache_root
+# (re-exported: the worker and the benchmarks find the cache through here)
+from ..cache import cache_root as cache_root
 
 # The DiT's config lives torch-free beside the packages (batch validation checks a job's LoRAs
 # against it before any model loads); a change there is a change of TINY_VERSION too.
-from ..tiny_dit import TINY_DIT_CONFIG
+from ..tiny_dit import TINY_DIT_CONFIG, TINY_VERSION, tiny_folder
 
-TINY_VERSION = 2
 TINY_SEED = 20261130
 
 TINY_VAE_CONFIG = {
@@ -112,7 +112,7 @@ def tiny_model_folder() -> Path:
 
     A folder found incomplete (e.g. written by an older version under a library that skipped some
     files) is moved aside and built again rather than failing every job that loads it."""
-    final = cache_root() / "models" / f"tiny-v{TINY_VERSION}"
+    final = tiny_folder()
     if (final / "model_index.json").is_file():
         if not missing_tiny_files(final):
             return final

@@ -11,6 +11,7 @@ import pytest
 
 from pan2render.jobs import BatchValidationError, JobSpec, Problem, list_presets, load_batch
 from pan2render.jobs.inputs import LIMITS
+from pan2render.model_files import folder_problems
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -123,15 +124,15 @@ def test_missing_model_and_preset(tmp_path: Path) -> None:
     _assert_says(_find(problems, line=1, field="preset"), "missing", "tiny-preview")
 
 
-def test_missing_checkpoint_folder(tmp_path: Path) -> None:
+def test_a_missing_checkpoint_folder_is_the_folder_checks_not_a_problem_of_the_batch(tmp_path: Path) -> None:
+    """The batch is valid; the folder's own check says what is missing (validate's exit 5, run's and
+    submit's exit 3: tests/runner/cli/test_model_folder_check.py), one exit code per problem."""
     path = _write(tmp_path, "model: ckpt/pan2\npreset: tiny-preview\njobs:\n  - prompt: a cat\n")
-    _assert_says(_find(_problems(path), line=1, field="model"), "batch.yaml:1",
-                 str(tmp_path / "ckpt" / "pan2"), "does not exist", "diffusers layout")
-    (tmp_path / "ckpt" / "pan2").mkdir(parents=True)
-    _assert_says(_find(_problems(path), line=1, field="model"), "no model_index.json")
-    (tmp_path / "ckpt" / "pan2" / "model_index.json").write_text("{}")
     batch = load_batch(path)
     assert batch.model == str(tmp_path / "ckpt" / "pan2") == batch.jobs[0].model
+    assert folder_problems(Path(batch.model)) == [f"{tmp_path / 'ckpt' / 'pan2'}: checkpoint folder does not exist"]
+    (tmp_path / "ckpt" / "pan2").mkdir(parents=True)
+    assert any("model_index.json: file is missing" in p for p in folder_problems(Path(load_batch(path).model)))
 
 
 def test_missing_image(tmp_path: Path) -> None:
@@ -157,7 +158,7 @@ def test_missing_prompts_file(tmp_path: Path) -> None:
 def test_check_files_false_skips_model_and_image_checks(tmp_path: Path) -> None:
     path = _write(tmp_path, "model: ../elsewhere/ckpt\npreset: tiny-preview\n"
                             "jobs:\n  - prompt: a cat\n    image: first.png\n")
-    assert len(_problems(path)) == 2
+    assert len(_problems(path)) == 1  # the image (the checkpoint is its folder check's)
     batch = load_batch(path, check_files=False)
     job = batch.jobs[0]
     assert job.image == str(tmp_path / "first.png") and job.image_sha256 is None
@@ -354,7 +355,8 @@ def test_a_sweep_over_the_cache_keeps_the_exact_job_id(tmp_path: Path) -> None:
     """The exact job of a cache sweep is the job a batch without the sweep renders: same id."""
     plain = load_batch(_write(tmp_path, "model: tiny\npreset: tiny-preview\njobs:\n  - prompt: a fox\n", "a.yaml"))
     swept = load_batch(_write(tmp_path, "model: tiny\npreset: tiny-preview\njobs:\n  - prompt: a fox\n"
-                                        "sweep:\n  cache: [none, magcache]\n", "b.yaml"))
+                                        "sweep:\n  cache: [none, magcache]\n", "b.yaml"),
+                       check_model=False)  # (the tiny model's calibration: tests/test_calibration_store.py)
     assert [j.spec_hash for j in swept.jobs][0] == plain.jobs[0].spec_hash
     assert swept.jobs[1].spec_hash != plain.jobs[0].spec_hash and swept.jobs[1].cache == "magcache"
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -280,3 +283,29 @@ def test_an_encode_tune_reaches_libx264_and_a_bad_one_is_named(tmp_path: Path) -
     with pytest.raises(MediaError, match="'cartoon' is not one of: none, film, animation"):
         encode_mp4(_smooth_video(frames=5), tmp_path / "w.mp4", fps=8, crf=18, tune="cartoon")
     assert not (tmp_path / "w.mp4").exists()
+
+
+_ENCODE_ON_CORES = """
+import os, sys
+import numpy as np
+from pan2render.media import encode_mp4
+os.sched_setaffinity(0, {int(c) for c in sys.argv[2].split(",")})
+rng = np.random.default_rng(0)
+encode_mp4(rng.integers(0, 256, (9, 256, 256, 3), dtype=np.uint8), sys.argv[1], fps=8, crf=18)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two cores to give the encoder one or two")
+def test_the_same_frames_are_the_same_file_on_one_core_or_two(tmp_path: Path) -> None:
+    """libx264's own thread count follows the cores it may run on (1.5 x, at most one per two
+    macroblock rows), and its bitstream the thread count: the encoder's count is the frame size's
+    alone, so a video rendered again on another machine or worker is the same file, the same pixels."""
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    files = {}
+    for n in (1, 2):
+        path = tmp_path / f"on-{n}.mp4"
+        subprocess.run([sys.executable, "-c", _ENCODE_ON_CORES, str(path), ",".join(map(str, cores[:n]))], check=True)
+        files[n] = path.read_bytes()
+    assert files[1] == files[2]
+    assert b"threads=8 " in files[1]  # 256 rows: 16 macroblock rows, one thread per two

@@ -203,6 +203,21 @@ def test_switching_restores_the_checkpoint_bit_for_bit(dtype: torch.dtype, state
     assert changed == []
 
 
+def test_clear_forgets_the_set_so_the_same_set_merges_again(state: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    """After `clear` (the checkpoint's weights again) no adapter is marked merged: the same set asked
+    for next is merged again, not taken for the one in place (which would sample without it)."""
+    model = ours(state)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    a = read_lora(_lora(tmp_path, 1), linears=linear_shapes(model))
+    merged = MergedLoras(model)
+    assert merged.set([(a, 0.5)])
+    with_a = {k: v.clone() for k, v in model.state_dict().items()}
+    merged.clear()
+    assert merged.active == () and all(torch.equal(v, original[k]) for k, v in model.state_dict().items())
+    assert merged.set([(a, 0.5)])
+    assert all(torch.equal(v, with_a[k]) for k, v in model.state_dict().items())
+
+
 def _tiny_pipeline() -> PAN2Pipeline:
     torch.manual_seed(0)
     dit = PAN2DiT(TINY).eval()

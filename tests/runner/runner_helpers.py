@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
+import signal
 import sqlite3
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -32,6 +36,8 @@ from pan2render.runner.protocol.messages import (
     DecodeCall,
     EncodePromptsCall,
     FetchCheckpointCall,
+    FetchPreviewCall,
+    Lane,
     SampleCall,
     StopSamplingCall,
     WorkerCall,
@@ -69,6 +75,35 @@ def write_batch(path: Path, jobs: list[dict], *, defaults: dict | None = None,
     return path
 
 
+def until(check: Callable[[], Any], what: str, timeout_s: float = 60.0, *, poll_s: float = 0.1) -> Any:
+    """Poll ``check`` until it gives something true, and return that; ``timeout_s`` passing first
+    fails the test, naming ``what`` was awaited."""
+    deadline = time.monotonic() + timeout_s
+    while not (got := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll_s)
+    return got
+
+
+def stop_farm(env: dict[str, str], *marks: str | Path) -> None:
+    """End what a test started of a farm: `farm stop` of the farm ``env`` names, then SIGKILL to any
+    live process whose command line still names one of ``marks`` (the test's own folders), so that
+    a stop that did not end it, or a start that raced it, leaves nothing running."""
+    subprocess.run([sys.executable, "-m", "pan2render.runner.cli", "farm", "stop"], env=env,
+                   capture_output=True, timeout=120, check=False)
+    wanted = [str(m).encode() for m in marks]
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(pid) != os.getpid() and any(m in cmd for m in wanted):
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def wait_while_running(run: subprocess.Popen, ready: Callable[[], bool], *, within_s: float, what: str,
                        poll_s: float = 0.1) -> None:
     """Poll until ``ready()``; the run ending first, or ``within_s`` passing, fails the test."""
@@ -89,6 +124,9 @@ def spec(name: str, *, seed: int = 0, gpus: int = 1, prompt: str | None = None, 
                    preset="tiny-preview")
 
 
+SIDE_CALLS = (FetchCheckpointCall, FetchPreviewCall, StopSamplingCall)
+
+
 class RecordingExecutor(LocalExecutor):
     """Records every worker call (its type, the job's name) so tests can see what was (not) redone."""
 
@@ -97,12 +135,13 @@ class RecordingExecutor(LocalExecutor):
         self.calls: list[tuple[type[WorkerCall], str | None]] = []
         self.on_group: list[tuple[type[WorkerCall], str | None, str]] = []  # ... and the group's id
         self.encoded_texts: list[list[str]] = []  # the texts of each EncodePromptsCall
-        self.side_calls: list[tuple[type[WorkerCall], str | None]] = []  # step-checkpoint fetches, stops
+        # step-checkpoint and preview fetches, stops
+        self.side_calls: list[tuple[type[WorkerCall], str | None]] = []
         self.messages: list[WorkerCall] = []  # every message, as sent
 
     def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
         self.messages.append(message)
-        if isinstance(message, (FetchCheckpointCall, StopSamplingCall)):  # beside a sampling, not a stage's
+        if isinstance(message, SIDE_CALLS):  # beside a sampling, not a stage's
             self.side_calls.append((type(message), job_name(message)))
             return super().call(group, message, timeout_s=timeout_s)
         self.calls.append((type(message), job_name(message)))
@@ -112,9 +151,25 @@ class RecordingExecutor(LocalExecutor):
         return super().call(group, message, timeout_s=timeout_s)
 
 
+class ThreadedExecutor(LocalExecutor):
+    """The in-process executor with its GPU lane on a thread of its own, as a Ray actor's runs
+    beside the driver: the scheduler's loop goes on while a sampling runs (and the calls beside a
+    sampling, its step checkpoints and previews, meet it while it runs)."""
+
+    def __init__(self, **kw: Any):
+        super().__init__(**kw)
+        self._gpu_lane = futures.ThreadPoolExecutor(max_workers=1)
+
+    def call(self, group: Group, message: WorkerCall, *, timeout_s: float) -> Call:
+        seq = group.take_seq(message)
+        lane = self._io if message.lane is Lane.IO else self._gpu_lane
+        return Call(group=group, message=message, started=time.monotonic(), timeout_s=timeout_s,
+                    handle=lane.submit(self._execute, group, message, seq))
+
+
 def job_name(message: WorkerCall) -> str | None:
     """The name of the job a call is for (None for one that serves several: load, encode)."""
-    if isinstance(message, (SampleCall, DecodeCall, CollectCall, FetchCheckpointCall, StopSamplingCall)):
+    if isinstance(message, (SampleCall, DecodeCall, CollectCall, *SIDE_CALLS)):
         return message.job_id.rsplit("-", 1)[0]  # a job id is "<name>-<hash8>"
     return None
 
@@ -164,16 +219,17 @@ CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "
 @contextmanager
 def serving_farm(tmp_path: Path, *, gpus: int = 1, faults: dict[str, Any] | None = None,
                  pipeline: str = FAKE_FACTORY, users: dict[str, str] | None = None, root: Path | None = None,
-                 **config: Any) -> Iterator[tuple[Farm, str, str]]:
+                 executor: type[LocalExecutor] = LocalExecutor, **config: Any) -> Iterator[tuple[Farm, str, str]]:
     """A farm in this process (the fake pipeline; ``pipeline``: another factory, e.g. the tiny
     model's, DEFAULT_PIPELINE_FACTORY) with its API on a free port and its main loop on a thread, as
     in its own process, reading and writing inside ``tmp_path``: yields (farm, url, admin token);
-    stopped on exit. ``users``: a dict filled with a token per name it holds."""
+    stopped on exit. ``users``: a dict filled with a token per name it holds; ``executor``: the
+    in-process one (LocalExecutor), or ThreadedExecutor for samplings that run beside the loop."""
     root = root or tmp_path / "farm"
     root.mkdir(exist_ok=True, mode=0o700)
     for name in users or {}:
         users[name] = Users(root).add(name)  # type: ignore[index]
-    ex = LocalExecutor(gpus=gpus, config=WorkerConfig(pipeline_factory=pipeline, faults=faults or {}))
+    ex = executor(gpus=gpus, config=WorkerConfig(pipeline_factory=pipeline, faults=faults or {}))
     farm = Farm(farm_config(root, **config), ex, log=print)  # (pytest shows it when a test fails)
     token = ensure_token(root)
     api = start_api(farm, users=Users(root, admin_token=token), roots=Roots.of([tmp_path], [tmp_path]),

@@ -184,7 +184,8 @@ def cmd_action(args: argparse.Namespace) -> int:
     c = b["counts"]
     print(f"batch {b['id']}: {b['state']}, priority {b['priority']}; {c.get('done', 0)} done, "
           f"{c.get('failed', 0)} failed, {c.get('cancelled', 0)} cancelled of {c['total']}; "
-          f"{len(b['running'])} running, {b['queued']} queued")
+          f"{len(b['running'])} running, {b['queued']} queued"
+          + (f" ({b['waiting']} of them waiting for the jobs they run after)" if b.get("waiting") else ""))
     return EXIT_OK
 
 

@@ -103,6 +103,10 @@ def _start(args: argparse.Namespace, root: Path) -> int:
     try:
         serving = settings_from_args(ServingConfig, args)
         config = settings_from_args(FarmConfig, args, root=root, serving=serving, **folder_and_model_settings(args))
+        if config.metrics_token_file is not None:  # (the farm checks it again: here it is said at once)
+            from pan2render.runner.farm.metrics import read_metrics_token
+
+            read_metrics_token(config.metrics_token_file)
         make_root(root)
     except (SettingError, UnsafeRoot) as e:
         print_error(f"error: {e}")

@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
         add_setting_args(sp, ServingConfig, RUN_SETTINGS)
         sp.add_argument("--no-progress", action="store_true",
                         help="plain lines even on a terminal (one per job event, a summary each minute)")
+        sp.add_argument("--metrics-port", type=int, default=0, metavar="N",
+                        help="serve this batch's pan2render_* metrics for Prometheus on 127.0.0.1:N while it renders "
+                             "(default 0: off; README, Farm: metrics)")
 
     r = sub.add_parser("run", help="render a batch into an output folder")
     r.add_argument("batch", type=Path, nargs="?")
@@ -167,10 +170,12 @@ def _parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--json", action="store_true")
     cmp_.set_defaults(func=cmd_compare)
 
-    cal = sub.add_parser("calibrate", help="measure MagCache's magnitude ratios on MODEL with one exact job and "
-                                           "keep them beside its model id (cache magcache then uses them)")
+    cal = sub.add_parser("calibrate", help="measure MagCache's magnitude ratios on MODEL with one exact job, fit "
+                                           "its previews' latent -> RGB map on the same job, and keep both beside "
+                                           "its model id (cache magcache and live previews then use them)")
     cal.add_argument("model", help='"tiny" or a checkpoint folder')
-    cal.add_argument("--preset", default="pan2-720p", help="the job's size, steps, guidance (default pan2-720p)")
+    cal.add_argument("--preset", help="the job's size, steps, guidance (default: tiny-preview for the tiny model, "
+                                      "else pan2-720p)")
     cal.add_argument("--prompt", default="A red fox trots through fresh snow at dawn, cinematic, detailed.")
     cal.add_argument("--image", type=Path, help="calibrate image-conditioned jobs (a first frame) instead")
     cal.add_argument("--seed", type=int, default=0)

@@ -28,7 +28,7 @@ from pan2render.tiny_dit import TINY_MODEL
 
 def cmd_validate(args: argparse.Namespace) -> int:
     overrides = Overrides(sets=tuple(args.sets), sweeps=tuple(args.sweeps))
-    batch = load_batch_or_report(args.batch, overrides, check_model=False)
+    batch = load_batch_or_report(args.batch, overrides, check_model=True)
     if batch is None:
         return EXIT_USAGE
     print_plan(batch, args.out, args)
@@ -53,11 +53,7 @@ def print_plan(batch: Batch, out: Path | None, args: argparse.Namespace) -> None
     from pan2render.runner.views.estimates import CPU, CUDA, History, history_folders, plan
     from pan2render.runner.views.status import format_estimate, format_plan
 
-    done: set[str] = set()
-    if out is not None and (out / LEDGER_NAME).is_file():
-        ledger = Ledger.open_readonly(out)
-        done = {j.id for j in ledger.jobs() if j.state is JobState.DONE}
-        ledger.close()
+    done = done_ids(out)
     todo = [j for j in batch.jobs if j.job_id not in done]
     max_gpus = max((j.gpus for j in batch.jobs), default=1)
     from pan2render.runner.cluster.choose import local_gpus
@@ -72,6 +68,17 @@ def print_plan(batch: Batch, out: Path | None, args: argparse.Namespace) -> None
     print(format_plan(batch.jobs, done=done, the_plan=the_plan))
     print(f"{len(todo)} job(s) to render, {len(batch.jobs) - len(todo)} done already")
     print(format_estimate(the_plan, gpus_note=note))
+
+
+def done_ids(out: Path | None) -> set[str]:
+    """The ids of the jobs done in ``out``'s ledger (none without one)."""
+    if out is None or not (out / LEDGER_NAME).is_file():
+        return set()
+    ledger = Ledger.open_readonly(out)
+    try:
+        return {j.id for j in ledger.jobs() if j.state is JobState.DONE}
+    finally:
+        ledger.close()
 
 
 def _is_output_folder(folder: Path) -> bool:
@@ -159,26 +166,52 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# The preset `calibrate` runs when none is given: one the model renders (the tiny model's own; a
+# checkpoint's at the size MagCache's published ratios were measured at).
+CALIBRATE_PRESETS = {TINY_MODEL: "tiny-preview"}
+CALIBRATE_PRESET = "pan2-720p"
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import numpy as np
     from PIL import Image
 
     from pan2render.models.calibration import calibrate, store_calibration
     from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
+    from pan2render.models.preview import FitSamples, calibrate_rgb_map, store_rgb_map
 
+    name = args.preset or CALIBRATE_PRESETS.get(args.model, CALIBRATE_PRESET)
     try:
-        preset = list_presets()[args.preset]
+        preset = list_presets()[name]
     except KeyError:
-        print_error(f"pan2-render calibrate: no preset {args.preset!r}; `pan2-render presets` lists them")
+        print_error(f"pan2-render calibrate: no preset {name!r}; `pan2-render presets` lists them")
         return EXIT_USAGE
+    job = {k: preset[k] for k in ("height", "width", "frames", "steps", "guidance", "flow_shift", "sampler")}
+    print(f"calibrate {args.model}: one exact job of preset {name} ({job['width']}x{job['height']}, {job['frames']} "
+          f"frames, {job['steps']} steps, guidance {job['guidance']}{', with --image' if args.image else ''}); "
+          f"loading the model", flush=True)
     pipe = PAN2Pipeline.from_pretrained(args.model, PAN2PipelineConfig(device=args.device))
     image = None if args.image is None else np.asarray(Image.open(args.image).convert("RGB"))
-    job = {k: preset[k] for k in ("height", "width", "frames", "steps", "guidance", "flow_shift", "sampler")}
+    started = time.monotonic()
+
+    def progress(done: int, total: int) -> None:
+        print(f"  step {done}/{total}, {time.monotonic() - started:.1f} s", flush=True)
+
+    # The same exact job fits the previews' latent -> RGB map: its x0 at a few boundaries, whole,
+    # decoded by the model's own VAE (`pan2render.models.preview`).
+    x0s = FitSamples(steps=job["steps"])
     cal = calibrate(pipe, prompt=args.prompt, negative_prompt=preset.get("negative_prompt", ""), image=image,
-                    seed=args.seed, **job)
+                    seed=args.seed, progress=progress, preview_every_s=1e-9, on_preview=x0s,
+                    preview_frames=job["frames"], **job)
     path = store_calibration(pipe.model_id, cal, conditioned=image is not None)
     print(f"{pipe.model_id}: {cal.steps} steps, cond ratios {min(cal.cond[1:]):.4f}..{max(cal.cond[1:]):.4f}"
           + (f", uncond {min(cal.uncond[1:]):.4f}..{max(cal.uncond[1:]):.4f}" if cal.uncond else "") + f" -> {path}")
+    print(f"fitting the previews' latent -> RGB map on {len(x0s.x0s)} decodes", flush=True)
+    rgb_map, quality = calibrate_rgb_map(pipe, x0s.x0s)
+    path = store_rgb_map(pipe.model_id, rgb_map, quality=quality)
+    print(f"{pipe.model_id}: previews' latent -> RGB map fitted on {len(x0s.x0s)} decodes, PSNR "
+          f"{quality['psnr_db']:.1f} dB at the latent grid (a grey picture: {quality['grey_psnr_db']:.1f} dB) "
+          f"-> {path}")
     return EXIT_OK
 
 

@@ -27,7 +27,7 @@ from pan2render.runner.cli.common import (
     print_error,
     stopped_by,
 )
-from pan2render.runner.cli.reading import print_plan
+from pan2render.runner.cli.reading import done_ids, print_plan
 from pan2render.runner.cluster.choose import LOCAL_ADDRESS
 from pan2render.runner.protocol import timeline
 from pan2render.runner.serve import errors
@@ -38,6 +38,7 @@ from pan2render.runner.serve.progress import RunLog, RunProgress
 # ledger (--version, presets, validate, show) do without them, so they are imported on use.
 if TYPE_CHECKING:
     from pan2render.runner.serve.driver import RunSummary
+    from pan2render.runner.serve.metrics import RunCollector
 
 
 NODE_PORT = 6379  # Ray's default head port: `--address auto` and `ray status` find it as usual
@@ -113,6 +114,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         print_plan(batch, out, args)
         print(f"dry run: nothing written to {out}")
         return EXIT_OK
+    from pan2render.runner.serve.session import model_folder_problems
+
+    if model_folder_problems(batch.jobs) and (broken := model_folder_problems(_not_done(batch.jobs, out))):
+        # As the farm refuses it (submit): exit 3, nothing recorded. `validate` says so with exit 5.
+        print_error(f"error: {errors.broken_checkpoints(broken, resume=None, recorded=False)}")
+        return EXIT_ENVIRONMENT
     from pan2render.runner.cli.batches import hand_to_farm
 
     if (code := hand_to_farm(args, batch)) is not None:
@@ -131,6 +138,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _drive(args, session)
 
 
+def _not_done(jobs: list[Any], out: Path) -> list[Any]:
+    """The jobs ``out``'s ledger does not hold done (all of them where it cannot be read: the run
+    that follows says why)."""
+    try:
+        done = done_ids(out)
+    except Exception:
+        return jobs
+    return [j for j in jobs if j.job_id not in done]
+
+
 def cmd_resume(args: argparse.Namespace) -> int:
     if (err := _check_cluster_args(args)) is not None:
         return err
@@ -146,7 +163,29 @@ def cmd_resume(args: argparse.Namespace) -> int:
         if not holds_a_batch(out, "nothing was resumed"):  # checked read-only: an empty file stays so
             return EXIT_USAGE
     with BatchSession.reopen(out, stream=sys.stderr, title=f"resume {out}: batch {{batch}}") as session:
+        _reuse_cpu_gpus(args, session)
         return _drive(args, session)
+
+
+def _reuse_cpu_gpus(args: argparse.Namespace, session: Any) -> None:
+    """`resume` without --cpu-gpus, on a cluster of its own: the logical GPUs of the folder's last
+    run (a batch of 2-GPU jobs run with --cpu-gpus 2 must not resume on 1), said so. A run before
+    the count was recorded, on a machine without CUDA, ran on logical GPUs: its GPU count."""
+    if args.cpu_gpus is not None or _address(args) not in (None, LOCAL_ADDRESS):
+        return
+    runs = session.ledger.get_meta("runs", []) or []
+    if not runs:
+        return
+    last = runs[-1]
+    n = last.get("cpu_gpus")
+    if n is None and "cpu_gpus" not in last and last.get("gpus"):
+        from pan2render.runner.cluster.devices import cuda_gpu_count
+
+        n = None if cuda_gpu_count() else int(last["gpus"])
+    if n:
+        args.cpu_gpus = int(n)
+        session.log.line(f"resume: the last run in {session.out_dir} ({last.get('command', 'run')}) had {n} logical "
+                         f"GPU(s): resuming on as many (--cpu-gpus {n}; give --cpu-gpus N for another count)")
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
@@ -169,12 +208,8 @@ def cmd_repair(args: argparse.Namespace) -> int:
 
 def _drive(args: argparse.Namespace, session: Any) -> int:
     """Serve the session's batch in this process (the scheduler serving one batch): its jobs
-    prepared, Ray started or joined only when one of them needs rendering."""
-    from pan2render.runner.cluster.choose import make_executor
-    from pan2render.runner.cluster.ray_cluster import ClusterConnectError
-    from pan2render.runner.serve.driver import Driver
-    from pan2render.runner.serve.session import warn_if_no_backup
-
+    prepared, Ray started or joined only when one of them needs rendering; ``--metrics-port``: its
+    metrics served meanwhile."""
     out, ledger, log, ids = session.out_dir, session.ledger, session.log, session.job_ids
     config = settings_from_args(ServingConfig, args, progress=not args.no_progress)
     if not ids:
@@ -193,6 +228,34 @@ def _drive(args: argparse.Namespace, session: Any) -> int:
         # Every job would fail its load the same way: one message, no job started or charged.
         log.line(f"error: {errors.broken_checkpoints(broken, resume=cmd('resume', out))}")
         return EXIT_ENVIRONMENT
+    metrics = None
+    if args.metrics_port:
+        from pan2render.runner.serve.metrics import RunCollector, serve_run_metrics
+
+        metrics = RunCollector(out, ids, started_at=timeline.process_started_at())
+        try:
+            stop_metrics = serve_run_metrics(args.metrics_port, metrics)
+        except OSError as e:
+            log.line(f"error: --metrics-port {args.metrics_port}: 127.0.0.1:{args.metrics_port} cannot be served "
+                     f"({e.strerror}); choose another port (nothing was rendered: `{cmd('resume', out)}` starts it)")
+            return EXIT_USAGE
+        log.line(f"metrics: http://127.0.0.1:{args.metrics_port}/metrics")
+    try:
+        return _render(args, session, config, jobs, metrics)
+    finally:
+        if metrics is not None:
+            stop_metrics()
+
+
+def _render(args: argparse.Namespace, session: Any, config: ServingConfig, jobs: list[Any],
+            metrics: RunCollector | None) -> int:
+    """Start Ray (or join it) and run the driver over the session's prepared batch."""
+    from pan2render.runner.cluster.choose import make_executor
+    from pan2render.runner.cluster.ray_cluster import ClusterConnectError
+    from pan2render.runner.serve.driver import Driver
+    from pan2render.runner.serve.session import warn_if_no_backup
+
+    out, ledger, log, ids = session.out_dir, session.ledger, session.log, session.job_ids
     asked = time.time()
     try:
         executor = make_executor(address=_address(args), cpu_gpus=args.cpu_gpus,
@@ -212,8 +275,13 @@ def _drive(args: argparse.Namespace, session: Any) -> int:
         install_stop_handlers()
         if executor.worker_logs:
             log.line(f"Ray's worker logs: {executor.worker_logs}")
-        session.note_run(command=args.command, gpus=executor.total_gpus())
-        progress = RunProgress(log=log, live=config.progress and log.is_terminal)
+        session.note_run(command=args.command, gpus=executor.total_gpus(), cpu_gpus=args.cpu_gpus)
+        from pan2render.runner.views.eta import BatchEta
+
+        eta = BatchEta(out, ids, gpus=executor.total_gpus())
+        progress = RunProgress(log=log, live=config.progress and log.is_terminal, eta=lambda: eta.seconds(ledger))
+        if metrics is not None:
+            metrics.progress, metrics.gpus = progress, executor.total_gpus()
         summary = _run_with_report(out, log, lambda on_job_end: Driver(
             out_dir=out, ledger=ledger, executor=executor, config=config, progress=progress,
             on_job_end=on_job_end).run(ids, prepared=True))
@@ -281,6 +349,8 @@ def _check_cluster_args(args: argparse.Namespace) -> int | None:
     problem = _settings_problem(args)
     if problem is None and args.cpu_gpus is not None and args.cpu_gpus < 1:
         problem = f"--cpu-gpus {args.cpu_gpus}: must be >= 1"
+    elif problem is None and not 0 <= args.metrics_port <= 65535:
+        problem = f"--metrics-port {args.metrics_port}: must be a TCP port, 1-65535 (0: no metrics)"
     elif problem is None and args.cpu_gpus is not None and _address(args) not in (None, LOCAL_ADDRESS):
         given = "--address" if args.address else f"RAY_ADDRESS={os.environ['RAY_ADDRESS']} (set in the environment)"
         problem = f"--cpu-gpus declares GPUs of a LOCAL cluster; it cannot be used with {given}"

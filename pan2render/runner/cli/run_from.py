@@ -98,7 +98,8 @@ def batch_text(spec: JobSpec, *, source: str, overridden: set[str]) -> str:
 
 def _batch_fields(spec: JobSpec) -> dict[str, Any]:
     d = spec.to_dict()
-    out = {k: d[k] for k in JOB_KEYS if d.get(k) is not None}
+    # Not `after`: the jobs it ran after are not in a one-job batch, and the order changed no pixel.
+    out = {k: d[k] for k in JOB_KEYS if d.get(k) is not None and k != "after"}
     out["loras"] = [{"path": r.path, "scale": r.scale} for r in spec.loras]
     if spec.timesteps is not None:
         out["timesteps"] = list(spec.timesteps)

@@ -3,6 +3,7 @@ or a local cluster of the run's own (or, for tests, the in-process executor)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -51,13 +52,14 @@ def local_gpus(cpu_gpus: int | None, *, max_gpus: int) -> tuple[int, int, str | 
 
 def make_executor(*, address: str | None, cpu_gpus: int | None, max_gpus: int,
                   say: Callable[[str], None], note: Callable[[str], None] | None = None,
-                  cluster_record: Path | None = None) -> Executor:
+                  cluster_record: Path | None = None, started_by: str = "run") -> Executor:
     """The executor for a run: ``address`` (a cluster to join, ``local`` for a cluster of the
     run's own, None for the node kept up on this machine if one runs, else a local cluster),
     ``cpu_gpus`` logical GPUs on a CPU-only machine, ``max_gpus`` the largest group the batch
     needs; ``note``: where lines for the run log alone go (default ``say``); ``cluster_record``:
     where a local cluster started here records its processes, for the next start to end should
-    this process be killed (the farm's folder; None: the runs' records, `cluster/leftovers.py`).
+    this process be killed (the farm's folder; None: the runs' records, `cluster/leftovers.py`);
+    ``started_by``: what a local cluster is named after ("run", "farm").
     What killed runs and farms left of their local clusters is ended first. The test hooks of the
     environment (``PAN2_RENDER_EXECUTOR``, ``PAN2_RENDER_PIPELINE``, ``PAN2_RENDER_FAULTS``: see
     ``cli/main.py``) are read here."""
@@ -75,16 +77,16 @@ def make_executor(*, address: str | None, cpu_gpus: int | None, max_gpus: int,
 
         return LocalExecutor(gpus=cpu_gpus or max_gpus, config=config)
     from pan2render.runner.cluster.leftovers import end_leftovers, records_to_check, run_record_path
-    from pan2render.runner.cluster.ray_cluster import ask_loopback_only, keep_ray_token_private
+    from pan2render.runner.cluster.ray_cluster import keep_ray_token_private, loopback_only
 
     for line in end_leftovers(records_to_check(cluster_record)):
         say(line)
-    if address in (None, LOCAL_ADDRESS):  # a local cluster may start: before Ray is imported, which reads it
-        ask_loopback_only()  # (a run joining the node kept up here takes that node's address still)
     if token_note := keep_ray_token_private():
         say(token_note)
-
-    import ray  # ~1 s; only a run that renders gets here
+    # A local cluster may start: Ray reads the switch when it is imported (a run joining the node
+    # kept up here takes that node's address still).
+    with loopback_only() if address in (None, LOCAL_ADDRESS) else contextlib.nullcontext():
+        import ray  # ~1 s; only a run that renders gets here
 
     from pan2render.runner.cluster.ray_cluster import ray_banner_to, running_local_node
     from pan2render.runner.cluster.ray_executor import RayExecutor
@@ -111,7 +113,7 @@ def make_executor(*, address: str | None, cpu_gpus: int | None, max_gpus: int,
     threads = None if cuda and cpu_gpus is None else max(1, cpus // gpus)
     executor = RayExecutor(address=None, gpus=gpus, cpus=cpus,
                            config=WorkerConfig(pipeline_factory=factory, faults=faults, threads=threads),
-                           record=cluster_record or run_record_path())
+                           record=cluster_record or run_record_path(), started_by=started_by)
     if token_note := keep_ray_token_private():  # Ray wrote it meanwhile (another Ray starting)
         say(token_note)
     return executor

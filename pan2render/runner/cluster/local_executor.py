@@ -126,6 +126,9 @@ class LocalExecutor:
     def check_cluster(self) -> None:
         """An in-process cluster cannot be lost."""
 
+    def unreachable(self) -> str | None:
+        return None  # (in this process: it answers while the process does)
+
     def lacks_gpus_for(self, size: int) -> bool:
         return self.total_gpus() < size
 

@@ -4,6 +4,7 @@ executor."""
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import logging
 import os
@@ -11,7 +12,7 @@ import pwd
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pan2render.runner.protocol.failures import ClusterLostError
@@ -90,10 +91,22 @@ def running_local_node() -> tuple[str | None, str | None]:
 RAY_SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
-def ask_loopback_only() -> None:
-    """A local cluster started by this process listens on the loopback address alone. Before `ray`
-    is imported (Ray reads the switch then); checked by :func:`check_loopback` once the node is up."""
+@contextlib.contextmanager
+def loopback_only() -> Iterator[None]:
+    """Around the first ``import ray`` of a process that may start a local cluster: the cluster
+    listens on the loopback address alone (Ray reads the switch when ``ray._private.ray_constants``
+    is imported, and only then; :func:`check_loopback` checks the node once it is up). The switch
+    is set for the import only: left in this process's environment, every ``ray start`` this
+    process ran afterwards would inherit it (a test's head node, a `node start`)."""
+    before = os.environ.get(RAY_SINGLE_MACHINE_ENV)
     os.environ[RAY_SINGLE_MACHINE_ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(RAY_SINGLE_MACHINE_ENV, None)
+        else:
+            os.environ[RAY_SINGLE_MACHINE_ENV] = before
 
 
 class ExposedClusterError(RuntimeError):

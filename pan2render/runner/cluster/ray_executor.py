@@ -13,6 +13,7 @@ back and say so.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -32,9 +33,9 @@ from pan2render.runner.cluster.ray_cluster import (
     ClusterConnectError,
     GcsLost,
     GcsWatch,
-    ask_loopback_only,
     check_loopback,
     gcs_lost_after_s,
+    loopback_only,
     parse_gcs_address,
     probe_address,
     write_ray_token_if_missing,
@@ -67,13 +68,14 @@ class RayExecutor:
 
     def __init__(self, *, address: str | None, gpus: int | None, cpus: int | None,
                  config: WorkerConfig, object_store_bytes: int = 1 << 30, local_node: bool = False,
-                 record: Path | None = None):
+                 record: Path | None = None, started_by: str = "run"):
         """``local_node``: ``address`` is the node kept up on this machine (`running_local_node`);
         ``record``: where a local cluster started here records its processes (`cluster/leftovers.py`),
-        dropped when it ends."""
-        if address is None:
-            ask_loopback_only()  # before Ray is imported here (make_executor asks before it imports Ray)
-        import ray  # importing ray costs ~1 s; unit tests with LocalExecutor skip it
+        dropped when it ends; ``started_by``: what starts a local cluster here, as it is named ("the
+        local Ray cluster this farm started")."""
+        self._started_by = started_by
+        with loopback_only() if address is None else contextlib.nullcontext():
+            import ray  # importing ray costs ~1 s; unit tests with LocalExecutor skip it
 
         self._ray = ray
         self._config = config
@@ -102,7 +104,7 @@ class RayExecutor:
             # A local cluster: no dashboard (slow to start, not needed), a modest object store
             # (artifacts are MBs: latents ~10 MB, an mp4 a few MB), worker logs shown here.
             # "local": a new cluster even where a node recorded on this machine is gone. It listens
-            # on the loopback address alone (ask_loopback_only) and its token file is its owner's.
+            # on the loopback address alone (loopback_only) and its token file is its owner's.
             write_ray_token_if_missing()
             before = own_children()
             try:
@@ -150,7 +152,7 @@ class RayExecutor:
             self.gcs_address = gcs_address
             self.cluster = (f"the Ray node running on this machine (GCS at {gcs_address})" if local_node
                             else f"the Ray cluster at {gcs_address}" if address is not None or not self._owns_ray
-                            else f"the local Ray cluster this run started (GCS at {gcs_address})")
+                            else f"the local Ray cluster this {self._started_by} started (GCS at {gcs_address})")
         self._gcs_lost_after_s = gcs_lost_after_s()
         # GCS queries run here, each with a deadline: one that would block (the GCS died after the
         # last probe) leaves its thread stuck instead of the driver's loop.
@@ -202,6 +204,13 @@ class RayExecutor:
                 f"{self.cluster} is gone: its GCS (on the head node) has refused "
                 f"connections for {down:.0f} s, so the head node or its GCS process died, and with it "
                 f"this run's workers")
+
+    def unreachable(self) -> str | None:
+        """A TCP probe of the GCS, which needs nothing of Ray (so it never blocks on a cluster gone);
+        a Ray client (no GCS address) answers while its connection is up."""
+        if self._gcs is not None:
+            return None if self._gcs.probe() else f"{self.cluster}: its GCS refuses connections"
+        return None if self._ray.is_initialized() else f"{self.cluster}: Ray is not connected"
 
     def create_group(self, size: int, *, timeout_s: float, on_wait: Callable[[str], None] | None = None) -> Group:
         ray = self._ray

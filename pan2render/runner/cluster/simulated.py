@@ -5,7 +5,8 @@ GPUs sit on virtual nodes (``nodes``: GPUs per node, e.g. 125 nodes of 8); a gro
 takes GPUs of one node, as a STRICT_PACK placement group does. Its workers answer each call after
 the time the cost model (``sim_model.CostModel``) draws for it: GPU-lane calls one after the other
 in the order they were sent (the next job's first call waits behind a decode), a collect when the
-job's encode (which starts when its decode ends) is done. Their replies are small but valid
+job's encode (which starts when its decode ends) is done, a step checkpoint's or a preview's
+fetch with none newer when the sampling ends (neither is simulated). Their replies are small but valid
 artifacts (``sim_model``), so the stage flow writes, records and checks them as a real worker's.
 Faults come at chosen rates (``sim_model.FaultPlan``): a call answering a failure, a worker dying
 (every call in flight on its group dies with it), a node leaving the cluster (its groups' calls
@@ -49,6 +50,7 @@ from pan2render.runner.protocol.messages import (
     EncodePromptsCall,
     EncodePromptsReply,
     FetchCheckpointCall,
+    FetchPreviewCall,
     Lane,
     LoadCall,
     LoadReply,
@@ -139,6 +141,9 @@ class SimulatedExecutor:
     def check_cluster(self) -> None:
         """A simulated cluster is never lost whole (its nodes are, one at a time)."""
 
+    def unreachable(self) -> str | None:
+        return None  # (in this process: it answers while the process does)
+
     def progress(self) -> dict[str, StepReport]:
         """Each sampling's steps so far, as its worker would report them."""
         now, at, out = self.clock.now(), time.time(), {}
@@ -224,7 +229,9 @@ class SimulatedExecutor:
                 w.sample_ends[message.job_id] = p.done_at
         elif isinstance(message, CollectCall):
             p.done_at = max(now, w.encodes.pop(message.job_id, now))
-        elif isinstance(message, FetchCheckpointCall):  # none is ever newer: answered None when the sampling ends
+        elif isinstance(message, (FetchCheckpointCall, FetchPreviewCall)):
+            # No step checkpoint or preview is ever newer: answered None when the sampling ends (or
+            # its wait is up), as a worker with none to give; answered at once, it would be asked again at once.
             p.done_at = max(now, min(w.sample_ends.get(message.job_id, now), now + message.wait_s))
         if isinstance(message, FAULTY_CALLS):
             draw = self._rng.random()

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         # ROOT/ray-cluster.json: the processes of the farm's local Ray cluster, which the next farm
         # started here ends should this one be killed (its Ray agents outlive it by minutes).
         executor = make_executor(address=args.address, cpu_gpus=args.cpu_gpus, max_gpus=args.cpu_gpus or 1, say=log,
-                                 cluster_record=root / CLUSTER_RECORD_NAME)
+                                 cluster_record=root / CLUSTER_RECORD_NAME, started_by="farm")
         farm = Farm(config, executor, log=log)
         roots = Roots.of(list(config.inputs_roots), list(config.outputs_roots))
         api = start_api(farm, users=Users(root, admin_token=token), roots=roots, host=config.host, port=config.port,

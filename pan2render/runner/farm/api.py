@@ -18,6 +18,7 @@ each pass and from the queue and the ledgers, read-only, off the event loop.
     GET  /api/requests/{id}              what became of a request answered 503
     GET  /api/whoami                     the user the token names
     POST /api/stop                       stop the farm (running jobs go back to pending; admin only)
+    GET  /metrics  /healthz  /readyz     for Prometheus and supervisors (``metrics.py``, its own access rule)
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from pan2render.runner.farm import intake, monitor, videos
+from pan2render.runner.farm import intake, metrics, monitor, videos
 from pan2render.runner.farm.actions import FarmRequestError, check_priority
 from pan2render.runner.farm.folder import url_host
 from pan2render.runner.farm.http import (
@@ -266,6 +267,7 @@ def read_log_chunk(path: Path, offset: int) -> bytes:
 
 def make_app(farm: Farm, *, users: Users, roots: intake.Roots) -> web.Application:
     reads = Reads(farm)
+    watch = metrics.MetricsApi(farm)  # (SettingError: its token file is refused)
 
     @web.middleware
     async def answer_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -286,7 +288,7 @@ def make_app(farm: Farm, *, users: Users, roots: intake.Roots) -> web.Applicatio
 
     @web.middleware
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if monitor.is_public(request):
+        if monitor.is_public(request) or watch.open_to(request):
             return await handler(request)
         header = request.headers.get("Authorization", "")
         token = header.removeprefix("Bearer ").strip() if header.isascii() else ""
@@ -298,12 +300,14 @@ def make_app(farm: Farm, *, users: Users, roots: intake.Roots) -> web.Applicatio
         request[USER] = user
         return await handler(request)
 
-    app = web.Application(middlewares=[answer_errors, monitor.guard, authenticate], client_max_size=80 << 20,
+    app = web.Application(middlewares=[watch.count_requests, answer_errors, monitor.guard, authenticate],
+                          client_max_size=80 << 20,
                           handler_args={"max_field_size": HEADER_MAX, "max_line_size": HEADER_MAX})
     app.on_response_prepare.append(monitor.secure)
     app.on_cleanup.append(lambda _: asyncio.get_running_loop().run_in_executor(None, reads.close))
+    app.on_cleanup.append(lambda _: asyncio.get_running_loop().run_in_executor(None, watch.collector.close))
     for routes in (FarmApi(farm, reads, roots), videos.VideosApi(farm, reads, roots),
-                   monitor.MonitorApi(farm, reads, app)):
+                   monitor.MonitorApi(farm, reads, app), watch):
         app.add_routes(routes_of(routes))
     return app
 

@@ -47,6 +47,9 @@ class FarmConfig:
     # start` gives the folder it runs in when none is named.
     inputs_roots: tuple[Path, ...] = ()
     outputs_roots: tuple[Path, ...] = ()
+    # A file holding the token that opens /metrics, /healthz and /readyz alone, for a scraper or a
+    # load balancer (``--metrics-token-file``; farm/metrics.py reads and checks it).
+    metrics_token_file: Path | None = None
 
     @property
     def default_model(self) -> str:
@@ -70,7 +73,8 @@ FARM_SERVING_SETTINGS = ("retries", "group_start_timeout_s", "stall_timeout_s")
 
 
 def add_folder_and_model_args(parser: argparse.ArgumentParser) -> None:
-    """The farm's flags that take a list: the models it serves by name, its input and output roots."""
+    """The farm's flags that are not plain settings: the models it serves by name, its input and output
+    roots, the file of its metrics token."""
     parser.add_argument("--model", action="append", default=[], metavar="NAME=PATH", dest="models",
                         help="serve the model folder PATH as NAME to video requests (repeatable; the first is their "
                              "default; 'tiny' is always served)")
@@ -80,6 +84,9 @@ def add_folder_and_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--outputs-root", action="append", default=[], type=Path, metavar="DIR", dest="outputs_roots",
                         help="a folder submitted batches may write into (repeatable; default: the folder `farm start` "
                              "runs in)")
+    parser.add_argument("--metrics-token-file", type=Path, metavar="PATH",
+                        help="a file (yours, readable by you alone) holding a token that opens /metrics, /healthz and "
+                             "/readyz and nothing else (default: they need a user's token, except on a loopback farm)")
 
 
 def folder_and_model_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -94,13 +101,16 @@ def folder_and_model_settings(args: argparse.Namespace) -> dict[str, Any]:
             raise SettingError(f"--model {text!r}: 'tiny' is always served as the embedded model")
         models.append((name, str(Path(path).expanduser().absolute())))
     here = [Path.cwd()]
+    token_file: Path | None = args.metrics_token_file
     return {"models": tuple(models),
             "inputs_roots": tuple(p.expanduser().absolute() for p in (args.inputs_roots or here)),
-            "outputs_roots": tuple(p.expanduser().absolute() for p in (args.outputs_roots or here))}
+            "outputs_roots": tuple(p.expanduser().absolute() for p in (args.outputs_roots or here)),
+            "metrics_token_file": None if token_file is None else token_file.expanduser().absolute()}
 
 
 def folder_and_model_flags(config: FarmConfig) -> list[str]:
     """The flags that give another process the same lists (the farm's process is started so)."""
     return ([x for name, path in config.models for x in ("--model", f"{name}={path}")]
             + [x for p in config.inputs_roots for x in ("--inputs-root", str(p))]
-            + [x for p in config.outputs_roots for x in ("--outputs-root", str(p))])
+            + [x for p in config.outputs_roots for x in ("--outputs-root", str(p))]
+            + ([] if config.metrics_token_file is None else ["--metrics-token-file", str(config.metrics_token_file)]))

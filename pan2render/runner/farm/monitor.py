@@ -6,7 +6,7 @@ and needs no token to load; everything it shows comes from the token-protected A
     GET  /                                 the page; /static/<name> its script and style sheet
     GET  /api/stream                       server-sent events: the farm's snapshot each time it changes
     GET  /api/batches/{id}/view            a batch's jobs laid out as its report does, and its ledger's events
-    GET  /api/batches/{id}/files/{path}    a video, poster or params.json of a batch the farm serves
+    GET  /api/batches/{id}/files/{path}    a video, poster, params.json or live preview of a batch the farm serves
 
 What a browser adds to the token: every response says ``nosniff`` and carries a strict
 Content-Security-Policy (no inline script, nothing from another origin), and a POST is refused
@@ -33,6 +33,7 @@ from aiohttp import ClientConnectionResetError, web
 
 from pan2render.jobs import outdir
 from pan2render.jobs.ledger import Ledger
+from pan2render.preview_file import PREVIEW_NAME
 from pan2render.runner.farm.http import ApiError, route
 from pan2render.runner.protocol.artifacts import VIDEO_NAME
 from pan2render.runner.protocol.outputs import PARAMS_NAME
@@ -55,12 +56,12 @@ STREAM_POLL_S = 0.25  # how often the stream looks for a new snapshot (the farm 
 KEEPALIVE_S = 15.0  # a comment line this often keeps proxies from closing a quiet stream
 LEDGER_EVENTS_SHOWN = 100
 FILE_CHUNK = 1 << 20
-# The files of a batch the page may ask for: a job's video and params.json, a poster the report made.
-# One segment of a job id or poster name: no separators, no leading dot (so no "..").
+# The files of a batch the page may ask for: a job's video, params.json and live preview, a poster
+# the report made. One segment of a job id or poster name: no separators, no leading dot (so no "..").
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}"
-_SERVED_FILES = re.compile(rf"(?:{_NAME}/(?:{re.escape(VIDEO_NAME)}|{re.escape(PARAMS_NAME)})"
+_SERVED_FILES = re.compile(rf"(?:{_NAME}/(?:{re.escape(VIDEO_NAME)}|{re.escape(PARAMS_NAME)}|{re.escape(PREVIEW_NAME)})"
                            rf"|{re.escape(POSTER_DIR)}/{_NAME}\.png)")
-_TYPES = {".mp4": "video/mp4", ".png": "image/png", ".json": "application/json"}
+_TYPES = {".mp4": "video/mp4", ".png": "image/png", ".json": "application/json", ".webp": "image/webp"}
 
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' blob:; media-src 'self' blob:; "
        "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
@@ -184,8 +185,8 @@ class MonitorApi:
         batch = await self._batch(request.match_info["id"])
         rel = request.match_info["path"]
         if not _SERVED_FILES.fullmatch(rel):
-            raise _not_found(f"{rel!r}: the monitor serves a job's {VIDEO_NAME} and {PARAMS_NAME} and the report's "
-                             f"posters, nothing else")
+            raise _not_found(f"{rel!r}: the monitor serves a job's {VIDEO_NAME}, {PARAMS_NAME} and {PREVIEW_NAME} "
+                             f"and the report's posters, nothing else")
         loop = asyncio.get_running_loop()
         try:
             fd, size = await loop.run_in_executor(None, _open_inside, Path(batch["out_dir"]), rel)
@@ -212,12 +213,13 @@ def _static(name: str) -> bytes:
 
 def _open_inside(out_dir: Path, rel: str) -> tuple[int, int]:
     """An fd of the regular file ``out_dir/rel``, its size: the subfolder entered with lstat and the
-    file opened without following a link, so a link planted in a job's folder leads nowhere."""
+    file opened without following a link, so a link planted in a job's folder leads nowhere, and
+    without waiting (O_NONBLOCK): a FIFO planted there is refused, not waited on by a thread."""
     parent, name = rel.split("/")
     folder = out_dir / parent
     if not stat.S_ISDIR(os.lstat(folder).st_mode):
         raise outdir.UnsafePathError(folder, "not a folder")
-    fd = outdir.open_file(folder / name, os.O_RDONLY)
+    fd = outdir.open_file(folder / name, os.O_RDONLY | os.O_NONBLOCK)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)

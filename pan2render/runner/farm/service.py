@@ -37,6 +37,7 @@ from pan2render.runner.farm.folder import LOG_NAME, VIDEOS_DIR
 from pan2render.runner.farm.queue import BatchEvent, BatchState, FarmQueue, QueuedBatch, QueueError
 from pan2render.runner.farm.requests import Requests
 from pan2render.runner.farm.users import ADMIN
+from pan2render.runner.protocol.artifacts import preview_relpath
 from pan2render.runner.serve import errors
 from pan2render.runner.serve.jobflow import BatchFlow
 from pan2render.runner.serve.pool import GroupPool
@@ -44,6 +45,7 @@ from pan2render.runner.serve.progress import RunningJob, RunProgress
 from pan2render.runner.serve.scheduler import Scheduler, ServedBatch
 from pan2render.runner.serve.session import BatchSession, model_folder_problems
 from pan2render.runner.serve.steps import PAN2_FLOW
+from pan2render.runner.views.eta import BatchEta
 from pan2render.runner.views.report import ReportUpdater
 
 PUBLISH_EVERY_S = 0.5  # the snapshot's age at most (each publish counts every served batch's jobs)
@@ -124,6 +126,12 @@ class Farm:
             body = cache[name] = json.dumps(make(snap)).encode()
         return body
 
+    @property
+    def snapshot_age_s(self) -> float:
+        """Seconds since the main thread published its snapshot (at most PUBLISH_EVERY_S and a pass
+        while its loop turns; infinite before the first): from any thread."""
+        return time.monotonic() - self._published
+
     def stop(self) -> None:
         self._stopping.set()
 
@@ -145,7 +153,8 @@ class Farm:
             return found
         return _description(row, s.session.counts()) | {
             "running": [r.job.id for r in self.scheduler.running(s.batch)],
-            "queued": self.scheduler.queued(s.batch), "eta_s": s.batch.progress.eta_seconds()}
+            "queued": self.scheduler.queued(s.batch), "waiting": self.scheduler.waiting(s.batch),
+            "eta_s": s.batch.progress.eta_seconds()}
 
     # ================================================================== serving batches
     def resume_unfinished(self) -> None:
@@ -192,7 +201,8 @@ class Farm:
             session.close()
             raise
         report = ReportUpdater(session.out_dir, say=session.log.line)
-        progress = RunProgress(log=session.log, live=False)
+        eta = BatchEta(session.out_dir, session.job_ids, gpus=self.scheduler.pool.total_gpus)
+        progress = RunProgress(log=session.log, live=False, eta=lambda: eta.seconds(session.ledger))
         holder: dict[str, ServedBatch] = {}
         flow = BatchFlow(out_dir=session.out_dir, ledger=session.ledger, flow=PAN2_FLOW, say=session.log.line,
                          upcoming=lambda: self.scheduler.upcoming(holder["batch"]), models_per_group=1)
@@ -337,7 +347,18 @@ def _running_row(batch_id: str, progress: RunProgress, r: RunningJob) -> dict[st
     steps = r.steps
     return {"job": r.job_id, "batch": batch_id, "group": r.group, "stage": r.stage,
             "stage_s": progress.stage_seconds(r), "step": steps.done if steps else None,
-            "total": steps.total if steps else None, "rate": steps.rate if steps else None}
+            "total": steps.total if steps else None, "rate": steps.rate if steps else None,
+            "preview": _preview(batch_id, r)}
+
+
+def _preview(batch_id: str, r: RunningJob) -> dict[str, Any] | None:
+    """A running job's newest preview: its step, and where the monitor's files route serves it (the
+    step in the query, so that a browser fetches each new picture)."""
+    if r.preview is None:
+        return None
+    step, total = r.preview
+    return {"step": step, "steps": total,
+            "url": f"/api/batches/{batch_id}/files/{preview_relpath(r.job_id)}?step={step}"}
 
 
 def exit_code(state: BatchState, counts: dict[str, int]) -> int | None:
@@ -358,8 +379,8 @@ def _description(row: QueuedBatch, counts: dict[str, int]) -> dict[str, Any]:
     return {"id": row.id, "out_dir": row.out_dir, "batch": row.batch_path, "owner": row.owner,
             "priority": row.priority, "preempt": row.preempt, "state": row.state.value, "reason": row.reason,
             "submitted_at": row.submitted_at, "updated_at": row.updated_at, "counts": counts, "running": [],
-            "queued": 0, "eta_s": None, "exit_code": exit_code(row.state, counts), "video_id": row.video_id,
-            "hidden": row.hidden}
+            "queued": 0, "waiting": 0, "eta_s": None, "exit_code": exit_code(row.state, counts),
+            "video_id": row.video_id, "hidden": row.hidden}
 
 
 def _ledger_counts(out_dir: Path, job_ids: list[str]) -> dict[str, int]:

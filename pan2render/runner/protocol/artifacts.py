@@ -7,6 +7,7 @@ shared filesystem. Layout under the output folder ``DIR``::
     DIR/_cache/embeddings/<sha256(text_encoder_id, prompt)>.safetensors   conditioning
     DIR/<job-id>/latents.safetensors                                       sampling
     DIR/<job-id>/video.mp4                                                 decode + encode
+    DIR/<job-id>/preview.webp        the newest live preview of its sampling, until the job is done
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pan2render.jobs.disk import ensure_free
 from pan2render.jobs.ledger import StageRecord
 from pan2render.jobs.spec import JobSpec
 from pan2render.jobs.weights import sha256_file
+from pan2render.preview_file import PREVIEW_NAME
 from pan2render.runner.protocol.failures import JobInputError
 from pan2render.sampling import WAN22
 
@@ -74,6 +76,10 @@ def step_checkpoint_relpath(job_id: str) -> str:
     return f"{job_id}/{STEP_CHECKPOINT_NAME}"
 
 
+def preview_relpath(job_id: str) -> str:
+    return f"{job_id}/{PREVIEW_NAME}"
+
+
 # ------------------------------------------------------------------ what the files hold
 def array_digest(a: np.ndarray) -> str:
     """sha256 of an array's bytes in C order (a float32 tensor's bytes, as torch lays them out)."""
@@ -112,6 +118,21 @@ def write_artifact(out_dir: Path, relpath: str, data: bytes) -> None:
     path = safe_path(out_dir, relpath)
     ensure_free(path.parent, len(data), what=relpath)
     write_atomic(path, data)
+
+
+def write_preview(out_dir: Path, relpath: str, data: bytes) -> None:
+    """Replace a live preview: temp name, rename, no fsync and no free-space check. A preview is
+    replaced every few seconds and worth nothing after a crash (the next sampling makes another);
+    the rename still means a reader sees the old picture or the new one, never half of one."""
+    path = safe_path(out_dir, relpath)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with os.fdopen(outdir.create_new(tmp), "wb") as f:  # a predictable name: never through a link
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def safe_path(out_dir: Path, relpath: str) -> Path:

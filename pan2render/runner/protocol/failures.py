@@ -10,12 +10,15 @@ The classes (what each costs a job is the policy's):
 |                | torch's AcceleratorError, a torch.distributed error)                              |
 | out-of-memory  | torch's OutOfMemoryError, MemoryError, or Ray's memory monitor killed the worker  |
 | input          | JobInputError and its kinds: bad input detected by our code (an image that does   |
-|                | not decode, NaN output, an artifact that keeps failing its check)                 |
+|                | not decode, NaN output, an artifact that keeps failing its check); and a cached   |
+|                | job's model without a MagCache calibration (lanes.CalibrationMissing)            |
 | unknown        | anything else, a library's ValueError included                                    |
 | cluster-lost   | the job's node left the cluster, or the cluster lost the GPUs the job needs, or   |
 |                | its GCS stopped answering                                                         |
 | storage        | the output folder refused a driver write: disk full, quota, read-only filesystem, |
 |                | permission denied                                                                 |
+| dependency     | a job it runs after (``after``) failed: it never started (the scheduler's record, |
+|                | not something raised)                                                             |
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from pan2render.jobs.disk import is_disk_full
 from pan2render.jobs.ledger import Stage
+from pan2render.lanes import CalibrationMissing
 
 
 class FailureKind(str, enum.Enum):
@@ -36,6 +40,7 @@ class FailureKind(str, enum.Enum):
     UNKNOWN = "unknown"
     CLUSTER_LOST = "cluster-lost"
     STORAGE = "storage"
+    DEPENDENCY = "dependency"
 
 
 # ---------------------------------------------------------------------- our exception types
@@ -96,7 +101,7 @@ def classify_exception(e: BaseException, *, on_worker: bool = False) -> FailureK
         return FailureKind.WORKER_DEATH
     if _out_of_memory(e):
         return FailureKind.OUT_OF_MEMORY
-    if isinstance(e, JobInputError):
+    if isinstance(e, (JobInputError, CalibrationMissing)):  # the same on any worker: not retried
         return FailureKind.INPUT
     if not on_worker and (is_disk_full(e) or (isinstance(e, OSError)
                                               and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS))):

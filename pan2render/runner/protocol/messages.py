@@ -18,6 +18,8 @@ Messages stay small: artifacts (embeddings, latents, mp4s) travel as ``bytes``. 
     SampleCall(model, job_id, spec, embeds...)  -> SampleReply         latents safetensors bytes
     DecodeCall(model, job_id, spec, latents)    -> DecodeReply         hands the encode to a thread
     CollectCall(job_id)                         -> CollectReply        the checked mp4 (I/O lane)
+    StopSamplingCall, FetchCheckpointCall,
+    FetchPreviewCall(job_id, after_step)        -> beside a sampling, on the I/O lane
 
 Which stage makes which call, and how its reply is recorded, is declared in ``serve/jobflow.py`` and ``serve/steps.py``.
 """
@@ -39,9 +41,9 @@ DEFAULT_PIPELINE_FACTORY = "pan2render.runner.worker.inputs:load_pan2_pipeline"
 # video's yuv420p planes in this worker's host memory until encoded (121 frames of 704x1248:
 # 160 MB), so a group whose encodes fall behind stops taking jobs instead of piling frames up.
 MAX_ENCODES_IN_FLIGHT = 2
-# Calls that may wait at once on one actor's I/O lane: the collects, a step checkpoint's fetch and
-# a sampling's stop.
-IO_CONCURRENCY = MAX_ENCODES_IN_FLIGHT + 2
+# Calls that may wait at once on one actor's I/O lane: the collects, a step checkpoint's fetch, a
+# preview's fetch and a sampling's stop.
+IO_CONCURRENCY = MAX_ENCODES_IN_FLIGHT + 3
 # GPU-lane calls the driver may have issued to one group at once: the one running and the next
 # job's first call queued behind it. The actor's GPU lane gets this many threads, so the call whose
 # turn it is always has one while the other waits for its turn.
@@ -243,16 +245,15 @@ class StopSamplingCall(WorkerCall):
 
 
 @dataclass(frozen=True)
-class FetchCheckpointCall(WorkerCall):
-    """The job's newest step checkpoint after ``after_step`` (rank 0; waits up to ``wait_s`` for one
-    while the job samples). Its reply is a CheckpointReply, or None when the sampling ended or no
-    newer one came in time."""
+class _FetchNewestCall(WorkerCall):
+    """Something rank 0 keeps of a job while it samples, newer than ``after_step``: waits up to
+    ``wait_s`` for it; None when the sampling ended or nothing newer came in time. On the I/O lane,
+    so that it never waits behind the sampling it asks about."""
 
     lane: ClassVar[Lane] = Lane.IO
     stage: ClassVar[Stage | None] = Stage.SAMPLING
     marks_stage: ClassVar[bool] = False
     shown: ClassVar[str] = "sampling"
-    timeout_key: ClassVar[str] = "fetch_checkpoint"
     default_timeout_s: ClassVar[float] = 600.0
     job_id: str
     after_step: int
@@ -260,10 +261,31 @@ class FetchCheckpointCall(WorkerCall):
 
 
 @dataclass(frozen=True)
+class FetchCheckpointCall(_FetchNewestCall):
+    """The job's newest step checkpoint (a CheckpointReply)."""
+
+    timeout_key: ClassVar[str] = "fetch_checkpoint"
+
+
+@dataclass(frozen=True)
 class CheckpointReply:
     step: int
     total_steps: int
     data: bytes  # step-checkpoint bytes (step_checkpoint.py)
+
+
+@dataclass(frozen=True)
+class FetchPreviewCall(_FetchNewestCall):
+    """The job's newest live preview (a PreviewReply)."""
+
+    timeout_key: ClassVar[str] = "fetch_preview"
+
+
+@dataclass(frozen=True)
+class PreviewReply:
+    step: int
+    total_steps: int
+    image: bytes  # the preview file's bytes: a WebP strip with its note (preview_file.py)
 
 
 @dataclass(frozen=True)
@@ -302,7 +324,7 @@ class CollectReply:
 
 # Every call the driver makes for a job (each with a deadline), in a job's order.
 JOB_CALLS: tuple[type[WorkerCall], ...] = (LoadCall, EncodePromptsCall, SampleCall, DecodeCall, CollectCall,
-                                           StopSamplingCall, FetchCheckpointCall)
+                                           StopSamplingCall, FetchCheckpointCall, FetchPreviewCall)
 SETUP_CALLS: tuple[type[WorkerCall], ...] = (RendezvousCall, InitGroupCall)
 
 

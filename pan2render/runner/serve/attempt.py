@@ -52,6 +52,10 @@ class IllegalPhaseMove(RuntimeError):
     """A move :data:`PHASE_MOVES` does not allow: a bug in the scheduler, never the job's."""
 
 
+# How the ledger's reason for a preempted job's return to the queue begins (the scheduler's stop).
+PREEMPTED_AT = "preempted at step"
+
+
 class StopKind(str, enum.Enum):
     CANCEL = "cancel"  # a client cancelled the job: it ends cancelled
     PREEMPT = "preempt"  # a higher-priority batch takes its group: it goes back to the queue, uncharged
@@ -76,13 +80,15 @@ class JobRun:
     group: Group
     phase: Phase = Phase.READY
     call: Call | None = None  # the call in flight
-    side: Call | None = None  # an I/O-lane call beside it: the sampling's step checkpoint fetch
+    # I/O-lane calls beside it while it samples: its step checkpoint's and its preview's fetches
+    sides: list[Call] = field(default_factory=list)
     stop: Stop | None = None  # set once it is being cancelled or preempted
     stopped_at: int | None = None  # the step its sampling stopped after (phase STOPPED)
     spec_sent: bool = False  # the group's workers hold this attempt's spec (sent with its first job call)
     encode_texts: list[str] = field(default_factory=list)  # texts of the encode_prompts in flight
     decode_s: float | None = None  # how long its decode took, once it returned
     checkpoint_step: int = 0  # the step of its newest step checkpoint recorded (0: none)
+    preview_step: int = 0  # the step of its newest preview written (0: none this attempt)
     sample_started_at: float = 0.0  # when its SampleCall went out (time.time): the watchdog's start
     last_step: StepReport | None = None  # the latest step this attempt's sampling reported
     number: int = field(default_factory=lambda: next(_RUN_NUMBERS))  # unique in this process

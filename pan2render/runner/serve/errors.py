@@ -73,13 +73,16 @@ def explain(e: BaseException, *, folder: Path | None, resume: str | None = None)
             f"with the log named below. {intact}")
 
 
-def broken_checkpoints(broken: dict[str, list[str]], *, resume: str | None) -> str:
+def broken_checkpoints(broken: dict[str, list[str]], *, resume: str | None, recorded: bool = True) -> str:
     """The paragraph for checkpoint folders that cannot be loaded (``broken``: folder -> problems):
     no job was started, none was charged. ``resume``: the command that renders the recorded jobs
-    once the folder is fixed; None where the farm refused to queue or continue the batch."""
+    once the folder is fixed; None where the farm refused to queue or continue the batch.
+    ``recorded=False``: `run` refused the batch before recording it."""
     listed = "; ".join(f"{folder}: " + " / ".join(p.removeprefix(folder).lstrip("/: ") or p for p in problems)
                        for folder, problems in broken.items())
-    then = (f"the jobs stay pending. Fix the folder (or point `model` at a complete one), then `{resume}` renders "
+    then = ("nothing was recorded. Fix the folder (or point `model` at a complete one), then run the same command "
+            "again." if not recorded else
+            f"the jobs stay pending. Fix the folder (or point `model` at a complete one), then `{resume}` renders "
             f"them." if resume is not None else
             "the farm does not serve the batch. Fix the folder (or point `model` at a complete one), then submit "
             "it again (or `pan2-render retry` it, where it was queued).")

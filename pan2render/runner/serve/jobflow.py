@@ -22,7 +22,9 @@ from __future__ import annotations
 import enum
 import json
 import os
+import re
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,9 +42,10 @@ from pan2render.jobs.ledger import (
     stage_name,
 )
 from pan2render.jobs.spec import JobSpec
+from pan2render.lanes import FastLanes
 from pan2render.phases import describe as describe_phases
 from pan2render.runner.protocol import artifacts
-from pan2render.runner.protocol.failures import ArtifactCheckError, Failure
+from pan2render.runner.protocol.failures import ArtifactCheckError, Failure, FailureKind, classify_exception
 from pan2render.runner.protocol.messages import CheckpointReply, LoadCall, LoadReply, Warmup, WorkerCall
 from pan2render.runner.protocol.timeline import stamp
 from pan2render.runner.serve.attempt import JobRun
@@ -109,6 +112,34 @@ def file_proof(out_dir: Path, relpath: str) -> tuple[artifacts.Recorded, dict[st
     return rec, {"artifact": relpath, "sha256": rec.sha256, "size": rec.size}
 
 
+# ---------------------------------------------------------------------- what the ledger's reasons say
+_FAILED = re.compile(r"(?:\S+ failed|not started) \[([a-z-]+)\]")
+_LOAD_SECONDS = re.compile(r", (\d+(?:\.\d+)?) s \(weights ")  # in the detail BatchFlow.record_load writes
+
+
+def failed_reason(stage: str, kind: FailureKind) -> str:
+    """How the reason of a retry or a failure the flow records begins (``record_failure``)."""
+    return f"{stage} failed [{kind.value}]"
+
+
+def unstarted_reason(kind: FailureKind) -> str:
+    """How the reason of a job that failed without starting begins (``end_unstarted``)."""
+    return f"not started [{kind.value}]"
+
+
+def failure_class(reason: str) -> str | None:
+    """The failure class a reason :func:`failed_reason` or :func:`unstarted_reason` began names
+    (None: another reason)."""
+    found = _FAILED.match(reason)
+    return found.group(1) if found else None
+
+
+def load_seconds(detail: str) -> float | None:
+    """The seconds a group's load took, from the detail of its GROUP_LOAD event."""
+    found = _LOAD_SECONDS.search(detail)
+    return float(found.group(1)) if found else None
+
+
 # ---------------------------------------------------------------------- the flow
 @dataclass(frozen=True)
 class JobFlow:
@@ -165,7 +196,6 @@ class Upcoming(Protocol):
 
     @property
     def prompts(self) -> tuple[str, ...]: ...  # its prompt and negative prompt
-
 
 
 class BatchFlow:
@@ -237,6 +267,10 @@ class BatchFlow:
 
     def finish(self, run: JobRun) -> None:
         self.ledger.transition(run.job.id, JobEvent.FINISH, reason="video.mp4 written and checked")
+        # A done job's live preview goes: its video (and the report's poster of it) shows what it
+        # is, and a picture of an earlier step left beside them would pass for the result. A job
+        # that ends otherwise keeps its last preview, the last look at it (status, the report).
+        (self.out_dir / artifacts.preview_relpath(run.job.id)).unlink(missing_ok=True)
 
     def fail_unrunnable(self, job_id: str, reason: str) -> None:
         """A job that can never run here (it needs more GPUs than a node has): failed at its first
@@ -245,6 +279,16 @@ class BatchFlow:
         self.ledger.set_stage(job_id, first, StageEvent.FAIL, error=reason)
         self.ledger.transition(job_id, JobEvent.FAIL, error=reason, error_stage=first, reason=reason)
 
+    def end_unstarted(self, job_id: str, event: JobEvent, why: str) -> None:
+        """A queued job ends without having started, as a job it runs after did (``event``: fail or
+        cancel), with ``why``. Failed, its reason names the class (dependency), as the flow's other
+        failures name theirs; no stage row is touched: none ran."""
+        if event is JobEvent.FAIL:
+            self.ledger.transition(job_id, event, error=why,
+                                   reason=f"{unstarted_reason(FailureKind.DEPENDENCY)}: {why}")
+        else:
+            self.ledger.transition(job_id, event, reason=why)
+
     def next_stage(self, job_id: str) -> str:
         """The first stage of the job that is not done (the one a failure now belongs to)."""
         st = self.ledger.stages(job_id)
@@ -252,6 +296,12 @@ class BatchFlow:
                     self.flow.stages[-1])
 
     # ------------------------------------------------------------------ failures
+    def driver_failure(self, job_id: str, e: Exception) -> Failure:
+        """A failure of the job on the driver's side (an input gone, a write refused, an artifact that
+        fails its check), charged to the stage it was about to run, classed by the exception."""
+        return Failure(stage=self.next_stage(job_id), kind=classify_exception(e),
+                       error=f"driver: {type(e).__name__}: {e}", traceback=traceback.format_exc(), cause=e)
+
     def record_failure(self, job_id: str, failure: Failure, decision: Decision) -> None:
         """Carry a decision out in the ledger: the job goes back to pending (requeue: uncharged;
         retry: one attempt spent) or fails, with the stage's error and traceback."""
@@ -260,16 +310,14 @@ class BatchFlow:
             return
         self.ledger.set_stage(job_id, failure.stage, StageEvent.FAIL, error=failure.message,
                               traceback=failure.traceback)
-        stage = stage_name(failure.stage)
+        failed = failed_reason(stage_name(failure.stage), failure.kind)
         if decision.action is Action.RETRY:
             self.ledger.transition(job_id, JobEvent.RETRY, error=failure.message, error_stage=failure.stage,
-                                   reason=f"{stage} failed [{failure.kind.value}], {decision.reason}: "
-                                          f"{failure.message}")
+                                   reason=f"{failed}, {decision.reason}: {failure.message}")
         else:
             self.ledger.transition(job_id, JobEvent.FAIL, error_stage=failure.stage,
                                    error=f"{failure.message} [{failure.kind.value}: {decision.reason}]",
-                                   reason=f"{stage} failed [{failure.kind.value}] ({decision.reason}): "
-                                          f"{failure.message}")
+                                   reason=f"{failed} ({decision.reason}): {failure.message}")
 
     def count_redo(self, job_id: str, problem: str) -> None:
         """A check rejected one of the job's artifacts, which is about to be redone: allowed
@@ -314,6 +362,13 @@ class BatchFlow:
         path = self.out_dir / rel
         if self.ledger.document(run.job.id, artifacts.STEP_CHECKPOINT_DOC) is None and not path.is_file():
             return None
+        if not FastLanes.of(run.job.spec.sample_args()).steps_exact:
+            # The worker would refuse it too, but only in its reply, once the sampling has run:
+            # until then `status` would show the restarted sampling behind a checkpoint it does not
+            # continue from (sampling 15/500 (checkpoint at 314)).
+            self.drop_step_checkpoint(run.job.id, "a step cache's kept residuals are not in a step checkpoint: "
+                                                  "sampling from step 0")
+            return None
         try:
             fd = outdir.open_file(path, os.O_RDONLY)  # (never through a link planted at its name)
             with os.fdopen(fd, "rb") as f:
@@ -325,8 +380,9 @@ class BatchFlow:
             self.drop_step_checkpoint(run.job.id, f"its step checkpoint is refused ({problem}); sampling from step 0")
             return None
         run.checkpoint_step = header.step
-        self.say(f"{run.job.name}: continuing its sampling from the step checkpoint at step "
-                 f"{header.step}/{header.key.total_steps}")
+        said = f"continuing its sampling from the step checkpoint at step {header.step}/{header.key.total_steps}"
+        self.ledger.log(run.job.id, EventKind.CHECKPOINT_RESUMED, said)
+        self.say(f"{run.job.name}: {said}")
         return data
 
     def record_step_checkpoint(self, run: JobRun, reply: CheckpointReply) -> None:

@@ -158,7 +158,12 @@ class RunningJob:
     stage: str
     stage_since: float  # RunProgress.clock's time the stage began
     steps: StepReport | None = None  # while sampling: its latest steps
+    preview: tuple[int, int] | None = None  # (step, steps) of its newest preview written this attempt
 
+
+# The batch's ETA is planned again at each job's start, stage and end (what changes it in the
+# ledger), else at most this often (a sampling's recorded step; a terminal redraws every 0.25 s).
+ETA_EVERY_S = 1.0
 
 
 @dataclass
@@ -167,6 +172,9 @@ class RunProgress:
 
     log: RunLog
     live: bool = False
+    # The batch's ETA (views/eta.py: from its ledger, as `status` and the farm's monitor say it);
+    # None: this run's throughput so far.
+    eta: Callable[[], float | None] | None = None
     summary_every_s: float = 60.0
     redraw_every_s: float = 0.25
     clock: Callable[[], float] = time.monotonic
@@ -180,6 +188,8 @@ class RunProgress:
     _last_draw: float = -1e9
     _drawn_lines: int = 0
     _guarded: list[tuple[str, TextIO]] = field(default_factory=list)  # (sys attribute, stream it replaced)
+    _eta: float | None = None
+    _eta_at: float = -1e9
 
     def __post_init__(self) -> None:
         if self.summary_every_s <= 0:
@@ -202,6 +212,7 @@ class RunProgress:
         self.log.line(text)  # (on a terminal the log clears the block first and redraws it after)
 
     def job_started(self, job_id: str, *, group: str, attempt: int) -> None:
+        self._eta_at = -1e9
         self._running[job_id] = RunningJob(job_id=job_id, group=group, stage="starting", stage_since=self.clock())
         self.say(f"start  {job_id}  on {group}" + (f", attempt {attempt}" if attempt > 1 else ""))
 
@@ -210,6 +221,7 @@ class RunProgress:
         if r is None or r.stage == stage:
             return
         r.stage, r.stage_since, r.steps = stage, self.clock(), None
+        self._eta_at = -1e9
         self.say(f"stage  {job_id}  {stage}")
 
     def steps(self, reports: dict[str, StepReport]) -> None:
@@ -218,10 +230,17 @@ class RunProgress:
             if r is not None and r.stage == "sampling":
                 r.steps = rep
 
+    def preview(self, job_id: str, *, step: int, total: int) -> None:
+        """The job's newest preview (``DIR/<job>/preview.webp``) now shows the x0 of step ``step``."""
+        r = self._running.get(job_id)
+        if r is not None:
+            r.preview = (step, total)
+
     def job_ended(self, job_id: str, outcome: str, detail: str = "") -> None:
         """``outcome``: done, retry, FAILED, requeued (not charged: the environment failed) or
         interrupted."""
         self._running.pop(job_id, None)
+        self._eta_at = -1e9
         if outcome == "done":
             self.done += 1
         elif outcome == "FAILED":
@@ -263,11 +282,17 @@ class RunProgress:
         return self.clock() - r.stage_since
 
     def eta_seconds(self) -> float | None:
-        """Jobs left over this run's throughput so far; None until a job has ended this run."""
+        """The batch's ETA (``eta``), else the jobs left over this run's throughput so far (None
+        until a job has ended this run)."""
         left = self.total - self.done - self.failed
-        elapsed = self.clock() - self._started
         if left <= 0:
             return 0.0
+        if self.eta is not None:
+            now = self.clock()
+            if now - self._eta_at >= ETA_EVERY_S:
+                self._eta, self._eta_at = self.eta(), now
+            return self._eta
+        elapsed = self.clock() - self._started
         if not self._ended_this_run or elapsed <= 0:
             return None
         return left * elapsed / self._ended_this_run

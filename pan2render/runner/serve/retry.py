@@ -19,6 +19,8 @@ on may take the next job:
 |                | the GPUs the job needs, or its GCS stopped answering | batch waits for GPUs (bounded)       |
 | storage        | the output folder refused a driver write: disk full, | back to pending, NOT charged; the    |
 |                | quota, read-only filesystem, permission denied       | batch stops scheduling and exits     |
+| dependency     | a job it runs after (`after`) failed                 | fail now, never started (NOT         |
+|                |                                                      | charged); `retry`/`resume` revive it |
 
 Across classes: the same error twice in a row on the same stage of a job stops retrying it (the
 backstop for a deterministic failure we did not recognise by type), as does a spent retry budget.
@@ -104,6 +106,8 @@ class RetryPolicy:
                                             "job); waiting for GPUs to return", keep_group=keep)
         if kind is FailureKind.INPUT:
             return Decision(Action.FAIL, "not retryable: deterministic for this job's inputs", keep_group=keep)
+        if kind is FailureKind.DEPENDENCY:  # (the scheduler ends such jobs itself: serve/waits.py)
+            return Decision(Action.FAIL, "not started: a job it runs after failed", keep_group=keep)
         signature = _signature(stage, error)
         repeated = self._last.get(job.id) == signature
         self._last[job.id] = signature

@@ -82,16 +82,16 @@ class Running:
         return next(b for b, r in self.on(run.group) if r is run)
 
     def find(self, call: Call) -> tuple[ServedBatch, JobRun] | None:
-        """The attempt ``call`` (its call or its side call) belongs to; None when it left. Its group
-        counts as moved: the reply moves the attempt on."""
+        """The attempt ``call`` (its call or one of its side calls) belongs to; None when it left.
+        Its group counts as moved: the reply moves the attempt on."""
         found = next(((b, r) for b, r in self._by_group.get(call.group.id, {}).values()
-                      if call is r.call or call is r.side), None)
+                      if call is r.call or any(call is side for side in r.sides)), None)
         if found is not None:
             self._moves(call.group)
         return found
 
     def calls(self) -> list[Call]:
-        return [c for _, r in self._runs.values() for c in (r.call, r.side) if c is not None]
+        return [c for _, r in self._runs.values() for c in (r.call, *r.sides) if c is not None]
 
     def held_group(self, size: int, *, behind_decode: bool, avoid: frozenset[str] = frozenset()) -> Group | None:
         """A group of ``size`` with attempts that can take one more: its GPU lane is free (or, with

@@ -14,27 +14,22 @@ group size is not free, later jobs wait too, so a 4-GPU job is never starved by 
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Iterator
 
 from pan2render.jobs.ledger import EventKind, JobEvent, JobRecord, JobState, Stage, StageEvent, stage_name
 from pan2render.runner.cluster.executor import Call, Executor, Group, GroupDied, GroupStartError
 from pan2render.runner.protocol.artifacts import CANCEL_DOC
 from pan2render.runner.protocol.failures import BatchStopped, Failure, FailureKind, classify_exception
-from pan2render.runner.protocol.messages import (
-    CheckpointReply,
-    FetchCheckpointCall,
-    Lane,
-    StopSamplingCall,
-    WorkerCall,
-)
+from pan2render.runner.protocol.messages import Lane, StopSamplingCall, WorkerCall
 from pan2render.runner.serve import watch
-from pan2render.runner.serve.attempt import JobRun, Phase, Stop, StopKind
+from pan2render.runner.serve.attempt import PREEMPTED_AT, JobRun, Phase, Stop, StopKind
 from pan2render.runner.serve.config import ServingConfig
 from pan2render.runner.serve.pool import GroupPool
 from pan2render.runner.serve.retry import Action, Decision, OnGroup, RetryPolicy
 from pan2render.runner.serve.running import Running
 from pan2render.runner.serve.serving import JobQueue, QueuedJob, ServedBatch
+from pan2render.runner.serve.sides import SideFetches
+from pan2render.runner.serve.waits import Waits
 
 
 class Scheduler:
@@ -52,24 +47,34 @@ class Scheduler:
         self._policy = RetryPolicy()
         self._cluster = watch.ClusterWait(executor, wait_s=config.cluster_wait_s)
         self._watch = watch.Watch(executor, stall_timeout_s=config.stall_timeout_s)
+        self._sides = SideFetches(executor, self._call)
 
     # ================================================================== what it serves
     def serve(self, batch: ServedBatch, job_ids: list[str]) -> None:
-        """Queue the named jobs of ``batch`` that are pending (prepared: see prepare_jobs)."""
+        """Queue the named jobs of ``batch`` that are pending (prepared: see prepare_jobs), each to
+        start once the jobs it runs after are done (serve/waits.py)."""
         self._batch_of[batch.seq] = batch
-        for job in batch.ledger.jobs(job_ids):
-            if job.state is not JobState.PENDING:
-                continue
-            if job.spec.gpus > self._max_group:
-                self._fail_unrunnable(batch, job)
-            else:
+        jobs = batch.ledger.jobs(job_ids)
+        batch.waits = Waits(jobs)
+        stuck = batch.waits.caught()  # job id -> why it can never start
+        for job in jobs:  # all queued before any ends: a job's end ends the queued jobs after it
+            if job.state is JobState.PENDING:
                 self._queue.add(batch, job)
+        for job in jobs:
+            if (q := self._queue.find(batch, job.id)) and (job.spec.gpus > self._max_group or job.id in stuck):
+                self._queue.remove(q)
+                self._fail_unrunnable(batch, job, stuck.get(job.id))
+            elif job.state in (JobState.FAILED, JobState.CANCELLED):  # not revived: the jobs after it cannot run
+                self._end_after(batch, job.id, job.state, job.error or "in an earlier run")
 
     def pending(self, batch: ServedBatch) -> list[str]:
         return [q.job_id for q in self._queue.of(batch)]
 
     def queued(self, batch: ServedBatch) -> int:  # len(pending(batch)), without the list
         return self._queue.count(batch)
+
+    def waiting(self, batch: ServedBatch) -> int:  # of queued(batch), those waiting for their `after`
+        return batch.waits.count(queued=lambda job_id: self._queue.find(batch, job_id) is not None)
 
     def running(self, batch: ServedBatch) -> list[JobRun]:
         return self._running.of(batch)
@@ -103,6 +108,8 @@ class Scheduler:
             self._queue.remove(q)
             batch.progress.job_ended(q.job_id, "cancelled", reason)
             batch.ended += 1
+        for q in queued:  # (once they are all out of the queue: one that waited for another is cancelled already)
+            self._end_after(batch, q.job_id, JobState.CANCELLED, reason)
         stopped = []
         for run in runs:
             run.stop = Stop(StopKind.CANCEL, reason)
@@ -145,7 +152,7 @@ class Scheduler:
             if run.cancelled:
                 self._end_cancelled(batch, run.job.id, f"{run.stop.reason}: sampling stopped at step {run.stopped_at}")
             else:
-                self._requeue(batch, run.job.id, f"preempted at step {run.stopped_at} by a higher-priority batch; "
+                self._requeue(batch, run.job.id, f"{PREEMPTED_AT} {run.stopped_at} by a higher-priority batch; "
                                                  f"it continues from its step checkpoint")
                 batch.progress.job_ended(run.job.id, "requeued", f"preempted at step {run.stopped_at}")
             return True
@@ -162,11 +169,12 @@ class Scheduler:
         batch.ledger.delete_document(job_id, CANCEL_DOC)  # (after: a crash between leaves it to prepare_jobs)
         batch.progress.job_ended(job_id, "cancelled", reason)
         batch.ended += 1
+        self._end_after(batch, job_id, JobState.CANCELLED, reason)
 
     def upcoming(self, batch: ServedBatch) -> Iterator[QueuedJob]:
-        """The batch's queued jobs in start order, with their prompts (the look-ahead's: reading
-        their specs from the ledger on every conditioning call cost ~0.1 s a call)."""
-        return (q for q in self._queue if q.batch is batch)
+        """The batch's queued jobs that may start (none waiting for its `after`), in start order, with
+        their prompts (the look-ahead's: reading their specs from the ledger cost ~0.1 s a call)."""
+        return (q for q in self._queue if q.batch is batch and not batch.waits.waits(q.job_id))
 
     # ================================================================== the loop
     def tick(self) -> None:
@@ -216,7 +224,7 @@ class Scheduler:
         if not self._cluster_ready():
             return
         for q in self._queue:  # (the queue may change while it is walked: see JobQueue)
-            if q.batch.stop is not None or q.batch.paused:
+            if q.batch.stop is not None or q.batch.paused or q.batch.waits.waits(q.job_id):
                 continue
             group = self._running.held_group(q.gpus, behind_decode=False, avoid=q.avoid)
             try:
@@ -261,11 +269,12 @@ class Scheduler:
             message = batch.flow.next_call(run)
         except Exception as e:  # any driver-side failure is the job's, with its class
             self._leave(batch, run)
-            return self._failed(batch, run.job.id, self._driver_failure(batch, run.job.id, e))
+            return self._failed(batch, run.job.id, batch.flow.driver_failure(run.job.id, e))
         if message is None:
             self._leave(batch, run)
             self.pool.succeeded(run.group)
             batch.flow.finish(run)
+            batch.waits.done(run.job.id)
             batch.progress.job_ended(run.job.id, "done")
             batch.ended += 1
             return None
@@ -275,8 +284,7 @@ class Scheduler:
         run.sent(message, self._call(run, message))
         if run.sampling:
             watch.started_sampling(run)
-            if run.job.spec.checkpoint_every > 0:
-                run.side = self._call(run, FetchCheckpointCall(job_id=run.job.id, after_step=0))
+            self._sides.start(run)  # its step checkpoint's and preview's fetches, beside it
             if run.stop is not None:  # asked before this call went out
                 self._stop_sampling(run)
         return None
@@ -285,30 +293,7 @@ class Scheduler:
         timeout_s = self.config.call_timeouts_s.get(message.timeout_key, message.default_timeout_s)
         return self.ex.call(run.group, message, timeout_s=timeout_s)
 
-    @staticmethod
-    def _driver_failure(batch: ServedBatch, job_id: str, e: Exception) -> Failure:
-        return Failure(stage=batch.flow.next_stage(job_id), kind=classify_exception(e),
-                       error=f"driver: {type(e).__name__}: {e}", traceback=traceback.format_exc(), cause=e)
-
     # ================================================================== results
-    def _on_side_reply(self, batch: ServedBatch, run: JobRun, call: Call) -> None:
-        """A step checkpoint fetched beside the job's sampling: recorded, and the next one asked for
-        while the sampling goes on. A fetch that failed is dropped (the sampling's own reply says
-        what became of the group)."""
-        run.side = None
-        try:
-            reply = self.ex.result(call)
-        except GroupDied:
-            return
-        if reply.failure is None and isinstance(reply.value, CheckpointReply):
-            try:
-                batch.flow.record_step_checkpoint(run, reply.value)
-            except Exception as e:  # a checkpoint not written costs only its minutes
-                batch.progress.say(f"{run.job.name}: step checkpoint not written: {type(e).__name__}: {e}")
-        after = reply.value.step if isinstance(reply.value, CheckpointReply) else run.checkpoint_step
-        if run.sampling:
-            run.side = self._call(run, FetchCheckpointCall(job_id=run.job.id, after_step=after))
-
     def _on_ready(self, call: Call) -> None:
         found = self._running.find(call)
         if found is None:
@@ -317,8 +302,8 @@ class Scheduler:
             self._on_reply(*found, call)
 
     def _on_reply(self, batch: ServedBatch, run: JobRun, call: Call) -> None:
-        if call is run.side:
-            return self._on_side_reply(batch, run, call)
+        if call is not run.call:  # a fetch beside its sampling (sides.py)
+            return self._sides.on_reply(batch, run, call)
         stage = call.message.stage
         assert stage is not None, f"{type(call.message).__name__} is not a job's call"
         try:
@@ -333,7 +318,7 @@ class Scheduler:
             batch.flow.record(run, call.message, reply.value, reply.seconds)
         except Exception as e:  # e.g. disk full, or the written video fails its check
             self._leave(batch, run)
-            return self._failed(batch, run.job.id, self._driver_failure(batch, run.job.id, e))
+            return self._failed(batch, run.job.id, batch.flow.driver_failure(run.job.id, e))
         run.returned()
         if not self._settle_stop(batch, run):
             self._advance(batch, run)
@@ -414,6 +399,8 @@ class Scheduler:
         else:
             batch.progress.job_ended(job_id, "FAILED", f"{line}; {decision.reason}")
             batch.ended += 1
+            error = batch.ledger.job(job_id).error  # (as recorded: the jobs after it say it whole)
+            self._end_after(batch, job_id, JobState.FAILED, f"{stage_name(failure.stage)}: {error}")
 
     def _requeue(self, batch: ServedBatch, job_id: str, reason: str) -> None:
         """Back to pending without charging the job (the environment failed, not the job). If the
@@ -441,10 +428,20 @@ class Scheduler:
             batch.progress.say(f"the cluster has {back} GPU(s) again; continuing")
         return True
 
-    def _fail_unrunnable(self, batch: ServedBatch, job: JobRecord) -> None:
-        msg = (f"needs a group of {job.spec.gpus} GPUs but the cluster has {self.pool.total_gpus} "
-               f"(at most {self._max_group} on one node, and a group must sit on one node); lower "
-               f"`gpus` or add GPUs (--cpu-gpus N on a CPU-only machine)")
+    def _fail_unrunnable(self, batch: ServedBatch, job: JobRecord, msg: str | None = None) -> None:
+        msg = msg or (f"needs a group of {job.spec.gpus} GPUs but the cluster has {self.pool.total_gpus} "
+                      f"(at most {self._max_group} on one node, and a group must sit on one node); lower "
+                      f"`gpus` or add GPUs (--cpu-gpus N on a CPU-only machine)")
         batch.flow.fail_unrunnable(job.id, msg)
         batch.progress.job_ended(job.id, "FAILED", msg)
         batch.ended += 1
+        self._end_after(batch, job.id, JobState.FAILED, msg)
+
+    def _end_after(self, batch: ServedBatch, job_id: str, state: JobState, reason: str) -> None:
+        """``job_id`` failed or was cancelled: the queued jobs after it end so too, unstarted (serve/waits.py)."""
+        for dependent, event, why in batch.waits.ended(job_id, state, reason,
+                                                        waiting=lambda j: self._queue.find(batch, j) is not None):
+            self._queue.remove(self._queue.find(batch, dependent))  # type: ignore[arg-type]
+            batch.flow.end_unstarted(dependent, event, why)
+            batch.progress.job_ended(dependent, "FAILED" if event is JobEvent.FAIL else "cancelled", why)
+            batch.ended += 1

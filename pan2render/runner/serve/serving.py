@@ -16,6 +16,7 @@ from pan2render.jobs.store import CommitError
 from pan2render.runner.protocol.failures import BatchStopped, FailureKind, classify_exception
 from pan2render.runner.serve.jobflow import BatchFlow
 from pan2render.runner.serve.progress import RunProgress
+from pan2render.runner.serve.waits import Waits
 
 
 class Standing(Protocol):
@@ -58,6 +59,7 @@ class ServedBatch:
     on_job_end: Callable[[], None] | None = None
     seq: int = field(default_factory=lambda: next(_served))  # served earlier, first among equals
     stop: BaseException | None = None  # set on a full disk: start nothing more of it
+    waits: Waits = field(default_factory=Waits)  # what its queued jobs wait for (their `after`)
     ended: int = 0  # jobs ended (done or failed) while served
     _ended_seen: int = 0
 
@@ -122,6 +124,7 @@ class JobQueue:
 
     def __init__(self) -> None:
         self._jobs: dict[QueuedJob, None] = {}  # the queued jobs (a QueuedJob hashes by identity)
+        self._by_id: dict[tuple[int, str], QueuedJob] = {}  # (batch seq, job id) -> its entry
         self._order: list[QueuedJob] | None = []  # the jobs in start order, and some removed; None: to sort
         self._head = 0  # entries of _order before this one are all removed
         self._removed = 0  # entries of _order no longer queued
@@ -135,6 +138,7 @@ class JobQueue:
                       frozenset(self._failed_on.get((batch.seq, job.id), ())),
                       (job.spec.prompt, job.spec.negative_prompt))
         self._jobs[q] = None
+        self._by_id[(batch.seq, job.id)] = q
         self._counts[batch.seq] = self._counts.get(batch.seq, 0) + 1
         if self._order is not None:
             at = bisect.bisect_right(self._order, _start_key(q), key=_start_key)
@@ -160,8 +164,13 @@ class JobQueue:
     def count(self, batch: ServedBatch) -> int:
         return self._counts.get(batch.seq, 0)
 
+    def find(self, batch: ServedBatch, job_id: str) -> QueuedJob | None:
+        """The job's entry, while it is queued."""
+        return self._by_id.get((batch.seq, job_id))
+
     def remove(self, q: QueuedJob) -> None:
         del self._jobs[q]
+        del self._by_id[(q.batch.seq, q.job_id)]
         if (left := self._counts[q.batch.seq] - 1) > 0:
             self._counts[q.batch.seq] = left
         else:

@@ -214,11 +214,12 @@ class BatchSession:
         except Exception as e:  # the answer says the batch was refused; the log says what stayed
             self.log.line(f"warning: the jobs just recorded could not be taken back ({type(e).__name__}: {e})")
 
-    def note_run(self, *, command: str, gpus: int) -> None:
-        """The ledger's list of runs (`status` shows the last: who serves the folder, with which flags)."""
+    def note_run(self, *, command: str, gpus: int, cpu_gpus: int | None = None) -> None:
+        """The ledger's list of runs (`status` shows the last: who serves the folder, with which flags;
+        `resume` takes the logical GPUs of the last, ``cpu_gpus``, when given none)."""
         self.ledger.set_meta("runs", [*self.ledger.get_meta("runs", []), {
             "command": command, "started": time.time(), "pid": os.getpid(), "host": socket.gethostname(),
-            "flags": self.flags, "gpus": gpus}])
+            "flags": self.flags, "gpus": gpus, "cpu_gpus": cpu_gpus}])
 
     def counts(self) -> dict[str, int]:
         states = list(self.ledger.job_states(self.job_ids).values())  # (the farm publishes them twice a second)

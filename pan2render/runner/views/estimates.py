@@ -22,9 +22,10 @@ measured 1.8-2.0x on 2 GPUs, so this is optimistic), plus one group start per gr
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
@@ -79,6 +80,12 @@ class StageTimes:
     def on_gpu(self) -> float:
         """What holds the group: the encode runs beside the next job's sampling."""
         return self.conditioning + self.sampling + self.decode
+
+    def left(self, done: StageTimes) -> StageTimes:
+        """What is left of these times once the fractions ``done`` (0..1 per stage) are."""
+        return StageTimes(*(t * (1.0 - d) for t, d in ((self.conditioning, done.conditioning),
+                                                        (self.sampling, done.sampling), (self.decode, done.decode),
+                                                        (self.encode, done.encode))))
 
 
 @dataclass(frozen=True)
@@ -182,16 +189,19 @@ class History:
         return history
 
     def _add(self, ledger: Ledger) -> int:
-        device = ledger_device(ledger)
-        if device is None:  # no group ever loaded there, or on both kinds: nothing to match on
-            return 0
+        # Each job's device as its params.json says (a farm's batch runs on groups loaded for
+        # another batch: no group-load event in its own ledger), else the folder's groups'.
+        folder = ledger_device(ledger)
+        devices = job_devices(ledger) if folder is None else {}  # (each job's params.json: only when needed)
         n = 0
         # Only the done jobs' specs and stage rows are read (the jobs first: a job recorded in
         # between has its rows too).
         done = ledger.jobs([job_id for job_id, state in ledger.job_states().items() if state is JobState.DONE])
         stages = ledger.all_stages([job.id for job in done])
         for job in done:
-            if job.state is not JobState.DONE:  # invalidated between the two reads (a resume's check)
+            device = devices.get(job.id, folder)
+            # (a job invalidated between the two reads, a resume's check; a job with no device to match on)
+            if job.state is not JobState.DONE or device is None:
                 continue
             st = stages.get(job.id, {})
             secs = [st[s].seconds for s in (Stage.CONDITIONING, Stage.SAMPLING, Stage.DECODE, Stage.ENCODE)]
@@ -226,6 +236,21 @@ def ledger_device(ledger: Ledger) -> str | None:
     kinds = {CUDA if m[1] == CUDA else CPU for e in ledger.events() if e.kind is EventKind.GROUP_LOAD
              for m in [_DEVICE.search(e.detail)] if m}
     return kinds.pop() if len(kinds) == 1 else None
+
+
+def job_devices(ledger: Ledger) -> dict[str, str]:
+    """Each done job's device kind, from the GPU layout its params.json records."""
+    from pan2render.runner.protocol.outputs import PARAMS_NAME  # (numpy, for the artifacts' checks)
+
+    out = {}
+    for job_id, text in ledger.with_document(PARAMS_NAME).items():
+        try:
+            device = (json.loads(text).get("gpu_layout") or {}).get("device")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(device, str) and device:
+            out[job_id] = CUDA if device.split(":")[0] == CUDA else CPU
+    return out
 
 
 def history_folders(out: Path | None) -> list[Path]:
@@ -364,12 +389,16 @@ class Plan:
 
 
 def plan(jobs: list[JobSpec], *, gpus: int, history: History, device: str = CUDA,
-         group_starts: bool = True) -> Plan:
+         group_starts: bool = True, started: Mapping[str, StageTimes] | None = None) -> Plan:
     """Estimate ``jobs`` (those still to render) on ``gpus`` GPUs of ``device`` kind (``cpu``:
     logical GPUs on a CPU), placed in order; with ``group_starts``, plus one group start per group
-    size (False: the groups are up already)."""
+    size (False: the groups are up already). ``started``: job id -> the fraction of each stage done
+    (a running job: only what is left of it is counted)."""
     fitted = {model: history.cost(model, device) for model in {job.model for job in jobs}}  # once per model
     estimates = [_estimate(job, fitted[job.model], device) for job in jobs]
+    if started:
+        estimates = [replace(e, times=e.times.left(started[e.job.job_id]))
+                     if e.times is not None and e.job.job_id in started else e for e in estimates]
     free_at = [0.0] * max(gpus, 1)
     last_encode = 0.0
     for e in estimates:

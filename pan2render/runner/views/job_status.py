@@ -8,7 +8,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pan2render.jobs.ledger import FolderLock, JobRecord, JobState, Ledger, Stage, StageRecord, StageState, stage_name
+from pan2render.jobs.after import waiting_for
+from pan2render.jobs.ledger import (
+    FolderLock,
+    JobRecord,
+    JobState,
+    Ledger,
+    Stage,
+    StageRecord,
+    StageState,
+    stage_name,
+    superseded,
+)
+from pan2render.preview_file import read_preview
 from pan2render.runner.protocol import artifacts as st
 
 # The state shown for a job the ledger calls running when no run holds the folder: its run was
@@ -21,28 +33,24 @@ class JobStatus:
     id: str
     name: str
     state: str  # a JobState's value, or INTERRUPTED
-    stage: str | None  # done: "encode"; failed: the failing stage; else the first unfinished stage
+    # done: "encode"; failed: the failing stage (None: it never ran); else the first unfinished stage
+    stage: str | None
     attempts: int
     error: str | None
     video: str | None  # absolute path of a finished video, else None
     seconds: dict[str, float | None]  # per stage
     superseded_by: str | None = None  # id of the newer version of this job (same name and sweep)
     problem: str | None = None  # a done job whose video is missing or not the recorded size
+    # A job not done whose sampling left a live preview: {"path" (absolute), "step", "steps"}
+    preview: dict[str, Any] | None = None
+    # A pending job that waits for the jobs it runs after: the names in its `after` not all done.
+    after: list[str] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "name": self.name, "state": self.state, "stage": self.stage,
                 "attempts": self.attempts, "error": self.error, "video": self.video,
-                "seconds": self.seconds, "superseded_by": self.superseded_by, "problem": self.problem}
-
-
-def superseded(jobs: list[JobRecord]) -> dict[str, str]:
-    """Old id -> newest id, for every job that has a newer version in the ledger: the same name and
-    sweep values under another spec hash (the batch was edited and run again into the folder).
-    Newest = added to the ledger last."""
-    newest: dict[str, str] = {}
-    for job in sorted(jobs, key=lambda j: j.position):
-        newest[job.spec.version_key] = job.id
-    return {j.id: newest[j.spec.version_key] for j in jobs if newest[j.spec.version_key] != j.id}
+                "seconds": self.seconds, "superseded_by": self.superseded_by, "problem": self.problem,
+                "preview": self.preview, "after": self.after}
 
 
 def job_statuses(out_dir: Path, ledger: Ledger, jobs: list[JobRecord] | None = None) -> list[JobStatus]:
@@ -51,11 +59,13 @@ def job_statuses(out_dir: Path, ledger: Ledger, jobs: list[JobRecord] | None = N
     newer = superseded(jobs)
     live = FolderLock.holder(out_dir) is not None
     stages = ledger.all_stages()
-    return [job_status(out_dir, job, stages.get(job.id, {}), newer.get(job.id), live=live) for job in jobs]
+    waits = waiting_for(jobs)
+    return [job_status(out_dir, job, stages.get(job.id, {}), newer.get(job.id), live=live, after=waits.get(job.id))
+            for job in jobs]
 
 
 def job_status(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], newer: str | None, *,
-            live: bool) -> JobStatus:
+               live: bool, after: list[str] | None = None) -> JobStatus:
     video = problem = None
     enc = stages[Stage.ENCODE]
     if job.state is JobState.DONE:
@@ -67,12 +77,23 @@ def job_status(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], 
     return JobStatus(id=job.id, name=job.name, state=state, stage=_stage_of(job, stages),
                      attempts=job.attempts, error=job.error, video=video,
                      seconds={stage_name(s): r.seconds for s, r in stages.items()}, superseded_by=newer,
-                     problem=problem)
+                     problem=problem, preview=None if job.state is JobState.DONE else preview_of(out_dir, job.id),
+                     after=after)
+
+
+def preview_of(out_dir: Path, job_id: str) -> dict[str, Any] | None:
+    """The job's live preview, where its sampling left one (a regular file with its note)."""
+    path = out_dir / st.preview_relpath(job_id)
+    note = read_preview(path)
+    if note is None:
+        return None
+    return {"path": str(path.absolute()), "step": note.step, "steps": note.total_steps}
 
 
 def _stage_of(job: JobRecord, stages: dict[Stage | str, StageRecord]) -> str | None:
-    """The stage a job stands at: the failed one, else its first stage not done, else its last."""
-    if job.state is JobState.FAILED and job.error_stage:
+    """The stage a job stands at: the failed one, else its first stage not done, else its last. A
+    failed job that failed no stage never ran (a job it runs after failed): None."""
+    if job.state is JobState.FAILED:
         return job.error_stage
     for s, r in stages.items():
         if r.state is not StageState.DONE:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pan2render.jobs import outdir
+from pan2render.jobs.after import waiting_for
 from pan2render.jobs.ledger import (
     Event,
     JobRecord,
@@ -46,7 +47,7 @@ REPORT_FALLBACK = "pan2-render-report.html"
 _OURS = (b'<meta name="generator" content="pan2-render">', b"<title>pan2-render: ")  # (the second: older pages)
 TILE_BOX = (320, 200)  # px: the largest a video is shown (width, height), aspect kept
 # Spec fields never listed as "shared" or "varying": identity, provenance, or shown elsewhere.
-_NOT_COMPARED = frozenset({"name", "sweep", "source", "image_sha256"})
+_NOT_COMPARED = frozenset({"name", "sweep", "source", "image_sha256", "after"})
 
 
 # ---------------------------------------------------------------------- the page's model
@@ -73,6 +74,9 @@ class Tile:
     input_path: str | None = None  # that image's own path
     prompt: str = ""
     seconds: dict[str, float | None] = field(default_factory=dict)  # per stage, as the ledger recorded them
+    preview: str | None = None  # a job without its video (running, interrupted, ...): its live preview
+    preview_step: str | None = None  # "12/30": the step that preview shows
+    after: list[str] | None = None  # a pending job that waits: the names in its `after` not all done
 
 
 @dataclass
@@ -137,8 +141,9 @@ def _display_size(width: int, height: int) -> tuple[int, int]:
 
 
 def _tile(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], *, label: str,
-          newer: str | None, say: Callable[[str], None], make_poster: bool) -> Tile:
-    status = job_status(out_dir, job, stages, newer, live=True)  # (the tile shows the ledger's state)
+          newer: str | None, after: list[str] | None, say: Callable[[str], None], make_poster: bool) -> Tile:
+    # (the tile shows the ledger's state)
+    status = job_status(out_dir, job, stages, newer, live=True, after=after)
     video = poster = None
     if status.video:
         video = str(stages[Stage.ENCODE].artifact)
@@ -153,7 +158,10 @@ def _tile(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], *, la
                 params=params if (out_dir / params).is_file() else None, width=width, height=height,
                 error=job.error, traceback=tb, superseded_by=newer,
                 input_image=posters.input_thumbnail(out_dir, job, say, make=make_poster), input_path=job.spec.image,
-                prompt=job.spec.prompt, seconds=status.seconds)
+                prompt=job.spec.prompt, seconds=status.seconds,
+                preview=st.preview_relpath(job.id) if status.preview and not video else None,
+                preview_step=f"{status.preview['step']}/{status.preview['steps']}" if status.preview else None,
+                after=status.after)
 
 
 def _grid(name: str, jobs: list[JobRecord], tiles: dict[str, Tile], batch_varying: list[str],
@@ -254,6 +262,7 @@ def _batch_view(out_dir: Path, jobs: list[JobRecord], stages: dict[str, dict[Sta
     compared = {j.id: _compared(j) for j in jobs}  # (each spec's dict once: they are read four times)
     shared, varying = _varying(current, compared)
     swept = any(j.spec.sweep for j in jobs)
+    waits = waiting_for(jobs)
     by_name: dict[str, list[JobRecord]] = {}
     for job in jobs:
         by_name.setdefault(job.name, []).append(job)
@@ -265,8 +274,8 @@ def _batch_view(out_dir: Path, jobs: list[JobRecord], stages: dict[str, dict[Sta
         shown = [k for k in inner if k != "prompt"]
         for job in group:
             label = ", ".join(f"{k} {compared[job.id][k]}" for k in shown)
-            tiles[job.id] = _tile(out_dir, job, stages[job.id], label=label, newer=newer.get(job.id), say=say,
-                                  make_poster=make_posters)
+            tiles[job.id] = _tile(out_dir, job, stages[job.id], label=label, newer=newer.get(job.id),
+                                  after=waits.get(job.id), say=say, make_poster=make_posters)
     if lanes:
         tiles = _with_lanes(out_dir, tiles)
     grids = [_grid(name, group, tiles, varying, newer, compared) for name, group in by_name.items()] if swept else []

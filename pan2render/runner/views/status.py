@@ -11,15 +11,18 @@ from pathlib import Path
 from typing import Any
 
 from pan2render.hints import command
+from pan2render.jobs.after import waiting_for
 from pan2render.jobs.ledger import Event, EventKind, FolderLock, JobRecord, JobState, Ledger, StageState, stage_name
 from pan2render.jobs.spec import JobSpec
-from pan2render.runner.views.estimates import CPU, CUDA, History, JobEstimate, Plan, ledger_device, plan
+from pan2render.runner.views.estimates import JobEstimate, Plan
+from pan2render.runner.views.eta import BatchEta
 from pan2render.runner.views.format import duration, table
 from pan2render.runner.views.job_status import (
     INTERRUPTED,
     JobStatus,
     counts_lines,
     job_statuses,
+    preview_of,
     shown_error,
     shown_state,
 )
@@ -125,9 +128,14 @@ def format_show(out_dir: Path, ledger: Ledger, job: JobRecord) -> str:
              f"folder   {out_dir.absolute() / job.id}"]
     if job.error:
         lines.append(f"error    {job.error}")
+    if job.state is JobState.PENDING and (waits := waiting_for(ledger.jobs()).get(job.id)):
+        each = "each" if len(waits) > 1 else "that"
+        lines.append(f"waits    after: {', '.join(waits)} (it starts once every job of {each} name is done)")
     at = next((stage_name(s) for s, r in ledger.stages(job.id).items() if r.state is not StageState.DONE), None)
     if at is not None and (progress := job_progress(ledger, job.id, job.state.value, at)) is not None:
         lines.append(f"progress {stage_text(at, progress)}")
+    if job.state is not JobState.DONE and (preview := preview_of(out_dir, job.id)) is not None:
+        lines.append(f"preview  {preview['path']} (step {preview['step']}/{preview['steps']})")
     spec = job.spec.to_dict()
     source = spec.pop("source")
     lines.append("spec" + (f" (from {source['file']}:{source['line']})" if source else "") + ":")
@@ -178,6 +186,8 @@ def format_status(out_dir: Path, ledger: Ledger) -> tuple[str, int]:
         secs = sum(v for v in r.seconds.values() if v)
         video = os.path.relpath(r.video, out_dir.absolute()) if r.video else ""
         stage = stage_text(r.stage, job_progress(ledger, r.id, r.state, r.stage)) if r.stage else "-"
+        if r.after:  # a pending job that cannot start yet: what it waits for
+            stage = f"after: {', '.join(r.after)}"
         rows.append([shown_state(r), stage, str(r.attempts), r.id, *(_value(spec.sweep.get(k, "")) for k in keys),
                      f"{secs:.1f}" if secs else "-", video, shown_error(r, 80)])
     text = table(["state", "stage", "att", "id", *keys, "seconds", "video", "error"], rows)
@@ -203,7 +213,8 @@ def status_document(out_dir: Path, ledger: Ledger) -> tuple[dict[str, Any], int]
             "pid": (run.live or {}).get("pid"), "host": (run.live or {}).get("host"),
             "started_at": run.started, "elapsed_s": round(run.elapsed_s, 3),
             "eta_s": None if run.eta is None else round(run.eta.wall_seconds, 3),
-            "eta_from": None if run.eta is None else run.eta.sources(), "flags": run.flags},
+            "eta_from": None if run.eta is None else run.eta.sources(), "flags": run.flags,
+            "command": run.command},
         "counts": {**counts, "total": len(statuses), "superseded": sum(r.superseded_by is not None for r in statuses)},
         "exit_code": code,
         "jobs": [{**r.to_json(), "sweep": jobs[r.id].spec.sweep,
@@ -225,6 +236,11 @@ def job_progress(ledger: Ledger, job_id: str, state: str, stage: str | None) -> 
         rec = json.loads(doc)
         out["checkpoint_step"] = rec["step"]
         out.setdefault("steps", rec["total"])
+        # A checkpoint is recorded as its step is reached, the step at most every 5 s: a sampling
+        # is at least where its checkpoint is (one it does not continue from is dropped before it
+        # starts, BatchFlow.step_checkpoint), never behind it.
+        if "step" in out and out["step"] < rec["step"]:
+            out["step"] = rec["step"]
     return out or None
 
 
@@ -238,6 +254,7 @@ def stage_text(stage: str, progress: dict[str, Any] | None) -> str:
 
 
 EXIT_DONE, EXIT_FAILED, EXIT_UNFINISHED = 0, 1, 4
+FARM = "farm"  # the runs meta's command of a batch a farm served (runner/farm/service.py notes it)
 
 
 def status_code(statuses: list[JobStatus]) -> int:
@@ -263,12 +280,6 @@ def batches_kept(ledger: Ledger) -> str | None:
     return f"batch files run here (copies): {'; '.join(copies)}" if copies else None
 
 
-def _this_machine_device() -> str:
-    from pan2render.runner.cluster.devices import cuda_gpu_count
-
-    return CUDA if cuda_gpu_count() else CPU
-
-
 @dataclass(frozen=True)
 class _RunState:
     """The folder's last run, as status shows it."""
@@ -278,6 +289,7 @@ class _RunState:
     flags: list[str]
     live: dict[str, Any] | None  # the holder's line (pid, host) while a run holds the folder
     eta: Plan | None  # while a run holds it and jobs are left
+    command: str = "run"  # what served it: run, resume, or farm (a farm's queue)
 
 
 def _run_state(out_dir: Path, ledger: Ledger, jobs: dict[str, JobRecord]) -> _RunState | None:
@@ -289,13 +301,11 @@ def _run_state(out_dir: Path, ledger: Ledger, jobs: dict[str, JobRecord]) -> _Ru
     started = float(last["started"])
     events = ledger.events()
     end = time.time() if live is not None else (events[-1].at if events else started)
-    eta = None
-    left = [j.spec for j in jobs.values() if j.state not in (JobState.DONE, JobState.FAILED)]
-    if live is not None and left:
-        # The live run's groups are up already: no start-up in its ETA.
-        eta = plan(left, gpus=int(last.get("gpus") or 1), history=History.from_folders([out_dir]),
-                   device=ledger_device(ledger) or _this_machine_device(), group_starts=False)
-    return _RunState(started=started, elapsed_s=end - started, flags=list(last.get("flags", [])), live=live, eta=eta)
+    # The batch's one ETA, as the run (or farm) serving it computes it (views/eta.py).
+    eta = None if live is None else BatchEta(out_dir, None, gpus=int(last.get("gpus") or 1)).plan(
+        ledger, list(jobs.values()))
+    return _RunState(started=started, elapsed_s=end - started, flags=list(last.get("flags", [])), live=live, eta=eta,
+                     command=str(last.get("command") or "run"))
 
 
 def _run_line(out_dir: Path, ledger: Ledger, jobs: dict[str, JobRecord], statuses: list[JobStatus]) -> str:
@@ -311,7 +321,11 @@ def _run_line(out_dir: Path, ledger: Ledger, jobs: dict[str, JobRecord], statuse
         f"running (pid {live.get('pid', '?')} on {live.get('host', '?')})" if live else "running"
     line = f"{head}\n{state}; last run started {_when(run.started)}, elapsed {duration(run.elapsed_s)}"
     interrupted = sum(r.state == INTERRUPTED for r in statuses)
-    if interrupted:
+    if interrupted and run.command == FARM:
+        line += (f"; {interrupted} job(s) interrupted (the farm serving the batch stopped while they ran): "
+                 f"`{command('farm', 'start')}` (with that farm's --root) continues the batch from its queue; "
+                 f"`{command('resume', out_dir)}` would render it here, outside the farm")
+    elif interrupted:
         line += (f"; {interrupted} job(s) interrupted (the run stopped while they ran): "
                  f"`{command('resume', out_dir)}` continues")
     if run.eta is not None:

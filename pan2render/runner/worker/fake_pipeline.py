@@ -8,6 +8,7 @@ slowed down per sampling step (``PAN2_FAKE_STEP_SECONDS``) so a test can kill a 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import time
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from pan2render.lanes import CACHE_NONE, FastLanes, SamplingPlan, plan_sampling, published_calibration
+from pan2render.models.preview import PREVIEW_FRAMES, PreviewHook, PreviewLatents, RgbMap
 from pan2render.models.sampler_state import CheckpointKey, SamplerState, SamplingPreempted, StepCheckpointError
 from pan2render.models.samplers import StepState
 from pan2render.parallel import parallelize_pipeline
@@ -27,6 +29,11 @@ from pan2render.vae_plan import SHAPE_COVERING_LATENT_FRAMES
 FAKE_FACTORY = "pan2render.runner.worker.fake_pipeline:load_fake_pipeline"
 TEXT_DIM = 16
 LATENT_CHANNELS = 48
+# The map of the stand-in's decode (its first three channels, x40 around mid-grey): its previews
+# are its frames at the latent grid.
+FAKE_RGB_MAP = RgbMap(weight=tuple(tuple(40 / 127.5 if c == k else 0.0 for k in range(3)) if c < 3 else (0.0,) * 3
+                                   for c in range(LATENT_CHANNELS)),
+                      bias=(128 / 127.5 - 1,) * 3, source="the fake pipeline's decode")
 
 
 class FakePipeline:
@@ -36,6 +43,8 @@ class FakePipeline:
         self.text_encoder_id = "fake-text-v1"
         self.step_seconds = step_seconds
         self.loras: list[tuple[float, float]] = []  # (adapter, scale) merged, as set_loras leaves them
+
+    preview_map = FAKE_RGB_MAP
 
     def describe(self) -> dict[str, object]:
         return {"ranks": 1, "guided_steps": "one rank", "unguided_steps": "one rank",
@@ -61,8 +70,11 @@ class FakePipeline:
                timesteps: tuple[int, ...] | None = None,
                progress: Callable[[int, int], None] | None = None, resume_from: SamplerState | None = None,
                checkpoint_every_s: float = 0.0, on_checkpoint: Callable[[SamplerState], None] | None = None,
-               should_stop: Callable[[], bool] | None = None, **_: Any) -> torch.Tensor:
-        """As PAN2Pipeline.sample, step checkpoints included (a state is its latents and step)."""
+               should_stop: Callable[[], bool] | None = None, preview_every_s: float = 0.0,
+               on_preview: Callable[[PreviewLatents], None] | None = None, preview_frames: int = PREVIEW_FRAMES,
+               **_: Any) -> torch.Tensor:
+        """As PAN2Pipeline.sample, step checkpoints and previews included (a state is its latents and
+        step; a preview shows its latents, which are their own clean estimate here)."""
         if steps is None:  # dmd: as many steps as timesteps
             if timesteps is None:
                 raise ValueError("sampler dmd needs timesteps")
@@ -85,6 +97,8 @@ class FakePipeline:
                 raise StepCheckpointError("cannot resume from this step checkpoint: stale: another request")
             lat, start = resume_from.latents[0].clone(), resume_from.step
         last_checkpoint = time.monotonic()
+        previews = PreviewHook(every_s=preview_every_s, on_preview=on_preview, frames=preview_frames)
+        previews.start()
         for step in range(start + 1, steps + 1):
             if self.step_seconds:
                 time.sleep(self.step_seconds)
@@ -93,6 +107,8 @@ class FakePipeline:
                 progress(step, steps)
             if step == steps:
                 break
+            previews.at_boundary(step=step, total_steps=steps, latent_frames=lat.shape[1],
+                                 estimate=functools.partial(_frames_of, lat))
             due = checkpoint_every_s > 0 and time.monotonic() - last_checkpoint >= checkpoint_every_s
             stop = should_stop is not None and should_stop()
             if due or stop:
@@ -125,6 +141,10 @@ class FakePipeline:
         base = torch.nn.functional.interpolate(base, scale_factor=16, mode="nearest")  # [3, F, H, W]
         rgb = (base.permute(1, 2, 3, 0) * 40 + 128).clamp(0, 255).to(torch.uint8)
         return rgb.contiguous()  # uint8 [frames, H, W, 3]
+
+
+def _frames_of(lat: torch.Tensor, frames: tuple[int, ...]) -> torch.Tensor:
+    return lat[:, list(frames)]  # [48, len(frames), h, w]
 
 
 @parallelize_pipeline.register

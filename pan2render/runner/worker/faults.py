@@ -37,6 +37,8 @@ class FaultHooks:
                    there, always; TYPE (default RuntimeError) names one of FAULT_TYPES, so a test can
                    meet each failure class;
                  {"slow": {"job": NAME, "stage": ..., "seconds": S}}: sleep S seconds there first;
+                 {"slow_steps": {"job": NAME, "seconds": S}}: sleep S seconds at every sampling step
+                   of job NAME (a sampling long enough to meet its previews and checkpoints);
                  {"broken_gpu": {"gpu": N}}: every sampling on GPU N (the cluster's number) raises a
                    device fault;
                  {"hang": {"job": NAME, "step": K, "marker": PATH}}: at step K of job NAME, once,
@@ -49,6 +51,9 @@ class FaultHooks:
         self._die = die
 
     def at_step(self, js: JobSpec, step: int) -> None:
+        slow = self.faults.get("slow_steps")
+        if slow and slow["job"] == js.name:
+            time.sleep(float(slow["seconds"]))
         hang = self.faults.get("hang")
         if hang and hang["job"] == js.name and step == int(hang["step"]) and _first_time(Path(hang["marker"]), step):
             while True:

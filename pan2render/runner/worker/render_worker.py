@@ -39,7 +39,6 @@ import torch
 
 from pan2render.jobs.ledger import Stage
 from pan2render.jobs.spec import JobSpec
-from pan2render.models.calibration import CalibrationMissing
 from pan2render.models.precision import PrecisionUnavailable
 from pan2render.models.sampler_state import SamplingPreempted, pack_sampler_state, unpack_sampler_state
 from pan2render.models.tiny import cache_root
@@ -56,11 +55,13 @@ from pan2render.runner.protocol.messages import (
     EncodePromptsCall,
     EncodePromptsReply,
     FetchCheckpointCall,
+    FetchPreviewCall,
     InitGroupCall,
     InitGroupReply,
     Lane,
     LoadCall,
     LoadReply,
+    PreviewReply,
     RendezvousCall,
     RendezvousReply,
     Reply,
@@ -76,6 +77,7 @@ from pan2render.runner.worker.adapters import AdapterCache
 from pan2render.runner.worker.faults import FaultHooks
 from pan2render.runner.worker.inputs import decode_image
 from pan2render.runner.worker.sampling_control import SamplingControl
+from pan2render.runner.worker.threads import CPU_DECODE_THREADS, intra_op_threads
 from pan2render.runner.worker.versions import runtime_versions
 from pan2render.step_checkpoint import StepCheckpointError
 
@@ -312,9 +314,12 @@ class RenderWorker:
                 self._progress.report(progress_key, done, total, time.time())
             self._faults.at_step(js, done)
 
+        # (a model without a calibration raises CalibrationMissing here: the job's input, failures.py)
         plan = pipe.sampling_plan(conditioned=first_frame is not None, **js.sample_args())
         resume, refused = self._resume_state(js, pipe, call.resume, cached=not plan.lanes.steps_exact)
         stop = self._samplings.begin(job_id)
+        # Previews: rank 0 hands the predicted latents over; the I/O lane makes the picture.
+        rgb_map = pipe.preview_map if self.rank == 0 and js.preview_every > 0 else None
         try:
             lat = pipe.sample(
                 prompt_embeds=packing.unpack_embedding(call.prompt_embeds),
@@ -323,13 +328,15 @@ class RenderWorker:
                 # Periodic checkpoints need a state the cache does not fully hold (the residuals).
                 checkpoint_every_s=js.checkpoint_every if plan.lanes.steps_exact else 0.0,
                 on_checkpoint=(lambda state: self._samplings.keep(job_id, state)) if self.rank == 0 else None,
-                should_stop=stop.is_set, **js.sample_args(),
+                should_stop=stop.is_set, preview_every_s=js.preview_every if rgb_map is not None else 0.0,
+                on_preview=(lambda p: self._samplings.keep_preview(job_id, p, rgb_map)) if rgb_map else None,
+                **js.sample_args(),
             )  # float32 [48, T, h, w]
         except SamplingPreempted as e:  # a stop at a step boundary: where, and how to go on from there
             data = pack_sampler_state(e.state, spec_hash=js.spec_hash) if self.rank == 0 else None
             return SampleReply(latents=None, stopped_at=e.state.step, checkpoint=data,
                                adapters_held=self._adapters.held(), resume_refused=refused)
-        except (PrecisionUnavailable, CalibrationMissing) as e:  # the same on any worker of this kind
+        except PrecisionUnavailable as e:  # the same on any worker of this kind
             raise JobInputError(str(e)) from e
         finally:
             self._samplings.end(job_id)
@@ -357,6 +364,9 @@ class RenderWorker:
         js = self._specs.get(call.job_id)
         return self._samplings.fetch(call.job_id, after_step=call.after_step, wait_s=call.wait_s,
                                      spec_hash=js.spec_hash if js is not None else "")
+
+    def _fetch_preview(self, call: FetchPreviewCall) -> PreviewReply | None:
+        return self._samplings.fetch_preview(call.job_id, after_step=call.after_step, wait_s=call.wait_s)
 
     def _decode(self, call: DecodeCall) -> DecodeReply | None:
         """Decode on the device, convert to yuv420p there, copy to the host once and hand the planes
@@ -386,7 +396,8 @@ class RenderWorker:
         decode runs, and what the load's warm-up runs, so that none of it runs first in a job."""
         from pan2render.media.yuv import rgb_to_yuv420
 
-        frames = pipe.decode(latents, on_device=True)  # uint8 [F, H, W, 3]
+        with intra_op_threads(CPU_DECODE_THREADS if self.device == "cpu" else None):  # (threads.py: why)
+            frames = pipe.decode(latents, on_device=True)  # uint8 [F, H, W, 3]
         if self.rank != 0:
             return None
         if want is not None and tuple(frames.shape) != want:
@@ -433,4 +444,5 @@ RenderWorker.handlers = {
     CollectCall: RenderWorker._collect,
     StopSamplingCall: RenderWorker._stop_sampling,
     FetchCheckpointCall: RenderWorker._fetch_checkpoint,
+    FetchPreviewCall: RenderWorker._fetch_preview,
 }

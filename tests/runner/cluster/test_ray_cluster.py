@@ -6,6 +6,7 @@ owner's alone, and a local cluster on an address other machines reach is refused
 from __future__ import annotations
 
 import getpass
+import os
 import socket
 from pathlib import Path
 
@@ -117,3 +118,18 @@ def test_a_local_cluster_on_an_address_other_machines_reach_is_refused() -> None
     check_loopback("::1")
     with pytest.raises(ExposedClusterError, match=f"came up on 192.0.2.2.*{RAY_SINGLE_MACHINE_ENV}=0"):
         check_loopback("192.0.2.2")
+
+
+def test_the_loopback_switch_is_set_for_rays_import_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Left in the environment, every `ray start` the process ran later (a head node, `node start`)
+    would come up for this machine alone and print no address to join."""
+    from pan2render.runner.cluster.ray_cluster import RAY_SINGLE_MACHINE_ENV, loopback_only
+
+    monkeypatch.delenv(RAY_SINGLE_MACHINE_ENV, raising=False)
+    with loopback_only():
+        assert os.environ[RAY_SINGLE_MACHINE_ENV] == "0"
+    assert RAY_SINGLE_MACHINE_ENV not in os.environ
+    monkeypatch.setenv(RAY_SINGLE_MACHINE_ENV, "1")
+    with loopback_only():
+        pass
+    assert os.environ[RAY_SINGLE_MACHINE_ENV] == "1"

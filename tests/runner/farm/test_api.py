@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
-from runner_helpers import serving_farm
+from runner_helpers import serving_farm, until
 
 from pan2render.runner.farm import api as api_module
 
@@ -50,13 +50,6 @@ def post_batch(url: str, token: str, tmp_path: Path, doc: dict[str, Any] | str, 
     return send(f"{url}/api/batches", token=token, method="POST",
                 body={"text": text, "name": "b.yaml", "base": str(tmp_path), "out": out, **extra})
 
-
-def until(check: Any, what: str, timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (got := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return got
 
 
 def test_a_batch_posted_as_yaml_text_renders(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from runner_helpers import stop_farm
 
 from pan2render.client import find_farm
 from pan2render.runner.farm.folder import (
@@ -161,7 +162,7 @@ def test_two_starts_at_once_make_one_farm_and_both_say_so(tmp_path: Path) -> Non
         said = sorted("already runs" in out for out, _ in outs)
         assert said == [False, True] and not any("Traceback" in err for _, err in outs)
     finally:
-        subprocess.run([*CLI, "farm", "stop"], env=env, capture_output=True, timeout=120)
+        stop_farm(env, root)
 
 
 def test_farm_stop_of_a_farm_that_does_not_end_says_so(monkeypatch: pytest.MonkeyPatch,
@@ -178,3 +179,40 @@ def test_farm_stop_of_a_farm_that_does_not_end_says_so(monkeypatch: pytest.Monke
     monkeypatch.setattr(farm_cli, "STOP_TIMEOUT_S", 0.3)
     assert cli.main(["farm", "stop", "--root", str(tmp_path)]) == 3
     assert "has not ended" in capsys.readouterr().err
+
+
+def test_a_farm_on_every_interface_says_how_clients_reach_it_and_that_it_is_plain_http(tmp_path: Path) -> None:
+    from pan2render.runner.farm.api import start_api
+    from pan2render.runner.farm.config import FarmConfig
+    from pan2render.runner.farm.intake import Roots
+
+    said: list[str] = []
+    config = FarmConfig(root=tmp_path, host="0.0.0.0")
+    farm = type("F", (), {"root": tmp_path, "log": print, "config": config})()  # what the API needs to start
+    api = start_api(farm, users=Users(tmp_path, admin_token="t" * 64), roots=Roots.of([tmp_path], [tmp_path]),
+                    host="0.0.0.0", port=0, say=said.append)
+    try:
+        assert api.url.startswith("http://127.0.0.1:")  # what a client on this machine uses
+        assert len(said) == 1 and "plain HTTP" in said[0] and "TLS" in said[0]
+    finally:
+        api.stop()
+
+
+def test_following_a_batch_shows_its_last_lines_when_the_farm_is_lost(tmp_path: Path) -> None:
+    from pan2render.client import FarmClient, FarmError
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "run.log").write_text("2026-01-01T00:00:00Z first\n2026-01-01T00:00:01Z second\n2026-01-01T00:00:02Z last\n")
+    answers = [{"text": "2026-01-01T00:00:00Z first\n", "offset": 27, "batch": {"exit_code": None}}]
+
+    class Lost(FarmClient):
+        def get(self, path: str, *, timeout_s: float = 30.0) -> object:
+            if answers:
+                return answers.pop(0)
+            raise FarmError(0, "the farm at http://x does not answer")
+
+    seen: list[str] = []
+    with pytest.raises(FarmError):
+        Lost("http://x", "t").follow("b1", on_line=seen.append, out_dir=out)
+    assert [line.split(" ", 1)[1] for line in seen] == ["first", "second", "last"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -17,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from runner_helpers import serving_farm, submit_file
+from runner_helpers import ThreadedExecutor, serving_farm, submit_file, until
 
 from pan2render.jobs.ledger import Ledger
+from pan2render.preview_file import read_note
 from pan2render.runner.farm.service import Farm
 
 FAIL_BROKEN = {"fail": {"job": "broken", "stage": "sampling"}}
@@ -50,12 +50,6 @@ def _snapshots(stream: Any) -> Iterator[dict[str, Any]]:
         assert lines[0] == "event: snapshot" and lines[1].startswith("data: "), lines
         yield json.loads(lines[1].removeprefix("data: "))
 
-
-def _until(check: Any, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _state(farm: Farm, batch_id: str) -> dict[str, Any]:
@@ -119,7 +113,7 @@ def test_only_a_served_batchs_own_files_are_served(tmp_path: Path) -> None:
     out = tmp_path / "out"
     with serving_farm(tmp_path) as (farm, url, token):
         b = submit_file(farm, out, {"jobs": [{"name": "a", "prompt": "a"}]})
-        _until(lambda: _state(farm, b)["state"] == "done", "the batch to end")
+        until(lambda: _state(farm, b)["state"] == "done", "the batch to end")
         led = Ledger.open_readonly(out)
         job = led.jobs()[0].id
         led.close()
@@ -160,7 +154,7 @@ def test_the_stream_sends_the_snapshot_and_a_batch_view_has_its_grid_and_traceba
         assert rows == [(b, "ann", 3, 4)]
         assert any(e["batch"] == b and e["kind"] == "submitted" for e in snap["events"])
 
-        _until(lambda: _state(farm, b)["state"] == "failed", "the batch to end")
+        until(lambda: _state(farm, b)["state"] == "failed", "the batch to end")
         code, _, answer = _send(url + f"/api/batches/{b}/view", token=token)
         view = json.loads(answer)
         jobs = {j["id"]: j for j in view["jobs"]}
@@ -190,11 +184,54 @@ def test_a_running_job_is_in_the_snapshot_with_its_stage(tmp_path: Path) -> None
             seen[:] = farm.snapshot().get("running", [])
             return bool(seen)
 
-        _until(running, "the job to show as running")
+        until(running, "the job to show as running")
         assert seen[0]["batch"] == b and seen[0]["job"].startswith("slow-") and seen[0]["stage"]
         assert seen[0]["stage_s"] >= 0
-        _until(lambda: _state(farm, b)["state"] == "done", "the batch to end")
-        _until(lambda: not farm.snapshot()["running"], "the running list to empty")
+        until(lambda: _state(farm, b)["state"] == "done", "the batch to end")
+        until(lambda: not farm.snapshot()["running"], "the running list to empty")
+
+
+def test_a_running_jobs_preview_is_in_the_snapshot_and_served_as_a_regular_file_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake sampling of 40 steps of 0.1 s beside the farm's loop, a preview every 0.2 s: the
+    snapshot's row names a newer step each time, its URL serves that picture; a link or a FIFO at
+    a preview's name is not served; the job done, its preview is gone."""
+    monkeypatch.setenv("PAN2_FAKE_STEP_SECONDS", "0.1")
+    out = tmp_path / "out"
+    with serving_farm(tmp_path, executor=ThreadedExecutor) as (farm, url, token):
+        b = submit_file(farm, out, {"jobs": [{"name": "fox", "prompt": "f", "steps": 40, "preview_every": 0.2}]})
+        rows: list[dict[str, Any]] = []
+
+        def previewed(after: int) -> bool:
+            row = next(iter(farm.snapshot().get("running", [])), None)
+            if row is None or row["preview"] is None or row["preview"]["step"] <= after:
+                return False
+            rows.append(row)
+            return True
+
+        until(lambda: previewed(0), "a preview in the snapshot")
+        until(lambda: previewed(rows[0]["preview"]["step"]), "a newer preview in the snapshot")
+        first, later = rows[0], rows[-1]
+        job = first["job"]
+        assert first["preview"]["steps"] == 40 and later["preview"]["step"] > first["preview"]["step"]
+        assert first["preview"]["url"] == f"/api/batches/{b}/files/{job}/preview.webp?step={first['preview']['step']}"
+        code, headers, image = _send(url + later["preview"]["url"], token=token)
+        assert code == 200 and headers["Content-Type"] == "image/webp" and image[:4] == b"RIFF"
+        assert read_note(image).step >= later["preview"]["step"]  # (or a newer one, replaced since)
+        code, _, _ = _send(url + later["preview"]["url"])
+        assert code == 401  # a preview needs the token like every file
+        (tmp_path / "secret.webp").write_bytes(b"RIFF not yours")
+        for planted in ("linked", "fifo"):
+            (out / planted).mkdir()
+        os.symlink(tmp_path / "secret.webp", out / "linked" / "preview.webp")
+        os.mkfifo(out / "fifo" / "preview.webp")  # opened without waiting: refused at once
+        for rel in ("linked/preview.webp", "fifo/preview.webp", f"{job}/preview.png", f"{job}/.preview.webp.tmp-1"):
+            code, _, answer = _send(url + f"/api/batches/{b}/files/{rel}", token=token)
+            assert code == 404 and b"not yours" not in answer, rel
+        until(lambda: _state(farm, b)["state"] == "done", "the batch to end")
+        assert not (out / job / "preview.webp").exists()
+        code, _, _ = _send(url + later["preview"]["url"], token=token)
+        assert code == 404
 
 
 @pytest.mark.parametrize("path", ["/static/monitor.py", "/static/../service.py", "/static/report.html"])

@@ -145,3 +145,44 @@ def test_the_monitor_follows_the_farm_and_acts_on_it(tmp_path: Path, page: Any,
         other.wait_for_selector("#token-form", state="visible")
         assert other.query_selector_all("#batches tbody tr") == []
         assert os.path.exists(tmp_path / "sweep" / "index.html")  # the report the page links to
+
+
+# The sum of a shown image's pixels (drawn to a canvas: a blob of the page's own origin), or null
+# while it has not decoded.
+_PIXELS = """img => { if (!img.complete || !img.naturalWidth) return null;
+  const c = document.createElement('canvas'); c.width = img.naturalWidth; c.height = img.naturalHeight;
+  const g = c.getContext('2d'); g.drawImage(img, 0, 0);
+  return g.getImageData(0, 0, c.width, c.height).data.reduce((a, b) => a + b, 0); }"""
+
+
+def test_the_monitor_shows_a_running_jobs_picture_changing_before_it_ends(
+        tmp_path: Path, page: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake sampling of 40 steps of 0.15 s beside the farm's loop, a preview every 0.3 s: the
+    job's row shows a picture (decoded by Chromium: our WebP with its note chunk), then another of
+    a later step with other pixels, while the row still says running; once done, its video."""
+    from runner_helpers import ThreadedExecutor
+
+    monkeypatch.setenv("PAN2_FAKE_STEP_SECONDS", "0.15")
+    with serving_farm(tmp_path, executor=ThreadedExecutor) as (farm, url, token):
+        b = submit_file(farm, tmp_path / "live", {"jobs": [{"name": "fox", "prompt": "f", "steps": 40,
+                                                            "preview_every": 0.3}]})
+        page.goto(f"{url}/#token={token}")
+        _wait_text(page, "#conn", "live")
+        shown = "#jobs tr[data-job] img.preview"
+        page.wait_for_function(f"() => {{ const i = document.querySelector('{shown}'); "
+                               "return i !== null && i.complete && i.naturalWidth > 0; }", timeout=WAIT_MS)
+        first = page.eval_on_selector(shown, "i => [Number(i.dataset.step), i.src]")
+        first_pixels = page.eval_on_selector(shown, _PIXELS)
+        later = page.wait_for_function(
+            f"([step, pixels]) => {{ const i = document.querySelector('{shown}'); const px = ({_PIXELS})(i);"
+            " const row = i && i.closest('tr'); "
+            " return i !== null && Number(i.dataset.step) > step && px !== null && px !== pixels "
+            "   && row.querySelector('.badge').textContent === 'running' && [Number(i.dataset.step), i.src]; }",
+            arg=[first[0], first_pixels], timeout=WAIT_MS).json_value()
+        print(f"preview at step {first[0]}, then at step {later[0]}")
+        assert later[1] != first[1] and later[0] > first[0] >= 1
+        assert "preview at step" in page.text_content("#jobs tr[data-job] .media")
+        _wait_text(page, f"#batch-{b} td.counts", "1 / 0 / 1")
+        page.wait_for_selector("#jobs button[data-action=play]")  # done: its video, no preview
+        assert page.query_selector(shown) is None
+        assert page.problems == []

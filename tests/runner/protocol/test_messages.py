@@ -15,6 +15,7 @@ from pan2render.runner.protocol.messages import (
     CollectCall,
     CollectReply,
     FetchCheckpointCall,
+    FetchPreviewCall,
     InitGroupCall,
     Lane,
     LoadCall,
@@ -40,8 +41,9 @@ def test_each_job_call_names_its_stage_label_lane_and_deadline() -> None:
         assert isinstance(call.stage, Stage) and call.shown and call.timeout_key and call.default_timeout_s > 0, call
         assert call.lane in (Lane.GPU, Lane.IO), call
     assert len({c.timeout_key for c in JOB_CALLS}) == len(JOB_CALLS)
-    # Beside the GPU lane: the encode's collect, a sampling's step checkpoint fetch and its stop.
-    assert [c for c in JOB_CALLS if c.lane is Lane.IO] == [CollectCall, StopSamplingCall, FetchCheckpointCall]
+    # Beside the GPU lane: the encode's collect, a sampling's stop, step checkpoint fetch and preview fetch.
+    assert [c for c in JOB_CALLS if c.lane is Lane.IO] == [CollectCall, StopSamplingCall, FetchCheckpointCall,
+                                                           FetchPreviewCall]
     assert all(c.lane is Lane.SETUP and c.stage is None for c in SETUP_CALLS)
     assert ServingConfig().call_timeouts_s == default_call_timeouts()
 

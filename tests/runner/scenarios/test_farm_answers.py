@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
+from runner_helpers import stop_farm, until
 
 from pan2render.client import FarmClient, find_farm
 from pan2render.jobs.ledger import JobState, Ledger
@@ -42,17 +43,7 @@ def env(tmp_path: Path) -> Iterator[dict[str, str]]:
     try:
         yield e
     finally:
-        subprocess.run([*CLI, "farm", "stop"], env=e, capture_output=True, timeout=120, check=False)
-        for pid in filter(str.isdigit, os.listdir("/proc")):  # only what names this test's folders
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if ray_tmp.encode() in cmd or str(tmp_path).encode() in cmd:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        stop_farm(e, ray_tmp, tmp_path)
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
@@ -80,13 +71,6 @@ def batch(tmp_path: Path, name: str, jobs: list[str], **defaults: Any) -> str:
                            "jobs": [{"name": j, "prompt": j} for j in jobs]})
 
 
-def until(check: Any, what: str, timeout_s: float = 120.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (got := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-    return got
-
 
 def states(out: Path) -> dict[str, JobState]:
     led = Ledger.open_readonly(out)
@@ -109,19 +93,19 @@ def test_each_answered_action_holds_through_a_kill(tmp_path: Path, env: dict[str
     assert farm.unpause(b["id"])["state"] == "active"
     kill(env)
     farm = start(env, tmp_path)
-    until(lambda: farm.batch(b["id"])["state"] == "done", "the unpaused batch to render")
+    until(lambda: farm.batch(b["id"])["state"] == "done", "the unpaused batch to render", timeout_s=120)
 
     c = farm.submit_text(batch(tmp_path, "c", ["x"]), out=tmp_path / "c", base=tmp_path)  # a submit answered
     kill(env)
     farm = start(env, tmp_path)
-    until(lambda: farm.batch(c["id"])["state"] == "done", "the submitted batch to render")
+    until(lambda: farm.batch(c["id"])["state"] == "done", "the submitted batch to render", timeout_s=120)
 
     d = farm.submit_text(batch(tmp_path, "d", ["p", "q"]), out=tmp_path / "d", base=tmp_path)
     farm.pause(d["id"])
     assert farm.cancel(d["id"])["state"] in ("cancelling", "cancelled")
     kill(env)
     farm = start(env, tmp_path)
-    until(lambda: farm.batch(d["id"])["state"] == "cancelled", "the cancelled batch to end")
+    until(lambda: farm.batch(d["id"])["state"] == "cancelled", "the cancelled batch to end", timeout_s=120)
     assert set(states(tmp_path / "d").values()) == {JobState.CANCELLED}
     resume = subprocess.run([*CLI, "resume", str(tmp_path / "d"), "--cpu-gpus", "1"], env=env, capture_output=True,
                             text=True, timeout=240)
@@ -131,7 +115,7 @@ def test_each_answered_action_holds_through_a_kill(tmp_path: Path, env: dict[str
     assert farm.retry(d["id"])["state"] == "active"  # retried, answered, killed
     kill(env)
     farm = start(env, tmp_path)
-    until(lambda: farm.batch(d["id"])["state"] == "done", "the retried batch to render")
+    until(lambda: farm.batch(d["id"])["state"] == "done", "the retried batch to render", timeout_s=120)
     assert len(list((tmp_path / "d").glob("*/video.mp4"))) == 2
 
 
@@ -141,7 +125,8 @@ def test_a_video_created_survives_a_kill_and_renders_once(tmp_path: Path, env: d
     kill(env)
     farm = start(env, tmp_path)
     assert farm.video(video["id"])["id"] == video["id"]
-    done = until(lambda: (v := farm.video(video["id"]))["status"] in ("completed", "failed") and v, "the video")
+    done = until(lambda: (v := farm.video(video["id"]))["status"] in ("completed", "failed") and v, "the video",
+                 timeout_s=120)
     assert done["status"] == "completed" and done["progress"] == 100
     folder = next((tmp_path / "farm" / "videos" / "admin").glob(f"{video['id']}"))
     assert len(list(folder.glob("*/video.mp4"))) == 1
@@ -161,18 +146,18 @@ def test_a_cancel_of_running_jobs_holds_through_a_kill(tmp_path: Path, env: dict
     farm = start(env, tmp_path, gpus=2)
     b = farm.submit_text(batch(tmp_path, "b", ["one", "two"], steps=40), out=tmp_path / "b", base=tmp_path)
     c = farm.submit_text(batch(tmp_path, "c", ["three"], steps=40), out=tmp_path / "c", base=tmp_path)
-    until(lambda: len(farm.batch(b["id"])["running"]) == 2, "both of b's jobs to sample")
+    until(lambda: len(farm.batch(b["id"])["running"]) == 2, "both of b's jobs to sample", timeout_s=120)
     farm.cancel(b["id"], job="one")  # answered ...
     kill(env)  # ... killed before its sampling's next step boundary could be recorded
     assert states(tmp_path / "b")["one"] is JobState.RUNNING  # what the ledger holds at the kill
     farm = start(env, tmp_path, gpus=2)
-    until(lambda: farm.batch(c["id"])["running"], "batch c to run")
+    until(lambda: farm.batch(c["id"])["running"], "batch c to run", timeout_s=120)
     assert states(tmp_path / "b")["one"] is JobState.CANCELLED
     farm.cancel(c["id"])  # a running batch, cancelled, answered, killed
     kill(env)
     farm = start(env, tmp_path, gpus=2)
-    until(lambda: farm.batch(c["id"])["state"] == "cancelled", "batch c to end cancelled")
-    until(lambda: farm.batch(b["id"])["exit_code"] is not None, "batch b to end")
+    until(lambda: farm.batch(c["id"])["state"] == "cancelled", "batch c to end cancelled", timeout_s=120)
+    until(lambda: farm.batch(b["id"])["exit_code"] is not None, "batch b to end", timeout_s=120)
     assert states(tmp_path / "b") == {"one": JobState.CANCELLED, "two": JobState.DONE}
     assert states(tmp_path / "c") == {"three": JobState.CANCELLED}
     for out, name in ((tmp_path / "b", "one"), (tmp_path / "c", "three")):

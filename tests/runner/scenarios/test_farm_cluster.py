@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from runner_helpers import write_batch
+from runner_helpers import stop_farm, write_batch
 
 from pan2render.jobs.ledger import JobState, Ledger
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
@@ -44,13 +43,7 @@ def cluster(tmp_path: Path) -> Iterator[tuple[Any, dict[str, str]]]:
         try:
             yield c, env
         finally:
-            subprocess.run([*CLI, "farm", "stop"], env=env, capture_output=True, timeout=60, check=False)
-            for pid in filter(str.isdigit, os.listdir("/proc")):  # the farm this test started, if it hangs
-                try:
-                    if str(root).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                        os.kill(int(pid), signal.SIGKILL)
-                except (OSError, ProcessLookupError):
-                    pass
+            stop_farm(env, root)
             c.shutdown()
 
 

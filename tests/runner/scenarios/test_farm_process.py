@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from runner_helpers import write_batch
+from runner_helpers import stop_farm, write_batch
 
 from pan2render.jobs.ledger import JobState, Ledger
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY
@@ -48,17 +48,7 @@ def farm_env(tmp_path: Path):
     try:
         yield env
     finally:
-        subprocess.run([*CLI, "farm", "stop"], env=env, capture_output=True, timeout=120, check=False)
-        for pid in filter(str.isdigit, os.listdir("/proc")):  # only what names this test's folders
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if ray_tmp.encode() in cmd or str(root).encode() in cmd:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        stop_farm(env, ray_tmp, root)
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
@@ -105,6 +95,7 @@ def test_a_farm_serves_batches_survives_a_kill_and_takes_runs(tmp_path: Path, fa
     env = farm_env
     assert _cli(env, "farm", "start", "--cpu-gpus", "2", *_roots(tmp_path)).returncode == 0
     assert "already runs" in _cli(env, "farm", "start", "--cpu-gpus", "2", *_roots(tmp_path)).stdout
+    assert "the local Ray cluster this farm started" in _cli(env, "farm", "status").stdout  # not "this run"
 
     # The README's sweep, on the tiny model: submit validates here, queues, and returns before any
     # job has rendered.
@@ -124,6 +115,9 @@ def test_a_farm_serves_batches_survives_a_kill_and_takes_runs(tmp_path: Path, fa
     time.sleep(1.0)
     assert _cli(env, "queue").returncode == 3  # no farm answers
     out = tmp_path / "sweep"
+    if any(j.state is JobState.RUNNING for j in _jobs(out).values()):  # (killed between two jobs: none)
+        killed = _cli(env, "status", str(out)).stdout  # its way to go on is the farm's, not `resume`
+        assert "interrupted (the farm serving the batch stopped" in killed and "`pan2-render farm start`" in killed
     done_before = {name: (out / j.id / "video.mp4").stat().st_mtime_ns
                    for name, j in _jobs(out).items() if j.state is JobState.DONE}
     assert _cli(env, "farm", "start", "--cpu-gpus", "2", *_roots(tmp_path)).returncode == 0

@@ -118,9 +118,10 @@ def test_dry_run_plans_without_the_checkpoint_from_an_earlier_runs_ledger(
                         model="checkpoints/not-downloaded-yet")
     _history(renders / "yesterday", batch)
     out = renders / "tonight"
-    # `run` needs the checkpoint; the dry run and validate do not.
-    assert cli.main(["run", str(batch), "--out", str(out)]) == 2
-    assert "not-downloaded-yet' does not exist" in capsys.readouterr().err
+    # `run` needs the checkpoint (exit 3, as for any checkpoint it cannot load); the dry run and validate do not.
+    assert cli.main(["run", str(batch), "--out", str(out)]) == cli.EXIT_ENVIRONMENT
+    err = capsys.readouterr().err
+    assert "not-downloaded-yet: checkpoint folder does not exist" in err and "nothing was recorded" in err
     assert cli.main(["run", str(batch), "--out", str(out), "--dry-run", "--set", "steps=20",
                      "--sweep", "guidance=2,4", "--cpu-gpus", "2"]) == 0
     text = capsys.readouterr().out

@@ -5,9 +5,11 @@ ledger one checkpoint behind the file; the newer file is as good a place to cont
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from runner_helpers import spec
 
@@ -26,10 +28,11 @@ from pan2render.step_checkpoint import CheckpointKey
 MODEL_ID = "tiny-0123"
 
 
-def _checkpoint(spec_hash: str, *, step: int, total: int = 10) -> bytes:
-    key = CheckpointKey(model_id=MODEL_ID, sampler="euler", total_steps=total, latent_shape=(1, 2, 1, 2, 2),
+def _checkpoint(spec_hash: str, *, step: int, total: int = 10, model_id: str = MODEL_ID,
+                latent: float | None = None) -> bytes:
+    key = CheckpointKey(model_id=model_id, sampler="euler", total_steps=total, latent_shape=(1, 2, 1, 2, 2),
                         seed=0, guidance=2.5, spec_hash=spec_hash)
-    latents = torch.full(key.latent_shape, float(step))
+    latents = torch.full(key.latent_shape, float(step) if latent is None else latent)
     state = SamplerState(key=key, latents=latents, schedule=torch.linspace(1, 0, total + 1),
                          generator=torch.Generator().manual_seed(0).get_state(),
                          sampler=StepState(step=step, tensors={}, counters={}))
@@ -84,3 +87,39 @@ def test_a_damaged_or_foreign_checkpoint_is_dropped_and_the_sampling_starts_over
     path.write_bytes(_checkpoint("e" * 64, step=5))  # another job's (another spec hash)
     assert flow.step_checkpoint(run) is None and "belongs to spec_hash 'eeeeeeeeeeee'" in said[-1]
     assert not path.exists()
+
+
+def test_a_cached_jobs_checkpoint_is_dropped_before_its_sampling_starts(tmp_path: Path) -> None:
+    """A step cache's residuals are not in a checkpoint: the sampling starts from step 0, so the
+    checkpoint goes before it starts (not in the sampling's reply, minutes later, while `status`
+    showed the restarted sampling behind it)."""
+    flow, run, said = _set_up(tmp_path)
+    cached = dataclasses.replace(run.job.spec, cache="magcache")
+    flow.ledger.add_jobs([cached], retries=2)
+    run = JobRun(job=flow.ledger.job(cached.job_id), group=run.group)
+    flow.write_step_checkpoint(run, _checkpoint(cached.spec_hash, step=3), step=3)
+    run.checkpoint_step = 0  # (a new attempt)
+    assert flow.step_checkpoint(run) is None
+    assert flow.ledger.document(run.job.id, STEP_CHECKPOINT_DOC) is None
+    assert not (flow.out_dir / artifacts.step_checkpoint_relpath(run.job.id)).exists()
+    assert "a step cache's kept residuals are not in a step checkpoint" in said[-1]
+
+
+@pytest.mark.parametrize(("made", "why"), [
+    (dict(model_id="Wan2.2-TI2V-5B-0123456789"), "stale: it belongs to model_id 'Wan2.2-TI2V-5B-0123456789'"),
+    (dict(step=0), "damaged: step 0 is not a boundary"),
+    (dict(step=10), "damaged: step 10 is not a boundary"),
+    (dict(step=3, latent=float("nan")), "damaged: non-finite latents"),
+])
+def test_a_checkpoint_of_another_model_at_no_boundary_or_with_nan_latents_is_refused(
+        tmp_path: Path, made: dict, why: str) -> None:
+    """Each checks out as a file (its own digest is right) and is still refused by the driver before
+    the sampling starts: another model's (the group's loaded model id, not the job's alone), one
+    after no step or after the last, one whose latents are not finite."""
+    flow, run, said = _set_up(tmp_path)
+    path = flow.out_dir / artifacts.step_checkpoint_relpath(run.job.id)
+    flow.write_step_checkpoint(run, _checkpoint(run.job.spec.spec_hash, **{"step": 3, **made}), step=3)
+    run.checkpoint_step = 0  # (a new attempt)
+    assert flow.step_checkpoint(run) is None
+    assert why in said[-1] and "sampling from step 0" in said[-1]
+    assert not path.exists() and flow.ledger.document(run.job.id, STEP_CHECKPOINT_DOC) is None

@@ -69,3 +69,21 @@ def test_the_cli_and_the_report_show_the_same(folder) -> None:
     page = write_report(out).read_text()
     for r in rows:
         assert f"vs exact: PSNR {r['psnr_db']:.2f} dB, SSIM {r['ssim']:.4f}" in page
+
+
+@pytest.mark.parametrize(("fast_s", "exact_s", "shown"), [(3.732, 2.0, "0.54x"), (2.0, 3.94, "1.97x")])
+def test_the_speed_up_is_exact_over_fast_and_named_so(fast_s: float, exact_s: float, shown: str) -> None:
+    """A fast-lane job 1.87 times slower than its exact job shows a speed-up of 0.54x, never 1.87x
+    (a ratio users read as a speed-up); one twice as fast, ~2x. In the table, the JSON and the report."""
+    from pan2render.runner.views.compare import LaneComparison, format_comparisons
+
+    row = LaneComparison(job_id="fox-cache-magcache-12345678", name="fox", lanes={"cache": "magcache"},
+                         exact_id="fox-87654321", psnr_db=30.0, ssim=0.9, sampling_s=fast_s, exact_sampling_s=exact_s)
+    assert row.speed_up == pytest.approx(exact_s / fast_s)
+    doc = row.to_json()
+    assert doc["speed_up"] == pytest.approx(exact_s / fast_s) and "speed_ratio" not in doc
+    text = format_comparisons([row])
+    print(text)
+    header, line = text.splitlines()[:2]
+    assert header.rstrip().endswith("speed-up (exact / fast)") and line.rstrip().endswith(shown)
+    assert row.summary().endswith(f"speed-up {shown}")

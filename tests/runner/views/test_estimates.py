@@ -4,13 +4,15 @@ full-size checkpoint on CPU gets no H200 figure."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
-from runner_helpers import write_batch
+from runner_helpers import spec, write_batch
 
 from pan2render.jobs.batch import load_batch
 from pan2render.jobs.ledger import Ledger
+from pan2render.jobs.spec import JobSpec
 from pan2render.runner.cli import main as cli
 from pan2render.runner.views.estimates import CPU, CUDA, History, JobSize, plan
 from pan2render.runner.views.status import format_estimate
@@ -97,3 +99,31 @@ def test_without_a_run_the_estimate_is_a_guess_with_its_range_and_never_h200_fig
     print(text)
     # 50 guided steps at 26,598 tokens are most of a job: about a minute and a half on an H200.
     assert "one H200" in text and 60 < on_gpu.estimates[0].gpu_seconds < 200
+
+
+def _job(name: str, **fields: object) -> JobSpec:
+    return dataclasses.replace(spec(name), **fields)
+
+
+def test_an_unguided_step_is_estimated_as_one_forward_not_two() -> None:
+    """guidance 1 runs one DiT forward a step where a guided job runs two: its sampling estimate is
+    half the guided job's, the rest of the job the same (and a job gated after half its steps
+    three quarters)."""
+    guided, unguided, gated = (_job("g", steps=8, guidance=2.5), _job("u", steps=8, guidance=1.0),
+                               _job("h", steps=8, guidance=2.5, guidance_until=0.5))
+    e = {x.job.name: x.times for x in plan([guided, unguided, gated], gpus=1, device=CPU, history=History()).estimates}
+    assert e["u"].sampling == pytest.approx(e["g"].sampling / 2) and e["u"].decode == e["g"].decode
+    assert e["h"].sampling == pytest.approx(e["g"].sampling * 3 / 4)
+    assert JobSize.of(unguided).step_units == 4 and JobSize.of(guided).step_units == 8
+
+
+def test_jobs_are_placed_on_the_least_busy_gpu() -> None:
+    """Two GPUs, a long job then two short ones: the short ones share the free GPU while the long
+    one runs (wall: the long job's), never queue behind it on the busy one."""
+    long_job = _job("long", steps=40, height=64, width=64, frames=17)
+    short = [_job(f"short{i}", steps=2, seed=i) for i in range(2)]
+    the_plan = plan([long_job, *short], gpus=2, device=CPU, history=History(), group_starts=False)
+    t = {e.job.name: e.times for e in the_plan.estimates}
+    assert t["long"].on_gpu > t["short0"].on_gpu + t["short1"].on_gpu  # (so the placement shows)
+    expected = max(t["long"].on_gpu, t["short0"].on_gpu + t["short1"].on_gpu) + t["short1"].encode
+    assert the_plan.wall_seconds == pytest.approx(expected)

@@ -3,6 +3,7 @@ order they arrive in, and ``collect`` returns an encode while the GPU lane is bu
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from pan2render.jobs.ledger import Stage
 from pan2render.jobs.spec import JobSpec
 from pan2render.media.video import probe_mp4
 from pan2render.runner.protocol.failures import FailureKind
-from pan2render.runner.protocol.messages import CollectCall, DecodeCall, WorkerCall, WorkerConfig
+from pan2render.runner.protocol.messages import CollectCall, DecodeCall, SampleCall, WorkerCall, WorkerConfig
 from pan2render.runner.worker import packing
 from pan2render.runner.worker.fake_pipeline import FAKE_FACTORY, FakePipeline
 from pan2render.runner.worker.render_worker import RenderWorker
@@ -93,3 +94,23 @@ def test_collect_returns_while_the_gpu_lane_is_held(tmp_path: Any) -> None:
     assert not again.ok and CollectCall.stage is Stage.ENCODE and "no encode of job" in again.failure.error
     assert again.failure.kind is FailureKind.UNKNOWN
 
+
+
+def test_a_calibration_gone_since_validation_fails_the_sampling_as_deterministic(monkeypatch: Any) -> None:
+    """Validation refuses `cache: magcache` without a calibration; a worker that still meets one
+    (its calibration removed since) fails the job's sampling as its input, never `unknown`: a retry
+    on another group would fail the same way."""
+    from pan2render.lanes import CalibrationMissing
+
+    def uncalibrated(self: FakePipeline, **_: Any) -> None:
+        raise CalibrationMissing("run `pan2-render calibrate tiny` once (or set cache: none): ...")
+
+    monkeypatch.setattr(FakePipeline, "sampling_plan", uncalibrated)
+    w = _Worker()
+    js = dataclasses.replace(_spec(), cache="magcache")
+    embeds = packing.pack_embedding(FakePipeline("tiny").encode_prompt("p"), key="p", text_encoder_id="fake-text-v1")
+    reply = w.execute(SampleCall(model="tiny", job_id=js.job_id, spec=js, prompt_embeds=embeds,
+                                 negative_embeds=embeds), 0)
+    print(reply.failure)
+    assert not reply.ok and reply.failure.kind is FailureKind.INPUT
+    assert reply.failure.error.startswith("CalibrationMissing: run `pan2-render calibrate tiny` once")  # fix first

@@ -16,6 +16,7 @@ const state = {
   viewKey: "",  // what the view was fetched for (a change fetches it again)
   fetching: false,
   blobs: new Map(),  // file path -> object URL (videos and posters, fetched with the token)
+  previews: new Map(),  // job id -> {path, url}: its newest live preview's object URL (older ones revoked)
 };
 
 // ---------------------------------------------------------------- the token
@@ -328,6 +329,7 @@ function links(b, view) {
 
 function liveText(job, live) {
   const r = live.get(job.id);
+  if (!r && job.after) return "after: " + job.after.join(", ");  // a pending job waiting for the jobs it runs after
   if (!r) return {done: "", pending: "waiting", cancelled: ""}[job.state] ?? (job.stage || "");
   if (r.step !== null && r.total) {
     return `${r.stage} ${r.step}/${r.total}` + (r.rate ? ` · ${r.rate.toFixed(2)} step/s` : "");
@@ -367,7 +369,8 @@ function updateJobRow(row, job, b, live) {
   now.textContent = liveText(job, live);
   setCell(secs, JSON.stringify(job.seconds), () => stageSeconds(job.seconds));
   attempts.textContent = String(job.attempts);
-  setCell(media, JSON.stringify([job.video, job.poster]), () => mediaOf(b.id, job));
+  const preview = (live.get(job.id) || {}).preview || null;
+  setCell(media, JSON.stringify([job.video, job.poster, preview && preview.url]), () => mediaOf(b.id, job, preview));
   const cancellable = ["pending", "running"].includes(shown) && ["active", "paused"].includes(b.state);
   setCell(actions, String(cancellable), () => cancellable
     ? el("button", {type: "button", dataset: {action: "cancel-job"},
@@ -377,7 +380,7 @@ function updateJobRow(row, job, b, live) {
 function errorRow(job, row) {
   row = row || el("tr", {class: "error-row", dataset: {errorOf: job.id}}, el("td", {colSpan: 7}));
   setCell(row.cells[0], JSON.stringify([job.stage, job.error, job.traceback]), () => [
-    el("p", {class: "error"}, `${job.stage || "?"}: ${(job.error || "").split("\n")[0]}`),
+    el("p", {class: "error"}, (job.stage ? job.stage + ": " : "") + (job.error || "").split("\n")[0]),
     job.traceback ? el("details", {class: "traceback"}, el("summary", {}, "traceback"), el("pre", {}, job.traceback)) : null]);
   return row;
 }
@@ -400,8 +403,29 @@ async function blobUrl(batch, path) {
   return state.blobs.get(key);
 }
 
-function mediaOf(batch, job) {
-  if (!job.video) return null;
+// A running job's newest live preview: a strip of a few of its predicted frames, replaced as the
+// snapshot names a newer one (the step rides in the URL's query, so each is fetched once).
+function previewUrl(job, path) {
+  const had = state.previews.get(job);
+  if (had && had.path === path) return had.url;
+  const url = api(path).then(r => r.blob()).then(blob => URL.createObjectURL(blob));
+  state.previews.set(job, {path, url});
+  if (had) had.url.then(old => setTimeout(() => URL.revokeObjectURL(old), 10000), () => {});
+  return url;
+}
+
+function previewImg(job, preview) {
+  const img = el("img", {class: "preview", alt: `live preview of ${job.name}`, dataset: {step: String(preview.step)},
+                         title: `live preview: the frames predicted at step ${preview.step} of ${preview.steps}`});
+  previewUrl(job.id, preview.url).then(url => { img.src = url; }, () => img.remove());
+  return img;
+}
+
+function mediaOf(batch, job, preview) {
+  if (!job.video) {
+    return preview ? el("div", {class: "media"}, previewImg(job, preview),
+                        el("span", {class: "muted"}, `preview at step ${preview.step}/${preview.steps}`)) : null;
+  }
   const box = el("div", {class: "media"});
   const play = el("button", {type: "button", class: "play", dataset: {action: "play"}, title: "play " + job.name,
                              onclick: async () => {
@@ -427,7 +451,8 @@ function mediaOf(batch, job) {
 // ---------------------------------------------------------------- a swept batch's grids
 function renderGrids(view, live) {
   const byId = new Map(view.jobs.map(j => [j.id, j]));
-  const key = JSON.stringify([view.grids, view.jobs.map(j => [j.id, stateOf(j, live), liveText(j, live), j.poster])]);
+  const key = JSON.stringify([view.grids, view.jobs.map(j => [j.id, stateOf(j, live), liveText(j, live), j.poster,
+                                                            ((live.get(j.id) || {}).preview || {}).url])]);
   setCell($("grids"), key, () => view.grids.map(g => gridTable(g, byId, live, view.batch.id)));
 }
 
@@ -451,10 +476,13 @@ function gridCell(job, live, batch) {
   if (!job) return null;
   const shown = stateOf(job, live);
   const figure = el("figure", {class: "cell " + shown, dataset: {job: job.id}, title: job.name + " " + job.label});
+  const preview = (live.get(job.id) || {}).preview;
   if (job.poster) {
     const img = el("img", {alt: job.name, width: job.width, height: job.height});
     blobUrl(batch, job.poster).then(url => { img.src = url; }, () => img.remove());
     figure.append(img);
+  } else if (preview) {
+    figure.append(previewImg(job, preview));
   } else {
     const scale = Math.min(1, CELL_PX / job.width);
     figure.append(el("div", {class: "placeholder",
