@@ -3,6 +3,7 @@ against the same batches unscraped, on the CPU with the fake pipeline.
 
     python scripts/bench_metrics.py                      # defaults: docs/performance.md, "Metrics"
     python scripts/bench_metrics.py --step-seconds 0     # no stand-in for GPU time: the worst case
+    python scripts/bench_metrics.py --pipeline real      # GPU host: the embedded tiny model's real steps
 
 One farm (`farm start`, in-process workers: the sampling runs in the farm's own process, beside its
 API thread, which is the worst place for a scraper to be), warmed by --history small batches (ended
@@ -14,7 +15,9 @@ unscraped: the pairing keeps a shared machine's drifting load out of it), and th
 
 The fake pipeline's steps are a tensor op on the latents and a sleep of --step-seconds, a stand-in
 for GPU work during which the driver's Python does not run (0: every step is Python and torch on
-the CPU, contending with the scrapes for the interpreter).
+the CPU, contending with the scrapes for the interpreter). --pipeline real renders with the embedded tiny model's own
+pipeline on whatever device the farm finds (a GPU where there is one): its steps are short and
+launch-bound, so the Python that launches them is what a scraper could slow.
 """
 
 from __future__ import annotations
@@ -98,6 +101,8 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=6, help="jobs per batch")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--size", default="256x256x33", help="WxHxFRAMES of every job")
+    p.add_argument("--pipeline", choices=("fake", "real"), default="fake",
+                   help="fake: the runner's stand-in pipeline; real: the tiny model's own (on the GPU if one)")
     p.add_argument("--step-seconds", type=float, default=0.02, help="the fake step's stand-in for GPU time")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--history", type=int, default=20, help="small batches rendered first (ended folders)")
@@ -107,8 +112,11 @@ def main() -> None:
     w, h, f = (int(x) for x in args.size.split("x"))
     work = Path(tempfile.mkdtemp(prefix="bench-metrics-"))
     env = {**os.environ, "PAN2_RENDER_FARM": str(work / "farm"), "PAN2_RENDER_CACHE": str(work / "cache"),
-           "PAN2_RENDER_PIPELINE": FAKE_FACTORY, "PAN2_RENDER_EXECUTOR": "local",
-           "PAN2_FAKE_STEP_SECONDS": str(args.step_seconds), "PYTHONPATH": str(REPO)}
+           "PAN2_RENDER_EXECUTOR": "local",
+           # the checkout first, and what the caller's PYTHONPATH holds (a GPU host's unpacked wheels) after it
+           "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    if args.pipeline == "fake":
+        env |= {"PAN2_RENDER_PIPELINE": FAKE_FACTORY, "PAN2_FAKE_STEP_SECONDS": str(args.step_seconds)}
     started = subprocess.run([*CLI, "farm", "start", "--inputs-root", str(work), "--outputs-root", str(work)],
                              env=env, capture_output=True, text=True, timeout=300)
     if started.returncode != 0:
@@ -121,8 +129,9 @@ def main() -> None:
     try:
         for i in range(args.history):
             render(farm, batch_text(jobs=1, steps=2, size=(64, 64, 17), seed0=i, tag="h"), work / f"history{i}", work)
+        steps_are = f"fake step sleep {args.step_seconds} s" if args.pipeline == "fake" else "the tiny model's pipeline"
         print(f"{args.history} small batches rendered first; then {args.rounds} rounds of {args.jobs} jobs x "
-              f"{args.steps} steps at {args.size}, fake step sleep {args.step_seconds} s", flush=True)
+              f"{args.steps} steps at {args.size}, {steps_are}", flush=True)
         for r in range(args.rounds):
             medians = {}
             # Each round a pair, its order alternating, so that a drift of the machine's load weighs on both.

@@ -2,10 +2,11 @@
 (ccvfi's one RIFE model's architecture, v4.26.heavy); the tests and scripts/bench_interpolate.py
 load this file with runpy.
 
-ccvfi's package __init__ imports its model wrappers, which import torchvision for image I/O (not a
-dependency ccvfi declares; a CPU-only torch has no matching torchvision wheel on PyPI). The
-architecture needs only torch: without torchvision its module is imported beneath an empty package
-shell, and sys.modules is left as it was.
+ccvfi's package __init__ imports its model wrappers, which import torchvision and cv2 for image I/O
+(torchvision is not a dependency ccvfi declares; a CPU-only torch has no matching torchvision wheel on
+PyPI). The architecture needs only torch and ccvfi's type names (pydantic): where the wrappers'
+imports fail, its module is imported beneath an empty package shell, and sys.modules is left as it
+was.
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ def ccvfi_ifnet_class() -> type | None:
         from ccvfi.arch.ifnet_arch import IFNet
 
         return IFNet
-    except ModuleNotFoundError as e:
-        if e.name != "torchvision":
-            raise
+    except ModuleNotFoundError:
+        pass  # an I/O need of the wrappers (torchvision, cv2): the architecture alone may still import
     shell = types.ModuleType("ccvfi")
     shell.__path__ = list(spec.submodule_search_locations or [])
     _restore(before)  # what the failed import left half-made

@@ -46,11 +46,19 @@ from pan2render.jobs.coerce import (
     type_name,
 )
 from pan2render.jobs.context import LoadContext, RawJob
-from pan2render.jobs.expansion import check_cost, check_unique, expand_jobs, name_jobs
+from pan2render.jobs.expansion import check_cost, check_unique, expand_jobs, name_jobs, resolve_prompts
 from pan2render.jobs.inputs import LIMITS, nesting_depth
 from pan2render.jobs.overrides import FlagValues, Overrides
 from pan2render.jobs.presets import parse_preset
-from pan2render.jobs.references import check_lora_files, image_problem, parse_model, resolve_image, resolve_loras
+from pan2render.jobs.references import (
+    check_interpolation_files,
+    check_lora_files,
+    image_problem,
+    parse_model,
+    resolve_image,
+    resolve_interpolation_weights,
+    resolve_loras,
+)
 from pan2render.jobs.spec import DEFAULTS_KEYS, JOB_KEYS, Batch, BatchValidationError, Problem, SourceLocation
 from pan2render.jobs.weights import folder_fingerprint
 from pan2render.jobs.yaml_reader import Node, YamlReader, read_text, too_deep, unreadable_number
@@ -105,7 +113,14 @@ def load_batch(path: str | Path, *, check_files: bool = True, check_model: bool 
         if "loras" in raw.fields:
             where = SourceLocation(raw.location.file, raw.lines.get("loras", raw.location.line))
             raw.fields["loras"] = resolve_loras(raw.fields["loras"], raw.base_dir, ctx, where, raw.label + ".loras")
+        if raw.fields.get("interpolation_weights") is not None:
+            fld = "interpolation_weights"
+            where = SourceLocation(raw.location.file, raw.lines.get(fld, raw.location.line))
+            raw.fields[fld] = resolve_interpolation_weights(raw.fields[fld], raw.base_dir, ctx, where,
+                                                            f"{raw.label}.{fld}")
+        resolve_prompts(raw)
     check_lora_files(model, ctx)
+    check_interpolation_files(ctx)
     if not raw_jobs and not any(p.field.startswith(("jobs", "prompts_file")) for p in ctx.problems):
         # (a `jobs:` that is not a list, or an unreadable prompts file, is reported already)
         line = (top.get("jobs") or top.get("prompts_file") or root).line
@@ -168,8 +183,9 @@ def _parse_jobs(node: Node | None, ctx: LoadContext) -> list[RawJob]:
                                           "with `prompt` and optional " + ", ".join(JOB_KEYS[1:]))
             continue
         fields = coerce_fields(item.value, JOB_KEYS, label + ".", ctx.display, ctx.problems)
-        if "prompt" not in item.value:
-            ctx.problem(item.line, label + ".prompt", "missing; every job needs a non-empty `prompt`")
+        if "prompt" not in item.value and "prompts" not in item.value:
+            ctx.problem(item.line, label + ".prompt", "missing; every job needs a non-empty `prompt` (or `prompts`, "
+                                                      "one per segment)")
         # Kept even when broken, so that its name still takes part in the duplicate check.
         raw.append(RawJob(fields, where, label, ctx.base_dir, {k: n.line for k, n in item.value.items()}))
     return raw
@@ -222,8 +238,9 @@ def _parse_prompts_file(node: Node | None, ctx: LoadContext) -> list[RawJob]:
             continue
         fields = coerce_fields({str(k): Node(v, lineno) for k, v in row.items()}, JOB_KEYS, label + ".", display,
                                ctx.problems)
-        if "prompt" not in row:
-            ctx.problem(lineno, label + ".prompt", "missing; every row needs a non-empty `prompt`", display)
+        if "prompt" not in row and "prompts" not in row:
+            ctx.problem(lineno, label + ".prompt", "missing; every row needs a non-empty `prompt` (or `prompts`, "
+                                                   "one per segment)", display)
         raw.append(RawJob(fields, where, label, path.parent, {k: lineno for k in row}))
     return raw
 
@@ -276,6 +293,9 @@ def _parse_sweep(node: Node | None, ctx: LoadContext) -> dict[str, list[Any]]:
             if key == "loras":
                 good[-1] = resolve_loras(good[-1], ctx.base_dir, ctx, SourceLocation(ctx.display, item.line),
                                          f"{fld}[{i}]")
+            if key == "interpolation_weights":
+                good[-1] = resolve_interpolation_weights(good[-1], ctx.base_dir, ctx,
+                                                         SourceLocation(ctx.display, item.line), f"{fld}[{i}]")
             image = (ctx.base_dir / Path(good[-1]).expanduser()).resolve() if key == "image" else None
             problem = None if image is None else ctx.outside_roots(image) or (
                 image_problem(image) if ctx.check_files else None)

@@ -175,6 +175,22 @@ def _check_loras(v: Any) -> tuple[LoraRef, ...]:
     return tuple(refs)
 
 
+def _check_prompts(rule: Rule, v: Any) -> tuple[str, ...]:
+    """A story's prompts: a list of texts, each checked as a prompt is."""
+    allowed = rule.allowed_text()
+    items = [_plain(n) for n in v] if isinstance(v, list) else None
+    if items is None or not rule.min <= len(items) <= rule.max:  # type: ignore[operator]
+        what = f"{len(items)} prompt(s)" if items is not None else f"{v!r} ({type_name(_plain(v))})"
+        raise BadValue(f"got {what}; allowed: {allowed}")
+    out = []
+    for i, text in enumerate(items):
+        try:
+            out.append(as_str(text, allowed, non_empty=True, newlines=True, max_chars=rule.max_chars))
+        except BadValue as exc:
+            raise BadValue(f"[{i}] {exc}") from None
+    return tuple(out)
+
+
 def _check_names(rule: Rule, v: Any) -> tuple[str, ...]:
     """Job names (``after``): one name, or a list of distinct names, each checked as a job's
     ``name`` is; which jobs they name is the batch's to check (``jobs/after.py``)."""
@@ -206,6 +222,8 @@ def _checker(rule: Rule) -> Callable[[Any], Any]:
         return _check_timesteps
     if kind is Kind.LORAS:
         return _check_loras
+    if kind is Kind.PROMPTS:
+        return functools.partial(_check_prompts, rule)
     if kind is Kind.NAMES:
         return functools.partial(_check_names, rule)
     assert kind in (Kind.INT, Kind.FLOAT), kind

@@ -38,6 +38,9 @@ class LoadContext:
     # the model is known (`check_lora_files`), and hashed once.
     lora_sources: dict[str, tuple[SourceLocation, str]] = field(default_factory=dict)
     lora_hashes: dict[str, str | None] = field(default_factory=dict)
+    # The same for every interpolation weights file named (`check_interpolation_files`).
+    interpolation_sources: dict[str, tuple[SourceLocation, str]] = field(default_factory=dict)
+    interpolation_hashes: dict[str, str | None] = field(default_factory=dict)
     # The folders a load may read from (None: any). A farm loading a batch a client sent reads only
     # inside the roots it allows: every file the batch names is checked before it is read.
     roots: tuple[Path, ...] | None = None

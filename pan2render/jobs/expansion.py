@@ -14,9 +14,10 @@ from pan2render.calibration_store import model_calibration_problem
 from pan2render.jobs.coerce import LORA_SCALE_AXIS
 from pan2render.jobs.context import LoadContext, RawJob
 from pan2render.jobs.inputs import LIMITS, dit_tokens
-from pan2render.jobs.references import image_hash, lora_hash
+from pan2render.jobs.references import image_hash, interpolation_hash, lora_hash
 from pan2render.jobs.spec import BUILTIN_DEFAULTS, JOB_KEYS, JobSpec, LoraRef, Problem, SourceLocation
 from pan2render.lanes import CACHE_NONE, lane_problems
+from pan2render.long_video import video_frames
 from pan2render.sampling import DMD, combination_problems
 
 
@@ -25,6 +26,8 @@ def _sweep_label(key: str, value: Any) -> Any:
     (``style@0.5+detail@1``, ``none``), other values as they are."""
     if key == "loras":
         return "+".join(r.label for r in value) or "none"
+    if key == "interpolation_weights" and value is not None:
+        return Path(value).stem
     return value
 
 
@@ -44,6 +47,18 @@ def _apply_lora_scales(merged: dict[str, Any], combo: dict[str, Any], raw: RawJo
             return False
         merged["loras"] = (*loras[:i], LoraRef(loras[i].path, scale), *loras[i + 1:])
     return True
+
+
+def resolve_prompts(raw: RawJob) -> None:
+    """A story's first prompt is the job's ``prompt`` (its name, its conditioning, what status
+    shows): given only ``prompts``, the job gets it (given both, `_check_long_video` sees that they
+    agree)."""
+    if raw.fields.get("prompts") is not None:
+        raw.fields.setdefault("prompt", raw.fields["prompts"][0])
+
+
+def _cut(text: str, n: int = 40) -> str:
+    return repr(text if len(text) <= n else text[:n] + "...")
 
 
 def _derived_name(prompt: str) -> str:
@@ -101,11 +116,15 @@ def expand_jobs(raw_jobs: list[RawJob], *, model: str, weights: str | None, pres
                 merged["image"] = str((ctx.base_dir / Path(combo["image"]).expanduser()).resolve())
             image = merged["image"]
             image_sha = None if image is None else image_hash(image, ctx)
-            if not _check_sampling(merged, raw, {**defaults, **raw.fields, **combo}, ctx):
+            explicit = {**defaults, **raw.fields, **combo}
+            if not _check_sampling(merged, raw, explicit, ctx) or not _check_long_video(
+                    merged, raw, {**explicit, **sets}, ctx):
                 continue
+            rife = merged["interpolation_weights"]
             jobs.append(JobSpec(
                 **{k: merged[k] for k in JOB_KEYS if k != "image"}, image=image, image_sha256=image_sha,
                 lora_digests=tuple((lora_hash(r.path, ctx), r.scale) for r in merged["loras"]),
+                interpolation_sha256=None if rife is None else interpolation_hash(rife, ctx),
                 model=model, preset=preset_name, weights=weights,
                 sweep={k: _sweep_label(k, v) for k, v in combo.items()}, source=raw.location,
             ))
@@ -132,10 +151,12 @@ def _check_calibrations(model: str, cached: dict[tuple[bool, bool], list[RawJob]
 
 
 def check_cost(jobs: list[JobSpec], ctx: LoadContext) -> None:
-    """One job's video must fit what the DiT and the VAE can hold (see InputLimits.dit_tokens)."""
+    """One job's video must fit what the DiT and the VAE can hold (see InputLimits.dit_tokens), and
+    a long one what its worker holds at once (InputLimits.video_bytes)."""
     seen: set[tuple[str, int, int, int]] = set()
     for job in jobs:
         assert job.source is not None
+        _check_video_bytes(job, ctx)
         key = (str(job.source), job.frames, job.height, job.width)
         tokens = dit_tokens(frames=job.frames, height=job.height, width=job.width)
         if tokens <= LIMITS.dit_tokens or key in seen:
@@ -165,6 +186,43 @@ def _check_sampling(merged: dict[str, Any], raw: RawJob, explicit: dict[str, Any
                           f"{raw.label}.{fld}", message)
         ctx.note_once(problem)  # once per job, not once per sweep combination
     return not problems
+
+
+def _check_long_video(merged: dict[str, Any], raw: RawJob, explicit: dict[str, Any], ctx: LoadContext) -> bool:
+    """Segments and interpolation of one resolved job: a story's prompts give its segments (an
+    explicit, different ``segments`` is a problem; one prompt is a job of one segment, as a plain
+    ``prompt`` is), and interpolating needs its weights. False if the job is invalid."""
+    problems = []
+    prompts = merged["prompts"]
+    if prompts is not None:
+        if "segments" in explicit and explicit["segments"] != len(prompts):
+            problems.append(("segments", f"got {explicit['segments']} but the job lists {len(prompts)} prompts, one "
+                                         f"per segment; drop segments, or give {explicit['segments']} prompts"))
+        if merged["prompt"] != prompts[0]:
+            problems.append(("prompt", f"differs from prompts[0] ({_cut(prompts[0])}); with `prompts` the first "
+                                       "segment's prompt is prompts[0]: drop `prompt`, or make it the same"))
+        merged["segments"] = len(prompts)
+        if len(prompts) == 1:
+            merged["prompts"] = None
+    if merged["interpolate"] > 1 and merged["interpolation_weights"] is None:
+        problems.append(("interpolate", f"interpolate {merged['interpolate']} needs `interpolation_weights`: the RIFE "
+                                        "IFNet weights file it runs (a path relative to this file)"))
+    for fld, message in problems:
+        ctx.note_once(Problem(SourceLocation(raw.location.file, raw.lines.get(fld, raw.location.line)),
+                              f"{raw.label}.{fld}", message))
+    return not problems
+
+
+def _check_video_bytes(job: JobSpec, ctx: LoadContext) -> None:
+    frames = video_frames(job)
+    size = frames * job.height * job.width * 3
+    if size > LIMITS.video_bytes:
+        assert job.source is not None
+        ctx.note_once(Problem(job.source, "segments x frames x interpolate",
+                              f"job {_describe(job)} makes a video of {frames:,} frames of {job.width}x{job.height}, "
+                              f"{size / 2**30:.1f} GiB of RGB frames; allowed: at most {LIMITS.video_bytes >> 30} GiB "
+                              "(its worker holds the whole video at once to colour-match, interpolate and encode it): "
+                              "fewer segments or frames, a smaller interpolation factor, or a smaller size"))
 
 
 def _describe(job: JobSpec) -> str:

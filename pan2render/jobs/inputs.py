@@ -57,8 +57,15 @@ class InputLimits:
     # 5B DiT in fp32 is ~1.3 GB.
     lora_bytes: int = 4 << 30
     loras: int = 8  # adapters stacked on one job
+    # A job's chained segments (each a whole sampling), and what its worker then holds at once: the
+    # joined, interpolated video's frames, uint8 RGB on the device for colour matching and
+    # interpolation (and half that as yuv420p on its host for the encode). 16 GiB is 6,000 frames
+    # at 704x1248 (16 segments of 121 frames, twice interpolated, is 3,841).
+    segments: int = 32
+    video_bytes: int = 16 << 30
     lora_scale: float = 100.0  # |scale| of one adapter (ComfyUI's LoraLoader range)
     prompts_file_bytes: int = 16 << 20
+    interpolation_weights_bytes: int = 1 << 30  # RIFE's IFNet weighs ~20 MB in fp32
     model_config_bytes: int = 1 << 20  # a model's config.json, read to check LoRAs against (a DiT's is ~1 KB)
     # YAML aliases share nodes; expanded, a few lines can stand for billions of values.
     yaml_aliases: int = 1000

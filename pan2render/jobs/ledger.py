@@ -98,11 +98,12 @@ class StageState(str, enum.Enum):
 class Stage(str, enum.Enum):
     """The stages of one job, in order. Decode's output (frames) is never durable: it stays on the
     worker, which encodes it in the background, and only the mp4 comes back, so decode is marked
-    done together with encode."""
+    done together with encode; so is interpolate, which works on those frames."""
 
     CONDITIONING = "conditioning"  # artifact: DIR/_cache/embeddings/<sha>.safetensors
-    SAMPLING = "sampling"  # artifact: DIR/<job>/latents.safetensors
+    SAMPLING = "sampling"  # artifact: DIR/<job>/latents.safetensors (a chained job: DIR/<job>/segments/)
     DECODE = "decode"  # no artifact (frames stay in the worker)
+    INTERPOLATE = "interpolate"  # no artifact (frames stay in the worker); nothing to do unless `interpolate` > 1
     ENCODE = "encode"  # artifact: DIR/<job>/video.mp4
 
 
@@ -143,7 +144,9 @@ class EventKind(str, enum.Enum):
     GROUP_DIED = "group-died"
     CHECKPOINT_DROPPED = "checkpoint-dropped"
     CHECKPOINT_RESUMED = "checkpoint-resumed"  # a sampling continues from the job's step checkpoint
+    SEGMENT = "segment"  # a chained job's segment sampled, or its last frame recorded
     DROPPED = "dropped"  # a job removed from the ledger (`run --prune`); its id leads the detail
+    STAGE_ADDED = "stage-added"  # a ledger from before a stage existed got its rows (Ledger.open_file)
     OTHER = "other"  # a kind this version does not know (a newer version wrote it)
 
 
@@ -352,7 +355,32 @@ class Ledger:
     def open_file(cls, path: Path) -> "Ledger":
         """Open (creating if absent) a ledger file for writing; raises LedgerError if damaged, and
         UnsafePathError if it or its journal is a symlink (SQLite would write through it)."""
-        return cls(store.open_writer(path, _LEDGER), path=path)
+        ledger = cls(store.open_writer(path, _LEDGER), path=path)
+        ledger._add_new_stages()
+        return ledger
+
+    def _add_new_stages(self) -> None:
+        """A ledger recorded with the standard stages before one was added (interpolate) gets that
+        stage's row for each of its jobs, in one transaction: done where the stage before it is done
+        (a stage added since is recorded done with the video, as decode is), else pending. A ledger
+        of a flow of its own (meta ``stages``) keeps the stages it was recorded with."""
+        if self.get_meta("stages") is not None:
+            return
+        # (A stage present is found at the first rows; only a missing one costs a scan, once.)
+        present = [self._conn.execute("SELECT 1 FROM stages WHERE stage = ? LIMIT 1", (s.value,)).fetchone()
+                   is not None for s in STAGES]
+        missing = [(i, s) for i, s in enumerate(STAGES) if not present[i] and i > 0]
+        if not any(present) or not missing:
+            return
+        now = time.time()
+        with self._tx() as c:
+            for i, stage in missing:
+                c.execute("INSERT INTO stages (job_id, stage, state, updated_at) SELECT job_id, ?, CASE state WHEN ? "
+                          "THEN ? ELSE ? END, ? FROM stages WHERE stage = ?",
+                          (stage.value, StageState.DONE.value, StageState.DONE.value, StageState.PENDING.value, now,
+                           STAGES[i - 1].value))
+                self._event(c, None, EventKind.STAGE_ADDED, f"stage {stage.value} added to every job (recorded "
+                                                            f"before it existed): done where {STAGES[i - 1].value} is")
 
     @classmethod
     def open_readonly(cls, out_dir: str | Path) -> "Ledger":

@@ -27,7 +27,7 @@ from pan2render.jobs.coerce import (
 from pan2render.jobs.context import LoadContext
 from pan2render.jobs.inputs import escape_bidi
 from pan2render.jobs.presets import parse_preset
-from pan2render.jobs.references import image_problem, parse_model, resolve_loras
+from pan2render.jobs.references import image_problem, parse_model, resolve_interpolation_weights, resolve_loras
 from pan2render.jobs.spec import DEFAULTS_KEYS, SourceLocation
 from pan2render.jobs.yaml_reader import BoundedLoader, Node, TooDeep, too_deep, unreadable_number
 
@@ -104,7 +104,7 @@ class FlagValues:
                 # Flags have no file: their problems are located by the flag as typed (line 0).
                 fctx = LoadContext(display=flag, base_dir=ctx.flags_dir, check_files=ctx.check_files,
                                    check_model=ctx.check_model, problems=ctx.problems, lora_sources=ctx.lora_sources,
-                                   roots=ctx.roots)
+                                   interpolation_sources=ctx.interpolation_sources, roots=ctx.roots)
                 if not sep or not key:
                     example = "steps=4" if kind == "--set" else "seed=0,1,2"
                     fctx.problem(0, "(flag)", f"must look like key=value, e.g. {kind} {example}")
@@ -174,6 +174,8 @@ def _flag_path(key: str, value: Any, fctx: LoadContext) -> Any:
     gets the checks an image named in the batch gets."""
     if key == "loras":
         return resolve_loras(value, fctx.base_dir, fctx, SourceLocation(fctx.display, 0), key)
+    if key == "interpolation_weights":
+        return resolve_interpolation_weights(value, fctx.base_dir, fctx, SourceLocation(fctx.display, 0), key)
     if key != "image":
         return value
     path = (fctx.base_dir / Path(value).expanduser()).resolve()

@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from pan2render.ifnet_files import check_ifnet_weights
 from pan2render.jobs.coerce import BadValue, as_path, type_name
 from pan2render.jobs.context import LoadContext, RawJob
 from pan2render.jobs.inputs import LIMITS, InputFileError, image_size, read_regular_file, sha256_regular_file
@@ -97,6 +98,49 @@ def check_lora_files(model: str, ctx: LoadContext) -> None:
         except (InputFileError, OSError) as exc:
             why = str(exc) if isinstance(exc, InputFileError) else f"cannot be read: {exc.strerror or exc}"
             ctx.problems.append(Problem(where, fld, f"LoRA {path!r} {why}"))
+
+
+def resolve_interpolation_weights(value: str, base_dir: Path, ctx: LoadContext, where: SourceLocation,
+                                  fld: str) -> str:
+    """The interpolation weights' path made absolute (against the file that named it), noted for
+    `check_interpolation_files` where it was first named."""
+    path = (base_dir / Path(value).expanduser()).resolve()
+    if (outside := ctx.outside_roots(path)) is not None:
+        ctx.problems.append(Problem(where, fld, outside))
+    ctx.interpolation_sources.setdefault(str(path), (where, fld))
+    return str(path)
+
+
+def check_interpolation_files(ctx: LoadContext) -> None:
+    """Every interpolation weights file named anywhere: a regular file within its limit that the
+    interpolation model loads (its own check, without building the model); each problem at the
+    place that first named the file."""
+    if not ctx.check_files:
+        return
+    for path, (where, fld) in ctx.interpolation_sources.items():
+        if ctx.outside_roots(Path(path)) is not None:
+            continue  # said where it was named
+        problem = None
+        if interpolation_hash(path, ctx) is None:
+            try:
+                sha256_regular_file(path, limit=LIMITS.interpolation_weights_bytes)
+            except FileNotFoundError:
+                problem = "does not exist"
+            except (InputFileError, OSError) as exc:
+                problem = str(exc) if isinstance(exc, InputFileError) else f"cannot be read: {exc.strerror or exc}"
+            problem = (f"interpolation weights {path!r} {problem}; allowed: a RIFE IFNet weights file (v4.25 / "
+                       "v4.26, .safetensors or a torch state dict)")
+        else:  # the loader's own check (a safetensors file from its header, a torch file mapped, not run),
+            problem = check_ifnet_weights(Path(path))  # which names the file and what it accepts
+        if problem is not None:
+            ctx.problems.append(Problem(where, fld, problem))
+
+
+def interpolation_hash(path: str, ctx: LoadContext) -> str | None:
+    """The weights file's sha256, hashed once per load; None when it cannot be read."""
+    if path not in ctx.interpolation_hashes:
+        ctx.interpolation_hashes[path] = _hash(path, limit=LIMITS.interpolation_weights_bytes)
+    return ctx.interpolation_hashes[path]
 
 
 def _lora_reader(path: str) -> Callable[[int], bytes]:

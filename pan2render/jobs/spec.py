@@ -4,7 +4,7 @@ The parser (``pan2render.jobs.batch``) turns a YAML batch into these dataclasses
 downstream reads raw YAML dicts.
 
 ``JobSpec`` is the one description of a job's fields: each field's ``Rule`` (its dataclass
-metadata) says where a batch may set it, what values are allowed, what it does and whether it
+metadata, ``jobs/rules.py``) says where a batch may set it, what values are allowed, what it does and whether it
 changes the video. The batch keys and value checks, the built-in defaults, the hash behind the job
 id, the pipeline's sampling arguments and the README's field table are all derived from it, so a
 new field is one declaration here (plus what the pipeline does with it).
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import enum
 import functools
 import hashlib
 import json
@@ -25,38 +24,18 @@ from typing import Any
 
 from pan2render import lanes
 from pan2render.jobs.inputs import LIMITS
+from pan2render.jobs.rules import Kind, Rule, Scope, before_field, rule_of
+from pan2render.jobs.rules import with_rule as _rule  # (short: every field below is declared with it)
 from pan2render.media.x264 import DEFAULT_X264_PRESET, DEFAULT_X264_TUNE, X264_PRESETS, X264_TUNES
 from pan2render.sampling import DEFAULT_NUM_TRAIN_TIMESTEPS, DMD, SAMPLERS, WAN22
 
 ALLOWED_GPUS = (1, 2, 4, 8)
+INTERPOLATION_FACTORS = (1, 2, 4)  # `interpolate`: 1 is off
 # Seeds are stored in the SQLite ledger (signed 64-bit INTEGER) and fed to torch.Generator.
 MAX_SEED = 2**63 - 1
 # The mp4's frame rate: what players and libx264 handle (a tiny rate passed validation and then
 # failed only at encode time, after the sampling it needed).
 FPS_RANGE = (1.0, 240.0)
-
-
-class Scope(enum.Enum):
-    """Where a batch may set a field (each wider scope includes the narrower ones)."""
-
-    NOWHERE = "resolved by the batch"  # model, preset, image hash, weights, bookkeeping
-    JOB = "a job only"  # identifies one job: prompt, name
-    DEFAULTS = "anywhere but a preset"  # a job, defaults, --set, sweep: paths have no folder in a preset, seeds vary
-    PRESET = "anywhere"  # a preset too
-
-
-class Kind(enum.Enum):
-    """The kind of value a batch gives a field; ``jobs.coerce`` checks each kind one way."""
-
-    TEXT = "text"  # a string; line breaks allowed
-    LINE = "line"  # a one-line string
-    PATH = "path"  # a file path, relative to the file that names it
-    INT = "int"
-    FLOAT = "float"  # ints are read as floats (5 and 5.0 hash alike)
-    CHOICE = "choice"  # one of ``choices``
-    TIMESTEPS = "timesteps"  # a DMD timestep list (pan2render.sampling.timesteps_problem)
-    LORAS = "loras"  # a list of LoRA adapters, each a path (relative to the file) and a scale
-    NAMES = "names"  # job names of the same batch: one, or a list of them
 
 
 @dataclass(frozen=True)
@@ -70,74 +49,6 @@ class LoraRef:
     def label(self) -> str:
         """How a sweep over adapters names it: ``style@0.5``."""
         return f"{Path(self.path).stem}@{self.scale:g}"
-
-
-FIELD_DEFAULT: Any = type("FieldDefault", (), {"__repr__": lambda self: "FIELD_DEFAULT"})()
-
-
-@dataclass(frozen=True)
-class Rule:
-    """What the schema says about one ``JobSpec`` field (its ``dataclasses.field`` metadata).
-
-    The field's default, if it has one, is the dataclass default: a batch that sets the field
-    nowhere gets it. A settable field without one must come from the preset (or the job).
-    """
-
-    help: str  # what the field does, one line (the README's field table)
-    pixels: bool  # changes the rendered video: hashed into the job id
-    scope: Scope = Scope.NOWHERE
-    kind: Kind | None = None
-    # The phrase after "allowed:" in messages and in the README, formatted with this rule's min,
-    # max, step and choices (so each bound is written once).
-    allowed: str = ""
-    min: float | None = None
-    max: float | None = None
-    min_open: bool = False  # min itself is not allowed (> rather than >=)
-    step: int | None = None  # the value must be offset + k * step ...
-    offset: int = 0  # ... and the nearest such values are suggested
-    choices: tuple[Any, ...] = ()
-    empty_ok: bool = False  # TEXT: the empty string is allowed
-    max_chars: int | None = None  # TEXT, LINE, PATH: the longest string allowed
-    to_sampler: bool = False  # handed to PAN2Pipeline.sample under its own name
-    to_encoder: str | None = None  # handed to media.video.encode_mp4 as this keyword
-    # Hashed in every job id since ids were first handed out. A pixel field added since (this is
-    # False) counts in the hash only when set away from ``before_field``, so existing jobs keep
-    # their ids.
-    in_first_ids: bool = False
-    # The value every job had before the field existed (FIELD_DEFAULT: the field's default). It
-    # differs from the default once the default changes: jobs left at the new default then render
-    # another bitstream than before, so they get new ids, and jobs set to the old value keep theirs.
-    before_field: Any = FIELD_DEFAULT
-    # (field, value): while that other field has that value this one changes nothing (a cache's
-    # threshold without a cache), so it is left out of the job id: jobs differing only in it are
-    # one render.
-    inert_when: tuple[str, Any] | None = None
-
-    def allowed_text(self) -> str:
-        return self.allowed.format(min=self.min, max=self.max, step=self.step, max_chars=self.max_chars,
-                                   choices=", ".join(str(c) for c in self.choices))
-
-    def first_valid(self) -> float:
-        """The smallest value of a stepped integer field (``min`` and ``step`` both given)."""
-        assert self.step is not None and self.min is not None
-        lo = self.min + 1 if self.min_open else self.min
-        return lo + (self.offset - lo) % self.step
-
-
-def _rule(rule: Rule, default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING) -> Any:
-    if rule.kind is Kind.CHOICE and not rule.allowed:
-        rule = dataclasses.replace(rule, allowed="one of {choices}")
-    return field(default=default, default_factory=factory, metadata={"rule": rule})
-
-
-def _rule_of(f: dataclasses.Field[Any]) -> Rule:
-    return f.metadata["rule"]
-
-
-def _before_field(f: dataclasses.Field[Any]) -> Any:
-    """The value a pixel field added after the first ids leaves out of the job id."""
-    before = _rule_of(f).before_field
-    return f.default if before is FIELD_DEFAULT else before
 
 
 @dataclass(frozen=True)
@@ -303,6 +214,28 @@ class JobSpec:
         pixels=False, scope=Scope.DEFAULTS, kind=Kind.LORAS,
         allowed=f"a list of at most {LIMITS.loras} .safetensors files (relative to this file), each a path or "
                 f"{{{{path, scale}}}} with a scale in -{LIMITS.lora_scale:g}..{LIMITS.lora_scale:g} (default 1.0)"), ())
+    # A longer, smoother video (pan2render.long_video): chained segments and frame interpolation.
+    # Left at 1 they change nothing, and are not hashed: every job before them keeps its id.
+    segments: int = _rule(Rule(
+        "clips rendered one after another, each conditioned on the previous one's last frame (colour-matched "
+        "to the first) and joined without repeating it", pixels=True, scope=Scope.PRESET, kind=Kind.INT, min=1,
+        max=LIMITS.segments, allowed="an integer from {min:g} to {max:g} (the video has segments x frames - "
+                                     "(segments - 1) frames)"), 1)
+    # A story: segment k's prompt. Its number gives `segments`; `prompt` is its first (and may be left out).
+    prompts: tuple[str, ...] | None = _rule(Rule(
+        "one prompt per segment, in order (a story); their number is the job's segments", pixels=True,
+        scope=Scope.JOB, kind=Kind.PROMPTS, min=1, max=LIMITS.segments, max_chars=LIMITS.text_chars,
+        allowed="a list of {min:g} to {max:g} non-empty strings of at most {max_chars:,} characters each"), None)
+    interpolate: int = _rule(Rule(
+        "frame interpolation (RIFE) after decode: factor F puts F - 1 frames between every two and plays F "
+        "times as many a second", pixels=True, scope=Scope.PRESET, kind=Kind.CHOICE, choices=INTERPOLATION_FACTORS,
+        allowed="one of {choices} (1: off; the video gets (n - 1) x F + 1 frames at fps x F)"), 1)
+    # The path is not hashed, its content is (interpolation_sha256): a moved file keeps its jobs.
+    interpolation_weights: str | None = _rule(Rule(
+        "the RIFE IFNet weights file `interpolate` runs", pixels=False, scope=Scope.DEFAULTS, kind=Kind.PATH,
+        max_chars=LIMITS.path_chars,
+        allowed="a path to a RIFE IFNet weights file, relative to this file (at most {max_chars:,} characters)"),
+        None)
 
     # Resolved by the batch, not set in it.
     model: str = _rule(Rule("\"tiny\" or an absolute checkpoint folder", pixels=True, in_first_ids=True))
@@ -313,6 +246,9 @@ class JobSpec:
     # adapters keep their ids.
     lora_digests: tuple[tuple[str | None, float], ...] = _rule(Rule(
         "content hash and scale of each LoRA, so the job id follows the adapters' weights", pixels=True), ())
+    interpolation_sha256: str | None = _rule(Rule(
+        "content hash of the interpolation weights, so the job id follows them", pixels=True,
+        inert_when=("interpolate", 1)), None)
     # A checkpoint replaced under the same path makes new jobs.
     weights: str | None = _rule(Rule(
         "fingerprint of the checkpoint folder's weights (jobs.weights); None for the tiny model",
@@ -366,7 +302,7 @@ class JobSpec:
 
     def encode_args(self) -> dict[str, Any]:
         """The keyword arguments ``encode_mp4`` takes from this job: its encoder fields."""
-        return {_rule_of(f).to_encoder: getattr(self, f.name) for f in ENCODER_FIELDS}
+        return {rule_of(f).to_encoder: getattr(self, f.name) for f in ENCODER_FIELDS}
 
     def to_dict(self) -> dict[str, Any]:
         """What ``dataclasses.asdict`` gives (adapters as dicts, tuples as tuples, copies of the
@@ -380,8 +316,9 @@ class JobSpec:
     def from_dict(cls, d: dict[str, Any]) -> "JobSpec":
         d = dict(d)
         src = d.pop("source", None)
-        if d.get("timesteps") is not None:  # JSON gives a list
-            d["timesteps"] = tuple(d["timesteps"])
+        for key in ("timesteps", "prompts"):  # JSON gives a list
+            if d.get(key) is not None:
+                d[key] = tuple(d[key])
         d["after"] = tuple(d.get("after", ()))
         d["loras"] = tuple(LoraRef(**r) for r in d.get("loras", ()))
         d["lora_digests"] = tuple((sha, float(scale)) for sha, scale in d.get("lora_digests", ()))
@@ -393,21 +330,21 @@ class JobSpec:
 
 
 FIELDS: tuple[dataclasses.Field[Any], ...] = dataclasses.fields(JobSpec)
-RULES: dict[str, Rule] = {f.name: _rule_of(f) for f in FIELDS}
+RULES: dict[str, Rule] = {f.name: rule_of(f) for f in FIELDS}
 # Fields that change the rendered video, hence the job id.
-PIXEL_FIELDS = tuple(f for f in FIELDS if _rule_of(f).pixels)
+PIXEL_FIELDS = tuple(f for f in FIELDS if rule_of(f).pixels)
 RENDER_FIELDS = tuple(f.name for f in PIXEL_FIELDS)
 # How each pixel field counts in the job id (JobSpec.spec_hash), read from its rule once rather
 # than for every job: (name, hashed whatever its value, its value before it existed, inert_when).
-HASHING = tuple((f.name, _rule_of(f).in_first_ids, _before_field(f), _rule_of(f).inert_when) for f in PIXEL_FIELDS)
-SAMPLER_FIELDS = tuple(f for f in FIELDS if _rule_of(f).to_sampler)
-ENCODER_FIELDS = tuple(f for f in FIELDS if _rule_of(f).to_encoder)
+HASHING = tuple((f.name, rule_of(f).in_first_ids, before_field(f), rule_of(f).inert_when) for f in PIXEL_FIELDS)
+SAMPLER_FIELDS = tuple(f for f in FIELDS if rule_of(f).to_sampler)
+ENCODER_FIELDS = tuple(f for f in FIELDS if rule_of(f).to_encoder)
 
 # What a batch's job may set; `defaults` (and sweeps, --set) anything but what identifies one job;
 # a preset holds render settings only (no paths, no seeds).
-JOB_KEYS = tuple(f.name for f in FIELDS if _rule_of(f).scope is not Scope.NOWHERE)
-DEFAULTS_KEYS = tuple(f.name for f in FIELDS if _rule_of(f).scope in (Scope.DEFAULTS, Scope.PRESET))
-PRESET_FIELDS = tuple(f.name for f in FIELDS if _rule_of(f).scope is Scope.PRESET)
+JOB_KEYS = tuple(f.name for f in FIELDS if rule_of(f).scope is not Scope.NOWHERE)
+DEFAULTS_KEYS = tuple(f.name for f in FIELDS if rule_of(f).scope in (Scope.DEFAULTS, Scope.PRESET))
+PRESET_FIELDS = tuple(f.name for f in FIELDS if rule_of(f).scope is Scope.PRESET)
 # The value a field settable in a batch gets when nothing sets it; the others a preset must give.
 BUILTIN_DEFAULTS: dict[str, Any] = {f.name: f.default for f in FIELDS
                                     if f.name in JOB_KEYS and f.default is not dataclasses.MISSING}
@@ -416,7 +353,7 @@ PRESET_REQUIRED = tuple(k for k in PRESET_FIELDS if k not in BUILTIN_DEFAULTS)
 
 def _check_schema() -> None:
     for f in FIELDS:
-        rule = _rule_of(f)
+        rule = rule_of(f)
         if rule.pixels and not rule.in_first_ids and f.default is dataclasses.MISSING:
             raise TypeError(f"JobSpec.{f.name}: a pixel field added after the first job ids needs a default "
                             "(it counts in the hash only when set away from it, so old ids stay)")
@@ -442,14 +379,14 @@ def field_table() -> str:
             "|---|---|---|---|---|---|"]
     for name in JOB_KEYS:
         f = next(f for f in FIELDS if f.name == name)
-        rule = _rule_of(f)
+        rule = rule_of(f)
         if f.default is not dataclasses.MISSING:
             default = "none" if f.default is None else f"`{json.dumps(f.default)}`"
         else:
             default = "from the preset" if rule.scope is Scope.PRESET else "required" if name == "prompt" else "-"
         in_id = ("no" if not rule.pixels else "yes" if rule.in_first_ids
-                 else "yes, when not the default" if _before_field(f) == f.default
-                 else f"yes, when not `{_before_field(f)}`")
+                 else "yes, when not the default" if before_field(f) == f.default
+                 else f"yes, when not `{before_field(f)}`")
         rows.append(f"| `{name}` | {rule.help} | {rule.allowed_text()} | {default} | {rule.scope.value} | {in_id} |")
     return "\n".join(rows) + "\n"
 

@@ -44,6 +44,8 @@ def _another(f: dataclasses.Field[Any], value: Any) -> Any:
         return (1000, 500) if value != (1000, 500) else (999,)
     if rule.kind is Kind.LORAS:
         return (*value, LoraRef("/loras/style.safetensors", 0.5))
+    if rule.kind is Kind.PROMPTS:
+        return (*(value or ("a fox wakes",)), "the fox runs")
     if rule.kind is Kind.NAMES:
         return (*value, "harbour")
     if f.name == "lora_digests":

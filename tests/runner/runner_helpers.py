@@ -37,8 +37,10 @@ from pan2render.runner.protocol.messages import (
     EncodePromptsCall,
     FetchCheckpointCall,
     FetchPreviewCall,
+    InterpolateCall,
     Lane,
     SampleCall,
+    SegmentFrameCall,
     StopSamplingCall,
     WorkerCall,
     WorkerConfig,
@@ -169,7 +171,7 @@ class ThreadedExecutor(LocalExecutor):
 
 def job_name(message: WorkerCall) -> str | None:
     """The name of the job a call is for (None for one that serves several: load, encode)."""
-    if isinstance(message, (SampleCall, DecodeCall, CollectCall, *SIDE_CALLS)):
+    if isinstance(message, (SampleCall, SegmentFrameCall, DecodeCall, InterpolateCall, CollectCall, *SIDE_CALLS)):
         return message.job_id.rsplit("-", 1)[0]  # a job id is "<name>-<hash8>"
     return None
 

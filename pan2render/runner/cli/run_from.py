@@ -101,8 +101,9 @@ def _batch_fields(spec: JobSpec) -> dict[str, Any]:
     # Not `after`: the jobs it ran after are not in a one-job batch, and the order changed no pixel.
     out = {k: d[k] for k in JOB_KEYS if d.get(k) is not None and k != "after"}
     out["loras"] = [{"path": r.path, "scale": r.scale} for r in spec.loras]
-    if spec.timesteps is not None:
-        out["timesteps"] = list(spec.timesteps)
+    for key in ("timesteps", "prompts"):  # (tuples: YAML's safe writer takes lists)
+        if getattr(spec, key) is not None:
+            out[key] = list(getattr(spec, key))
     return out
 
 
@@ -130,7 +131,8 @@ def differences(recorded: JobSpec, now: JobSpec) -> str | None:
     if recorded.job_id == now.job_id:
         return None
     named = {"weights": f"the weights in {now.model} changed", "image_sha256": "the image's content changed",
-             "lora_digests": "a LoRA file's content changed"}
+             "lora_digests": "a LoRA file's content changed",
+             "interpolation_sha256": "the interpolation weights' content changed"}
     parts = [named.get(k, f"{k} {json.dumps(a, default=str)} -> {json.dumps(b, default=str)}")
              for k, a, b in now.changes_from(recorded)]
     return ", ".join(parts) or "its sweep values or name differ"

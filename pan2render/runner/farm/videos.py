@@ -35,6 +35,7 @@ from pan2render.jobs.batch import load_batch
 from pan2render.jobs.ledger import JobState, Ledger
 from pan2render.jobs.overrides import Overrides
 from pan2render.jobs.spec import BatchValidationError
+from pan2render.long_video import video_fps, video_frames
 from pan2render.runner.farm.http import ApiError, parse_json_object, route, user_of
 from pan2render.runner.farm.queue import BatchState, FarmQueue, QueuedBatch
 from pan2render.runner.protocol.artifacts import SAMPLING_STEP_DOC
@@ -214,7 +215,7 @@ def video_object(row: QueuedBatch, running: dict[tuple[str, str], dict[str, Any]
     status, error = _status(row, job)
     live = running.get((row.id, job.id)) if job is not None else None
     size = f"{spec.width}x{spec.height}" if spec else "0x0"
-    seconds = f"{spec.frames / spec.fps:g}" if spec else "0"
+    seconds = f"{video_frames(spec) / video_fps(spec):g}" if spec else "0"
     out: dict[str, Any] = {
         "id": row.video_id, "object": "video", "created_at": int(row.submitted_at),
         "completed_at": int(row.updated_at) if status in ("completed", "failed") else None,

@@ -8,6 +8,8 @@ shared filesystem. Layout under the output folder ``DIR``::
     DIR/<job-id>/latents.safetensors                                       sampling
     DIR/<job-id>/video.mp4                                                 decode + encode
     DIR/<job-id>/preview.webp        the newest live preview of its sampling, until the job is done
+    DIR/<job-id>/segments/<k>/       a chained job's segment k (from 1): latents.safetensors, last.png
+                                     (its last frame, colour-matched), segment.json (serve/segments.py)
 """
 
 from __future__ import annotations
@@ -44,6 +46,14 @@ SAMPLING_STEP_DOC = "sampling-step"
 # is answered: a driver killed before the job stops cancels it when it starts again.
 CANCEL_DOC = "cancel-requested"
 STEP_CHECKPOINT_NAME = "sampling.ckpt.safetensors"  # a sampling's newest step checkpoint, until it ends
+SEGMENTS_FOLDER = "segments"
+LAST_FRAME_NAME = "last.png"
+SEGMENT_RECORD_NAME = "segment.json"
+# The ledger document listing a chained job's segments done (their records, for `status`).
+SEGMENTS_DOC = "segments"
+# A segment's latents say which segment they are (index, seed, the conditioning frame's sha256),
+# so that latents sampled just before a crash, before their segment was recorded, are used again.
+SEGMENT_KEY = "segment"
 
 class NonFiniteError(JobInputError, FloatingPointError):
     """Latents or frames contain NaN/Inf. Deterministic for a given spec, so never retried."""
@@ -72,6 +82,10 @@ def video_relpath(job_id: str) -> str:
     return f"{job_id}/{VIDEO_NAME}"
 
 
+def segment_relpath(job_id: str, k: int, name: str) -> str:
+    return f"{job_id}/{SEGMENTS_FOLDER}/{k}/{name}"
+
+
 def step_checkpoint_relpath(job_id: str) -> str:
     return f"{job_id}/{STEP_CHECKPOINT_NAME}"
 
@@ -91,9 +105,18 @@ FAST_LANES_KEY = "fast_lanes"
 
 def latents_fast_lanes(out_dir: Path, relpath: str) -> dict[str, Any] | None:
     """The sampling plan a latents file records (`pack_latents`), None when it records none."""
+    return _latents_json(out_dir, relpath, FAST_LANES_KEY)
+
+
+def latents_segment(out_dir: Path, relpath: str) -> dict[str, Any] | None:
+    """Which segment of a chained job a latents file holds (`pack_latents`), None for a job of one clip."""
+    return _latents_json(out_dir, relpath, SEGMENT_KEY)
+
+
+def _latents_json(out_dir: Path, relpath: str, key: str) -> dict[str, Any] | None:
     try:
         with safe_open(str(out_dir / relpath), framework="numpy") as f:
-            text = (f.metadata() or {}).get(FAST_LANES_KEY)
+            text = (f.metadata() or {}).get(key)
     except (SafetensorError, OSError, ValueError, RuntimeError):
         return None
     return None if text is None else json.loads(text)

@@ -16,7 +16,9 @@ Messages stay small: artifacts (embeddings, latents, mp4s) travel as ``bytes``. 
     LoadCall(model, warmup)                     -> LoadReply
     EncodePromptsCall(model, texts)             -> EncodePromptsReply  embedding safetensors bytes
     SampleCall(model, job_id, spec, embeds...)  -> SampleReply         latents safetensors bytes
+    SegmentFrameCall(job_id, segment, latents)  -> SegmentFrameReply   a chained segment's last frame, colour
     DecodeCall(model, job_id, spec, latents)    -> DecodeReply         hands the encode to a thread
+    InterpolateCall(job_id, weights)            -> InterpolateReply    (interpolate > 1) then hands it over
     CollectCall(job_id)                         -> CollectReply        the checked mp4 (I/O lane)
     StopSamplingCall, FetchCheckpointCall,
     FetchPreviewCall(job_id, after_step)        -> beside a sampling, on the I/O lane
@@ -32,6 +34,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 from pan2render.jobs.ledger import Stage
 from pan2render.jobs.spec import JobSpec
+from pan2render.long_video import ColourStats
 from pan2render.phases import Phase
 from pan2render.runner.protocol.failures import Failure
 
@@ -89,6 +92,10 @@ class WorkerCall:
     shown: ClassVar[str] = ""  # what progress shows while the call runs
     timeout_key: ClassVar[str] = ""  # its key in ServingConfig.call_timeouts_s ("" for set-up calls)
     default_timeout_s: ClassVar[float] = 0.0
+
+    def label(self) -> str:
+        """What progress shows while this call runs: ``shown``, and which part of its job it is."""
+        return self.shown
 
 
 # ---------------------------------------------------------------------- group set-up
@@ -187,6 +194,20 @@ class EncodePromptsReply:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """Which clip of a chained job a call renders (``long_video``): segment ``index`` (from 1) of
+    ``count``, sampled from noise ``seed``."""
+
+    index: int
+    count: int
+    seed: int
+
+    @property
+    def shown(self) -> str:
+        return f"segment {self.index}/{self.count}"
+
+
+@dataclass(frozen=True)
 class SampleCall(WorkerCall):
     stage: ClassVar[Stage | None] = Stage.SAMPLING
     shown: ClassVar[str] = "sampling"
@@ -205,6 +226,12 @@ class SampleCall(WorkerCall):
     # (another attempt, the same job in another batch of a farm), and a report of one sampling
     # must not pass for another's.
     progress_key: str = ""
+    # A chained job's segment (its seed replaces the job's; ``image`` is then the previous
+    # segment's last frame); None: a job of one clip.
+    segment: Segment | None = None
+
+    def label(self) -> str:
+        return self.shown if self.segment is None else f"{self.shown} {self.segment.shown}"
 
 
 @dataclass(frozen=True)
@@ -227,6 +254,7 @@ class SampleReply:
     stopped_at: int | None = None
     checkpoint: bytes | None = None
     resume_refused: str | None = None  # why the call's step checkpoint was not used (it sampled from 0)
+    segment: Segment | None = None  # the call's (a chained job's segment)
 
 
 @dataclass(frozen=True)
@@ -289,6 +317,45 @@ class PreviewReply:
 
 
 @dataclass(frozen=True)
+class SegmentFrameCall(WorkerCall):
+    """A chained segment's latents decoded for what the next segment needs: its last frame,
+    colour-matched to ``reference`` (the first segment's statistics; None: this is the first), and
+    its own colour statistics. Part of the sampling stage: the next segment samples from it."""
+
+    stage: ClassVar[Stage | None] = Stage.SAMPLING
+    shown: ClassVar[str] = "segment decode"
+    timeout_key: ClassVar[str] = "segment_frame"
+    default_timeout_s: ClassVar[float] = 1800.0
+    model: str
+    job_id: str
+    spec: JobSpec | None  # None: sent with an earlier call of this attempt
+    segment: Segment
+    latents: bytes
+    reference: ColourStats | None
+
+    def label(self) -> str:
+        return f"{self.segment.shown} decode"
+
+
+@dataclass(frozen=True)
+class SegmentFrameReply:
+    segment: Segment  # the call's
+    last_frame: bytes  # PNG (lossless): the next segment's first frame, as a job's `image` is
+    stats: ColourStats  # of the segment's frames as decoded, before matching
+    decode_s: float
+
+
+@dataclass(frozen=True)
+class SegmentLatents:
+    """One segment of a chained job for its video's decode: its latents and its colour statistics
+    as its SegmentFrameCall measured them (the same frames give the same statistics; carrying them
+    makes the video's colours the ones its conditioning frames were matched with, on any device)."""
+
+    latents: bytes
+    stats: ColourStats
+
+
+@dataclass(frozen=True)
 class DecodeCall(WorkerCall):
     stage: ClassVar[Stage | None] = Stage.DECODE
     shown: ClassVar[str] = "decode"
@@ -297,12 +364,39 @@ class DecodeCall(WorkerCall):
     model: str
     job_id: str
     spec: JobSpec | None  # None: sent with an earlier call of this attempt
-    latents: bytes
+    latents: bytes  # a job of one clip's; empty for a chained job, whose clips are in `segments`
+    # A chained job: every segment, in order, each decoded, matched to the first one's colour and
+    # joined without its first frame (the previous one's last, repeated).
+    segments: tuple[SegmentLatents, ...] = ()
 
 
 @dataclass(frozen=True)
 class DecodeReply:
-    decode_s: float  # the frames are on the host; the encode runs on the worker's encode thread
+    # The frames are on the host, the encode runs on the worker's encode thread; a job that
+    # interpolates keeps them on the device for its InterpolateCall instead.
+    decode_s: float
+
+
+@dataclass(frozen=True)
+class InterpolateCall(WorkerCall):
+    """The job's decoded frames (kept on rank 0's device by its decode) interpolated by RIFE's IFNet
+    to (n - 1) x factor + 1 frames, then handed to the encode thread as a decode's are."""
+
+    stage: ClassVar[Stage | None] = Stage.INTERPOLATE
+    shown: ClassVar[str] = "interpolate"
+    timeout_key: ClassVar[str] = "interpolate"
+    default_timeout_s: ClassVar[float] = 1800.0
+    model: str
+    job_id: str
+    spec: JobSpec | None  # None: sent with an earlier call of this attempt
+    weights: bytes  # the IFNet weights file's bytes (workers need no shared disk)
+    weights_sha256: str  # ... as the job id was made with: the worker keeps the model it loaded by it
+
+
+@dataclass(frozen=True)
+class InterpolateReply:
+    interpolate_s: float
+    frames: int  # of the interpolated video
 
 
 @dataclass(frozen=True)
@@ -323,8 +417,9 @@ class CollectReply:
 
 
 # Every call the driver makes for a job (each with a deadline), in a job's order.
-JOB_CALLS: tuple[type[WorkerCall], ...] = (LoadCall, EncodePromptsCall, SampleCall, DecodeCall, CollectCall,
-                                           StopSamplingCall, FetchCheckpointCall, FetchPreviewCall)
+JOB_CALLS: tuple[type[WorkerCall], ...] = (LoadCall, EncodePromptsCall, SampleCall, SegmentFrameCall, DecodeCall,
+                                           InterpolateCall, CollectCall, StopSamplingCall, FetchCheckpointCall,
+                                           FetchPreviewCall)
 SETUP_CALLS: tuple[type[WorkerCall], ...] = (RendezvousCall, InitGroupCall)
 
 

@@ -50,15 +50,18 @@ def _schedule(spec: JobSpec, scheduler: dict[str, Any] | None) -> list[float] | 
 
 
 def params_document(*, job: JobRecord, seconds: dict[str, float | None], load: dict[str, Any] | None,
-                    created_at: float, fast_lanes: dict[str, Any] | None = None) -> dict[str, Any]:
+                    created_at: float, fast_lanes: dict[str, Any] | None = None,
+                    long_video: dict[str, Any] | None = None) -> dict[str, Any]:
     """params.json for a finished job. ``load``: what the group's worker replied to ``load``
     (model ids, device, backend, the pipeline's ``describe()``, versions); None when unknown (a
     folder rendered before params.json existed, whose params are rebuilt from the ledger alone).
-    ``fast_lanes``: what the latents record of the job's fast lanes (which steps computed, reused)."""
+    ``fast_lanes``: what the latents record of the job's fast lanes (which steps computed, reused);
+    ``long_video``: a chained or interpolated job's video (frames, fps) and its segments' records
+    (the key only for such a job: the params of every other job read as they did)."""
     spec = job.spec
     load = load or {}
     setup = load.get("describe") or {}
-    return {
+    doc = {
         "format": PARAMS_FORMAT,
         "job_id": job.id,
         "name": spec.name,
@@ -81,6 +84,7 @@ def params_document(*, job: JobRecord, seconds: dict[str, float | None], load: d
         "versions": load.get("versions"),
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created_at)),
     }
+    return doc if long_video is None else {**doc, "long_video": long_video}
 
 
 def params_text(doc: dict[str, Any]) -> str:
@@ -88,12 +92,12 @@ def params_text(doc: dict[str, Any]) -> str:
 
 
 def write_params(out_dir: Path, *, job: JobRecord, seconds: dict[str, float | None],
-                 load: dict[str, Any] | None) -> str:
+                 load: dict[str, Any] | None, long_video: dict[str, Any] | None = None) -> str:
     """Write ``DIR/<job>/params.json`` atomically; returns its text for the ledger to record in the
     same transaction as the video it describes."""
     lanes = artifacts.latents_fast_lanes(out_dir, artifacts.latents_relpath(job.id))
     text = params_text(params_document(job=job, seconds=seconds, load=load, created_at=time.time(),
-                                       fast_lanes=lanes))
+                                       fast_lanes=lanes, long_video=long_video))
     artifacts.write_artifact(out_dir, params_relpath(job.id), text.encode())
     return text
 
@@ -106,7 +110,8 @@ def restore_params(out_dir: Path, ledger: Ledger, job: JobRecord) -> str | None:
     recorded = ledger.document(job.id, PARAMS_NAME)
     if recorded is None:
         st = ledger.stages(job.id)
-        recorded = params_text(params_document(job=job, seconds={s.value: st[s].seconds for s in STAGES},
+        recorded = params_text(params_document(job=job, seconds={s.value: st[s].seconds if s in st else None
+                                                                 for s in STAGES},
                                                load=None, created_at=time.time()))
         problem = f"{params_relpath(job.id)} was never recorded"
     else:

@@ -10,7 +10,8 @@ cancelled it or a higher-priority batch preempts it::
     ready --> sampling --> ready                (the sampling returned its latents)
               sampling --> stopping --> stopped (asked to stop: it stopped at a step boundary)
                            stopping --> ready   (it finished before the stop took)
-    ready --> encoding --> ready                (its decode returned: only its encode is left)
+    ready --> encoding --> ready                (its last GPU call returned, its decode or its
+                                                 interpolation: only its encode is left)
     any --> ended                               (done, failed, cancelled, back in the queue)
 """
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pan2render.jobs.ledger import JobRecord
 from pan2render.jobs.spec import JobSpec
 from pan2render.runner.cluster.executor import Call, Group
-from pan2render.runner.protocol.messages import DecodeCall, SampleCall, WorkerCall
+from pan2render.runner.protocol.messages import DecodeCall, InterpolateCall, SampleCall, WorkerCall
 from pan2render.runner.protocol.steps import StepReport
 
 
@@ -33,7 +34,7 @@ class Phase(str, enum.Enum):
     SAMPLING = "sampling"  # its SampleCall in flight
     STOPPING = "stopping"  # its sampling was asked to stop at its next step boundary
     STOPPED = "stopped"  # its sampling stopped at a step boundary; its step checkpoint is recorded
-    ENCODING = "encoding"  # its decode returned: only its background encode is left (the GPU is free)
+    ENCODING = "encoding"  # its last GPU call returned: only its background encode is left (the GPU is free)
     ENDED = "ended"  # no longer on its group
 
 
@@ -87,7 +88,9 @@ class JobRun:
     spec_sent: bool = False  # the group's workers hold this attempt's spec (sent with its first job call)
     encode_texts: list[str] = field(default_factory=list)  # texts of the encode_prompts in flight
     decode_s: float | None = None  # how long its decode took, once it returned
+    interpolate_s: float | None = None  # how long its interpolation took, once it returned (interpolate > 1)
     checkpoint_step: int = 0  # the step of its newest step checkpoint recorded (0: none)
+    segment_sampled_s: float | None = None  # a chained job: its current segment's sampling, once recorded
     preview_step: int = 0  # the step of its newest preview written (0: none this attempt)
     sample_started_at: float = 0.0  # when its SampleCall went out (time.time): the watchdog's start
     last_step: StepReport | None = None  # the latest step this attempt's sampling reported
@@ -105,10 +108,15 @@ class JobRun:
         self.call = call
         if isinstance(message, SampleCall):
             self.move(Phase.SAMPLING)
-        elif self.decode_s is not None:
+        elif self.gpu_done:
             self.move(Phase.ENCODING)
         else:
             self.move(Phase.CALLING)
+
+    @property
+    def gpu_done(self) -> bool:
+        """Its GPU work returned: its decode, and its interpolation where it interpolates."""
+        return self.decode_s is not None and (self.job.spec.interpolate == 1 or self.interpolate_s is not None)
 
     def stopped_after(self, step: int) -> None:
         """Its sampling stopped at the boundary after ``step``, as asked (the flow recorded its state)."""
@@ -132,8 +140,10 @@ class JobRun:
 
     @property
     def decoding(self) -> bool:
-        """Its decode is in flight: the last GPU work of the job."""
-        return self.phase is Phase.CALLING and self.call is not None and isinstance(self.call.message, DecodeCall)
+        """The last GPU work of the job is in flight: its decode, or its interpolation after it (the
+        next job queued behind the decode would hold the interpolation back for its whole sampling)."""
+        last = InterpolateCall if self.job.spec.interpolate > 1 else DecodeCall
+        return self.phase is Phase.CALLING and self.call is not None and isinstance(self.call.message, last)
 
     @property
     def cancelled(self) -> bool:

@@ -195,7 +195,7 @@ class Upcoming(Protocol):
     def model(self) -> str: ...
 
     @property
-    def prompts(self) -> tuple[str, ...]: ...  # its prompt and negative prompt
+    def prompts(self) -> tuple[str, ...]: ...  # the texts it is conditioned on (long_video.job_texts)
 
 
 class BatchFlow:

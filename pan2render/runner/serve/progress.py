@@ -227,7 +227,7 @@ class RunProgress:
     def steps(self, reports: dict[str, StepReport]) -> None:
         for job_id, rep in reports.items():
             r = self._running.get(job_id)
-            if r is not None and r.stage == "sampling":
+            if r is not None and r.stage.startswith("sampling"):  # ("sampling segment 2/3" too)
                 r.steps = rep
 
     def preview(self, job_id: str, *, step: int, total: int) -> None:
@@ -305,9 +305,9 @@ class RunProgress:
                 f"ETA {'?' if eta is None else duration(eta)}")
 
     def job_text(self, r: RunningJob) -> str:
-        if r.stage == "sampling" and r.steps is not None:
+        if r.stage.startswith("sampling") and r.steps is not None:
             rate = r.steps.rate
-            return (f"sampling {r.steps.done}/{r.steps.total}"
+            return (f"{r.stage} {r.steps.done}/{r.steps.total}"
                     + ("" if rate is None else f" {rate:.2f} step/s"))
         return f"{r.stage} {duration(self.stage_seconds(r))}"
 

@@ -156,7 +156,7 @@ class Scheduler:
                                                  f"it continues from its step checkpoint")
                 batch.progress.job_ended(run.job.id, "requeued", f"preempted at step {run.stopped_at}")
             return True
-        if run.cancelled and run.decode_s is None:  # its GPU work not done: go no further
+        if run.cancelled and not run.gpu_done:  # its GPU work not done: go no further
             self._leave(batch, run)
             self._end_cancelled(batch, run.job.id, run.stop.reason)
             return True
@@ -280,7 +280,7 @@ class Scheduler:
             return None
         if message.marks_stage and message.stage is not None:
             batch.ledger.set_stage(run.job.id, message.stage, StageEvent.START)
-        batch.progress.stage(run.job.id, message.shown)
+        batch.progress.stage(run.job.id, message.label())
         run.sent(message, self._call(run, message))
         if run.sampling:
             watch.started_sampling(run)

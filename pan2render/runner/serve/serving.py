@@ -13,6 +13,7 @@ from typing import Protocol
 
 from pan2render.jobs.ledger import JobRecord, Ledger
 from pan2render.jobs.store import CommitError
+from pan2render.long_video import job_texts
 from pan2render.runner.protocol.failures import BatchStopped, FailureKind, classify_exception
 from pan2render.runner.serve.jobflow import BatchFlow
 from pan2render.runner.serve.progress import RunProgress
@@ -108,7 +109,7 @@ class QueuedJob:
     adapters: frozenset[str]  # its LoRA files' digests: a group holding them is preferred
     order: int  # first queued first, among jobs of one priority and batch
     avoid: frozenset[str] = frozenset()  # groups it failed on in this run: others first
-    prompts: tuple[str, ...] = ()  # its prompt and negative prompt: the texts encoded ahead of it
+    prompts: tuple[str, ...] = ()  # every segment's prompt and the negative prompt: the texts encoded ahead of it
 
 
 class JobQueue:
@@ -136,7 +137,7 @@ class JobQueue:
         q = QueuedJob(batch, job.id, job.spec.gpus, job.spec.model,
                       frozenset(sha for sha, _ in job.spec.lora_digests if sha), next(self._turns),
                       frozenset(self._failed_on.get((batch.seq, job.id), ())),
-                      (job.spec.prompt, job.spec.negative_prompt))
+                      job_texts(job.spec))
         self._jobs[q] = None
         self._by_id[(batch.seq, job.id)] = q
         self._counts[batch.seq] = self._counts.get(batch.seq, 0) + 1

@@ -35,6 +35,7 @@ from pan2render.jobs.ledger import (
 )
 from pan2render.jobs.overrides import Overrides
 from pan2render.jobs.spec import Batch, JobSpec
+from pan2render.long_video import video_frames
 from pan2render.model_files import folder_problems
 from pan2render.runner.protocol import artifacts, outputs
 from pan2render.runner.protocol.artifacts import CANCEL_DOC
@@ -94,7 +95,7 @@ def prepare_jobs(*, out_dir: Path, ledger: Ledger, job_ids: list[str], retries: 
                               reason=f"resumed: a {job.state.value} job gets a fresh retry budget")
         elif job.state is JobState.DONE:
             rec = ledger.stages(job.id)[Stage.ENCODE]
-            problem = artifacts.check_video(out_dir, artifacts.recorded(rec), frames=job.spec.frames,
+            problem = artifacts.check_video(out_dir, artifacts.recorded(rec), frames=video_frames(job.spec),
                                             width=job.spec.width, height=job.spec.height)
             if problem:
                 # Stages first: a crash between the two writes leaves a done job whose video is

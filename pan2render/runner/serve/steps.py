@@ -3,7 +3,10 @@ flow (``serve/jobflow.py`` says how a flow is run, resumed and repaired)::
 
     conditioning  EncodePromptsCall -> DIR/_cache/embeddings/<key>.safetensors (shared by prompt)
     sampling      SampleCall        -> DIR/<job>/latents.safetensors
+                  (a chained job: per segment, SampleCall + SegmentFrameCall -> DIR/<job>/segments/<k>/,
+                  serve/segments.py)
     decode        DecodeCall        -> frames on the worker, encoded there in the background
+    interpolate   InterpolateCall   -> (interpolate > 1) those frames interpolated there, then encoded
     collect       CollectCall       -> DIR/<job>/video.mp4 + params.json (ledger stage "encode")
 
 The GPU never waits for the encoder or the scheduler: a decode returns once the frames are on the
@@ -22,6 +25,7 @@ from pan2render.jobs.inputs import LIMITS, InputFileError, read_regular_file
 from pan2render.jobs.ledger import EventKind, Stage, StageEvent, StageRecord, StageState, stage_name
 from pan2render.jobs.spec import JobSpec
 from pan2render.jobs.weights import folder_fingerprint
+from pan2render.long_video import is_long, job_texts, video_fps, video_frames
 from pan2render.runner.protocol import artifacts, outputs
 from pan2render.runner.protocol.failures import JobInputError
 from pan2render.runner.protocol.messages import (
@@ -32,10 +36,16 @@ from pan2render.runner.protocol.messages import (
     DecodeReply,
     EncodePromptsCall,
     EncodePromptsReply,
+    InterpolateCall,
+    InterpolateReply,
     SampleCall,
     SampleReply,
+    Segment,
+    SegmentFrameCall,
+    SegmentFrameReply,
     WorkerCall,
 )
+from pan2render.runner.serve import segments
 from pan2render.runner.serve.attempt import JobRun
 from pan2render.runner.serve.jobflow import BatchFlow, JobFlow, Redo, Status, Step, StepStatus, file_proof
 
@@ -88,30 +98,48 @@ class ConditioningStep(Step):
 
 
 class SamplingStep(Step):
-    """The DiT + sampler -> ``DIR/<job>/latents.safetensors`` (the spec in its metadata)."""
+    """The DiT + sampler -> ``DIR/<job>/latents.safetensors`` (the spec in its metadata); a chained
+    job's segments one after another, each sampled and decoded (serve/segments.py)."""
 
     stage = Stage.SAMPLING
-    calls = (SampleCall,)
+    calls = (SampleCall, SegmentFrameCall)
 
     def status(self, flow: BatchFlow, run: JobRun, rec: StageRecord) -> Status:
+        spec = run.job.spec
+        if spec.segments > 1:
+            problem = segments.all_done_problem(flow.out_dir, spec)
+            if problem is None and rec.state is not StageState.DONE:  # done before a crash, not recorded
+                segments.record_all_done(flow, run.job.id, spec)
+            return StepStatus.DONE if problem is None else Redo(problem) if rec.state is StageState.DONE \
+                else StepStatus.TO_DO
         if rec.state is not StageState.DONE:
             return StepStatus.TO_DO
-        problem = artifacts.check_latents(flow.out_dir, artifacts.recorded(rec), spec=run.job.spec)
+        problem = artifacts.check_latents(flow.out_dir, artifacts.recorded(rec), spec=spec)
         return StepStatus.DONE if problem is None else Redo(problem)
 
     def call(self, flow: BatchFlow, run: JobRun) -> WorkerCall:
         spec = run.job.spec
-        prompt, negative = (read_embedding(flow, spec.model, t) for t in (spec.prompt, spec.negative_prompt))
         if spec.weights is not None and folder_fingerprint(Path(spec.model))[0] != spec.weights:
             # The id promises these weights; rendering others under it would mislabel the video.
             raise JobInputError(f"the weights in {spec.model} changed since the batch was validated "
                                 f"(fingerprint differs); run the batch again: its jobs get new ids")
-        return SampleCall(model=spec.model, job_id=run.job.id, spec=run.spec_once(), prompt_embeds=prompt,
-                          negative_embeds=negative, image=_image_bytes(spec),
-                          adapters=_adapters(spec, held=run.group.adapters), resume=flow.step_checkpoint(run),
-                          progress_key=run.progress_key)
+        if spec.segments > 1:
+            return segments.next_call(flow, run, lambda **segment: self._sample_call(flow, run, **segment))
+        return self._sample_call(flow, run, prompt=spec.prompt, image=None, segment=None)
 
-    def record(self, flow: BatchFlow, run: JobRun, value: SampleReply, seconds: float) -> None:
+    def _sample_call(self, flow: BatchFlow, run: JobRun, *, prompt: str, image: bytes | None,
+                     segment: Segment | None) -> SampleCall:
+        """``image``: the frame a later segment is conditioned on (None: the job's own image, if any)."""
+        spec = run.job.spec
+        embeds, negative = (read_embedding(flow, spec.model, t) for t in (prompt, spec.negative_prompt))
+        return SampleCall(model=spec.model, job_id=run.job.id, spec=run.spec_once(), prompt_embeds=embeds,
+                          negative_embeds=negative, image=image if image is not None else _image_bytes(spec),
+                          adapters=_adapters(spec, held=run.group.adapters), resume=flow.step_checkpoint(run),
+                          progress_key=run.progress_key, segment=segment)
+
+    def record(self, flow: BatchFlow, run: JobRun, value: SampleReply | SegmentFrameReply, seconds: float) -> None:
+        if isinstance(value, SegmentFrameReply):
+            return segments.record_frame(flow, run, value, seconds)
         run.group.adapters = frozenset(value.adapters_held)
         if value.resume_refused:
             flow.drop_step_checkpoint(run.job.id, value.resume_refused)
@@ -120,15 +148,20 @@ class SamplingStep(Step):
             flow.write_step_checkpoint(run, value.checkpoint, step=value.stopped_at)
             run.stopped_after(value.stopped_at)
             flow.ledger.set_stage(run.job.id, Stage.SAMPLING, StageEvent.STOP)
-            return
+            return None
+        if value.segment is not None:
+            return segments.record_sample(flow, run, value, seconds)
         rel = artifacts.latents_relpath(run.job.id)
         artifacts.write_artifact(flow.out_dir, rel, value.latents)
         flow.ledger.set_stage(run.job.id, Stage.SAMPLING, StageEvent.FINISH, artifact=rel,
                               sha256=artifacts.sha256_bytes(value.latents), size=len(value.latents),
                               seconds=seconds)
         flow.drop_step_checkpoint(run.job.id, None)  # done with: the latents are the sampling's result
+        return None
 
     def proof(self, out_dir: Path, spec: JobSpec) -> dict[str, Any] | None:
+        if spec.segments > 1:
+            return segments.sampling_fields(out_dir, spec)
         found = file_proof(out_dir, artifacts.latents_relpath(spec.job_id))
         # No ledger recorded the file's sha256 here: the digest of the data inside it is the proof.
         if found is None or artifacts.check_latents(out_dir, found[0], spec=spec, require_digest=True) is not None:
@@ -195,12 +228,52 @@ class DecodeStep(Step):
         return StepStatus.DONE if run.decode_s is not None else StepStatus.TO_DO
 
     def call(self, flow: BatchFlow, run: JobRun) -> WorkerCall:
+        spec = run.job.spec
+        if spec.segments > 1:
+            return DecodeCall(model=spec.model, job_id=run.job.id, spec=run.spec_once(), latents=b"",
+                              segments=segments.decode_segments(flow.out_dir, spec))
         rec = flow.ledger.stages(run.job.id)[Stage.SAMPLING]
         latents = (flow.out_dir / str(rec.artifact)).read_bytes()  # checked by SamplingStep.status
-        return DecodeCall(model=run.job.spec.model, job_id=run.job.id, spec=run.spec_once(), latents=latents)
+        return DecodeCall(model=spec.model, job_id=run.job.id, spec=run.spec_once(), latents=latents)
 
     def record(self, flow: BatchFlow, run: JobRun, value: DecodeReply, seconds: float) -> None:
         run.decode_s = value.decode_s
+        if run.job.spec.interpolate == 1:  # (else the interpolation hands the frames to the encode)
+            flow.ledger.set_stage(run.job.id, Stage.ENCODE, StageEvent.START)
+
+
+class InterpolateStep(Step):
+    """The decoded frames interpolated on the worker's GPU lane (RIFE's IFNet, ``interpolate`` > 1),
+    then handed to its encode thread. Like decode's, its result never leaves the worker (frames are
+    hundreds of MB: DESIGN keeps them out of the object store), so it reaches the disk inside the
+    video and the stage is recorded done with it: a job whose video is written never interpolates
+    again; one whose worker was lost before that decodes and interpolates again (seconds; its
+    samplings are kept). A job that does not interpolate is as far along here as its decode."""
+
+    stage = Stage.INTERPOLATE
+    calls = (InterpolateCall,)
+    per_job_artifact = False
+
+    def status(self, flow: BatchFlow, run: JobRun, rec: StageRecord) -> Status:
+        done = run.decode_s if run.job.spec.interpolate == 1 else run.interpolate_s
+        return StepStatus.DONE if done is not None else StepStatus.TO_DO
+
+    def call(self, flow: BatchFlow, run: JobRun) -> WorkerCall:
+        spec = run.job.spec
+        assert spec.interpolation_weights is not None and spec.interpolation_sha256 is not None, "checked at validation"
+        try:
+            weights = read_regular_file(spec.interpolation_weights, limit=LIMITS.interpolation_weights_bytes)
+        except (InputFileError, OSError) as e:
+            raise JobInputError(f"interpolation weights {spec.interpolation_weights} {_unreadable(e)}; restore them "
+                                f"or run the batch again with others") from e
+        if artifacts.sha256_bytes(weights) != spec.interpolation_sha256:
+            raise JobInputError(f"interpolation weights {spec.interpolation_weights} changed since the batch was "
+                                f"validated (sha256 differs); run the batch again: its jobs get new ids")
+        return InterpolateCall(model=spec.model, job_id=run.job.id, spec=run.spec_once(), weights=weights,
+                               weights_sha256=spec.interpolation_sha256)
+
+    def record(self, flow: BatchFlow, run: JobRun, value: InterpolateReply, seconds: float) -> None:
+        run.interpolate_s = value.interpolate_s
         flow.ledger.set_stage(run.job.id, Stage.ENCODE, StageEvent.START)
 
 
@@ -218,10 +291,12 @@ class CollectStep(Step):
         # params.json first: a write that fails between the two then leaves no video that the
         # ledger does not record (a lone params.json is rewritten with the next attempt).
         times = {stage_name(s): r.seconds for s, r in flow.ledger.stages(jid).items()}
-        times.update({Stage.DECODE.value: run.decode_s, Stage.ENCODE.value: value.encode_s + value.check_s})
+        times.update({Stage.DECODE.value: run.decode_s, Stage.INTERPOLATE.value: run.interpolate_s,
+                      Stage.ENCODE.value: value.encode_s + value.check_s})
         load = run.group.loads.get(spec.model)
         params = outputs.write_params(flow.out_dir, job=run.job, seconds=times,
-                                      load=None if load is None else dataclasses.asdict(load))
+                                      load=None if load is None else dataclasses.asdict(load),
+                                      long_video=long_video_params(flow.out_dir, spec))
         rel = artifacts.video_relpath(jid)
         artifacts.write_artifact(flow.out_dir, rel, value.mp4)
         rec = artifacts.Recorded(rel, artifacts.sha256_bytes(value.mp4), len(value.mp4))
@@ -234,6 +309,7 @@ class CollectStep(Step):
             raise RuntimeError(f"the written video does not check out: {problem}")
         flow.ledger.set_stages(jid, [
             (Stage.DECODE, StageEvent.FINISH, {"seconds": run.decode_s}),
+            (Stage.INTERPOLATE, StageEvent.FINISH, {"seconds": run.interpolate_s}),
             (Stage.ENCODE, StageEvent.FINISH, {"artifact": rel, "sha256": rec.sha256, "size": rec.size,
                                              "seconds": value.encode_s + value.check_s}),
         ], documents={outputs.PARAMS_NAME: params})
@@ -242,20 +318,28 @@ class CollectStep(Step):
 
     def proof(self, out_dir: Path, spec: JobSpec) -> dict[str, Any] | None:
         found = file_proof(out_dir, artifacts.video_relpath(spec.job_id))
-        if found is None or artifacts.check_video(out_dir, found[0], frames=spec.frames, width=spec.width,
+        if found is None or artifacts.check_video(out_dir, found[0], frames=video_frames(spec), width=spec.width,
                                                   height=spec.height) is not None:
             return None
         return found[1]
 
 
-PAN2_FLOW = JobFlow(steps=(ConditioningStep(), SamplingStep(), DecodeStep(), CollectStep()))
+PAN2_FLOW = JobFlow(steps=(ConditioningStep(), SamplingStep(), DecodeStep(), InterpolateStep(), CollectStep()))
 
 
 # ---------------------------------------------------------------------- conditioning, shared by the steps
+def long_video_params(out_dir: Path, spec: JobSpec) -> dict[str, Any] | None:
+    """What params.json says of a long video: its frames and rate, and each segment's record."""
+    if not is_long(spec):
+        return None
+    return {"frames": video_frames(spec), "fps": video_fps(spec), "segments": segments.segment_records(out_dir, spec),
+            "interpolate": spec.interpolate}
+
+
 def embedding_problems(flow: BatchFlow, spec: JobSpec) -> dict[str, str]:
-    """Text -> why its cached embedding cannot be used, for the job's prompt and negative prompt."""
+    """Text -> why its cached embedding cannot be used, for the job's prompts and negative prompt."""
     out = {}
-    for text in (spec.prompt, spec.negative_prompt):
+    for text in job_texts(spec):
         key = artifacts.embedding_key(prompt=text, text_encoder_id=flow.text_encoder_id(spec.model))
         if problem := artifacts.check_embedding(flow.out_dir, artifacts.embedding_relpath(key), key=key):
             out[text] = problem

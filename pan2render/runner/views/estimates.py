@@ -34,13 +34,13 @@ from pan2render.jobs.inputs import dit_tokens
 from pan2render.jobs.ledger import LEDGER_NAME, EventKind, JobState, Ledger, Stage
 from pan2render.jobs.spec import JobSpec
 from pan2render.lanes import guided_steps
+from pan2render.long_video import is_long, video_frames
 from pan2render.sampling import WAN22
 from pan2render.tiny_dit import TINY_MODEL
 
 CPU, CUDA = "cpu", "cuda"  # the device kinds a history sample and a run are matched on
-# A dmd job's steps are its timesteps (its `steps` is None); on its checkpoint's own, which are not
-# read here (no folder, no torch), the 3 of the DMD rows measured (docs/performance-history.md).
-DMD_OWN_STEPS = 3
+# A dmd job's steps are its timesteps (`steps` None); its checkpoint's own, unread here (no torch),
+DMD_OWN_STEPS = 3  # count as the DMD rows measured (docs/performance-history.md)
 UNGUIDED_STEP_COST = 0.5  # an unguided step runs one forward where a guided one runs two
 # Two sizes this far apart (in tokens, or in pixels for the decode) fit a stage's overhead and its
 # per-size part apart; closer, one factor over the reference's shape is the safer guess.
@@ -57,6 +57,8 @@ class JobSize:
     latent_frames: int
     pixels: int  # frames x height x width of the video
     step_units: float  # steps in guided-step equivalents (an unguided step counts UNGUIDED_STEP_COST)
+    segments: int = 1  # clips sampled one after another (a chained job), each of the sizes above
+    video_pixels: int = 0  # frames x height x width of the mp4 (segments joined, interpolated); 0: ``pixels``
 
     @classmethod
     def of(cls, spec: JobSpec) -> JobSize:
@@ -64,7 +66,8 @@ class JobSize:
         guided = guided_steps(steps, spec.guidance_until) if spec.guidance > 1.0 else 0
         return cls(tokens=dit_tokens(frames=spec.frames, height=spec.height, width=spec.width),
                    latent_frames=WAN22.latent_frames(spec.frames), pixels=spec.frames * spec.height * spec.width,
-                   step_units=guided + (steps - guided) * UNGUIDED_STEP_COST)
+                   step_units=guided + (steps - guided) * UNGUIDED_STEP_COST, segments=spec.segments,
+                   video_pixels=video_frames(spec) * spec.height * spec.width)
 
 
 @dataclass(frozen=True)
@@ -112,8 +115,13 @@ class CostModel:
         return self.decode_per_latent_frame * size.latent_frames + self.decode_per_pixel * size.pixels
 
     def times(self, size: JobSize) -> StageTimes:
-        return StageTimes(conditioning=self.conditioning, sampling=self.step(size.tokens) * size.step_units,
-                          decode=self.decode(size), encode=self.encode_overhead + self.encode_per_pixel * size.pixels)
+        """A chained job samples and decodes each segment once (the video joins the frames its
+        segments' decodes kept on the worker); interpolation is not in the model."""
+        decodes = size.segments
+        return StageTimes(conditioning=self.conditioning,
+                          sampling=self.step(size.tokens) * size.step_units * size.segments,
+                          decode=self.decode(size) * decodes,
+                          encode=self.encode_overhead + self.encode_per_pixel * (size.video_pixels or size.pixels))
 
 
 @dataclass(frozen=True)
@@ -204,8 +212,9 @@ class History:
         stages = ledger.all_stages([job.id for job in done])
         for job in done:
             device = devices.get(job.id, folder)
-            # (a job invalidated between the two reads, a resume's check; a job with no device to match on)
-            if job.state is not JobState.DONE or device is None:
+            # Not a job invalidated between the two reads (a resume's check), one with no device to
+            # match on, nor a long video: its stage rows are several clips', the model is fitted to one clip's.
+            if job.state is not JobState.DONE or device is None or is_long(job.spec):
                 continue
             st = stages.get(job.id, {})
             secs = [st[s].seconds for s in (Stage.CONDITIONING, Stage.SAMPLING, Stage.DECODE, Stage.ENCODE)]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pan2render.jobs.ledger import JobRecord, JobState, Ledger, Stage, StageState
 from pan2render.runner.views.estimates import CPU, CUDA, History, Plan, StageTimes, job_devices, ledger_device, plan
-from pan2render.runner.views.job_status import superseded
+from pan2render.runner.views.job_status import long_video_of, superseded
 
 LEFT = (JobState.PENDING, JobState.RUNNING)  # a job the batch still has to render (running: interrupted too)
 
@@ -45,6 +45,10 @@ def done_part(ledger: Ledger, job_id: str) -> StageTimes:
             if (doc := ledger.document(job_id, name)) is not None:
                 rec = json.loads(doc)
                 sampled = max(sampled, rec[key] / rec[total] if rec.get(total) else 0.0)
+        segments = ledger.job(job_id).spec.segments
+        if segments > 1:  # the step is the current segment's: the segments before it are done whole
+            done = (long_video_of(ledger.path.parent, ledger.job(job_id)) or {}).get("segments_done", 0)
+            sampled = min(1.0, (done + sampled) / segments)
     return StageTimes(*(1.0 if stages[s].state is StageState.DONE else sampled if s is Stage.SAMPLING else 0.0
                         for s in (Stage.CONDITIONING, Stage.SAMPLING, Stage.DECODE, Stage.ENCODE)))
 

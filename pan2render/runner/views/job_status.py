@@ -20,6 +20,7 @@ from pan2render.jobs.ledger import (
     stage_name,
     superseded,
 )
+from pan2render.long_video import is_long, video_fps, video_frames
 from pan2render.preview_file import read_preview
 from pan2render.runner.protocol import artifacts as st
 
@@ -43,6 +44,8 @@ class JobStatus:
     problem: str | None = None  # a done job whose video is missing or not the recorded size
     # A job not done whose sampling left a live preview: {"path" (absolute), "step", "steps"}
     preview: dict[str, Any] | None = None
+    # A chained or interpolated job (:func:`long_video_of`); None for a job of one clip.
+    long_video: dict[str, Any] | None = None
     # A pending job that waits for the jobs it runs after: the names in its `after` not all done.
     after: list[str] | None = None
 
@@ -50,7 +53,7 @@ class JobStatus:
         return {"id": self.id, "name": self.name, "state": self.state, "stage": self.stage,
                 "attempts": self.attempts, "error": self.error, "video": self.video,
                 "seconds": self.seconds, "superseded_by": self.superseded_by, "problem": self.problem,
-                "preview": self.preview, "after": self.after}
+                "preview": self.preview, "after": self.after, "long_video": self.long_video}
 
 
 def job_statuses(out_dir: Path, ledger: Ledger, jobs: list[JobRecord] | None = None) -> list[JobStatus]:
@@ -78,7 +81,34 @@ def job_status(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], 
                      attempts=job.attempts, error=job.error, video=video,
                      seconds={stage_name(s): r.seconds for s, r in stages.items()}, superseded_by=newer,
                      problem=problem, preview=None if job.state is JobState.DONE else preview_of(out_dir, job.id),
-                     after=after)
+                     after=after, long_video=long_video_of(out_dir, job))
+
+
+def long_video_of(out_dir: Path, job: JobRecord) -> dict[str, Any] | None:
+    """A chained or interpolated job's video: its segments and how many are done (their records in
+    its folder: a stat each, not their check), its frames, rate and length; None for a job of one clip."""
+    spec = job.spec
+    if not is_long(spec):
+        return None
+    done = 0
+    while done < spec.segments and (out_dir / st.segment_relpath(job.id, done + 1, st.SEGMENT_RECORD_NAME)).is_file():
+        done += 1
+    frames, fps = video_frames(spec), video_fps(spec)
+    return {"segments": spec.segments, "segments_done": spec.segments if job.state is JobState.DONE else done,
+            "frames": frames, "fps": fps, "seconds": round(frames / fps, 3), "interpolate": spec.interpolate}
+
+
+def long_video_text(info: dict[str, Any] | None) -> str:
+    """``3 segments (2 done), 49 frames at 8 fps = 6.1 s``; "" for a job of one clip."""
+    if info is None:
+        return ""
+    parts = []
+    if info["segments"] > 1:
+        done = "" if info["segments_done"] == info["segments"] else f" ({info['segments_done']} done)"
+        parts.append(f"{info['segments']} segments{done}")
+    if info["interpolate"] > 1:
+        parts.append(f"interpolated x{info['interpolate']}")
+    return f"{', '.join(parts)}, {info['frames']} frames at {info['fps']:g} fps = {info['seconds']:.1f} s"
 
 
 def preview_of(out_dir: Path, job_id: str) -> dict[str, Any] | None:

@@ -39,7 +39,7 @@ from pan2render.runner.protocol import outputs
 from pan2render.runner.views import posters
 from pan2render.runner.views.compare import comparisons
 from pan2render.runner.views.format import printable
-from pan2render.runner.views.job_status import job_status, superseded
+from pan2render.runner.views.job_status import job_status, long_video_text, superseded
 
 REPORT_NAME = "index.html"
 # Where the report goes when DIR/index.html is a page of the user's own, which is never overwritten.
@@ -76,6 +76,7 @@ class Tile:
     seconds: dict[str, float | None] = field(default_factory=dict)  # per stage, as the ledger recorded them
     preview: str | None = None  # a job without its video (running, interrupted, ...): its live preview
     preview_step: str | None = None  # "12/30": the step that preview shows
+    long_video: str | None = None  # a chained or interpolated job: its segments (done) and its video's length
     after: list[str] | None = None  # a pending job that waits: the names in its `after` not all done
 
 
@@ -161,7 +162,7 @@ def _tile(out_dir: Path, job: JobRecord, stages: dict[Stage, StageRecord], *, la
                 prompt=job.spec.prompt, seconds=status.seconds,
                 preview=st.preview_relpath(job.id) if status.preview and not video else None,
                 preview_step=f"{status.preview['step']}/{status.preview['steps']}" if status.preview else None,
-                after=status.after)
+                long_video=long_video_text(status.long_video) or None, after=status.after)
 
 
 def _grid(name: str, jobs: list[JobRecord], tiles: dict[str, Tile], batch_varying: list[str],

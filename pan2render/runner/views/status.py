@@ -22,6 +22,8 @@ from pan2render.runner.views.job_status import (
     JobStatus,
     counts_lines,
     job_statuses,
+    long_video_of,
+    long_video_text,
     preview_of,
     shown_error,
     shown_state,
@@ -132,8 +134,11 @@ def format_show(out_dir: Path, ledger: Ledger, job: JobRecord) -> str:
         each = "each" if len(waits) > 1 else "that"
         lines.append(f"waits    after: {', '.join(waits)} (it starts once every job of {each} name is done)")
     at = next((stage_name(s) for s, r in ledger.stages(job.id).items() if r.state is not StageState.DONE), None)
-    if at is not None and (progress := job_progress(ledger, job.id, job.state.value, at)) is not None:
+    if at is not None and (progress := job_progress(ledger, job.id, job.state.value, at,
+                                                    segments=job.spec.segments)) is not None:
         lines.append(f"progress {stage_text(at, progress)}")
+    if (long := long_video_text(long_video_of(out_dir, job))):
+        lines.append(f"video    {long}")
     if job.state is not JobState.DONE and (preview := preview_of(out_dir, job.id)) is not None:
         lines.append(f"preview  {preview['path']} (step {preview['step']}/{preview['steps']})")
     spec = job.spec.to_dict()
@@ -185,7 +190,10 @@ def format_status(out_dir: Path, ledger: Ledger) -> tuple[str, int]:
         spec = jobs[r.id].spec
         secs = sum(v for v in r.seconds.values() if v)
         video = os.path.relpath(r.video, out_dir.absolute()) if r.video else ""
-        stage = stage_text(r.stage, job_progress(ledger, r.id, r.state, r.stage)) if r.stage else "-"
+        if r.long_video is not None:
+            video = f"{video} ({long_video_text(r.long_video)})".strip()
+        stage = stage_text(r.stage, job_progress(ledger, r.id, r.state, r.stage,
+                                                 segments=spec.segments)) if r.stage else "-"
         if r.after:  # a pending job that cannot start yet: what it waits for
             stage = f"after: {', '.join(r.after)}"
         rows.append([shown_state(r), stage, str(r.attempts), r.id, *(_value(spec.sweep.get(k, "")) for k in keys),
@@ -218,18 +226,24 @@ def status_document(out_dir: Path, ledger: Ledger) -> tuple[dict[str, Any], int]
         "counts": {**counts, "total": len(statuses), "superseded": sum(r.superseded_by is not None for r in statuses)},
         "exit_code": code,
         "jobs": [{**r.to_json(), "sweep": jobs[r.id].spec.sweep,
-                  "progress": job_progress(ledger, r.id, r.state, r.stage)} for r in statuses],
+                  "progress": job_progress(ledger, r.id, r.state, r.stage, segments=jobs[r.id].spec.segments)}
+                 for r in statuses],
     }, code
 
 
-def job_progress(ledger: Ledger, job_id: str, state: str, stage: str | None) -> dict[str, Any] | None:
-    """Where a sampling stands: its step as the run last recorded it (while the job runs) and its
-    step checkpoint, which a stopped sampling continues from; None when neither applies."""
+def job_progress(ledger: Ledger, job_id: str, state: str, stage: str | None, *,
+                 segments: int = 1) -> dict[str, Any] | None:
+    """Where a sampling stands: a chained job's segment (of ``segments``), its step as the run last
+    recorded it (while the job runs) and its step checkpoint, which a stopped sampling continues
+    from; None when none applies."""
     from pan2render.runner.protocol.artifacts import SAMPLING_STEP_DOC, STEP_CHECKPOINT_DOC
 
     if stage != "sampling":
         return None
     out: dict[str, Any] = {}
+    if segments > 1:
+        done = (long_video_of(ledger.path.parent, ledger.job(job_id)) or {}).get("segments_done", 0)
+        out.update(segment=min(done + 1, segments), segments=segments)
     if state == JobState.RUNNING.value and (doc := ledger.document(job_id, SAMPLING_STEP_DOC)) is not None:
         out.update(json.loads(doc))
     if (doc := ledger.document(job_id, STEP_CHECKPOINT_DOC)) is not None:
@@ -245,12 +259,13 @@ def job_progress(ledger: Ledger, job_id: str, state: str, stage: str | None) -> 
 
 
 def stage_text(stage: str, progress: dict[str, Any] | None) -> str:
-    """``sampling 37/50 (checkpoint at 30)``, or the stage alone."""
+    """``sampling 37/50 (checkpoint at 30)``, ``sampling segment 2/3 37/50``, or the stage alone."""
     if progress is None:
         return stage
+    segment = f" segment {progress['segment']}/{progress['segments']}" if "segment" in progress else ""
     steps = f" {progress['step']}/{progress['steps']}" if "step" in progress else ""
     ckpt = f" (checkpoint at {progress['checkpoint_step']})" if "checkpoint_step" in progress else ""
-    return f"{stage}{steps}{ckpt}"
+    return f"{stage}{segment}{steps}{ckpt}"
 
 
 EXIT_DONE, EXIT_FAILED, EXIT_UNFINISHED = 0, 1, 4

@@ -29,11 +29,12 @@ if hasattr(torch, "AcceleratorError"):  # a device fault by torch's own type (re
 
 
 class FaultHooks:
-    """faults = {"crash": {"job": NAME, "step": K, "marker": PATH, "after": GLOB}}: exit the process
-                   at sampling step K of job NAME, once (the marker file records that it happened);
-                   with "after", only once a file matches GLOB (the driver has written a step
-                   checkpoint: waited for, up to 120 s, so a loaded machine cannot reorder them);
-                 {"fail": {"job": NAME, "stage": "sampling"|"decode"|"encode", "raise": TYPE}}: raise
+    """faults = {"crash": {"job": NAME, "step": K, "marker": PATH, "after": GLOB, "segment": S}}: exit
+                   the process at sampling step K of job NAME, once (the marker file records that it
+                   happened); with "after", only once a file matches GLOB (the driver has written a step
+                   checkpoint: waited for, up to 120 s, so a loaded machine cannot reorder them); with
+                   "segment", only in the sampling of that segment of a chained job (default: any);
+                 {"fail": {"job": NAME, "stage": "sampling"|"decode"|"interpolate"|"encode", "raise": TYPE}}: raise
                    there, always; TYPE (default RuntimeError) names one of FAULT_TYPES, so a test can
                    meet each failure class;
                  {"slow": {"job": NAME, "stage": ..., "seconds": S}}: sleep S seconds there first;
@@ -50,7 +51,7 @@ class FaultHooks:
         self.gpu_ids = gpu_ids
         self._die = die
 
-    def at_step(self, js: JobSpec, step: int) -> None:
+    def at_step(self, js: JobSpec, step: int, *, segment: int = 1) -> None:
         slow = self.faults.get("slow_steps")
         if slow and slow["job"] == js.name:
             time.sleep(float(slow["seconds"]))
@@ -59,7 +60,8 @@ class FaultHooks:
             while True:
                 time.sleep(3600)
         crash = self.faults.get("crash")
-        if not crash or crash["job"] != js.name or step != int(crash["step"]) or self.rank != 0:
+        if not crash or crash["job"] != js.name or step != int(crash["step"]) or self.rank != 0 \
+                or int(crash.get("segment", segment)) != segment:
             return
         if _first_time(Path(crash["marker"]), step):
             deadline = time.monotonic() + 120

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from safetensors.torch import load, save
 
-from pan2render.runner.protocol.artifacts import FAST_LANES_KEY, NonFiniteError, array_digest
+from pan2render.runner.protocol.artifacts import FAST_LANES_KEY, SEGMENT_KEY, NonFiniteError, array_digest
 
 
 def pack_embedding(emb: torch.Tensor, *, key: str, text_encoder_id: str) -> bytes:
@@ -29,12 +29,13 @@ def unpack_embedding(data: bytes) -> torch.Tensor:
 
 
 def pack_latents(lat: torch.Tensor, *, spec_hash: str, seed: int, steps: int, model_id: str,
-                 spec: dict[str, Any] | None = None, fast_lanes: dict[str, Any] | None = None) -> bytes:
+                 spec: dict[str, Any] | None = None, fast_lanes: dict[str, Any] | None = None,
+                 segment: dict[str, Any] | None = None) -> bytes:
     """lat: float32 [48, T, h, w]. Raises NonFiniteError before anything is written. ``spec`` (the
     job's resolved spec) travels in the metadata so ``repair`` can rebuild the job from the file;
     ``fast_lanes`` (the sampling plan's record: which steps computed) so params.json can show it;
     ``sha256`` (of the tensor's bytes) proves the data is what the sampler wrote, where no ledger
-    recorded the file's digest (``repair``)."""
+    recorded the file's digest (``repair``); ``segment``: which segment of a chained job they are."""
     lat = lat.detach().to("cpu", torch.float32).contiguous()
     if not torch.isfinite(lat).all():
         bad = int((~torch.isfinite(lat)).sum())
@@ -48,6 +49,8 @@ def pack_latents(lat: torch.Tensor, *, spec_hash: str, seed: int, steps: int, mo
         meta["spec"] = json.dumps(spec, sort_keys=True)
     if fast_lanes is not None:
         meta[FAST_LANES_KEY] = json.dumps(fast_lanes, sort_keys=True)
+    if segment is not None:
+        meta[SEGMENT_KEY] = json.dumps(segment, sort_keys=True)
     return save({"latents": lat}, metadata=meta)
 
 

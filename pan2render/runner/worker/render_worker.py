@@ -24,6 +24,7 @@ frame-counted by ``encode_mp4``) for the driver to write, check and record.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import threading
@@ -31,22 +32,21 @@ import time
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import timedelta
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Protocol
 
 import torch
 
 from pan2render.jobs.ledger import Stage
 from pan2render.jobs.spec import JobSpec
+from pan2render.long_video import is_long
 from pan2render.models.precision import PrecisionUnavailable
-from pan2render.models.sampler_state import SamplingPreempted, pack_sampler_state, unpack_sampler_state
+from pan2render.models.sampler_state import SamplingPreempted, pack_sampler_state
 from pan2render.models.tiny import cache_root
 from pan2render.phases import phase, recording
-from pan2render.runner.protocol import artifacts, outputs, timeline
+from pan2render.runner.protocol import artifacts, timeline
 from pan2render.runner.protocol.failures import DeviceError, Failure, FailureKind, JobInputError, classify_exception
 from pan2render.runner.protocol.messages import (
-    MAX_ENCODES_IN_FLIGHT,
     CheckpointReply,
     CollectCall,
     CollectReply,
@@ -58,6 +58,8 @@ from pan2render.runner.protocol.messages import (
     FetchPreviewCall,
     InitGroupCall,
     InitGroupReply,
+    InterpolateCall,
+    InterpolateReply,
     Lane,
     LoadCall,
     LoadReply,
@@ -67,19 +69,21 @@ from pan2render.runner.protocol.messages import (
     Reply,
     SampleCall,
     SampleReply,
+    SegmentFrameCall,
+    SegmentFrameReply,
     StopSamplingCall,
     WorkerCall,
     WorkerConfig,
     WorkerStart,
 )
-from pan2render.runner.worker import packing, scratch
+from pan2render.runner.worker import group_setup, long_video, packing, scratch
 from pan2render.runner.worker.adapters import AdapterCache
+from pan2render.runner.worker.encodes import Encodes, encode_job
 from pan2render.runner.worker.faults import FaultHooks
 from pan2render.runner.worker.inputs import decode_image
-from pan2render.runner.worker.sampling_control import SamplingControl
+from pan2render.runner.worker.sampling_control import SamplingControl, resume_state
 from pan2render.runner.worker.threads import CPU_DECODE_THREADS, intra_op_threads
 from pan2render.runner.worker.versions import runtime_versions
-from pan2render.step_checkpoint import StepCheckpointError
 
 
 class ProgressSink(Protocol):
@@ -111,12 +115,9 @@ class RenderWorker:
         self._group: Any = None  # torch.distributed default group once init_group ran
         self._turn = threading.Condition()
         self._next_seq = 0  # the GPU-lane call whose turn it is
-        # As many encodes at once as the driver keeps in flight: one at a time made the encode the
-        # batch's bottleneck once sampling took a few steps (docs/performance.md, the few-step
-        # batch): half of an encode is its decode-back check, which does not fill the cores that
-        # libx264 does, so two videos overlap well.
-        self._encoder = ThreadPoolExecutor(max_workers=MAX_ENCODES_IN_FLIGHT, thread_name_prefix="encode")
-        self._encodes: dict[str, Future[CollectReply]] = {}  # job id -> its encode
+        self._encodes = Encodes()
+        self._interpolation = long_video.Interpolation()
+        self._segment_frames = long_video.SegmentFrames()
         # The specs of the jobs this worker runs: a call carries its job's spec only when it is
         # the attempt's first that needs it. Bounded: a job whose attempt failed never says
         # goodbye, and a group holds at most a few jobs at once (GPU lane, encodes).
@@ -197,23 +198,12 @@ class RenderWorker:
 
     # ------------------------------------------------------------------ group set-up
     def _rendezvous(self, call: RendezvousCall) -> RendezvousReply:
-        """Rank 0 picks where the group's ranks meet: a file of its own on its node (a group's ranks
-        share a node), so the rendezvous opens no port anyone on the network could reach."""
-        return RendezvousReply(init_method=f"file://{scratch.group_store()}",
-                               backend="nccl" if self.device == "cuda" else "gloo")
+        return group_setup.rendezvous(self.device)
 
     def _init_group(self, call: InitGroupCall) -> InitGroupReply:
-        import torch.distributed as dist
-
-        if self.device == "cuda":
-            torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU as device 0
-        dist.init_process_group(backend=call.backend, init_method=call.init_method, rank=self.rank,
-                                world_size=self.world_size, timeout=timedelta(seconds=self.config.dist_timeout_s))
-        # A first collective proves every rank joined before any job is placed on the group.
-        probe = torch.ones(1, device=self.device)
-        dist.all_reduce(probe)
-        assert int(probe.item()) == self.world_size, f"all_reduce gave {probe.item()}"
-        self._group = dist.group.WORLD
+        self._group = group_setup.join_group(init_method=call.init_method, backend=call.backend, rank=self.rank,
+                                             world_size=self.world_size, device=self.device,
+                                             timeout_s=self.config.dist_timeout_s)
         return InitGroupReply(world_size=self.world_size)
 
     # ------------------------------------------------------------------ stages
@@ -306,17 +296,22 @@ class RenderWorker:
         progress_key = call.progress_key or job_id
         js = self._spec(job_id, call.spec)
         self._adapters.set(pipe, call.adapters)
+        self._interpolation.forget()
+        self._segment_frames.forget_unless(job_id)
         first_frame = None if call.image is None else decode_image(call.image)  # uint8 [H, W, 3]
         self._faults.at_stage(js, "sampling")
 
         def progress(done: int, total: int) -> None:
             if self.rank == 0 and self._progress is not None:
                 self._progress.report(progress_key, done, total, time.time())
-            self._faults.at_step(js, done)
+            self._faults.at_step(js, done, segment=1 if call.segment is None else call.segment.index)
 
+        args = js.sample_args()
+        if call.segment is not None:  # a chained job's segment: its own noise
+            args["seed"] = call.segment.seed
         # (a model without a calibration raises CalibrationMissing here: the job's input, failures.py)
-        plan = pipe.sampling_plan(conditioned=first_frame is not None, **js.sample_args())
-        resume, refused = self._resume_state(js, pipe, call.resume, cached=not plan.lanes.steps_exact)
+        plan = pipe.sampling_plan(conditioned=first_frame is not None, **args)
+        resume, refused = resume_state(js, pipe, call.resume, cached=not plan.lanes.steps_exact)
         stop = self._samplings.begin(job_id)
         # Previews: rank 0 hands the predicted latents over; the I/O lane makes the picture.
         rgb_map = pipe.preview_map if self.rank == 0 and js.preview_every > 0 else None
@@ -330,32 +325,24 @@ class RenderWorker:
                 on_checkpoint=(lambda state: self._samplings.keep(job_id, state)) if self.rank == 0 else None,
                 should_stop=stop.is_set, preview_every_s=js.preview_every if rgb_map is not None else 0.0,
                 on_preview=(lambda p: self._samplings.keep_preview(job_id, p, rgb_map)) if rgb_map else None,
-                **js.sample_args(),
+                **args,
             )  # float32 [48, T, h, w]
         except SamplingPreempted as e:  # a stop at a step boundary: where, and how to go on from there
             data = pack_sampler_state(e.state, spec_hash=js.spec_hash) if self.rank == 0 else None
-            return SampleReply(latents=None, stopped_at=e.state.step, checkpoint=data,
+            return SampleReply(latents=None, stopped_at=e.state.step, checkpoint=data, segment=call.segment,
                                adapters_held=self._adapters.held(), resume_refused=refused)
         except PrecisionUnavailable as e:  # the same on any worker of this kind
             raise JobInputError(str(e)) from e
         finally:
             self._samplings.end(job_id)
-        return SampleReply(latents=packing.pack_latents(lat, spec_hash=js.spec_hash, seed=js.seed, steps=js.steps,
+        segment = None if call.segment is None else {  # what makes these latents this segment's
+            "index": call.segment.index, "seed": call.segment.seed,
+            "conditioning_sha256": None if call.image is None else artifacts.sha256_bytes(call.image)}
+        return SampleReply(latents=packing.pack_latents(lat, spec_hash=js.spec_hash, seed=args["seed"], steps=js.steps,
                                                           model_id=pipe.model_id, spec=js.to_dict(),
-                                                          fast_lanes=None if plan.lanes.exact else plan.describe()),
-                           adapters_held=self._adapters.held(), resume_refused=refused)
-
-    def _resume_state(self, js: JobSpec, pipe: Any, data: bytes | None, *, cached: bool) -> tuple[Any, str | None]:
-        """The state a step checkpoint continues from, or (None, why it is not used): every rank
-        decides alike (the check reads the same bytes), so a group samples from 0 together."""
-        if data is None:
-            return None, None
-        if cached:
-            return None, "a step cache's kept residuals are not in a step checkpoint: sampled from step 0"
-        try:
-            return unpack_sampler_state(data, spec_hash=js.spec_hash, model_id=pipe.model_id), None
-        except StepCheckpointError as e:
-            return None, f"the step checkpoint was refused ({e}): sampled from step 0"
+                                                          fast_lanes=None if plan.lanes.exact else plan.describe(),
+                                                          segment=segment),
+                           adapters_held=self._adapters.held(), resume_refused=refused, segment=call.segment)
 
     def _stop_sampling(self, call: StopSamplingCall) -> None:
         self._samplings.stop(call.job_id)
@@ -370,23 +357,48 @@ class RenderWorker:
 
     def _decode(self, call: DecodeCall) -> DecodeReply | None:
         """Decode on the device, convert to yuv420p there, copy to the host once and hand the planes
-        to the encode thread; frames (hundreds of MB) never enter the object store."""
+        to the encode thread; frames (hundreds of MB) never enter the object store. A long video's
+        segments are decoded, colour-matched and joined on the device first (worker/long_video.py)."""
+        from pan2render.media.yuv import rgb_to_yuv420
+
         pipe = self._pipeline(call.model)
-        job_id = call.job_id
-        js = self._spec(job_id, call.spec)
+        js = self._spec(call.job_id, call.spec)
         self._faults.at_stage(js, "decode")
         t0 = time.perf_counter()
-        planes = self._frames_on_host(pipe, packing.unpack_latents(call.latents),
-                                      want=(js.frames, js.height, js.width, 3))
+        if not is_long(js):
+            planes = self._frames_on_host(pipe, packing.unpack_latents(call.latents),
+                                          want=(js.frames, js.height, js.width, 3))
+        else:
+            frames = long_video.video_frames_on_device(pipe, call, js, rank=self.rank, device=self.device,
+                                                       kept=self._segment_frames)
+            if frames is not None and js.interpolate > 1:  # its InterpolateCall takes them from here
+                self._interpolation.keep(call.job_id, frames)
+                return DecodeReply(decode_s=time.perf_counter() - t0)
+            planes = None if frames is None else rgb_to_yuv420(frames).cpu().numpy()  # the one host copy
         if planes is None:  # not rank 0
             return None
-        decode_s = time.perf_counter() - t0
-        with self._turn:  # (the lock also guards the table against a collect on the I/O lane)
-            stale = self._encodes.pop(job_id, None)
-            self._encodes[job_id] = self._encoder.submit(self._encode, js, planes)
-        if stale is not None:
-            stale.cancel()  # a retry's decode replaces an encode nobody collected
-        return DecodeReply(decode_s=decode_s)
+        self._encodes.submit(call.job_id, functools.partial(self._encode, js, planes))
+        return DecodeReply(decode_s=time.perf_counter() - t0)
+
+    def _interpolate(self, call: InterpolateCall) -> InterpolateReply | None:
+        """Rank 0 interpolates the frames its decode kept, then hands them to the encode thread."""
+        from pan2render.media.yuv import rgb_to_yuv420
+
+        js = self._spec(call.job_id, call.spec)
+        self._faults.at_stage(js, "interpolate")
+        if self.rank != 0:
+            return None
+        t0 = time.perf_counter()
+        frames = self._interpolation.run(call, js)
+        planes = rgb_to_yuv420(frames).cpu().numpy()  # the one host copy
+        self._encodes.submit(call.job_id, functools.partial(self._encode, js, planes))
+        return InterpolateReply(interpolate_s=time.perf_counter() - t0, frames=int(frames.shape[0]))
+
+    def _segment_frame(self, call: SegmentFrameCall) -> SegmentFrameReply | None:
+        js = self._spec(call.job_id, call.spec)
+        self._faults.at_stage(js, "decode")
+        return long_video.segment_frame(self._pipeline(call.model), call, js, rank=self.rank,
+                                       device=self.device, kept=self._segment_frames)
 
     def _frames_on_host(self, pipe: Any, latents: torch.Tensor,
                         want: tuple[int, int, int, int] | None = None) -> Any:
@@ -408,30 +420,12 @@ class RenderWorker:
 
     def _collect(self, call: CollectCall) -> CollectReply:
         """Wait for the job's encode (handed over by the decode) and return the checked mp4."""
-        job_id = call.job_id
-        with self._turn:
-            future = self._encodes.get(job_id)
-        if future is None:
-            raise RuntimeError(f"no encode of job {job_id} on this worker (its decode did not run here)")
-        try:
-            return future.result()
-        finally:
-            with self._turn:
-                if self._encodes.get(job_id) is future:
-                    del self._encodes[job_id]
+        return self._encodes.collect(call.job_id)
 
     def _encode(self, js: JobSpec, planes: Any) -> CollectReply:
         """On the encode thread: planes uint8 [F, H*3/2, W] -> mp4 bytes, decoded back and counted."""
-        from pan2render.media.video import Yuv420Video, encode_mp4
-
         self._faults.at_stage(js, "encode")
-        t0 = time.perf_counter()
-        with scratch.encode_folder() as tmp:
-            path = tmp / artifacts.VIDEO_NAME
-            encode_s = encode_mp4(Yuv420Video(planes), path, **js.encode_args(),
-                                  metadata=outputs.video_tags(js, model_id=self._pipeline(js.model).model_id))
-            mp4 = path.read_bytes()
-        return CollectReply(mp4=mp4, encode_s=encode_s, check_s=time.perf_counter() - t0 - encode_s)
+        return encode_job(js, planes, model_id=self._pipeline(js.model).model_id)
 
 
 RenderWorker.handlers = {
@@ -440,7 +434,9 @@ RenderWorker.handlers = {
     LoadCall: RenderWorker._load,
     EncodePromptsCall: RenderWorker._encode_prompts,
     SampleCall: RenderWorker._sample,
+    SegmentFrameCall: RenderWorker._segment_frame,
     DecodeCall: RenderWorker._decode,
+    InterpolateCall: RenderWorker._interpolate,
     CollectCall: RenderWorker._collect,
     StopSamplingCall: RenderWorker._stop_sampling,
     FetchCheckpointCall: RenderWorker._fetch_checkpoint,

@@ -11,9 +11,11 @@ import threading
 import time
 from typing import Any
 
-from pan2render.models.sampler_state import pack_sampler_state
+from pan2render.jobs.spec import JobSpec
+from pan2render.models.sampler_state import pack_sampler_state, unpack_sampler_state
 from pan2render.runner.protocol.messages import CheckpointReply, PreviewReply
 from pan2render.runner.worker.previews import make_preview
+from pan2render.step_checkpoint import StepCheckpointError
 
 
 class SamplingControl:
@@ -86,3 +88,16 @@ class SamplingControl:
                 if job_id not in self._sampling or left <= 0:
                     return None
                 self._lock.wait(left)
+
+
+def resume_state(js: JobSpec, pipe: Any, data: bytes | None, *, cached: bool) -> tuple[Any, str | None]:
+    """The state a step checkpoint continues from, or (None, why it is not used): every rank
+    decides alike (the check reads the same bytes), so a group samples from 0 together."""
+    if data is None:
+        return None, None
+    if cached:
+        return None, "a step cache's kept residuals are not in a step checkpoint: sampled from step 0"
+    try:
+        return unpack_sampler_state(data, spec_hash=js.spec_hash, model_id=pipe.model_id), None
+    except StepCheckpointError as e:
+        return None, f"the step checkpoint was refused ({e}): sampled from step 0"

@@ -20,6 +20,7 @@ import pytest
 import yaml
 from runner_helpers import serving_farm, until
 
+from pan2render.media.video import probe_mp4
 from pan2render.runner.farm import api as api_module
 
 BATCH = {"model": "tiny", "preset": "tiny-preview", "defaults": {"steps": 2},
@@ -61,6 +62,23 @@ def test_a_batch_posted_as_yaml_text_renders(tmp_path: Path) -> None:
         assert len(list((tmp_path / "out").glob("*/video.mp4"))) == 2
         until(lambda: "2 done, 0 failed" in send(f"{url}/api/batches/b1/log?offset=0", token=token)[1]["text"],
               "the batch's closing lines")
+
+
+def test_a_story_posted_to_the_farm_renders_its_segments_and_a_bad_one_is_refused(tmp_path: Path) -> None:
+    """Segments go through the farm's own validation (intake reads a batch as `run` does)."""
+    story = {**BATCH, "jobs": [{"name": "story", "prompts": ["a fox wakes", "the fox runs", "the fox sleeps"]}]}
+    bad = {**BATCH, "jobs": [{"name": "story", "prompts": ["a", "b"], "segments": 3}]}
+    with serving_farm(tmp_path) as (farm, url, token):
+        code, body = post_batch(url, token, tmp_path, bad, "bad")
+        assert code == 422 and any(p.startswith(f"{tmp_path / 'b.yaml'}:10: jobs[0].segments: got 3 but the job "
+                                                "lists 2 prompts") for p in body["problems"]), body
+        code, b = post_batch(url, token, tmp_path, story, "out")
+        assert code == 201
+        until(lambda: send(f"{url}/api/batches/{b['id']}", token=token)[1]["state"] == "done", "the story to render")
+        (video,) = list((tmp_path / "out").glob("story-*/video.mp4"))
+        assert probe_mp4(video).frames == 3 * 17 - 2  # tiny-preview's 17 frames a segment, each join once
+        (job,) = send(f"{url}/api/batches/{b['id']}/view", token=token)[1]["jobs"]
+        assert job["long_video"] == "3 segments, 49 frames at 8 fps = 6.1 s"
 
 
 def test_a_bad_batch_gets_every_problem_and_nothing_is_queued(tmp_path: Path) -> None:

@@ -53,7 +53,8 @@ def test_params_json_of_a_swept_job(tmp_path: Path) -> None:
     assert doc["attempts"] == 1
     recorded = {s.value: r.seconds for s, r in ledger.stages(job.job_id).items()}
     assert set(doc["seconds"]) == {s.value for s in Stage}
-    assert all(doc["seconds"][k] == round(v, 3) for k, v in recorded.items())
+    assert all(doc["seconds"][k] == (None if v is None else round(v, 3)) for k, v in recorded.items())
+    assert recorded["interpolate"] is None  # (a job that does not interpolate spends no time there)
     assert doc["gpu_layout"]["group_size"] == 1 and doc["gpu_layout"]["device"] == "cpu"
     assert doc["gpu_layout"]["decode"] == "fake"  # what the group's pipeline reported on load
     assert doc["versions"]["pan2-render"] and doc["versions"]["torch"]

@@ -94,3 +94,35 @@ def test_a_running_job_counts_only_what_is_left_of_it(tmp_path: Path) -> None:
     assert running.times is not None and pending.times is not None
     assert running.times.conditioning == 0 and running.times.sampling == pytest.approx(pending.times.sampling / 2)
     assert (running.times.decode, running.times.encode) == (pending.times.decode, pending.times.encode)
+
+
+def test_a_chained_jobs_sampling_counts_its_done_segments(tmp_path: Path) -> None:
+    """3 segments, segments 1 and 2 done and segment 3 at step 25 of 50: a sixth of the job's
+    sampling is left (its step alone would say half)."""
+    import dataclasses
+    import json
+
+    from pan2render.jobs.ledger import JobEvent, Stage, StageEvent
+    from pan2render.runner.protocol.artifacts import SAMPLING_STEP_DOC, SEGMENT_RECORD_NAME, segment_relpath
+
+    out = tmp_path / "out"
+    out.mkdir()
+    ledger = Ledger.open(out)
+    story, later = (dataclasses.replace(spec(name, steps=50), segments=3) for name in ("story", "later"))
+    ledger.add_jobs([story, later], retries=1)
+    job = story.job_id
+    ledger.transition(job, JobEvent.START, reason="test")
+    ledger.set_stage(job, Stage.CONDITIONING, StageEvent.FINISH, seconds=0.1)
+    ledger.set_stage(job, Stage.SAMPLING, StageEvent.START)
+    for k in (1, 2):  # (the ETA counts the records, as status does; it does not check them)
+        record = out / segment_relpath(job, k, SEGMENT_RECORD_NAME)
+        record.parent.mkdir(parents=True)
+        record.write_text("{}")
+    ledger.set_document(job, SAMPLING_STEP_DOC, json.dumps({"step": 25, "steps": 50, "rate": 1.0, "at": 0.0}))
+    the_plan = BatchEta(out, None, gpus=1).plan(ledger)
+    ledger.close()
+    assert the_plan is not None
+    running, pending = the_plan.estimates
+    assert running.times is not None and pending.times is not None
+    print(f"sampling left: {running.times.sampling:.2f} s of {pending.times.sampling:.2f} s")
+    assert running.times.sampling == pytest.approx(pending.times.sampling / 6)

@@ -362,9 +362,10 @@ function updateJobRow(row, job, b, live) {
   const [name, st, now, secs, attempts, media, actions] = row.cells;
   const shown = stateOf(job, live);
   row.className = shown + (job.superseded_by ? " superseded" : "");
-  setCell(name, job.name + job.label + job.prompt, () => [
+  setCell(name, job.name + job.label + job.prompt + (job.long_video || ""), () => [
     el("span", {class: "name", title: job.id}, job.name), job.label ? el("span", {class: "label"}, " " + job.label) : null,
-    el("div", {class: "prompt"}, job.prompt)]);
+    el("div", {class: "prompt"}, job.prompt),
+    job.long_video ? el("div", {class: "long-video muted"}, job.long_video) : null]);
   setCell(st, shown, () => el("span", {class: "badge " + shown}, shown));
   now.textContent = liveText(job, live);
   setCell(secs, JSON.stringify(job.seconds), () => stageSeconds(job.seconds));
