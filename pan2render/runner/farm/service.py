@@ -33,6 +33,7 @@ from pan2render.jobs.ledger import JobState, Ledger
 from pan2render.runner.cluster.executor import Executor
 from pan2render.runner.farm.actions import Actions, FarmRequestError
 from pan2render.runner.farm.config import FarmConfig
+from pan2render.runner.farm.etas import Etas
 from pan2render.runner.farm.folder import LOG_NAME, VIDEOS_DIR
 from pan2render.runner.farm.queue import BatchEvent, BatchState, FarmQueue, QueuedBatch, QueueError
 from pan2render.runner.farm.requests import Requests
@@ -90,6 +91,7 @@ class Farm:
                          fault_limit=config.device_fault_limit)
         self.scheduler = Scheduler(executor=executor, config=sched, pool=pool)
         self.served: dict[str, _Served] = {}
+        self.etas = Etas()  # the served batches' ETAs, planned within a share of this thread's time
         self.requests = Requests()
         self.actions = Actions(self)
         self.write_error: str | None = None  # the queue's last refused write, until one succeeds
@@ -202,7 +204,8 @@ class Farm:
             raise
         report = ReportUpdater(session.out_dir, say=session.log.line)
         eta = BatchEta(session.out_dir, session.job_ids, gpus=self.scheduler.pool.total_gpus)
-        progress = RunProgress(log=session.log, live=False, eta=lambda: eta.seconds(session.ledger))
+        self.etas.add(row.id, lambda: eta.seconds(session.ledger))
+        progress = RunProgress(log=session.log, live=False, eta=lambda: self.etas.seconds(row.id))
         holder: dict[str, ServedBatch] = {}
         flow = BatchFlow(out_dir=session.out_dir, ledger=session.ledger, flow=PAN2_FLOW, say=session.log.line,
                          upcoming=lambda: self.scheduler.upcoming(holder["batch"]), models_per_group=1)
@@ -260,6 +263,7 @@ class Farm:
     def _close(self, batch_id: str, s: _Served, why: str, counts: dict[str, int]) -> None:
         del self.served[batch_id]
         self.scheduler.forget(s.batch)
+        self.etas.remove(batch_id)
         s.batch.progress.close()
         path = s.report.close()
         log = s.session.log
@@ -323,6 +327,7 @@ class Farm:
         return self._listed_rows
 
     def _publish(self) -> None:
+        self.etas.refresh()
         batches = [self._described(r) for r in self._listed()]
         groups = [{"id": g.id, "gpus": g.size, "models": sorted(g.loads), "state": state, "since": since,
                    "jobs": [r.job.id for r in self.scheduler.running_on(g)], "faults": g.faults}
