@@ -38,6 +38,11 @@ def segment_prompts(spec: JobSpec) -> tuple[str, ...]:
     return spec.prompts if spec.prompts is not None else (spec.prompt,) * spec.segments
 
 
+def job_texts(spec: JobSpec) -> tuple[str, ...]:
+    """The texts a job's samplings are conditioned on: every segment's prompt, the negative prompt."""
+    return tuple(dict.fromkeys((*segment_prompts(spec), spec.negative_prompt)))
+
+
 def joined_frames(*, frames: int, segments: int) -> int:
     """Frames of the segments joined, each join frame once."""
     return segments * frames - (segments - 1)

@@ -331,6 +331,7 @@ class Ledger:
         self.path = path
         self.backup_error: str | None = None
         self._stage_names: tuple[str, ...] | None = None
+        self._changes = store.Changes(conn)
 
     @property
     def stage_names(self) -> tuple[str, ...]:
@@ -454,7 +455,14 @@ class Ledger:
         self._conn.close()
 
     def _tx(self) -> AbstractContextManager[sqlite3.Connection]:
-        return store.transaction(self._conn)
+        return self._changes.change()
+
+    def grouped(self) -> AbstractContextManager[None]:
+        """Every change made inside committed as one transaction when the block ends (the
+        scheduler's step boundaries: a reply recorded and the job's next stage marked started);
+        a backup asked for inside is made after that commit. See ``store.Changes``: a group the
+        disk refuses makes every later change of this ledger fail as the disk did."""
+        return self._changes.grouped()
 
     # ---------------------------------------------------------------- meta
     def set_meta(self, key: str, value: Any) -> None:
@@ -554,8 +562,8 @@ class Ledger:
         with self._tx() as c:
             new = self._transition(c, job_id, event, reason=reason, error=error, error_stage=error_stage,
                                    retries=retries)
-        if event is JobEvent.FINISH:
-            self.backup_quietly(job_id)  # a safe point: a damaged ledger then loses at most this job
+        if event is JobEvent.FINISH:  # a safe point: a damaged ledger then loses at most this job
+            self._changes.after_commit(lambda: self.backup_quietly(job_id))
         return new
 
     def transition_many(self, job_ids: Iterable[str], event: JobEvent, *, reason: str) -> None:

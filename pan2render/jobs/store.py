@@ -14,9 +14,10 @@ that error gives. Opening a file of it:
 - checks the file (``PRAGMA quick_check``, then the schema's tables) and raises the schema's
   error, naming the file, the problem and the remedy, never a raw ``sqlite3`` error.
 
-A change is one :func:`transaction`. :func:`backup` copies a whole file with SQLite's online backup
-API, written whole (a temp name, fsync, rename); :func:`restore` puts such a copy back in place of
-a damaged file, which it moves aside, never deletes. SQLite's errors are told apart by their result
+A change is one :func:`transaction`, or a savepoint of a group of them (:class:`Changes`).
+:func:`backup` copies a whole file with SQLite's online backup API, written whole (a temp name,
+fsync, rename); :func:`restore` puts such a copy back in place of a damaged file, which it moves
+aside, never deletes. SQLite's errors are told apart by their result
 code's name (:func:`failure`), never by their text.
 """
 
@@ -186,6 +187,83 @@ def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
+
+
+class CommitError(RuntimeError):
+    """A group's commit failed (its cause: SQLite's error): none of its changes were made."""
+
+
+class Changes:
+    """A writer connection's changes, each one :func:`transaction`, or, inside :meth:`grouped`, each
+    a savepoint of one transaction that the group commits when it ends: the changes of one step
+    (a reply recorded and the next stage marked started) then cost one commit, its four fsyncs,
+    instead of one each. Each change is still all or nothing; the group's changes reach the disk
+    together. ``after_commit`` runs what must follow the changes' commit (a backup that copies them).
+
+    If SQLite rolls the whole group back under a change (it does on a full disk or an I/O error)
+    or the commit fails, the changes the group had made are gone while their writer believes them
+    made: the error is raised, and raised again for every later change, so the writer stops as on
+    a full disk and the next one starts from the file (``lost``)."""
+
+    def __init__(self, conn: sqlite3.Connection):
+        self._conn = conn
+        self._depth = 0
+        self._after: list[Callable[[], None]] = []
+        self.lost: BaseException | None = None
+
+    @contextmanager
+    def change(self) -> Iterator[sqlite3.Connection]:
+        if self.lost is not None:
+            raise self.lost
+        if not self._depth:
+            with transaction(self._conn) as c:
+                yield c
+            return
+        if not self._conn.in_transaction:
+            self._conn.execute("BEGIN IMMEDIATE")
+        self._conn.execute("SAVEPOINT change")
+        try:
+            yield self._conn
+            self._conn.execute("RELEASE change")
+        except BaseException as e:
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK TO change")
+                self._conn.execute("RELEASE change")
+            else:  # SQLite rolled the whole group back: what it had made is gone too
+                self.lost = e
+            raise
+
+    @contextmanager
+    def grouped(self) -> Iterator[None]:
+        """The changes made inside as one transaction, committed at the end (also when the block
+        raises: what was changed before stays changed). Nested, the outermost commits."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if not self._depth:
+                self._commit()
+
+    def after_commit(self, run: Callable[[], None]) -> None:
+        """``run()`` once the changes made so far are committed: now, outside a group."""
+        if self._depth and self._conn.in_transaction:
+            self._after.append(run)
+        else:
+            run()
+
+    def _commit(self) -> None:
+        after, self._after = self._after, []
+        if self._conn.in_transaction:
+            try:
+                self._conn.execute("COMMIT")
+            except sqlite3.Error as e:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                self.lost = e
+                raise CommitError(f"a group of changes was not committed: {e}") from e
+        for run in after:
+            run()
 
 
 # ------------------------------------------------------------------------------------ whole files

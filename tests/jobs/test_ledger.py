@@ -184,3 +184,58 @@ def test_stage_rows_move_only_through_the_declared_table(tmp_path: Path) -> None
     led.reset_stages(jid, Stage.SAMPLING, reason="its latents were lost")
     assert led.stages(jid)[Stage.SAMPLING].state is StageState.PENDING
     led.set_stage(jid, Stage.SAMPLING, StageEvent.START)
+
+
+def test_a_group_of_changes_is_one_commit_each_change_still_all_or_nothing(tmp_path: Path) -> None:
+    """The scheduler's step boundary: the changes made inside ``grouped()`` reach the file (and
+    another process) together when it ends, one commit; a change refused inside (an illegal
+    transition) is undone alone, the others stay; the backup a finished job asks for follows the commit."""
+    led = Ledger.open(tmp_path)
+    a, b = _spec("a").job_id, _spec("b").job_id
+    led.add_jobs([_spec("a"), _spec("b")], retries=1)
+    reader = Ledger.open_readonly(tmp_path)
+    with led.grouped():
+        led.transition(a, JobEvent.START, reason="on group g")
+        led.set_stage(a, Stage.CONDITIONING, StageEvent.START)
+        with pytest.raises(IllegalTransition):
+            led.transition(b, JobEvent.FINISH, reason="b never started")
+        led.transition(a, JobEvent.FINISH, reason="done")
+        assert led.job(a).state is JobState.DONE  # this connection sees its own changes
+        assert reader.job(a).state is JobState.PENDING  # another sees none before the commit
+        assert not (tmp_path / "ledger.sqlite.bak").exists()  # the finished job's backup waits for the commit
+    assert reader.job(a).state is JobState.DONE and reader.job(b).state is JobState.PENDING
+    assert reader.stages(a)[Stage.CONDITIONING].state is StageState.RUNNING
+    backup = Ledger.open_file_readonly(tmp_path / "ledger.sqlite.bak")
+    assert backup.job(a).state is JobState.DONE  # the job's rows copied once committed
+    backup.close()
+    reader.close()
+    led.close()
+
+
+def test_a_group_the_disk_refuses_stops_every_later_change(tmp_path: Path) -> None:
+    """A full disk under a group: SQLite rolls the whole transaction back, so the group's earlier
+    changes are gone too; the ledger then refuses every change with the disk's error (the writer
+    stops as on a full disk, and the next one starts from the file), never one that would rest on
+    what was lost."""
+    from pan2render.jobs.disk import is_disk_full
+
+    led = Ledger.open(tmp_path)
+    a = _spec("a").job_id
+    led.add_jobs([_spec("a")], retries=1)
+    (pages,) = led._conn.execute("PRAGMA page_count").fetchone()  # a disk that fills within a page
+    led._conn.execute(f"PRAGMA max_page_count = {pages + 1}")
+    with led.grouped():
+        led.transition(a, JobEvent.START, reason="on group g")
+        with pytest.raises(Exception) as full:
+            led.set_document(a, "big", "x" * 100_000)
+        assert is_disk_full(full.value)
+        with pytest.raises(Exception) as again:
+            led.set_stage(a, Stage.CONDITIONING, StageEvent.START)
+        assert is_disk_full(again.value)
+    with pytest.raises(Exception) as later:
+        led.transition(a, JobEvent.INTERRUPT, reason="stopping")
+    assert is_disk_full(later.value)
+    led.close()
+    reader = Ledger.open_readonly(tmp_path)
+    assert reader.job(a).state is JobState.PENDING and reader.job(a).attempts == 0  # the start went with the group
+    reader.close()

@@ -4,12 +4,15 @@ An :class:`Executor` makes groups of N workers (one per GPU) and runs *collectiv
 ``call(group, message)`` runs ``RenderWorker.execute(message)`` on every rank (``message``: one of
 the typed calls of ``protocol/messages.py``) and ``result(call)`` returns rank 0's
 :class:`~pan2render.runner.protocol.messages.Reply` (or the first failing rank's), or raises
-:class:`GroupDied` when a worker process is gone. Two implementations:
+:class:`GroupDied` when a worker process is gone. Three implementations:
 
 - ``RayExecutor`` (``ray_executor.py``): one actor per GPU, the group's actors in one STRICT_PACK
   placement group, joined into a torch.distributed group (NCCL on GPUs, gloo on CPU).
 - ``LocalExecutor`` (``local_executor.py``): the same calls on in-process workers, for fast unit
   tests of the driver.
+- ``SimulatedExecutor`` (``simulated.py``): virtual GPUs on virtual nodes answering after the time
+  a cost model gives each call, with injected faults, on a virtual clock or real time: the scheduler
+  measured and tested at any size (``scripts/bench_scale.py``).
 
 :func:`~pan2render.runner.cluster.choose.make_executor` picks one for a run (the node kept up on
 this machine, a cluster named by ``--address``, or a local cluster of the run's own).

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import ipaddress
-import json
 import os
 import re
 import stat
@@ -157,13 +156,13 @@ class MonitorApi:
     async def stream(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Accel-Buffering": "no"})
         await response.prepare(request)
-        sent, quiet = "", 0.0
+        sent, quiet = b"", 0.0
         try:
             while not self.closing.is_set():
                 snap = self.farm.snapshot()  # ({} until the farm's first pass has published one)
-                data = json.dumps(snap) if snap else sent
+                data = self.farm.encoded("stream", lambda s: s) if snap else sent  # (once for every stream)
                 if data != sent:
-                    await response.write(f"event: snapshot\ndata: {data}\n\n".encode())
+                    await response.write(b"event: snapshot\ndata: " + data + b"\n\n")
                     sent, quiet = data, 0.0
                 elif quiet >= KEEPALIVE_S:
                     await response.write(b": still here\n\n")

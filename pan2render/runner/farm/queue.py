@@ -191,6 +191,7 @@ class FarmQueue:
         ``readonly``: for the API's reads, beside the farm's main thread that writes."""
         self.path = Path(root) / QUEUE_NAME
         self.backup_error: str | None = None  # why the last backup failed, until one succeeds
+        self.changes = 0  # changes made through this object: what was read before one is stale
         self.readonly = readonly
         if readonly:
             self._conn = store.open_reader(self.path, _QUEUE, check_same_thread=False)
@@ -225,6 +226,7 @@ class FarmQueue:
         """One change, then a backup: the copy is never more than a failed backup behind."""
         with store.transaction(self._conn) as c:
             yield c
+        self.changes += 1
         self._backup_quietly()
 
     def _backup_quietly(self) -> None:
@@ -241,6 +243,12 @@ class FarmQueue:
         where += [] if include_hidden else ["hidden = 0"]
         rows = self._conn.execute(_SELECT + (f" WHERE {' AND '.join(where)}" if where else "") + " ORDER BY seq")
         return [_row(r) for r in rows.fetchall()]
+
+    def ended(self, limit: int) -> list[QueuedBatch]:
+        """The latest ``limit`` ended batches not hidden, in submission order."""
+        rows = self._conn.execute(_SELECT + f" WHERE state NOT IN ({', '.join(repr(s.value) for s in _NOT_ENDED)})"
+                                  " AND hidden = 0 ORDER BY seq DESC LIMIT ?", (limit,)).fetchall()
+        return [_row(r) for r in reversed(rows)]
 
     def get(self, batch_id: str) -> QueuedBatch:
         seq = _seq(batch_id)

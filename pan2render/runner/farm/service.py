@@ -18,6 +18,7 @@ tried again on the next pass; the farm keeps answering reads meanwhile.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import socket
 import threading
@@ -32,6 +33,7 @@ from pan2render.jobs.ledger import JobState, Ledger
 from pan2render.runner.cluster.executor import Executor
 from pan2render.runner.farm.actions import Actions, FarmRequestError
 from pan2render.runner.farm.config import FarmConfig
+from pan2render.runner.farm.etas import Etas
 from pan2render.runner.farm.folder import LOG_NAME, VIDEOS_DIR
 from pan2render.runner.farm.queue import BatchEvent, BatchState, FarmQueue, QueuedBatch, QueueError, shown_state
 from pan2render.runner.farm.requests import Requests
@@ -47,7 +49,7 @@ from pan2render.runner.serve.steps import PAN2_FLOW
 from pan2render.runner.views.eta import BatchEta
 from pan2render.runner.views.report import ReportUpdater
 
-PUBLISH_EVERY_S = 0.5  # the snapshot's age at most (each publish reads every served batch's ledger)
+PUBLISH_EVERY_S = 0.5  # the snapshot's age at most (each publish counts every served batch's jobs)
 EVENTS_SHOWN = 50  # the queue's latest events in the snapshot (the web monitor's list)
 ENDED_SHOWN = 50  # ended batches in the snapshot, newest last (`queue --all` reads the queue itself)
 
@@ -92,13 +94,19 @@ class Farm:
                          fault_limit=config.device_fault_limit, clock=clock)
         self.scheduler = Scheduler(executor=executor, config=sched, pool=pool)
         self.served: dict[str, _Served] = {}
+        self.etas = Etas()  # the served batches' ETAs, planned within a share of this thread's time
         self.requests = Requests()
         self.actions = Actions(self)
         self.write_error: str | None = None  # the queue's last refused write, until one succeeds
         self._snapshot: dict[str, Any] = {}
+        self._encoded: dict[str, bytes] = {}  # what the API answers from this snapshot, as JSON
         self._snapshot_lock = threading.Lock()
         self._stopping = threading.Event()
         self._published = float("-inf")
+        # What _publish keeps between passes: the queue's rows as of its last change, the ended
+        # batches' descriptions (their ledgers, read once), so a snapshot costs the served batches.
+        self._listed_at, self._listed_rows = -1, []
+        self._ended_described: dict[tuple[str, float, BatchState], dict[str, Any]] = {}
         self.started_at = time.time()
         self.url = ""
 
@@ -112,6 +120,16 @@ class Farm:
     def snapshot(self) -> dict[str, Any]:
         with self._snapshot_lock:
             return self._snapshot
+
+    def encoded(self, name: str, make: Callable[[dict[str, Any]], Any]) -> bytes:
+        """``make(snapshot)`` as JSON, encoded once per snapshot published, whoever asks: fifty
+        clients reading the status of a thousand GPUs cost one encoding each half second, not fifty
+        (each took ~10 ms of the GIL the scheduler's loop needs)."""
+        with self._snapshot_lock:
+            snap, cache = self._snapshot, self._encoded
+        if (body := cache.get(name)) is None:
+            body = cache[name] = json.dumps(make(snap)).encode()
+        return body
 
     @property
     def snapshot_age_s(self) -> float:
@@ -130,14 +148,17 @@ class Farm:
         return self._described(row)
 
     def _described(self, row: QueuedBatch) -> dict[str, Any]:
-        """On the main thread: a batch with what the farm knows of it while it serves it."""
+        """On the main thread: a batch with what the farm knows of it while it serves it (an ended
+        one as its ledger said when it last changed in the queue)."""
         s = self.served.get(row.id)
         if s is None:
-            return described_from_ledger(row)
+            key = (row.id, row.updated_at, row.state)
+            if (found := self._ended_described.get(key)) is None:
+                found = self._ended_described[key] = described_from_ledger(row)
+            return found
         running = [r.job.id for r in self.scheduler.running(s.batch)]
-        queued = self.scheduler.pending(s.batch)
         return _description(row, s.session.counts(), running=running) | {
-            "queued": len(queued), "waiting": sum(s.batch.waits.waits(job_id) for job_id in queued),
+            "queued": self.scheduler.queued(s.batch), "waiting": self.scheduler.waiting(s.batch),
             "eta_s": s.batch.progress.eta_seconds()}
 
     # ================================================================== serving batches
@@ -186,7 +207,8 @@ class Farm:
             raise
         report = ReportUpdater(session.out_dir, say=session.log.line)
         eta = BatchEta(session.out_dir, session.job_ids, gpus=self.scheduler.pool.total_gpus)
-        progress = RunProgress(log=session.log, live=False, eta=lambda: eta.seconds(session.ledger))
+        self.etas.add(row.id, lambda: eta.seconds(session.ledger))
+        progress = RunProgress(log=session.log, live=False, eta=lambda: self.etas.seconds(row.id))
         holder: dict[str, ServedBatch] = {}
         flow = BatchFlow(out_dir=session.out_dir, ledger=session.ledger, flow=PAN2_FLOW, say=session.log.line,
                          upcoming=lambda: self.scheduler.upcoming(holder["batch"]), models_per_group=1)
@@ -207,7 +229,7 @@ class Farm:
             if self.scheduler.running(s.batch):
                 continue
             cancelling = s.row.state is BatchState.CANCELLING
-            if s.batch.stop is None and self.scheduler.pending(s.batch) and not cancelling:
+            if s.batch.stop is None and self.scheduler.queued(s.batch) and not cancelling:
                 continue
             counts = s.session.counts()
             done, failed, cancelled = (counts[st.value] for st in (JobState.DONE, JobState.FAILED, JobState.CANCELLED))
@@ -243,6 +265,8 @@ class Farm:
 
     def _close(self, batch_id: str, s: _Served, why: str, counts: dict[str, int]) -> None:
         del self.served[batch_id]
+        self.scheduler.forget(s.batch)
+        self.etas.remove(batch_id)
         s.batch.progress.close()
         path = s.report.close()
         log = s.session.log
@@ -295,24 +319,33 @@ class Farm:
         self.scheduler.close()
         self.queue.close()
 
+    def _listed(self) -> list[QueuedBatch]:
+        """The batches the snapshot shows: every one not ended and the latest ENDED_SHOWN ended,
+        none hidden, in submission order; read from the queue again only once it changed."""
+        if self._listed_at != self.queue.changes:
+            rows = self.queue.batches(include_ended=False, include_hidden=False) + self.queue.ended(ENDED_SHOWN)
+            self._listed_rows, self._listed_at = sorted(rows, key=lambda r: r.seq), self.queue.changes
+            shown = {r.id for r in rows}
+            self._ended_described = {k: v for k, v in self._ended_described.items() if k[0] in shown}
+        return self._listed_rows
+
     def _publish(self) -> None:
-        rows = self.queue.batches(include_hidden=False)
-        ended = [r for r in rows if r.state.ended][-ENDED_SHOWN:]
-        batches = [self._described(r) for r in rows if not r.state.ended or r in ended]
+        self.etas.refresh()
+        batches = [self._described(r) for r in self._listed()]
         groups = [{"id": g.id, "gpus": g.size, "models": sorted(g.loads), "state": state, "since": since,
                    "jobs": [r.job.id for r in self.scheduler.running_on(g)], "faults": g.faults}
                   for g, state, since in self.scheduler.pool.describe()]
         snap = {"url": self.url, "root": str(self.root), "pid": os.getpid(), "host": socket.gethostname(),
                 "started_at": self.started_at, "cluster": self.ex.cluster, "gpus": self.scheduler.pool.total_gpus,
                 "groups": groups, "batches": batches,
-                "queue_depth": sum(len(self.scheduler.pending(s.batch)) for s in self.served.values()),
+                "queue_depth": sum(self.scheduler.queued(s.batch) for s in self.served.values()),
                 "log": str(self.root / LOG_NAME), "idle_release_s": self.config.idle_release_s,
                 "write_error": self.write_error,
                 "running": [_running_row(batch_id, s.batch.progress, r) for batch_id, s in self.served.items()
                             for r in s.batch.progress.running()],
                 "events": self.queue.events(limit=EVENTS_SHOWN)}
         with self._snapshot_lock:
-            self._snapshot = snap
+            self._snapshot, self._encoded = snap, {}
         self._published = time.monotonic()
 
 
@@ -366,7 +399,7 @@ def _ledger_counts(out_dir: Path, job_ids: list[str]) -> dict[str, int]:
     except Exception:  # a folder gone or damaged since: counts unknown
         return {"total": len(job_ids)}
     try:
-        jobs = led.jobs(job_ids)
-        return {state.value: sum(j.state is state for j in jobs) for state in JobState} | {"total": len(jobs)}
+        states = list(led.job_states(job_ids).values())
+        return {state.value: states.count(state) for state in JobState} | {"total": len(states)}
     finally:
         led.close()

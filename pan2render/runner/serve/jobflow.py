@@ -23,16 +23,17 @@ import enum
 import json
 import os
 import re
+import time
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from pan2render.jobs import outdir
 from pan2render.jobs.ledger import (
     EventKind,
     JobEvent,
-    JobRecord,
     Ledger,
     Stage,
     StageEvent,
@@ -44,12 +45,16 @@ from pan2render.jobs.spec import JobSpec
 from pan2render.lanes import FastLanes
 from pan2render.phases import describe as describe_phases
 from pan2render.runner.protocol import artifacts
-from pan2render.runner.protocol.failures import ArtifactCheckError, Failure, FailureKind
+from pan2render.runner.protocol.failures import ArtifactCheckError, Failure, FailureKind, classify_exception
 from pan2render.runner.protocol.messages import CheckpointReply, LoadCall, LoadReply, Warmup, WorkerCall
 from pan2render.runner.protocol.timeline import stamp
 from pan2render.runner.serve.attempt import JobRun
 from pan2render.runner.serve.retry import Action, Decision
 from pan2render.step_checkpoint import StepCheckpointError, read_checkpoint
+
+# A text asked of an encode call counts as being encoded for this long at most (a call takes well
+# under a second; one that failed or whose group died never answers).
+ENCODING_FORGOTTEN_S = 60.0
 
 
 class StepStatus(enum.Enum):
@@ -183,15 +188,26 @@ class JobFlow:
 
 
 # ---------------------------------------------------------------------- a flow serving one batch
+class Upcoming(Protocol):
+    """A queued job as the prompts encoded ahead see it (the scheduler's ``QueuedJob``)."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def prompts(self) -> tuple[str, ...]: ...  # the texts it is conditioned on (long_video.job_texts)
+
+
 class BatchFlow:
     """A flow bound to one output folder and its ledger: decides each job's next call, records
     replies and failures there. One per batch; the scheduler holds one for every batch it serves.
 
-    ``upcoming``: the pending jobs of the batch in queue order (for the prompts encoded ahead);
+    ``upcoming``: the pending jobs of the batch in queue order, their model and prompts (for the
+    prompts encoded ahead);
     ``say``: a line for the run log."""
 
     def __init__(self, *, out_dir: Path, ledger: Ledger, flow: JobFlow, max_redos: int = 2,
-                 upcoming: Callable[[], Iterable[JobRecord]] = lambda: (), say: Callable[[str], None] = print,
+                 upcoming: Callable[[], Iterable[Upcoming]] = lambda: (), say: Callable[[str], None] = print,
                  models_per_group: int | None = None):
         """``models_per_group``: most models a group keeps loaded (a load for one more drops the
         others first; the farm keeps one); None: no limit, every model a batch names stays."""
@@ -206,6 +222,7 @@ class BatchFlow:
         self.say = say
         self.models_per_group = models_per_group
         self._encoders: dict[str, str] = {}  # model -> its text encoder id, from a group's load
+        self._encoding: dict[str, float] = {}  # text -> when a call in flight was asked to encode it
         self._redos: dict[str, int] = {}  # job id -> artifacts redone after failing their check
 
     # ------------------------------------------------------------------ what comes next
@@ -224,10 +241,9 @@ class BatchFlow:
                                           guidance=spec.guidance, image=spec.image is not None or spec.segments > 1))
         self._encoders.setdefault(spec.model, run.group.loads[spec.model].text_encoder_id)
         steps, names = self.flow.steps, self.flow.stages
-        start = 0
+        start, records = 0, self.ledger.stages(run.job.id)
         for i in reversed(range(len(steps))):
-            rec = self.ledger.stages(run.job.id)[names[i]]
-            status = steps[i].status(self, run, rec)
+            status = steps[i].status(self, run, records[names[i]])
             if status is StepStatus.DONE:
                 start = i + 1
                 break
@@ -235,6 +251,7 @@ class BatchFlow:
                 self.count_redo(run.job.id, status.problem)
                 self.ledger.reset_stages(run.job.id, names[i], reason=f"{status.problem}: {names[i]} again")
                 self.say(f"{spec.name}: {status.problem}; {names[i]} again")
+                records = self.ledger.stages(run.job.id)
         if start == len(steps):
             return None
         return steps[start].call(self, run)
@@ -279,6 +296,12 @@ class BatchFlow:
                     self.flow.stages[-1])
 
     # ------------------------------------------------------------------ failures
+    def driver_failure(self, job_id: str, e: Exception) -> Failure:
+        """A failure of the job on the driver's side (an input gone, a write refused, an artifact that
+        fails its check), charged to the stage it was about to run, classed by the exception."""
+        return Failure(stage=self.next_stage(job_id), kind=classify_exception(e),
+                       error=f"driver: {type(e).__name__}: {e}", traceback=traceback.format_exc(), cause=e)
+
     def record_failure(self, job_id: str, failure: Failure, decision: Decision) -> None:
         """Carry a decision out in the ledger: the job goes back to pending (requeue: uncharged;
         retry: one attempt spent) or fails, with the stage's error and traceback."""
@@ -309,6 +332,23 @@ class BatchFlow:
     # ------------------------------------------------------------------ shared by the steps
     def text_encoder_id(self, model: str) -> str:
         return self._encoders[model]
+
+    def encoding(self, texts: Iterable[str], *, asked: bool) -> None:
+        """``texts`` were asked of a call in flight (``asked``), or its answer came."""
+        for text in texts:
+            if asked:
+                self._encoding[text] = time.monotonic()
+            else:
+                self._encoding.pop(text, None)
+
+    def being_encoded(self, text: str) -> bool:
+        """Is ``text`` being encoded by a call in flight? (A call whose answer never came, its group
+        lost, frees its texts after ENCODING_FORGOTTEN_S.)"""
+        asked = self._encoding.get(text)
+        if asked is not None and time.monotonic() - asked > ENCODING_FORGOTTEN_S:
+            del self._encoding[text]
+            asked = None
+        return asked is not None
 
     # ------------------------------------------------------------------ step checkpoints
     def step_checkpoint(self, run: JobRun) -> bytes | None:
@@ -371,7 +411,7 @@ class BatchFlow:
             self.ledger.log(job_id, EventKind.CHECKPOINT_DROPPED, reason)
             self.say(f"{job_id}: {reason}")
 
-    def upcoming(self) -> Iterable[JobRecord]:
+    def upcoming(self) -> Iterable[Upcoming]:
         """The batch's pending jobs, in the order they will start."""
         return self._upcoming()
 

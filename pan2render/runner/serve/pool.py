@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pan2render.runner.cluster.executor import Executor, Group, GroupStartError
+from pan2render.runner.protocol.timeline import stamp
 
 
 class _BackgroundStart:
@@ -88,12 +89,19 @@ class GroupPool:
         self._out: list[Group] = []  # held out of service
         self._since: dict[str, float] = {}  # group id -> when it went idle / busy / out (clock())
         self._starting: _BackgroundStart | None = None
+        self._told: set[str] = set()  # groups whose placement the run log has told
+        self._held: dict[str, int] = {}  # group id -> its GPUs, for every group it holds
+        self._held_gpus = 0
         self.created = 0
 
     def _used(self) -> int:
-        starting = self._starting.size if self._starting is not None else 0
-        return (sum(g.size for g in self._idle) + sum(g.size for g in self._busy.values())
-                + sum(g.size for g in self._out) + starting)
+        """GPUs of the groups it holds (idle, busy, out of service) and of the one starting: kept as
+        groups come and go, not summed over every group on each job's start."""
+        return self._held_gpus + (self._starting.size if self._starting is not None else 0)
+
+    def _hold(self, group: Group) -> None:
+        self._held[group.id] = group.size
+        self._held_gpus += group.size
 
     @property
     def starting(self) -> bool:
@@ -157,6 +165,7 @@ class GroupPool:
             return None
         group = self._ex.create_group(size, timeout_s=self._start_timeout_s)
         self.created += 1
+        self._hold(group)
         self._busy[group.id] = group
         self._since[group.id] = self._clock()
         return group
@@ -176,6 +185,7 @@ class GroupPool:
             raise GroupStartError(f"starting a group of {start.size} failed: "
                                   f"{type(start.error).__name__}: {start.error}") from start.error
         self.created += 1
+        self._hold(start.group)
         self._idle.append(start.group)
         self._since[start.group.id] = self._clock()
 
@@ -224,6 +234,16 @@ class GroupPool:
         """A job finished on ``group``: its faults are no longer in a row."""
         group.faults = 0
 
+    def placement_line(self, group: Group) -> str | None:
+        """The run log's start-up line of a group the first time it takes a job (stamps: seconds
+        since the command started); None after, or when its placement was not timed."""
+        if group.id in self._told or not group.placed_at:
+            return None
+        self._told.add(group.id)
+        joined = ", its processes joined" if group.size > 1 else ""
+        return (f"start-up: group {group.id} ({group.size} GPU{'s' if group.size > 1 else ''}) placed at "
+                f"{stamp(group.placed_at)}{joined} (asked for at {stamp(group.asked_at)})")
+
     def describe(self) -> list[tuple[Group, str, float]]:
         """Every group the pool holds: (group, "busy" | "idle" | "out of service", since when)."""
         rows = [(g, "busy", self._since.get(g.id, 0.0)) for g in self._busy.values()]
@@ -233,6 +253,8 @@ class GroupPool:
     def _drop(self, group: Group) -> None:
         if group in self._idle:
             self._idle.remove(group)
+        if (size := self._held.pop(group.id, None)) is not None:
+            self._held_gpus -= size
         self._since.pop(group.id, None)
         self._ex.destroy_group(group)
 

@@ -14,7 +14,6 @@ group size is not free, later jobs wait too, so a 4-GPU job is never starved by 
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Iterator
 
 from pan2render.jobs.ledger import EventKind, JobEvent, JobRecord, JobState, Stage, StageEvent, stage_name
@@ -22,7 +21,6 @@ from pan2render.runner.cluster.executor import Call, Executor, Group, GroupDied,
 from pan2render.runner.protocol.artifacts import CANCEL_DOC
 from pan2render.runner.protocol.failures import BatchStopped, Failure, FailureKind, classify_exception
 from pan2render.runner.protocol.messages import Lane, StopSamplingCall, WorkerCall
-from pan2render.runner.protocol.timeline import stamp
 from pan2render.runner.serve import watch
 from pan2render.runner.serve.attempt import PREEMPTED_AT, JobRun, Phase, Stop, StopKind
 from pan2render.runner.serve.config import ServingConfig
@@ -32,8 +30,6 @@ from pan2render.runner.serve.running import Running
 from pan2render.runner.serve.serving import JobQueue, QueuedJob, ServedBatch
 from pan2render.runner.serve.sides import SideFetches
 from pan2render.runner.serve.waits import Waits
-
-__all__ = ["Scheduler", "ServedBatch"]
 
 
 class Scheduler:
@@ -50,8 +46,7 @@ class Scheduler:
         self._batch_of: dict[int, ServedBatch] = {}
         self._policy = RetryPolicy()
         self._cluster = watch.ClusterWait(executor, wait_s=config.cluster_wait_s)
-        self._groups_seen: set[str] = set()  # groups whose placement the run log has told
-        self._steps = watch.StepRecorder()
+        self._watch = watch.Watch(executor, stall_timeout_s=config.stall_timeout_s)
         self._sides = SideFetches(executor, self._call)
 
     # ================================================================== what it serves
@@ -75,13 +70,20 @@ class Scheduler:
     def pending(self, batch: ServedBatch) -> list[str]:
         return [q.job_id for q in self._queue.of(batch)]
 
+    def queued(self, batch: ServedBatch) -> int:  # len(pending(batch)), without the list
+        return self._queue.count(batch)
+
+    def waiting(self, batch: ServedBatch) -> int:  # of queued(batch), those waiting for their `after`
+        return batch.waits.count(queued=lambda job_id: self._queue.find(batch, job_id) is not None)
+
     def running(self, batch: ServedBatch) -> list[JobRun]:
         return self._running.of(batch)
 
     @property
     def busy(self) -> bool:
         """Anything left to do: a job running, or one that may start."""
-        return bool(self._running) or any(q.batch.stop is None and not q.batch.paused for q in self._queue)
+        return bool(self._running) or any(b.stop is None and not b.paused and self._queue.count(b)
+                                          for b in self._batch_of.values())
 
     def reorder(self) -> None:
         """After a batch's priority changed."""
@@ -169,15 +171,15 @@ class Scheduler:
         batch.ended += 1
         self._end_after(batch, job_id, JobState.CANCELLED, reason)
 
-    def upcoming(self, batch: ServedBatch) -> Iterator[JobRecord]:
-        """The batch's queued jobs, in the order they will start, each read from the ledger as it is
-        reached: the prompts encoded ahead look at the first few, and reading the whole queue on
-        every conditioning call was quadratic in the batch."""
-        return (batch.ledger.job(job_id) for job_id in self.pending(batch) if not batch.waits.waits(job_id))
+    def upcoming(self, batch: ServedBatch) -> Iterator[QueuedJob]:
+        """The batch's queued jobs that may start (none waiting for its `after`), in start order, with
+        their prompts (the look-ahead's: reading their specs from the ledger cost ~0.1 s a call)."""
+        return (q for q in self._queue if q.batch is batch and not batch.waits.waits(q.job_id))
 
     # ================================================================== the loop
     def tick(self) -> None:
-        """One pass: start what can start, handle every reply that is ready, check deadlines."""
+        """One pass: start what can start, handle every reply that is ready, and what the watch
+        finds due (deadlines, steps, hung samplings: every few tenths of a second)."""
         self.ex.check_cluster()
         self._dispatch()
         if (note := self.pool.take_start_note()) is not None:  # a group waiting for GPUs, every few seconds
@@ -188,17 +190,21 @@ class Scheduler:
             return
         for call in self.ex.wait(self._running.calls(), timeout_s=self.config.poll_s):
             self._on_ready(call)
-        self._tear_down(watch.overdue(self._running.keyed(), lacks_gpus_for=self.ex.lacks_gpus_for))
-        if any(r.sampling for r in self._running.runs()):
-            # A Ray call: only while a job samples.
-            steps = watch.current_steps(self._running.keyed(), self.ex.progress())
-            for seq, batch in self._batch_of.items():
-                batch.progress.steps({job_id: rep for (s, job_id), rep in steps.items() if s == seq})
-            self._tear_down(watch.hung(self._running.keyed(), steps, limit_s=self.config.stall_timeout_s))
-            self._steps.record([(k, r, self._batch_of[k[0]].ledger) for k, r in self._running.keyed()], steps)
+        steps, found = self._watch.look(self._running.keyed, ledger_of=lambda key: self._batch_of[key[0]].ledger)
+        for (seq, job_id), report in steps.items():
+            self._batch_of[seq].progress.steps({job_id: report})
+        self._tear_down(found)
         for batch in self._batch_of.values():
             batch.progress.tick()
             batch.notify_job_end()
+
+    def forget(self, batch: ServedBatch) -> None:
+        """``batch`` is served no more (the farm closed it; none of its jobs runs): its jobs still
+        queued (a batch a full disk stopped) leave the queue; the passes no longer look at it."""
+        assert not self._running.count(batch), f"batch {batch.seq} has jobs running"
+        for q in self._queue.of(batch):
+            self._queue.remove(q)
+        self._batch_of.pop(batch.seq, None)
 
     def interrupt_all(self, reason: str, *, outcome: str = "interrupted", detail: str = "") -> None:
         """Every running job back to pending, uncharged (the run stops, or the cluster went)."""
@@ -217,7 +223,7 @@ class Scheduler:
         behind it."""
         if not self._cluster_ready():
             return
-        for q in list(self._queue):  # a copy: jobs are taken out as it walks them
+        for q in self._queue:  # (the queue may change while it is walked: see JobQueue)
             if q.batch.stop is not None or q.batch.paused or q.batch.waits.waits(q.job_id):
                 continue
             group = self._running.held_group(q.gpus, behind_decode=False, avoid=q.avoid)
@@ -236,24 +242,15 @@ class Scheduler:
             if group is None:
                 self._preempt_for(q)
                 break
-            self._say_placed(q.batch, group)
+            if (line := self.pool.placement_line(group)) is not None:  # its first job
+                q.batch.progress.say(line)
             self._queue.remove(q)
-            q.batch.ledger.transition(q.job_id, JobEvent.START, reason=f"on group {group.id} ({group.size} GPU(s))")
-            run = JobRun(job=q.batch.ledger.job(q.job_id), group=group)
-            q.batch.progress.job_started(q.job_id, group=group.id, attempt=run.job.attempts)
-            self._running.add(q.batch, run)
-            self._advance(q.batch, run)
-
-    def _say_placed(self, batch: ServedBatch, group: Group) -> None:
-        """The run log's start-up line of a group the first time it takes a job (stamps: seconds
-        since the command started)."""
-        if group.id in self._groups_seen:
-            return
-        self._groups_seen.add(group.id)
-        if group.placed_at:
-            joined = ", its processes joined" if group.size > 1 else ""
-            batch.progress.say(f"start-up: group {group.id} ({group.size} GPU{'s' if group.size > 1 else ''}) "
-                               f"placed at {stamp(group.placed_at)}{joined} (asked for at {stamp(group.asked_at)})")
+            with q.batch.step():  # the start and the first stage marked: one commit
+                q.batch.ledger.transition(q.job_id, JobEvent.START, reason=f"on group {group.id} ({group.size} GPU(s))")
+                run = JobRun(job=q.batch.ledger.job(q.job_id), group=group)
+                q.batch.progress.job_started(q.job_id, group=group.id, attempt=run.job.attempts)
+                self._running.add(q.batch, run)
+                self._advance(q.batch, run)
 
     def _leave(self, batch: ServedBatch, run: JobRun) -> None:
         """The job no longer runs on its group; the group goes back to the pool once it holds no job."""
@@ -272,7 +269,7 @@ class Scheduler:
             message = batch.flow.next_call(run)
         except Exception as e:  # any driver-side failure is the job's, with its class
             self._leave(batch, run)
-            return self._failed(batch, run.job.id, self._driver_failure(batch, run.job.id, e))
+            return self._failed(batch, run.job.id, batch.flow.driver_failure(run.job.id, e))
         if message is None:
             self._leave(batch, run)
             self.pool.succeeded(run.group)
@@ -296,17 +293,15 @@ class Scheduler:
         timeout_s = self.config.call_timeouts_s.get(message.timeout_key, message.default_timeout_s)
         return self.ex.call(run.group, message, timeout_s=timeout_s)
 
-    @staticmethod
-    def _driver_failure(batch: ServedBatch, job_id: str, e: Exception) -> Failure:
-        return Failure(stage=batch.flow.next_stage(job_id), kind=classify_exception(e),
-                       error=f"driver: {type(e).__name__}: {e}", traceback=traceback.format_exc(), cause=e)
-
     # ================================================================== results
     def _on_ready(self, call: Call) -> None:
         found = self._running.find(call)
         if found is None:
             return  # its job left when its group was torn down: the reply is void
-        batch, run = found
+        with found[0].step():  # its record and what follows (the next stage marked): one commit
+            self._on_reply(*found, call)
+
+    def _on_reply(self, batch: ServedBatch, run: JobRun, call: Call) -> None:
         if call is not run.call:  # a fetch beside its sampling (sides.py)
             return self._sides.on_reply(batch, run, call)
         stage = call.message.stage
@@ -324,7 +319,7 @@ class Scheduler:
             batch.flow.record(run, call.message, reply.value, reply.seconds)
         except Exception as e:  # e.g. disk full, or the written video fails its check
             self._leave(batch, run)
-            return self._failed(batch, run.job.id, self._driver_failure(batch, run.job.id, e))
+            return self._failed(batch, run.job.id, batch.flow.driver_failure(run.job.id, e))
         run.returned()
         if not self._settle_stop(batch, run):
             self._advance(batch, run)
@@ -422,6 +417,8 @@ class Scheduler:
     def _cluster_ready(self) -> bool:
         """After the cluster lost GPUs: have enough come back for every queued job? (Raises
         ClusterLostError once they have been gone too long, no job running.)"""
+        if not self._cluster.lost:
+            return True
         back = self._cluster.back(need=max((q.gpus for q in self._queue), default=0), running=bool(self._running),
                                   queued=len(self._queue), folders=[b.flow.out_dir for b in self._batch_of.values()])
         if back is None:

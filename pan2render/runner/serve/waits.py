@@ -37,6 +37,11 @@ class Waits:
     def waits(self, job_id: str) -> bool:
         return job_id in self._after and any(self._left[n] for n in self._after[job_id])
 
+    def count(self, *, queued: Callable[[str], bool]) -> int:
+        """How many of the jobs that ``queued`` says are queued wait still: only the jobs with an
+        ``after`` are looked at."""
+        return sum(1 for job_id in self._after if self.waits(job_id) and queued(job_id))
+
     def done(self, job_id: str) -> None:
         """The job's video is written and checked: one job fewer that its name's dependents wait for."""
         if (name := self._name.get(job_id)) is not None:

@@ -22,6 +22,11 @@ from pan2render.runner.protocol.steps import StepReport
 from pan2render.runner.serve.attempt import JobRun
 
 STEP_RECORD_EVERY_S = 5.0  # a running sampling's step goes to its ledger at most this often
+# How often the scheduler looks at every call in flight rather than at the replies alone: the
+# samplings' steps (the farm publishes its snapshot every 0.5 s; a hung sampling is minutes) and
+# the calls' deadlines (a minute and more). Looking on every pass made a pass cost every job running.
+STEPS_EVERY_S = 0.25
+DEADLINES_EVERY_S = 1.0
 
 Key = TypeVar("Key")
 
@@ -43,6 +48,39 @@ def started_sampling(run: JobRun) -> None:
     run.sample_started_at, run.last_step = time.time(), None
 
 
+class Watch:
+    """What the scheduler looks for among the calls in flight every few tenths of a second: calls
+    past their deadline (every DEADLINES_EVERY_S) and the samplings' steps (every STEPS_EVERY_S;
+    a Ray call, made only while a job samples), which it records in the ledgers and checks for
+    hung samplings."""
+
+    def __init__(self, executor: Executor, *, stall_timeout_s: float):
+        self.ex = executor
+        self.stall_timeout_s = stall_timeout_s
+        self._recorder = StepRecorder()
+        self._deadlines_at = self._steps_at = float("-inf")  # (time.monotonic)
+
+    def look(self, running: Callable[[], list[tuple[Key, JobRun]]], *, ledger_of: Callable[[Key], Ledger]
+             ) -> tuple[dict[Key, StepReport], list[tuple[Key, JobRun, Failure]]]:
+        """The steps read now (none when it is not time, or nothing samples) and the runs to tear
+        down, each with its failure: overdue, then hung. ``running``: the runs, asked for only when
+        it is time to look at them."""
+        now, steps, found = time.monotonic(), {}, []
+        due_deadlines, due_steps = now >= self._deadlines_at + DEADLINES_EVERY_S, now >= self._steps_at + STEPS_EVERY_S
+        if not (due_deadlines or due_steps):
+            return steps, found
+        runs = running()
+        if due_deadlines:
+            self._deadlines_at = now
+            found += overdue(runs, lacks_gpus_for=self.ex.lacks_gpus_for)
+        if due_steps and any(r.sampling for _, r in runs):
+            self._steps_at = now
+            steps = current_steps(runs, self.ex.progress())
+            found += hung(runs, steps, limit_s=self.stall_timeout_s)
+            self._recorder.record([(key, run, ledger_of(key)) for key, run in runs], steps)
+        return steps, found
+
+
 class StepRecorder:
     """Each sampling's latest step into its ledger, at most every STEP_RECORD_EVERY_S per job
     (``status``, another process, reads it there); a write the disk refuses costs only that."""
@@ -53,6 +91,8 @@ class StepRecorder:
     def record(self, runs: Iterable[tuple[Key, JobRun, Ledger]], steps: dict[Key, StepReport]) -> None:
         """``steps``: :func:`current_steps` of the runs."""
         now = time.monotonic()
+        runs = list(runs)
+        self._recorded = {key: at for key, at in self._recorded.items() if key in steps}  # (samplings ended)
         for key, run, ledger in runs:
             rep = steps.get(key)
             if rep is None:

@@ -39,6 +39,8 @@ from pan2render.sampling import WAN22
 from pan2render.tiny_dit import TINY_MODEL
 
 CPU, CUDA = "cpu", "cuda"  # the device kinds a history sample and a run are matched on
+# A dmd job's steps are its timesteps (`steps` None); its checkpoint's own, unread here (no torch),
+DMD_OWN_STEPS = 3  # count as the DMD rows measured (docs/performance-history.md)
 UNGUIDED_STEP_COST = 0.5  # an unguided step runs one forward where a guided one runs two
 # Two sizes this far apart (in tokens, or in pixels for the decode) fit a stage's overhead and its
 # per-size part apart; closer, one factor over the reference's shape is the safer guess.
@@ -60,10 +62,11 @@ class JobSize:
 
     @classmethod
     def of(cls, spec: JobSpec) -> JobSize:
-        guided = guided_steps(spec.steps, spec.guidance_until) if spec.guidance > 1.0 else 0
+        steps = spec.steps if spec.steps is not None else len(spec.timesteps or ()) or DMD_OWN_STEPS
+        guided = guided_steps(steps, spec.guidance_until) if spec.guidance > 1.0 else 0
         return cls(tokens=dit_tokens(frames=spec.frames, height=spec.height, width=spec.width),
                    latent_frames=WAN22.latent_frames(spec.frames), pixels=spec.frames * spec.height * spec.width,
-                   step_units=guided + (spec.steps - guided) * UNGUIDED_STEP_COST, segments=spec.segments,
+                   step_units=guided + (steps - guided) * UNGUIDED_STEP_COST, segments=spec.segments,
                    video_pixels=video_frames(spec) * spec.height * spec.width)
 
 

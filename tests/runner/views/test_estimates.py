@@ -14,7 +14,15 @@ from pan2render.jobs.batch import load_batch
 from pan2render.jobs.ledger import Ledger
 from pan2render.jobs.spec import JobSpec
 from pan2render.runner.cli import main as cli
-from pan2render.runner.views.estimates import CPU, CUDA, History, JobSize, plan
+from pan2render.runner.views.estimates import (
+    CPU,
+    CUDA,
+    DMD_OWN_STEPS,
+    UNGUIDED_STEP_COST,
+    History,
+    JobSize,
+    plan,
+)
 from pan2render.runner.views.status import format_estimate
 
 
@@ -127,3 +135,16 @@ def test_jobs_are_placed_on_the_least_busy_gpu() -> None:
     assert t["long"].on_gpu > t["short0"].on_gpu + t["short1"].on_gpu  # (so the placement shows)
     expected = max(t["long"].on_gpu, t["short0"].on_gpu + t["short1"].on_gpu) + t["short1"].encode
     assert the_plan.wall_seconds == pytest.approx(expected)
+
+
+def test_a_dmd_job_is_estimated_by_its_timesteps() -> None:
+    """A dmd job has no `steps` (its timesteps are its steps): 3 timesteps plan as 3 unguided steps,
+    its checkpoint's own (none listed) as DMD_OWN_STEPS; before, planning one raised TypeError,
+    and the farm's snapshot of its batch with it."""
+    listed = _job("listed", sampler="dmd", guidance=1.0, steps=None, timesteps=(1000, 757, 522))
+    own = _job("own", sampler="dmd", guidance=1.0, steps=None)
+    assert JobSize.of(listed).step_units == 3 * UNGUIDED_STEP_COST
+    assert JobSize.of(own).step_units == DMD_OWN_STEPS * UNGUIDED_STEP_COST
+    e = {x.job.name: x.times for x in plan([listed, _job("u3", steps=3, guidance=1.0)], gpus=1, device=CPU,
+                                           history=History()).estimates}
+    assert e["listed"].sampling == pytest.approx(e["u3"].sampling)
