@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from fake_clock import FakeClock  # noqa: F401  (the farm's tests import it from here)
 
 from pan2render.jobs.batch import load_batch
 from pan2render.jobs.ledger import JobState, Ledger, Stage, StageState

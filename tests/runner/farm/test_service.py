@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from runner_helpers import FakeClock, RecordingExecutor, farm_config, spec, step_until
+from fake_clock import FakeClock
+from runner_helpers import RecordingExecutor, farm_config, spec, step_until
 
 from pan2render.jobs.ledger import JobState, Ledger
 from pan2render.jobs.overrides import Overrides

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from runner_helpers import FakeClock
+from fake_clock import FakeClock
 
 from pan2render.runner.cluster.executor import Group, GroupStartError
 from pan2render.runner.serve.pool import GroupPool
