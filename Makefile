@@ -30,7 +30,7 @@ run: $(RUN_STAMP)
 	@echo ">> pan2-render is installed in $(VENV): 'source $(VENV)/bin/activate' puts it on PATH (README.md, First five minutes)"
 
 test: $(TEST_STAMP)
-	@echo ">> linting (ruff, pyproject.toml [tool.ruff]), then the test suite (about 12-15 minutes on 2 cores); each line ends with tests run / total"
+	@echo ">> linting (ruff, pyproject.toml [tool.ruff]), then the test suite (about 20 minutes on 2 cores); each line ends with tests run / total"
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q --durations=20
 
