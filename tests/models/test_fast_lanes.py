@@ -12,21 +12,13 @@ import torch
 from pan2render.lanes import Action, Branch, Calibration, FastLanes, plan_sampling
 from pan2render.models.calibration import CalibrationMissing, calibrate, calibration_path, store_calibration
 from pan2render.models.dit import PAN2DiTBlock
-from pan2render.models.pipeline import PAN2Pipeline, PAN2PipelineConfig
+from pan2render.models.pipeline import PAN2Pipeline
 from pan2render.models.step_cache import fast_lane_velocity
 from pan2render.models.strategies import SeparateGuidance
 
 JOB = dict(prompt="a red fox in the snow", height=32, width=32, frames=5, steps=8, guidance=2.5, seed=3)
 # Ratios close to 1 (a loose threshold then reuses often), for the tiny model.
 FLAT = Calibration(cond=(1.0,) + (0.999,) * 7, uncond=(1.0,) + (0.998,) * 7, source="test")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> PAN2Pipeline:
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PAN2_RENDER_CACHE", str(tmp_path_factory.mktemp("cache")))
-    yield PAN2Pipeline.from_pretrained("tiny", PAN2PipelineConfig(device="cpu"))
-    mp.undo()
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 from fake_clock import FakeClock
+from tiny_requests import IMAGE, REQUESTS, SIZE
 
-from pan2render.models import PAN2Pipeline, PAN2PipelineConfig
+from pan2render.models import PAN2Pipeline
 from pan2render.models import pipeline as pipeline_module
 from pan2render.models.preview import (
     FitSamples,
@@ -31,23 +32,7 @@ from pan2render.models.preview import (
     vae_rgb_map,
 )
 
-SIZE = dict(height=64, width=64, frames=17)  # latent 48 x 5 x 4 x 4
-IMAGE = np.random.default_rng(5).integers(0, 256, (40, 48, 3), dtype=np.uint8)
-REQUESTS = {
-    "unipc": dict(prompt="a fox in the snow", steps=6, guidance=2.5, seed=3, sampler="unipc"),
-    "unipc-i2v": dict(prompt="a fox in the snow", steps=5, guidance=2.0, seed=4, sampler="unipc", image=IMAGE),
-    "euler": dict(prompt="a kite", steps=5, guidance=3.0, seed=5, sampler="euler"),
-    "dmd": dict(prompt="a kite", guidance=1.0, seed=6, sampler="dmd", timesteps=[1000, 757, 522, 261]),
-}
 EVERY_BOUNDARY = 1e-9  # s: a preview due at every step boundary
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> PAN2Pipeline:
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PAN2_RENDER_CACHE", str(tmp_path_factory.mktemp("cache")))
-    yield PAN2Pipeline.from_pretrained("tiny", PAN2PipelineConfig(device="cpu"))
-    mp.undo()
 
 
 def steps_of(req: dict) -> int:

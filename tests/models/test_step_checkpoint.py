@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from fake_clock import FakeClock
+from tiny_requests import REQUESTS, SIZE
 
 from pan2render.models import PAN2Pipeline, PAN2PipelineConfig
 from pan2render.models import pipeline as pipeline_module
@@ -28,15 +28,6 @@ from pan2render.models.sampler_state import (
 from pan2render.models.samplers import SchedulerConfig, make_sampler
 from pan2render.step_checkpoint import checkpoint_problem
 
-SIZE = dict(height=64, width=64, frames=17)
-IMAGE = np.random.default_rng(5).integers(0, 256, (40, 48, 3), dtype=np.uint8)
-# One request per sampler; UniPC also with a first frame (per-token timesteps, the frame re-imposed).
-REQUESTS = {
-    "unipc": dict(prompt="a fox in the snow", steps=6, guidance=2.5, seed=3, sampler="unipc"),
-    "unipc-i2v": dict(prompt="a fox in the snow", steps=5, guidance=2.0, seed=4, sampler="unipc", image=IMAGE),
-    "euler": dict(prompt="a kite", steps=5, guidance=3.0, seed=5, sampler="euler"),
-    "dmd": dict(prompt="a kite", guidance=1.0, seed=6, sampler="dmd", timesteps=[1000, 757, 522, 261]),
-}
 SPEC = "a" * 64  # a job's spec hash, as the runner passes it
 
 
