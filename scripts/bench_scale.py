@@ -22,7 +22,8 @@ until every batch has ended. The simulated GPUs run on the ``--clock``:
 
 Per run: the GPUs' busy fraction (steady state: from every GPU's first call to the last sampling
 sent; and the whole run), jobs per second (simulated time and wall time), the farm process's CPU
-seconds per job (all threads, and the main thread: the scheduler's loop and the snapshot), API
+seconds per job (all threads, and the main thread: the scheduler's loop and the snapshot; and its
+report writer's, a child process), API
 latency p50/p99, SQLite commits per job (ledgers, their backups, the queue) and fsyncs per job
 (Python's ``os.fsync`` calls plus SQLite's, 4 fdatasync per commit in the rollback journal's FULL
 mode, counted with strace), RSS growth per job. Results: OUT/bench_scale.json and a table.
@@ -224,6 +225,7 @@ def run_one(gpus: int, kind: str, args: argparse.Namespace, counts: Counts) -> d
         "sim_makespan_s": sim["makespan_s"], "busy_steady": sim["busy_steady"], "busy_whole": sim["busy_whole"],
         "jobs_per_s_sim": jobs / sim["makespan_s"], "jobs_per_s_wall": jobs / wall,
         "cpu_ms_per_job": 1000 * cpu / jobs, "main_cpu_ms_per_job": 1000 * main / jobs,
+        "report_child_cpu_ms_per_job": 1000 * farm.reports.child_cpu_s / jobs,
         "commits_per_job": {k: v / jobs for k, v in sorted(commits.items())},
         "backups_per_job": (after["backups"] - before["backups"]) / jobs,
         "fsyncs_per_job": (after["fsyncs"] - before["fsyncs"]
@@ -317,8 +319,8 @@ def run_clients(url: str, tokens: list[str], n: int, poll_s: float, result: Path
 
 # ---------------------------------------------------------------------- the table
 def table(results: list[dict[str, Any]]) -> str:
-    head = ("| jobs | GPUs | busy (steady / whole) | jobs/s (sim / wall) | CPU ms/job (all / main) | API p50 / p99 ms "
-            "| commits/job (ledger+backup / queue) | fsyncs/job | RSS KB/job | wall s |")
+    head = ("| jobs | GPUs | busy (steady / whole) | jobs/s (sim / wall) | CPU ms/job (all / main / report child) "
+            "| API p50 / p99 ms | commits/job (ledger+backup / queue) | fsyncs/job | RSS KB/job | wall s |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         c = r["commits_per_job"]
@@ -327,6 +329,7 @@ def table(results: list[dict[str, Any]]) -> str:
         rows.append(f"| {r['jobs']} {r['kind']} | {r['gpus']} | {busy} "
                     f"| {r['jobs_per_s_sim']:.1f} / {r['jobs_per_s_wall']:.1f} "
                     f"| {r['cpu_ms_per_job']:.2f} / {r['main_cpu_ms_per_job']:.2f} "
+                    f"/ {r['report_child_cpu_ms_per_job']:.2f} "
                     f"| {api.get('p50_ms', float('nan')):.1f} / {api.get('p99_ms', float('nan')):.1f} "
                     f"| {c.get('ledger', 0) + c.get('ledger backup', 0):.2f} / {c.get('queue', 0):.3f} "
                     f"| {r['fsyncs_per_job']:.1f} | {r['rss_kb_per_job']:.1f} | {r['wall_s']:.0f} |")

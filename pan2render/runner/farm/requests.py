@@ -92,6 +92,10 @@ class Requests:
             _settle(req.future, value=value, error=error)
         return len(done)
 
+    def wake(self) -> None:
+        """From any thread: end the idle farm's wait now (something for its next pass arrived)."""
+        self._arrived.set()
+
     def wait(self, timeout_s: float) -> None:
         """Block until a request is put in line or ``timeout_s`` passed: the idle farm's wait."""
         if self._arrived.wait(timeout_s):

@@ -36,6 +36,7 @@ from pan2render.runner.farm.config import FarmConfig
 from pan2render.runner.farm.etas import Etas
 from pan2render.runner.farm.folder import LOG_NAME, VIDEOS_DIR
 from pan2render.runner.farm.queue import BatchEvent, BatchState, FarmQueue, QueuedBatch, QueueError, shown_state
+from pan2render.runner.farm.reports import Reports
 from pan2render.runner.farm.requests import Requests
 from pan2render.runner.farm.users import ADMIN
 from pan2render.runner.protocol.artifacts import preview_relpath
@@ -47,7 +48,6 @@ from pan2render.runner.serve.scheduler import Scheduler, ServedBatch
 from pan2render.runner.serve.session import BatchSession, model_folder_problems
 from pan2render.runner.serve.steps import PAN2_FLOW
 from pan2render.runner.views.eta import BatchEta
-from pan2render.runner.views.report import ReportUpdater
 
 PUBLISH_EVERY_S = 0.5  # the snapshot's age at most (each publish counts every served batch's jobs)
 EVENTS_SHOWN = 50  # the queue's latest events in the snapshot (the web monitor's list)
@@ -61,7 +61,6 @@ class _Served:
 
     row: QueuedBatch
     session: BatchSession
-    report: ReportUpdater
     started: float
     batch: ServedBatch = field(init=False)
 
@@ -96,6 +95,7 @@ class Farm:
         self.served: dict[str, _Served] = {}
         self.etas = Etas()  # the served batches' ETAs, planned within a share of this thread's time
         self.requests = Requests()
+        self.reports = Reports(wake=self.requests.wake)  # written by a child process
         self.actions = Actions(self)
         self.write_error: str | None = None  # the queue's last refused write, until one succeeds
         self._snapshot: dict[str, Any] = {}
@@ -205,16 +205,16 @@ class Farm:
         except BaseException:
             session.close()
             raise
-        report = ReportUpdater(session.out_dir, say=session.log.line)
+        self.reports.add(row.id, session.out_dir, say=session.log.line)
         eta = BatchEta(session.out_dir, session.job_ids, gpus=self.scheduler.pool.total_gpus)
         self.etas.add(row.id, lambda: eta.seconds(session.ledger))
         progress = RunProgress(log=session.log, live=False, eta=lambda: self.etas.seconds(row.id))
         holder: dict[str, ServedBatch] = {}
         flow = BatchFlow(out_dir=session.out_dir, ledger=session.ledger, flow=PAN2_FLOW, say=session.log.line,
                          upcoming=lambda: self.scheduler.upcoming(holder["batch"]), models_per_group=1)
-        served = _Served(row=row, session=session, report=report, started=time.monotonic())
+        served = _Served(row=row, session=session, started=time.monotonic())
         served.batch = holder["batch"] = ServedBatch(flow=flow, progress=progress, standing=served,
-                                                     on_job_end=report.request)
+                                                     on_job_end=lambda: self.reports.request(row.id))
         jobs = session.ledger.jobs(session.job_ids)
         progress.begin(total=len(jobs), done=sum(j.state is JobState.DONE for j in jobs),
                        failed=sum(j.state is JobState.FAILED for j in jobs))
@@ -222,14 +222,16 @@ class Farm:
         self.scheduler.serve(served.batch, session.job_ids)
 
     def _end_finished(self) -> None:
-        """Close each served batch with nothing left to run: stopped if its folder refused a write,
-        else failed if a job failed, cancelled if one was cancelled (or the batch was, its jobs
-        not all done), done if every job is."""
+        """Close each served batch with nothing left to run, once its report is written: stopped
+        if its folder refused a write, else failed if a job failed, cancelled if one was cancelled
+        (or the batch was, its jobs not all done), done if every job is."""
         for batch_id, s in list(self.served.items()):
             if self.scheduler.running(s.batch):
                 continue
             cancelling = s.row.state is BatchState.CANCELLING
             if s.batch.stop is None and self.scheduler.queued(s.batch) and not cancelling:
+                continue
+            if not self.reports.finish(batch_id):
                 continue
             counts = s.session.counts()
             done, failed, cancelled = (counts[st.value] for st in (JobState.DONE, JobState.FAILED, JobState.CANCELLED))
@@ -243,7 +245,7 @@ class Farm:
             else:
                 event, why = BatchEvent.END_DONE, "every job done"
             if self._write(self.queue.transition, batch_id, event, reason=why):
-                self._close(batch_id, s, why, counts)
+                self._close(batch_id, s, why, counts, report_written=True)
 
     def _write(self, change: Callable[..., object], *args: Any, **kwargs: Any) -> bool:
         """A change of the queue the loop makes; a refused write (a full disk) is reported, once,
@@ -263,12 +265,14 @@ class Farm:
             self.write_error = None
         return True
 
-    def _close(self, batch_id: str, s: _Served, why: str, counts: dict[str, int]) -> None:
+    def _close(self, batch_id: str, s: _Served, why: str, counts: dict[str, int], *, report_written: bool) -> None:
+        """``report_written``: its final report is on disk (else it is written now, waited for)."""
         del self.served[batch_id]
         self.scheduler.forget(s.batch)
         self.etas.remove(batch_id)
         s.batch.progress.close()
-        path = s.report.close()
+        path = self.reports.path(batch_id) if report_written else self.reports.write_now(batch_id)
+        self.reports.remove(batch_id)
         log = s.session.log
         if path is not None:
             log.line(f"report: {path}")
@@ -306,6 +310,7 @@ class Farm:
         else:
             self.requests.wait(self.config.poll_s)
         self._end_finished()
+        self.reports.poll()
         for group in self.scheduler.pool.release_idle(self.config.idle_release_s):
             self.log(f"group {group.id} released after {self.config.idle_release_s:.0f} s idle")
         if time.monotonic() - self._published >= PUBLISH_EVERY_S:
@@ -315,7 +320,9 @@ class Farm:
         """Running jobs back to pending (uncharged), every batch's folder released, the groups ended."""
         self.scheduler.interrupt_all("the farm stopped", outcome="interrupted")
         for batch_id, s in list(self.served.items()):
-            self._close(batch_id, s, "the farm stopped; it continues when the farm starts again", s.session.counts())
+            self._close(batch_id, s, "the farm stopped; it continues when the farm starts again", s.session.counts(),
+                        report_written=False)
+        self.reports.close()
         self.scheduler.close()
         self.queue.close()
 

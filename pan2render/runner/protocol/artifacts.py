@@ -190,6 +190,54 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 # ------------------------------------------------------------------ checks (None = valid)
+class Proven:
+    """Artifacts this process has read and checked, each with what was proven of it (the check and
+    its inputs) and what its stat said then. A later check of the same claim on a file whose stat
+    is unchanged (inode, size, mtime, ctime: a write, a rename over it or a truncation changes one)
+    takes the proof instead of reading the file again. The scheduler's loop checked a job's
+    embeddings at each of its calls: at full size, MBs read and hashed on the loop for every job,
+    where one check per file written proves as much. A change within the filesystem's timestamp
+    tick that keeps the size and the inode is not seen (as for every stat-keyed cache)."""
+
+    def __init__(self) -> None:
+        self._proofs: dict[str, tuple[str, tuple[int, ...]]] = {}
+
+    def holds(self, path: Path, claim: str) -> bool:
+        found = self._proofs.get(str(path))
+        if found is None or found[0] != claim:
+            return False
+        try:
+            return _signature(os.stat(path)) == found[1]
+        except OSError:
+            return False
+
+    def note(self, path: Path, claim: str) -> None:
+        try:
+            self._proofs[str(path)] = (claim, _signature(os.stat(path)))
+        except OSError:
+            self._proofs.pop(str(path), None)
+
+    def forget(self, path: Path) -> None:
+        self._proofs.pop(str(path), None)
+
+    def __len__(self) -> int:
+        return len(self._proofs)
+
+
+def _signature(st: os.stat_result) -> tuple[int, ...]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _proven_check(proven: Proven | None, path: Path, claim: str, check: Any) -> str | None:
+    """``check()`` unless ``proven`` holds ``claim`` for the file; a passed check is noted."""
+    if proven is not None and proven.holds(path, claim):
+        return None
+    problem = check()
+    if problem is None and proven is not None:
+        proven.note(path, claim)
+    return problem
+
+
 @dataclass(frozen=True)
 class Recorded:
     """What the ledger recorded for an artifact."""
@@ -227,8 +275,12 @@ def check_recorded(out_dir: Path, rec: Recorded) -> str | None:
     return None
 
 
-def check_embedding(out_dir: Path, relpath: str, *, key: str) -> str | None:
+def check_embedding(out_dir: Path, relpath: str, *, key: str, proven: Proven | None = None) -> str | None:
     path = out_dir / relpath
+    return _proven_check(proven, path, f"embedding {key}", lambda: _check_embedding(path, relpath, key))
+
+
+def _check_embedding(path: Path, relpath: str, key: str) -> str | None:
     if not path.is_file():
         return f"{relpath} is missing"
     try:
@@ -246,11 +298,20 @@ def check_embedding(out_dir: Path, relpath: str, *, key: str) -> str | None:
     return None
 
 
-def check_latents(out_dir: Path, rec: Recorded, *, spec: JobSpec, require_digest: bool = False) -> str | None:
+def check_latents(out_dir: Path, rec: Recorded, *, spec: JobSpec, require_digest: bool = False,
+                  proven: Proven | None = None) -> str | None:
     """None if the latents are the job's, whole and usable: readable, rendered for its spec hash,
     their data matching the digest in their metadata (``require_digest``: a file without one,
     written before they carried it, does not count; where the ledger recorded the file's sha256,
     that proves the bytes instead), of the grid the job's size gives, finite."""
+    if rec.relpath is None:
+        return check_present(out_dir, rec)
+    claim = f"latents {rec.sha256} {rec.size} {spec.spec_hash} {require_digest}"
+    return _proven_check(proven, out_dir / rec.relpath, claim,
+                         lambda: _check_latents(out_dir, rec, spec=spec, require_digest=require_digest))
+
+
+def _check_latents(out_dir: Path, rec: Recorded, *, spec: JobSpec, require_digest: bool) -> str | None:
     problem = check_recorded(out_dir, rec)
     if problem:
         return problem

@@ -223,6 +223,7 @@ class BatchFlow:
         self.models_per_group = models_per_group
         self._encoders: dict[str, str] = {}  # model -> its text encoder id, from a group's load
         self._encoding: dict[str, float] = {}  # text -> when a call in flight was asked to encode it
+        self.proven = artifacts.Proven()  # artifacts checked once, not again while unchanged
         self._redos: dict[str, int] = {}  # job id -> artifacts redone after failing their check
 
     # ------------------------------------------------------------------ what comes next
@@ -271,6 +272,7 @@ class BatchFlow:
         # is, and a picture of an earlier step left beside them would pass for the result. A job
         # that ends otherwise keeps its last preview, the last look at it (status, the report).
         (self.out_dir / artifacts.preview_relpath(run.job.id)).unlink(missing_ok=True)
+        self.proven.forget(self.out_dir / artifacts.latents_relpath(run.job.id))  # (its video is what counts now)
 
     def fail_unrunnable(self, job_id: str, reason: str) -> None:
         """A job that can never run here (it needs more GPUs than a node has): failed at its first

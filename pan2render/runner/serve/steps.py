@@ -114,7 +114,7 @@ class SamplingStep(Step):
                 else StepStatus.TO_DO
         if rec.state is not StageState.DONE:
             return StepStatus.TO_DO
-        problem = artifacts.check_latents(flow.out_dir, artifacts.recorded(rec), spec=spec)
+        problem = artifacts.check_latents(flow.out_dir, artifacts.recorded(rec), spec=spec, proven=flow.proven)
         return StepStatus.DONE if problem is None else Redo(problem)
 
     def call(self, flow: BatchFlow, run: JobRun) -> WorkerCall:
@@ -301,10 +301,12 @@ class CollectStep(Step):
         artifacts.write_artifact(flow.out_dir, rel, value.mp4)
         rec = artifacts.Recorded(rel, artifacts.sha256_bytes(value.mp4), len(value.mp4))
         # The worker decoded these very bytes back and counted the spec's frames at the spec's
-        # size before sending them (encode_mp4, after decode checked the frames' shape), so the
-        # file needs only to hold the same bytes. Decoding it again here would stall the loop,
-        # and so the GPU's next call, for seconds per 720p video. Resume still decodes it.
-        problem = artifacts.check_recorded(flow.out_dir, rec)
+        # size before sending them (encode_mp4, after decode checked the frames' shape), and they
+        # were written and fsynced from memory: the file needs only to be there at their size.
+        # Decoding it again here would stall the loop, and so the GPU's next call, for seconds per
+        # 720p video; reading it back to hash it, MBs a job, proves nothing the page cache would
+        # not say. Resume still decodes it.
+        problem = artifacts.check_present(flow.out_dir, rec)
         if problem:
             raise RuntimeError(f"the written video does not check out: {problem}")
         flow.ledger.set_stages(jid, [
@@ -341,7 +343,8 @@ def embedding_problems(flow: BatchFlow, spec: JobSpec) -> dict[str, str]:
     out = {}
     for text in job_texts(spec):
         key = artifacts.embedding_key(prompt=text, text_encoder_id=flow.text_encoder_id(spec.model))
-        if problem := artifacts.check_embedding(flow.out_dir, artifacts.embedding_relpath(key), key=key):
+        if problem := artifacts.check_embedding(flow.out_dir, artifacts.embedding_relpath(key), key=key,
+                                                 proven=flow.proven):
             out[text] = problem
     return out
 
