@@ -4,6 +4,8 @@
     python scripts/bench_batch.py --out bench-out --diffusers-device cuda:1   # (a) on GPU 0 and
                                                                     # (b) on GPU 1 at the same time
     python scripts/bench_batch.py --out bench-out --gpus 2 --skip-diffusers   # a group of 2
+    python scripts/bench_batch.py --out bench-out --n 3 --steps 8 --diffusers-mode expert --diffusers-timeout 300
+                                                                    # only the expert peer, bounded
     python scripts/bench_batch.py --out /tmp/bb --tiny              # CPU smoke at toy size
 
 1. A full-size random-weight Wan2.2-TI2V-5B checkpoint in the diffusers layout (DiT and VAE fp32,
@@ -13,11 +15,18 @@
    From its ledger: per-stage seconds per job, first-video time, steady-state seconds per job
    ((t_last_done - t_first_done) / (N - 1)); from NVML (or nvidia-smi), sampled on a thread: GPU
    busy fraction and peak memory.
-3. (b) diffusers' loop in a subprocess (a crash there keeps (a)'s figures): WanPipeline with a bf16
-   transformer and an fp32 VAE (as its example runs it), one pipeline, N calls, each video encoded
-   with PyAV at the same settings (``encode_mp4``: crf 18, the same x264 preset).
+3. (b) diffusers' loop, one subprocess per --diffusers-mode variant (a crash or a --diffusers-timeout
+   in one keeps (a)'s and the other's figures): WanPipeline with a bf16 transformer and an fp32 VAE
+   (as its example runs it), one pipeline, N calls, each video encoded with PyAV at the same
+   settings (``encode_mp4``: crf 18, the same x264 preset). ``eager`` runs it as it comes;
+   ``expert`` first sets the transformer up as an expert runs it (scripts/diffusers_peer.py: cuDNN
+   attention, compile_repeated_blocks(fullgraph=True); on a CPU diffusers' default attention, since
+   cuDNN attention needs CUDA), so its first call pays the compile: the first generate is reported
+   apart from the later ones, and steady s/job leaves the first job out. Each variant writes
+   OUT/diffusers_<variant>.json after its load and after every job.
 Every phase logs with a timestamp; the results go to OUT/bench_batch.json as each phase ends, and a
-table is printed at the end.
+table is printed at the end with the ratios of each diffusers variant's seconds to pan2-render's
+(steady s/job and whole command; above 1: pan2-render is faster).
 """
 
 from __future__ import annotations
@@ -39,8 +48,10 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout: pan2render need not be installed
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # diffusers_peer, beside this script
 
 GIB = 1024**3
+DIFFUSERS_MODES = {"eager": ["eager"], "expert": ["expert"], "both": ["eager", "expert"]}
 PROMPTS = [
     "A red fox trots through fresh snow at dawn, breath steaming in the cold air.",
     "Fishing boats rock gently in a harbour at dusk, lanterns reflecting on the water.",
@@ -140,6 +151,10 @@ def write_checkpoint(root: Path, spec: CheckpointSpec) -> None:
     (staging / "model_index.json").write_text(json.dumps(MODEL_INDEX, indent=2))
     shutil.rmtree(root, ignore_errors=True)
     os.rename(staging, root)
+    if spec.device == "cuda":
+        # The models were freed but PyTorch's allocator keeps their blocks (~37 GiB) reserved in this
+        # process for as long as it lives, and NVML's peak memory of every later phase would count them.
+        torch.cuda.empty_cache()
 
 
 def checkpoint(args: argparse.Namespace) -> Path:
@@ -324,22 +339,38 @@ def ledger_figures(render: Path, *, start_wall: float, n: int) -> dict[str, Any]
 
 # ------------------------------------------------------------------------------------ (b) diffusers
 def diffusers_main(args: argparse.Namespace) -> int:
-    """The diffusers loop, run as a subprocess of this script; writes OUT/diffusers.json."""
+    """The diffusers loop of one variant (``--diffusers-mode`` eager or expert), run as a subprocess
+    of this script; writes OUT/diffusers_<variant>.json after the load and after every job, so a
+    crash or a timeout keeps what was done."""
     import numpy as np
     import torch
 
     from pan2render.media.video import encode_mp4
 
+    variant = args.diffusers_mode
     out = Path(args.out)
     device = torch.device(args.diffusers_device if not args.tiny else "cpu")
-    res: dict[str, Any] = {"device": str(device), "jobs": []}
+    res: dict[str, Any] = {"variant": variant, "device": str(device), "jobs": []}
+    result_file = out / f"diffusers_{variant}.json"
+
+    def save() -> None:
+        result_file.write_text(json.dumps(res, indent=1))
+
     start = time.monotonic()
     ckpt = Path(args.checkpoint)
     dtype = torch.bfloat16 if not args.tiny else torch.float32
     pipe = load_diffusers_pipeline(ckpt, dtype=dtype, device=device)
     res["load_s"] = time.monotonic() - start
-    log(f"(b) diffusers: pipeline loaded on {device} in {res['load_s']:.1f} s")
-    videos = out / "diffusers_videos"
+    log(f"(b) diffusers {variant}: pipeline loaded on {device} in {res['load_s']:.1f} s")
+    if variant == "expert":
+        from diffusers_peer import make_expert
+
+        res["expert"] = make_expert(pipe.transformer, device)
+        log(f"(b) diffusers expert: attention {res['expert']['attention']}, {res['expert']['compile']}"
+            + (f" ({res['expert']['attention_note']})" if res["expert"]["attention_note"] else "")
+            + "; the compile runs in the first job's generate")
+    save()
+    videos = out / f"diffusers_{variant}_videos"
     videos.mkdir(exist_ok=True)
     preset = job_fields(args.job_field).get("encode_preset")
     for i in range(args.n):
@@ -357,10 +388,10 @@ def diffusers_main(args: argparse.Namespace) -> int:
         encode_mp4(video, videos / f"job{i}.mp4", fps=24 if not args.tiny else 8, crf=18, **kwargs)
         res["jobs"].append({"job": f"job{i}", "generate_s": gen_s, "encode_s": time.monotonic() - t2,
                             "done_after_s": time.monotonic() - start})
-        log(f"(b) diffusers job{i}: generate {gen_s:.1f} s, encode {time.monotonic() - t2:.1f} s")
-    if device.type == "cuda":
-        res["torch_peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / GIB
-    (out / "diffusers.json").write_text(json.dumps(res, indent=1))
+        log(f"(b) diffusers {variant} job{i}: generate {gen_s:.1f} s, encode {time.monotonic() - t2:.1f} s")
+        if device.type == "cuda":
+            res["torch_peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        save()
     return 0
 
 
@@ -405,36 +436,49 @@ def load_diffusers_transformer(ckpt: Path, *, dtype: Any, device: Any) -> Any:
 
 
 def run_diffusers(args: argparse.Namespace, ckpt: Path, out: Path, visible: str | None,
-                  device_inside: str) -> dict[str, Any]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--phase", "diffusers", "--out", str(out),
+                  device_inside: str, variant: str) -> dict[str, Any]:
+    """One variant of diffusers' loop in a subprocess; its figures, whatever it got to write."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--phase", "diffusers", "--diffusers-mode", variant,
+           "--out", str(out),
            "--checkpoint", str(ckpt), "--n", str(args.n), "--steps", str(args.steps), "--guidance", str(args.guidance),
            "--height", str(args.height), "--width", str(args.width), "--frames", str(args.frames),
            "--diffusers-device", device_inside, *sum((["--job-field", f] for f in args.job_field), [])]
     if args.tiny:
         cmd.append("--tiny")
-    log(f"(b) diffusers loop: subprocess on {device_inside} (CUDA_VISIBLE_DEVICES={visible or 'all'})")
-    (out / "diffusers.json").unlink(missing_ok=True)
+    log(f"(b) diffusers {variant} loop: subprocess on {device_inside} (CUDA_VISIBLE_DEVICES={visible or 'all'})")
+    result_file, log_file = out / f"diffusers_{variant}.json", out / f"diffusers_{variant}.log"
+    result_file.unlink(missing_ok=True)
     t0 = time.monotonic()
-    with open(out / "diffusers.log", "w") as logf:
-        rc = subprocess.run(cmd, env=cuda_env(visible), stdout=logf, stderr=subprocess.STDOUT, text=True).returncode
+    with open(log_file, "w") as logf:
+        try:
+            rc: int | str = subprocess.run(cmd, env=cuda_env(visible), stdout=logf, stderr=subprocess.STDOUT,
+                                           text=True, timeout=args.diffusers_timeout or None).returncode
+        except subprocess.TimeoutExpired:  # subprocess.run has killed it; its jobs so far are on file
+            rc = "timeout"
     t1 = time.monotonic()
-    log(f"(b) diffusers loop exited {rc} after {t1 - t0:.1f} s (log: {out / 'diffusers.log'})")
+    log(f"(b) diffusers {variant} loop exited {rc} after {t1 - t0:.1f} s (log: {log_file})")
     res: dict[str, Any] = {"rc": rc, "command_s": t1 - t0, "t0": t0, "t1": t1}
-    if (out / "diffusers.json").is_file():
-        res.update(json.loads((out / "diffusers.json").read_text()))
+    if result_file.is_file():
+        res.update(json.loads(result_file.read_text()))
         done = [j["done_after_s"] for j in res["jobs"]]
-        if done:
+        if done and rc == 0:
             # The command's own start-up (imports) is part of its wall, as it is of pan2-render's.
             res["last_video_s"] = t1 - t0
             res["first_video_s"] = done[0] + (t1 - t0 - done[-1])
         if len(done) >= 2:
             res["steady_s_per_job"] = (done[-1] - done[0]) / (len(done) - 1)
+        gen = [j["generate_s"] for j in res["jobs"]]
+        if len(gen) >= 2:
+            # The expert's first call compiles; what it costs over a later call is the compile's
+            # (and the first call's other warm-ups, which the eager loop shows alone).
+            later = sorted(gen[1:])[len(gen[1:]) // 2]
+            res.update(first_generate_s=gen[0], later_generate_median_s=later, first_generate_extra_s=gen[0] - later)
     return res
 
 
 # ------------------------------------------------------------------------------------ report
 def table(res: dict[str, Any]) -> str:
-    a, b = res.get("pan2", {}), res.get("diffusers", {})
+    a, b, e = res.get("pan2", {}), res.get("diffusers", {}), res.get("diffusers_expert", {})
     lines = [f"batch: {res['args']['n']} x {res['args']['width']}x{res['args']['height']}x{res['args']['frames']}, "
              f"{res['args']['steps']} steps, guidance {res['args']['guidance']}, gpus {res['args']['gpus']}, "
              f"job fields {res['args']['job_field'] or '-'}",
@@ -444,21 +488,30 @@ def table(res: dict[str, Any]) -> str:
                      f"{_f(r['encode'], 7)} {_f(r['done_after_s'], 8)}")
 
     def row(name: str, key: str) -> str:
-        return f"{name:34} {_f(a.get(key), 9)} {_f(b.get(key), 10)}"
+        return f"{name:34} {_f(a.get(key), 9)} {_f(b.get(key), 10)} {_f(e.get(key), 10)}"
 
-    lines += [f"{'':34} {'pan2':>9} {'diffusers':>10}",
+    def ratio(name: str, key: str) -> str:
+        return f"{name:34} {'':9} {_f(res.get(key), 10, 3)} {_f(res.get(key + '_expert'), 10, 3)}"
+
+    lines += [f"{'':34} {'pan2':>9} {'diffusers':>10} {'expert':>10}",
               row("command wall (start -> last mp4) s", "last_video_s"),
               row("first video s", "first_video_s"),
               row("steady state s/job", "steady_s_per_job"),
+              row("first generate (expert: compile) s", "first_generate_s"),
+              row("later generates, median s", "later_generate_median_s"),
               f"{'GPU work (sampling+decode) s/job':34} {_f(a.get('gpu_work_s_per_job'), 9)}",
               f"{'steady / GPU work':34} {_f(res.get('steady_over_gpu_work'), 9, 3)}",
               f"{'GPU busy fraction (whole command)':34} {_f(a.get('gpu', {}).get('busy_fraction'), 9, 3)} "
-              f"{_f(b.get('gpu', {}).get('busy_fraction'), 10, 3)}",
+              f"{_f(b.get('gpu', {}).get('busy_fraction'), 10, 3)} {_f(e.get('gpu', {}).get('busy_fraction'), 10, 3)}",
               f"{'GPU busy fraction (first->last mp4)':34} {_f(a.get('gpu_steady', {}).get('busy_fraction'), 9, 3)}",
               f"{'peak GPU memory GiB':34} {_f(a.get('gpu', {}).get('peak_mem_gib'), 9)} "
-              f"{_f(b.get('gpu', {}).get('peak_mem_gib'), 10)}",
-              f"{'diffusers wall / pan2 wall':34} {_f(res.get('speedup_vs_diffusers'), 9, 3)}"
+              f"{_f(b.get('gpu', {}).get('peak_mem_gib'), 10)} {_f(e.get('gpu', {}).get('peak_mem_gib'), 10)}",
+              ratio("diffusers steady / pan2 steady", "steady_ratio_vs_diffusers"),
+              ratio("diffusers wall / pan2 wall", "speedup_vs_diffusers")
               + ("   (run at the same time, other GPU)" if res.get("concurrent") else "")]
+    for name, r in (("diffusers", b), ("expert", e)):
+        if r and r.get("rc") != 0:
+            lines.append(f"{name}: exited {r.get('rc')} after {len(r.get('jobs', []))} of {res['args']['n']} jobs")
     for load in a.get("loads", []):
         lines.append(f"load: {load}")
     return "\n".join(lines)
@@ -482,6 +535,11 @@ def main() -> int:
     p.add_argument("--job-field", action="append", default=[], metavar="KEY=YAML",
                    help="a field for the batch's defaults, verbatim (repeatable), e.g. sampler=euler")
     p.add_argument("--skip-diffusers", action="store_true")
+    p.add_argument("--diffusers-mode", choices=sorted(DIFFUSERS_MODES), default="both",
+                   help="diffusers' loop as it comes (eager), as an expert runs it (expert: cuDNN attention, "
+                        "compiled blocks), or both, one after the other (default)")
+    p.add_argument("--diffusers-timeout", type=float, default=0,
+                   help="seconds each diffusers variant may run before it is killed (0: no limit)")
     p.add_argument("--diffusers-device", default="cuda:0",
                    help="GPU of the diffusers loop; another than cuda:0 runs it at the same time as (a)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: the embedded tiny model, toy size")
@@ -493,6 +551,8 @@ def main() -> int:
         args.height, args.width, args.frames = min(args.height, 64), min(args.width, 64), min(args.frames, 17)
         args.steps = min(args.steps, 4)
     if args.phase == "diffusers":
+        if args.diffusers_mode not in ("eager", "expert"):
+            p.error("--phase diffusers runs one variant: --diffusers-mode eager or expert")
         return diffusers_main(args)
 
     out: Path = args.out.resolve()
@@ -507,8 +567,21 @@ def main() -> int:
                            "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     results = out / "bench_batch.json"
 
-    def save() -> None:
-        results.write_text(json.dumps(res, indent=1, default=str))
+    lock = threading.Lock()  # with --diffusers-device cuda:1 the diffusers variants record from a thread
+
+    def save(**phase: Any) -> None:
+        with lock:
+            res.update(phase)
+            results.write_text(json.dumps(res, indent=1, default=str))
+
+    variants = [] if args.skip_diffusers else DIFFUSERS_MODES[args.diffusers_mode]
+
+    def run_variants(visible: str | None, device_inside: str) -> None:
+        # eager's figures stay under "diffusers", as before the expert variant existed
+        for variant in variants:
+            key = "diffusers" if variant == "eager" else "diffusers_expert"
+            save(**{key: run_diffusers(args, ckpt, out, visible=visible, device_inside=device_inside,
+                                       variant=variant)})
 
     ckpt = checkpoint(args)
     res["checkpoint"] = str(ckpt)
@@ -517,36 +590,36 @@ def main() -> int:
     sampler = GpuSampler(devices=sorted({*ours_gpus, dev_index})).start() if not args.tiny else None
     try:
         if concurrent:
-            holder: dict[str, Any] = {}
-            th = threading.Thread(target=lambda: holder.update(
-                run_diffusers(args, ckpt, out, visible=str(dev_index), device_inside="cuda:0")))
+            th = threading.Thread(target=run_variants, args=(str(dev_index), "cuda:0"))
             th.start()
-            res["pan2"] = run_pan2(args, ckpt, out, visible="0")
+            save(pan2=run_pan2(args, ckpt, out, visible="0"))
             th.join()
-            res["diffusers"] = holder
         else:
             # Only the batch's own GPUs: on a larger host Ray would otherwise spread 1-GPU jobs over
             # every GPU and the figures would no longer be one group's.
-            res["pan2"] = run_pan2(args, ckpt, out, visible=None if args.tiny else ",".join(map(str, ours_gpus)))
-            save()
-            if not args.skip_diffusers:
-                res["diffusers"] = run_diffusers(args, ckpt, out, visible=None, device_inside=args.diffusers_device)
+            save(pan2=run_pan2(args, ckpt, out, visible=None if args.tiny else ",".join(map(str, ours_gpus))))
+            run_variants(visible=None, device_inside=args.diffusers_device)
     finally:
         if sampler is not None:
             sampler.stop()
-    a, b = res.get("pan2", {}), res.get("diffusers", {})
+    a = res.get("pan2", {})
+    peers = {suffix: res[key] for key, suffix in (("diffusers", ""), ("diffusers_expert", "_expert")) if key in res}
     if sampler is not None:
         if "t0" in a:
             a["gpu"] = sampler.summary(a["t0"], a["t1"], ours_gpus)
             if a.get("first_video_s") is not None and a.get("last_video_s") is not None:
                 first = a["t0"] + a["first_video_s"]
                 a["gpu_steady"] = sampler.summary(first, a["t0"] + a["last_video_s"], ours_gpus)
-        if "t0" in b:
+        for b in peers.values():
             b["gpu"] = sampler.summary(b["t0"], b["t1"], [dev_index])
     if a.get("steady_s_per_job") and a.get("gpu_work_s_per_job"):
         res["steady_over_gpu_work"] = a["steady_s_per_job"] / a["gpu_work_s_per_job"]
-    if a.get("last_video_s") and b.get("last_video_s"):
-        res["speedup_vs_diffusers"] = b["last_video_s"] / a["last_video_s"]
+    # Each diffusers variant's seconds over pan2-render's: above 1, pan2-render is faster.
+    for suffix, b in peers.items():
+        if a.get("steady_s_per_job") and b.get("steady_s_per_job"):
+            res[f"steady_ratio_vs_diffusers{suffix}"] = b["steady_s_per_job"] / a["steady_s_per_job"]
+        if a.get("last_video_s") and b.get("last_video_s"):
+            res[f"speedup_vs_diffusers{suffix}"] = b["last_video_s"] / a["last_video_s"]
     save()
     print(table(res), flush=True)
     log(f"results: {results}")

@@ -8,13 +8,17 @@ default), at 704x1248x121 (latent 48x31x44x78 -> 26,598 tokens, 512 text tokens)
 0. with --attn-micro: SDPA cuDNN vs flash (and FlashAttention-4 where it runs) at the self- and
    cross-attention shapes, two layouts;
 1. diffusers forward, batch 1 and 2: time (min of --reps after --warmup), activation peak memory;
+1b. diffusers as an expert runs it (scripts/diffusers_peer.py: cuDNN attention through its attention
+   dispatcher, compile_repeated_blocks(fullgraph=True)), a copy of the same model, batch 1: its first
+   call (the compile) timed apart from the steady forward; skipped with --no-expert. On a CPU the
+   blocks are compiled with diffusers' default attention (no cuDNN there), and that is recorded;
 2. ours unfused with diffusers' numerics (eager ops, residual stream rounded to bf16 after every
    add, SDPA's default order) at batch 1;
 3. ours fused as PAN2Pipeline runs it by default (Triton Q/K norm+RoPE, norm+modulation kernels,
    attention backend chosen by pan2render.kernels.attention, residual stream as
    PAN2PipelineConfig.dit_fp32_residual says: fp32) at batch 1 per --variants layout; the fastest
    layout again with the other residual dtype (the fp32 stream's cost in ms), then at batch 2;
-   the ratio to diffusers; with --profile the top GPU kernels of one forward;
+   the ratios to diffusers eager and expert; with --profile the top GPU kernels of one forward;
 4. a guided step (cond + uncond + combine) as two batch-1 forwards and as one batch-2 forward;
 4b. per attention backend of --backends (default fa4,cudnn; one the GPU cannot run is skipped and
    said so), the chosen layout forced to it: the attention's TFLOP/s inside the model (CUDA events
@@ -25,7 +29,7 @@ default), at 704x1248x121 (latent 48x31x44x78 -> 26,598 tokens, 512 text tokens)
    sample per backend from the same seed and the final latents' relative L2 between them;
 6. relative L2 error vs an fp32 reference (diffusers in strict fp32, no TF32) of every bf16 output
    above (batch 1), and the fused default's error over the unfused one's.
-7. a compact table of the headline figures per backend and diffusers'.
+7. a compact table of the headline figures per backend and diffusers' (eager and expert).
 
 Results of record: docs/performance.md.
 Usage (GPU host): python scripts/bench_dit.py --out DIR [--sample]   (DIR/bench_dit.json; or --json FILE)
@@ -48,6 +52,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # diffusers_peer, beside this script
 
 from pan2render.kernels import attention as attn_mod
 from pan2render.kernels import dit_fused
@@ -252,16 +257,17 @@ class TimedAttention:
 
 
 def summary_table(results: dict[str, Any], backends: list[str]) -> str:
-    """The headline figures, one column per attention backend that ran plus diffusers'."""
+    """The headline figures, one column per attention backend that ran plus diffusers' eager and
+    expert (diffusers_peer.py) forwards."""
     cols = [b for b in backends if f"{b}_b1_s" in results]
     rows = [
-        ("self-attention in model, TFLOP/s", "{}_attn_self_tflops", None),
-        ("cross-attention in model, TFLOP/s", "{}_attn_cross_tflops", None),
-        ("DiT forward b1, s", "{}_b1_s", "diffusers_b1_s"),
-        ("guided step (2 x b1), s", "{}_guided_step_s", None),
-        ("rel L2 vs strict fp32 (b1)", "rel_l2_ours_{}", "rel_l2_diffusers"),
+        ("self-attention in model, TFLOP/s", "{}_attn_self_tflops", ()),
+        ("cross-attention in model, TFLOP/s", "{}_attn_cross_tflops", ()),
+        ("DiT forward b1, s", "{}_b1_s", ("diffusers_b1_s", "diffusers_expert_b1_s")),
+        ("guided step (2 x b1), s", "{}_guided_step_s", ()),
+        ("rel L2 vs strict fp32 (b1)", "rel_l2_ours_{}", ("rel_l2_diffusers", "rel_l2_diffusers_expert")),
     ]
-    head = f"{'figure':<36}" + "".join(f"{c:>14}" for c in cols) + f"{'diffusers':>14}"
+    head = f"{'figure':<36}" + "".join(f"{c:>14}" for c in cols) + f"{'diffusers':>14}{'diff. expert':>14}"
     lines = [head, "-" * len(head)]
 
     def cell(value: Any) -> str:
@@ -269,9 +275,15 @@ def summary_table(results: dict[str, Any], backends: list[str]) -> str:
             return f"{'-':>14}"
         return f"{value:>14.3e}" if isinstance(value, float) and abs(value) < 1e-2 else f"{value:>14}"
 
-    for label, key, ref_key in rows:
+    for label, key, ref_keys in rows:
         lines.append(f"{label:<36}" + "".join(cell(results.get(key.format(c))) for c in cols)
-                     + cell(results.get(ref_key) if ref_key else None))
+                     + "".join(cell(results.get(k)) for k in ref_keys or (None, None)))
+    if "ours_fused_b1_s" in results:
+        expert = (f"x{results['ratio_b1_expert']} vs diffusers expert (its first call, the compile: "
+                  f"{results['diffusers_expert_first_call_s']} s)" if "ratio_b1_expert" in results
+                  else f"diffusers expert not timed ({results.get('diffusers_expert_error', 'off')})")
+        lines.append(f"ours fused b1 {results['ours_fused_b1_s']} s: x{results['ratio_b1']} vs diffusers eager, "
+                     + expert)
     if "sample_s" in results:
         lines.append(f"{results['sample_steps']}-step guided sample ({results['sample_attention']}): "
                      f"{results['sample_s']} s")
@@ -300,6 +312,9 @@ def main() -> int:
                         "comparison and the batch-2, guided and sample sections")
     p.add_argument("--no-b2", action="store_true", help="skip the batch-2 forwards")
     p.add_argument("--no-unfused", action="store_true", help="skip our unfused forward")
+    p.add_argument("--no-expert", action="store_true",
+                   help="skip diffusers as an expert runs it (cuDNN attention, compiled blocks; the compile "
+                        "takes minutes at full size)")
     p.add_argument("--no-batched-guidance", action="store_true", help="time only two batch-1 guided passes")
     p.add_argument("--attn-micro", action="store_true", help="SDPA backends x layouts at the DiT shapes")
     p.add_argument("--sample", action="store_true", help="also a full guided sample through PAN2Pipeline")
@@ -410,6 +425,25 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace, stack: contextlib.
             del out
         save()
 
+        # 1b. diffusers as an expert runs it; a failure (a graph break under fullgraph, say) is
+        #     recorded and the rest of the benchmark goes on.
+        if not args.no_expert:
+            from diffusers_peer import time_expert_forward
+
+            def timed_as_the_rest(fn: Callable[[], Any]) -> tuple[float, float, Any]:
+                return timed(fn, device=device, reps=reps, warmup=warmup)
+
+            try:
+                expert, outs["diffusers_expert"] = time_expert_forward(
+                    ref, (x1, t1, ctx1), device=device, timed=timed_as_the_rest, log=log)
+                results.update(expert)
+                log(f"diffusers expert b1: x{results['diffusers_b1_s'] / expert['diffusers_expert_b1_s']:.3f} "
+                    "vs diffusers eager")
+            except Exception as err:
+                results["diffusers_expert_error"] = f"{type(err).__name__}: {err}".splitlines()[0]
+                log(f"diffusers expert: failed, {results['diffusers_expert_error']}")
+            save()
+
         # 2. ours unfused with diffusers' numerics (eager ops, bf16 residual stream, default SDPA
         #    order), batch 1; the text K/V cached as in sampling.
         cache1 = ours.prepare_context(ctx1)
@@ -432,8 +466,10 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace, stack: contextlib.
             results[f"ours_fused_{variant}_b1_s"] = round(s, 4)
             results[f"ours_fused_{variant}_b1_peak_gib"] = round(peak, 2)
             launches = {k: v // (reps + warmup) for k, v in dit_fused.fused_kernel_counts().items()}
+            vs_expert = (f", x{results['diffusers_expert_b1_s'] / s:.3f} vs diffusers expert"
+                         if "diffusers_expert_b1_s" in results else "")
             log(f"ours fused [{variant}] b1: {s:.3f} s, peak {peak:.1f} GiB, "
-                f"x{results['diffusers_b1_s'] / s:.3f} vs diffusers; launches/forward {launches}")
+                f"x{results['diffusers_b1_s'] / s:.3f} vs diffusers eager{vs_expert}; launches/forward {launches}")
             results["fused_kernel_launches_b1"] = launches
             del out
         best = min(variants, key=lambda v: results[f"ours_fused_{v}_b1_s"])
@@ -453,9 +489,12 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace, stack: contextlib.
         use_ours(ours, fused=True, chosen_attention=True, fp32_residual=FP32_RESIDUAL, variant=best)
         results["ours_fused_b1_s"] = results[f"ours_fused_{best}_b1_s"]
         results["ratio_b1"] = round(results["diffusers_b1_s"] / results["ours_fused_b1_s"], 3)
+        if "diffusers_expert_b1_s" in results:  # same orientation: diffusers' seconds over ours
+            results["ratio_b1_expert"] = round(results["diffusers_expert_b1_s"] / results["ours_fused_b1_s"], 3)
         results["attention_order"] = [b.name for b in attn_mod.attention_backends(
             torch.empty(1, config.num_attention_heads, tokens, config.attention_head_dim, device=device, dtype=dtype))]
-        log(f"chosen layout {best}: {results['ours_fused_b1_s']} s, x{results['ratio_b1']} vs diffusers; "
+        log(f"chosen layout {best}: {results['ours_fused_b1_s']} s, x{results['ratio_b1']} vs diffusers eager, "
+            f"x{results.get('ratio_b1_expert', '-')} vs expert; "
             f"attention order {results['attention_order']}")
         if args.profile:
             profile_forward(lambda: ours(x1, t1, cache1), device=device)
