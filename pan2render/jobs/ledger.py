@@ -39,6 +39,7 @@ import json
 import os
 import socket
 import sqlite3
+import stat
 import time
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
@@ -330,6 +331,7 @@ class Ledger:
         self._conn = conn
         self.path = path
         self.backup_error: str | None = None
+        self._backup_conn: tuple[int, sqlite3.Connection] | None = None  # the backup's inode, a connection to it
         self._stage_names: tuple[str, ...] | None = None
         self._changes = store.Changes(conn)
 
@@ -405,38 +407,60 @@ class Ledger:
         """Copy the ledger to ``ledger.sqlite.bak`` with SQLite's online backup API (a consistent
         snapshot even mid-transaction elsewhere), via a temp name and a rename: the previous copy
         stays whole until the new one is."""
+        self._drop_backup_conn()  # (it would write to the file the rename replaces)
         return store.backup(self._conn, self.path.with_name(BACKUP_NAME))
 
     def backup_job(self, job_id: str) -> None:
         """Bring the backup up to date with one job's rows (the job, its stages, its documents) in
         one transaction on the backup file: a write the size of the job, where a whole copy after
         every job made a batch's backups quadratic in its length. A backup that is absent or not a
-        ledger is made whole instead."""
+        ledger is made whole instead. The connection to the backup stays open between jobs (while
+        the file is the same one): opening it cost as much as the write."""
         dest = self.path.with_name(BACKUP_NAME)
         store.refuse_links(dest)
-        if not dest.is_file() or dest.stat().st_size == 0:
+        try:
+            st = dest.stat()
+        except FileNotFoundError:
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode) or st.st_size == 0:
             self.backup()
             return
         rows = {table: self._conn.execute(f"SELECT * FROM {table} WHERE {key} = ?", (job_id,)).fetchall()
                 for table, key in _JOB_ROWS}
         try:
-            target = sqlite3.connect(dest, timeout=store.BUSY_TIMEOUT_S, isolation_level=None)
+            target = self._backup_target(dest, st.st_ino)
         except sqlite3.Error:
             self.backup()
             return
         try:
-            target.execute("PRAGMA synchronous=FULL")
             with store.transaction(target):
                 for table, found in rows.items():
                     for row in found:
                         target.execute(f"INSERT OR REPLACE INTO {table} VALUES ({', '.join('?' * len(row))})", row)
             return
         except sqlite3.DatabaseError as e:
+            self._drop_backup_conn()
             if is_disk_full(e):
                 raise
-        finally:
-            target.close()  # (an unfinished transaction is rolled back)
         self.backup()  # not a ledger's copy (damaged, or of another schema): a whole one
+
+    def _backup_target(self, dest: Path, inode: int) -> sqlite3.Connection:
+        if self._backup_conn is not None and self._backup_conn[0] != inode:
+            self._drop_backup_conn()  # replaced since (a repair, a whole copy by another writer)
+        if self._backup_conn is None:
+            conn = sqlite3.connect(dest, timeout=store.BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+            try:
+                conn.execute("PRAGMA synchronous=FULL")
+            except sqlite3.Error:
+                conn.close()
+                raise
+            self._backup_conn = (inode, conn)
+        return self._backup_conn[1]
+
+    def _drop_backup_conn(self) -> None:
+        if self._backup_conn is not None:
+            self._backup_conn[1].close()  # (an unfinished transaction is rolled back)
+            self._backup_conn = None
 
     def backup_quietly(self, job_id: str | None = None) -> None:
         """A backup at a safe point: the whole ledger, or only ``job_id``'s rows. Its failure (e.g.
@@ -452,6 +476,7 @@ class Ledger:
             self.backup_error = f"{type(e).__name__}: {e}"
 
     def close(self) -> None:
+        self._drop_backup_conn()
         self._conn.close()
 
     def _tx(self) -> AbstractContextManager[sqlite3.Connection]:

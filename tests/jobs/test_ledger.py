@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -210,6 +211,50 @@ def test_a_group_of_changes_is_one_commit_each_change_still_all_or_nothing(tmp_p
     backup.close()
     reader.close()
     led.close()
+
+
+def test_job_backups_keep_one_connection_to_the_backup_while_it_is_the_same_file(tmp_path: Path) -> None:
+    """Each finished job's rows reach the backup through one open connection; a backup replaced
+    (another inode), deleted or damaged in place since is written whole again, never through a
+    connection to a file that is gone."""
+    led = Ledger.open(tmp_path)
+    specs = [_spec(n) for n in "abcde"]
+    led.add_jobs(specs, retries=1)
+    ids = [s.job_id for s in specs]
+    bak = tmp_path / "ledger.sqlite.bak"
+
+    def finish(jid: str) -> None:
+        led.transition(jid, JobEvent.START, reason="on g")
+        led.transition(jid, JobEvent.FINISH, reason="done")
+
+    def backed_up() -> dict[str, JobState]:
+        copy = Ledger.open_file_readonly(bak)
+        try:
+            return copy.job_states()
+        finally:
+            copy.close()
+
+    finish(ids[0])  # no backup yet: a whole copy
+    finish(ids[1])
+    conn = led._backup_conn
+    assert conn is not None
+    finish(ids[2])
+    assert led._backup_conn is conn  # the same connection, job after job
+    assert [backed_up()[j] for j in ids[:3]] == [JobState.DONE] * 3
+
+    # Replaced by another copy (a new inode): that file gets the next job's rows.
+    other = tmp_path / "other.bak"
+    other.write_bytes(bak.read_bytes())
+    os.replace(other, bak)
+    finish(ids[3])
+    assert led._backup_conn is not conn and backed_up()[ids[3]] is JobState.DONE
+    # Damaged in place (same inode): found on the next write, and written whole.
+    with open(bak, "r+b") as f:
+        f.write(b"not a database" * 100)
+    finish(ids[4])
+    assert set(backed_up().values()) == {JobState.DONE}
+    led.close()
+    assert led._backup_conn is None
 
 
 def test_a_group_the_disk_refuses_stops_every_later_change(tmp_path: Path) -> None:
