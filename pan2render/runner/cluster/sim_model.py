@@ -187,10 +187,13 @@ def _digest(shape: tuple[int, ...]) -> str:
 @functools.cache
 def mp4_bytes(frames: int, width: int, height: int, fps: float) -> bytes:
     """A real mp4 of grey frames at this size (PyAV, once per size): the report makes its posters
-    from it as from a rendered video."""
-    from pan2render.media.video import encode_mp4  # PyAV: only once a video is asked for
+    from it as from a rendered video. Given as yuv420p planes (Y 126, U and V 128: RGB 128 in BT.709
+    limited range), so no RGB conversion, which would import torch into the scheduler's process."""
+    from pan2render.media.video import Yuv420Video, encode_mp4  # PyAV: only once a video is asked for
 
+    planes = np.concatenate([np.full((frames, height, width), 126, dtype=np.uint8),
+                             np.full((frames, height // 2, width), 128, dtype=np.uint8)], axis=1)
     with tempfile.TemporaryDirectory(prefix="pan2-sim-") as folder:
         path = Path(folder) / "video.mp4"
-        encode_mp4(np.full((frames, height, width, 3), 128, dtype=np.uint8), path, fps=fps, crf=30)
+        encode_mp4(Yuv420Video(planes), path, fps=fps, crf=30)
         return path.read_bytes()

@@ -100,6 +100,8 @@ assert artifacts.check_latents(out, artifacts.Recorded("lat.safetensors", None, 
 assert len(outputs._schedule(job, {"num_train_timesteps": 1000})) == 4
 reply = pickle.loads(Path(sys.argv[3]).read_bytes())
 assert isinstance(reply, LoadReply) and reply.versions["torch"]
+from pan2render.runner.cluster import sim_model  # the simulated GPUs' answers, a video among them
+assert len(sim_model.mp4_bytes(5, 48, 32, 8.0)) > 0
 print("torch imported:", "torch" in sys.modules)
 assert "torch" not in sys.modules, "the driver imported torch"
 """
