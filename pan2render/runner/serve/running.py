@@ -23,8 +23,10 @@ class Running:
         self._runs: dict[Key, tuple[ServedBatch, JobRun]] = {}
         self._by_batch: dict[int, dict[str, JobRun]] = {}  # batch seq -> job id -> its attempt
         self._by_group: dict[str, dict[Key, tuple[ServedBatch, JobRun]]] = {}  # group id -> its attempts
-        # Groups whose attempts moved since held_group last looked at them, by size (insertion-ordered).
+        # Groups whose attempts moved since held_group last looked at them, by size (insertion-ordered),
+        # and those it found running only a decode (a job may queue behind it), until they move again.
         self._moved: dict[int, dict[str, Group]] = {}
+        self._behind: dict[int, dict[str, Group]] = {}
 
     def add(self, batch: ServedBatch, run: JobRun) -> None:
         key = (batch.seq, run.job.id)
@@ -50,6 +52,7 @@ class Running:
 
     def _moves(self, group: Group) -> None:
         self._moved.setdefault(group.size, {})[group.id] = group
+        self._behind.get(group.size, {}).pop(group.id, None)
 
     def __contains__(self, key: Key) -> bool:
         return key in self._runs
@@ -96,9 +99,11 @@ class Running:
     def held_group(self, size: int, *, behind_decode: bool, avoid: frozenset[str] = frozenset()) -> Group | None:
         """A group of ``size`` with attempts that can take one more: its GPU lane is free (or, with
         ``behind_decode``, runs only a decode) and its encodes, counting that decode's, stay within
-        MAX_ENCODES_IN_FLIGHT. Looked for among the groups whose attempts moved since the last look:
-        one that can take no job even behind a decode is forgotten until its attempts move again."""
-        moved = self._moved.get(size, {})
+        MAX_ENCODES_IN_FLIGHT. Looked for among the groups whose attempts moved since the last look;
+        one found running only a decode is kept apart for ``behind_decode`` (a look for a free lane
+        no longer walks them all: at 1,000 GPUs most groups are there), one that can take no job
+        even behind a decode is forgotten, each until its attempts move again."""
+        moved, behind = self._moved.get(size, {}), self._behind.setdefault(size, {})
         for gid, group in list(moved.items()):
             jobs = [r for _, r in self._by_group.get(gid, {}).values()]
             if not jobs:  # it holds no attempt any more: the pool has it
@@ -110,8 +115,9 @@ class Running:
             fits = len(jobs) < MAX_ENCODES_IN_FLIGHT
             if fits and not on_gpu:
                 return group
-            if not (fits and len(on_gpu) == 1 and on_gpu[0].decoding):
-                del moved[gid]  # nothing fits it until an attempt of it moves
-            elif behind_decode:
-                return group
+            del moved[gid]
+            if fits and len(on_gpu) == 1 and on_gpu[0].decoding:
+                behind[gid] = group
+        if behind_decode:
+            return next((group for gid, group in behind.items() if gid not in avoid), None)
         return None
