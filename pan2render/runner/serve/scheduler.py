@@ -174,7 +174,7 @@ class Scheduler:
     def upcoming(self, batch: ServedBatch) -> Iterator[QueuedJob]:
         """The batch's queued jobs that may start (none waiting for its `after`), in start order, with
         their prompts (the look-ahead's: reading their specs from the ledger cost ~0.1 s a call)."""
-        return (q for q in self._queue if q.batch is batch and not batch.waits.waits(q.job_id))
+        return (q for q in self._queue.queued_of(batch) if not batch.waits.waits(q.job_id))
 
     # ================================================================== the loop
     def tick(self) -> None:

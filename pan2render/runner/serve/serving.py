@@ -160,7 +160,18 @@ class JobQueue:
         self._failed_on.setdefault((batch.seq, job_id), set()).add(group_id)
 
     def of(self, batch: ServedBatch) -> list[QueuedJob]:
-        return [q for q in self if q.batch is batch] if self._counts.get(batch.seq) else []
+        return list(self.queued_of(batch))
+
+    def queued_of(self, batch: ServedBatch) -> Iterator[QueuedJob]:
+        """The batch's queued jobs in start order. A batch's jobs sort together (its priority and
+        seq lead the key), so its run of the order is found by bisection: walking the farm's whole
+        queue for it, at each conditioning call's look-ahead, grew with every other batch queued."""
+        if not self._counts.get(batch.seq):
+            return iter(())
+        order = self._ordered()
+        at = bisect.bisect_left(order, (-batch.priority, batch.seq, -1), key=_start_key)
+        run = itertools.takewhile(lambda q: q.batch is batch, (order[i] for i in range(at, len(order))))
+        return (q for q in run if q in self._jobs)
 
     def count(self, batch: ServedBatch) -> int:
         return self._counts.get(batch.seq, 0)

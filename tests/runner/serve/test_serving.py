@@ -77,3 +77,35 @@ def test_queueing_and_cancelling_a_batch_job_by_job_grows_linearly(tmp_path: Pat
         return serve_and_cancel
 
     assert_linear(make, 100, "queueing, starting and cancelling a batch")
+
+
+def test_a_batchs_queued_jobs_cost_its_own_jobs_not_the_farms_queue(tmp_path: Path) -> None:
+    """The conditioning look-ahead reads one batch's queued jobs at each call: found by bisection
+    in the start order, it walks that batch's jobs (and its removed entries), never the batches
+    queued ahead of it; before, it walked the whole farm's queue. Counted: the same read behind 4x
+    the other batches' jobs costs the same, but for the bisection's few more steps."""
+    from op_count import trace_events
+
+    records = _records(tmp_path, 200)
+
+    def cost(ahead: int) -> int:
+        queue, mine = JobQueue(), _batch(_Standing(priority=0))
+        for _ in range(ahead // 10):  # batches of 10 jobs queued ahead (higher priority, served before)
+            others = _batch(_Standing(priority=1))
+            for record in records[:10]:
+                queue.add(others, record)
+        for record in records[:10]:
+            queue.add(mine, record)
+        queue.remove(queue.find(mine, records[0].id))  # one of its own started
+        list(queue)  # the order sorted, as the scheduler's pass leaves it
+        seen = []
+        events = trace_events(lambda: seen.extend(q.job_id for q in queue.queued_of(mine)),
+                              within="serving.py")
+        assert seen == [r.id for r in records[1:10]]
+        return events
+
+    small, large = cost(40), cost(640)
+    print(small, large)
+    assert large <= 1.2 * small  # 16x the jobs ahead: 4 more steps of bisection; walking them was 16x
+    empty = JobQueue()
+    assert list(empty.queued_of(_batch())) == []
