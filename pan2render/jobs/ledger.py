@@ -479,8 +479,9 @@ class Ledger:
         self._drop_backup_conn()
         self._conn.close()
 
-    def _tx(self) -> AbstractContextManager[sqlite3.Connection]:
-        return self._changes.change()
+    def _tx(self, *, one_write: bool = False) -> AbstractContextManager[sqlite3.Connection]:
+        """One change (``one_write``: it makes at most one write statement, see ``store.Changes``)."""
+        return self._changes.change(one_write=one_write)
 
     def grouped(self) -> AbstractContextManager[None]:
         """Every change made inside committed as one transaction when the block ends (the
@@ -680,7 +681,7 @@ class Ledger:
                   sha256: str | None = None, size: int | None = None, seconds: float | None = None,
                   error: str | None = None, traceback: str | None = None) -> None:
         """Move a stage row by ``event`` (STAGE_TRANSITIONS; anything else raises IllegalTransition)."""
-        with self._tx() as c:
+        with self._tx(one_write=True) as c:  # (a read, the check, one UPDATE)
             self._move_stage(c, job_id, stage, event, artifact=artifact, sha256=sha256, size=size,
                              seconds=seconds, error=error, traceback=traceback)
 
@@ -707,7 +708,7 @@ class Ledger:
         return dict(self._conn.execute("SELECT name, body FROM documents WHERE job_id = ?", (job_id,)).fetchall())
 
     def set_document(self, job_id: str, name: str, body: str) -> None:
-        with self._tx() as c:
+        with self._tx(one_write=True) as c:
             self._set_document(c, job_id, name, body)
 
     def set_documents(self, job_ids: Iterable[str], name: str, body: str) -> None:
@@ -799,7 +800,7 @@ class Ledger:
         return [(n, Event.from_row(at, job_id, kind, detail)) for n, at, job_id, kind, detail in rows]
 
     def log(self, job_id: str | None, kind: EventKind, detail: str) -> None:
-        with self._tx() as c:
+        with self._tx(one_write=True) as c:
             self._event(c, job_id, kind, detail)
 
     def log_many(self, events: Iterable[tuple[str | None, EventKind, str]]) -> None:

@@ -13,6 +13,7 @@ import pytest
 from pan2render.jobs.ledger import (
     JOB_TRANSITIONS,
     TERMINAL_JOB_STATES,
+    EventKind,
     FolderLock,
     FolderLockedError,
     IllegalTransition,
@@ -210,6 +211,43 @@ def test_a_group_of_changes_is_one_commit_each_change_still_all_or_nothing(tmp_p
     assert backup.job(a).state is JobState.DONE  # the job's rows copied once committed
     backup.close()
     reader.close()
+    led.close()
+
+
+def test_one_write_changes_in_a_group_are_all_or_nothing_without_a_savepoint(tmp_path: Path) -> None:
+    """``set_stage``, ``log`` and ``set_document`` make one write after their reads and checks, so
+    inside a group they take no savepoint: a refused move writes nothing, a write SQLite refuses is
+    undone alone (its statement), and what the group changed before stays, committed together."""
+    import sqlite3
+
+    from pan2render.jobs import store
+
+    led = Ledger.open(tmp_path)
+    a = _spec("a").job_id
+    led.add_jobs([_spec("a")], retries=1)
+    statements: list[str] = []
+    led._conn.set_trace_callback(statements.append)
+    with led.grouped():
+        led.transition(a, JobEvent.START, reason="on group g")
+        led.set_stage(a, Stage.CONDITIONING, StageEvent.START)
+        with pytest.raises(IllegalTransition):
+            led.set_stage(a, Stage.DECODE, StageEvent.STOP)  # pending has no stop: refused before its write
+        with led._changes.change(one_write=True) as c, pytest.raises(sqlite3.IntegrityError):
+            c.execute("INSERT INTO jobs (id) VALUES (NULL)")  # refused by SQLite: the statement undone
+        led.log(a, EventKind.CONDITIONING, "one event")
+        led.set_document(a, "params.json", "{}")
+    led._conn.set_trace_callback(None)
+    reader = Ledger.open_readonly(tmp_path)
+    assert reader.job(a).state is JobState.RUNNING
+    assert reader.stages(a)[Stage.CONDITIONING].state is StageState.RUNNING
+    assert reader.stages(a)[Stage.DECODE].state is StageState.PENDING
+    assert reader.document(a, "params.json") == "{}"
+    assert [e.detail for e in reader.events(a) if e.kind is EventKind.CONDITIONING] == ["one event"]
+    reader.close()
+    # One savepoint: the transition's (several writes); one commit for the group.
+    assert sum(s.startswith("SAVEPOINT") for s in statements) == 1
+    assert statements.count("COMMIT") == 1
+    assert isinstance(led._changes, store.Changes) and led._changes.lost is None
     led.close()
 
 
