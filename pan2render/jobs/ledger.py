@@ -717,6 +717,12 @@ class Ledger:
             for job_id in job_ids:
                 self._set_document(c, job_id, name, body)
 
+    def set_each_document(self, name: str, bodies: dict[str, str]) -> None:
+        """Document ``name`` of each job of ``bodies`` (job id -> its text), in one transaction."""
+        with self._tx() as c:
+            for job_id, body in bodies.items():
+                self._set_document(c, job_id, name, body)
+
     def with_document(self, name: str) -> dict[str, str]:
         """Job id -> the text of its document ``name``, for every job that has one."""
         return dict(self._conn.execute("SELECT job_id, body FROM documents WHERE name = ?", (name,)).fetchall())

@@ -83,7 +83,9 @@ class Watch:
 
 class StepRecorder:
     """Each sampling's latest step into its ledger, at most every STEP_RECORD_EVERY_S per job
-    (``status``, another process, reads it there); a write the disk refuses costs only that."""
+    (``status``, another process, reads it there), the steps due in one ledger in one transaction:
+    one each made a commit, four fsyncs, per sampling every 5 s (at 1,000 GPUs of 20-step jobs, a
+    third of the ledgers' commits). A write the disk refuses costs only those steps."""
 
     def __init__(self) -> None:
         self._recorded: dict[object, tuple[float, int]] = {}  # key -> (monotonic, step) last written
@@ -93,6 +95,7 @@ class StepRecorder:
         now = time.monotonic()
         runs = list(runs)
         self._recorded = {key: at for key, at in self._recorded.items() if key in steps}  # (samplings ended)
+        due: dict[int, tuple[Ledger, dict[str, str]]] = {}  # id(ledger) -> it, job id -> its step document
         for key, run, ledger in runs:
             rep = steps.get(key)
             if rep is None:
@@ -102,8 +105,10 @@ class StepRecorder:
                 continue
             self._recorded[key] = (now, rep.done)
             doc = {"step": rep.done, "steps": rep.total, "rate": rep.rate, "at": time.time()}
+            due.setdefault(id(ledger), (ledger, {}))[1][run.job.id] = json.dumps(doc)
+        for ledger, bodies in due.values():
             try:
-                ledger.set_document(run.job.id, SAMPLING_STEP_DOC, json.dumps(doc))
+                ledger.set_each_document(SAMPLING_STEP_DOC, bodies)
             except Exception as e:  # only a full disk is expected; the batch goes on
                 if classify_exception(e) is not FailureKind.STORAGE:
                     raise

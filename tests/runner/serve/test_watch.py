@@ -68,6 +68,31 @@ def test_a_sampling_sees_only_its_own_step_reports(tmp_path: Path) -> None:
         led.close()
 
 
+def test_the_steps_due_in_one_ledger_are_one_commit(tmp_path: Path) -> None:
+    """Three samplings of one batch and one of another: one transaction per ledger for their steps
+    (one each made a commit, four fsyncs, per sampling every few seconds)."""
+    jobs = [spec(f"j{i}") for i in range(3)]
+    ledgers = []
+    for name, specs in (("one", jobs), ("two", [spec("k")])):
+        (tmp_path / name).mkdir()
+        ledgers.append(led := Ledger.open(tmp_path / name))
+        led.add_jobs(specs, retries=2)
+    runs = [(i, _sampling_run(ledgers[0], j.job_id), ledgers[0]) for i, j in enumerate(jobs)]
+    runs.append((9, _sampling_run(ledgers[1], spec("k").job_id), ledgers[1]))
+    clock = StepClock()
+    for _, run, _ in runs:
+        clock.report(run.progress_key, 2, 50)
+    commits: list[str] = []
+    for led in ledgers:
+        led._conn.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT" else None)
+    StepRecorder().record(runs, current_steps([(k, r) for k, r, _ in runs], clock.snapshot()))
+    assert len(commits) == 2
+    for _, run, led in runs:
+        assert json.loads(led.document(run.job.id, SAMPLING_STEP_DOC))["step"] == 2
+    for led in ledgers:
+        led.close()
+
+
 def test_the_worker_reports_steps_under_the_calls_progress_key(tmp_path: Path) -> None:
     clock = StepClock()
     worker = RenderWorker(rank=0, world_size=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY), progress=clock)

@@ -164,14 +164,14 @@ def test_the_scheduler_records_the_steps_the_workers_report(
     specs = load_batch(batch).jobs
     ledger.add_jobs(specs, retries=0)
     seen: list[int] = []
-    real = Ledger.set_document
+    real = Ledger.set_each_document
 
-    def spy(self: Ledger, job_id: str, name: str, body: str) -> None:
+    def spy(self: Ledger, name: str, bodies: dict[str, str]) -> None:
         if name == SAMPLING_STEP_DOC:
-            seen.append(json.loads(body)["step"])
-        real(self, job_id, name, body)
+            seen.extend(json.loads(body)["step"] for body in bodies.values())
+        real(self, name, bodies)
 
-    monkeypatch.setattr(Ledger, "set_document", spy)
+    monkeypatch.setattr(Ledger, "set_each_document", spy)
     ex = ThreadedExecutor(gpus=1, config=WorkerConfig(pipeline_factory=FAKE_FACTORY))
     Driver(out_dir=out, ledger=ledger, executor=ex, config=ServingConfig(retries=0, progress=False, poll_s=0.2)).run(
         [s.job_id for s in specs])
