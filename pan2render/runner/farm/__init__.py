@@ -2,7 +2,8 @@
 
 ``pan2-render farm start`` runs :mod:`~pan2render.runner.farm.service` in the background: one
 process holding the Ray driver, the warm GPU groups, the durable queue (:mod:`.queue`) and a small
-HTTP API (:mod:`.api`). Clients (the CLI's ``submit``, ``queue``, ``pause`` ... in :mod:`.commands`,
-through :mod:`.client`) validate batches themselves and talk to it with the token kept in the
-farm's folder.
+HTTP API (:mod:`.api`), with a child process that writes the served batches' reports
+(:mod:`.reports`). Clients (the CLI's ``submit``, ``queue``, ``pause`` ... in
+:mod:`pan2render.runner.cli.farm`, through :mod:`pan2render.client`, or any HTTP client) send a
+batch's YAML, which the farm validates itself (:mod:`.intake`), with a user's token.
 """
