@@ -129,8 +129,13 @@ def _start(args: argparse.Namespace, root: Path) -> int:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if (client := find_farm(root, timeout_s=1.0)) is not None:
-            if (read_info(root) or {}).get("pid") != proc.pid:  # another start won the folder and answers
-                proc.wait(timeout=60)  # (ours ends at once: it found the folder held)
+            if (read_info(root) or {}).get("pid") != proc.pid:
+                # Another start won the folder (ours then ends at once: it found the folder held), or
+                # what answered at the address a killed farm left in the folder is ours, before it
+                # wrote its own: the same port, asked for again. Ours still running holds the folder.
+                if proc.poll() is None:
+                    time.sleep(0.2)
+                    continue
                 print(f"a farm already runs at {root}: {client.url} (started at the same time)")
                 return EXIT_OK
             print(f"farm up at {client.url} (pid {proc.pid}); folder {root}, log {root / LOG_NAME}, admin token in "
