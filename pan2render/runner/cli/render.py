@@ -60,8 +60,8 @@ def cmd_node(args: argparse.Namespace) -> int:
             return EXIT_FAILED
         if stopped is None:
             print("no Ray node started by `pan2-render node start` is recorded on this machine; nothing was stopped "
-                  "(a node started with plain `ray start` is stopped with `ray stop`, which ends every Ray process "
-                  "of this user here)")
+                  "(a node started with plain `ray start` is stopped with Ray's own stop command, which ends every "
+                  "Ray process of this user here)")
             return EXIT_OK
         record, n = stopped
         print(f"Ray node stopped (GCS at {record.gcs_address}, {n} process(es)); other Ray clusters on this "

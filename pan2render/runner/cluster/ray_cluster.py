@@ -60,7 +60,7 @@ def running_local_node() -> tuple[str | None, str | None]:
     """(GCS address of the Ray node that `ray start` left running on this machine, or None; a note
     when one is recorded but does not answer). ``ray.init()`` without an address joins that node
     itself, and then refuses the resources a new local cluster is started with: so a run looks
-    first. Ray records the node for that purpose (`ray start` writes it, `ray stop` removes it) but
+    first. Ray records the node for that purpose (`ray start` writes it, Ray's stop command removes it) but
     offers no public call that reads it, hence the one private import, guarded."""
     try:
         from ray._private.services import find_bootstrap_address
@@ -76,7 +76,7 @@ def running_local_node() -> tuple[str | None, str | None]:
         socket.create_connection(target, timeout=2).close()
     except OSError as e:
         return None, (f"the Ray node recorded on this machine ({address}) does not answer ({e}): it was "
-                      f"stopped without `ray stop`; starting a local cluster instead")
+                      f"stopped without Ray's stop command; starting a local cluster instead")
     return address, None
 
 
