@@ -38,8 +38,11 @@ class _Batch:
     written: int = -1  # the count the last finished write started at
     in_flight: int | None = None  # the count the write on its way started at
     last_start: float = float("-inf")
-    final: bool = False  # the batch has nothing left to run: its last page is wanted now
-    final_since: float | None = None
+    final_since: float | None = None  # since when the batch has had nothing left to run: its last page is wanted
+
+    @property
+    def final(self) -> bool:
+        return self.final_since is not None
     path: Path | None = None  # where the last finished write put the page (None: it failed)
 
 
@@ -77,7 +80,7 @@ class Reports:
         """A job of the batch ended: its page is out of date (written again within the interval)."""
         if (b := self.batches.get(batch_id)) is not None:
             b.wanted += 1
-            b.final, b.final_since = False, None
+            b.final_since = None
 
     def finish(self, batch_id: str) -> bool:
         """The batch has nothing left to run: True once a page written after its last job ended is
@@ -85,7 +88,7 @@ class Reports:
         (sent by the next :meth:`poll`)."""
         b = self.batches[batch_id]
         if b.final_since is None:
-            b.final, b.final_since = True, self.clock()
+            b.final_since = self.clock()
         if b.in_flight is None and b.written >= b.wanted:
             return True
         if self.clock() - b.final_since > self.final_wait_s:  # a stuck writer never holds a batch open
